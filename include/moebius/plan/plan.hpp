@@ -1,0 +1,58 @@
+#pragma once
+
+// A plan: ordered phases of copy ops (DESIGN.md §2). A phase boundary is a barrier across all
+// ranks; within a phase ops may run in any order and in parallel, so no destination of a
+// phase overlaps another destination or any source of the same phase. Plans are data: the
+// same plan runs on every transport, and can be printed, compared, cached and fuzzed.
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "moebius/plan/copy_op.hpp"
+
+namespace moebius {
+
+struct plan_phase {
+  std::string label;         // what the phase does, e.g. "layer 3 EP->TP"
+  std::vector<copy_op> ops;  // ordered by source rank, then by (dst - src) mod P
+
+  friend bool operator==(const plan_phase&, const plan_phase&) = default;
+};
+
+struct plan {
+  int num_ranks = 0;
+  std::vector<plan_phase> phases;
+
+  int64_t num_ops() const;
+
+  friend bool operator==(const plan&, const plan&) = default;
+};
+
+// Bytes a plan moves, per rank.
+struct plan_traffic {
+  std::vector<int64_t> bytes_sent;      // leaving rank r for another rank
+  std::vector<int64_t> bytes_received;  // arriving at rank r from another rank
+  std::vector<int64_t> bytes_local;     // copied within rank r
+  int64_t num_ops = 0;
+  int64_t num_remote_ops = 0;
+
+  int64_t max_bytes_sent() const;
+  int64_t total_bytes_sent() const;
+};
+
+plan_traffic traffic_of(const plan& p);
+
+// Throws errc::invalid_argument or errc::out_of_range unless every op of `p` names ranks in
+// [0, num_ranks), has rows >= 1, row_bytes >= 1, pitches >= row_bytes when rows > 1, and
+// stays inside [0, space_bytes[space]) at both ends. Run by every transport before it moves
+// the first byte, so a bad plan moves nothing.
+void validate(const plan& p, const int64_t (&space_bytes)[num_memory_spaces]);
+
+// One line per phase ("phase 0 'layer 0 EP->TP': 12 ops, 3.0 MiB") then, with
+// print_ops, one line per op.
+void print(std::ostream& os, const plan& p, bool print_ops = false);
+std::ostream& operator<<(std::ostream& os, const plan& p);
+
+}  // namespace moebius

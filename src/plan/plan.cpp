@@ -1,0 +1,123 @@
+#include "moebius/plan/plan.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <ostream>
+
+#include "moebius/detail/checked_math.hpp"
+#include "moebius/error.hpp"
+
+namespace moebius {
+
+std::ostream& operator<<(std::ostream& os, const copy_op& op) {
+  os << op.src_rank << "->" << op.dst_rank << ' ' << to_string(op.src_space) << '['
+     << op.src_offset;
+  if (op.rows > 1) os << " +" << op.rows << 'x' << op.row_bytes << '/' << op.src_pitch;
+  else os << " +" << op.row_bytes;
+  os << "] -> " << to_string(op.dst_space) << '[' << op.dst_offset;
+  if (op.rows > 1) os << " +" << op.rows << 'x' << op.row_bytes << '/' << op.dst_pitch;
+  else os << " +" << op.row_bytes;
+  return os << ']';
+}
+
+int64_t plan::num_ops() const {
+  int64_t n = 0;
+  for (const plan_phase& ph : phases) n += static_cast<int64_t>(ph.ops.size());
+  return n;
+}
+
+int64_t plan_traffic::max_bytes_sent() const {
+  return bytes_sent.empty() ? 0 : *std::max_element(bytes_sent.begin(), bytes_sent.end());
+}
+
+int64_t plan_traffic::total_bytes_sent() const {
+  return std::accumulate(bytes_sent.begin(), bytes_sent.end(), int64_t{0});
+}
+
+plan_traffic traffic_of(const plan& p) {
+  plan_traffic t;
+  const auto P = static_cast<size_t>(std::max(p.num_ranks, 0));
+  t.bytes_sent.assign(P, 0);
+  t.bytes_received.assign(P, 0);
+  t.bytes_local.assign(P, 0);
+  for (const plan_phase& ph : p.phases) {
+    for (const copy_op& op : ph.ops) {
+      ++t.num_ops;
+      if (op.is_local()) {
+        t.bytes_local[static_cast<size_t>(op.src_rank)] += op.bytes();
+      } else {
+        ++t.num_remote_ops;
+        t.bytes_sent[static_cast<size_t>(op.src_rank)] += op.bytes();
+        t.bytes_received[static_cast<size_t>(op.dst_rank)] += op.bytes();
+      }
+    }
+  }
+  return t;
+}
+
+namespace {
+
+// One past the last byte `rows` rows of `row_bytes` at `pitch` touch, checked.
+int64_t checked_end(int64_t offset, int64_t rows, int64_t row_bytes, int64_t pitch) {
+  const int64_t span = detail::checked_add(
+      detail::checked_mul(rows - 1, pitch, "copy op extent"), row_bytes, "copy op extent");
+  return detail::checked_add(offset, span, "copy op end");
+}
+
+}  // namespace
+
+void validate(const plan& p, const int64_t (&space_bytes)[num_memory_spaces]) {
+  MOEBIUS_CHECK(p.num_ranks >= 1, errc::invalid_argument,
+                "plan must have num_ranks >= 1 (num_ranks=", p.num_ranks, ")");
+  for (size_t k = 0; k < p.phases.size(); ++k) {
+    const std::vector<copy_op>& ops = p.phases[k].ops;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const copy_op& op = ops[i];
+      MOEBIUS_CHECK(op.src_rank >= 0 && op.src_rank < p.num_ranks && op.dst_rank >= 0 &&
+                        op.dst_rank < p.num_ranks,
+                    errc::invalid_argument, "op ", i, " of phase ", k, " names a rank outside [0, ",
+                    p.num_ranks, "): ", op);
+      MOEBIUS_CHECK(op.rows >= 1 && op.row_bytes >= 1, errc::invalid_argument, "op ", i,
+                    " of phase ", k, " must have rows >= 1 and row_bytes >= 1: ", op);
+      MOEBIUS_CHECK(op.rows == 1 || (op.dst_pitch >= op.row_bytes && op.src_pitch >= 0),
+                    errc::invalid_argument, "op ", i, " of phase ", k,
+                    " must have dst_pitch >= row_bytes and src_pitch >= 0: ", op);
+      MOEBIUS_CHECK(op.src_offset >= 0 && op.dst_offset >= 0, errc::out_of_range, "op ", i,
+                    " of phase ", k, " has a negative offset: ", op);
+      const int64_t src_end = checked_end(op.src_offset, op.rows, op.row_bytes, op.src_pitch);
+      const int64_t dst_end = checked_end(op.dst_offset, op.rows, op.row_bytes, op.dst_pitch);
+      const int64_t src_cap = space_bytes[static_cast<int>(op.src_space)];
+      const int64_t dst_cap = space_bytes[static_cast<int>(op.dst_space)];
+      MOEBIUS_CHECK(src_end <= src_cap, errc::out_of_range, "op ", i, " of phase ", k,
+                    " reads up to byte ", src_end, " of ", to_string(op.src_space), " (", src_cap,
+                    " bytes): ", op);
+      MOEBIUS_CHECK(dst_end <= dst_cap, errc::out_of_range, "op ", i, " of phase ", k,
+                    " writes up to byte ", dst_end, " of ", to_string(op.dst_space), " (", dst_cap,
+                    " bytes): ", op);
+    }
+  }
+}
+
+void print(std::ostream& os, const plan& p, bool print_ops) {
+  const plan_traffic t = traffic_of(p);
+  os << "plan: " << p.num_ranks << " ranks, " << p.phases.size() << " phases, " << t.num_ops
+     << " ops (" << t.num_remote_ops << " remote), max " << t.max_bytes_sent()
+     << " bytes sent by one rank\n";
+  for (size_t k = 0; k < p.phases.size(); ++k) {
+    const plan_phase& ph = p.phases[k];
+    int64_t bytes = 0;
+    for (const copy_op& op : ph.ops) bytes += op.bytes();
+    os << "  phase " << k << " '" << ph.label << "': " << ph.ops.size() << " ops, " << bytes
+       << " bytes\n";
+    if (print_ops) {
+      for (const copy_op& op : ph.ops) os << "    " << op << '\n';
+    }
+  }
+}
+
+std::ostream& operator<<(std::ostream& os, const plan& p) {
+  print(os, p, false);
+  return os;
+}
+
+}  // namespace moebius
