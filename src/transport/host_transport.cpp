@@ -40,13 +40,15 @@ void host_transport::validate(const plan& p) const {
 }
 
 void host_transport::execute(const plan& p) {
+  completed_phases_ = 0;
   validate(p);
-  for (int64_t k = 0; k < static_cast<int64_t>(p.phases.size()); ++k) execute_phase(p, k);
+  for (int64_t k = 0; k < static_cast<int64_t>(p.phases.size()); ++k) {
+    execute_phase(p, k);
+    completed_phases_ = k + 1;
+  }
 }
 
 void host_transport::execute_phase(const plan& p, int64_t phase_idx) {
-  MOEBIUS_CHECK(phase_idx >= 0 && phase_idx < static_cast<int64_t>(p.phases.size()),
-                errc::out_of_range, "phase ", phase_idx, " outside [0, ", p.phases.size(), ")");
   const std::vector<copy_op>& ops = p.phases[static_cast<size_t>(phase_idx)].ops;
   for (int64_t i = 0; i < static_cast<int64_t>(ops.size()); ++i) {
     if (fault_ && fault_->phase == phase_idx && fault_->op == i) {
