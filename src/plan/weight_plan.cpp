@@ -163,13 +163,13 @@ void emit_tensor(const SrcView& src, const DstView& dst, const piece& pc, int64_
   }
 }
 
-// Ops of one layer moving from `from_mode` to the other mode, ordered by source rank, then
-// by (dst - src) mod P so that at any moment the ranks push to different peers.
-void emit_layer(const arena_geometry& ag, int64_t layer, parallel_mode from_mode,
-                std::vector<copy_op>& out) {
+// Ops of one layer moving from `from_mode` to the other mode, with offsets relative to the
+// start of the source and destination slots, ordered by source rank, then by (dst - src)
+// mod P so that at any moment the ranks push to different peers. Every layer's ops are these
+// shifted by its slots' offsets.
+void emit_layer_template(const arena_geometry& ag, parallel_mode from_mode,
+                         std::vector<copy_op>& out) {
   const int P = ag.num_ranks;
-  const parallel_mode to_mode = from_mode == parallel_mode::ep ? parallel_mode::tp
-                                                               : parallel_mode::ep;
   for (int src_rank = 0; src_rank < P; ++src_rank) {
     for (int k = 0; k < P; ++k) {
       const int dst_rank = (src_rank + k) % P;
@@ -180,12 +180,11 @@ void emit_layer(const arena_geometry& ag, int64_t layer, parallel_mode from_mode
         const ep_view ep = make_view<parallel_mode::ep>(ag.shape, t, P);
         const tp_view tp = make_view<parallel_mode::tp>(ag.shape, t, P);
         const piece pc = common_piece(ep.tensor, P, ep_rank, tp_rank);
-        const int64_t src_base = ag.tensor_base(from_mode, layer, t);
-        const int64_t dst_base = ag.tensor_base(to_mode, layer, t);
+        const int64_t base = ag.tensor_offset[static_cast<int>(t)];
         if (from_mode == parallel_mode::ep) {
-          emit_tensor(ep, tp, pc, src_base, dst_base, out);
+          emit_tensor(ep, tp, pc, base, base, out);
         } else {
-          emit_tensor(tp, ep, pc, src_base, dst_base, out);
+          emit_tensor(tp, ep, pc, base, base, out);
         }
       }
     }
@@ -202,13 +201,24 @@ plan plan_weight_switch(const arena_geometry& ag, arena_cursor from, arena_curso
   const bool to_tp = to.tp_layers > from.tp_layers;
   const int64_t num_phases = to_tp ? to.tp_layers - from.tp_layers : from.tp_layers - to.tp_layers;
   p.phases.resize(static_cast<size_t>(num_phases));
+  if (num_phases == 0) return p;
+  const parallel_mode from_mode = to_tp ? parallel_mode::ep : parallel_mode::tp;
+  const parallel_mode to_mode = to_tp ? parallel_mode::tp : parallel_mode::ep;
+  std::vector<copy_op> layer_ops;
+  layer_ops.reserve(static_cast<size_t>(ag.num_ranks) * ag.num_ranks * num_weight_tensors * 2);
+  emit_layer_template(ag, from_mode, layer_ops);
   for (int64_t k = 0; k < num_phases; ++k) {
     // EP->TP ascends from `from`; TP->EP descends from `from - 1`.
     const int64_t layer = to_tp ? from.tp_layers + k : from.tp_layers - 1 - k;
+    const int64_t src_slot = ag.slot_offset(arena_geometry::slot_of(from_mode, layer));
+    const int64_t dst_slot = ag.slot_offset(arena_geometry::slot_of(to_mode, layer));
     plan_phase& ph = p.phases[static_cast<size_t>(k)];
     ph.label = "layer " + std::to_string(layer) + (to_tp ? " EP->TP" : " TP->EP");
-    ph.ops.reserve(static_cast<size_t>(ag.num_ranks) * ag.num_ranks * num_weight_tensors);
-    emit_layer(ag, layer, to_tp ? parallel_mode::ep : parallel_mode::tp, ph.ops);
+    ph.ops = layer_ops;
+    for (copy_op& op : ph.ops) {
+      op.src_offset += src_slot;
+      op.dst_offset += dst_slot;
+    }
   }
   return p;
 }

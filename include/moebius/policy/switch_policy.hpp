@@ -1,0 +1,183 @@
+#pragma once
+
+// The switch policy (DESIGN.md §2 layer 5; paper notes §7): asymmetric hysteresis on the
+// engine's load signal with a cooldown, a capacity check and an optional cost gate.
+//
+// Load signal: the number of active sequences (the decode batch) at each engine step, in the
+// same unit the calibration (calibration.hpp) was measured in.
+//
+// Direction semantics (paper eq. 5): TP is faster below the crossover B*, EP above it.
+//   TP -> EP ("enter EP", fast): the load is >= T_h for `up_window` consecutive observations
+//            (paper: 1, i.e. immediately; a burst must be absorbed before TTFT explodes).
+//   EP -> TP ("leave EP", slow): over the last `down_window` (W) observations the load is
+//            below T_l, where "below" is the mean of the window (paper, `down_rule::mean`) or
+//            every observation (`down_rule::every`, stricter). A short dip does not switch.
+//   T_l < T_h (default T_l = 0.8·T_h): loads in [T_l, T_h) never cause a switch, so a load
+//            that wanders around one threshold cannot flap.
+//   Cooldown: after any switch (proposed by this policy, or observed as a change of the
+//            current mode) no switch is proposed for `cooldown_steps` steps and
+//            `cooldown_s` seconds (paper: 5 s). Windows restart at a switch: only
+//            observations made in the current mode count.
+//   Capacity: before proposing a switch the policy asks the capacity check whether the
+//            target mode can hold every live sequence's KV; if not it stays and says so.
+//   Rollout (paper eq. 13): T_l = T_h, W = 1: in an RL rollout the load only decays, so
+//            switch to TP as soon as the count drops under T_h (`rollout_config()`).
+//
+// step() is O(1), allocates nothing and keeps fixed-size state (a ring of at most
+// `max_window` loads): about 10 ns of host time per call (bench_policy).
+
+#include <cstdint>
+#include <iosfwd>
+
+#include "moebius/layout/expert_shape.hpp"
+
+namespace moebius {
+
+class latency_curves;  // calibration.hpp
+
+// How the EP -> TP window decides "the load stayed below T_l".
+enum class down_rule : uint8_t {
+  mean,   // mean of the last W loads < T_l (paper §7.1)
+  every,  // each of the last W loads < T_l
+};
+
+constexpr const char* to_string(down_rule r) { return r == down_rule::mean ? "mean" : "every"; }
+
+struct switch_policy_config {
+  static constexpr int64_t max_window = 256;  // ring capacity: state stays fixed-size
+
+  int64_t t_high = 256;     // T_h: enter EP at load >= T_h (paper, Qwen3-235B on 8xH200)
+  int64_t t_low = 205;      // T_l: leave EP when the load is < T_l; 0.8·T_h (paper: 205)
+  int64_t up_window = 1;    // consecutive observations >= T_h before TP -> EP (paper: 1)
+  int64_t down_window = 8;  // W: observations the EP -> TP rule looks at (1..max_window)
+  down_rule rule = down_rule::mean;
+  int64_t cooldown_steps = 0;  // C in engine steps (0: off)
+  double cooldown_s = 5.0;     // C in seconds of the `now_s` passed to step() (paper: 5 s)
+
+  // Cost gate (off when expected_residency_steps == 0 or no curves are attached): refuse a
+  // switch whose predicted cost exceeds its expected gain,
+  //   gain_ms = (latency(current, load) - latency(target, load)) * expected_residency_steps.
+  int64_t expected_residency_steps = 0;
+};
+
+// T_l = round(0.8 · T_h) (paper §7.1): interactive_config(256) -> T_h 256, T_l 205.
+switch_policy_config interactive_config(int64_t t_high, double low_ratio = 0.8);
+
+// Paper eq. 13: T_l = T_h, W = 1, `every` rule; cooldown in steps only (rollout steps have
+// no wall-clock pacing to honour). rollout_config(256): switch to TP at the first load < 256.
+switch_policy_config rollout_config(int64_t t_high, int64_t cooldown_steps = 0);
+
+// Throws errc::invalid_argument naming the constraint: 0 < T_l <= T_h, 1 <= up_window <=
+// max_window, 1 <= down_window <= max_window, cooldowns >= 0 and finite,
+// expected_residency_steps >= 0.
+void validate(const switch_policy_config& config);
+
+std::ostream& operator<<(std::ostream& os, const switch_policy_config& config);
+
+// Why step() decided what it decided (for traces).
+enum class decision_reason : uint8_t {
+  hold,                // no rule fired: load in the band, or window not yet full
+  above_high,          // TP -> EP: load >= T_h for up_window observations
+  below_low,           // EP -> TP: window below T_l
+  cooldown,            // a rule fired but the cooldown has not elapsed
+  capacity_refused,    // a rule fired but the target mode cannot hold the live KV
+  cost_exceeds_gain,   // a rule fired but the predicted switch cost exceeds the gain
+};
+
+inline constexpr int num_decision_reasons = 6;
+
+constexpr const char* to_string(decision_reason r) {
+  switch (r) {
+    case decision_reason::hold: return "hold";
+    case decision_reason::above_high: return "above_high";
+    case decision_reason::below_low: return "below_low";
+    case decision_reason::cooldown: return "cooldown";
+    case decision_reason::capacity_refused: return "capacity_refused";
+    case decision_reason::cost_exceeds_gain: return "cost_exceeds_gain";
+  }
+  return "unknown";
+}
+
+struct switch_decision {
+  bool do_switch = false;              // true: switch to `target` now
+  parallel_mode target = parallel_mode::ep;  // the mode a rule pointed at (valid unless hold)
+  decision_reason reason = decision_reason::hold;
+
+  // Reasons that blocked a rule (cooldown, capacity_refused, cost_exceeds_gain) leave
+  // do_switch false but keep `target`, so a trace says what was refused.
+  constexpr bool blocked() const {
+    return reason == decision_reason::cooldown || reason == decision_reason::capacity_refused ||
+           reason == decision_reason::cost_exceeds_gain;
+  }
+};
+
+// "switch to EP (above_high)", "stay (hold)", "stay: TP refused (capacity_refused)".
+std::ostream& operator<<(std::ostream& os, const switch_decision& d);
+
+// Asked before a switch is proposed: can `target` hold every live sequence's KV now?
+// A plain function pointer and context so step() never allocates or type-erases.
+struct capacity_check {
+  bool (*fn)(void* context, parallel_mode target) = nullptr;  // nullptr: always fits
+  void* context = nullptr;
+
+  bool fits(parallel_mode target) const { return fn == nullptr || fn(context, target); }
+};
+
+// Counters for traces and tests.
+struct switch_policy_stats {
+  int64_t steps = 0;
+  int64_t switches = 0;                         // switches proposed
+  int64_t external_switches = 0;                // mode changes not proposed by the policy
+  int64_t by_reason[num_decision_reasons]{};    // decisions per reason
+};
+
+class switch_policy {
+ public:
+  // Validates `config` (see validate()).
+  explicit switch_policy(const switch_policy_config& config, capacity_check capacity = {});
+
+  // One engine step: `load` active sequences (>= 0), the mode the engine runs now, the time
+  // in seconds (any monotonic clock; only differences are used). Returns stay or
+  // switch_to(target); a proposed switch starts the cooldown at once (a failed switch also
+  // backs off). O(1), no allocation. Throws errc::invalid_argument for load < 0.
+  switch_decision step(int64_t load, parallel_mode current, double now_s = 0.0);
+
+  // Attaches the cost gate: step-latency curves of both modes and the predicted time of a
+  // switch into each mode (cost_model.hpp). `curves` must outlive the policy; nullptr
+  // detaches. Active only when config().expected_residency_steps > 0.
+  void set_cost_gate(const latency_curves* curves, double switch_ms_to_ep,
+                     double switch_ms_to_tp);
+
+  // Forgets history, cooldown and stats (e.g. at the start of a rollout step).
+  void reset();
+
+  const switch_policy_config& config() const { return config_; }
+  const switch_policy_stats& stats() const { return stats_; }
+  // Mean of the loads currently in the EP -> TP window (0 when empty).
+  double window_mean() const;
+
+ private:
+  void restart_windows(int64_t step_idx, double now_s);
+  bool in_cooldown(double now_s) const;
+  bool gain_exceeds_cost(parallel_mode current, parallel_mode target, int64_t load) const;
+
+  switch_policy_config config_;
+  capacity_check capacity_;
+  const latency_curves* curves_ = nullptr;
+  double switch_ms_[2]{};  // indexed by parallel_mode
+
+  switch_policy_stats stats_;
+  bool seen_mode_ = false;
+  parallel_mode last_mode_ = parallel_mode::ep;
+  bool cooling_ = false;
+  int64_t last_switch_step_ = 0;
+  double last_switch_s_ = 0.0;
+  int64_t above_run_ = 0;      // consecutive loads >= T_h since the last switch
+  int64_t below_run_ = 0;      // consecutive loads < T_l since the last switch
+  int64_t ring_[switch_policy_config::max_window]{};
+  int64_t ring_head_ = 0;      // next write position
+  int64_t ring_count_ = 0;     // loads in the ring (<= down_window)
+  int64_t ring_sum_ = 0;       // sum of the loads in the ring
+};
+
+}  // namespace moebius

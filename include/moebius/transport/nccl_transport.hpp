@@ -1,0 +1,101 @@
+#pragma once
+
+// Executes plans over NCCL point-to-point calls (DESIGN.md §2, layer 3): the baseline every
+// faster transport is measured against, and the path between hosts.
+//
+// Per phase, on every local rank's stream:
+//   1. ops whose source rows are strided are packed into the rank's staging workspace;
+//   2. one ncclGroupStart/ncclGroupEnd holds every ncclSend/ncclRecv of the phase, of every
+//      local rank (a process that drives several ranks must group them, or NCCL deadlocks);
+//      contiguous ops (rows == 1, or pitch == row_bytes on that side) are sent straight from
+//      and received straight into the caller's memory;
+//   3. ops whose destination rows are strided are received into staging and unpacked;
+//   4. local ops (src_rank == dst_rank) are device copies on the same stream.
+// Each rank only ever touches its own memory (NCCL moves the bytes in between), so stream
+// order on each rank is the whole phase barrier: no host round trip between phases.
+//
+// The caller owns everything: communicators, streams, memory spaces and staging workspaces.
+// One process may drive all ranks (ncclCommInitAll over its devices) or one rank each (every
+// process constructs a transport with its own rank and runs the same plan).
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "moebius/plan/plan.hpp"
+#include "moebius/transport/transport.hpp"
+
+namespace moebius {
+
+// One rank driven by this process.
+struct nccl_rank {
+  ncclComm_t comm = nullptr;       // member of a communicator of P ranks; its NCCL rank is
+                                   // the plan's rank index (ncclCommUserRank)
+  int device = 0;                  // CUDA device of `comm` (ncclCommCuDevice must agree)
+  cudaStream_t stream = nullptr;   // every copy and NCCL call of this rank goes here
+  void* space_base[num_memory_spaces]{};      // device base pointer per memory_space
+  int64_t space_bytes[num_memory_spaces]{};   // bytes per memory_space (0: absent)
+  void* workspace = nullptr;       // device staging buffer, >= workspace_bytes(plan, rank)
+  int64_t workspace_bytes = 0;     // its size in bytes
+};
+
+class nccl_transport final : public transport {
+ public:
+  // Staging bytes rank `rank` needs to run `p`: the largest, over phases, sum of the bytes of
+  // the phase's remote ops that are strided on this rank's side (packed before sending,
+  // received before unpacking), each region rounded up to 256 B. 0 when every remote op is
+  // contiguous on this rank's side. Throws errc::invalid_argument for a rank outside
+  // [0, p.num_ranks).
+  //   EP->TP of one bf16 layer E=4, H=8, I=4, P=2: w2 sends rows of I/P=2 columns (4 B) out of
+  //   rows of I=4 (8 B): strided at the source (packed, 4*8*4 = 128 B -> 256 B), contiguous
+  //   at the TP destination.
+  static int64_t workspace_bytes(const plan& p, int rank);
+
+  // `local_ranks`: the ranks this process drives, each with its own communicator (all of
+  // the same size P). Throws errc::invalid_argument when it is empty, when communicators
+  // disagree on P, when two entries are the same NCCL rank, when a device does not match
+  // its communicator's, or when a memory space has a null base but a non-zero size;
+  // errc::nccl when NCCL cannot be queried. Takes no ownership.
+  explicit nccl_transport(std::vector<nccl_rank> local_ranks);
+
+  int num_ranks() const override { return num_ranks_; }
+  // The plan must be for P ranks; every op must fit the smallest local rank's memory space
+  // (all ranks of a deployment have equal spaces), and every local rank's workspace must
+  // hold workspace_bytes(p, rank).
+  void validate(const plan& p) const override;
+  // Enqueues every phase on the local ranks' streams, then synchronizes them. In a
+  // multi-process deployment every process must execute the same plan (with the same fault
+  // armed, in tests), or the NCCL calls do not match. When enqueueing phase k fails, the
+  // streams are drained and completed_phases() is k; when synchronizing fails it is 0
+  // (CUDA errors are sticky: nothing finer can be learnt).
+  void execute(const plan& p) override;
+  int64_t completed_phases() const override { return completed_phases_; }
+  // The fault fires after ops [0, at.op) of phase at.phase ran on every local rank (both the
+  // sending and the receiving side of each, so NCCL calls still pair up).
+  void inject_fault(std::optional<fault_point> at) override { fault_ = at; }
+
+  // Enqueues phases [first, last) of `p` without waiting: for benchmarks and for callers
+  // that overlap a switch with other work on the same streams. validate(p) first.
+  void enqueue(const plan& p, int64_t first, int64_t last);
+  // Waits for every local stream.
+  void synchronize();
+
+  const std::vector<nccl_rank>& local_ranks() const { return ranks_; }
+
+ private:
+  // Enqueues ops [0, num_ops) of phase `phase_idx` (all of them for num_ops = -1).
+  void enqueue_phase(const plan_phase& phase, int64_t num_ops);
+  const nccl_rank* find_local(int rank) const;
+
+  std::vector<nccl_rank> ranks_;
+  std::vector<int> local_of_rank_;  // index into ranks_ per global rank, or -1
+  int num_ranks_ = 0;
+  std::optional<fault_point> fault_;
+  int64_t completed_phases_ = 0;
+};
+
+}  // namespace moebius
