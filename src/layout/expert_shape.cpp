@@ -57,7 +57,8 @@ void validate(const expert_shape& s, int P) {
         checked_product("bytes of one layer's tensor", g.num_experts, g.rows, g.cols, g.elem_bytes);
     layer_bytes = detail::checked_add(layer_bytes, bytes, "bytes of one layer");
   }
-  checked_product("bytes of the whole expert stack (L+1 slots)", layer_bytes, s.num_layers + 1);
+  checked_product("bytes of the whole expert stack (L+1 slots)", layer_bytes,
+                  detail::checked_add(s.num_layers, 1, "slots (L+1)"));
 }
 
 std::ostream& operator<<(std::ostream& os, const expert_shape& s) {

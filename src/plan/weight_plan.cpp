@@ -135,14 +135,21 @@ void emit_tensor(const SrcView& src, const DstView& dst, const piece& pc, int64_
     out.push_back(op);
     return;
   }
-  // The largest outer mode becomes the rows of each copy; the others are looped over.
-  int row_mode = 0;
-  for (int m = 1; m < num_outer; ++m) {
-    if (outer[m].extent > outer[row_mode].extent) row_mode = m;
+  // The largest outer mode becomes the rows of each copy; the others are looped over. Only a
+  // mode with forward pitches in both views qualifies (validate() demands src_pitch >= 0 and
+  // dst_pitch >= row_bytes): when the EP and TP gate/up orders differ, the segment mode runs
+  // backwards in one view, and must be looped over even when it is the only outer mode
+  // (E/P == 1).
+  int row_mode = -1;
+  for (int m = 0; m < num_outer; ++m) {
+    if (outer[m].src_stride < 0 || outer[m].dst_stride < run) continue;
+    if (row_mode < 0 || outer[m].extent > outer[row_mode].extent) row_mode = m;
   }
-  op.rows = outer[row_mode].extent;
-  op.src_pitch = outer[row_mode].src_stride;
-  op.dst_pitch = outer[row_mode].dst_stride;
+  if (row_mode >= 0) {
+    op.rows = outer[row_mode].extent;
+    op.src_pitch = outer[row_mode].src_stride;
+    op.dst_pitch = outer[row_mode].dst_stride;
+  }
   int64_t index[4] = {0, 0, 0, 0};
   while (true) {
     int64_t src_off = src_start, dst_off = dst_start;

@@ -40,19 +40,21 @@ void host_transport::validate(const plan& p) const {
 }
 
 void host_transport::execute(const plan& p) {
+  // An armed fault applies to this execute() only, reached or not.
+  const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);
   completed_phases_ = 0;
   validate(p);
   for (int64_t k = 0; k < static_cast<int64_t>(p.phases.size()); ++k) {
-    execute_phase(p, k);
+    execute_phase(p, k, fault);
     completed_phases_ = k + 1;
   }
 }
 
-void host_transport::execute_phase(const plan& p, int64_t phase_idx) {
+void host_transport::execute_phase(const plan& p, int64_t phase_idx,
+                                   const std::optional<fault_point>& fault) {
   const std::vector<copy_op>& ops = p.phases[static_cast<size_t>(phase_idx)].ops;
   for (int64_t i = 0; i < static_cast<int64_t>(ops.size()); ++i) {
-    if (fault_ && fault_->phase == phase_idx && fault_->op == i) {
-      fault_.reset();
+    if (fault && fault->phase == phase_idx && fault->op == i) {
       MOEBIUS_FAIL(errc::injected_fault, "injected fault before op ", i, " of phase ", phase_idx,
                    " ('", p.phases[static_cast<size_t>(phase_idx)].label, "')");
     }

@@ -121,12 +121,27 @@ void load_reference(const logical_weights& w, const arena_geometry& g, arena_cur
       if (g.tensor_bytes[ti] != local_bytes) {
         throw std::logic_error("load_reference: arena tensor_bytes differs from E*rows*cols*eb/P");
       }
+      const bool column_split = mode == parallel_mode::tp && !splits_rows(t);
       for (int64_t e = 0; e < E; ++e) {
         for (int64_t r = 0; r < R; ++r) {
-          for (int64_t c = 0; c < C; ++c) {
-            const home h = home_of(t, mode, s, P, E, R, C, eb, e, r, c);
-            std::memcpy(ranks[static_cast<size_t>(h.rank)].data() + base + h.byte,
-                        src.data() + ((e * R + r) * C + c) * eb, static_cast<size_t>(eb));
+          const std::byte* from = src.data() + (e * R + r) * C * eb;
+          if (!column_split) {
+            // The whole row lands on one rank, columns in order: locate column 0 only.
+            const home h = home_of(t, mode, s, P, E, R, C, eb, e, r, 0);
+            std::byte* to = ranks[static_cast<size_t>(h.rank)].data() + base + h.byte;
+            for (int64_t c = 0; c < C; ++c) {
+              std::memcpy(to + c * eb, from + c * eb, static_cast<size_t>(eb));
+            }
+          } else {
+            // w2 / w2_scale in TP: column c goes to rank c / (C/P); walk rank by rank.
+            const int64_t slice = C / P;
+            for (int rank = 0; rank < P; ++rank) {
+              const home h = home_of(t, mode, s, P, E, R, C, eb, e, r, rank * slice);
+              std::byte* to = ranks[static_cast<size_t>(h.rank)].data() + base + h.byte;
+              for (int64_t c = 0; c < slice; ++c) {
+                std::memcpy(to + c * eb, from + (rank * slice + c) * eb, static_cast<size_t>(eb));
+              }
+            }
           }
         }
       }
@@ -203,7 +218,7 @@ expert_shape random_shape(std::mt19937_64& rng, int num_ranks, bool block_scales
       s.scale_block_k = s.scale_block_n == 128 && coin(rng) ? pick(rng, small_blocks) : 128;
       s.weight_dtype = coin(rng) ? dtype::fp8_e4m3 : dtype::fp8_e5m2;
       s.num_layers = uniform(rng, 1, 2);
-      budget = int64_t{1} << 40;  // one expert per rank, whatever it costs
+      budget = 0;  // one expert per rank, whatever it costs
     } else {
       s.scale_block_n = pick(rng, small_blocks);
       s.scale_block_k = pick(rng, small_blocks);
@@ -228,8 +243,10 @@ void scribble_slot(const arena_geometry& g, int64_t slot, rank_images& ranks,
   for (std::vector<std::byte>& image : ranks) {
     for (int ti = 0; ti < num_weight_tensors; ++ti) {
       const int64_t begin = slot * g.slot_bytes + g.tensor_offset[ti];
-      for (int64_t i = 0; i < g.tensor_bytes[ti]; ++i) {
-        image[static_cast<size_t>(begin + i)] = static_cast<std::byte>(rng() & 0xFF);
+      for (int64_t i = 0; i < g.tensor_bytes[ti]; i += 8) {
+        const uint64_t r = rng();
+        std::memcpy(image.data() + begin + i, &r,
+                    static_cast<size_t>(std::min<int64_t>(8, g.tensor_bytes[ti] - i)));
       }
     }
   }

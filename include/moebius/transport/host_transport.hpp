@@ -36,7 +36,7 @@ class host_transport final : public transport {
   void inject_fault(std::optional<fault_point> at) override { fault_ = at; }
 
  private:
-  void execute_phase(const plan& p, int64_t phase_idx);
+  void execute_phase(const plan& p, int64_t phase_idx, const std::optional<fault_point>& fault);
 
   std::vector<host_rank_memory> ranks_;
   std::optional<fault_point> fault_;

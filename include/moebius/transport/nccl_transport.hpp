@@ -93,6 +93,7 @@ class nccl_transport final : public transport {
 
   std::vector<nccl_rank> ranks_;
   std::vector<int> local_of_rank_;  // index into ranks_ per global rank, or -1
+  std::vector<int> rank_of_local_;  // global (NCCL) rank of each entry of ranks_
   int num_ranks_ = 0;
   std::optional<fault_point> fault_;
   int64_t completed_phases_ = 0;

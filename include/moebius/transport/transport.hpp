@@ -38,8 +38,9 @@ class transport {
   // Phases of the last execute() that completed on every rank.
   virtual int64_t completed_phases() const = 0;
 
-  // Arms a one-shot fault for the next execute(): it throws errc::injected_fault before op
-  // `at.op` of phase `at.phase`. std::nullopt disarms.
+  // Arms a fault for the next execute() only: it throws errc::injected_fault before op
+  // `at.op` of phase `at.phase`; a fault that execute() does not reach (the phase has fewer
+  // ops) is dropped when it returns. std::nullopt disarms.
   virtual void inject_fault(std::optional<fault_point> at) = 0;
 };
 

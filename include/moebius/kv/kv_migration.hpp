@@ -1,0 +1,104 @@
+#pragma once
+
+// Migration of the paged KV cache between the EP and TP views (DESIGN.md §4): from the
+// current tables, a plan of copy_ops on memory_space::kv_pool (optionally staging through a
+// region of memory_space::arena) plus the tables and free lists after it. The plan runs
+// unchanged on every transport.
+//
+// Pages move one by one (a shared page moves once; a sequence's pages may move in
+// different rounds). A ROUND is one plan phase: copy a batch of pages into pages that are
+// free at the start of the phase (or into staging slots), barrier, then the batch's source
+// pages become free for later rounds. Staged pages are drained into the pool in later rounds.
+//
+// EP->TP: the owner keeps its own head slice in place (HND: EP page p = TP pages p*split+j,
+//   slice tp_slice_of_rank(owner) is already where the TP view reads it); every other rank
+//   receives its slice into a free TP page. After a page's round the owner's other
+//   split-1 TP pieces are free.
+// TP->EP: each sequence gets an owner (placement); the owner needs an aligned group of split
+//   free TP pages (= one EP page) and gathers every slice into it. When the owner's own TP
+//   page already sits at slice position of an otherwise free group, it stays in place.
+//   When no aligned group is free, a round compacts: live TP pages move (locally) out of
+//   the least-used group so it frees up.
+//
+// Within a phase no destination overlaps another destination or a live source
+// (find_phase_hazard checks it). Before anything moves the whole input is validated.
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+
+#include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/page_table.hpp"
+#include "moebius/kv/placement.hpp"
+#include "moebius/plan/plan.hpp"
+
+namespace moebius {
+
+// A caller-lent region on every rank (the arena's free expert slot) used to hold pages whose
+// destination is not free yet. bytes == 0: no staging.
+struct kv_staging {
+  memory_space space = memory_space::arena;
+  int64_t offset = 0;  // byte offset of the region in `space`, same on every rank
+  int64_t bytes = 0;   // bytes of the region
+};
+
+struct kv_migration_options {
+  kv_staging staging;        // optional staging region
+  int64_t max_rounds = 4096; // give up (errc::capacity) beyond this many rounds
+  // TP->EP: owners to use, indexed like kv_demands_of(state); null = place_longest_first
+  // with every rank's whole EP pool as capacity.
+  const kv_placement* placement = nullptr;
+};
+
+struct kv_migration_stats {
+  int64_t rounds = 0;          // plan phases
+  int64_t pages_moved = 0;     // logical pages migrated (a shared page once, or once/owner)
+  int64_t pages_in_place = 0;  // pages whose owner slice stayed where it was
+  int64_t pages_staged = 0;    // page pieces that went through staging
+  int64_t pages_compacted = 0; // TP pages moved locally to free an aligned group
+  int64_t bytes_copied = 0;    // all bytes of all ops
+  double imbalance = 0.0;      // TP->EP: placement max/mean load; EP->TP: 1
+};
+
+struct kv_migration {
+  plan copies;            // phases of copy ops (kv_pool, staging space)
+  kv_state new_state;     // tables and free lists in the target mode
+  kv_migration_stats stats;
+};
+
+// Answer of the capacity check.
+struct kv_capacity_report {
+  bool fits = false;        // the target view can hold every live sequence AND a round
+                            // schedule exists within max_rounds
+  bool holds = false;       // the target view can hold everything (ignoring scheduling)
+  int64_t rounds = 0;       // rounds the migration takes when fits
+  int64_t pages_needed = 0; // max over ranks of pages needed in the target view
+  int64_t pages_available = 0;  // pages per rank of the target view
+  std::string reason;       // why not, naming the rank and the numbers; "" when fits
+};
+
+// Whether `s` can migrate to `target` and in how many rounds; moves and changes nothing.
+// Throws errc::invalid_argument for an invalid state (validate()).
+//   Qwen3 (H_kv=4, P=8) EP at 60% occupancy -> TP: holds = false (TP holds at most 50%:
+//   each head lives on 2 ranks), reason names the rank and pages needed vs available.
+kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_state& s,
+                                     parallel_mode target, const kv_migration_options& opt = {});
+
+// The migration plan of `s` to `target` (s.mode == target: an empty plan and s itself).
+// Throws errc::invalid_argument for an invalid state or staging region, errc::capacity when
+// check_kv_capacity says no (nothing is built; the caller's memory was never touched).
+kv_migration plan_kv_migration(const kv_geometry& g, const kv_state& s, parallel_mode target,
+                               const kv_migration_options& opt = {});
+
+// Bytes of one staging slot (one page piece of every tensor): num_tensors * page_bytes(m).
+// A staging region of n such slots lets n pieces per rank wait for their destination.
+int64_t kv_staging_slot_bytes(const kv_geometry& g, parallel_mode target);
+
+// "" when, in every phase of `p`, no destination byte range overlaps another destination or
+// a source on the same rank and memory space; else a description of the first hazard
+// (phase, the two ops). O(total rows * log).
+std::string find_phase_hazard(const plan& p);
+
+std::ostream& operator<<(std::ostream& os, const kv_migration_stats& s);
+
+}  // namespace moebius

@@ -1,0 +1,77 @@
+#pragma once
+
+// Page tables and allocator state of the paged KV pool, per rank, for the current mode.
+//
+// EP mode: each sequence lives on ONE rank (its owner) with EP page ids of that rank.
+// TP mode: each sequence lives on EVERY rank, with that rank's own TP page ids (each rank
+//          holds its head slice; ids differ between ranks, page counts are the same).
+// A page id names the same page in every layer and in K and V (kv_geometry.hpp).
+//
+// Shared prefixes (prefix caching): the first `shared_prefix_pages` pages of a sequence may
+// also appear in other sequences' shared prefixes on the same rank; any other repeated page
+// is an error. A shared page must be a full page.
+//
+//   page_size 16, a 40-token sequence: pages {7, 2, 9}, last_page_len 8,
+//   num_tokens = 2*16 + 8 = 40.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "moebius/kv/kv_geometry.hpp"
+
+namespace moebius {
+
+// One sequence's page table on one rank.
+struct kv_sequence {
+  int64_t seq_id = 0;               // engine's id; unique within a rank
+  int64_t num_tokens = 0;           // tokens whose K/V is in the pages: (pages-1)*page_size + last
+  int64_t last_page_len = 0;        // tokens in the last page, [1, page_size]
+  int64_t shared_prefix_pages = 0;  // leading pages that other sequences may share, [0, pages]
+  int64_t prefill_cursor = 0;       // engine's chunked-prefill cursor: carried through untouched
+  std::vector<int64_t> pages;       // [num_pages] page ids in this rank's pool, in token order
+
+  int64_t num_pages() const { return static_cast<int64_t>(pages.size()); }
+  friend bool operator==(const kv_sequence&, const kv_sequence&) = default;
+};
+
+// One rank's tables and allocator.
+struct kv_rank_state {
+  std::vector<kv_sequence> sequences;  // sorted by seq_id
+  std::vector<int64_t> free_pages;     // ascending; with the pages in use: every page once
+
+  friend bool operator==(const kv_rank_state&, const kv_rank_state&) = default;
+};
+
+struct kv_state {
+  parallel_mode mode = parallel_mode::ep;
+  std::vector<kv_rank_state> ranks;  // [P]
+
+  friend bool operator==(const kv_state&, const kv_state&) = default;
+};
+
+// The page count `num_tokens` tokens need: ceil(num_tokens / page_size).
+constexpr int64_t pages_for_tokens(int64_t num_tokens, int64_t page_size) {
+  return (num_tokens + page_size - 1) / page_size;
+}
+
+// Throws errc::invalid_argument naming the rank, sequence, page and constraint unless `s`
+// is a valid state of `g`: ranks.size() == P; per sequence >= 1 page, 1 <= last_page_len
+// <= page_size, num_tokens == (pages-1)*page_size + last_page_len, shared_prefix_pages in
+// [0, pages] and (when all pages are shared) last_page_len == page_size; seq ids unique and
+// ascending per rank; every page id in [0, num_pages(mode)); a page used twice only inside
+// shared prefixes; free_pages ascending, disjoint from pages in use, and together with them
+// covering every page (nothing leaked). In EP mode a seq id lives on one rank only; in TP
+// mode every rank holds the same sequences with the same token counts and the same sharing
+// (two sequence pages share a page id on one rank iff they do on every rank).
+void validate(const kv_geometry& g, const kv_state& s);
+
+// A state whose free lists are the complement of the pages in `tables` (sequences sorted by
+// seq_id). Validates the result.
+kv_state make_kv_state(const kv_geometry& g, parallel_mode mode,
+                       std::vector<std::vector<kv_sequence>> tables);
+
+// Pages in use on rank r (distinct ids): num_pages(mode) - free_pages.size().
+int64_t used_pages(const kv_geometry& g, const kv_state& s, int rank);
+
+}  // namespace moebius

@@ -1,0 +1,121 @@
+#pragma once
+
+// Predicts how long a switch takes (paper notes W2 asks for an analytic model in P, model
+// size and link bandwidth), and refines itself from measured switches.
+//
+//   total = weight_bytes / bw + kv_bytes / kv_bw                 (bytes leaving each rank)
+//         + (weight_phases + kv_rounds) · (barrier + launch)     (one barrier per phase)
+//         + fixed                                                (page tables, pointer flip)
+//
+// Bytes are what leaves the busiest rank: a switch is an all-to-all, each rank sends and
+// receives concurrently, the link's one direction is the bottleneck. Bandwidths are
+// effective GB/s (1e9 B/s) per GPU per direction.
+// Anchor (DESIGN.md §6, paper): 50 GB leaving each GPU at 330 GB/s -> 151.5 ms.
+
+#include <cstdint>
+#include <iosfwd>
+#include <vector>
+
+#include "moebius/layout/arena_geometry.hpp"
+#include "moebius/plan/plan.hpp"
+
+namespace moebius {
+
+struct link_params {
+  double bandwidth_gbps = 330.0;   // effective weight-copy rate per GPU per direction
+  double kv_bandwidth_gbps = 0.0;  // effective KV-page rate; 0: same as bandwidth_gbps
+  double barrier_us = 10.0;        // one cross-rank barrier (device flags)
+  double launch_us = 5.0;          // launching one phase (kernel or graph node)
+  double fixed_ms = 0.0;           // per switch, independent of bytes and phases
+
+  double effective_kv_gbps() const {
+    return kv_bandwidth_gbps > 0 ? kv_bandwidth_gbps : bandwidth_gbps;
+  }
+};
+
+// Throws errc::invalid_argument unless bandwidth > 0, kv bandwidth >= 0, barrier, launch and
+// fixed >= 0 (all finite).
+void validate(const link_params& link);
+
+// What one switch moves.
+struct switch_workload {
+  int num_ranks = 1;
+  int64_t weight_bytes_per_rank = 0;  // expert bytes leaving the busiest rank
+  int64_t kv_bytes_per_rank = 0;      // KV bytes leaving the busiest rank
+  int64_t weight_phases = 0;          // one per layer switched
+  int64_t kv_rounds = 0;              // KV migration rounds (each ends in a barrier)
+};
+
+// Throws errc::invalid_argument unless num_ranks >= 1 and every count >= 0.
+void validate(const switch_workload& w);
+
+// The weight part of switching `num_layers` layers of `geometry` (either direction):
+// (P-1)/P of the layer's expert bytes per rank leave each rank, one phase per layer.
+//   Qwen3-235B, P=8, 94 layers: 94 · 7/8 · 603,979,776 = 49,677,336,576 B, 94 phases.
+// Throws errc::invalid_argument unless 0 <= num_layers <= L.
+switch_workload weight_switch_workload(const arena_geometry& geometry, int64_t num_layers);
+
+// The workload of a built plan: max over ranks of bytes sent to other ranks, split by
+// destination memory space (arena -> weights, kv_pool -> KV); phases whose ops write the
+// KV pool count as KV rounds, the others as weight phases.
+switch_workload workload_of(const plan& p);
+
+struct switch_cost {
+  double weight_ms = 0;
+  double kv_ms = 0;
+  double barrier_ms = 0;
+  double launch_ms = 0;
+  double fixed_ms = 0;
+
+  double total_ms() const { return weight_ms + kv_ms + barrier_ms + launch_ms + fixed_ms; }
+};
+
+// "total 152.3 ms = weights 150.5 + kv 0 + barriers 0.94 + launches 0.47 + fixed 0"
+std::ostream& operator<<(std::ostream& os, const switch_cost& c);
+
+// One measured switch.
+struct switch_measurement {
+  switch_workload workload;
+  double measured_ms = 0;
+};
+
+struct cost_fit_result {
+  bool ok = false;              // false: too few or inconsistent samples, link unchanged
+  const char* why = "";         // why not ok
+  int num_samples = 0;
+  double rms_error_ms = 0;      // after the fit (or of the unchanged model when !ok)
+};
+
+class cost_model {
+ public:
+  // Validates `link`.
+  explicit cost_model(const link_params& link = {});
+
+  // Time of one switch, broken down. Validates `w`.
+  switch_cost predict(const switch_workload& w) const;
+
+  // Records a measured switch (validated; measured_ms finite and > 0) and refits.
+  cost_fit_result update(const switch_measurement& m);
+
+  // Least squares over all recorded measurements of
+  //   measured - (phases + rounds)·(barrier + launch) = bytes_eff / bw + fixed
+  // where bytes_eff = weight_bytes + kv_bytes · bw / kv_bw (the KV/weight rate ratio is
+  // kept), refining the bandwidths and fixed_ms. With one distinct byte count only the
+  // bandwidth is refined (fixed kept). A fit that gives a non-positive bandwidth or a
+  // negative fixed overhead leaves the link unchanged and says so.
+  cost_fit_result refit();
+
+  const link_params& link() const { return link_; }
+  const std::vector<switch_measurement>& measurements() const { return measurements_; }
+
+  // One line per measurement: bytes, predicted, measured, relative error; then the link.
+  void report(std::ostream& os) const;
+
+ private:
+  link_params link_;
+  std::vector<switch_measurement> measurements_;
+};
+
+std::ostream& operator<<(std::ostream& os, const link_params& l);
+
+}  // namespace moebius

@@ -1,0 +1,30 @@
+#pragma once
+
+// Layout-independent checksums of what a switch must preserve (the review's W5: the paper
+// has no fault protocol). Each element contributes hash(logical coordinate, value), summed
+// modulo 2^64: the sum does not depend on which rank or view holds an element, but moving an
+// element to the wrong coordinate, or losing it, changes it. Compare before and after a
+// switch. These read host memory (host_transport ranks, or device memory copied back).
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/page_table.hpp"
+#include "moebius/layout/arena_geometry.hpp"
+
+namespace moebius {
+
+// Checksum of layer `layer`'s logical expert tensors (w13, w2 and scales) as held by the P
+// rank arenas at `cursor` (layer in TP form when layer < cursor.tp_layers, else EP).
+uint64_t weight_checksum(const arena_geometry& g, arena_cursor cursor, int64_t layer,
+                         std::span<const std::span<const std::byte>> rank_arenas);
+
+// Checksum of every live sequence's K and V (every layer, token, head and dim), read through
+// the page tables of `s` from the P rank pools. A head replicated on several TP ranks counts
+// once (from its first replica).
+uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
+                     std::span<const std::span<const std::byte>> rank_pools);
+
+}  // namespace moebius

@@ -1,0 +1,134 @@
+#pragma once
+
+// The switcher: the one call an engine makes between two decode steps to go from EP to TP or
+// back (DESIGN.md §2 item 6). It owns the layout state of the arena (its cursor) and of the
+// KV pool (page tables and free lists), runs
+//
+//   capacity check -> expert weights, layer by layer -> KV migration in rounds -> new page
+//   tables -> flip of the runtime selector
+//
+// on any transport, and either commits or puts everything back.
+//
+// Failure protocol. Every phase of every plan writes only bytes that were free before it
+// (plan/rollback.hpp), so after a failure at weight phase k or KV round r the switcher runs
+// the undo of the completed KV rounds, then the weight plan from the cursor reached back to
+// the starting cursor: the arena, the KV pool's live pages and the tables are exactly as
+// before the call, and the selector never moved (outcome rolled_back). If the undo fails too,
+// the outcome is `inconsistent`: the report names the cursor the arena rests at (a valid
+// TP-prefix / EP-suffix hybrid) and the engine must not serve from the KV pool until it
+// reloads it. A refused switch (capacity) moves nothing.
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/kv_migration.hpp"
+#include "moebius/kv/page_table.hpp"
+#include "moebius/layout/arena_geometry.hpp"
+#include "moebius/transport/transport.hpp"
+
+namespace moebius {
+
+enum class switch_outcome : uint8_t {
+  committed,          // weights, KV and tables are in the target mode; the selector flipped
+  already_there,      // the switcher was already in the target mode: nothing moved
+  refused_capacity,   // the target mode cannot hold the live KV: nothing moved
+  rolled_back,        // a failure; everything is back as before the call
+  inconsistent,       // a failure and a failed undo: see switch_report::error and cursor
+};
+
+const char* to_string(switch_outcome o);
+
+// What one switch_to() did.
+struct switch_report {
+  parallel_mode from = parallel_mode::ep;
+  parallel_mode to = parallel_mode::ep;
+  switch_outcome outcome = switch_outcome::already_there;
+  std::string error;          // the failure (and the undo's failure), "" when none
+  arena_cursor cursor;        // where the arena rests after the call
+
+  int64_t weight_phases = 0;            // phases of the weight plan
+  int64_t weight_phases_completed = 0;  // of them, completed before a failure (or all)
+  int64_t kv_rounds = 0;                // rounds of the KV migration
+  int64_t kv_rounds_completed = 0;
+  std::vector<int64_t> weight_bytes_sent;  // per rank, bytes leaving it for other ranks
+  std::vector<int64_t> kv_bytes_sent;      // per rank
+  kv_migration_stats kv_stats;
+  kv_capacity_report capacity;
+
+  // Host wall time of each stage, in milliseconds (a stage that did not run is 0).
+  double capacity_ms = 0, plan_ms = 0, weights_ms = 0, kv_ms = 0, verify_ms = 0, undo_ms = 0,
+         total_ms = 0;
+  bool verified = false;  // the verify hook ran and its checksums matched
+};
+
+std::ostream& operator<<(std::ostream& os, const switch_report& r);
+
+struct switcher_options {
+  // Lend the arena's free slot to the KV migration as staging for pages whose destination is
+  // not free yet (lets a switch succeed near full occupancy).
+  bool stage_kv_in_free_slot = true;
+  int64_t max_kv_rounds = 4096;
+  // Called at commit with the new mode, after every byte has moved: the engine flips its
+  // runtime selector here (which set of CUDA graphs and views it launches next step).
+  std::function<void(parallel_mode)> on_commit;
+  // Optional end-to-end check: called before moving anything and after the last byte moved;
+  // returns a layout-independent checksum of the state (see switch/checksum.hpp). A mismatch
+  // is a failure, handled like a transport error (undo, rolled_back).
+  std::function<uint64_t(arena_cursor, const kv_state&)> verify;
+};
+
+// A test hook: a fault injected into one stage of the next switch_to().
+struct switch_fault {
+  enum class stage : uint8_t { weights, kv, undo } where = stage::weights;
+  fault_point at;  // phase (layer index within the weight plan, or KV round) and op
+};
+
+class switcher {
+ public:
+  // `weights` and `kv` describe one rank's arena and KV pool (the transport's memory spaces
+  // arena and kv_pool); `kv_tables` is the KV state now (its mode is the current mode), and
+  // `cursor` where the arena rests now. The two must agree: cursor 0 with EP tables, cursor L
+  // with TP tables. Throws errc::invalid_argument otherwise, or when the geometries' rank
+  // counts differ from the transport's.
+  switcher(const arena_geometry& weights, const kv_geometry& kv, transport& t, kv_state kv_tables,
+           arena_cursor cursor, switcher_options options = {});
+
+  // The runtime selector: the mode the engine must run in now.
+  parallel_mode mode() const { return kv_.mode; }
+  arena_cursor cursor() const { return cursor_; }
+  const kv_state& kv_tables() const { return kv_; }
+  // The engine adds and retires sequences between switches; the tables must stay valid.
+  kv_state& mutable_kv_tables() { return kv_; }
+
+  // Whether a switch to `target` would be accepted by the capacity check; moves nothing.
+  kv_capacity_report check(parallel_mode target) const;
+
+  // Switches everything to `target` (see the failure protocol above). Never throws for a
+  // transport failure, a fault or a verify mismatch: the report says what happened. Throws
+  // errc::invalid_argument when the KV tables are invalid (nothing moved).
+  switch_report switch_to(parallel_mode target);
+
+  // Arms a one-shot fault for the next switch_to() (tests of the failure protocol).
+  void inject_fault(std::optional<switch_fault> fault) { fault_ = fault; }
+
+ private:
+  // Runs `p`; on failure returns the error text and sets `completed` to the phases done.
+  std::string run(const plan& p, switch_fault::stage stage, int64_t& completed);
+
+  kv_migration_options kv_options(arena_cursor weights_at) const;
+
+  arena_geometry weights_;
+  kv_geometry kv_geometry_;
+  transport& transport_;
+  kv_state kv_;
+  arena_cursor cursor_;
+  switcher_options options_;
+  std::optional<switch_fault> fault_;
+};
+
+}  // namespace moebius

@@ -1,0 +1,77 @@
+#include "moebius/kv/kv_geometry.hpp"
+
+#include <ostream>
+
+#include "moebius/detail/checked_math.hpp"
+#include "moebius/error.hpp"
+
+namespace moebius {
+
+void validate(const kv_geometry& g) {
+  MOEBIUS_CHECK(g.num_layers >= 1, errc::invalid_argument,
+                "kv_geometry needs num_layers >= 1 (num_layers=", g.num_layers, ")");
+  MOEBIUS_CHECK(g.num_kv_heads >= 0, errc::invalid_argument,
+                "kv_geometry needs num_kv_heads >= 0, 0 meaning latent (num_kv_heads=",
+                g.num_kv_heads, ")");
+  MOEBIUS_CHECK(g.head_dim >= 1, errc::invalid_argument,
+                "kv_geometry needs head_dim >= 1 (head_dim=", g.head_dim, ")");
+  MOEBIUS_CHECK(g.page_size >= 1, errc::invalid_argument,
+                "kv_geometry needs page_size >= 1 (page_size=", g.page_size, ")");
+  MOEBIUS_CHECK(g.num_ep_pages >= 0, errc::invalid_argument,
+                "kv_geometry needs num_ep_pages >= 0 (num_ep_pages=", g.num_ep_pages, ")");
+  MOEBIUS_CHECK(g.num_ranks >= 1, errc::invalid_argument,
+                "kv_geometry needs num_ranks >= 1 (num_ranks=", g.num_ranks, ")");
+  MOEBIUS_CHECK(dtype_bytes(g.type) >= 1, errc::invalid_argument, "kv_geometry has an unknown dtype");
+  if (!g.latent()) {
+    if (g.num_kv_heads >= g.num_ranks) {
+      MOEBIUS_CHECK(g.num_kv_heads % g.num_ranks == 0, errc::invalid_argument,
+                    "P must divide H_kv when H_kv >= P (H_kv=", g.num_kv_heads,
+                    ", P=", g.num_ranks, ")");
+    } else {
+      MOEBIUS_CHECK(g.num_ranks % g.num_kv_heads == 0, errc::invalid_argument,
+                    "H_kv must divide P when H_kv < P, so each head is replicated on P/H_kv "
+                    "ranks (H_kv=", g.num_kv_heads, ", P=", g.num_ranks, ")");
+    }
+  }
+  const int64_t page = detail::checked_product("KV page bytes", g.page_size, g.heads_per_ep_page(),
+                                               g.head_dim, dtype_bytes(g.type));
+  detail::checked_product("KV pool bytes", page, g.num_ep_pages, g.num_tensors());
+  detail::checked_mul(g.num_ep_pages, g.tp_pages_per_ep_page(), "TP page count");
+}
+
+kv_geometry make_kv_geometry(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t page_size, int64_t num_ep_pages, int num_ranks, dtype type,
+                             kv_layout layout) {
+  kv_geometry g;
+  g.num_layers = num_layers;
+  g.num_kv_heads = num_kv_heads;
+  g.head_dim = head_dim;
+  g.page_size = page_size;
+  g.num_ep_pages = num_ep_pages;
+  g.num_ranks = num_ranks;
+  g.type = type;
+  g.layout = layout;
+  validate(g);
+  return g;
+}
+
+int64_t ep_pages_for_bytes(const kv_geometry& g, int64_t pool_bytes) {
+  kv_geometry one = g;
+  one.num_ep_pages = 1;
+  validate(one);
+  MOEBIUS_CHECK(pool_bytes >= 0, errc::invalid_argument, "pool_bytes must be >= 0 (pool_bytes=",
+                pool_bytes, ")");
+  return pool_bytes / one.pool_bytes();
+}
+
+std::ostream& operator<<(std::ostream& os, const kv_geometry& g) {
+  os << "kv_geometry{L=" << g.num_layers << ", H_kv=";
+  if (g.latent()) os << "latent";
+  else os << g.num_kv_heads;
+  return os << ", D=" << g.head_dim << ", page_size=" << g.page_size
+            << ", ep_pages=" << g.num_ep_pages << ", tp_pages=" << g.num_tp_pages()
+            << ", P=" << g.num_ranks << ", " << to_string(g.type) << ", "
+            << to_string(g.layout) << ", pool_bytes=" << g.pool_bytes() << '}';
+}
+
+}  // namespace moebius

@@ -1,0 +1,159 @@
+#include "moebius/kv/page_table.hpp"
+
+#include <algorithm>
+#include <utility>
+
+#include "moebius/error.hpp"
+
+namespace moebius {
+
+namespace {
+
+void validate_sequence(const kv_geometry& g, int rank, const kv_sequence& q) {
+  const int64_t n = q.num_pages();
+  MOEBIUS_CHECK(n >= 1, errc::invalid_argument, "rank ", rank, " sequence ", q.seq_id,
+                " has no pages (a sequence needs >= 1 page)");
+  MOEBIUS_CHECK(q.last_page_len >= 1 && q.last_page_len <= g.page_size, errc::invalid_argument,
+                "rank ", rank, " sequence ", q.seq_id, " needs 1 <= last_page_len <= page_size (",
+                "last_page_len=", q.last_page_len, ", page_size=", g.page_size, ")");
+  MOEBIUS_CHECK(q.num_tokens == (n - 1) * g.page_size + q.last_page_len, errc::invalid_argument,
+                "rank ", rank, " sequence ", q.seq_id, " needs num_tokens == (pages-1)*page_size",
+                " + last_page_len (num_tokens=", q.num_tokens, ", pages=", n,
+                ", page_size=", g.page_size, ", last_page_len=", q.last_page_len, ")");
+  MOEBIUS_CHECK(q.shared_prefix_pages >= 0 && q.shared_prefix_pages <= n, errc::invalid_argument,
+                "rank ", rank, " sequence ", q.seq_id, " needs 0 <= shared_prefix_pages <= pages (",
+                "shared_prefix_pages=", q.shared_prefix_pages, ", pages=", n, ")");
+  MOEBIUS_CHECK(q.shared_prefix_pages < n || q.last_page_len == g.page_size,
+                errc::invalid_argument, "rank ", rank, " sequence ", q.seq_id,
+                " shares its partial last page (a shared page must be full; last_page_len=",
+                q.last_page_len, ", page_size=", g.page_size, ")");
+}
+
+}  // namespace
+
+void validate(const kv_geometry& g, const kv_state& s) {
+  validate(g);
+  const int P = g.num_ranks;
+  MOEBIUS_CHECK(static_cast<int>(s.ranks.size()) == P, errc::invalid_argument,
+                "kv_state must have one entry per rank (ranks=", s.ranks.size(), ", P=", P, ")");
+  const int64_t num_pages = g.num_pages(s.mode);
+  // use[p]: 0 free-unseen, >0 uses; shared[p]: 1 when every use so far was in a shared prefix.
+  std::vector<int32_t> use(static_cast<size_t>(num_pages));
+  std::vector<uint8_t> shared(static_cast<size_t>(num_pages));
+  for (int r = 0; r < P; ++r) {
+    const kv_rank_state& rs = s.ranks[static_cast<size_t>(r)];
+    std::fill(use.begin(), use.end(), 0);
+    for (size_t i = 0; i < rs.sequences.size(); ++i) {
+      const kv_sequence& q = rs.sequences[i];
+      validate_sequence(g, r, q);
+      MOEBIUS_CHECK(i == 0 || rs.sequences[i - 1].seq_id < q.seq_id, errc::invalid_argument,
+                    "rank ", r, " sequences must have unique ascending seq ids (", 
+                    (i == 0 ? 0 : rs.sequences[i - 1].seq_id), " then ", q.seq_id, ")");
+      for (int64_t k = 0; k < q.num_pages(); ++k) {
+        const int64_t p = q.pages[static_cast<size_t>(k)];
+        MOEBIUS_CHECK(p >= 0 && p < num_pages, errc::invalid_argument, "rank ", r, " sequence ",
+                      q.seq_id, " page ", k, " has id ", p, " outside [0, ", num_pages, ") (",
+                      to_string(s.mode), " pages per rank)");
+        const bool in_shared = k < q.shared_prefix_pages;
+        auto& u = use[static_cast<size_t>(p)];
+        auto& sh = shared[static_cast<size_t>(p)];
+        if (u == 0) {
+          sh = in_shared ? 1 : 0;
+        } else {
+          MOEBIUS_CHECK(sh && in_shared, errc::invalid_argument, "rank ", r, " page ", p,
+                        " is used twice (again by sequence ", q.seq_id, " page ", k,
+                        ") but not inside shared prefixes of both users");
+        }
+        ++u;
+      }
+    }
+    int64_t prev = -1;
+    for (int64_t p : rs.free_pages) {
+      MOEBIUS_CHECK(p > prev && p < num_pages, errc::invalid_argument, "rank ", r,
+                    " free list must be ascending ids in [0, ", num_pages, ") (", p, " after ",
+                    prev, ")");
+      MOEBIUS_CHECK(use[static_cast<size_t>(p)] == 0, errc::invalid_argument, "rank ", r,
+                    " page ", p, " is both free and in use");
+      use[static_cast<size_t>(p)] = -1;
+      prev = p;
+    }
+    for (int64_t p = 0; p < num_pages; ++p) {
+      MOEBIUS_CHECK(use[static_cast<size_t>(p)] != 0, errc::invalid_argument, "rank ", r,
+                    " page ", p, " is neither free nor in use (leaked)");
+    }
+  }
+  if (s.mode == parallel_mode::ep) {
+    std::vector<int64_t> ids;
+    for (const kv_rank_state& rs : s.ranks)
+      for (const kv_sequence& q : rs.sequences) ids.push_back(q.seq_id);
+    std::sort(ids.begin(), ids.end());
+    const auto dup = std::adjacent_find(ids.begin(), ids.end());
+    MOEBIUS_CHECK(dup == ids.end(), errc::invalid_argument, "EP sequence ",
+                  (dup == ids.end() ? 0 : *dup), " lives on more than one rank");
+    return;
+  }
+  // TP: the same sequences everywhere, and the same sharing structure.
+  const std::vector<kv_sequence>& base = s.ranks[0].sequences;
+  std::vector<int64_t> fwd(static_cast<size_t>(num_pages)), bwd(static_cast<size_t>(num_pages));
+  for (int r = 1; r < P; ++r) {
+    const std::vector<kv_sequence>& seqs = s.ranks[static_cast<size_t>(r)].sequences;
+    MOEBIUS_CHECK(seqs.size() == base.size(), errc::invalid_argument, "TP rank ", r, " holds ",
+                  seqs.size(), " sequences but rank 0 holds ", base.size(),
+                  " (every TP rank holds every sequence)");
+    std::fill(fwd.begin(), fwd.end(), -1);
+    std::fill(bwd.begin(), bwd.end(), -1);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const kv_sequence& a = base[i];
+      const kv_sequence& b = seqs[i];
+      MOEBIUS_CHECK(a.seq_id == b.seq_id && a.num_tokens == b.num_tokens &&
+                        a.shared_prefix_pages == b.shared_prefix_pages &&
+                        a.prefill_cursor == b.prefill_cursor,
+                    errc::invalid_argument, "TP rank ", r, " sequence ", b.seq_id,
+                    " (tokens ", b.num_tokens, ") differs from rank 0's sequence ", a.seq_id,
+                    " (tokens ", a.num_tokens, ") in id, tokens, sharing or cursor");
+      for (size_t k = 0; k < a.pages.size(); ++k) {
+        const auto pa = static_cast<size_t>(a.pages[k]);
+        const auto pb = static_cast<size_t>(b.pages[k]);
+        MOEBIUS_CHECK((fwd[pa] == -1 || fwd[pa] == b.pages[k]) &&
+                          (bwd[pb] == -1 || bwd[pb] == a.pages[k]),
+                      errc::invalid_argument, "TP page tables of rank 0 and rank ", r,
+                      " share pages differently (sequence ", b.seq_id, " page ", k, ")");
+        fwd[pa] = b.pages[k];
+        bwd[pb] = a.pages[k];
+      }
+    }
+  }
+}
+
+kv_state make_kv_state(const kv_geometry& g, parallel_mode mode,
+                       std::vector<std::vector<kv_sequence>> tables) {
+  validate(g);
+  MOEBIUS_CHECK(static_cast<int>(tables.size()) == g.num_ranks, errc::invalid_argument,
+                "make_kv_state needs one table list per rank (lists=", tables.size(),
+                ", P=", g.num_ranks, ")");
+  kv_state s;
+  s.mode = mode;
+  s.ranks.resize(tables.size());
+  const int64_t num_pages = g.num_pages(mode);
+  std::vector<uint8_t> used(static_cast<size_t>(num_pages));
+  for (size_t r = 0; r < tables.size(); ++r) {
+    std::fill(used.begin(), used.end(), 0);
+    std::sort(tables[r].begin(), tables[r].end(),
+              [](const kv_sequence& a, const kv_sequence& b) { return a.seq_id < b.seq_id; });
+    for (const kv_sequence& q : tables[r])
+      for (int64_t p : q.pages)
+        if (p >= 0 && p < num_pages) used[static_cast<size_t>(p)] = 1;
+    s.ranks[r].sequences = std::move(tables[r]);
+    for (int64_t p = 0; p < num_pages; ++p)
+      if (!used[static_cast<size_t>(p)]) s.ranks[r].free_pages.push_back(p);
+  }
+  validate(g, s);
+  return s;
+}
+
+int64_t used_pages(const kv_geometry& g, const kv_state& s, int rank) {
+  return g.num_pages(s.mode) -
+         static_cast<int64_t>(s.ranks.at(static_cast<size_t>(rank)).free_pages.size());
+}
+
+}  // namespace moebius

@@ -1,0 +1,211 @@
+#include "moebius/policy/cost_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <ostream>
+
+#include "moebius/detail/checked_math.hpp"
+#include "moebius/error.hpp"
+
+namespace moebius {
+
+namespace {
+
+bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0; }
+
+// ms to move `bytes` at `gbps` (1e9 B/s): bytes / (gbps · 1e6).
+double transfer_ms(int64_t bytes, double gbps) {
+  return static_cast<double>(bytes) / (gbps * 1e6);
+}
+
+int64_t sync_points(const switch_workload& w) { return w.weight_phases + w.kv_rounds; }
+
+}  // namespace
+
+void validate(const link_params& l) {
+  MOEBIUS_CHECK(std::isfinite(l.bandwidth_gbps) && l.bandwidth_gbps > 0, errc::invalid_argument,
+                "link bandwidth must be finite and > 0 GB/s (bandwidth_gbps=", l.bandwidth_gbps,
+                ")");
+  MOEBIUS_CHECK(finite_nonneg(l.kv_bandwidth_gbps), errc::invalid_argument,
+                "kv bandwidth must be finite and >= 0 GB/s, 0 meaning the weight rate "
+                "(kv_bandwidth_gbps=", l.kv_bandwidth_gbps, ")");
+  MOEBIUS_CHECK(finite_nonneg(l.barrier_us) && finite_nonneg(l.launch_us) &&
+                    finite_nonneg(l.fixed_ms),
+                errc::invalid_argument,
+                "barrier, launch and fixed overheads must be finite and >= 0 (barrier_us=",
+                l.barrier_us, ", launch_us=", l.launch_us, ", fixed_ms=", l.fixed_ms, ")");
+}
+
+void validate(const switch_workload& w) {
+  MOEBIUS_CHECK(w.num_ranks >= 1, errc::invalid_argument,
+                "a switch workload needs num_ranks >= 1 (num_ranks=", w.num_ranks, ")");
+  MOEBIUS_CHECK(w.weight_bytes_per_rank >= 0 && w.kv_bytes_per_rank >= 0 &&
+                    w.weight_phases >= 0 && w.kv_rounds >= 0,
+                errc::invalid_argument,
+                "switch workload counts must be >= 0 (weight_bytes=", w.weight_bytes_per_rank,
+                ", kv_bytes=", w.kv_bytes_per_rank, ", phases=", w.weight_phases,
+                ", kv_rounds=", w.kv_rounds, ")");
+}
+
+switch_workload weight_switch_workload(const arena_geometry& g, int64_t num_layers) {
+  MOEBIUS_CHECK(num_layers >= 0 && num_layers <= g.shape.num_layers, errc::invalid_argument,
+                "layers to switch must lie in [0, L] (num_layers=", num_layers,
+                ", L=", g.shape.num_layers, ")");
+  MOEBIUS_CHECK(g.num_ranks >= 1, errc::invalid_argument,
+                "geometry needs num_ranks >= 1 (num_ranks=", g.num_ranks, ")");
+  switch_workload w;
+  w.num_ranks = g.num_ranks;
+  // Every tensor's per-rank bytes split into P equal pieces (P | E and P | I), one per peer;
+  // the piece for the rank itself stays.
+  int64_t per_layer = 0;
+  for (int64_t b : g.tensor_bytes) {
+    per_layer = detail::checked_add(per_layer, b / g.num_ranks * (g.num_ranks - 1),
+                                    "bytes leaving a rank per layer");
+  }
+  w.weight_bytes_per_rank = detail::checked_mul(per_layer, num_layers, "bytes leaving a rank");
+  w.weight_phases = num_layers;
+  return w;
+}
+
+switch_workload workload_of(const plan& p) {
+  MOEBIUS_CHECK(p.num_ranks >= 1, errc::invalid_argument,
+                "plan needs num_ranks >= 1 (num_ranks=", p.num_ranks, ")");
+  const size_t P = static_cast<size_t>(p.num_ranks);
+  std::vector<int64_t> weight(P, 0), kv(P, 0);
+  switch_workload w;
+  w.num_ranks = p.num_ranks;
+  for (const plan_phase& phase : p.phases) {
+    bool writes_kv = false;
+    for (const copy_op& op : phase.ops) {
+      MOEBIUS_CHECK(op.src_rank >= 0 && static_cast<size_t>(op.src_rank) < P,
+                    errc::invalid_argument, "plan op source rank out of range (src_rank=",
+                    op.src_rank, ", P=", p.num_ranks, ")");
+      writes_kv = writes_kv || op.dst_space == memory_space::kv_pool;
+      if (op.is_local()) continue;
+      std::vector<int64_t>& v = op.dst_space == memory_space::kv_pool ? kv : weight;
+      v[static_cast<size_t>(op.src_rank)] = detail::checked_add(
+          v[static_cast<size_t>(op.src_rank)], op.bytes(), "bytes leaving a rank");
+    }
+    ++(writes_kv ? w.kv_rounds : w.weight_phases);
+  }
+  w.weight_bytes_per_rank = *std::max_element(weight.begin(), weight.end());
+  w.kv_bytes_per_rank = *std::max_element(kv.begin(), kv.end());
+  return w;
+}
+
+std::ostream& operator<<(std::ostream& os, const switch_cost& c) {
+  return os << "total " << c.total_ms() << " ms = weights " << c.weight_ms << " + kv "
+            << c.kv_ms << " + barriers " << c.barrier_ms << " + launches " << c.launch_ms
+            << " + fixed " << c.fixed_ms;
+}
+
+std::ostream& operator<<(std::ostream& os, const link_params& l) {
+  return os << "link{" << l.bandwidth_gbps << " GB/s, kv " << l.effective_kv_gbps()
+            << " GB/s, barrier " << l.barrier_us << " us, launch " << l.launch_us
+            << " us, fixed " << l.fixed_ms << " ms}";
+}
+
+cost_model::cost_model(const link_params& link) : link_(link) { validate(link_); }
+
+switch_cost cost_model::predict(const switch_workload& w) const {
+  validate(w);
+  switch_cost c;
+  c.weight_ms = transfer_ms(w.weight_bytes_per_rank, link_.bandwidth_gbps);
+  c.kv_ms = transfer_ms(w.kv_bytes_per_rank, link_.effective_kv_gbps());
+  const double n = static_cast<double>(sync_points(w));
+  c.barrier_ms = n * link_.barrier_us * 1e-3;
+  c.launch_ms = n * link_.launch_us * 1e-3;
+  c.fixed_ms = link_.fixed_ms;
+  return c;
+}
+
+cost_fit_result cost_model::update(const switch_measurement& m) {
+  validate(m.workload);
+  MOEBIUS_CHECK(std::isfinite(m.measured_ms) && m.measured_ms > 0, errc::invalid_argument,
+                "a measured switch time must be finite and > 0 ms (measured_ms=",
+                m.measured_ms, ")");
+  measurements_.push_back(m);
+  return refit();
+}
+
+cost_fit_result cost_model::refit() {
+  cost_fit_result r;
+  r.num_samples = static_cast<int>(measurements_.size());
+  auto rms = [&](const link_params& l) {
+    if (measurements_.empty()) return 0.0;
+    cost_model probe(l);
+    double s = 0;
+    for (const switch_measurement& m : measurements_) {
+      const double e = probe.predict(m.workload).total_ms() - m.measured_ms;
+      s += e * e;
+    }
+    return std::sqrt(s / static_cast<double>(measurements_.size()));
+  };
+  if (measurements_.empty()) {
+    r.why = "no measurements";
+    return r;
+  }
+  // y = x / (bw·1e6) + fixed, x = weight_bytes + kv_bytes · bw / kv_bw.
+  const double kv_ratio = link_.bandwidth_gbps / link_.effective_kv_gbps();
+  const double per_sync_ms = (link_.barrier_us + link_.launch_us) * 1e-3;
+  std::vector<double> xs, ys;
+  for (const switch_measurement& m : measurements_) {
+    xs.push_back(static_cast<double>(m.workload.weight_bytes_per_rank) +
+                 static_cast<double>(m.workload.kv_bytes_per_rank) * kv_ratio);
+    ys.push_back(m.measured_ms - static_cast<double>(sync_points(m.workload)) * per_sync_ms);
+  }
+  const double n = static_cast<double>(xs.size());
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    mx += xs[i];
+    my += ys[i];
+  }
+  mx /= n;
+  my /= n;
+  double sxx = 0, sxy = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    sxx += (xs[i] - mx) * (xs[i] - mx);
+    sxy += (xs[i] - mx) * (ys[i] - my);
+  }
+  double slope = 0, fixed = link_.fixed_ms;
+  // Relative spread of the byte counts: below 1e-9 they are one point, fit the rate only.
+  if (sxx <= 1e-18 * mx * mx * n) {
+    slope = mx > 0 ? (my - fixed) / mx : 0;
+  } else {
+    slope = sxy / sxx;
+    fixed = my - slope * mx;
+  }
+  if (!(slope > 0) || !std::isfinite(slope)) {
+    r.why = "fit gives a non-positive bandwidth (times do not grow with bytes)";
+    r.rms_error_ms = rms(link_);
+    return r;
+  }
+  if (fixed < 0) {
+    r.why = "fit gives a negative fixed overhead (barrier/launch costs set too high?)";
+    r.rms_error_ms = rms(link_);
+    return r;
+  }
+  link_params next = link_;
+  next.bandwidth_gbps = 1.0 / (slope * 1e6);
+  if (link_.kv_bandwidth_gbps > 0) next.kv_bandwidth_gbps = next.bandwidth_gbps / kv_ratio;
+  next.fixed_ms = fixed;
+  link_ = next;
+  r.ok = true;
+  r.rms_error_ms = rms(link_);
+  return r;
+}
+
+void cost_model::report(std::ostream& os) const {
+  os << "switch cost model: " << link_ << "\n";
+  os << "  #  weight_bytes  kv_bytes  phases  rounds  predicted_ms  measured_ms  error\n";
+  int i = 0;
+  for (const switch_measurement& m : measurements_) {
+    const double p = predict(m.workload).total_ms();
+    os << "  " << i++ << "  " << m.workload.weight_bytes_per_rank << "  "
+       << m.workload.kv_bytes_per_rank << "  " << m.workload.weight_phases << "  "
+       << m.workload.kv_rounds << "  " << p << "  " << m.measured_ms << "  "
+       << (p - m.measured_ms) / m.measured_ms * 100.0 << "%\n";
+  }
+}
+
+}  // namespace moebius

@@ -1,0 +1,196 @@
+#include "moebius/policy/switch_policy.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <ostream>
+
+#include "moebius/error.hpp"
+#include "moebius/policy/calibration.hpp"
+
+namespace moebius {
+
+namespace {
+// Keeps T_l · W (the mean rule compares sums, not means) far from overflow.
+constexpr int64_t max_threshold = int64_t{1} << 40;
+
+constexpr int mode_idx(parallel_mode m) { return m == parallel_mode::ep ? 0 : 1; }
+}  // namespace
+
+switch_policy_config interactive_config(int64_t t_high, double low_ratio) {
+  MOEBIUS_CHECK(std::isfinite(low_ratio) && low_ratio > 0.0 && low_ratio <= 1.0,
+                errc::invalid_argument, "low_ratio must lie in (0, 1] (low_ratio=", low_ratio,
+                ")");
+  switch_policy_config c;
+  c.t_high = t_high;
+  c.t_low = std::max<int64_t>(1, std::llround(low_ratio * static_cast<double>(t_high)));
+  validate(c);
+  return c;
+}
+
+switch_policy_config rollout_config(int64_t t_high, int64_t cooldown_steps) {
+  switch_policy_config c;
+  c.t_high = t_high;
+  c.t_low = t_high;
+  c.up_window = 1;
+  c.down_window = 1;
+  c.rule = down_rule::every;
+  c.cooldown_steps = cooldown_steps;
+  c.cooldown_s = 0.0;
+  validate(c);
+  return c;
+}
+
+void validate(const switch_policy_config& c) {
+  MOEBIUS_CHECK(c.t_high > 0 && c.t_high <= max_threshold, errc::invalid_argument,
+                "T_h must lie in [1, 2^40] (t_high=", c.t_high, ")");
+  MOEBIUS_CHECK(c.t_low > 0 && c.t_low <= c.t_high, errc::invalid_argument,
+                "T_l must lie in [1, T_h] (t_low=", c.t_low, ", t_high=", c.t_high, ")");
+  MOEBIUS_CHECK(c.up_window >= 1 && c.up_window <= switch_policy_config::max_window,
+                errc::invalid_argument, "up_window must lie in [1, ",
+                switch_policy_config::max_window, "] (up_window=", c.up_window, ")");
+  MOEBIUS_CHECK(c.down_window >= 1 && c.down_window <= switch_policy_config::max_window,
+                errc::invalid_argument, "down_window W must lie in [1, ",
+                switch_policy_config::max_window, "] (down_window=", c.down_window, ")");
+  MOEBIUS_CHECK(c.cooldown_steps >= 0, errc::invalid_argument,
+                "cooldown_steps must be >= 0 (cooldown_steps=", c.cooldown_steps, ")");
+  MOEBIUS_CHECK(std::isfinite(c.cooldown_s) && c.cooldown_s >= 0.0, errc::invalid_argument,
+                "cooldown_s must be finite and >= 0 (cooldown_s=", c.cooldown_s, ")");
+  MOEBIUS_CHECK(c.expected_residency_steps >= 0, errc::invalid_argument,
+                "expected_residency_steps must be >= 0 (expected_residency_steps=",
+                c.expected_residency_steps, ")");
+}
+
+std::ostream& operator<<(std::ostream& os, const switch_policy_config& c) {
+  return os << "switch_policy_config{T_h=" << c.t_high << ", T_l=" << c.t_low
+            << ", up_window=" << c.up_window << ", W=" << c.down_window << " (" << to_string(c.rule)
+            << "), cooldown=" << c.cooldown_steps << " steps/" << c.cooldown_s
+            << " s, residency=" << c.expected_residency_steps << " steps}";
+}
+
+std::ostream& operator<<(std::ostream& os, const switch_decision& d) {
+  if (d.do_switch) {
+    return os << "switch to " << to_string(d.target) << " (" << to_string(d.reason) << ")";
+  }
+  if (d.blocked()) {
+    return os << "stay: " << to_string(d.target) << " refused (" << to_string(d.reason) << ")";
+  }
+  return os << "stay (" << to_string(d.reason) << ")";
+}
+
+switch_policy::switch_policy(const switch_policy_config& config, capacity_check capacity)
+    : config_(config), capacity_(capacity) {
+  validate(config_);
+}
+
+void switch_policy::set_cost_gate(const latency_curves* curves, double switch_ms_to_ep,
+                                  double switch_ms_to_tp) {
+  MOEBIUS_CHECK(std::isfinite(switch_ms_to_ep) && switch_ms_to_ep >= 0.0 &&
+                    std::isfinite(switch_ms_to_tp) && switch_ms_to_tp >= 0.0,
+                errc::invalid_argument, "switch costs must be finite and >= 0 (to EP ",
+                switch_ms_to_ep, " ms, to TP ", switch_ms_to_tp, " ms)");
+  curves_ = curves;
+  switch_ms_[mode_idx(parallel_mode::ep)] = switch_ms_to_ep;
+  switch_ms_[mode_idx(parallel_mode::tp)] = switch_ms_to_tp;
+}
+
+void switch_policy::reset() {
+  stats_ = {};
+  seen_mode_ = false;
+  cooling_ = false;
+  last_switch_step_ = 0;
+  last_switch_s_ = 0.0;
+  above_run_ = below_run_ = 0;
+  ring_head_ = ring_count_ = ring_sum_ = 0;
+}
+
+double switch_policy::window_mean() const {
+  return ring_count_ == 0 ? 0.0
+                          : static_cast<double>(ring_sum_) / static_cast<double>(ring_count_);
+}
+
+void switch_policy::restart_windows(int64_t step_idx, double now_s) {
+  cooling_ = true;
+  last_switch_step_ = step_idx;
+  last_switch_s_ = now_s;
+  above_run_ = below_run_ = 0;
+  ring_head_ = ring_count_ = ring_sum_ = 0;
+}
+
+bool switch_policy::in_cooldown(double now_s) const {
+  if (!cooling_) return false;
+  // Blocked for the cooldown_steps steps after the switch step, and while less than
+  // cooldown_s seconds have passed (a seconds cooldown of 0 ignores the clock entirely, so
+  // a caller that passes no meaningful time is never blocked by it).
+  return stats_.steps - 1 - last_switch_step_ <= config_.cooldown_steps ||
+         (config_.cooldown_s > 0.0 && now_s - last_switch_s_ < config_.cooldown_s);
+}
+
+bool switch_policy::gain_exceeds_cost(parallel_mode current, parallel_mode target,
+                                      int64_t load) const {
+  if (curves_ == nullptr || config_.expected_residency_steps == 0) return true;
+  const double b = static_cast<double>(load);
+  const double gain_ms = (curves_->latency_ms(current, b) - curves_->latency_ms(target, b)) *
+                         static_cast<double>(config_.expected_residency_steps);
+  return gain_ms >= switch_ms_[mode_idx(target)];
+}
+
+switch_decision switch_policy::step(int64_t load, parallel_mode current, double now_s) {
+  MOEBIUS_CHECK(load >= 0, errc::invalid_argument, "load must be >= 0 (load=", load, ")");
+  const int64_t step_idx = stats_.steps++;
+
+  // A mode change the policy did not predict (an operator switch, or a proposed switch that
+  // failed and rolled back): a switch all the same, so restart windows and the cooldown.
+  if (seen_mode_ && current != last_mode_) {
+    ++stats_.external_switches;
+    restart_windows(step_idx, now_s);
+  }
+  seen_mode_ = true;
+  last_mode_ = current;
+
+  // Observe.
+  above_run_ = load >= config_.t_high ? above_run_ + 1 : 0;
+  below_run_ = load < config_.t_low ? below_run_ + 1 : 0;
+  if (ring_count_ == config_.down_window) {
+    ring_sum_ -= ring_[ring_head_];
+  } else {
+    ++ring_count_;
+  }
+  ring_[ring_head_] = load;
+  ring_sum_ += load;
+  ring_head_ = ring_head_ + 1 == config_.down_window ? 0 : ring_head_ + 1;
+
+  switch_decision d;
+  if (current == parallel_mode::tp) {
+    if (above_run_ >= config_.up_window) {
+      d.target = parallel_mode::ep;
+      d.reason = decision_reason::above_high;
+    }
+  } else if (ring_count_ == config_.down_window) {
+    const bool below = config_.rule == down_rule::mean
+                           ? ring_sum_ < config_.t_low * config_.down_window
+                           : below_run_ >= config_.down_window;
+    if (below) {
+      d.target = parallel_mode::tp;
+      d.reason = decision_reason::below_low;
+    }
+  }
+
+  if (d.reason != decision_reason::hold) {
+    if (in_cooldown(now_s)) {
+      d.reason = decision_reason::cooldown;
+    } else if (!capacity_.fits(d.target)) {
+      d.reason = decision_reason::capacity_refused;
+    } else if (!gain_exceeds_cost(current, d.target, load)) {
+      d.reason = decision_reason::cost_exceeds_gain;
+    } else {
+      d.do_switch = true;
+      ++stats_.switches;
+      restart_windows(step_idx, now_s);
+      last_mode_ = d.target;  // expected next step; anything else is a failed switch
+    }
+  }
+  ++stats_.by_reason[static_cast<int>(d.reason)];
+  return d;
+}
+
+}  // namespace moebius

@@ -1,0 +1,217 @@
+#include "moebius/switch/switcher.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <ostream>
+#include <utility>
+
+#include "moebius/error.hpp"
+#include "moebius/plan/rollback.hpp"
+#include "moebius/plan/weight_plan.hpp"
+
+namespace moebius {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double ms_between(clock_type::time_point a, clock_type::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+arena_cursor resting_cursor(const arena_geometry& g, parallel_mode m) {
+  return arena_cursor{m == parallel_mode::tp ? g.shape.num_layers : 0};
+}
+
+}  // namespace
+
+const char* to_string(switch_outcome o) {
+  switch (o) {
+    case switch_outcome::committed: return "committed";
+    case switch_outcome::already_there: return "already_there";
+    case switch_outcome::refused_capacity: return "refused_capacity";
+    case switch_outcome::rolled_back: return "rolled_back";
+    case switch_outcome::inconsistent: return "inconsistent";
+  }
+  return "unknown";
+}
+
+switcher::switcher(const arena_geometry& weights, const kv_geometry& kv, transport& t,
+                   kv_state kv_tables, arena_cursor cursor, switcher_options options)
+    : weights_(weights),
+      kv_geometry_(kv),
+      transport_(t),
+      kv_(std::move(kv_tables)),
+      cursor_(cursor),
+      options_(std::move(options)) {
+  validate(weights_, cursor_);
+  validate(kv_geometry_);
+  validate(kv_geometry_, kv_);
+  MOEBIUS_CHECK(weights_.num_ranks == t.num_ranks() && kv_geometry_.num_ranks == t.num_ranks(),
+                errc::invalid_argument, "switcher: rank counts differ (weights P=",
+                weights_.num_ranks, ", kv P=", kv_geometry_.num_ranks,
+                ", transport P=", t.num_ranks(), ")");
+  MOEBIUS_CHECK(cursor_ == resting_cursor(weights_, kv_.mode), errc::invalid_argument,
+                "switcher: the arena cursor must match the KV mode (cursor tp_layers=",
+                cursor_.tp_layers, ", KV mode ", to_string(kv_.mode), " needs ",
+                resting_cursor(weights_, kv_.mode).tp_layers, ")");
+}
+
+kv_migration_options switcher::kv_options(arena_cursor weights_at) const {
+  kv_migration_options opt;
+  opt.max_rounds = options_.max_kv_rounds;
+  if (options_.stage_kv_in_free_slot) {
+    opt.staging.space = memory_space::arena;
+    opt.staging.offset = weights_.slot_offset(arena_geometry::free_slot(weights_at));
+    opt.staging.bytes = weights_.slot_bytes;
+  }
+  return opt;
+}
+
+kv_capacity_report switcher::check(parallel_mode target) const {
+  return check_kv_capacity(kv_geometry_, kv_, target,
+                           kv_options(resting_cursor(weights_, target)));
+}
+
+std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& completed) {
+  completed = 0;
+  if (fault_ && fault_->where == stage) {
+    transport_.inject_fault(fault_->at);
+    fault_.reset();
+  }
+  std::string failure;
+  try {
+    transport_.execute(p);
+  } catch (const error& e) {
+    failure = e.what();
+  }
+  transport_.inject_fault(std::nullopt);  // an armed fault that was not reached dies here
+  completed = failure.empty() ? static_cast<int64_t>(p.phases.size())
+                              : transport_.completed_phases();
+  return failure;
+}
+
+switch_report switcher::switch_to(parallel_mode target) {
+  const auto t0 = clock_type::now();
+  switch_report rep;
+  rep.from = mode();
+  rep.to = target;
+  rep.cursor = cursor_;
+  validate(kv_geometry_, kv_);
+  const arena_cursor start = cursor_;
+  const arena_cursor goal = resting_cursor(weights_, target);
+  if (kv_.mode == target && cursor_ == goal) {
+    rep.outcome = switch_outcome::already_there;
+    rep.total_ms = ms_between(t0, clock_type::now());
+    return rep;
+  }
+
+  // 1. Capacity: before any byte moves.
+  auto t = clock_type::now();
+  const kv_migration_options kv_opt = kv_options(goal);
+  rep.capacity = check_kv_capacity(kv_geometry_, kv_, target, kv_opt);
+  rep.capacity_ms = ms_between(t, clock_type::now());
+  if (!rep.capacity.fits) {
+    rep.outcome = switch_outcome::refused_capacity;
+    rep.error = rep.capacity.reason;
+    rep.total_ms = ms_between(t0, clock_type::now());
+    return rep;
+  }
+
+  // 2. Plans (pure data; nothing has moved yet).
+  t = clock_type::now();
+  const plan weights = plan_weight_switch(weights_, start, goal);
+  const kv_migration kv = plan_kv_migration(kv_geometry_, kv_, target, kv_opt);
+  rep.plan_ms = ms_between(t, clock_type::now());
+  rep.weight_phases = static_cast<int64_t>(weights.phases.size());
+  rep.kv_rounds = static_cast<int64_t>(kv.copies.phases.size());
+  rep.weight_bytes_sent = traffic_of(weights).bytes_sent;
+  rep.kv_bytes_sent = traffic_of(kv.copies).bytes_sent;
+  rep.kv_stats = kv.stats;
+
+  uint64_t checksum_before = 0;
+  if (options_.verify) {
+    t = clock_type::now();
+    checksum_before = options_.verify(start, kv_);
+    rep.verify_ms += ms_between(t, clock_type::now());
+  }
+
+  // Undoes `kv_done` KV rounds, then the weights from where they rest back to `start`.
+  auto undo = [&](int64_t kv_done, arena_cursor weights_at) {
+    const auto tu = clock_type::now();
+    int64_t done = 0;
+    std::string failure;
+    if (kv_done > 0) {
+      failure = run(rollback_plan(kv.copies, kv_done), switch_fault::stage::undo, done);
+    }
+    if (failure.empty() && !(weights_at == start)) {
+      const plan back = plan_weight_switch(weights_, weights_at, start);
+      failure = run(back, switch_fault::stage::undo, done);
+      const int64_t moved = weights_at.tp_layers > start.tp_layers ? -done : done;
+      weights_at = arena_cursor{weights_at.tp_layers + moved};
+    }
+    rep.undo_ms = ms_between(tu, clock_type::now());
+    cursor_ = weights_at;
+    rep.cursor = cursor_;
+    if (failure.empty()) {
+      rep.outcome = switch_outcome::rolled_back;
+    } else {
+      rep.outcome = switch_outcome::inconsistent;
+      rep.error += "; undo failed: " + failure;
+    }
+    rep.total_ms = ms_between(t0, clock_type::now());
+    return rep;
+  };
+
+  // 3. Expert weights, layer by layer through the arena cursor.
+  t = clock_type::now();
+  rep.error = run(weights, switch_fault::stage::weights, rep.weight_phases_completed);
+  rep.weights_ms = ms_between(t, clock_type::now());
+  if (!rep.error.empty()) {
+    const int64_t k = rep.weight_phases_completed;
+    return undo(0, arena_cursor{goal.tp_layers > start.tp_layers ? start.tp_layers + k
+                                                                  : start.tp_layers - k});
+  }
+
+  // 4. KV pages, in rounds.
+  t = clock_type::now();
+  rep.error = run(kv.copies, switch_fault::stage::kv, rep.kv_rounds_completed);
+  rep.kv_ms = ms_between(t, clock_type::now());
+  if (!rep.error.empty()) return undo(rep.kv_rounds_completed, goal);
+
+  // 5. Verify end to end, then commit: new tables, cursor, selector.
+  if (options_.verify) {
+    t = clock_type::now();
+    const uint64_t after = options_.verify(goal, kv.new_state);
+    rep.verify_ms += ms_between(t, clock_type::now());
+    if (after != checksum_before) {
+      rep.error = "verify: checksum after the switch differs from before";
+      return undo(rep.kv_rounds, goal);
+    }
+    rep.verified = true;
+  }
+  kv_ = kv.new_state;
+  cursor_ = goal;
+  rep.cursor = goal;
+  rep.outcome = switch_outcome::committed;
+  if (options_.on_commit) options_.on_commit(target);
+  rep.total_ms = ms_between(t0, clock_type::now());
+  return rep;
+}
+
+std::ostream& operator<<(std::ostream& os, const switch_report& r) {
+  int64_t wmax = 0, kmax = 0;
+  for (int64_t b : r.weight_bytes_sent) wmax = std::max(wmax, b);
+  for (int64_t b : r.kv_bytes_sent) kmax = std::max(kmax, b);
+  os << "switch " << to_string(r.from) << "->" << to_string(r.to) << ": "
+     << to_string(r.outcome) << ", cursor " << r.cursor.tp_layers << "; weights "
+     << r.weight_phases_completed << '/' << r.weight_phases << " phases, " << wmax
+     << " B max sent per rank, " << r.weights_ms << " ms; KV " << r.kv_rounds_completed << '/'
+     << r.kv_rounds << " rounds, " << kmax << " B max sent per rank, " << r.kv_ms
+     << " ms; capacity " << r.capacity_ms << " ms, plans " << r.plan_ms << " ms, undo "
+     << r.undo_ms << " ms, total " << r.total_ms << " ms";
+  if (r.verified) os << "; verified";
+  if (!r.error.empty()) os << "; error: " << r.error;
+  return os;
+}
+
+}  // namespace moebius

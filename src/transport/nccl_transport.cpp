@@ -1,0 +1,297 @@
+#include "moebius/transport/nccl_transport.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <utility>
+
+#include "moebius/cuda/check.hpp"
+#include "moebius/cuda/nccl_check.hpp"
+#include "moebius/detail/nccl_pack.hpp"
+#include "moebius/error.hpp"
+
+
+namespace moebius {
+namespace {
+
+constexpr int64_t k_staging_alignment = 256;
+
+constexpr int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// A remote op goes through staging on the side whose rows are strided.
+constexpr bool strided_at_source(const copy_op& op) {
+  return op.rows > 1 && op.src_pitch != op.row_bytes;
+}
+constexpr bool strided_at_destination(const copy_op& op) {
+  return op.rows > 1 && op.dst_pitch != op.row_bytes;
+}
+
+// Calls f(op_index, staging_offset) for each op of `ops[0, num_ops)` that `rank` stages, in
+// op order, and returns the staging bytes used. workspace_bytes and enqueue_phase both walk
+// the ops through this one function, so the query and the execution cannot disagree.
+template <class F>
+int64_t walk_staging(const std::vector<copy_op>& ops, int64_t num_ops, int rank, F&& f) {
+  int64_t offset = 0;
+  for (int64_t i = 0; i < num_ops; ++i) {
+    const copy_op& op = ops[static_cast<size_t>(i)];
+    if (op.is_local()) continue;
+    const bool stages = (op.src_rank == rank && strided_at_source(op)) ||
+                        (op.dst_rank == rank && strided_at_destination(op));
+    if (!stages) continue;
+    f(i, offset);
+    offset += align_up(op.bytes(), k_staging_alignment);
+  }
+  return offset;
+}
+
+// Device pointer of `offset` in `space` of a local rank.
+std::byte* address(const nccl_rank& r, memory_space space, int64_t offset) {
+  return static_cast<std::byte*>(r.space_base[static_cast<int>(space)]) + offset;
+}
+
+// Makes a device current for a scope and restores the caller's device afterwards.
+class device_guard {
+ public:
+  device_guard() { MOEBIUS_CUDA_CHECK(cudaGetDevice(&saved_)); }
+  ~device_guard() { (void)cudaSetDevice(saved_); }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  void set(int device) { MOEBIUS_CUDA_CHECK(cudaSetDevice(device)); }
+
+ private:
+  int saved_ = 0;
+};
+
+}  // namespace
+
+int64_t nccl_transport::workspace_bytes(const plan& p, int rank) {
+  MOEBIUS_CHECK(rank >= 0 && rank < p.num_ranks, errc::invalid_argument, "rank ", rank,
+                " is outside the plan's ranks [0, ", p.num_ranks, ")");
+  int64_t most = 0;
+  for (const plan_phase& phase : p.phases) {
+    const int64_t bytes = walk_staging(phase.ops, static_cast<int64_t>(phase.ops.size()), rank,
+                                       [](int64_t, int64_t) {});
+    most = std::max(most, bytes);
+  }
+  return most;
+}
+
+nccl_transport::nccl_transport(std::vector<nccl_rank> local_ranks)
+    : ranks_(std::move(local_ranks)) {
+  MOEBIUS_CHECK(!ranks_.empty(), errc::invalid_argument, "nccl_transport needs at least one rank");
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    const nccl_rank& r = ranks_[i];
+    MOEBIUS_CHECK(r.comm != nullptr, errc::invalid_argument, "local rank entry ", i,
+                  " has no communicator");
+    int count = 0, rank = 0, device = 0;
+    MOEBIUS_NCCL_CHECK(ncclCommCount(r.comm, &count));
+    MOEBIUS_NCCL_CHECK(ncclCommUserRank(r.comm, &rank));
+    MOEBIUS_NCCL_CHECK(ncclCommCuDevice(r.comm, &device));
+    if (i == 0) num_ranks_ = count;
+    MOEBIUS_CHECK(count == num_ranks_, errc::invalid_argument,
+                  "communicators of one nccl_transport must have the same size (entry 0 has ",
+                  num_ranks_, " ranks, entry ", i, " has ", count, ")");
+    MOEBIUS_CHECK(device == r.device, errc::invalid_argument, "local rank entry ", i,
+                  " says device ", r.device, " but its communicator uses device ", device);
+    for (int s = 0; s < num_memory_spaces; ++s) {
+      MOEBIUS_CHECK(r.space_bytes[s] >= 0, errc::invalid_argument, "rank ", rank, " space ",
+                    to_string(static_cast<memory_space>(s)), " has negative size ",
+                    r.space_bytes[s]);
+      MOEBIUS_CHECK(r.space_bytes[s] == 0 || r.space_base[s] != nullptr,
+                    errc::invalid_argument, "rank ", rank, " space ",
+                    to_string(static_cast<memory_space>(s)), " has ", r.space_bytes[s],
+                    " bytes but a null base pointer");
+    }
+    MOEBIUS_CHECK(r.workspace_bytes >= 0 && (r.workspace_bytes == 0 || r.workspace != nullptr),
+                  errc::invalid_argument, "rank ", rank, " workspace of ", r.workspace_bytes,
+                  " bytes has a null pointer");
+    rank_of_local_.push_back(rank);
+  }
+  local_of_rank_.assign(static_cast<size_t>(num_ranks_), -1);
+  for (size_t i = 0; i < rank_of_local_.size(); ++i) {
+    int& slot = local_of_rank_[static_cast<size_t>(rank_of_local_[i])];
+    MOEBIUS_CHECK(slot < 0, errc::invalid_argument, "NCCL rank ", rank_of_local_[i],
+                  " appears twice among the local ranks (entries ", slot, " and ", i, ")");
+    slot = static_cast<int>(i);
+  }
+}
+
+const nccl_rank* nccl_transport::find_local(int rank) const {
+  const int i = local_of_rank_[static_cast<size_t>(rank)];
+  return i < 0 ? nullptr : &ranks_[static_cast<size_t>(i)];
+}
+
+void nccl_transport::validate(const plan& p) const {
+  MOEBIUS_CHECK(p.num_ranks == num_ranks_, errc::invalid_argument, "plan is for ", p.num_ranks,
+                " ranks but the NCCL communicators have ", num_ranks_);
+  int64_t caps[num_memory_spaces];
+  for (int s = 0; s < num_memory_spaces; ++s) {
+    caps[s] = ranks_[0].space_bytes[s];
+    for (const nccl_rank& r : ranks_) caps[s] = std::min(caps[s], r.space_bytes[s]);
+  }
+  moebius::validate(p, caps);
+  for (size_t rank = 0; rank < local_of_rank_.size(); ++rank) {
+    const nccl_rank* r = find_local(static_cast<int>(rank));
+    if (r == nullptr) continue;
+    const int64_t need = workspace_bytes(p, static_cast<int>(rank));
+    MOEBIUS_CHECK(r->workspace_bytes >= need, errc::invalid_argument, "rank ", rank,
+                  " staging workspace holds ", r->workspace_bytes,
+                  " bytes but the plan needs workspace_bytes(plan, ", rank, ") = ", need);
+  }
+}
+
+void nccl_transport::enqueue_phase(const plan_phase& phase, int64_t num_ops) {
+  const std::vector<copy_op>& ops = phase.ops;
+  if (num_ops < 0) num_ops = static_cast<int64_t>(ops.size());
+  device_guard guard;
+
+  // Staging offset of each op per local rank (-1: not staged). An op stages on at most one
+  // side per rank, since a remote op has two different ranks.
+  std::vector<std::vector<int64_t>> staged(ranks_.size());
+  for (size_t li = 0; li < ranks_.size(); ++li) {
+    staged[li].assign(static_cast<size_t>(num_ops), -1);
+    walk_staging(ops, num_ops, rank_of_local_[li],
+                 [&](int64_t i, int64_t off) { staged[li][static_cast<size_t>(i)] = off; });
+  }
+  const auto staging_of = [&](size_t li, int64_t op_idx) {
+    return static_cast<std::byte*>(ranks_[li].workspace) + staged[li][static_cast<size_t>(op_idx)];
+  };
+
+  // 1. Pack strided sources.
+  for (size_t li = 0; li < ranks_.size(); ++li) {
+    const nccl_rank& r = ranks_[li];
+    guard.set(r.device);
+    for (int64_t i = 0; i < num_ops; ++i) {
+      const copy_op& op = ops[static_cast<size_t>(i)];
+      if (staged[li][static_cast<size_t>(i)] < 0 || op.src_rank != rank_of_local_[li]) continue;
+      detail::launch_strided_copy({address(r, op.src_space, op.src_offset), staging_of(li, i),
+                                   op.rows, op.row_bytes, op.src_pitch, op.row_bytes},
+                                  r.stream);
+    }
+  }
+
+  // 2. Every send and receive of the phase, of every local rank, in one group. NCCL pairs
+  // the calls between two ranks in issue order, and both sides walk the ops in plan order.
+  bool any_remote = false;
+  for (int64_t i = 0; i < num_ops && !any_remote; ++i) {
+    const copy_op& op = ops[static_cast<size_t>(i)];
+    any_remote = !op.is_local() && (find_local(op.src_rank) || find_local(op.dst_rank));
+  }
+  if (any_remote) {
+    MOEBIUS_NCCL_CHECK(ncclGroupStart());
+    try {
+      for (int64_t i = 0; i < num_ops; ++i) {
+        const copy_op& op = ops[static_cast<size_t>(i)];
+        if (op.is_local()) continue;
+        const size_t count = static_cast<size_t>(op.bytes());
+        const int src_li = local_of_rank_[static_cast<size_t>(op.src_rank)];
+        const int dst_li = local_of_rank_[static_cast<size_t>(op.dst_rank)];
+        if (src_li >= 0) {
+          const nccl_rank& r = ranks_[static_cast<size_t>(src_li)];
+          const std::byte* buf = strided_at_source(op)
+                                     ? staging_of(static_cast<size_t>(src_li), i)
+                                     : address(r, op.src_space, op.src_offset);
+          MOEBIUS_NCCL_CHECK(ncclSend(buf, count, ncclUint8, op.dst_rank, r.comm, r.stream));
+        }
+        if (dst_li >= 0) {
+          const nccl_rank& r = ranks_[static_cast<size_t>(dst_li)];
+          std::byte* buf = strided_at_destination(op)
+                               ? staging_of(static_cast<size_t>(dst_li), i)
+                               : address(r, op.dst_space, op.dst_offset);
+          MOEBIUS_NCCL_CHECK(ncclRecv(buf, count, ncclUint8, op.src_rank, r.comm, r.stream));
+        }
+      }
+    } catch (...) {
+      (void)ncclGroupEnd();
+      throw;
+    }
+    MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  // 3. Unpack strided destinations; 4. local ops. Same stream, so after the receives.
+  for (size_t li = 0; li < ranks_.size(); ++li) {
+    const nccl_rank& r = ranks_[li];
+    guard.set(r.device);
+    for (int64_t i = 0; i < num_ops; ++i) {
+      const copy_op& op = ops[static_cast<size_t>(i)];
+      if (staged[li][static_cast<size_t>(i)] < 0 || op.dst_rank != rank_of_local_[li]) continue;
+      detail::launch_strided_copy({staging_of(li, i), address(r, op.dst_space, op.dst_offset),
+                                   op.rows, op.row_bytes, op.row_bytes, op.dst_pitch},
+                                  r.stream);
+    }
+    for (int64_t i = 0; i < num_ops; ++i) {
+      const copy_op& op = ops[static_cast<size_t>(i)];
+      if (!op.is_local() || op.src_rank != rank_of_local_[li]) continue;
+      std::byte* dst = address(r, op.dst_space, op.dst_offset);
+      const std::byte* src = address(r, op.src_space, op.src_offset);
+      const bool contiguous =
+          op.rows == 1 || (op.src_pitch == op.row_bytes && op.dst_pitch == op.row_bytes);
+      if (contiguous) {
+        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(op.bytes()),
+                                                    cudaMemcpyDeviceToDevice, r.stream));
+      } else {
+        detail::launch_strided_copy(
+            {src, dst, op.rows, op.row_bytes, op.src_pitch, op.dst_pitch}, r.stream);
+      }
+    }
+  }
+}
+
+void nccl_transport::enqueue(const plan& p, int64_t first, int64_t last) {
+  const int64_t num_phases = static_cast<int64_t>(p.phases.size());
+  MOEBIUS_CHECK(0 <= first && first <= last && last <= num_phases, errc::out_of_range,
+                "phase range [", first, ", ", last, ") is outside the plan's [0, ", num_phases,
+                ")");
+  for (int64_t k = first; k < last; ++k) enqueue_phase(p.phases[static_cast<size_t>(k)], -1);
+}
+
+void nccl_transport::synchronize() {
+  device_guard guard;
+  for (const nccl_rank& r : ranks_) {
+    guard.set(r.device);
+    MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(r.stream));
+  }
+}
+
+void nccl_transport::execute(const plan& p) {
+  completed_phases_ = 0;
+  validate(p);
+  // Waits for whatever was enqueued, ignoring errors: used only on the way out of a failure.
+  const auto drain = [this] {
+    int saved = 0;
+    (void)cudaGetDevice(&saved);
+    for (const nccl_rank& r : ranks_) {
+      (void)cudaSetDevice(r.device);
+      (void)cudaStreamSynchronize(r.stream);
+    }
+    (void)cudaSetDevice(saved);
+  };
+  const int64_t num_phases = static_cast<int64_t>(p.phases.size());
+  for (int64_t k = 0; k < num_phases; ++k) {
+    const plan_phase& phase = p.phases[static_cast<size_t>(k)];
+    const bool fault_here = fault_ && fault_->phase == k;
+    const int64_t limit =
+        fault_here ? std::clamp<int64_t>(fault_->op, 0, static_cast<int64_t>(phase.ops.size()))
+                   : -1;
+    try {
+      enqueue_phase(phase, limit);
+    } catch (...) {
+      drain();
+      completed_phases_ = k;
+      throw;
+    }
+    if (fault_here) {
+      const int64_t op = fault_->op;
+      fault_.reset();
+      drain();
+      completed_phases_ = k;
+      MOEBIUS_FAIL(errc::injected_fault, "injected fault before op ", op, " of phase ", k, " ('",
+                   phase.label, "')");
+    }
+  }
+  synchronize();  // on failure completed_phases_ stays 0: a sticky CUDA error hides the rest
+  completed_phases_ = num_phases;
+}
+
+}  // namespace moebius

@@ -1,0 +1,227 @@
+#pragma once
+
+// Helpers shared by the GPU tests: RAII device buffers, image upload/download, random plans
+// with a host_transport twin, and the engine configurations every transport test runs.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moebius/cuda/check.hpp"
+#include "moebius/plan/plan.hpp"
+#include "moebius/transport/cuda_peer_transport.hpp"
+#include "support/random.hpp"
+
+namespace moebius::testing {
+
+// One cudaMalloc on a device, freed on destruction.
+class device_buffer {
+ public:
+  device_buffer() = default;
+  device_buffer(int device, size_t bytes) : device_(device), bytes_(bytes) {
+    int saved = 0;
+    MOEBIUS_CUDA_CHECK(cudaGetDevice(&saved));
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
+    MOEBIUS_CUDA_CHECK(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes));
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(saved));
+  }
+  device_buffer(device_buffer&& o) noexcept
+      : device_(o.device_), bytes_(o.bytes_), ptr_(std::exchange(o.ptr_, nullptr)) {}
+  device_buffer& operator=(device_buffer&& o) noexcept {
+    std::swap(device_, o.device_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(ptr_, o.ptr_);
+    return *this;
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() {
+    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+  }
+
+  std::byte* data() const { return static_cast<std::byte*>(ptr_); }
+  size_t size() const { return bytes_; }
+  int device() const { return device_; }
+
+  // Complete on return: a pageable cudaMemcpy may return before its DMA lands, and the
+  // transport's non-blocking streams do not wait for the legacy stream.
+  void upload(const std::vector<std::byte>& h) const {
+    MOEBIUS_CUDA_CHECK(cudaMemcpy(ptr_, h.data(), h.size(), cudaMemcpyHostToDevice));
+    int saved = 0;
+    MOEBIUS_CUDA_CHECK(cudaGetDevice(&saved));
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(device_));
+    MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(saved));
+  }
+  std::vector<std::byte> download() const {
+    std::vector<std::byte> h(bytes_);
+    MOEBIUS_CUDA_CHECK(cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+ private:
+  int device_ = 0;
+  size_t bytes_ = 0;
+  void* ptr_ = nullptr;
+};
+
+inline int device_count() {
+  int n = 0;
+  MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&n));
+  return n;
+}
+
+inline std::vector<std::byte> random_bytes(std::mt19937_64& rng, size_t n) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, std::min<size_t>(8, n - i));
+  }
+  return v;
+}
+
+// A named transport configuration the transport tests run each case with.
+struct engine_case {
+  const char* name;
+  cuda_peer_config config;
+};
+
+// Every engine path: the default automatic choice (small test ops -> SM kernel), automatic with
+// low thresholds (a mix of both engines in one phase), all copy engine, and the SM kernel with
+// tiny chunks and grids (splitting and round-robin over few warps); CUDA graphs on in some,
+// direct enqueue in the others.
+inline std::vector<engine_case> engine_cases() {
+  std::vector<engine_case> cases;
+  cuda_peer_config c;
+  c.barrier_timeout_ns = int64_t{5'000'000'000};
+  cases.push_back({"automatic", c});
+  cuda_peer_config mixed = c;
+  mixed.use_cuda_graphs = false;
+  mixed.copy_engine_min_op_bytes = 512;
+  mixed.copy_engine_max_ops_per_phase = 1 << 20;
+  cases.push_back({"automatic-mixed-direct", mixed});
+  cuda_peer_config ce = c;
+  ce.engine = engine_policy::copy_engine;
+  cases.push_back({"copy_engine", ce});
+  cuda_peer_config sm = c;
+  sm.engine = engine_policy::sm_kernel;
+  sm.use_cuda_graphs = false;
+  cases.push_back({"sm_kernel-direct", sm});
+  cuda_peer_config sm_small = sm;
+  sm_small.use_cuda_graphs = true;
+  sm_small.sm_chunk_bytes = 64;
+  sm_small.sm_kernel_blocks = 3;
+  sm_small.sm_kernel_threads = 64;
+  cases.push_back({"sm_kernel-tiny-chunks", sm_small});
+  return cases;
+}
+
+// P ranks' memory: arena and kv_pool per rank on devices[r].
+struct rank_buffers {
+  std::vector<device_buffer> arena;
+  std::vector<device_buffer> kv;
+
+  std::vector<cuda_rank_memory> memory(const std::vector<int>& devices) const {
+    std::vector<cuda_rank_memory> m(arena.size());
+    for (size_t r = 0; r < arena.size(); ++r) {
+      m[r].device = devices[r];
+      m[r].base[0] = arena[r].data();
+      m[r].bytes[0] = static_cast<int64_t>(arena[r].size());
+      if (r < kv.size()) {
+        m[r].base[1] = kv[r].data();
+        m[r].bytes[1] = static_cast<int64_t>(kv[r].size());
+      }
+    }
+    return m;
+  }
+};
+
+// Devices for P ranks: all on device 0 (virtual ranks) or round-robin over the devices.
+inline std::vector<int> rank_devices(int num_ranks, bool spread) {
+  const int n = spread ? device_count() : 1;
+  std::vector<int> d(static_cast<size_t>(num_ranks));
+  for (int r = 0; r < num_ranks; ++r) d[static_cast<size_t>(r)] = r % n;
+  return d;
+}
+
+// A random valid plan over P ranks and both memory spaces of `space_bytes` each. Phase k
+// writes only the half (k % 2) of each space and reads only the other half, so no destination
+// overlaps a source or another destination of its phase. Ops: 1 byte .. max_op_bytes, random
+// unaligned offsets and pitches (source pitch may be < row_bytes, even 0: re-reading a row).
+inline plan random_plan(std::mt19937_64& rng, int num_ranks, int64_t space_bytes,
+                        int num_phases, int max_ops_per_phase, int64_t max_op_bytes) {
+  plan p;
+  p.num_ranks = num_ranks;
+  const int64_t half = space_bytes / 2;
+  for (int k = 0; k < num_phases; ++k) {
+    plan_phase ph;
+    ph.label = "random phase " + std::to_string(k);
+    // Bump allocators over the written half of each (rank, space).
+    std::vector<int64_t> next(static_cast<size_t>(num_ranks * num_memory_spaces), 0);
+    const int64_t write_base = (k % 2) * half;
+    const int64_t read_base = ((k + 1) % 2) * half;
+    const int num_ops = static_cast<int>(uniform(rng, 0, max_ops_per_phase));
+    for (int i = 0; i < num_ops; ++i) {
+      copy_op op;
+      op.src_rank = static_cast<int32_t>(uniform(rng, 0, num_ranks - 1));
+      op.dst_rank = static_cast<int32_t>(uniform(rng, 0, num_ranks - 1));
+      op.src_space = coin(rng) ? memory_space::arena : memory_space::kv_pool;
+      op.dst_space = coin(rng) ? memory_space::arena : memory_space::kv_pool;
+      int64_t& used = next[static_cast<size_t>(op.dst_rank * num_memory_spaces +
+                                               static_cast<int>(op.dst_space))];
+      const int64_t room = half - used;
+      if (room < 64) continue;
+      const int64_t budget = std::min(room - 32, max_op_bytes);
+      // Shape: plain copy, few big rows or many small rows.
+      const int kind = static_cast<int>(uniform(rng, 0, 2));
+      if (kind == 0) {
+        op.rows = 1;
+        op.row_bytes = uniform(rng, 1, budget);
+        op.src_pitch = op.dst_pitch = op.row_bytes;
+      } else {
+        op.row_bytes = uniform(rng, 1, kind == 1 ? budget : std::min<int64_t>(budget, 300));
+        const int64_t gap = uniform(rng, 0, 37);
+        op.dst_pitch = op.row_bytes + gap;
+        op.rows = uniform(rng, 1, std::max<int64_t>(1, (budget - op.row_bytes) / op.dst_pitch + 1));
+        const int64_t sp_kind = uniform(rng, 0, 5);
+        op.src_pitch = sp_kind == 0 ? 0 : sp_kind == 1 ? uniform(rng, 1, op.row_bytes)
+                                                       : op.row_bytes + uniform(rng, 0, 41);
+      }
+      const int64_t dst_extent = (op.rows - 1) * op.dst_pitch + op.row_bytes;
+      const int64_t src_extent = (op.rows - 1) * op.src_pitch + op.row_bytes;
+      if (dst_extent > room - 16 || src_extent > half) continue;
+      const int64_t skip = uniform(rng, 0, std::min<int64_t>(15, room - 16 - dst_extent));
+      op.dst_offset = write_base + used + skip;
+      used += skip + dst_extent;
+      op.src_offset = read_base + uniform(rng, 0, half - src_extent);
+      ph.ops.push_back(op);
+    }
+    p.phases.push_back(std::move(ph));
+  }
+  return p;
+}
+
+inline std::string first_difference(const std::vector<std::byte>& want,
+                                    const std::vector<std::byte>& got, const std::string& what) {
+  if (want.size() != got.size()) {
+    return what + ": size " + std::to_string(got.size()) + " != " + std::to_string(want.size());
+  }
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (want[i] != got[i]) {
+      std::ostringstream os;
+      os << what << ": first difference at byte " << i << ": want "
+         << static_cast<int>(want[i]) << " got " << static_cast<int>(got[i]);
+      return os.str();
+    }
+  }
+  return "";
+}
+
+}  // namespace moebius::testing

@@ -1,0 +1,155 @@
+#pragma once
+
+// Naive, independent model of the KV pool for tests: every token's K and V for every head is
+// a hash of (content, layer, K/V, head, token position, dim, byte), written and checked with
+// plain loops and an offset formula of its own (it shares nothing with the library but the
+// geometry's plain fields).
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/page_table.hpp"
+
+namespace moebius::testing {
+
+inline uint64_t kv_test_seed() {
+  static const uint64_t seed = [] {
+    const char* env = std::getenv("MOEBIUS_TEST_SEED");
+    const uint64_t s = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+    std::cout << "MOEBIUS_TEST_SEED=" << s << std::endl;
+    return s;
+  }();
+  return seed;
+}
+
+inline uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Content of page k of a sequence: the share group's prefix (same bytes in every sharer) or the
+// sequence's own.
+struct seq_content {
+  int64_t group_key = -1;  // content id of the shared prefix
+};
+using content_map = std::map<int64_t, seq_content>;  // seq_id -> content
+
+inline int64_t content_of(const content_map& c, const kv_sequence& q, int64_t page_idx) {
+  auto it = c.find(q.seq_id);
+  if (page_idx < q.shared_prefix_pages && it != c.end() && it->second.group_key >= 0)
+    return it->second.group_key;
+  return q.seq_id;
+}
+
+inline std::byte ref_value(int64_t content, int64_t layer, int64_t kv, int64_t head,
+                           int64_t pos, int64_t dim, int64_t byte) {
+  uint64_t h = mix(static_cast<uint64_t>(content));
+  h = mix(h ^ static_cast<uint64_t>(layer * 2 + kv));
+  h = mix(h ^ static_cast<uint64_t>(head));
+  h = mix(h ^ static_cast<uint64_t>(pos));
+  h = mix(h ^ static_cast<uint64_t>(dim * 8 + byte));
+  return static_cast<std::byte>(h & 0xFF);
+}
+
+// Offset of (layer, kv, page, local head, token, dim) in a rank's pool, written from the
+// documented layout without the library's helpers.
+inline int64_t ref_offset(const kv_geometry& g, parallel_mode m, int64_t layer, int64_t kv,
+                          int64_t page, int64_t head, int64_t token, int64_t dim) {
+  const int64_t H = g.num_kv_heads == 0 ? 1 : g.num_kv_heads;
+  const int64_t tensors_per_layer = g.num_kv_heads == 0 ? 1 : 2;
+  const int64_t elem = dtype_bytes(g.type);
+  int64_t split = 1;
+  if (g.num_kv_heads > 0) split = g.num_kv_heads < g.num_ranks ? g.num_kv_heads : g.num_ranks;
+  const int64_t heads = m == parallel_mode::ep ? H : H / split;
+  const int64_t ep_page = g.page_size * H * g.head_dim * elem;
+  const int64_t region = g.num_ep_pages * ep_page;
+  const int64_t page_bytes = g.page_size * heads * g.head_dim * elem;
+  int64_t e;
+  if (g.layout == kv_layout::hnd) e = (head * g.page_size + token) * g.head_dim + dim;
+  else e = (token * heads + head) * g.head_dim + dim;
+  return (layer * tensors_per_layer + kv) * region + page * page_bytes + e * elem;
+}
+
+// Global heads rank r holds in mode m: [first, first + count).
+inline void ref_heads(const kv_geometry& g, parallel_mode m, int r, int64_t& first,
+                      int64_t& count) {
+  const int64_t H = g.num_kv_heads == 0 ? 1 : g.num_kv_heads;
+  if (m == parallel_mode::ep) {
+    first = 0;
+    count = H;
+  } else if (g.num_kv_heads >= g.num_ranks) {
+    count = H / g.num_ranks;
+    first = r * count;
+  } else {  // one head per rank, head r / (P/H) (latent: the one tensor)
+    count = 1;
+    first = r / (g.num_ranks / H);
+  }
+}
+
+using pools = std::vector<std::vector<std::byte>>;
+
+// Visits every valid element of every sequence of `s`: f(rank, offset, expected byte).
+template <class F>
+void for_each_element(const kv_geometry& g, const kv_state& s, const content_map& c, F&& f) {
+  const int64_t elem = dtype_bytes(g.type);
+  const int64_t tensors_per_layer = g.num_kv_heads == 0 ? 1 : 2;
+  for (int r = 0; r < g.num_ranks; ++r) {
+    int64_t first = 0, count = 0;
+    ref_heads(g, s.mode, r, first, count);
+    for (const kv_sequence& q : s.ranks[static_cast<size_t>(r)].sequences) {
+      for (int64_t k = 0; k < static_cast<int64_t>(q.pages.size()); ++k) {
+        const int64_t content = content_of(c, q, k);
+        const int64_t tokens =
+            k + 1 == static_cast<int64_t>(q.pages.size()) ? q.last_page_len : g.page_size;
+        for (int64_t layer = 0; layer < g.num_layers; ++layer)
+          for (int64_t kv = 0; kv < tensors_per_layer; ++kv)
+            for (int64_t h = 0; h < count; ++h)
+              for (int64_t t = 0; t < tokens; ++t)
+                for (int64_t d = 0; d < g.head_dim; ++d) {
+                  const int64_t off = ref_offset(g, s.mode, layer, kv, q.pages[static_cast<size_t>(k)],
+                                                 h, t, d);
+                  for (int64_t b = 0; b < elem; ++b)
+                    f(r, off + b,
+                      ref_value(content, layer, kv, first + h, k * g.page_size + t, d, b));
+                }
+      }
+    }
+  }
+}
+
+inline void fill_reference(const kv_geometry& g, const kv_state& s, const content_map& c,
+                           pools& p) {
+  for_each_element(g, s, c, [&](int r, int64_t off, std::byte v) {
+    p[static_cast<size_t>(r)][static_cast<size_t>(off)] = v;
+  });
+}
+
+// "" when every element is where the tables say and equals the reference, else the first
+// mismatch.
+inline std::string check_reference(const kv_geometry& g, const kv_state& s, const content_map& c,
+                                   const pools& p) {
+  std::string err;
+  int64_t bad = 0;
+  for_each_element(g, s, c, [&](int r, int64_t off, std::byte v) {
+    const std::byte got = p[static_cast<size_t>(r)][static_cast<size_t>(off)];
+    if (got != v && bad++ == 0) {
+      std::ostringstream os;
+      os << "rank " << r << " offset " << off << ": expected " << int(v) << " got " << int(got);
+      err = os.str();
+    }
+  });
+  if (bad) err += " (" + std::to_string(bad) + " bytes differ)";
+  return err;
+}
+
+}  // namespace moebius::testing

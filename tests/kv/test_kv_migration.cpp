@@ -1,0 +1,395 @@
+// EP->TP->EP migrations of random KV states through host_transport, checked element by element
+// against the naive reference (kv_reference.hpp).
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "kv_cases.hpp"
+#include "kv_reference.hpp"
+#include "moebius/kv/kv_migration.hpp"
+#include "moebius/transport/host_transport.hpp"
+#include "support/catch.hpp"
+
+using namespace moebius;
+using namespace moebius::testing;
+
+namespace {
+
+struct memory {
+  pools kv;     // [P][pool_bytes]
+  pools arena;  // [P][staging bytes]
+
+  std::vector<host_rank_memory> spans() {
+    std::vector<host_rank_memory> out(kv.size());
+    for (size_t r = 0; r < kv.size(); ++r) {
+      out[r].spaces[static_cast<int>(memory_space::kv_pool)] = kv[r];
+      out[r].spaces[static_cast<int>(memory_space::arena)] = arena[r];
+    }
+    return out;
+  }
+};
+
+// Random bytes everywhere (a page a plan forgets to write then differs), then the reference.
+memory make_memory(std::mt19937_64& rng, const kv_case& c, int64_t staging_bytes) {
+  memory m;
+  m.kv.assign(static_cast<size_t>(c.g.num_ranks),
+              std::vector<std::byte>(static_cast<size_t>(c.g.pool_bytes())));
+  m.arena.assign(static_cast<size_t>(c.g.num_ranks),
+                 std::vector<std::byte>(static_cast<size_t>(staging_bytes + 64)));
+  for (auto* ps : {&m.kv, &m.arena})
+    for (auto& p : *ps)
+      for (auto& b : p) b = static_cast<std::byte>(rng() & 0xFF);
+  fill_reference(c.g, c.state, c.content, m.kv);
+  return m;
+}
+
+// Same sequences, tokens, sharing and cursors in both states (pages differ).
+void require_same_sequences(const kv_state& a, const kv_state& b) {
+  auto collect = [](const kv_state& s) {
+    std::vector<kv_sequence> all;
+    for (const kv_rank_state& r : s.ranks)
+      for (kv_sequence q : r.sequences) {
+        q.pages.clear();
+        all.push_back(q);
+      }
+    std::sort(all.begin(), all.end(),
+              [](const kv_sequence& x, const kv_sequence& y) { return x.seq_id < y.seq_id; });
+    all.erase(std::unique(all.begin(), all.end()), all.end());  // TP: one per rank
+    return all;
+  };
+  REQUIRE(collect(a) == collect(b));
+}
+
+struct step_result {
+  bool ran = false;
+  kv_capacity_report rep;
+};
+
+// Checks capacity, plans, checks hazards, executes, checks every element. Returns the report.
+step_result migrate_and_check(kv_case& c, memory& m, parallel_mode target,
+                              const kv_migration_options& opt) {
+  step_result out;
+  out.rep = check_kv_capacity(c.g, c.state, target, opt);
+  if (!out.rep.fits) {
+    INFO(out.rep.reason);
+    CHECK(!out.rep.reason.empty());
+    const pools before = m.kv;
+    REQUIRE_THROWS_AS(plan_kv_migration(c.g, c.state, target, opt), moebius::error);
+    try {
+      (void)plan_kv_migration(c.g, c.state, target, opt);
+    } catch (const moebius::error& e) {
+      CHECK(e.code() == errc::capacity);
+    }
+    REQUIRE(m.kv == before);
+    return out;
+  }
+  kv_migration mig = plan_kv_migration(c.g, c.state, target, opt);
+  INFO(c.g << " " << to_string(c.state.mode) << "->" << to_string(target) << " " << mig.stats);
+  REQUIRE(mig.stats.rounds == out.rep.rounds);
+  REQUIRE(static_cast<int64_t>(mig.copies.phases.size()) == mig.stats.rounds);
+  REQUIRE(mig.new_state.mode == target);
+  REQUIRE_NOTHROW(validate(c.g, mig.new_state));  // no page leaked or double-owned
+  REQUIRE(find_phase_hazard(mig.copies) == "");
+  require_same_sequences(c.state, mig.new_state);
+  host_transport tr(m.spans());
+  tr.execute(mig.copies);
+  REQUIRE(check_reference(c.g, mig.new_state, c.content, m.kv) == "");
+  c.state = std::move(mig.new_state);
+  out.ran = true;
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("KV EP->TP->EP round trips keep every token of every head", "[kv][migration]") {
+  std::mt19937_64 rng(kv_test_seed());
+  static constexpr double occupancies[] = {0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0};
+  static constexpr int64_t max_seqs[] = {0, 1, 7, 100, 4096};
+  int64_t fits_at_90 = 0, round_trips = 0;
+  for (int iter = 0; iter < 120; ++iter) {
+    const kv_geometry g = random_kv_geometry(rng, uni(rng, 1, 8) * 16384);
+    const double occ = pick_one(rng, occupancies);
+    kv_case c = random_kv_case(rng, g, parallel_mode::ep, occ, pick_one(rng, max_seqs));
+    kv_migration_options opt;
+    const int64_t slots = pick_one(rng, {int64_t{0}, int64_t{0}, int64_t{1}, int64_t{4}, int64_t{64}});
+    opt.staging = {memory_space::arena, uni(rng, 0, 64),
+                   slots * std::max(kv_staging_slot_bytes(g, parallel_mode::tp),
+                                    kv_staging_slot_bytes(g, parallel_mode::ep))};
+    memory m = make_memory(rng, c, opt.staging.bytes);
+    INFO("iter " << iter << " " << g << " occupancy " << c.occupancy << " seqs "
+                 << c.content.size() << " staging slots " << slots);
+    REQUIRE(check_reference(g, c.state, c.content, m.kv) == "");
+    bool every_rank_has_a_free_page = true;
+    for (const kv_rank_state& rs : c.state.ranks)
+      every_rank_has_a_free_page = every_rank_has_a_free_page && !rs.free_pages.empty();
+    const step_result to_tp = migrate_and_check(c, m, parallel_mode::tp, opt);
+    // EP->TP fits whenever the TP view holds the KV at up to 90% of its pages. NHD must copy
+    // the owner's own slice out before its EP page frees, so a full rank then needs one free
+    // page or a staging slot.
+    const bool headroom = to_tp.rep.pages_needed * 10 <= to_tp.rep.pages_available * 9;
+    if (to_tp.rep.holds && headroom &&
+        (g.layout == kv_layout::hnd || slots > 0 || every_rank_has_a_free_page)) {
+      INFO(to_tp.rep.reason);
+      REQUIRE(to_tp.rep.fits);
+      if (c.occupancy > 0.85) ++fits_at_90;
+    }
+    // Without replication (P | H_kv) TP holds everything EP holds.
+    if (!g.latent() && g.num_kv_heads >= g.num_ranks) REQUIRE(to_tp.rep.holds);
+    if (!to_tp.ran) continue;
+    const step_result back = migrate_and_check(c, m, parallel_mode::ep, opt);
+    if (back.ran) ++round_trips;
+  }
+  INFO("round trips " << round_trips);
+  CHECK(round_trips > 20);
+  CHECK(fits_at_90 > 0);
+}
+
+TEST_CASE("KV TP->EP from fragmented TP states (compaction, staging)", "[kv][migration]") {
+  std::mt19937_64 rng(kv_test_seed() + 1);
+  static constexpr double occupancies[] = {0.0, 0.25, 0.5, 0.75, 0.9, 1.0};
+  int64_t ran = 0, compacted = 0, holds = 0;
+  for (int iter = 0; iter < 80; ++iter) {
+    const kv_geometry g = random_kv_geometry(rng, uni(rng, 1, 8) * 16384);
+    const double occ = pick_one(rng, occupancies);
+    // TP holds H_kv/P of EP with replication; keep TP occupancy within what EP can hold.
+    kv_case c = random_kv_case(rng, g, parallel_mode::tp, occ, 4096);
+    kv_migration_options opt;
+    const int64_t slots = pick_one(rng, {int64_t{0}, int64_t{1}, int64_t{8}});
+    opt.staging = {memory_space::arena, 0, slots * kv_staging_slot_bytes(g, parallel_mode::ep)};
+    memory m = make_memory(rng, c, opt.staging.bytes);
+    INFO("iter " << iter << " " << g << " occupancy " << c.occupancy << " seqs "
+                 << c.content.size() << " staging slots " << slots);
+    const step_result r = migrate_and_check(c, m, parallel_mode::ep, opt);
+    if (r.ran) {
+      ++ran;
+      const step_result again = migrate_and_check(c, m, parallel_mode::tp, opt);
+      (void)again;
+    }
+    // Whenever the EP view holds every sequence (placement fits), the rounds find a way at up
+    // to 90% occupancy (compaction), with or without staging.
+    // With a staging slot, or with 10% headroom on every owner of a not-tiny pool, the rounds
+    // (compaction) find a way whenever the EP view holds every sequence.
+    const bool headroom = r.rep.pages_needed * 10 <= r.rep.pages_available * 9 &&
+                          r.rep.pages_available >= 20;
+    if (r.rep.holds && (slots > 0 || headroom)) {
+      INFO(r.rep.reason);
+      CHECK(r.rep.fits);
+      ++holds;
+    }
+  }
+  CHECK(ran > 20);
+  INFO("holds " << holds << " ran " << ran);
+  CHECK(ran >= holds);
+  (void)compacted;
+}
+
+TEST_CASE("KV capacity check: Qwen3 replication halves what TP holds", "[kv][capacity]") {
+  // H_kv=4 on P=8: each head on 2 ranks, so TP holds at most 50% of the EP pool.
+  const kv_geometry g = make_kv_geometry(2, 4, 2, 16, 64, 8, dtype::bf16);
+  std::mt19937_64 rng(kv_test_seed() + 2);
+  kv_case lo = random_kv_case(rng, g, parallel_mode::ep, 0.45, 4096);
+  const kv_capacity_report a = check_kv_capacity(g, lo.state, parallel_mode::tp);
+  INFO(a.reason << " occupancy " << lo.occupancy);
+  CHECK(a.holds == (lo.occupancy <= 0.5));
+  if (lo.occupancy <= 0.45) CHECK(a.fits);
+  kv_case hi = random_kv_case(rng, g, parallel_mode::ep, 0.7, 4096);
+  const kv_capacity_report b = check_kv_capacity(g, hi.state, parallel_mode::tp);
+  INFO(b.reason << " occupancy " << hi.occupancy);
+  if (hi.occupancy > 0.5) {
+    CHECK_FALSE(b.holds);
+    CHECK_FALSE(b.fits);
+    CHECK(b.pages_needed > b.pages_available);
+  }
+}
+
+TEST_CASE("KV EP->TP at 100% occupancy needs staging; with it, it succeeds", "[kv][rounds]") {
+  const kv_geometry g = make_kv_geometry(1, 8, 2, 16, 32, 4, dtype::fp16);
+  std::vector<std::vector<kv_sequence>> t(4);
+  int64_t id = 0;
+  for (int r = 0; r < 4; ++r)
+    for (int64_t p = 0; p < 32; p += 4) {
+      kv_sequence q;
+      q.seq_id = id++;
+      q.pages = {p, p + 1, p + 2, p + 3};
+      q.num_tokens = 3 * 16 + 5;
+      q.last_page_len = 5;
+      t[static_cast<size_t>(r)].push_back(q);
+    }
+  kv_case c;
+  c.g = g;
+  c.state = make_kv_state(g, parallel_mode::ep, t);
+  for (const auto& ts : t)
+    for (const auto& q : ts) c.content[q.seq_id] = {};
+  const kv_capacity_report none = check_kv_capacity(g, c.state, parallel_mode::tp);
+  CHECK(none.holds);
+  CHECK_FALSE(none.fits);
+  kv_migration_options opt;
+  opt.staging = {memory_space::arena, 0, 8 * kv_staging_slot_bytes(g, parallel_mode::tp)};
+  std::mt19937_64 rng(kv_test_seed() + 3);
+  memory m = make_memory(rng, c, opt.staging.bytes);
+  const step_result r = migrate_and_check(c, m, parallel_mode::tp, opt);
+  INFO(r.rep.reason);
+  REQUIRE(r.ran);
+  CHECK(r.rep.rounds > 1);
+  const step_result back = migrate_and_check(c, m, parallel_mode::ep, opt);
+  INFO(back.rep.reason);
+  CHECK(back.ran);
+}
+
+TEST_CASE("KV EP->TP keeps the owner's slice in place (HND)", "[kv][migration]") {
+  const kv_geometry g = make_kv_geometry(2, 8, 4, 16, 16, 4, dtype::bf16);
+  kv_sequence q;
+  q.seq_id = 5;
+  q.pages = {3, 7};
+  q.num_tokens = 20;
+  q.last_page_len = 4;
+  q.prefill_cursor = 17;
+  const kv_state s = make_kv_state(g, parallel_mode::ep, {{}, {}, {q}, {}});
+  const kv_migration mig = plan_kv_migration(g, s, parallel_mode::tp);
+  // Rank 2 owns it: its TP pages are 3*4+2 and 7*4+2, and nothing is copied on rank 2.
+  REQUIRE(mig.new_state.ranks[2].sequences.at(0).pages == std::vector<int64_t>{14, 30});
+  CHECK(mig.new_state.ranks[2].sequences.at(0).prefill_cursor == 17);
+  for (const plan_phase& ph : mig.copies.phases)
+    for (const copy_op& op : ph.ops) CHECK(op.dst_rank != 2);
+  CHECK(mig.stats.rounds == 1);
+  CHECK(mig.copies.num_ops() == 2 * 3);  // 2 pages x 3 other ranks, one op each (HND)
+  // And the way back with the same owner is entirely in place.
+  kv_placement pl;
+  pl.owner = {2};
+  pl.load = {0, 0, 2, 0};
+  pl.fits = true;
+  kv_migration_options opt;
+  opt.placement = &pl;
+  const kv_migration back = plan_kv_migration(g, mig.new_state, parallel_mode::ep, opt);
+  CHECK(back.stats.pages_in_place == 2);
+  REQUIRE(back.new_state.ranks[2].sequences.at(0).pages == std::vector<int64_t>{3, 7});
+}
+
+TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate]") {
+  std::mt19937_64 rng(kv_test_seed() + 4);
+  const kv_geometry g = make_kv_geometry(2, 4, 2, 16, 32, 2, dtype::bf16);
+  kv_case c = random_kv_case(rng, g, parallel_mode::ep, 0.5, 50);
+  REQUIRE(!c.content.empty());
+  memory m = make_memory(rng, c, 0);
+  const pools before = m.kv;
+  auto first = [&]() -> kv_sequence& {
+    for (auto& r : c.state.ranks)
+      if (!r.sequences.empty()) return r.sequences[0];
+    FAIL("no sequence");
+    return c.state.ranks[0].sequences[0];
+  };
+  auto expect_reject = [&](kv_state bad, const char* what) {
+    INFO(what);
+    try {
+      (void)plan_kv_migration(g, bad, parallel_mode::tp);
+      FAIL("accepted an invalid state: " << what);
+    } catch (const moebius::error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      INFO(e.what());
+      CHECK(std::string(e.what()).size() > 20);
+    }
+    REQUIRE(m.kv == before);
+  };
+  {
+    kv_state bad = c.state;
+    kv_sequence& q = first();
+    const int64_t keep = q.pages[0];
+    q.pages[0] = g.num_ep_pages;
+    bad = c.state;
+    q.pages[0] = keep;
+    expect_reject(bad, "page id out of range");
+  }
+  {
+    kv_sequence& q = first();
+    const kv_sequence keep = q;
+    q.last_page_len = 0;
+    q.num_tokens = (q.num_pages() - 1) * g.page_size;
+    kv_state bad = c.state;
+    q = keep;
+    expect_reject(bad, "last page length 0");
+    q.last_page_len = g.page_size + 1;
+    q.num_tokens = q.num_pages() * g.page_size + 1;
+    bad = c.state;
+    q = keep;
+    expect_reject(bad, "last page length > page size");
+    q.num_tokens += g.page_size;
+    bad = c.state;
+    q = keep;
+    expect_reject(bad, "sequence longer than its pages");
+  }
+  {
+    // A page used twice without being marked shared.
+    kv_state bad = c.state;
+    for (auto& r : bad.ranks) {
+      if (r.free_pages.empty() || r.sequences.empty()) continue;
+      kv_sequence q = r.sequences[0];
+      q.seq_id = 1 << 30;
+      q.shared_prefix_pages = 0;
+      q.num_tokens = q.num_pages() * g.page_size;
+      q.last_page_len = g.page_size;
+      r.sequences.push_back(q);
+      break;
+    }
+    expect_reject(bad, "page used twice unshared");
+  }
+  {
+    kv_state bad = c.state;
+    for (auto& r : bad.ranks)
+      if (!r.free_pages.empty()) {
+        r.free_pages.pop_back();
+        break;
+      }
+    expect_reject(bad, "leaked page");
+  }
+  {
+    kv_state bad = c.state;
+    for (auto& r : bad.ranks)
+      if (!r.sequences.empty()) {
+        r.free_pages.push_back(r.sequences[0].pages[0]);
+        std::sort(r.free_pages.begin(), r.free_pages.end());
+        break;
+      }
+    expect_reject(bad, "page both free and used");
+  }
+  // Bad geometry: P must divide H_kv; H_kv must divide P.
+  CHECK_THROWS_AS(make_kv_geometry(1, 6, 8, 16, 4, 4), moebius::error);
+  CHECK_THROWS_AS(make_kv_geometry(1, 3, 8, 16, 4, 8), moebius::error);
+  CHECK_THROWS_AS(make_kv_geometry(1, 4, 8, 0, 4, 4), moebius::error);
+}
+
+TEST_CASE("find_phase_hazard finds overlapping destinations and sources", "[kv][hazard]") {
+  auto op = [](int sr, int64_t so, int dr, int64_t d, int64_t rows, int64_t rb, int64_t sp,
+               int64_t dp) {
+    copy_op c;
+    c.src_rank = sr;
+    c.dst_rank = dr;
+    c.src_offset = so;
+    c.dst_offset = d;
+    c.rows = rows;
+    c.row_bytes = rb;
+    c.src_pitch = sp;
+    c.dst_pitch = dp;
+    c.src_space = c.dst_space = memory_space::kv_pool;
+    return c;
+  };
+  plan p;
+  p.num_ranks = 2;
+  p.phases.push_back({"ok", {op(0, 0, 1, 0, 2, 8, 16, 16), op(0, 8, 1, 8, 2, 8, 16, 16)}});
+  CHECK(find_phase_hazard(p) == "");
+  p.phases.push_back({"dst-dst", {op(0, 0, 1, 0, 1, 8, 8, 8), op(0, 100, 1, 4, 1, 8, 8, 8)}});
+  CHECK(find_phase_hazard(p).find("phase 1") != std::string::npos);
+  p.phases.pop_back();
+  p.phases.push_back({"dst-src", {op(0, 0, 1, 64, 1, 8, 8, 8), op(1, 60, 0, 64, 1, 8, 8, 8)}});
+  CHECK(find_phase_hazard(p).find("phase 1") != std::string::npos);
+  p.phases.pop_back();
+  // Strided rows interleave without touching: fine. Reading the same bytes twice: fine.
+  p.phases.push_back({"strided", {op(0, 0, 1, 0, 4, 4, 8, 8), op(0, 0, 1, 4, 4, 4, 8, 8)}});
+  CHECK(find_phase_hazard(p) == "");
+  // Another memory space at the same offset: fine.
+  copy_op a = op(0, 0, 1, 0, 1, 8, 8, 8);
+  copy_op b = a;
+  b.dst_space = memory_space::arena;
+  p.phases.push_back({"spaces", {a, b}});
+  CHECK(find_phase_hazard(p) == "");
+}

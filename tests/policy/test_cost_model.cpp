@@ -1,0 +1,182 @@
+// Switch cost model: hand-computed predictions, the paper's anchor, the workload of a real
+// weight plan, and least-squares recovery of a synthetic bandwidth and fixed overhead.
+
+#include <cmath>
+#include <random>
+#include <sstream>
+#include <string>
+
+#include "moebius/error.hpp"
+#include "moebius/layout/arena_geometry.hpp"
+#include "moebius/plan/weight_plan.hpp"
+#include "moebius/policy/cost_model.hpp"
+#include "policy_seed.hpp"
+#include "support/catch.hpp"
+
+using namespace moebius;
+using moebius::testing::policy_test_seed;
+
+TEST_CASE("cost_model: paper anchor, 50 GB at 330 GB/s", "[cost_model]") {
+  link_params l;
+  l.bandwidth_gbps = 330;
+  l.barrier_us = 0;
+  l.launch_us = 0;
+  const cost_model m(l);
+  switch_workload w;
+  w.num_ranks = 8;
+  w.weight_bytes_per_rank = 50'000'000'000;
+  CHECK(m.predict(w).total_ms() == Approx(151.515151).epsilon(1e-6));
+
+  // Qwen3-235B at P=8: 7/8 of 94 slots of 603,979,776 B leave each rank.
+  const arena_geometry g = make_arena_geometry(qwen3_235b_a22b(), 8);
+  const switch_workload q = weight_switch_workload(g, 94);
+  CHECK(q.weight_bytes_per_rank == 49'677'336'576);
+  CHECK(q.weight_phases == 94);
+  CHECK(q.kv_bytes_per_rank == 0);
+  // 49.68 GB / 330 GB/s = 150.54 ms; + 94 · (10 + 5) us with the default link.
+  const switch_cost c = cost_model{}.predict(q);
+  CHECK(c.weight_ms == Approx(49'677'336'576.0 / 330e6));
+  CHECK(c.barrier_ms == Approx(0.94));
+  CHECK(c.launch_ms == Approx(0.47));
+  CHECK(c.total_ms() == Approx(150.537 + 1.41).epsilon(1e-4));
+  CHECK(weight_switch_workload(g, 10).weight_bytes_per_rank == int64_t{10} * 528'482'304);
+}
+
+TEST_CASE("cost_model: workload of a built plan equals the analytic one", "[cost_model]") {
+  const arena_geometry g = make_arena_geometry(qwen3_235b_a22b(), 8);
+  const plan ep_to_tp = plan_weight_switch(g, {0}, {94});
+  const plan tp_to_ep = plan_weight_switch(g, {94}, {0});
+  for (const plan* p : {&ep_to_tp, &tp_to_ep}) {
+    const switch_workload w = workload_of(*p);
+    CHECK(w.num_ranks == 8);
+    CHECK(w.weight_bytes_per_rank == weight_switch_workload(g, 94).weight_bytes_per_rank);
+    CHECK(w.weight_phases == 94);
+    CHECK(w.kv_rounds == 0);
+  }
+  const plan half = plan_weight_switch(g, {0}, {40});
+  CHECK(workload_of(half).weight_bytes_per_rank ==
+        weight_switch_workload(g, 40).weight_bytes_per_rank);
+
+  // KV phases count as rounds, local copies are not traffic.
+  plan kv;
+  kv.num_ranks = 2;
+  copy_op op;
+  op.row_bytes = 1000;
+  op.src_pitch = op.dst_pitch = 1000;
+  op.src_space = op.dst_space = memory_space::kv_pool;
+  op.src_rank = 0;
+  op.dst_rank = 1;
+  copy_op local = op;
+  local.dst_rank = 0;
+  local.row_bytes = 7777;
+  kv.phases.push_back({"kv round 0", {op, op, local}});
+  kv.phases.push_back({"kv round 1", {op}});
+  const switch_workload kw = workload_of(kv);
+  CHECK(kw.kv_bytes_per_rank == 3000);
+  CHECK(kw.weight_bytes_per_rank == 0);
+  CHECK(kw.kv_rounds == 2);
+  CHECK(kw.weight_phases == 0);
+}
+
+TEST_CASE("cost_model: hand-computed breakdown", "[cost_model]") {
+  link_params l;
+  l.bandwidth_gbps = 400;
+  l.kv_bandwidth_gbps = 200;
+  l.barrier_us = 10;
+  l.launch_us = 5;
+  l.fixed_ms = 2;
+  const cost_model m(l);
+  switch_workload w;
+  w.num_ranks = 8;
+  w.weight_bytes_per_rank = 4'000'000'000;  // 10 ms at 400 GB/s
+  w.kv_bytes_per_rank = 1'000'000'000;      // 5 ms at 200 GB/s
+  w.weight_phases = 10;
+  w.kv_rounds = 3;
+  const switch_cost c = m.predict(w);
+  CHECK(c.weight_ms == Approx(10.0));
+  CHECK(c.kv_ms == Approx(5.0));
+  CHECK(c.barrier_ms == Approx(0.13));
+  CHECK(c.launch_ms == Approx(0.065));
+  CHECK(c.fixed_ms == Approx(2.0));
+  CHECK(c.total_ms() == Approx(17.195));
+  std::ostringstream os;
+  os << c;
+  CHECK_THAT(os.str(), Catch::StartsWith("total 17.195 ms = weights 10 + kv 5"));
+}
+
+TEST_CASE("cost_model: fit recovers a synthetic bandwidth and fixed overhead", "[cost_model]") {
+  std::mt19937_64 rng(policy_test_seed() + 20);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (int trial = 0; trial < 20; ++trial) {
+    link_params truth;
+    truth.bandwidth_gbps = 100 + 300 * u(rng);
+    truth.kv_bandwidth_gbps = trial % 2 ? 0.0 : truth.bandwidth_gbps * (0.5 + 0.5 * u(rng));
+    truth.barrier_us = 10;
+    truth.launch_us = 5;
+    truth.fixed_ms = 0.1 + 5 * u(rng);
+    const cost_model oracle(truth);
+
+    link_params start = truth;  // known barrier/launch and bw ratio, wrong bw and fixed
+    start.bandwidth_gbps = 330;
+    if (truth.kv_bandwidth_gbps > 0) {
+      start.kv_bandwidth_gbps = 330 * truth.kv_bandwidth_gbps / truth.bandwidth_gbps;
+    }
+    start.fixed_ms = 0;
+    cost_model exact(start), noisy(start);
+    std::normal_distribution<double> noise(0.0, 0.005);
+    for (int i = 0; i < 12; ++i) {
+      switch_workload w;
+      w.num_ranks = 8;
+      w.weight_bytes_per_rank = static_cast<int64_t>(1e8 + 5e10 * u(rng));
+      w.kv_bytes_per_rank = static_cast<int64_t>(2e10 * u(rng));
+      w.weight_phases = 1 + static_cast<int64_t>(93 * u(rng));
+      w.kv_rounds = static_cast<int64_t>(4 * u(rng));
+      const double t = oracle.predict(w).total_ms();
+      REQUIRE(exact.update({w, t}).ok);
+      noisy.update({w, t * (1 + noise(rng))});
+    }
+    INFO("truth " << truth << ", fitted " << exact.link());
+    CHECK(exact.link().bandwidth_gbps == Approx(truth.bandwidth_gbps).epsilon(1e-6));
+    CHECK(exact.link().effective_kv_gbps() == Approx(truth.effective_kv_gbps()).epsilon(1e-6));
+    CHECK(exact.link().fixed_ms == Approx(truth.fixed_ms).margin(1e-6));
+    const cost_fit_result fr = noisy.refit();
+    INFO("noisy fit " << noisy.link());
+    if (fr.ok) {
+      CHECK(noisy.link().bandwidth_gbps == Approx(truth.bandwidth_gbps).epsilon(0.03));
+    } else {
+      CHECK(std::string(fr.why).find("negative fixed") != std::string::npos);  // fixed ~ 0
+    }
+  }
+}
+
+TEST_CASE("cost_model: degenerate fits keep the link", "[cost_model]") {
+  link_params l;
+  l.barrier_us = 0;
+  l.launch_us = 0;
+  cost_model m(l);
+  CHECK_FALSE(m.refit().ok);  // no measurements
+  switch_workload small, big;
+  small.weight_bytes_per_rank = 1'000'000'000;
+  big.weight_bytes_per_rank = 10'000'000'000;
+  // One byte count: bandwidth only (fixed 0 kept): 1 GB in 5 ms -> 200 GB/s.
+  REQUIRE(m.update({small, 5.0}).ok);
+  CHECK(m.link().bandwidth_gbps == Approx(200.0));
+  CHECK(m.link().fixed_ms == 0.0);
+  // More bytes in less time: no positive bandwidth fits; the link stays.
+  const cost_fit_result r = m.update({big, 1.0});
+  CHECK_FALSE(r.ok);
+  CHECK_THAT(std::string(r.why), Catch::Contains("non-positive bandwidth"));
+  CHECK(m.link().bandwidth_gbps == Approx(200.0));
+  std::ostringstream os;
+  m.report(os);
+  CHECK_THAT(os.str(), Catch::Contains("10000000000"));
+  CHECK_THROWS_AS(m.update({big, -1.0}), moebius::error);
+  link_params bad;
+  bad.bandwidth_gbps = 0;
+  CHECK_THROWS_AS(cost_model(bad), moebius::error);
+  switch_workload neg;
+  neg.kv_rounds = -1;
+  CHECK_THROWS_AS(cost_model{}.predict(neg), moebius::error);
+  const arena_geometry g = make_arena_geometry(qwen3_235b_a22b(), 8);
+  CHECK_THROWS_AS(weight_switch_workload(g, 95), moebius::error);
+}

@@ -1,0 +1,347 @@
+// The switcher end to end on the host transport: committed switches match the independent
+// reference, and a fault at any weight phase, KV round or verify step leaves the arena, the
+// live KV pages and the tables byte-identical to before.
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <span>
+#include <sstream>
+#include <vector>
+
+#include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/page_table.hpp"
+#include "moebius/layout/arena_geometry.hpp"
+#include "moebius/switch/checksum.hpp"
+#include "moebius/switch/switcher.hpp"
+#include "moebius/transport/host_transport.hpp"
+#include "support/catch.hpp"
+#include "support/reference.hpp"
+
+namespace {
+
+using namespace moebius;
+using testing::rank_images;
+
+// A small serving state: arenas loaded by the reference at `mode`, a KV pool with random
+// sequences in `mode` filled with random bytes.
+struct world {
+  expert_shape shape;
+  arena_geometry weights;
+  kv_geometry kv;
+  testing::logical_weights logical;
+  rank_images arenas;
+  rank_images pools;
+  kv_state tables;
+  std::vector<host_rank_memory> memory;
+
+  std::vector<std::span<const std::byte>> arena_spans() const {
+    return {arenas.begin(), arenas.end()};
+  }
+  std::vector<std::span<const std::byte>> pool_spans() const {
+    return {pools.begin(), pools.end()};
+  }
+};
+
+// Random EP tables using about `occupancy` of every rank's pool.
+kv_state random_ep_tables(const kv_geometry& g, double occupancy, std::mt19937_64& rng) {
+  std::vector<std::vector<kv_sequence>> tables(static_cast<size_t>(g.num_ranks));
+  int64_t next_id = 1;
+  for (int r = 0; r < g.num_ranks; ++r) {
+    std::vector<int64_t> free(static_cast<size_t>(g.num_ep_pages));
+    for (int64_t p = 0; p < g.num_ep_pages; ++p) free[static_cast<size_t>(p)] = p;
+    std::shuffle(free.begin(), free.end(), rng);
+    auto budget = static_cast<int64_t>(occupancy * static_cast<double>(g.num_ep_pages));
+    size_t used = 0;
+    while (budget > 0) {
+      const int64_t pages = std::uniform_int_distribution<int64_t>(1, std::min<int64_t>(budget, 5))(rng);
+      kv_sequence s;
+      s.seq_id = next_id++;
+      s.last_page_len = std::uniform_int_distribution<int64_t>(1, g.page_size)(rng);
+      s.num_tokens = (pages - 1) * g.page_size + s.last_page_len;
+      s.prefill_cursor = s.num_tokens;
+      for (int64_t i = 0; i < pages; ++i) s.pages.push_back(free[used++]);
+      tables[static_cast<size_t>(r)].push_back(std::move(s));
+      budget -= pages;
+    }
+  }
+  return make_kv_state(g, parallel_mode::ep, std::move(tables));
+}
+
+world make_world(std::mt19937_64& rng, int P, double occupancy) {
+  world w;
+  w.shape = testing::random_shape(rng, P, false);
+  w.weights = make_arena_geometry(w.shape, P);
+  const int64_t head_choices[] = {1, 2, 4, 8};
+  int64_t heads = 0;
+  do {  // H_kv and P must nest: P | H_kv or H_kv | P
+    heads = head_choices[std::uniform_int_distribution<int>(0, 3)(rng)];
+  } while (!(heads % P == 0 || P % heads == 0));
+  w.kv = make_kv_geometry(std::uniform_int_distribution<int64_t>(1, 3)(rng), heads,
+                          std::uniform_int_distribution<int64_t>(1, 8)(rng),
+                          std::uniform_int_distribution<int64_t>(1, 8)(rng),
+                          std::uniform_int_distribution<int64_t>(4, 24)(rng), P);
+  w.logical = testing::random_weights(w.shape, rng);
+  testing::load_reference(w.logical, w.weights, arena_cursor{0}, w.arenas);
+  w.pools.assign(static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(w.kv.pool_bytes())));
+  for (auto& pool : w.pools) {
+    for (auto& b : pool) b = static_cast<std::byte>(rng());
+  }
+  w.tables = random_ep_tables(w.kv, occupancy, rng);
+  w.memory.resize(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) {
+    w.memory[static_cast<size_t>(r)].spaces[0] = w.arenas[static_cast<size_t>(r)];
+    w.memory[static_cast<size_t>(r)].spaces[1] = w.pools[static_cast<size_t>(r)];
+  }
+  return w;
+}
+
+// Bytes of every page in use, per rank, in table order: equal before and after means the
+// live KV is byte-identical (free pages may hold anything).
+std::vector<std::vector<std::byte>> live_kv_bytes(const world& w, const kv_state& s) {
+  std::vector<std::vector<std::byte>> out(static_cast<size_t>(w.kv.num_ranks));
+  const int64_t page = w.kv.page_bytes(s.mode);
+  for (int r = 0; r < w.kv.num_ranks; ++r) {
+    for (const kv_sequence& seq : s.ranks[static_cast<size_t>(r)].sequences) {
+      for (int64_t p : seq.pages) {
+        for (int64_t t = 0; t < w.kv.num_tensors(); ++t) {
+          const std::byte* src = w.pools[static_cast<size_t>(r)].data() + t * w.kv.region_bytes() + p * page;
+          out[static_cast<size_t>(r)].insert(out[static_cast<size_t>(r)].end(), src, src + page);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// "" when every tensor byte of every slot but `free_slot` is equal in `a` and `b` (padding
+// between tensors is not live: KV staging in the free slot may leave bytes there).
+std::string arena_diff(const world& w, const rank_images& a, const rank_images& b,
+                       int64_t free_slot) {
+  for (size_t r = 0; r < a.size(); ++r) {
+    for (int64_t slot = 0; slot < w.weights.num_slots(); ++slot) {
+      if (slot == free_slot) continue;
+      for (weight_tensor t : all_weight_tensors) {
+        const int64_t off = w.weights.slot_offset(slot) + w.weights.tensor_offset[static_cast<int>(t)];
+        const auto n = static_cast<size_t>(w.weights.tensor_bytes[static_cast<int>(t)]);
+        if (std::memcmp(a[r].data() + off, b[r].data() + off, n) != 0) {
+          return "rank " + std::to_string(r) + " slot " + std::to_string(slot) + " " + to_string(t);
+        }
+      }
+    }
+  }
+  return "";
+}
+
+uint64_t state_checksum(const world& w, arena_cursor c, const kv_state& s) {
+  const auto arenas = w.arena_spans();
+  const auto pools = w.pool_spans();
+  uint64_t sum = kv_checksum(w.kv, s, pools);
+  for (int64_t l = 0; l < w.shape.num_layers; ++l) sum += 31 * weight_checksum(w.weights, c, l, arenas);
+  return sum;
+}
+
+}  // namespace
+
+TEST_CASE("switcher commits EP->TP->EP and matches the reference", "[switch]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int iter = 0; iter < 12; ++iter) {
+    const int P = std::vector<int>{1, 2, 4, 8}[static_cast<size_t>(iter % 4)];
+    world w = make_world(rng, P, 0.3);
+    INFO("seed " << seed << " iter " << iter << " P=" << P << " " << w.shape << " " << w.kv);
+    host_transport t(w.memory);
+    int flips = 0;
+    parallel_mode selector = parallel_mode::ep;
+    switcher_options opt;
+    opt.on_commit = [&](parallel_mode m) { selector = m; ++flips; };
+    opt.verify = [&](arena_cursor c, const kv_state& s) { return state_checksum(w, c, s); };
+    const uint64_t kv_before = kv_checksum(w.kv, w.tables, w.pool_spans());
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
+
+    const switch_report to_tp = sw.switch_to(parallel_mode::tp);
+    INFO(to_tp);
+    if (to_tp.outcome == switch_outcome::refused_capacity) {
+      CHECK(flips == 0);
+      continue;  // H_kv < P halves TP capacity; nothing moved (checked in the fault test)
+    }
+    REQUIRE(to_tp.outcome == switch_outcome::committed);
+    CHECK(to_tp.verified);
+    CHECK(selector == parallel_mode::tp);
+    CHECK(sw.mode() == parallel_mode::tp);
+    CHECK(sw.cursor().tp_layers == w.shape.num_layers);
+    CHECK(testing::compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas) == "");
+    CHECK(kv_checksum(w.kv, sw.kv_tables(), w.pool_spans()) == kv_before);
+    CHECK(sw.switch_to(parallel_mode::tp).outcome == switch_outcome::already_there);
+
+    const switch_report to_ep = sw.switch_to(parallel_mode::ep);
+    INFO(to_ep);
+    REQUIRE(to_ep.outcome == switch_outcome::committed);
+    CHECK(selector == parallel_mode::ep);
+    CHECK(flips == 2);
+    CHECK(testing::compare_to_reference(w.logical, w.weights, arena_cursor{0}, w.arenas) == "");
+    CHECK(kv_checksum(w.kv, sw.kv_tables(), w.pool_spans()) == kv_before);
+  }
+}
+
+TEST_CASE("a fault at any weight phase, KV round or verify leaves everything as before",
+          "[switch][fault]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  int faults_tested = 0;
+  for (int iter = 0; iter < 8; ++iter) {
+    const int P = std::vector<int>{2, 4, 8, 3}[static_cast<size_t>(iter % 4)];
+    world w = make_world(rng, P == 3 ? 2 : P, 0.45);
+    host_transport t(w.memory);
+    INFO("seed " << seed << " iter " << iter << " " << w.shape << " " << w.kv);
+
+    for (parallel_mode target : {parallel_mode::tp, parallel_mode::ep}) {
+      // Reach the starting mode of this direction first.
+      int flips = 0;
+      switcher_options opt;
+      opt.on_commit = [&](parallel_mode) { ++flips; };
+      switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
+      if (target == parallel_mode::ep) {
+        if (sw.switch_to(parallel_mode::tp).outcome != switch_outcome::committed) break;
+      }
+      // What must survive every failed attempt (re-taken after an attempt that committed).
+      kv_state tables_before = sw.kv_tables();
+      const arena_cursor cursor_before = sw.cursor();
+      const int64_t free_slot = arena_geometry::free_slot(cursor_before);
+      rank_images arenas_before = w.arenas;
+      auto live_before = live_kv_bytes(w, tables_before);
+      int flips_before = flips;
+
+      // The plan sizes, from a dry capacity check and a switch that will be undone by a fault
+      // on its last phase... simpler: count phases from a report of a faulted run.
+      switch_fault probe{switch_fault::stage::weights, fault_point{0, 0}};
+      sw.inject_fault(probe);
+      const switch_report first = sw.switch_to(target);
+      if (first.outcome == switch_outcome::refused_capacity) {
+        CHECK(w.arenas == arenas_before);  // nothing moved
+        break;
+      }
+      REQUIRE(first.outcome == switch_outcome::rolled_back);
+      const int64_t weight_phases = first.weight_phases, kv_rounds = first.kv_rounds;
+      {  // The rollback argument needs each round to write only bytes free before it.
+        kv_migration_options kv_opt;
+        kv_opt.staging = {memory_space::arena,
+                          w.weights.slot_offset(arena_geometry::free_slot(
+                              arena_cursor{target == parallel_mode::tp ? w.shape.num_layers : 0})),
+                          w.weights.slot_bytes};
+        const kv_migration mig = plan_kv_migration(w.kv, tables_before, target, kv_opt);
+        CHECK(find_phase_hazard(mig.copies) == "");
+      }
+
+      std::vector<switch_fault> faults;
+      for (int64_t k = 0; k < weight_phases; ++k) {
+        faults.push_back({switch_fault::stage::weights, fault_point{k, 0}});
+        faults.push_back({switch_fault::stage::weights, fault_point{k, 1 + static_cast<int64_t>(rng() % 4)}});
+      }
+      for (int64_t r = 0; r < kv_rounds; ++r) {
+        faults.push_back({switch_fault::stage::kv, fault_point{r, 0}});
+        faults.push_back({switch_fault::stage::kv, fault_point{r, 1 + static_cast<int64_t>(rng() % 8)}});
+      }
+      for (const switch_fault& f : faults) {
+        // Scribble the free slot: the undo must not depend on what it held.
+        testing::scribble_slot(w.weights, free_slot, w.arenas, rng);
+        sw.inject_fault(f);
+        const switch_report rep = sw.switch_to(target);
+        INFO(rep);
+        ++faults_tested;
+        // A fault past the last op of a phase never fires: then the switch commits; undo it
+        // with the opposite switch and carry on.
+        if (rep.outcome == switch_outcome::committed) {
+          REQUIRE(sw.switch_to(target == parallel_mode::tp ? parallel_mode::ep : parallel_mode::tp)
+                      .outcome == switch_outcome::committed);
+          REQUIRE(sw.cursor() == cursor_before);
+          tables_before = sw.kv_tables();  // same sequences, new page ids
+          arenas_before = w.arenas;
+          live_before = live_kv_bytes(w, tables_before);
+          flips_before = flips;
+          continue;
+        }
+        REQUIRE(rep.outcome == switch_outcome::rolled_back);
+        CHECK(rep.error.find("injected") != std::string::npos);
+        CHECK(sw.cursor() == cursor_before);
+        CHECK(sw.mode() == tables_before.mode);
+        CHECK(sw.kv_tables() == tables_before);
+        CHECK(flips == flips_before);
+        // Every tensor of every occupied slot and every live KV page byte-identical.
+        CHECK(arena_diff(w, w.arenas, arenas_before, free_slot) == "");
+        CHECK(live_kv_bytes(w, sw.kv_tables()) == live_before);
+        if (live_kv_bytes(w, sw.kv_tables()) != live_before) {
+          const auto now = live_kv_bytes(w, sw.kv_tables());
+          for (size_t r = 0; r < now.size(); ++r) {
+            size_t i = 0;
+            while (i < now[r].size() && now[r][i] == live_before[r][i]) ++i;
+            if (i < now[r].size()) { UNSCOPED_INFO("rank " << r << " first diff at live byte " << i << " of " << now[r].size() << " page_bytes " << w.kv.page_bytes(tables_before.mode) << " tensors " << w.kv.num_tensors()); }
+          }
+          std::ostringstream os;
+          kv_migration_options kv_opt;
+          kv_opt.staging = {memory_space::arena, w.weights.slot_offset(arena_geometry::free_slot(arena_cursor{target == parallel_mode::tp ? w.shape.num_layers : 0})), w.weights.slot_bytes};
+          print(os, plan_kv_migration(w.kv, tables_before, target, kv_opt).copies, true);
+          for (int r = 0; r < w.kv.num_ranks; ++r) { os << "rank " << r << ":"; for (auto& sq : tables_before.ranks[r].sequences) { os << " s" << sq.seq_id << "["; for (auto pg : sq.pages) os << pg << ","; os << "]"; } os << "\n"; }
+          FAIL(os.str());
+        }
+      }
+    }
+  }
+  CHECK(faults_tested > 0);
+}
+
+TEST_CASE("a verify mismatch rolls the switch back", "[switch][fault]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  world w = make_world(rng, 2, 0.3);
+  host_transport t(w.memory);
+  int calls = 0;
+  switcher_options opt;
+  // The second call (after the move) reports different contents, as corruption would.
+  opt.verify = [&](arena_cursor, const kv_state&) { return static_cast<uint64_t>(++calls); };
+  switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
+  const rank_images before = w.arenas;
+  const auto live_before = live_kv_bytes(w, sw.kv_tables());
+  const switch_report rep = sw.switch_to(parallel_mode::tp);
+  INFO("seed " << seed << ": " << rep);
+  REQUIRE(rep.outcome == switch_outcome::rolled_back);
+  CHECK(rep.error.find("checksum") != std::string::npos);
+  CHECK(sw.mode() == parallel_mode::ep);
+  CHECK(sw.cursor().tp_layers == 0);
+  CHECK(testing::compare_to_reference(w.logical, w.weights, arena_cursor{0}, w.arenas) == "");
+  CHECK(live_kv_bytes(w, sw.kv_tables()) == live_before);
+}
+
+TEST_CASE("a refused switch moves nothing", "[switch]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  // H_kv=1 on P=2: every head lives on both TP ranks, so TP holds half of what EP holds.
+  world w;
+  for (;;) {
+    w = make_world(rng, 2, 0.95);
+    if (w.kv.num_kv_heads == 1) break;
+  }
+  host_transport t(w.memory);
+  switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
+  const rank_images arenas = w.arenas, pools = w.pools;
+  const switch_report rep = sw.switch_to(parallel_mode::tp);
+  INFO("seed " << seed << ": " << rep);
+  CHECK(rep.outcome == switch_outcome::refused_capacity);
+  CHECK_FALSE(rep.error.empty());
+  CHECK(w.arenas == arenas);
+  CHECK(w.pools == pools);
+  CHECK(sw.mode() == parallel_mode::ep);
+}
+
+TEST_CASE("the switcher rejects a cursor that disagrees with the KV mode", "[switch]") {
+  std::mt19937_64 rng(testing::test_seed());
+  world w = make_world(rng, 2, 0.2);
+  host_transport t(w.memory);
+  try {
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{w.shape.num_layers});
+    FAIL("expected an error");
+  } catch (const moebius::error& e) {
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(std::string(e.what()).find("cursor") != std::string::npos);
+  }
+}
+
