@@ -43,6 +43,10 @@ plan rollback_plan(const plan& executed, int64_t completed_phases) {
                                 return dst_key(a) == dst_key(b);
                               }),
                   out.ops.end());
+    if (!ph.restores.empty()) {
+      // They read what the undo above restored, so they need a phase of their own.
+      undo.phases.push_back(plan_phase{"restore " + ph.label, ph.restores, {}});
+    }
   }
   return undo;
 }

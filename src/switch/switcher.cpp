@@ -198,6 +198,17 @@ switch_report switcher::switch_to(parallel_mode target) {
   return rep;
 }
 
+switch_workload workload_of(const switch_report& r) {
+  switch_workload w;
+  w.num_ranks = static_cast<int>(std::max(r.weight_bytes_sent.size(), r.kv_bytes_sent.size()));
+  w.num_ranks = std::max(w.num_ranks, 1);
+  for (int64_t b : r.weight_bytes_sent) w.weight_bytes_per_rank = std::max(w.weight_bytes_per_rank, b);
+  for (int64_t b : r.kv_bytes_sent) w.kv_bytes_per_rank = std::max(w.kv_bytes_per_rank, b);
+  w.weight_phases = r.weight_phases;
+  w.kv_rounds = r.kv_rounds;
+  return w;
+}
+
 std::ostream& operator<<(std::ostream& os, const switch_report& r) {
   int64_t wmax = 0, kmax = 0;
   for (int64_t b : r.weight_bytes_sent) wmax = std::max(wmax, b);

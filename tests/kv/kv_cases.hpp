@@ -54,7 +54,7 @@ struct kv_case {
 // `mode`, at most `max_seqs` of them. TP pages are allocated independently (and randomly) on
 // each rank, so TP states are fragmented.
 inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parallel_mode mode,
-                              double occupancy, int64_t max_seqs) {
+                              double occupancy, int64_t max_seqs, int64_t max_tokens = 0) {
   kv_case c;
   c.g = g;
   const int P = g.num_ranks;
@@ -77,7 +77,8 @@ inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parall
   const int64_t total = tp ? N : N * P;  // pages in the view (TP: per rank, all ranks alike)
   int64_t used = 0;                       // TP: pages used per rank
   const auto target = static_cast<int64_t>(occupancy * static_cast<double>(total));
-  const int64_t max_len = std::min<int64_t>(32768, std::max<int64_t>(1, N * S / 2));
+  int64_t max_len = std::min<int64_t>(32768, std::max<int64_t>(1, N * S / 2));
+  if (max_tokens > 0) max_len = std::min(max_len, max_tokens);
   int failures = 0;
   int64_t next_id = uni(rng, 0, 1000);
   auto alloc_ok = [&](int owner, int64_t n) {

@@ -106,7 +106,7 @@ TEST_CASE("KV EP->TP->EP round trips keep every token of every head", "[kv][migr
   std::mt19937_64 rng(kv_test_seed());
   static constexpr double occupancies[] = {0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0};
   static constexpr int64_t max_seqs[] = {0, 1, 7, 100, 4096};
-  int64_t fits_at_90 = 0, round_trips = 0;
+  int64_t round_trips = 0;
   for (int iter = 0; iter < 120; ++iter) {
     const kv_geometry g = random_kv_geometry(rng, uni(rng, 1, 8) * 16384);
     const double occ = pick_one(rng, occupancies);
@@ -132,7 +132,6 @@ TEST_CASE("KV EP->TP->EP round trips keep every token of every head", "[kv][migr
         (g.layout == kv_layout::hnd || slots > 0 || every_rank_has_a_free_page)) {
       INFO(to_tp.rep.reason);
       REQUIRE(to_tp.rep.fits);
-      if (c.occupancy > 0.85) ++fits_at_90;
     }
     // Without replication (P | H_kv) TP holds everything EP holds.
     if (!g.latent() && g.num_kv_heads >= g.num_ranks) REQUIRE(to_tp.rep.holds);
@@ -142,7 +141,6 @@ TEST_CASE("KV EP->TP->EP round trips keep every token of every head", "[kv][migr
   }
   INFO("round trips " << round_trips);
   CHECK(round_trips > 20);
-  CHECK(fits_at_90 > 0);
 }
 
 TEST_CASE("KV TP->EP from fragmented TP states (compaction, staging)", "[kv][migration]") {
@@ -182,6 +180,36 @@ TEST_CASE("KV TP->EP from fragmented TP states (compaction, staging)", "[kv][mig
   INFO("holds " << holds << " ran " << ran);
   CHECK(ran >= holds);
   (void)compacted;
+}
+
+TEST_CASE("KV switches succeed at 90% occupancy", "[kv][rounds]") {
+  std::mt19937_64 rng(kv_test_seed() + 5);
+  static constexpr int ranks[] = {2, 4, 8};
+  static constexpr int64_t heads[] = {8, 32};
+  static constexpr int64_t sizes[] = {1, 16};
+  for (int iter = 0; iter < 16; ++iter) {
+    const kv_layout layout = iter % 2 ? kv_layout::nhd : kv_layout::hnd;
+    const kv_geometry g = make_kv_geometry(2, pick_one(rng, heads), 2, pick_one(rng, sizes),
+                                           uni(rng, 40, 200), pick_one(rng, ranks), dtype::bf16,
+                                           layout);
+    kv_case c = random_kv_case(rng, g, parallel_mode::ep, 0.89, 4096, 4 * g.page_size);
+    INFO(g << " occupancy " << c.occupancy);
+    REQUIRE(c.occupancy >= 0.89);
+    REQUIRE(c.occupancy <= 0.9);
+    kv_migration_options opt;
+    // NHD copies the owner's slice out before its page frees: one staging slot covers a rank
+    // that happens to be full.
+    if (layout == kv_layout::nhd)
+      opt.staging = {memory_space::arena, 0, kv_staging_slot_bytes(g, parallel_mode::ep)};
+    memory m = make_memory(rng, c, opt.staging.bytes);
+    const step_result to_tp = migrate_and_check(c, m, parallel_mode::tp, opt);
+    INFO(to_tp.rep.reason);
+    REQUIRE(to_tp.ran);
+    const step_result back = migrate_and_check(c, m, parallel_mode::ep, opt);
+    INFO(back.rep.reason << " needed " << back.rep.pages_needed << " of "
+                         << back.rep.pages_available);
+    if (back.rep.holds && opt.staging.bytes > 0) CHECK(back.ran);
+  }
 }
 
 TEST_CASE("KV capacity check: Qwen3 replication halves what TP holds", "[kv][capacity]") {

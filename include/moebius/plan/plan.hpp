@@ -17,6 +17,10 @@ namespace moebius {
 struct plan_phase {
   std::string label;         // what the phase does, e.g. "layer 3 EP->TP"
   std::vector<copy_op> ops;  // ordered by source rank, then by (dst - src) mod P
+  // Copies that re-create, when the phase is undone, bytes it freed without reading them
+  // (a KV head slice replicated on several TP ranks is read from one replica; the others are
+  // freed). Transports never run these; rollback_plan() runs them after undoing `ops`.
+  std::vector<copy_op> restores;
 
   friend bool operator==(const plan_phase&, const plan_phase&) = default;
 };

@@ -12,6 +12,8 @@
 //   undo 1:  X -> Z  (Z already held it)           undo 0:  Y -> X  (X gets its bytes back)
 //
 // A phase that failed part-way wrote only bytes that were free before it, so it needs no undo.
+// A phase that frees bytes without reading them (an unread replica) lists, in
+// plan_phase::restores, the copies that re-create them; the undo runs those right after.
 // This is what makes a KV migration that reuses freed pages in later rounds reversible.
 
 #include <cstdint>
@@ -21,7 +23,8 @@
 namespace moebius {
 
 // The plan that undoes the first `completed_phases` phases of `executed`: phases in reverse
-// order, each op with source and destination swapped; when several ops of a phase read the
+// order, each op with source and destination swapped, each followed by a phase of its
+// restores when it has any; when several ops of a phase read the
 // same source range (a page sent to several ranks), its undo keeps one of them. Throws
 // errc::invalid_argument when completed_phases is outside [0, phases] or an op's source pitch
 // is smaller than its row (its undo would overlap itself).

@@ -1,0 +1,41 @@
+#pragma once
+
+// Everything a host-side user of Moebius needs, in one include. Device-only declarations
+// (moebius/cuda/) are left out; include them from .cu files that need them.
+
+#include "moebius/config.hpp"
+#include "moebius/error.hpp"
+
+#include "moebius/layout/arena_geometry.hpp"
+#include "moebius/layout/dtype.hpp"
+#include "moebius/layout/expert_shape.hpp"
+#include "moebius/layout/layout3.hpp"
+#include "moebius/layout/weight_view.hpp"
+
+#include "moebius/plan/copy_op.hpp"
+#include "moebius/plan/plan.hpp"
+#include "moebius/plan/rollback.hpp"
+#include "moebius/plan/weight_plan.hpp"
+
+#include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/kv_migration.hpp"
+#include "moebius/kv/kv_view.hpp"
+#include "moebius/kv/page_table.hpp"
+#include "moebius/kv/placement.hpp"
+
+#include "moebius/transport/host_transport.hpp"
+#include "moebius/transport/transport.hpp"
+#if MOEBIUS_WITH_CUDA
+#include "moebius/transport/cuda_peer_transport.hpp"
+#endif
+#if MOEBIUS_WITH_NCCL
+#include "moebius/transport/nccl_transport.hpp"
+#endif
+
+#include "moebius/switch/checksum.hpp"
+#include "moebius/switch/switcher.hpp"
+
+#include "moebius/memory/memory_budget.hpp"
+#include "moebius/policy/calibration.hpp"
+#include "moebius/policy/cost_model.hpp"
+#include "moebius/policy/switch_policy.hpp"
