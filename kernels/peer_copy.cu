@@ -102,7 +102,8 @@ __device__ __forceinline__ void warp_copy_rows16(std::byte* dst, int64_t dst_pit
   }
 }
 
-__global__ void peer_copy_kernel(const __grid_constant__ peer_copy_args a) {
+__global__ void __launch_bounds__(peer_copy_max_threads)
+    peer_copy_kernel(const __grid_constant__ peer_copy_args a) {
   // A barrier of this execute() timed out: the plan is abandoned, move nothing more.
   if (a.status != nullptr && *reinterpret_cast<const volatile uint32_t*>(&a.status->error) != 0) {
     return;
@@ -154,6 +155,7 @@ __global__ void peer_copy_kernel(const __grid_constant__ peer_copy_args a) {
 cudaError_t launch_peer_copy(const peer_copy_args& args, int blocks, int threads,
                              cudaStream_t stream) {
   if (args.num_chunks == 0 || blocks <= 0) return cudaSuccess;
+  if (threads <= 0 || threads > peer_copy_max_threads) return cudaErrorInvalidConfiguration;
   peer_copy_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, stream>>>(
       args);
   return cudaGetLastError();

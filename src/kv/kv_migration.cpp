@@ -639,10 +639,24 @@ outcome tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_opt
     for (int64_t it : done) {
       const int64_t l = items[idx(it)].l;
       if (--refs[idx(l)] > 0) continue;
+      const int o_last = items[idx(it)].owner;
       for (int r = 0; r < P; ++r) {
         const int64_t ri = item_of[idx(r) * idx(n_tp) + idx(l)];
         if (ri >= 0 && items[idx(ri)].in_place) continue;  // now part of r's EP page
-        free_page(r, tp_of[idx(r) * idx(n_tp) + idx(l)], newly[idx(r)]);
+        const int64_t t = tp_of[idx(r) * idx(n_tp) + idx(l)];
+        // A replica this round did not read is freed unread: tell rollback how to rebuild it
+        // (from the replica that was read, which the undo of this phase restores first).
+        const int sr = src_rank(g.tp_slice_of_rank(r), o_last);
+        if (sr != r) {
+          std::vector<copy_op>* keep = em.ops;
+          em.ops = &ph.restores;
+          const int64_t b = em.bytes;
+          em.whole(parallel_mode::tp, em.pool(parallel_mode::tp, sr, tp_of[idx(sr) * idx(n_tp) + idx(l)]),
+                   em.pool(parallel_mode::tp, r, t));
+          em.bytes = b;
+          em.ops = keep;
+        }
+        free_page(r, t, newly[idx(r)]);
       }
     }
     for (const auto& [r, z] : freed_slots) stage_free[idx(r)].push_back(z);
@@ -651,7 +665,7 @@ outcome tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_opt
         cand[idx(r)].push_back(*q);
       if (!staged[idx(r)].empty()) any_staged = true;
     }
-    if (!ph.ops.empty()) {
+    if (!ph.ops.empty() || !ph.restores.empty()) {
       ph.label = "KV TP->EP round " + std::to_string(res.stats.rounds);
       res.copies.phases.push_back(std::move(ph));
       ++res.stats.rounds;

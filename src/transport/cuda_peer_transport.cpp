@@ -246,11 +246,10 @@ struct cuda_peer_transport::impl {
 
   void check_config() const {
     const cuda_peer_config& c = config;
-    MOEBIUS_CHECK(c.sm_kernel_threads >= 32 && c.sm_kernel_threads <= 1024 &&
+    MOEBIUS_CHECK(c.sm_kernel_threads >= 32 && c.sm_kernel_threads <= peer_copy_max_threads &&
                       c.sm_kernel_threads % 32 == 0,
-                  errc::invalid_argument,
-                  "sm_kernel_threads must be a multiple of 32 in [32, 1024] (sm_kernel_threads=",
-                  c.sm_kernel_threads, ")");
+                  errc::invalid_argument, "sm_kernel_threads must be a multiple of 32 in [32, ",
+                  peer_copy_max_threads, "] (sm_kernel_threads=", c.sm_kernel_threads, ")");
     MOEBIUS_CHECK(c.sm_kernel_blocks >= 0, errc::invalid_argument,
                   "sm_kernel_blocks must be >= 0 (sm_kernel_blocks=", c.sm_kernel_blocks, ")");
     MOEBIUS_CHECK(c.sm_chunk_bytes >= 16 && c.sm_chunk_bytes <= (int64_t{1} << 30) &&
@@ -466,6 +465,8 @@ struct cuda_peer_transport::impl {
         if (e == cudaSuccess) {
           pr.graph = g;
           e = cudaGraphInstantiate(&pr.graph_exec, g, 0);
+          // Upload now, so that the first execute() costs a launch, not an upload.
+          if (e == cudaSuccess) e = cudaGraphUpload(pr.graph_exec, ranks[static_cast<size_t>(pr.rank)].stream);
         } else if (g != nullptr) {
           (void)cudaGraphDestroy(g);
         }
@@ -742,11 +743,27 @@ cuda_peer_transport cuda_peer_transport::single_process(std::vector<cuda_rank_me
 
 namespace {
 
+// cuMemGetAddressRange, found through the runtime: linking libcuda would stop every Moebius
+// binary from loading on a machine without a GPU driver (CI, build hosts).
+CUresult mem_get_address_range(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
+  using fn_t = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static const fn_t fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOEBIUS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000,
+                                                        cudaEnableDefault, &found));
+    MOEBIUS_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr, errc::cuda,
+                  "the CUDA driver has no cuMemGetAddressRange");
+    return reinterpret_cast<fn_t>(f);
+  }();
+  return fn(base, size, p);
+}
+
 // Handle and offset of `p` inside its cudaMalloc allocation (IPC exports whole allocations).
 void export_pointer(void* p, cudaIpcMemHandle_t& handle, int64_t& offset) {
   CUdeviceptr alloc_base = 0;
   size_t alloc_size = 0;
-  MOEBIUS_CU_CHECK(cuMemGetAddressRange(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(p)));
+  MOEBIUS_CU_CHECK(mem_get_address_range(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(p)));
   offset = static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(p) - alloc_base);
   MOEBIUS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(alloc_base)));
 }

@@ -99,7 +99,7 @@ TEST_CASE("fused copy kernel matches host memcpy for random unaligned ops", "[pe
     int threads;
   };
   const grid_case grids[] = {{32 << 10, 132, 512}, {16, 1, 32},     {64, 7, 96},
-                             {4096, 33, 256},      {1 << 20, 2, 1024}, {256 << 10, 200, 128}};
+                             {4096, 33, 256},      {1 << 20, 2, 512}, {256 << 10, 200, 128}};
   for (int iter = 0; iter < 24; ++iter) {
     const grid_case g = grids[iter % 6];
     static constexpr int64_t op_sizes[] = {1, 17, 4096, 65536, int64_t{1} << 20};

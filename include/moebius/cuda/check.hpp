@@ -17,13 +17,12 @@ namespace moebius::detail {
               cudaGetErrorString(status), ")");
 }
 
+// Driver API calls reach us through cudaGetDriverEntryPointByVersion (Moebius never links
+// libcuda, so its binaries load on machines without a driver); the name of a CUresult would
+// need another driver call, so the message carries its number (see cuda.h).
 [[noreturn]] inline void throw_cu_error(CUresult status, const char* call, const char* file,
                                         int line) {
-  const char* name = nullptr;
-  const char* text = nullptr;
-  if (cuGetErrorName(status, &name) != CUDA_SUCCESS) name = "unknown CUresult";
-  if (cuGetErrorString(status, &text) != CUDA_SUCCESS) text = "no description";
-  throw_error(errc::cuda, file, line, call, " failed: ", name, " (", text, ")");
+  throw_error(errc::cuda, file, line, call, " failed: CUresult ", static_cast<int>(status));
 }
 
 }  // namespace moebius::detail

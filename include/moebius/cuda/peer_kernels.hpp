@@ -65,6 +65,10 @@ struct peer_copy_args {
 };
 
 // Launches the fused copy kernel: warps take chunks round-robin. Returns the launch status.
+// Largest block the fused copy kernel launches with: it keeps several 16-byte loads in flight
+// per thread (about 96 registers), so 1024-thread blocks would not fit the register file.
+inline constexpr int peer_copy_max_threads = 512;
+
 cudaError_t launch_peer_copy(const peer_copy_args& args, int blocks, int threads,
                              cudaStream_t stream);
 

@@ -74,7 +74,7 @@ struct cuda_peer_config {
   // Fused kernel grid per rank per phase. 0: the device's SM count (per rank; with virtual
   // ranks on one device their kernels share the SMs). The grid is also capped by the work.
   int sm_kernel_blocks = 0;
-  int sm_kernel_threads = 512;  // multiple of 32, at most 1024
+  int sm_kernel_threads = 512;  // multiple of 32, at most 512 (peer_copy_max_threads)
   // A warp moves at most this many bytes of one op per work item: large ops are split into
   // chunks of this size so every warp of the grid gets work. Power of two, >= 16.
   int64_t sm_chunk_bytes = int64_t{32} << 10;

@@ -50,9 +50,12 @@ class nccl_transport final : public transport {
   // received before unpacking), each region rounded up to 256 B. 0 when every remote op is
   // contiguous on this rank's side. Throws errc::invalid_argument for a rank outside
   // [0, p.num_ranks).
-  //   EP->TP of one bf16 layer E=4, H=8, I=4, P=2: w2 sends rows of I/P=2 columns (4 B) out of
-  //   rows of I=4 (8 B): strided at the source (packed, 4*8*4 = 128 B -> 256 B), contiguous
-  //   at the TP destination.
+  //   EP->TP of one bf16 layer, E=4, H=8, I=4, P=2: rank 0 sends rank 1 the slice-1 gate and
+  //   up rows of its 2 experts (2 x 2 x 2 rows x 8 cols x 2 B = 128 B, strided in EP) and
+  //   their slice-1 w2 columns (2 x 8 rows x 2 cols x 2 B = 64 B, strided in EP); each
+  //   region rounds up to 256 B, so workspace_bytes = 512. What it receives lands
+  //   contiguously in its TP layout: no staging for that.
+  //   Qwen3-235B at P=2: 1,207,959,552 B (the 805 MB w13 piece plus the 403 MB w2 piece).
   static int64_t workspace_bytes(const plan& p, int rank);
 
   // `local_ranks`: the ranks this process drives, each with its own communicator (all of
