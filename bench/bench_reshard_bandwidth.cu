@@ -64,11 +64,11 @@ int64_t env_int(const char* name, int64_t fallback) {
 
 struct world_state {
   int num_ranks = 0;
-  bool virtual_ranks = false;          // all ranks on device 0
-  std::vector<int> device_of;          // per rank
-  std::vector<cudaStream_t> streams;   // per rank, for the ceiling and NCCL
-  std::vector<ncclComm_t> comms;       // per rank; empty with virtual ranks
-  std::string prefix;                  // "" or "virtual_"
+  bool virtual_ranks = false;         // all ranks on device 0
+  std::vector<int> device_of;         // per rank
+  std::vector<cudaStream_t> streams;  // per rank, for the ceiling and NCCL
+  std::vector<ncclComm_t> comms;      // per rank; empty with virtual ranks
+  std::string prefix;                 // "" or "virtual_"
 };
 
 world_state& world() {
@@ -142,11 +142,16 @@ enum class method { ceiling, nccl, peer_copy_engine, peer_sm_kernel, peer_automa
 
 const char* to_string(method m) {
   switch (m) {
-    case method::ceiling: return "copy_engine_ceiling";
-    case method::nccl: return "nccl";
-    case method::peer_copy_engine: return "cuda_peer_copy_engine";
-    case method::peer_sm_kernel: return "cuda_peer_sm_kernel";
-    case method::peer_automatic: return "cuda_peer_automatic";
+    case method::ceiling:
+      return "copy_engine_ceiling";
+    case method::nccl:
+      return "nccl";
+    case method::peer_copy_engine:
+      return "cuda_peer_copy_engine";
+    case method::peer_sm_kernel:
+      return "cuda_peer_sm_kernel";
+    case method::peer_automatic:
+      return "cuda_peer_automatic";
   }
   return "?";
 }
@@ -165,8 +170,8 @@ struct config {
 struct context {
   std::string name;
   arena_geometry geometry;
-  plan forward;  // EP -> TP, all layers
-  plan back;     // TP -> EP
+  plan forward;               // EP -> TP, all layers
+  plan back;                  // TP -> EP
   int64_t bytes_per_gpu = 0;  // leaving each GPU per switch (the larger of both directions)
   std::vector<void*> arena;
   std::vector<void*> staging;
@@ -216,8 +221,8 @@ int64_t staging_per_rank(const arena_geometry& g) {
   const plan f = plan_weight_switch(g, arena_cursor{0}, arena_cursor{g.shape.num_layers});
   const plan b = plan_weight_switch(g, arena_cursor{g.shape.num_layers}, arena_cursor{0});
   for (int r = 0; r < f.num_ranks; ++r) {
-    most = std::max({most, nccl_transport::workspace_bytes(f, r),
-                     nccl_transport::workspace_bytes(b, r)});
+    most = std::max(
+        {most, nccl_transport::workspace_bytes(f, r), nccl_transport::workspace_bytes(b, r)});
   }
   return most;
 }
@@ -304,8 +309,8 @@ context& use(const config& cfg) {
     cuda_peer_config pc;
     pc.engine = policy_of(static_cast<method>(k + 2));
     pc.max_cached_plans = 0;  // we hold the prepared plans ourselves
-    c.peer[k] = std::make_unique<cuda_peer_transport>(
-        cuda_peer_transport::single_process(peer_ranks, pc));
+    c.peer[k] =
+        std::make_unique<cuda_peer_transport>(cuda_peer_transport::single_process(peer_ranks, pc));
     c.prepared[k][0] = c.peer[k]->prepare(c.forward);
     c.prepared[k][1] = c.peer[k]->prepare(c.back);
   }
@@ -353,7 +358,9 @@ void run_ceiling(context& c) {
 void run_switch(context& c, method m, int dir) {
   const plan& p = dir == 0 ? c.forward : c.back;
   switch (m) {
-    case method::ceiling: run_ceiling(c); return;
+    case method::ceiling:
+      run_ceiling(c);
+      return;
     case method::nccl:
       c.nccl->enqueue(p, 0, static_cast<int64_t>(p.phases.size()));
       c.nccl->synchronize();
@@ -394,7 +401,8 @@ void bench_switch(benchmark::State& st, const config& cfg, method m, int dir) {
     c = &use(cfg);
   } catch (const std::exception& e) {
     st.SkipWithError(e.what());
-    for (auto _ : st) {}
+    for (auto _ : st) {
+    }
     return;
   }
   double total = 0;
@@ -427,7 +435,8 @@ void bench_enqueue(benchmark::State& st, const config& cfg, method m) {
     c = &use(cfg);
   } catch (const std::exception& e) {
     st.SkipWithError(e.what());
-    for (auto _ : st) {}
+    for (auto _ : st) {
+    }
     return;
   }
   double total = 0, enqueue = 0;
@@ -466,10 +475,10 @@ void bench_enqueue(benchmark::State& st, const config& cfg, method m) {
   st.counters["enqueue_ms_94_layers"] =
       enq_ms * 94.0 / static_cast<double>(c->geometry.shape.num_layers);
   st.counters["num_ops"] = static_cast<double>(c->forward.num_ops());
-  st.SetLabel(c->geometry.shape.num_layers == 94 ? "94 layers"
-                                                 : "extrapolated from " +
-                                                       std::to_string(c->geometry.shape.num_layers) +
-                                                       " layers");
+  st.SetLabel(c->geometry.shape.num_layers == 94
+                  ? "94 layers"
+                  : "extrapolated from " + std::to_string(c->geometry.shape.num_layers) +
+                        " layers");
 }
 
 expert_shape qwen3(dtype t, bool scales) {
@@ -494,8 +503,8 @@ void register_all() {
   const auto reg_switch = [&](const config& cfg, method m, int dir) {
     const std::string name =
         w.prefix + cfg.name + (dir == 0 ? "/ep_to_tp/" : "/tp_to_ep/") + to_string(m);
-    benchmark::RegisterBenchmark(name.c_str(),
-                                 [cfg, m, dir](benchmark::State& st) { bench_switch(st, cfg, m, dir); })
+    benchmark::RegisterBenchmark(
+        name.c_str(), [cfg, m, dir](benchmark::State& st) { bench_switch(st, cfg, m, dir); })
         ->UseManualTime()
         ->Iterations(iters)
         ->Unit(benchmark::kMillisecond);

@@ -16,7 +16,8 @@ namespace {
 // One flat index over every vector of every row: rows of a weight reshard are often short
 // (256 B .. 8 KiB), so one block per row would leave most threads idle.
 template <class Vec>
-__global__ void __launch_bounds__(256) strided_copy_kernel(const __grid_constant__ strided_copy_args a) {
+__global__ void __launch_bounds__(256)
+    strided_copy_kernel(const __grid_constant__ strided_copy_args a) {
   const int64_t vecs_per_row = a.row_bytes / static_cast<int64_t>(sizeof(Vec));
   const int64_t total = vecs_per_row * a.rows;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -46,9 +47,9 @@ void launch(const strided_copy_args& a, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(wanted < cap ? wanted : cap);
   strided_copy_kernel<Vec><<<blocks, threads, 0, stream>>>(a);
   const cudaError_t status = cudaGetLastError();
-  MOEBIUS_CHECK(status == cudaSuccess, errc::cuda, "strided copy launch failed: ",
-                cudaGetErrorString(status), " (rows=", a.rows, ", row_bytes=", a.row_bytes,
-                ", vector=", sizeof(Vec), " B)");
+  MOEBIUS_CHECK(status == cudaSuccess, errc::cuda,
+                "strided copy launch failed: ", cudaGetErrorString(status), " (rows=", a.rows,
+                ", row_bytes=", a.row_bytes, ", vector=", sizeof(Vec), " B)");
 }
 
 }  // namespace

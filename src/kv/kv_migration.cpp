@@ -401,6 +401,7 @@ outcome tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_opt
   struct item {
     int owner;
     int64_t l;
+    int64_t t_own = -1;  // the owner's TP page of l (tp_of, cached: the scan reads it often)
     int64_t ep_page = -1;
     bool in_place = false;
   };
@@ -436,7 +437,7 @@ outcome tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_opt
         any = true;
         const int64_t l = owned[idx(r)][k];
         item_of[idx(r) * idx(n_tp) + idx(l)] = static_cast<int64_t>(items.size());
-        items.push_back({r, l});
+        items.push_back({r, l, tp_of[idx(r) * idx(n_tp) + idx(l)]});
       }
     }
     if (!any) break;
@@ -528,20 +529,30 @@ outcome tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_opt
     // Gather pages whose owner has a free aligned group (or its own piece in place, or a
     // staging slot).
     std::vector<int64_t> next;
+    // Owners with no free group and no staging slot left this round: only in-place remains.
+    std::vector<uint8_t> exhausted(idx(P), 0);
     for (int64_t it : rem) {
       item& m = items[idx(it)];
       const int o = m.owner;
+      if (exhausted[idx(o)] && !keeps_in_place) {
+        next.push_back(it);
+        continue;
+      }
       const int64_t own = g.tp_slice_of_rank(o);
-      const int64_t t = tp_of[idx(o) * idx(n_tp) + idx(m.l)];
+      const int64_t t = m.t_own;
+      const int64_t tq = t / split;
       int64_t q = -1, slot = -1;
-      if (keeps_in_place && t % split == own && gf(o, t / split) == split - 1) {
-        q = t / split;
+      if (keeps_in_place && t - tq * split == own && gf(o, tq) == split - 1) {
+        q = tq;
         m.in_place = true;
-      } else if ((q = pop_group(o)) < 0 && !stage_free[idx(o)].empty()) {
-        slot = stage_free[idx(o)].back();
-        stage_free[idx(o)].pop_back();
+      } else if (!exhausted[idx(o)]) {
+        if ((q = pop_group(o)) < 0 && !stage_free[idx(o)].empty()) {
+          slot = stage_free[idx(o)].back();
+          stage_free[idx(o)].pop_back();
+        }
       }
       if (q < 0 && slot < 0) {
+        exhausted[idx(o)] = 1;
         next.push_back(it);
         continue;
       }
@@ -609,6 +620,8 @@ outcome tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_opt
                      em.pool(parallel_mode::tp, o, d));
             const int64_t l = l_of[idx(o) * idx(n_tp) + idx(t)];
             tp_of[idx(o) * idx(n_tp) + idx(l)] = d;
+            if (const int64_t ii = item_of[idx(o) * idx(n_tp) + idx(l)]; ii >= 0)
+              items[idx(ii)].t_own = d;
             l_of[idx(o) * idx(n_tp) + idx(d)] = l;
             st(o, d) = 1;
             --gf(o, d / split);

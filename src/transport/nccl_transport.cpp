@@ -11,13 +11,14 @@
 #include "moebius/detail/nccl_pack.hpp"
 #include "moebius/error.hpp"
 
-
 namespace moebius {
 namespace {
 
 constexpr int64_t k_staging_alignment = 256;
 
-constexpr int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+constexpr int64_t align_up(int64_t v, int64_t a) {
+  return (v + a - 1) / a * a;
+}
 
 // A remote op goes through staging on the side whose rows are strided.
 constexpr bool strided_at_source(const copy_op& op) {
@@ -98,10 +99,9 @@ nccl_transport::nccl_transport(std::vector<nccl_rank> local_ranks)
       MOEBIUS_CHECK(r.space_bytes[s] >= 0, errc::invalid_argument, "rank ", rank, " space ",
                     to_string(static_cast<memory_space>(s)), " has negative size ",
                     r.space_bytes[s]);
-      MOEBIUS_CHECK(r.space_bytes[s] == 0 || r.space_base[s] != nullptr,
-                    errc::invalid_argument, "rank ", rank, " space ",
-                    to_string(static_cast<memory_space>(s)), " has ", r.space_bytes[s],
-                    " bytes but a null base pointer");
+      MOEBIUS_CHECK(r.space_bytes[s] == 0 || r.space_base[s] != nullptr, errc::invalid_argument,
+                    "rank ", rank, " space ", to_string(static_cast<memory_space>(s)), " has ",
+                    r.space_bytes[s], " bytes but a null base pointer");
     }
     MOEBIUS_CHECK(r.workspace_bytes >= 0 && (r.workspace_bytes == 0 || r.workspace != nullptr),
                   errc::invalid_argument, "rank ", rank, " workspace of ", r.workspace_bytes,
@@ -115,6 +115,45 @@ nccl_transport::nccl_transport(std::vector<nccl_rank> local_ranks)
                   " appears twice among the local ranks (entries ", slot, " and ", i, ")");
     slot = static_cast<int>(i);
   }
+  device_guard guard;
+  try {
+    for (const nccl_rank& r : ranks_) {
+      guard.set(r.device);
+      cudaStream_t side = nullptr;
+      MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+      side_.push_back(side);
+      cudaEvent_t fork = nullptr, join = nullptr;
+      MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      fork_.push_back(fork);
+      MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+      join_.push_back(join);
+    }
+  } catch (...) {
+    release_streams();
+    throw;
+  }
+}
+
+nccl_transport::~nccl_transport() {
+  release_streams();
+}
+
+void nccl_transport::release_streams() noexcept {
+  int saved = 0;
+  (void)cudaGetDevice(&saved);
+  for (size_t li = 0; li < ranks_.size(); ++li) {
+    (void)cudaSetDevice(ranks_[li].device);
+    if (li < side_.size()) {
+      (void)cudaStreamSynchronize(side_[li]);
+      (void)cudaStreamDestroy(side_[li]);
+    }
+    if (li < fork_.size()) (void)cudaEventDestroy(fork_[li]);
+    if (li < join_.size()) (void)cudaEventDestroy(join_[li]);
+  }
+  (void)cudaSetDevice(saved);
+  side_.clear();
+  fork_.clear();
+  join_.clear();
 }
 
 const nccl_rank* nccl_transport::find_local(int rank) const {
@@ -158,6 +197,35 @@ void nccl_transport::enqueue_phase(const plan_phase& phase, int64_t num_ops) {
     return static_cast<std::byte*>(ranks_[li].workspace) + staged[li][static_cast<size_t>(op_idx)];
   };
 
+  // 0. Local ops on each rank's side stream, forked from the main stream at the start of the
+  // phase, so they overlap the NCCL transfers (at P = 2 they are half of a rank's bytes).
+  std::vector<char> has_local(ranks_.size(), 0);
+  for (size_t li = 0; li < ranks_.size(); ++li) {
+    const nccl_rank& r = ranks_[li];
+    for (int64_t i = 0; i < num_ops; ++i) {
+      const copy_op& op = ops[static_cast<size_t>(i)];
+      if (!op.is_local() || op.src_rank != rank_of_local_[li]) continue;
+      if (!has_local[li]) {
+        guard.set(r.device);
+        MOEBIUS_CUDA_CHECK(cudaEventRecord(fork_[li], r.stream));
+        MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(side_[li], fork_[li], 0));
+        has_local[li] = 1;
+      }
+      std::byte* dst = address(r, op.dst_space, op.dst_offset);
+      const std::byte* src = address(r, op.src_space, op.src_offset);
+      const bool contiguous =
+          op.rows == 1 || (op.src_pitch == op.row_bytes && op.dst_pitch == op.row_bytes);
+      if (contiguous) {
+        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(op.bytes()),
+                                           cudaMemcpyDeviceToDevice, side_[li]));
+      } else {
+        detail::launch_strided_copy({src, dst, op.rows, op.row_bytes, op.src_pitch, op.dst_pitch},
+                                    side_[li]);
+      }
+    }
+    if (has_local[li]) MOEBIUS_CUDA_CHECK(cudaEventRecord(join_[li], side_[li]));
+  }
+
   // 1. Pack strided sources.
   for (size_t li = 0; li < ranks_.size(); ++li) {
     const nccl_rank& r = ranks_[li];
@@ -189,16 +257,14 @@ void nccl_transport::enqueue_phase(const plan_phase& phase, int64_t num_ops) {
         const int dst_li = local_of_rank_[static_cast<size_t>(op.dst_rank)];
         if (src_li >= 0) {
           const nccl_rank& r = ranks_[static_cast<size_t>(src_li)];
-          const std::byte* buf = strided_at_source(op)
-                                     ? staging_of(static_cast<size_t>(src_li), i)
-                                     : address(r, op.src_space, op.src_offset);
+          const std::byte* buf = strided_at_source(op) ? staging_of(static_cast<size_t>(src_li), i)
+                                                       : address(r, op.src_space, op.src_offset);
           MOEBIUS_NCCL_CHECK(ncclSend(buf, count, ncclUint8, op.dst_rank, r.comm, r.stream));
         }
         if (dst_li >= 0) {
           const nccl_rank& r = ranks_[static_cast<size_t>(dst_li)];
-          std::byte* buf = strided_at_destination(op)
-                               ? staging_of(static_cast<size_t>(dst_li), i)
-                               : address(r, op.dst_space, op.dst_offset);
+          std::byte* buf = strided_at_destination(op) ? staging_of(static_cast<size_t>(dst_li), i)
+                                                      : address(r, op.dst_space, op.dst_offset);
           MOEBIUS_NCCL_CHECK(ncclRecv(buf, count, ncclUint8, op.src_rank, r.comm, r.stream));
         }
       }
@@ -209,7 +275,8 @@ void nccl_transport::enqueue_phase(const plan_phase& phase, int64_t num_ops) {
     MOEBIUS_NCCL_CHECK(ncclGroupEnd());
   }
 
-  // 3. Unpack strided destinations; 4. local ops. Same stream, so after the receives.
+  // 3. Unpack strided destinations (same stream, so after the receives), then make the main
+  // stream wait for the local copies: the phase ends when both are done.
   for (size_t li = 0; li < ranks_.size(); ++li) {
     const nccl_rank& r = ranks_[li];
     guard.set(r.device);
@@ -220,21 +287,7 @@ void nccl_transport::enqueue_phase(const plan_phase& phase, int64_t num_ops) {
                                    op.rows, op.row_bytes, op.row_bytes, op.dst_pitch},
                                   r.stream);
     }
-    for (int64_t i = 0; i < num_ops; ++i) {
-      const copy_op& op = ops[static_cast<size_t>(i)];
-      if (!op.is_local() || op.src_rank != rank_of_local_[li]) continue;
-      std::byte* dst = address(r, op.dst_space, op.dst_offset);
-      const std::byte* src = address(r, op.src_space, op.src_offset);
-      const bool contiguous =
-          op.rows == 1 || (op.src_pitch == op.row_bytes && op.dst_pitch == op.row_bytes);
-      if (contiguous) {
-        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(op.bytes()),
-                                                    cudaMemcpyDeviceToDevice, r.stream));
-      } else {
-        detail::launch_strided_copy(
-            {src, dst, op.rows, op.row_bytes, op.src_pitch, op.dst_pitch}, r.stream);
-      }
-    }
+    if (has_local[li]) MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(r.stream, join_[li], 0));
   }
 }
 
@@ -261,9 +314,10 @@ void nccl_transport::execute(const plan& p) {
   const auto drain = [this] {
     int saved = 0;
     (void)cudaGetDevice(&saved);
-    for (const nccl_rank& r : ranks_) {
-      (void)cudaSetDevice(r.device);
-      (void)cudaStreamSynchronize(r.stream);
+    for (size_t li = 0; li < ranks_.size(); ++li) {
+      (void)cudaSetDevice(ranks_[li].device);
+      (void)cudaStreamSynchronize(side_[li]);
+      (void)cudaStreamSynchronize(ranks_[li].stream);
     }
     (void)cudaSetDevice(saved);
   };

@@ -93,6 +93,14 @@ step_result migrate_and_check(kv_case& c, memory& m, parallel_mode target,
   REQUIRE_NOTHROW(validate(c.g, mig.new_state));  // no page leaked or double-owned
   REQUIRE(find_phase_hazard(mig.copies) == "");
   require_same_sequences(c.state, mig.new_state);
+  // Shared pages move once (EP->TP: one piece per receiver per distinct page; TP->EP: one EP
+  // page per distinct page per owner, i.e. duplicated once per owner, never per sequence).
+  const kv_state& ep_side = target == parallel_mode::tp ? c.state : mig.new_state;
+  int64_t distinct = 0;
+  for (int r = 0; r < c.g.num_ranks; ++r) distinct += used_pages(c.g, ep_side, r);
+  REQUIRE(mig.stats.pages_moved == distinct);
+  if (target == parallel_mode::tp && c.g.layout == kv_layout::hnd && mig.stats.pages_staged == 0)
+    REQUIRE(mig.copies.num_ops() == distinct * (c.g.num_ranks - 1));
   host_transport tr(m.spans());
   // A phase with ops to fault in (pick one from the state's shape, so it varies).
   int64_t k = -1;
@@ -317,6 +325,31 @@ TEST_CASE("KV EP->TP keeps the owner's slice in place (HND)", "[kv][migration]")
   const kv_migration back = plan_kv_migration(g, mig.new_state, parallel_mode::ep, opt);
   CHECK(back.stats.pages_in_place == 2);
   REQUIRE(back.new_state.ranks[2].sequences.at(0).pages == std::vector<int64_t>{3, 7});
+}
+
+TEST_CASE("KV migration worked example of kv_migration.hpp (Qwen3, H_kv=4 on P=8)",
+          "[kv][migration]") {
+  const kv_geometry g = make_kv_geometry(1, 4, 128, 16, 8, 8);
+  kv_sequence q;
+  q.seq_id = 1;
+  q.pages = {3, 7};
+  q.num_tokens = 20;
+  q.last_page_len = 4;
+  std::vector<std::vector<kv_sequence>> tables(8);
+  tables[2].push_back(q);
+  const kv_state s = make_kv_state(g, parallel_mode::ep, tables);
+  const kv_migration mig = plan_kv_migration(g, s, parallel_mode::tp);
+  CHECK(mig.stats.rounds == 1);
+  CHECK(mig.copies.num_ops() == 14);
+  REQUIRE(mig.new_state.ranks[2].sequences.at(0).pages == std::vector<int64_t>{13, 29});
+  for (const copy_op& op : mig.copies.phases.at(0).ops) {
+    CHECK(op.src_rank == 2);
+    CHECK(op.dst_rank != 2);
+    CHECK(op.row_bytes == g.tp_page_bytes());
+    CHECK(op.rows == 2);  // K and V of the one layer
+    // Ranks 2k and 2k+1 receive head k: EP page piece (src offset within the page) = head.
+    CHECK((op.src_offset % g.ep_page_bytes()) / g.tp_page_bytes() == op.dst_rank / 2);
+  }
 }
 
 TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate]") {

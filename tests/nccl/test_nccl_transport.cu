@@ -31,12 +31,12 @@ namespace {
 using namespace moebius;
 using moebius::testing::rank_images;
 
-#define TEST_CUDA(expr)                                                          \
-  do {                                                                           \
-    const cudaError_t test_cuda_status_ = (expr);                                \
-    if (test_cuda_status_ != cudaSuccess) {                                      \
-      FAIL(#expr << " failed: " << cudaGetErrorString(test_cuda_status_));       \
-    }                                                                            \
+#define TEST_CUDA(expr)                                                    \
+  do {                                                                     \
+    const cudaError_t test_cuda_status_ = (expr);                          \
+    if (test_cuda_status_ != cudaSuccess) {                                \
+      FAIL(#expr << " failed: " << cudaGetErrorString(test_cuda_status_)); \
+    }                                                                      \
   } while (0)
 
 // The communicators, created once per process (ncclCommInitAll takes a second or more) and
@@ -216,7 +216,8 @@ TEST_CASE("nccl_transport: an injected fault stops at a resting cursor and rolls
     const arena_cursor from{to_tp ? 0 : shape.num_layers};
     const arena_cursor to{to_tp ? shape.num_layers : 0};
     const plan p = plan_weight_switch(g, from, to);
-    const int64_t phase = moebius::testing::uniform(rng, 0, static_cast<int64_t>(p.phases.size()) - 1);
+    const int64_t phase =
+        moebius::testing::uniform(rng, 0, static_cast<int64_t>(p.phases.size()) - 1);
     const int64_t op = moebius::testing::uniform(
         rng, 0, static_cast<int64_t>(p.phases[static_cast<size_t>(phase)].ops.size()));
     INFO("seed " << seed << " iter " << iter << ": " << shape << " fault at phase " << phase
@@ -255,15 +256,15 @@ TEST_CASE("nccl_transport: random strided plans over both memory spaces match ho
     // Each space is split in halves; phase k reads half k%2 and writes half 1-k%2, so phase
     // k+1 reads what phase k wrote (the phase barrier is exercised) and no destination of a
     // phase overlaps a source of that phase. Destinations are bump-allocated: no overlaps.
-    const int64_t half = moebius::testing::uniform(rng, 1, 64) << 10;
-    const int64_t space_bytes[num_memory_spaces] = {2 * half, 2 * half};
+    const int64_t half_bytes = moebius::testing::uniform(rng, 1, 64) << 10;
+    const int64_t space_bytes[num_memory_spaces] = {2 * half_bytes, 2 * half_bytes};
     plan p;
     p.num_ranks = P;
     const int64_t num_phases = moebius::testing::uniform(rng, 1, 4);
     for (int64_t k = 0; k < num_phases; ++k) {
       plan_phase ph;
       ph.label = "random phase " + std::to_string(k);
-      const int64_t src_half = (k % 2) * half, dst_half = (1 - k % 2) * half;
+      const int64_t src_half = (k % 2) * half_bytes, dst_half = (1 - k % 2) * half_bytes;
       // bump[rank][space]
       std::vector<std::array<int64_t, num_memory_spaces>> bump(static_cast<size_t>(P));
       for (auto& b : bump) b.fill(0);
@@ -279,9 +280,12 @@ TEST_CASE("nccl_transport: random strided plans over both memory spaces match ho
         op.row_bytes = elem * moebius::testing::uniform(rng, 1, 40);
         const auto pitch = [&] {
           switch (moebius::testing::uniform(rng, 0, 2)) {
-            case 0: return op.row_bytes;  // contiguous on this side
-            case 1: return op.row_bytes + elem * moebius::testing::uniform(rng, 1, 8);
-            default: return 2 * op.row_bytes;
+            case 0:
+              return op.row_bytes;  // contiguous on this side
+            case 1:
+              return op.row_bytes + elem * moebius::testing::uniform(rng, 1, 8);
+            default:
+              return 2 * op.row_bytes;
           }
         };
         op.src_pitch = op.rows == 1 ? op.row_bytes : pitch();
@@ -290,17 +294,17 @@ TEST_CASE("nccl_transport: random strided plans over both memory spaces match ho
         const int64_t dst_extent = (op.rows - 1) * op.dst_pitch + op.row_bytes;
         int64_t& cursor = bump[static_cast<size_t>(op.dst_rank)][static_cast<int>(op.dst_space)];
         const int64_t dst_at = cursor + elem * moebius::testing::uniform(rng, 0, 3);
-        if (dst_at + dst_extent > half || src_extent > half) continue;  // space is full
+        if (dst_at + dst_extent > half_bytes || src_extent > half_bytes) continue;  // space is full
         op.dst_offset = dst_half + dst_at;
         cursor = dst_at + dst_extent;
         op.src_offset =
-            src_half + elem * moebius::testing::uniform(rng, 0, (half - src_extent) / elem);
+            src_half + elem * moebius::testing::uniform(rng, 0, (half_bytes - src_extent) / elem);
         ph.ops.push_back(op);
       }
       p.phases.push_back(std::move(ph));
     }
     INFO("seed " << seed << " iter " << iter << ": " << p.num_ops() << " ops in " << num_phases
-                 << " phases, half " << half << " B");
+                 << " phases, half_bytes " << half_bytes << " B");
 
     // Host side: the reference transport over random bytes.
     rank_images host[num_memory_spaces];

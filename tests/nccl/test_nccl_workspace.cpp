@@ -28,7 +28,8 @@ TEST_CASE("nccl workspace: Qwen3-235B at P=2 stages exactly the strided side of 
     // TP->EP is the mirror image: contiguous at the TP source, strided at the EP destination.
     CHECK(nccl_transport::workspace_bytes(to_ep, r) == w13_piece + w2_piece);
   }
-  CHECK(nccl_transport::workspace_bytes(plan_weight_switch(g, arena_cursor{1}, arena_cursor{1}), 0) == 0);
+  CHECK(nccl_transport::workspace_bytes(plan_weight_switch(g, arena_cursor{1}, arena_cursor{1}),
+                                        0) == 0);
   CHECK_THROWS_AS(nccl_transport::workspace_bytes(to_tp, P), moebius::error);
   CHECK_THROWS_AS(nccl_transport::workspace_bytes(to_tp, -1), moebius::error);
 }
@@ -39,10 +40,12 @@ TEST_CASE("nccl workspace: one rank needs no staging, whatever the pitches") {
   s.num_experts = 4;
   s.tp_order = gate_up_order::up_first;  // the swap makes strided local copies
   const arena_geometry g = make_arena_geometry(s, 1);
-  CHECK(nccl_transport::workspace_bytes(plan_weight_switch(g, arena_cursor{0}, arena_cursor{2}), 0) == 0);
+  CHECK(nccl_transport::workspace_bytes(plan_weight_switch(g, arena_cursor{0}, arena_cursor{2}),
+                                        0) == 0);
 }
 
-TEST_CASE("nccl workspace: regions are rounded up to 256 bytes and summed per phase, max over phases") {
+TEST_CASE(
+    "nccl workspace: regions are rounded up to 256 bytes and summed per phase, max over phases") {
   plan p;
   p.num_ranks = 2;
   copy_op strided;  // strided at both ends: rank 0 packs, rank 1 unpacks

@@ -10,12 +10,12 @@
 
 #include "moebius/error.hpp"
 
-#define MOEBIUS_NCCL_CHECK(expr)                                                              \
-  do {                                                                                        \
-    const ncclResult_t moebius_nccl_result_ = (expr);                                         \
-    if (moebius_nccl_result_ != ncclSuccess) [[unlikely]] {                                   \
-      ::moebius::detail::throw_error(::moebius::errc::nccl, __FILE__, __LINE__, #expr,        \
-                                     " failed: ", ncclGetErrorString(moebius_nccl_result_),   \
+#define MOEBIUS_NCCL_CHECK(expr)                                                                \
+  do {                                                                                          \
+    const ncclResult_t moebius_nccl_result_ = (expr);                                           \
+    if (moebius_nccl_result_ != ncclSuccess) [[unlikely]] {                                     \
+      ::moebius::detail::throw_error(::moebius::errc::nccl, __FILE__, __LINE__, #expr,          \
+                                     " failed: ", ncclGetErrorString(moebius_nccl_result_),     \
                                      " (result ", static_cast<int>(moebius_nccl_result_), ")"); \
-    }                                                                                         \
+    }                                                                                           \
   } while (0)

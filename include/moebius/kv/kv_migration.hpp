@@ -5,23 +5,35 @@
 // region of memory_space::arena) plus the tables and free lists after it. The plan runs
 // unchanged on every transport.
 //
-// Pages move one by one (a shared page moves once; a sequence's pages may move in
-// different rounds). A ROUND is one plan phase: copy a batch of pages into pages that are
-// free at the start of the phase (or into staging slots), barrier, then the batch's source
-// pages become free for later rounds. Staged pages are drained into the pool in later rounds.
+// Pages move independently (a shared page moves once; a sequence's pages may move in
+// different rounds). A ROUND is one plan phase: copy a batch into pages that are free at the
+// start of the phase (or into staging slots), barrier, then the batch's source pages become
+// free for later rounds. Staged pieces are drained into the pool in later rounds.
 //
-// EP->TP: the owner keeps its own head slice in place (HND: EP page p = TP pages p*split+j,
-//   slice tp_slice_of_rank(owner) is already where the TP view reads it); every other rank
-//   receives its slice into a free TP page. After a page's round the owner's other
-//   split-1 TP pieces are free.
+// EP->TP, per head slice ("piece") of each live EP page: HND keeps the owner's own slice in
+//   place (EP page p = TP pages p*split+j; slice tp_slice_of_rank(owner) is already where
+//   the TP view reads it); piece j goes to the ranks holding slice j (one, or P/H_kv
+//   replicas) and, after its round, TP page p*split+j of the owner is free. Pieces of one page
+//   move independently, so two full ranks unblock each other. NHD interleaves heads per
+//   token, so the owner copies its own slice out too and the EP page frees when its last
+//   piece left (a full NHD rank then needs one staging slot).
+//   Incoming pieces take TP pages of wholly free EP pages first, so the owners' freed pieces
+//   stay free and the way back can be in place.
 // TP->EP: each sequence gets an owner (placement); the owner needs an aligned group of split
-//   free TP pages (= one EP page) and gathers every slice into it. When the owner's own TP
-//   page already sits at slice position of an otherwise free group, it stays in place.
-//   When no aligned group is free, a round compacts: live TP pages move (locally) out of
-//   the least-used group so it frees up.
+//   free TP pages (= one EP page) and gathers every slice into it (from one replica when
+//   H_kv < P). When the owner's own TP piece sits at its slice position in an otherwise free
+//   group (HND), it stays in place. When no owner finds a group, a round compacts: live TP
+//   pages move (locally) out of the least-used groups so whole groups come free.
 //
 // Within a phase no destination overlaps another destination or a live source
-// (find_phase_hazard checks it). Before anything moves the whole input is validated.
+// (find_phase_hazard checks it), and every byte a phase frees is either read by it or listed
+// in plan_phase::restores (unread TP replicas), so rollback_plan() undoes any prefix of the
+// plan. Before anything moves the whole input is validated.
+//
+//   Qwen3 (H_kv=4, P=8, HND), one 20-token sequence on EP rank 2, pages {3, 7}:
+//   EP->TP: one round; rank 2 keeps TP pages 3*4+1=13 and 7*4+1=29 (slice 1 = head 1) in
+//   place; ranks 0,1 receive head 0, ranks 3 receives head 1 (rank 2's replica partner),
+//   4,5 head 2, 6,7 head 3: 7 ranks x 2 pages = 14 ops of one tensor-strided copy each.
 
 #include <cstdint>
 #include <iosfwd>

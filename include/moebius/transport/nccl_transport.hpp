@@ -10,9 +10,12 @@
 //      contiguous ops (rows == 1, or pitch == row_bytes on that side) are sent straight from
 //      and received straight into the caller's memory;
 //   3. ops whose destination rows are strided are received into staging and unpacked;
-//   4. local ops (src_rank == dst_rank) are device copies on the same stream.
+//   0. local ops (src_rank == dst_rank) are device copies on a side stream of the rank, forked
+//      from its stream at the start of the phase and joined back at the end, so they overlap
+//      the transfers.
 // Each rank only ever touches its own memory (NCCL moves the bytes in between), so stream
-// order on each rank is the whole phase barrier: no host round trip between phases.
+// order on each rank (with the side stream joined) is the whole phase barrier: no host round
+// trip between phases.
 //
 // The caller owns everything: communicators, streams, memory spaces and staging workspaces.
 // One process may drive all ranks (ncclCommInitAll over its devices) or one rank each (every
@@ -33,14 +36,14 @@ namespace moebius {
 
 // One rank driven by this process.
 struct nccl_rank {
-  ncclComm_t comm = nullptr;       // member of a communicator of P ranks; its NCCL rank is
-                                   // the plan's rank index (ncclCommUserRank)
-  int device = 0;                  // CUDA device of `comm` (ncclCommCuDevice must agree)
-  cudaStream_t stream = nullptr;   // every copy and NCCL call of this rank goes here
-  void* space_base[num_memory_spaces]{};      // device base pointer per memory_space
-  int64_t space_bytes[num_memory_spaces]{};   // bytes per memory_space (0: absent)
-  void* workspace = nullptr;       // device staging buffer, >= workspace_bytes(plan, rank)
-  int64_t workspace_bytes = 0;     // its size in bytes
+  ncclComm_t comm = nullptr;              // member of a communicator of P ranks; its NCCL rank is
+                                          // the plan's rank index (ncclCommUserRank)
+  int device = 0;                         // CUDA device of `comm` (ncclCommCuDevice must agree)
+  cudaStream_t stream = nullptr;          // every copy and NCCL call of this rank goes here
+  void* space_base[num_memory_spaces]{};  // device base pointer per memory_space
+  int64_t space_bytes[num_memory_spaces]{};  // bytes per memory_space (0: absent)
+  void* workspace = nullptr;    // device staging buffer, >= workspace_bytes(plan, rank)
+  int64_t workspace_bytes = 0;  // its size in bytes
 };
 
 class nccl_transport final : public transport {
@@ -62,8 +65,12 @@ class nccl_transport final : public transport {
   // the same size P). Throws errc::invalid_argument when it is empty, when communicators
   // disagree on P, when two entries are the same NCCL rank, when a device does not match
   // its communicator's, or when a memory space has a null base but a non-zero size;
-  // errc::nccl when NCCL cannot be queried. Takes no ownership.
+  // errc::nccl when NCCL cannot be queried. Takes no ownership of the caller's objects; creates
+  // one side stream and two events per local rank (errc::cuda when that fails).
   explicit nccl_transport(std::vector<nccl_rank> local_ranks);
+  ~nccl_transport() override;
+  nccl_transport(const nccl_transport&) = delete;
+  nccl_transport& operator=(const nccl_transport&) = delete;
 
   int num_ranks() const override { return num_ranks_; }
   // The plan must be for P ranks; every op must fit the smallest local rank's memory space
@@ -93,10 +100,14 @@ class nccl_transport final : public transport {
   // Enqueues ops [0, num_ops) of phase `phase_idx` (all of them for num_ops = -1).
   void enqueue_phase(const plan_phase& phase, int64_t num_ops);
   const nccl_rank* find_local(int rank) const;
+  void release_streams() noexcept;
 
   std::vector<nccl_rank> ranks_;
   std::vector<int> local_of_rank_;  // index into ranks_ per global rank, or -1
   std::vector<int> rank_of_local_;  // global (NCCL) rank of each entry of ranks_
+  std::vector<cudaStream_t> side_;  // per local rank: where its local ops run
+  std::vector<cudaEvent_t> fork_;   // per local rank: phase start on the main stream
+  std::vector<cudaEvent_t> join_;   // per local rank: local ops of the phase done
   int num_ranks_ = 0;
   std::optional<fault_point> fault_;
   int64_t completed_phases_ = 0;
