@@ -589,6 +589,8 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // With one GPU the benchmark runs virtual ranks (two streams each) on it.
+  moebius::request_hardware_queues_for_virtual_ranks();
   // NVLink SHARP multicast must stay off on shared machines (see docs/GPU.md); NCCL reads this
   // at communicator creation, so set it before anything touches NCCL.
   setenv("NCCL_NVLS_ENABLE", "0", 1);

@@ -208,6 +208,8 @@ void BM_switch(benchmark::State& state, double occupancy, parallel_mode directio
 }  // namespace
 
 int main(int argc, char** argv) {
+  // With one GPU the benchmark runs virtual ranks (two streams each) on it.
+  moebius::request_hardware_queues_for_virtual_ranks();
   benchmark::Initialize(&argc, argv);
   if (!init_world()) return 0;
   const bench_world& w = world();

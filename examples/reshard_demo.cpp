@@ -27,6 +27,9 @@
 #include "demo_backend.hpp"
 #include "moebius/kv/kv_geometry.hpp"
 #include "serving_stage.hpp"
+#if MOEBIUS_WITH_CUDA
+#include "moebius/transport/cuda_peer_transport.hpp"
+#endif
 #include "support/reference.hpp"
 
 namespace {
@@ -177,6 +180,10 @@ int run(const options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+#if MOEBIUS_WITH_CUDA
+  // With one GPU the demo runs its ranks as virtual ranks on it.
+  moebius::request_hardware_queues_for_virtual_ranks();
+#endif
   try {
     return run(parse(argc, argv));
   } catch (const moebius::error& e) {

@@ -28,8 +28,9 @@ struct page_ref {
   int64_t k_pitch = 0;  // bytes between tensor k and k+1 pieces
 };
 
-// Turns page copies into copy_ops: one op per page piece for HND (rows = tensors), one per
-// tensor for NHD slices (rows = tokens).
+// Turns page copies into copy_ops: one op per page piece for HND (rows = tensors); NHD slices
+// are a 2-D grid of (tensor, token) pieces, and the larger of the two becomes the op's rows
+// (page size 1: one op of all tensors per slice, not one op per tensor).
 struct emitter {
   const kv_geometry& g;
   const kv_staging& staging;
@@ -74,11 +75,20 @@ struct emitter {
     }
     const int64_t row = g.heads_per_tp_page() * g.head_bytes();
     const int64_t ep_pitch = g.heads_per_ep_page() * g.head_bytes();
-    for (int64_t k = 0; k < g.num_tensors(); ++k) {
-      const int64_t eo = e.base + k * e.k_pitch + j * row;
-      const int64_t to = t.base + k * t.k_pitch;
-      if (to_tp) op(e, eo, ep_pitch, t, to, row, g.page_size, row);
-      else op(t, to, row, e, eo, ep_pitch, g.page_size, row);
+    if (g.page_size >= g.num_tensors()) {
+      for (int64_t k = 0; k < g.num_tensors(); ++k) {  // rows = tokens
+        const int64_t eo = e.base + k * e.k_pitch + j * row;
+        const int64_t to = t.base + k * t.k_pitch;
+        if (to_tp) op(e, eo, ep_pitch, t, to, row, g.page_size, row);
+        else op(t, to, row, e, eo, ep_pitch, g.page_size, row);
+      }
+      return;
+    }
+    for (int64_t i = 0; i < g.page_size; ++i) {  // rows = tensors
+      const int64_t eo = e.base + i * ep_pitch + j * row;
+      const int64_t to = t.base + i * row;
+      if (to_tp) op(e, eo, e.k_pitch, t, to, t.k_pitch, g.num_tensors(), row);
+      else op(t, to, t.k_pitch, e, eo, e.k_pitch, g.num_tensors(), row);
     }
   }
 };

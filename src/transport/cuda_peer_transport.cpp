@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <utility>
@@ -15,6 +16,19 @@
 #include "moebius/error.hpp"
 
 namespace moebius {
+namespace {
+// Hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) each device of this process has.
+int hardware_queues() {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const int n = v != nullptr ? std::atoi(v) : 0;
+  return n > 0 ? n : 8;  // the CUDA default
+}
+
+}  // namespace
+
+void request_hardware_queues_for_virtual_ranks() {
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+}
 
 const char* to_string(engine_policy policy) {
   switch (policy) {
@@ -196,6 +210,11 @@ struct cuda_peer_transport::impl {
     bool local = false;
     cudaStream_t stream = nullptr;
     bool own_stream = false;
+    // The fused kernel runs here, forked from `stream`, when a phase also has copy-engine
+    // ops: the copy engines push the remote slabs while the SMs copy the local share.
+    cudaStream_t side_stream = nullptr;
+    cudaEvent_t fork_event = nullptr;
+    cudaEvent_t join_event = nullptr;
     void* barrier_alloc = nullptr;           // local ranks: flags + status (cudaMalloc)
     uint64_t* flags = nullptr;               // this rank's flags as mapped in this process
     barrier_status* status = nullptr;        // local ranks
@@ -229,6 +248,9 @@ struct cuda_peer_transport::impl {
       (void)cudaSetDevice(r.device);
       if (r.stream != nullptr) (void)cudaStreamSynchronize(r.stream);
       if (r.own_stream && r.stream != nullptr) (void)cudaStreamDestroy(r.stream);
+      if (r.side_stream != nullptr) (void)cudaStreamDestroy(r.side_stream);
+      if (r.fork_event != nullptr) (void)cudaEventDestroy(r.fork_event);
+      if (r.join_event != nullptr) (void)cudaEventDestroy(r.join_event);
       if (r.d_peer_flags != nullptr) (void)cudaFree(r.d_peer_flags);
     }
     for (const auto& [device, p] : ipc_mappings) {
@@ -279,6 +301,9 @@ struct cuda_peer_transport::impl {
       MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
       r.own_stream = true;
     }
+    MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&r.side_stream, cudaStreamNonBlocking));
+    MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&r.fork_event, cudaEventDisableTiming));
+    MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&r.join_event, cudaEventDisableTiming));
     MOEBIUS_CUDA_CHECK(cudaMalloc(&r.barrier_alloc, barrier_alloc_bytes(num_ranks)));
     // On the rank's own (non-blocking) stream and waited for: a legacy-stream memset could
     // still be pending when a peer's first arrival lands.
@@ -331,14 +356,17 @@ struct cuda_peer_transport::impl {
         for (size_t i = 0; i < ops.size(); ++i) ce[i] = ce_capable(*ops[i]);
         break;
       case engine_policy::automatic: {
+        // Large remote slabs go to the copy engines, which run at the link's ceiling without
+        // SMs; local ops (1/P of a weight switch) go to the SM kernel, which overlaps them
+        // with the remote copies at HBM speed. Many large ops would make the copy engines
+        // host-bound: then the kernel takes them all.
+        auto to_ce = [&](const copy_op& op) {
+          return !op.is_local() && op.bytes() >= config.copy_engine_min_op_bytes && ce_capable(op);
+        };
         int64_t large = 0;
-        for (const copy_op* op : ops) {
-          if (op->bytes() >= config.copy_engine_min_op_bytes && ce_capable(*op)) ++large;
-        }
+        for (const copy_op* op : ops) large += to_ce(*op) ? 1 : 0;
         if (large <= config.copy_engine_max_ops_per_phase) {
-          for (size_t i = 0; i < ops.size(); ++i) {
-            ce[i] = ops[i]->bytes() >= config.copy_engine_min_op_bytes && ce_capable(*ops[i]);
-          }
+          for (size_t i = 0; i < ops.size(); ++i) ce[i] = to_ce(*ops[i]);
         }
         break;
       }
@@ -529,6 +557,13 @@ struct cuda_peer_transport::impl {
                           cuda_execute_stats& counts) const {
     const rank_state& rs = ranks[static_cast<size_t>(pr.rank)];
     const phase_work& w = pr.phases[static_cast<size_t>(k)];
+    // Both engines have work: fork the kernel onto the side stream, join before the barrier.
+    const bool fork = w.num_chunks > 0 && w.ce_end > w.ce_begin;
+    cudaStream_t kernel_stream = fork ? rs.side_stream : stream;
+    if (fork) {
+      MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.fork_event, stream));
+      MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(rs.side_stream, rs.fork_event, 0));
+    }
     if (w.num_chunks > 0) {
       peer_copy_args a;
       a.descs = pr.d_descs + w.desc_offset;
@@ -536,9 +571,10 @@ struct cuda_peer_transport::impl {
       a.num_chunks = w.num_chunks;
       a.chunk_bytes = config.sm_chunk_bytes;
       a.status = rs.status;
-      MOEBIUS_CUDA_CHECK(launch_peer_copy(a, w.blocks, config.sm_kernel_threads, stream));
+      MOEBIUS_CUDA_CHECK(launch_peer_copy(a, w.blocks, config.sm_kernel_threads, kernel_stream));
       ++counts.kernel_launches;
     }
+    if (fork) MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.join_event, rs.side_stream));
     for (size_t i = w.ce_begin; i < w.ce_end; ++i) {
       const ce_op& c = pr.ce_ops[i];
       if (c.height == 1) {
@@ -549,6 +585,7 @@ struct cuda_peer_transport::impl {
       }
       ++counts.copy_engine_calls;
     }
+    if (fork) MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(stream, rs.join_event, 0));
     counts.copy_engine_ops += static_cast<int64_t>(w.ce_end - w.ce_begin);
     counts.sm_kernel_ops += w.num_descs;
     barrier_args b;
@@ -724,6 +761,22 @@ cuda_peer_transport cuda_peer_transport::single_process(std::vector<cuda_rank_me
         MOEBIUS_CUDA_CHECK(e);
       }
     }
+  }
+
+  // Virtual ranks spin in barriers waiting for each other: two ranks' streams sharing a
+  // hardware queue would deadlock until the barrier timeout.
+  std::vector<int> per_device;
+  for (const cuda_rank_memory& m : ranks) {
+    if (m.device < 0) continue;  // rejected below with its own message
+    if (m.device >= static_cast<int>(per_device.size())) per_device.resize(static_cast<size_t>(m.device) + 1, 0);
+    ++per_device[static_cast<size_t>(m.device)];
+  }
+  for (size_t d = 0; d < per_device.size(); ++d) {
+    MOEBIUS_CHECK(per_device[d] <= 1 || 2 * per_device[d] <= hardware_queues(),
+                  errc::invalid_argument, per_device[d], " virtual ranks on device ", d,
+                  " need ", 2 * per_device[d], " hardware queues but CUDA_DEVICE_MAX_CONNECTIONS "
+                  "gives ", hardware_queues(), ": call request_hardware_queues_for_virtual_ranks() "
+                  "(or set CUDA_DEVICE_MAX_CONNECTIONS, at most 32) before the first CUDA call");
   }
 
   st->ranks.resize(ranks.size());

@@ -107,6 +107,11 @@ inline std::vector<engine_case> engine_cases() {
   mixed.copy_engine_min_op_bytes = 512;
   mixed.copy_engine_max_ops_per_phase = 1 << 20;
   cases.push_back({"automatic-mixed-direct", mixed});
+  // The same split captured in a graph: remote slabs on copy engines, local ops in the
+  // kernel forked onto the side stream.
+  cuda_peer_config mixed_graph = mixed;
+  mixed_graph.use_cuda_graphs = true;
+  cases.push_back({"automatic-mixed-graph", mixed_graph});
   cuda_peer_config ce = c;
   ce.engine = engine_policy::copy_engine;
   cases.push_back({"copy_engine", ce});

@@ -5,9 +5,12 @@
 
 #include <cstdio>
 
+#include "moebius/transport/cuda_peer_transport.hpp"
 #include "support/catch.hpp"
 
 int main(int argc, char** argv) {
+  // GPU tests run up to 8 virtual ranks on one device (two streams each).
+  moebius::request_hardware_queues_for_virtual_ranks();
   int devices = 0;
   const cudaError_t status = cudaGetDeviceCount(&devices);
   if (status != cudaSuccess || devices == 0) {

@@ -96,6 +96,14 @@ struct cuda_peer_config {
   int debug_absent_rank = -1;
 };
 
+// Virtual ranks wait for each other in spinning barrier kernels, so every stream of every
+// rank on one device needs a hardware queue of its own (each local rank uses two streams). The
+// CUDA default is 8 queues per device; this raises it to 32 by setting
+// CUDA_DEVICE_MAX_CONNECTIONS (unless already set) and must run before the process's first
+// CUDA call. Deployments with one rank per device need nothing. single_process() refuses
+// layouts that need more queues than the process has.
+void request_hardware_queues_for_virtual_ranks();
+
 // Bytes per rank that multi_process() passes to the all-gather (IPC handles, offsets, sizes).
 inline constexpr size_t cuda_ipc_rank_info_bytes = 512;
 

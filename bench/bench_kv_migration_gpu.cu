@@ -1,0 +1,419 @@
+// Paged-KV migration bandwidth on real GPUs: how fast cuda_peer_transport (engine automatic)
+// and nccl_transport run the EP->TP and TP->EP plans of a Qwen3-235B-A22B KV cache.
+//
+// Shape: 4 KV heads, head_dim 128, bf16, MOEBIUS_BENCH_KV_LAYERS layers (default 94), a pool
+// per rank of 16 GiB (page 16) or 4 GiB (page 1), shrunk to a third of what fits, and a
+// staging region of 64 slots in the arena. Two layouts: page size 16 HND and page size 1 NHD.
+// States: random sequences of 64..8192 tokens filling 25 / 50 / 90% of the source view
+// (kv_bench_common.hpp; TP states are fragmented).
+// Names: kv_qwen3_<layout>_ps<page>_L<layers>_P<P>/occ<percent>/{ep_to_tp,tp_to_ep}/<method>,
+// method = cuda_peer_automatic | nccl.
+// Every iteration runs the same plan again: the bytes moved (and where) are those of a real
+// switch; the values in them do not matter for the timing, so no reverse switch is needed.
+// Counters: ms (per switch), GBps_per_gpu (traffic_of(plan).max_bytes_sent() per second),
+// bytes_per_gpu, rounds (plan phases), num_ops, plan_ms (host time of plan_kv_migration),
+// refused (1 when check_kv_capacity says the target view cannot hold the state: nothing runs),
+// occupancy (achieved), P, virtual_ranks.
+//
+// P = number of devices (at most 8). With one device P = 2 virtual ranks share it and NCCL is
+// skipped (names start with "virtual_"); with none the program says so and exits 0.
+// Environment: MOEBIUS_BENCH_ITERS (timed switches per benchmark, default 5),
+// MOEBIUS_BENCH_KV_LAYERS (94), MOEBIUS_BENCH_KV_POOL_GIB (16, page size 16 HND),
+// MOEBIUS_BENCH_KV_PS1_POOL_GIB (4, page size 1 NHD: its 512-byte pieces are one op each, so
+// 4 GiB is already 4-15 M ops), MOEBIUS_BENCH_KV_NCCL_MAX_OPS (1,000,000: nccl_transport
+// issues one ncclSend/ncclRecv per op, so larger plans skip NCCL with an error message).
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kv_bench_common.hpp"
+#include "moebius/cuda/check.hpp"
+#include "moebius/cuda/nccl_check.hpp"
+#include "moebius/kv/kv_migration.hpp"
+#include "moebius/transport/cuda_peer_transport.hpp"
+#include "moebius/transport/nccl_transport.hpp"
+
+namespace {
+
+using namespace moebius;
+using clock_type = std::chrono::steady_clock;
+
+constexpr int64_t k_staging_slots = 64;
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strtoll(v, nullptr, 10);
+}
+
+template <class F>
+double seconds_of(F&& f) {
+  const auto t0 = clock_type::now();
+  f();
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+// --- the ranks ---------------------------------------------------------------------------------
+
+struct world_state {
+  int num_ranks = 0;
+  bool virtual_ranks = false;
+  std::vector<int> device_of;
+  std::vector<cudaStream_t> streams;  // per rank, for NCCL
+  std::vector<ncclComm_t> comms;      // empty with virtual ranks
+  std::string prefix;
+};
+
+world_state& world() {
+  static world_state w;
+  return w;
+}
+
+void init_world(int devices) {
+  world_state& w = world();
+  if (devices >= 2) {
+    w.num_ranks = std::min(devices, 8);
+    for (int r = 0; r < w.num_ranks; ++r) w.device_of.push_back(r);
+  } else {
+    w.num_ranks = 2;
+    w.virtual_ranks = true;
+    w.device_of = {0, 0};
+    w.prefix = "virtual_";
+  }
+  for (int r = 0; r < w.num_ranks; ++r) {
+    cudaStream_t s = nullptr;
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(w.device_of[static_cast<size_t>(r)]));
+    MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    w.streams.push_back(s);
+  }
+  if (!w.virtual_ranks) {
+    w.comms.resize(static_cast<size_t>(w.num_ranks));
+    MOEBIUS_NCCL_CHECK(ncclCommInitAll(w.comms.data(), w.num_ranks, w.device_of.data()));
+  }
+  MOEBIUS_CUDA_CHECK(cudaSetDevice(0));
+}
+
+void sync_all() {
+  for (int d : world().device_of) {
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(d));
+    MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+}
+
+// A third of the free memory one rank may use (the rest: staging, NCCL workspace, headroom).
+int64_t pool_budget_per_rank(int64_t want) {
+  world_state& w = world();
+  int64_t least = INT64_MAX;
+  for (int d : w.device_of) {
+    size_t free_b = 0, total_b = 0;
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(d));
+    MOEBIUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    least = std::min(least, static_cast<int64_t>(free_b));
+  }
+  MOEBIUS_CUDA_CHECK(cudaSetDevice(0));
+  const int64_t ranks_per_device = w.virtual_ranks ? w.num_ranks : 1;
+  return std::min(want, (least / 100 * 85 - (int64_t{2} << 30)) / ranks_per_device / 3);
+}
+
+// --- one layout: memory, transports, plans ------------------------------------------------------
+
+struct layout_config {
+  int64_t page_size;
+  kv_layout layout;
+};
+
+struct plan_entry {
+  bool refused = false;
+  std::string reason;
+  kv_migration mig;
+  double plan_ms = 0;
+  double occupancy = 0;
+  int64_t bytes_per_gpu = 0;
+};
+
+void* alloc_on(int device, int64_t bytes) {
+  void* p = nullptr;
+  MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
+  MOEBIUS_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(bytes, 1))));
+  MOEBIUS_CUDA_CHECK(cudaMemset(p, 0, static_cast<size_t>(std::max<int64_t>(bytes, 1))));
+  MOEBIUS_CUDA_CHECK(cudaSetDevice(0));
+  return p;
+}
+
+struct context {
+  bool ready = false;
+  int64_t page_size = 0;
+  kv_layout layout = kv_layout::hnd;
+  kv_geometry g;
+  kv_staging staging;
+  std::vector<void*> kv;
+  std::vector<void*> arena;
+  std::vector<void*> workspace;
+  std::vector<int64_t> workspace_bytes;
+  std::unique_ptr<cuda_peer_transport> peer;
+  std::unique_ptr<nccl_transport> nccl;
+  std::map<std::pair<int, int>, plan_entry> plans;  // (occupancy %, dir) -> plan; one kept
+
+  context() = default;
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+  ~context() { release(); }
+
+  void release() {
+    peer.reset();
+    nccl.reset();
+    plans.clear();
+    world_state& w = world();
+    for (std::vector<void*>* v : {&kv, &arena, &workspace}) {
+      for (size_t r = 0; r < v->size(); ++r) {
+        (void)cudaSetDevice(w.device_of[r]);
+        (void)cudaFree((*v)[r]);
+      }
+      v->clear();
+    }
+    workspace_bytes.clear();
+    (void)cudaSetDevice(0);
+    ready = false;
+  }
+
+  void setup(const layout_config& lc) {
+    release();
+    world_state& w = world();
+    const int64_t layers = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_KV_LAYERS", 94));
+    g = make_kv_geometry(layers, 4, 128, lc.page_size, 1, w.num_ranks, dtype::bf16, lc.layout);
+    // Page size 1 NHD moves 512-byte pieces (one op each): a smaller pool keeps the plan at a
+    // few million ops (plan build, host memory and descriptors grow with the op count).
+    const int64_t want_gib =
+        lc.page_size == 1 ? env_int("MOEBIUS_BENCH_KV_PS1_POOL_GIB", 4)
+                          : env_int("MOEBIUS_BENCH_KV_POOL_GIB", 16);
+    const int64_t budget = pool_budget_per_rank(std::max<int64_t>(1, want_gib) << 30);
+    g = make_kv_geometry(layers, 4, 128, lc.page_size, ep_pages_for_bytes(g, budget),
+                         w.num_ranks, dtype::bf16, lc.layout);
+    staging = {memory_space::arena, 0,
+               k_staging_slots * std::max(kv_staging_slot_bytes(g, parallel_mode::tp),
+                                          kv_staging_slot_bytes(g, parallel_mode::ep))};
+    std::vector<cuda_rank_memory> mem(static_cast<size_t>(w.num_ranks));
+    for (int r = 0; r < w.num_ranks; ++r) {
+      const int d = w.device_of[static_cast<size_t>(r)];
+      kv.push_back(alloc_on(d, g.pool_bytes()));
+      arena.push_back(alloc_on(d, staging.bytes));
+      workspace.push_back(nullptr);
+      workspace_bytes.push_back(0);
+      cuda_rank_memory& m = mem[static_cast<size_t>(r)];
+      m.device = d;
+      m.base[static_cast<int>(memory_space::kv_pool)] = kv.back();
+      m.bytes[static_cast<int>(memory_space::kv_pool)] = g.pool_bytes();
+      m.base[static_cast<int>(memory_space::arena)] = arena.back();
+      m.bytes[static_cast<int>(memory_space::arena)] = std::max<int64_t>(staging.bytes, 1);
+    }
+    cuda_peer_config cfg;
+    cfg.engine = engine_policy::automatic;
+    cfg.max_cached_plans = 1;  // one benchmark's plan at a time (millions of descriptors)
+    peer = std::make_unique<cuda_peer_transport>(cuda_peer_transport::single_process(mem, cfg));
+    page_size = lc.page_size;
+    layout = lc.layout;
+    ready = true;
+    std::printf("bench_kv_migration_gpu: %s page %lld, %lld layers, %lld EP pages, %.2f GiB "
+                "pool per rank\n",
+                to_string(g.layout), static_cast<long long>(g.page_size),
+                static_cast<long long>(g.num_layers), static_cast<long long>(g.num_ep_pages),
+                static_cast<double>(g.pool_bytes()) / double(int64_t{1} << 30));
+  }
+
+  // The plan of a state at `occ_pct`% of the source view; dir 0: EP->TP, 1: TP->EP.
+  plan_entry& plan_for(int occ_pct, int dir) {
+    auto it = plans.find({occ_pct, dir});
+    if (it != plans.end()) return it->second;
+    plan_entry e;
+    const parallel_mode from = dir == 0 ? parallel_mode::ep : parallel_mode::tp;
+    const parallel_mode to = dir == 0 ? parallel_mode::tp : parallel_mode::ep;
+    const kv_state s = bench::random_kv_state(g, from, occ_pct / 100.0, 1 + static_cast<uint64_t>(occ_pct));
+    int64_t used = 0;
+    for (int r = 0; r < g.num_ranks; ++r) used += used_pages(g, s, r);
+    e.occupancy = static_cast<double>(used) /
+                  static_cast<double>(g.num_pages(from) * g.num_ranks);
+    kv_migration_options opt;
+    opt.staging = staging;
+    const kv_capacity_report rep = check_kv_capacity(g, s, to, opt);
+    if (!rep.fits) {
+      e.refused = true;
+      e.reason = rep.reason;
+    } else {
+      e.plan_ms = 1e3 * seconds_of([&] { e.mig = plan_kv_migration(g, s, to, opt); });
+      e.bytes_per_gpu = traffic_of(e.mig.copies).max_bytes_sent();
+    }
+    plans.clear();  // benchmarks run grouped by plan: the previous one is not needed again
+    if (peer) peer->clear_plan_cache();
+    return plans.emplace(std::make_pair(occ_pct, dir), std::move(e)).first->second;
+  }
+
+  // An nccl_transport whose workspaces hold what `p` needs (recreated when they grow).
+  nccl_transport& nccl_for(const plan& p) {
+    world_state& w = world();
+    bool grow = nccl == nullptr;
+    for (int r = 0; r < w.num_ranks; ++r)
+      if (nccl_transport::workspace_bytes(p, r) > workspace_bytes[static_cast<size_t>(r)])
+        grow = true;
+    if (!grow) return *nccl;
+    nccl.reset();
+    std::vector<nccl_rank> ranks;
+    for (int r = 0; r < w.num_ranks; ++r) {
+      const size_t i = static_cast<size_t>(r);
+      const int64_t need = std::max(workspace_bytes[i], nccl_transport::workspace_bytes(p, r));
+      if (need > workspace_bytes[i]) {
+        MOEBIUS_CUDA_CHECK(cudaSetDevice(w.device_of[i]));
+        MOEBIUS_CUDA_CHECK(cudaFree(workspace[i]));
+        workspace[i] = alloc_on(w.device_of[i], need);
+        workspace_bytes[i] = need;
+      }
+      nccl_rank nr;
+      nr.comm = w.comms[i];
+      nr.device = w.device_of[i];
+      nr.stream = w.streams[i];
+      nr.space_base[static_cast<int>(memory_space::kv_pool)] = kv[i];
+      nr.space_bytes[static_cast<int>(memory_space::kv_pool)] = g.pool_bytes();
+      nr.space_base[static_cast<int>(memory_space::arena)] = arena[i];
+      nr.space_bytes[static_cast<int>(memory_space::arena)] = std::max<int64_t>(staging.bytes, 1);
+      nr.workspace = workspace[i];
+      nr.workspace_bytes = workspace_bytes[i];
+      ranks.push_back(nr);
+    }
+    nccl = std::make_unique<nccl_transport>(std::move(ranks));
+    return *nccl;
+  }
+};
+
+context& current() {
+  static context c;
+  return c;
+}
+
+context& use(const layout_config& lc) {
+  context& c = current();
+  if (!c.ready || c.page_size != lc.page_size || c.layout != lc.layout) c.setup(lc);
+  return c;
+}
+
+enum class method { peer_automatic, nccl };
+
+const char* to_string(method m) { return m == method::nccl ? "nccl" : "cuda_peer_automatic"; }
+
+void bench_kv(benchmark::State& st, layout_config lc, int occ_pct, int dir, method m) {
+  world_state& w = world();
+  try {
+    context& c = use(lc);
+    plan_entry& e = c.plan_for(occ_pct, dir);
+    st.counters["P"] = w.num_ranks;
+    st.counters["virtual_ranks"] = w.virtual_ranks ? 1 : 0;
+    st.counters["occupancy"] = e.occupancy;
+    st.counters["refused"] = e.refused ? 1 : 0;
+    if (e.refused) {
+      for (auto _ : st) st.SetIterationTime(1e-9);
+      st.SetLabel("refused: " + e.reason);
+      return;
+    }
+    const plan& p = e.mig.copies;
+    // nccl_transport issues one ncclSend/ncclRecv (and, when strided, one pack kernel) per op:
+    // millions of them per group take minutes, so the baseline is capped.
+    const int64_t nccl_max_ops = env_int("MOEBIUS_BENCH_KV_NCCL_MAX_OPS", 1'000'000);
+    if (m == method::nccl && p.num_ops() > nccl_max_ops) {
+      st.SkipWithError(("nccl skipped: " + std::to_string(p.num_ops()) +
+                        " ops > MOEBIUS_BENCH_KV_NCCL_MAX_OPS = " + std::to_string(nccl_max_ops))
+                           .c_str());
+      for (auto _ : st) {
+      }
+      return;
+    }
+    transport* tr = m == method::nccl ? static_cast<transport*>(&c.nccl_for(p))
+                                      : static_cast<transport*>(c.peer.get());
+    tr->execute(p);  // warm-up (cuda_peer: prepares and caches the plan)
+    double total = 0;
+    int64_t n = 0;
+    for (auto _ : st) {
+      sync_all();
+      const double s = seconds_of([&] { tr->execute(p); });
+      st.SetIterationTime(s);
+      total += s;
+      ++n;
+    }
+    const double per = total / static_cast<double>(std::max<int64_t>(n, 1));
+    st.counters["ms"] = per * 1e3;
+    st.counters["GBps_per_gpu"] = static_cast<double>(e.bytes_per_gpu) / per / 1e9;
+    st.counters["bytes_per_gpu"] = static_cast<double>(e.bytes_per_gpu);
+    st.counters["rounds"] = static_cast<double>(e.mig.stats.rounds);
+    st.counters["num_ops"] = static_cast<double>(p.num_ops());
+    st.counters["plan_ms"] = e.plan_ms;
+  } catch (const std::exception& ex) {
+    st.SkipWithError(ex.what());
+    for (auto _ : st) {
+    }
+  }
+}
+
+void register_all() {
+  world_state& w = world();
+  const int64_t iters = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_ITERS", 5));
+  const int64_t layers = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_KV_LAYERS", 94));
+  const layout_config layouts[] = {{16, kv_layout::hnd}, {1, kv_layout::nhd}};
+  std::vector<method> methods = {method::peer_automatic};
+  if (!w.virtual_ranks) methods.push_back(method::nccl);
+  for (const layout_config& lc : layouts)
+    for (int occ : {25, 50, 90})
+      for (int dir : {0, 1})
+        for (method m : methods) {
+          const std::string name = w.prefix + "kv_qwen3_" + to_string(lc.layout) + "_ps" +
+                                   std::to_string(lc.page_size) + "_L" + std::to_string(layers) +
+                                   "_P" + std::to_string(w.num_ranks) + "/occ" +
+                                   std::to_string(occ) + (dir == 0 ? "/ep_to_tp/" : "/tp_to_ep/") +
+                                   to_string(m);
+          benchmark::RegisterBenchmark(name.c_str(),
+                                       [lc, occ, dir, m](benchmark::State& st) {
+                                         bench_kv(st, lc, occ, dir, m);
+                                       })
+              ->UseManualTime()
+              ->Iterations(iters)
+              ->Unit(benchmark::kMillisecond);
+        }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // With one GPU the benchmark runs virtual ranks (two streams each) on it.
+  moebius::request_hardware_queues_for_virtual_ranks();
+  // NVLink SHARP multicast must stay off on shared machines; NCCL reads this at communicator
+  // creation, so set it before anything touches NCCL.
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("bench_kv_migration_gpu: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  try {
+    init_world(devices);
+    std::printf("bench_kv_migration_gpu: P = %d%s\n", world().num_ranks,
+                world().virtual_ranks ? " virtual ranks on one device" : " devices");
+    register_all();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_kv_migration_gpu: setup failed: %s\n", e.what());
+    return 1;
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  current().release();
+  benchmark::Shutdown();
+  return 0;
+}
