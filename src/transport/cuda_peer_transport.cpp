@@ -211,7 +211,11 @@ struct cuda_peer_transport::impl {
     cudaStream_t stream = nullptr;
     bool own_stream = false;
     // The fused kernel runs here, forked from `stream`, when a phase also has copy-engine
-    // ops: the copy engines push the remote slabs while the SMs copy the local share.
+    // ops: the copy engines push the remote slabs while the SMs copy the local share. Only
+    // for a rank alone on its device: a forked branch (inside a CUDA graph it runs on a
+    // stream the driver picks) could share a hardware queue with another virtual rank's
+    // spinning barrier and stall it.
+    bool alone_on_device = true;
     cudaStream_t side_stream = nullptr;
     cudaEvent_t fork_event = nullptr;
     cudaEvent_t join_event = nullptr;
@@ -301,9 +305,11 @@ struct cuda_peer_transport::impl {
       MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
       r.own_stream = true;
     }
-    MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&r.side_stream, cudaStreamNonBlocking));
-    MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&r.fork_event, cudaEventDisableTiming));
-    MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&r.join_event, cudaEventDisableTiming));
+    if (r.alone_on_device) {
+      MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&r.side_stream, cudaStreamNonBlocking));
+      MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&r.fork_event, cudaEventDisableTiming));
+      MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&r.join_event, cudaEventDisableTiming));
+    }
     MOEBIUS_CUDA_CHECK(cudaMalloc(&r.barrier_alloc, barrier_alloc_bytes(num_ranks)));
     // On the rank's own (non-blocking) stream and waited for: a legacy-stream memset could
     // still be pending when a peer's first arrival lands.
@@ -558,7 +564,7 @@ struct cuda_peer_transport::impl {
     const rank_state& rs = ranks[static_cast<size_t>(pr.rank)];
     const phase_work& w = pr.phases[static_cast<size_t>(k)];
     // Both engines have work: fork the kernel onto the side stream, join before the barrier.
-    const bool fork = w.num_chunks > 0 && w.ce_end > w.ce_begin;
+    const bool fork = rs.alone_on_device && w.num_chunks > 0 && w.ce_end > w.ce_begin;
     cudaStream_t kernel_stream = fork ? rs.side_stream : stream;
     if (fork) {
       MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.fork_event, stream));
@@ -772,9 +778,9 @@ cuda_peer_transport cuda_peer_transport::single_process(std::vector<cuda_rank_me
     ++per_device[static_cast<size_t>(m.device)];
   }
   for (size_t d = 0; d < per_device.size(); ++d) {
-    MOEBIUS_CHECK(per_device[d] <= 1 || 2 * per_device[d] <= hardware_queues(),
+    MOEBIUS_CHECK(per_device[d] <= hardware_queues(),
                   errc::invalid_argument, per_device[d], " virtual ranks on device ", d,
-                  " need ", 2 * per_device[d], " hardware queues but CUDA_DEVICE_MAX_CONNECTIONS "
+                  " need ", per_device[d], " hardware queues but CUDA_DEVICE_MAX_CONNECTIONS "
                   "gives ", hardware_queues(), ": call request_hardware_queues_for_virtual_ranks() "
                   "(or set CUDA_DEVICE_MAX_CONNECTIONS, at most 32) before the first CUDA call");
   }
@@ -783,6 +789,7 @@ cuda_peer_transport cuda_peer_transport::single_process(std::vector<cuda_rank_me
   for (size_t r = 0; r < ranks.size(); ++r) {
     impl::rank_state& rs = st->ranks[r];
     rs.device = ranks[r].device;
+    rs.alone_on_device = per_device[static_cast<size_t>(rs.device)] == 1;
     for (int s = 0; s < num_memory_spaces; ++s) {
       rs.base[s] = ranks[r].base[s];
       rs.bytes[s] = ranks[r].bytes[s];

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -53,7 +54,9 @@ TEST_CASE("device longest-first placement matches the host one", "[kv][placement
     std::vector<kv_demand> demands(static_cast<size_t>(n));
     std::vector<int64_t> ids(static_cast<size_t>(n));
     const int64_t id_base = pick(rng, -1000000, 1000000);
-    for (int64_t i = 0; i < n; ++i) ids[static_cast<size_t>(i)] = id_base + i * pick(rng, 1, 3);
+    // Unique ids (an engine's are): one stride per draw, so no two demands share an id.
+    const int64_t id_step = pick(rng, 1, 3);
+    for (int64_t i = 0; i < n; ++i) ids[static_cast<size_t>(i)] = id_base + i * id_step;
     std::shuffle(ids.begin(), ids.end(), rng);
     int64_t total = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -98,7 +101,33 @@ TEST_CASE("device longest-first placement matches the host one", "[kv][placement
     place_longest_first_device(a, ws.data(), ws_bytes, nullptr);
     MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());
 
+    // A third, naive placement says which side is wrong when host and device disagree.
+    std::vector<size_t> by_len(static_cast<size_t>(n));
+    std::iota(by_len.begin(), by_len.end(), size_t{0});
+    std::sort(by_len.begin(), by_len.end(), [&](size_t x, size_t y) {
+      return pages[x] != pages[y] ? pages[x] > pages[y] : seq[x] < seq[y];
+    });
+    std::vector<int> naive(static_cast<size_t>(n), -1);
+    std::vector<int64_t> naive_load(static_cast<size_t>(P), 0);
+    for (size_t i : by_len) {
+      int best = -1;
+      for (int r = 0; r < P; ++r) {
+        if (naive_load[static_cast<size_t>(r)] + pages[i] > capacity[static_cast<size_t>(r)]) continue;
+        if (best < 0 || naive_load[static_cast<size_t>(r)] < naive_load[static_cast<size_t>(best)]) best = r;
+      }
+      naive[i] = best;
+      if (best >= 0) naive_load[static_cast<size_t>(best)] += pages[i];
+    }
+    CHECK(want.owner == naive);
     const std::vector<int> owner = values_of<int>(d_owner.download());
+    for (size_t i = 0; i < owner.size(); ++i) {
+      if (owner[i] != want.owner[i]) {
+        UNSCOPED_INFO("first difference at demand " << i << ": pages " << pages[i] << " seq "
+                      << seq[i] << " device owner " << owner[i] << " host " << want.owner[i]
+                      << " naive " << naive[i]);
+        break;
+      }
+    }
     const std::vector<int64_t> load = values_of<int64_t>(d_load.download());
     const int64_t unplaced = values_of<int64_t>(d_unplaced.download())[0];
     REQUIRE(owner == want.owner);

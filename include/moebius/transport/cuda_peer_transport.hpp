@@ -96,9 +96,9 @@ struct cuda_peer_config {
   int debug_absent_rank = -1;
 };
 
-// Virtual ranks wait for each other in spinning barrier kernels, so every stream of every
-// rank on one device needs a hardware queue of its own (each local rank uses two streams). The
-// CUDA default is 8 queues per device; this raises it to 32 by setting
+// Virtual ranks wait for each other in spinning barrier kernels, so the stream of every rank
+// on one device needs a hardware queue of its own (and such ranks do not fork the SM kernel
+// onto a second stream, which needs another queue). The CUDA default is 8 queues per device; this raises it to 32 by setting
 // CUDA_DEVICE_MAX_CONNECTIONS (unless already set) and must run before the process's first
 // CUDA call. Deployments with one rank per device need nothing. single_process() refuses
 // layouts that need more queues than the process has.
