@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "kv_bench_common.hpp"
+#include "gpu_bench_world.hpp"
 #include "moebius/cuda/check.hpp"
 #include "moebius/cuda/nccl_check.hpp"
 #include "moebius/kv/kv_migration.hpp"
@@ -52,12 +53,6 @@ using clock_type = std::chrono::steady_clock;
 
 constexpr int64_t k_staging_slots = 64;
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return std::strtoll(v, nullptr, 10);
-}
-
 template <class F>
 double seconds_of(F&& f) {
   const auto t0 = clock_type::now();
@@ -65,66 +60,13 @@ double seconds_of(F&& f) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
-// --- the ranks ---------------------------------------------------------------------------------
+using bench::env_int;
+using bench::sync_all;
+using bench::world;
 
-struct world_state {
-  int num_ranks = 0;
-  bool virtual_ranks = false;
-  std::vector<int> device_of;
-  std::vector<cudaStream_t> streams;  // per rank, for NCCL
-  std::vector<ncclComm_t> comms;      // empty with virtual ranks
-  std::string prefix;
-};
-
-world_state& world() {
-  static world_state w;
-  return w;
-}
-
-void init_world(int devices) {
-  world_state& w = world();
-  if (devices >= 2) {
-    w.num_ranks = std::min(devices, 8);
-    for (int r = 0; r < w.num_ranks; ++r) w.device_of.push_back(r);
-  } else {
-    w.num_ranks = 2;
-    w.virtual_ranks = true;
-    w.device_of = {0, 0};
-    w.prefix = "virtual_";
-  }
-  for (int r = 0; r < w.num_ranks; ++r) {
-    cudaStream_t s = nullptr;
-    MOEBIUS_CUDA_CHECK(cudaSetDevice(w.device_of[static_cast<size_t>(r)]));
-    MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    w.streams.push_back(s);
-  }
-  if (!w.virtual_ranks) {
-    w.comms.resize(static_cast<size_t>(w.num_ranks));
-    MOEBIUS_NCCL_CHECK(ncclCommInitAll(w.comms.data(), w.num_ranks, w.device_of.data()));
-  }
-  MOEBIUS_CUDA_CHECK(cudaSetDevice(0));
-}
-
-void sync_all() {
-  for (int d : world().device_of) {
-    MOEBIUS_CUDA_CHECK(cudaSetDevice(d));
-    MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-}
-
-// A third of the free memory one rank may use (the rest: staging, NCCL workspace, headroom).
+// A third of what one rank may use (the rest: staging, NCCL workspace), at most `want`.
 int64_t pool_budget_per_rank(int64_t want) {
-  world_state& w = world();
-  int64_t least = INT64_MAX;
-  for (int d : w.device_of) {
-    size_t free_b = 0, total_b = 0;
-    MOEBIUS_CUDA_CHECK(cudaSetDevice(d));
-    MOEBIUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    least = std::min(least, static_cast<int64_t>(free_b));
-  }
-  MOEBIUS_CUDA_CHECK(cudaSetDevice(0));
-  const int64_t ranks_per_device = w.virtual_ranks ? w.num_ranks : 1;
-  return std::min(want, (least / 100 * 85 - (int64_t{2} << 30)) / ranks_per_device / 3);
+  return std::min(want, bench::budget_per_rank() / 3);
 }
 
 // --- one layout: memory, transports, plans ------------------------------------------------------
@@ -175,7 +117,7 @@ struct context {
     peer.reset();
     nccl.reset();
     plans.clear();
-    world_state& w = world();
+    bench::gpu_world& w = world();
     for (std::vector<void*>* v : {&kv, &arena, &workspace}) {
       for (size_t r = 0; r < v->size(); ++r) {
         (void)cudaSetDevice(w.device_of[r]);
@@ -190,7 +132,7 @@ struct context {
 
   void setup(const layout_config& lc) {
     release();
-    world_state& w = world();
+    bench::gpu_world& w = world();
     const int64_t layers = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_KV_LAYERS", 94));
     g = make_kv_geometry(layers, 4, 128, lc.page_size, 1, w.num_ranks, dtype::bf16, lc.layout);
     // Page size 1 NHD moves 512-byte pieces (one op each): a smaller pool keeps the plan at a
@@ -261,7 +203,7 @@ struct context {
 
   // An nccl_transport whose workspaces hold what `p` needs (recreated when they grow).
   nccl_transport& nccl_for(const plan& p) {
-    world_state& w = world();
+    bench::gpu_world& w = world();
     bool grow = nccl == nullptr;
     for (int r = 0; r < w.num_ranks; ++r)
       if (nccl_transport::workspace_bytes(p, r) > workspace_bytes[static_cast<size_t>(r)])
@@ -311,7 +253,7 @@ enum class method { peer_automatic, nccl };
 const char* to_string(method m) { return m == method::nccl ? "nccl" : "cuda_peer_automatic"; }
 
 void bench_kv(benchmark::State& st, layout_config lc, int occ_pct, int dir, method m) {
-  world_state& w = world();
+  bench::gpu_world& w = world();
   try {
     context& c = use(lc);
     plan_entry& e = c.plan_for(occ_pct, dir);
@@ -363,7 +305,7 @@ void bench_kv(benchmark::State& st, layout_config lc, int occ_pct, int dir, meth
 }
 
 void register_all() {
-  world_state& w = world();
+  bench::gpu_world& w = world();
   const int64_t iters = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_ITERS", 5));
   const int64_t layers = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_KV_LAYERS", 94));
   const layout_config layouts[] = {{16, kv_layout::hnd}, {1, kv_layout::nhd}};
@@ -404,7 +346,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-    init_world(devices);
+    bench::init_world(devices);
     std::printf("bench_kv_migration_gpu: P = %d%s\n", world().num_ranks,
                 world().virtual_ranks ? " virtual ranks on one device" : " devices");
     register_all();

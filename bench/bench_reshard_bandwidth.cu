@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_bench_world.hpp"
 #include "moebius/cuda/check.hpp"
 #include "moebius/cuda/nccl_check.hpp"
 #include "moebius/layout/arena_geometry.hpp"
@@ -54,87 +55,11 @@ using clock_type = std::chrono::steady_clock;
 constexpr double k_gb = 1e9;
 constexpr double k_mib = 1024.0 * 1024.0;
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  return std::strtoll(v, nullptr, 10);
-}
-
-// --- the ranks ---------------------------------------------------------------------------------
-
-struct world_state {
-  int num_ranks = 0;
-  bool virtual_ranks = false;         // all ranks on device 0
-  std::vector<int> device_of;         // per rank
-  std::vector<cudaStream_t> streams;  // per rank, for the ceiling and NCCL
-  std::vector<ncclComm_t> comms;      // per rank; empty with virtual ranks
-  std::string prefix;                 // "" or "virtual_"
-};
-
-world_state& world() {
-  static world_state w;
-  return w;
-}
-
-void init_world() {
-  world_state& w = world();
-  int devices = 0;
-  MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  if (devices >= 2) {
-    w.num_ranks = std::min(devices, 8);
-    for (int r = 0; r < w.num_ranks; ++r) w.device_of.push_back(r);
-  } else {
-    w.num_ranks = 2;
-    w.virtual_ranks = true;
-    w.device_of = {0, 0};
-    w.prefix = "virtual_";
-  }
-  for (int r = 0; r < w.num_ranks; ++r) {
-    cudaStream_t s = nullptr;
-    MOEBIUS_CUDA_CHECK(cudaSetDevice(w.device_of[static_cast<size_t>(r)]));
-    MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    w.streams.push_back(s);
-  }
-  if (!w.virtual_ranks) {
-    w.comms.resize(static_cast<size_t>(w.num_ranks));
-    MOEBIUS_NCCL_CHECK(ncclCommInitAll(w.comms.data(), w.num_ranks, w.device_of.data()));
-  }
-  MOEBIUS_CUDA_CHECK(cudaSetDevice(0));
-}
-
-void sync_all() {
-  for (int d : world().device_of) {
-    MOEBIUS_CUDA_CHECK(cudaSetDevice(d));
-    MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-}
-
-// Free bytes one rank may use: 85% of the smallest device's free memory, less 2 GiB of
-// headroom, shared by the ranks of a device.
-int64_t budget_per_rank() {
-  world_state& w = world();
-  int64_t least = INT64_MAX;
-  for (int d : w.device_of) {
-    size_t free_b = 0, total_b = 0;
-    MOEBIUS_CUDA_CHECK(cudaSetDevice(d));
-    MOEBIUS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    least = std::min(least, static_cast<int64_t>(free_b));
-  }
-  const int64_t ranks_per_device = w.virtual_ranks ? w.num_ranks : 1;
-  return std::max<int64_t>(0, (least / 100 * 85 - (int64_t{2} << 30)) / ranks_per_device);
-}
-
-// --- random fill -------------------------------------------------------------------------------
-
-__global__ void fill_random_kernel(uint64_t* words, int64_t n, uint64_t seed) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;  // splitmix64
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    words[i] = z ^ (z >> 31);
-  }
-}
+using bench::budget_per_rank;
+using bench::env_int;
+using bench::fill_random_kernel;
+using bench::sync_all;
+using bench::world;
 
 // --- one configuration: geometry, plans, memory, transports ------------------------------------
 
@@ -193,7 +118,7 @@ struct context {
     }
     for (auto& p : peer) p.reset();
     nccl.reset();
-    world_state& w = world();
+    bench::gpu_world& w = world();
     // A failed use() may leave fewer staging buffers than arenas.
     for (size_t r = 0; r < arena.size(); ++r) {
       (void)cudaSetDevice(w.device_of[r]);
@@ -243,7 +168,7 @@ context& use(const config& cfg) {
   context& c = current();
   if (c.name == cfg.name) return c;
   c.release();
-  world_state& w = world();
+  bench::gpu_world& w = world();
   const int P = w.num_ranks;
   c.geometry = make_arena_geometry(cfg.shape, P);
   c.forward = plan_weight_switch(c.geometry, arena_cursor{0}, arena_cursor{cfg.shape.num_layers});
@@ -324,7 +249,7 @@ context& use(const config& cfg) {
 // arena; destination: the sender's share of the second half of the receiver's arena (chunks
 // repeat over it: the bytes are garbage anyway).
 void run_ceiling(context& c) {
-  world_state& w = world();
+  bench::gpu_world& w = world();
   const int P = w.num_ranks;
   const int64_t half = c.geometry.total_bytes() / 2 / 256 * 256;
   const int64_t region = half / (P - 1) / 256 * 256;
@@ -381,7 +306,7 @@ double seconds_of(const std::function<void()>& f) {
 
 void set_common_counters(benchmark::State& st, const context& c, double total_seconds,
                          int64_t switches) {
-  world_state& w = world();
+  bench::gpu_world& w = world();
   const double per = total_seconds / static_cast<double>(std::max<int64_t>(switches, 1));
   st.counters["ms_per_switch"] = per * 1e3;
   st.counters["GBps_per_gpu"] = static_cast<double>(c.bytes_per_gpu) / per / k_gb;
@@ -496,7 +421,7 @@ std::vector<method> methods() {
 }
 
 void register_all() {
-  world_state& w = world();
+  bench::gpu_world& w = world();
   const int P = w.num_ranks;
   const int64_t iters = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_ITERS", 5));
   const int64_t want_layers = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_LAYERS", 24));
@@ -602,7 +527,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-    init_world();
+    int devices = 0;
+    MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    bench::init_world(devices);
     std::printf("bench_reshard_bandwidth: P = %d%s, %lld GiB budget per rank\n", world().num_ranks,
                 world().virtual_ranks ? " virtual ranks on one device" : " devices",
                 static_cast<long long>(budget_per_rank() >> 30));
