@@ -1,0 +1,61 @@
+// A tour of the Moebius API in one runnable file (the README quotes it). Host memory and
+// host_transport stand in for GPUs: swap in cuda_peer_transport and nothing else changes.
+#include <cstddef>
+#include <cstdio>
+#include <iostream>
+#include <vector>
+
+#include "moebius/moebius.hpp"
+
+int main() {
+  using namespace moebius;
+
+  // 1. Describe the experts and lay out one rank's arena (validated; allocates nothing).
+  expert_shape shape = qwen3_235b_a22b();  // L=94, E=128, H=4096, I=1536, bf16
+  std::cout << make_arena_geometry(shape, 8) << '\n';
+  shape.num_layers = 2;  // small enough for host memory
+  shape.hidden = 256;
+  shape.intermediate = 64;
+  const int P = 4;
+  const arena_geometry arena = make_arena_geometry(shape, P, 256, 4096);
+
+  // 2. Plans are pure functions of the geometry and two cursors: print, compare, cache them.
+  const plan to_tp = plan_weight_switch(arena, arena_cursor{0}, arena_cursor{shape.num_layers});
+  std::cout << to_tp;
+
+  // 3. The KV cache: geometry, and page tables of the live sequences (EP: one owner each).
+  const kv_geometry kv = make_kv_geometry(shape.num_layers, /*kv_heads=*/4, /*head_dim=*/32,
+                                          /*page_size=*/16, /*ep_pages=*/64, P);
+  std::vector<std::vector<kv_sequence>> tables(P);
+  tables[1].push_back(kv_sequence{.seq_id = 7, .num_tokens = 40, .last_page_len = 8,
+                                  .prefill_cursor = 40, .pages = {3, 4, 5}});
+  const kv_state kv_tables = make_kv_state(kv, parallel_mode::ep, tables);
+
+  // 4. One allocation per rank per memory space, never moved; a transport over them.
+  std::vector<std::vector<std::byte>> arenas(P, std::vector<std::byte>(arena.total_bytes()));
+  std::vector<std::vector<std::byte>> pools(P, std::vector<std::byte>(kv.pool_bytes()));
+  std::vector<host_rank_memory> ranks(P);
+  for (int r = 0; r < P; ++r) {
+    ranks[r].spaces[static_cast<int>(memory_space::arena)] = arenas[r];
+    ranks[r].spaces[static_cast<int>(memory_space::kv_pool)] = pools[r];
+  }
+  host_transport transport(ranks);  // or cuda_peer_transport::single_process(...)
+
+  // 5. The switcher runs the whole switch: capacity check, weights, KV, tables, selector.
+  parallel_mode graphs = parallel_mode::ep;  // which set of CUDA graphs the engine launches
+  switcher_options options;
+  options.on_commit = [&](parallel_mode m) { graphs = m; };  // flip the runtime selector
+  switcher sw(arena, kv, transport, kv_tables, arena_cursor{0}, options);
+  const switch_report report = sw.switch_to(parallel_mode::tp);
+  std::cout << report << '\n';
+
+  // 6. The policy decides when: asymmetric hysteresis, cooldown, capacity check.
+  switch_policy policy(interactive_config(/*t_high=*/256));
+  const switch_decision d = policy.step(/*active sequences=*/300, sw.mode(), /*now_s=*/0.0);
+  std::cout << d << '\n';
+  if (d.do_switch) std::cout << sw.switch_to(d.target) << '\n';
+
+  const bool ok = report.outcome == switch_outcome::committed && graphs == sw.mode();
+  std::puts(ok ? "api tour: ok" : "api tour: FAILED");
+  return ok ? 0 : 1;
+}
