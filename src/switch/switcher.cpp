@@ -72,17 +72,26 @@ kv_capacity_report switcher::check(parallel_mode target) const {
                            kv_options(resting_cursor(weights_, target)));
 }
 
-std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& completed) {
+std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& completed,
+                          bool& timed_out) {
   completed = 0;
-  if (fault_ && fault_->where == stage) {
-    transport_.inject_fault(fault_->at);
-    fault_.reset();
+  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
+    if (it->where == stage) {
+      transport_.inject_fault(it->at);
+      faults_.erase(it);
+      break;
+    }
   }
   std::string failure;
   try {
     transport_.execute(p);
   } catch (const error& e) {
     failure = e.what();
+    // A barrier timed out: a slow peer may still pass it and write past the reached phase,
+    // so the bytes after completed_phases() are unknown and no undo can be trusted.
+    timed_out = timed_out || e.code() == errc::timeout;
+  } catch (const std::exception& e) {
+    failure = std::string("moebius: ") + e.what();
   }
   transport_.inject_fault(std::nullopt);  // an armed fault that was not reached dies here
   completed = failure.empty() ? static_cast<int64_t>(p.phases.size())
@@ -91,11 +100,22 @@ std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& com
 }
 
 switch_report switcher::switch_to(parallel_mode target) {
+  // Armed faults are for this call only, reached or not.
+  struct disarm_on_exit {
+    std::vector<switch_fault>& faults;
+    ~disarm_on_exit() { faults.clear(); }
+  } disarm{faults_};
   const auto t0 = clock_type::now();
   switch_report rep;
   rep.from = mode();
   rep.to = target;
   rep.cursor = cursor_;
+  if (!consistent_) {
+    rep.outcome = switch_outcome::inconsistent;
+    rep.error = "refused: the switcher is inconsistent since an earlier failure (" +
+                inconsistency_ + "); reload the experts and the KV pool first";
+    return rep;
+  }
   validate(kv_geometry_, kv_);
   const arena_cursor start = cursor_;
   const arena_cursor goal = resting_cursor(weights_, target);
@@ -128,24 +148,53 @@ switch_report switcher::switch_to(parallel_mode target) {
   rep.kv_bytes_sent = traffic_of(kv.copies).bytes_sent;
   rep.kv_stats = kv.stats;
 
+  // The verify hook reads the ranks' memory back; it may throw (a CUDA error). Before the
+  // first byte moves that costs nothing; after, it is a failure like any other.
+  auto checksum = [&](arena_cursor c, const kv_state& tables, std::string& failure) {
+    const auto tv = clock_type::now();
+    uint64_t sum = 0;
+    try {
+      sum = options_.verify(c, tables);
+    } catch (const std::exception& e) {
+      failure = std::string("verify hook failed: ") + e.what();
+    }
+    rep.verify_ms += ms_between(tv, clock_type::now());
+    return sum;
+  };
   uint64_t checksum_before = 0;
   if (options_.verify) {
-    t = clock_type::now();
-    checksum_before = options_.verify(start, kv_);
-    rep.verify_ms += ms_between(t, clock_type::now());
+    checksum_before = checksum(start, kv_, rep.error);
+    if (!rep.error.empty()) {
+      rep.outcome = switch_outcome::rolled_back;  // nothing moved
+      rep.total_ms = ms_between(t0, clock_type::now());
+      return rep;
+    }
   }
+  bool timed_out = false;
 
   // Undoes `kv_done` KV rounds, then the weights from where they rest back to `start`.
   auto undo = [&](int64_t kv_done, arena_cursor weights_at) {
+    if (timed_out) {
+      // No undo over bytes in an unknown state: report where the arena was known to rest.
+      cursor_ = weights_at;
+      rep.cursor = cursor_;
+      rep.outcome = switch_outcome::inconsistent;
+      rep.error += "; not undone: after a barrier timeout a peer may have written past the "
+                   "reached phase";
+      consistent_ = false;
+      inconsistency_ = rep.error;
+      rep.total_ms = ms_between(t0, clock_type::now());
+      return rep;
+    }
     const auto tu = clock_type::now();
     int64_t done = 0;
     std::string failure;
     if (kv_done > 0) {
-      failure = run(rollback_plan(kv.copies, kv_done), switch_fault::stage::undo, done);
+      failure = run(rollback_plan(kv.copies, kv_done), switch_fault::stage::undo, done, timed_out);
     }
     if (failure.empty() && !(weights_at == start)) {
       const plan back = plan_weight_switch(weights_, weights_at, start);
-      failure = run(back, switch_fault::stage::undo, done);
+      failure = run(back, switch_fault::stage::undo, done, timed_out);
       const int64_t moved = weights_at.tp_layers > start.tp_layers ? -done : done;
       weights_at = arena_cursor{weights_at.tp_layers + moved};
     }
@@ -157,6 +206,8 @@ switch_report switcher::switch_to(parallel_mode target) {
     } else {
       rep.outcome = switch_outcome::inconsistent;
       rep.error += "; undo failed: " + failure;
+      consistent_ = false;
+      inconsistency_ = rep.error;
     }
     rep.total_ms = ms_between(t0, clock_type::now());
     return rep;
@@ -164,7 +215,7 @@ switch_report switcher::switch_to(parallel_mode target) {
 
   // 3. Expert weights, layer by layer through the arena cursor.
   t = clock_type::now();
-  rep.error = run(weights, switch_fault::stage::weights, rep.weight_phases_completed);
+  rep.error = run(weights, switch_fault::stage::weights, rep.weight_phases_completed, timed_out);
   rep.weights_ms = ms_between(t, clock_type::now());
   if (!rep.error.empty()) {
     const int64_t k = rep.weight_phases_completed;
@@ -174,19 +225,17 @@ switch_report switcher::switch_to(parallel_mode target) {
 
   // 4. KV pages, in rounds.
   t = clock_type::now();
-  rep.error = run(kv.copies, switch_fault::stage::kv, rep.kv_rounds_completed);
+  rep.error = run(kv.copies, switch_fault::stage::kv, rep.kv_rounds_completed, timed_out);
   rep.kv_ms = ms_between(t, clock_type::now());
   if (!rep.error.empty()) return undo(rep.kv_rounds_completed, goal);
 
   // 5. Verify end to end, then commit: new tables, cursor, selector.
   if (options_.verify) {
-    t = clock_type::now();
-    const uint64_t after = options_.verify(goal, kv.new_state);
-    rep.verify_ms += ms_between(t, clock_type::now());
-    if (after != checksum_before) {
+    const uint64_t after = checksum(goal, kv.new_state, rep.error);
+    if (rep.error.empty() && after != checksum_before) {
       rep.error = "verify: checksum after the switch differs from before";
-      return undo(rep.kv_rounds, goal);
     }
+    if (!rep.error.empty()) return undo(rep.kv_rounds, goal);
     rep.verified = true;
   }
   kv_ = kv.new_state;

@@ -6,6 +6,7 @@
 #include <random>
 #include <span>
 #include <sstream>
+#include <stdexcept>
 #include <vector>
 
 #include "moebius/kv/kv_geometry.hpp"
@@ -345,3 +346,105 @@ TEST_CASE("the switcher rejects a cursor that disagrees with the KV mode", "[swi
   }
 }
 
+
+TEST_CASE("a verify hook that throws is a failure, before or after the move", "[switch][fault]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int throw_on_call : {1, 2}) {
+    world w = make_world(rng, 2, 0.3);
+    host_transport t(w.memory);
+    int calls = 0;
+    switcher_options opt;
+    opt.verify = [&](arena_cursor c, const kv_state& s) -> uint64_t {
+      if (++calls == throw_on_call) throw std::runtime_error("device read-back failed");
+      return state_checksum(w, c, s);
+    };
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
+    const rank_images before = w.arenas;
+    const auto live_before = live_kv_bytes(w, sw.kv_tables());
+    const switch_report rep = sw.switch_to(parallel_mode::tp);
+    INFO("seed " << seed << " throw on call " << throw_on_call << ": " << rep);
+    REQUIRE(rep.outcome == switch_outcome::rolled_back);
+    CHECK(rep.error.find("device read-back failed") != std::string::npos);
+    CHECK(sw.consistent());
+    CHECK(sw.mode() == parallel_mode::ep);
+    CHECK(sw.cursor().tp_layers == 0);
+    CHECK(arena_diff(w, w.arenas, before, 0) == "");
+    CHECK(live_kv_bytes(w, sw.kv_tables()) == live_before);
+  }
+}
+
+TEST_CASE("a failed undo leaves the switcher inconsistent and it refuses to switch again",
+          "[switch][fault]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  world w;
+  do {
+    w = make_world(rng, 2, 0.3);
+  } while (w.shape.num_layers < 2);
+  host_transport t(w.memory);
+  switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
+  sw.inject_fault(switch_fault{switch_fault::stage::weights, fault_point{1, 0}});
+  sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{0, 0}});
+  const switch_report rep = sw.switch_to(parallel_mode::tp);
+  INFO("seed " << seed << ": " << rep);
+  REQUIRE(rep.outcome == switch_outcome::inconsistent);
+  CHECK(rep.error.find("undo failed") != std::string::npos);
+  CHECK(rep.cursor.tp_layers == 1);  // layer 0 went to TP, its undo never ran
+  CHECK_FALSE(sw.consistent());
+  const rank_images after = w.arenas;
+  const switch_report again = sw.switch_to(parallel_mode::ep);
+  CHECK(again.outcome == switch_outcome::inconsistent);
+  CHECK(again.error.find("refused") != std::string::npos);
+  CHECK(w.arenas == after);  // nothing moved
+}
+
+namespace {
+// host_transport whose phase `k` ends in a barrier timeout, as a stalled peer would cause.
+class timing_out_transport final : public transport {
+ public:
+  timing_out_transport(std::vector<host_rank_memory> ranks, int64_t k) : inner_(ranks), k_(k) {}
+  int num_ranks() const override { return inner_.num_ranks(); }
+  void validate(const plan& p) const override { inner_.validate(p); }
+  void execute(const plan& p) override {
+    ++executes_;
+    if (static_cast<int64_t>(p.phases.size()) > k_) {
+      inner_.inject_fault(fault_point{k_, 0});
+      try {
+        inner_.execute(p);
+      } catch (const moebius::error&) {
+        MOEBIUS_FAIL(errc::timeout, "rank 0 timed out at the barrier closing phase ", k_);
+      }
+    }
+    inner_.execute(p);
+  }
+  int64_t completed_phases() const override { return inner_.completed_phases(); }
+  void inject_fault(std::optional<fault_point>) override {}
+  int executes() const { return executes_; }
+
+ private:
+  host_transport inner_;
+  int64_t k_;
+  int executes_ = 0;
+};
+}  // namespace
+
+TEST_CASE("after a barrier timeout the switcher does not undo over unknown bytes",
+          "[switch][fault]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  world w;
+  do {
+    w = make_world(rng, 2, 0.3);
+  } while (w.shape.num_layers < 2);
+  timing_out_transport t(w.memory, 1);
+  switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
+  const switch_report rep = sw.switch_to(parallel_mode::tp);
+  INFO("seed " << seed << ": " << rep);
+  REQUIRE(rep.outcome == switch_outcome::inconsistent);
+  CHECK(rep.error.find("timed out") != std::string::npos);
+  CHECK(rep.error.find("not undone") != std::string::npos);
+  CHECK(rep.cursor.tp_layers == 1);
+  CHECK(t.executes() == 1);  // no undo plan ran
+  CHECK_FALSE(sw.consistent());
+}

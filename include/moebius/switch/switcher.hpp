@@ -14,9 +14,11 @@
 // the undo of the completed KV rounds, then the weight plan from the cursor reached back to
 // the starting cursor: the arena, the KV pool's live pages and the tables are exactly as
 // before the call, and the selector never moved (outcome rolled_back). If the undo fails too,
-// the outcome is `inconsistent`: the report names the cursor the arena rests at (a valid
-// TP-prefix / EP-suffix hybrid) and the engine must not serve from the KV pool until it
-// reloads it. A refused switch (capacity) moves nothing.
+// or the failure was a barrier timeout (a slow peer may still pass the barrier and write past
+// the phase the transport reports, so no undo is trusted), the outcome is `inconsistent`: the
+// report names the cursor the arena was last known to rest at, and the engine must reload
+// its experts and KV before serving; the switcher refuses further switches. A refused switch
+// (capacity) moves nothing.
 
 #include <cstdint>
 #include <functional>
@@ -104,7 +106,8 @@ class switcher {
   switcher(const arena_geometry& weights, const kv_geometry& kv, transport& t, kv_state kv_tables,
            arena_cursor cursor, switcher_options options = {});
 
-  // The runtime selector: the mode the engine must run in now.
+  // The runtime selector: the mode the engine must run in now (meaningless once
+  // consistent() is false).
   parallel_mode mode() const { return kv_.mode; }
   arena_cursor cursor() const { return cursor_; }
   const kv_state& kv_tables() const { return kv_; }
@@ -114,17 +117,26 @@ class switcher {
   // Whether a switch to `target` would be accepted by the capacity check; moves nothing.
   kv_capacity_report check(parallel_mode target) const;
 
-  // Switches everything to `target` (see the failure protocol above). Never throws for a
-  // transport failure, a fault or a verify mismatch: the report says what happened. Throws
-  // errc::invalid_argument when the KV tables are invalid (nothing moved).
+  // Switches everything to `target` (see the failure protocol above). Never throws once bytes
+  // may move: a transport error, a fault, a verify mismatch or a throwing verify hook all
+  // end in the report. Throws errc::invalid_argument when the KV tables are invalid (nothing
+  // moved).
   switch_report switch_to(parallel_mode target);
 
-  // Arms a one-shot fault for the next switch_to() (tests of the failure protocol).
-  void inject_fault(std::optional<switch_fault> fault) { fault_ = fault; }
+  // False after an `inconsistent` outcome: switch_to() then refuses, moving nothing.
+  bool consistent() const { return consistent_; }
+
+  // Arms a one-shot fault for one stage of the next switch_to() (tests of the failure
+  // protocol); several calls arm several stages; std::nullopt disarms them all.
+  void inject_fault(std::optional<switch_fault> fault) {
+    if (fault) faults_.push_back(*fault);
+    else faults_.clear();
+  }
 
  private:
-  // Runs `p`; on failure returns the error text and sets `completed` to the phases done.
-  std::string run(const plan& p, switch_fault::stage stage, int64_t& completed);
+  // Runs `p`; on failure returns the error text, sets `completed` to the phases done and
+  // `timed_out` when a barrier timed out.
+  std::string run(const plan& p, switch_fault::stage stage, int64_t& completed, bool& timed_out);
 
   kv_migration_options kv_options(arena_cursor weights_at) const;
 
@@ -134,7 +146,9 @@ class switcher {
   kv_state kv_;
   arena_cursor cursor_;
   switcher_options options_;
-  std::optional<switch_fault> fault_;
+  std::vector<switch_fault> faults_;
+  bool consistent_ = true;
+  std::string inconsistency_;
 };
 
 }  // namespace moebius
