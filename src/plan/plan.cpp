@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <numeric>
 #include <ostream>
+#include <sstream>
+#include <vector>
 
 #include "moebius/detail/checked_math.hpp"
 #include "moebius/error.hpp"
@@ -118,6 +120,58 @@ void print(std::ostream& os, const plan& p, bool print_ops) {
 std::ostream& operator<<(std::ostream& os, const plan& p) {
   print(os, p, false);
   return os;
+}
+
+std::string find_phase_hazard(const plan& p) {
+  struct span {
+    int rank;
+    memory_space space;
+    int64_t begin, end;
+    bool is_dst;
+    size_t op;
+  };
+  std::vector<span> spans;
+  for (size_t k = 0; k < p.phases.size(); ++k) {
+    const std::vector<copy_op>& ops = p.phases[k].ops;
+    spans.clear();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const copy_op& c = ops[i];
+      for (int64_t row = 0; row < c.rows; ++row) {
+        spans.push_back({c.src_rank, c.src_space, c.src_offset + row * c.src_pitch,
+                         c.src_offset + row * c.src_pitch + c.row_bytes, false, i});
+        spans.push_back({c.dst_rank, c.dst_space, c.dst_offset + row * c.dst_pitch,
+                         c.dst_offset + row * c.dst_pitch + c.row_bytes, true, i});
+      }
+    }
+    std::sort(spans.begin(), spans.end(), [](const span& a, const span& b) {
+      if (a.rank != b.rank) return a.rank < b.rank;
+      if (a.space != b.space) return a.space < b.space;
+      return a.begin < b.begin;
+    });
+    // Sweep: a destination may overlap nothing earlier; a source no earlier destination.
+    const span* max_any = nullptr;
+    const span* max_dst = nullptr;
+    for (size_t i = 0; i < spans.size(); ++i) {
+      const span& sp = spans[i];
+      if (i > 0 && (spans[i - 1].rank != sp.rank || spans[i - 1].space != sp.space)) {
+        max_any = max_dst = nullptr;
+      }
+      const span* clash = nullptr;
+      if (sp.is_dst && max_any && max_any->end > sp.begin) clash = max_any;
+      if (!sp.is_dst && max_dst && max_dst->end > sp.begin) clash = max_dst;
+      if (clash) {
+        std::ostringstream os;
+        os << "phase " << k << " ('" << p.phases[k].label << "'): op " << sp.op << " ("
+           << ops[sp.op] << ") " << (sp.is_dst ? "writes" : "reads") << " bytes that op "
+           << clash->op << " (" << ops[clash->op] << ") " << (clash->is_dst ? "writes" : "reads")
+           << " on rank " << sp.rank << ' ' << to_string(sp.space);
+        return os.str();
+      }
+      if (!max_any || sp.end > max_any->end) max_any = &sp;
+      if (sp.is_dst && (!max_dst || sp.end > max_dst->end)) max_dst = &sp;
+    }
+  }
+  return "";
 }
 
 }  // namespace moebius

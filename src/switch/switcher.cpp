@@ -73,7 +73,7 @@ kv_capacity_report switcher::check(parallel_mode target) const {
 }
 
 std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& completed,
-                          bool& timed_out) {
+                          bool& state_unknown) {
   completed = 0;
   for (auto it = faults_.begin(); it != faults_.end(); ++it) {
     if (it->where == stage) {
@@ -87,9 +87,11 @@ std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& com
     transport_.execute(p);
   } catch (const error& e) {
     failure = e.what();
-    // A barrier timed out: a slow peer may still pass it and write past the reached phase,
-    // so the bytes after completed_phases() are unknown and no undo can be trusted.
-    timed_out = timed_out || e.code() == errc::timeout;
+    // A barrier timed out (a slow peer may still pass it and write past the reached phase),
+    // or the device or the communicator failed: the bytes after completed_phases() are
+    // unknown and no undo can be trusted. Injected faults and rejected plans are exact.
+    state_unknown = state_unknown || e.code() == errc::timeout || e.code() == errc::cuda ||
+                e.code() == errc::nccl;
   } catch (const std::exception& e) {
     failure = std::string("moebius: ") + e.what();
   }
@@ -170,17 +172,17 @@ switch_report switcher::switch_to(parallel_mode target) {
       return rep;
     }
   }
-  bool timed_out = false;
+  bool state_unknown = false;  // a failure after which no undo can be trusted
 
   // Undoes `kv_done` KV rounds, then the weights from where they rest back to `start`.
   auto undo = [&](int64_t kv_done, arena_cursor weights_at) {
-    if (timed_out) {
+    if (state_unknown) {
       // No undo over bytes in an unknown state: report where the arena was known to rest.
       cursor_ = weights_at;
       rep.cursor = cursor_;
       rep.outcome = switch_outcome::inconsistent;
-      rep.error += "; not undone: after a barrier timeout a peer may have written past the "
-                   "reached phase";
+      rep.error += "; not undone: after a barrier timeout or a device error a rank may have "
+                   "written past the reached phase";
       consistent_ = false;
       inconsistency_ = rep.error;
       rep.total_ms = ms_between(t0, clock_type::now());
@@ -190,11 +192,11 @@ switch_report switcher::switch_to(parallel_mode target) {
     int64_t done = 0;
     std::string failure;
     if (kv_done > 0) {
-      failure = run(rollback_plan(kv.copies, kv_done), switch_fault::stage::undo, done, timed_out);
+      failure = run(rollback_plan(kv.copies, kv_done), switch_fault::stage::undo, done, state_unknown);
     }
     if (failure.empty() && !(weights_at == start)) {
       const plan back = plan_weight_switch(weights_, weights_at, start);
-      failure = run(back, switch_fault::stage::undo, done, timed_out);
+      failure = run(back, switch_fault::stage::undo, done, state_unknown);
       const int64_t moved = weights_at.tp_layers > start.tp_layers ? -done : done;
       weights_at = arena_cursor{weights_at.tp_layers + moved};
     }
@@ -215,7 +217,7 @@ switch_report switcher::switch_to(parallel_mode target) {
 
   // 3. Expert weights, layer by layer through the arena cursor.
   t = clock_type::now();
-  rep.error = run(weights, switch_fault::stage::weights, rep.weight_phases_completed, timed_out);
+  rep.error = run(weights, switch_fault::stage::weights, rep.weight_phases_completed, state_unknown);
   rep.weights_ms = ms_between(t, clock_type::now());
   if (!rep.error.empty()) {
     const int64_t k = rep.weight_phases_completed;
@@ -225,7 +227,7 @@ switch_report switcher::switch_to(parallel_mode target) {
 
   // 4. KV pages, in rounds.
   t = clock_type::now();
-  rep.error = run(kv.copies, switch_fault::stage::kv, rep.kv_rounds_completed, timed_out);
+  rep.error = run(kv.copies, switch_fault::stage::kv, rep.kv_rounds_completed, state_unknown);
   rep.kv_ms = ms_between(t, clock_type::now());
   if (!rep.error.empty()) return undo(rep.kv_rounds_completed, goal);
 

@@ -661,7 +661,22 @@ struct cuda_peer_transport::impl {
         }
       }
     } catch (...) {
+      // Phases enqueued before the failure may have run: say how many passed on every rank
+      // (0 when the statuses cannot be read back, e.g. after a sticky CUDA error).
       (void)sync_all();
+      int64_t passed = limit;
+      for (const prepared_rank& pr : st.ranks) {
+        if (pr.rank == config.debug_absent_rank) continue;
+        barrier_status s{};
+        if (cudaSetDevice(ranks[static_cast<size_t>(pr.rank)].device) != cudaSuccess ||
+            cudaMemcpy(&s, ranks[static_cast<size_t>(pr.rank)].status, sizeof(s),
+                       cudaMemcpyDeviceToHost) != cudaSuccess) {
+          passed = 0;
+          break;
+        }
+        passed = std::min(passed, static_cast<int64_t>(s.passed));
+      }
+      completed = passed;
       throw;
     }
     stats.enqueue_seconds = seconds_since(t0);

@@ -308,6 +308,9 @@ void nccl_transport::synchronize() {
 }
 
 void nccl_transport::execute(const plan& p) {
+  // An armed fault applies to this execute() only, and fires only if the plan reaches it
+  // (transport.hpp): a phase or op index past the end is dropped.
+  const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);
   completed_phases_ = 0;
   validate(p);
   // Waits for whatever was enqueued, ignoring errors: used only on the way out of a failure.
@@ -324,10 +327,9 @@ void nccl_transport::execute(const plan& p) {
   const int64_t num_phases = static_cast<int64_t>(p.phases.size());
   for (int64_t k = 0; k < num_phases; ++k) {
     const plan_phase& phase = p.phases[static_cast<size_t>(k)];
-    const bool fault_here = fault_ && fault_->phase == k;
-    const int64_t limit =
-        fault_here ? std::clamp<int64_t>(fault_->op, 0, static_cast<int64_t>(phase.ops.size()))
-                   : -1;
+    const bool fault_here = fault && fault->phase == k && fault->op >= 0 &&
+                            fault->op < static_cast<int64_t>(phase.ops.size());
+    const int64_t limit = fault_here ? fault->op : -1;
     try {
       enqueue_phase(phase, limit);
     } catch (...) {
@@ -336,8 +338,7 @@ void nccl_transport::execute(const plan& p) {
       throw;
     }
     if (fault_here) {
-      const int64_t op = fault_->op;
-      fault_.reset();
+      const int64_t op = fault->op;
       drain();
       completed_phases_ = k;
       MOEBIUS_FAIL(errc::injected_fault, "injected fault before op ", op, " of phase ", k, " ('",

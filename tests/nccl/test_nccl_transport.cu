@@ -218,8 +218,9 @@ TEST_CASE("nccl_transport: an injected fault stops at a resting cursor and rolls
     const plan p = plan_weight_switch(g, from, to);
     const int64_t phase =
         moebius::testing::uniform(rng, 0, static_cast<int64_t>(p.phases.size()) - 1);
+    // A fault fires only before an op that exists (transport.hpp).
     const int64_t op = moebius::testing::uniform(
-        rng, 0, static_cast<int64_t>(p.phases[static_cast<size_t>(phase)].ops.size()));
+        rng, 0, static_cast<int64_t>(p.phases[static_cast<size_t>(phase)].ops.size()) - 1);
     INFO("seed " << seed << " iter " << iter << ": " << shape << " fault at phase " << phase
                  << " op " << op);
     const int64_t spaces[num_memory_spaces] = {g.total_bytes(), 0};

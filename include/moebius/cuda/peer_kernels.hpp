@@ -14,7 +14,8 @@ namespace moebius {
 // Per-rank state a barrier leaves for the host and for later kernels of the same execute().
 // Lives in the rank's device memory; zeroed at the start of every execute().
 struct barrier_status {
-  uint32_t error = 0;         // 0: fine; 1: a barrier timed out (later kernels do nothing)
+  uint32_t error = 0;         // 0: fine; 1: a barrier timed out (later kernels of this rank
+                              // do nothing; copy-engine copies already queued still run)
   uint32_t failed_phase = 0;  // phase whose closing barrier timed out
   int32_t missing_rank = -1;  // first peer that had not arrived
   uint32_t reserved = 0;

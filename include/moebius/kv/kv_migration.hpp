@@ -26,7 +26,7 @@
 //   pages move (locally) out of the least-used groups so whole groups come free.
 //
 // Within a phase no destination overlaps another destination or a live source
-// (find_phase_hazard checks it), and every byte a phase frees is either read by it or listed
+// (find_phase_hazard() in plan.hpp checks it), and every byte a phase frees is either read by it or listed
 // in plan_phase::restores (unread TP replicas), so rollback_plan() undoes any prefix of the
 // plan. Before anything moves the whole input is validated.
 //
@@ -105,11 +105,6 @@ kv_migration plan_kv_migration(const kv_geometry& g, const kv_state& s, parallel
 // Bytes of one staging slot (one page piece of every tensor): num_tensors * page_bytes(m).
 // A staging region of n such slots lets n pieces per rank wait for their destination.
 int64_t kv_staging_slot_bytes(const kv_geometry& g, parallel_mode target);
-
-// "" when, in every phase of `p`, no destination byte range overlaps another destination or
-// a source on the same rank and memory space; else a description of the first hazard
-// (phase, the two ops). O(total rows * log).
-std::string find_phase_hazard(const plan& p);
 
 std::ostream& operator<<(std::ostream& os, const kv_migration_stats& s);
 

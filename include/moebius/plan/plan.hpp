@@ -20,7 +20,7 @@ struct plan_phase {
   // Copies that re-create, when the phase is undone, bytes it freed without reading them
   // (a KV head slice replicated on several TP ranks is read from one replica; the others are
   // freed). Transports never run these; rollback_plan() runs them after undoing `ops`.
-  std::vector<copy_op> restores;
+  std::vector<copy_op> restores{};
 
   friend bool operator==(const plan_phase&, const plan_phase&) = default;
 };
@@ -49,10 +49,17 @@ struct plan_traffic {
 plan_traffic traffic_of(const plan& p);
 
 // Throws errc::invalid_argument or errc::out_of_range unless every op of `p` names ranks in
-// [0, num_ranks), has rows >= 1, row_bytes >= 1, pitches >= row_bytes when rows > 1, and
+// [0, num_ranks), has rows >= 1, row_bytes >= 1, and when rows > 1 dst_pitch >= row_bytes
+// and src_pitch >= 0 (source rows may overlap: a row read several times), and
 // stays inside [0, space_bytes[space]) at both ends. Run by every transport before it moves
 // the first byte, so a bad plan moves nothing.
 void validate(const plan& p, const int64_t (&space_bytes)[num_memory_spaces]);
+
+// "" when, in every phase of `p`, no destination byte range overlaps another destination or a
+// source on the same rank and memory space (the rule every phase must keep, so that its ops
+// may run in any order and in parallel); else the first hazard: the phase and the two ops.
+// Exact, row by row: O(total rows * log).
+std::string find_phase_hazard(const plan& p);
 
 // One line per phase ("phase 0 'layer 0 EP->TP': 12 ops, 3.0 MiB") then, with
 // print_ops, one line per op.

@@ -14,8 +14,9 @@
 // the undo of the completed KV rounds, then the weight plan from the cursor reached back to
 // the starting cursor: the arena, the KV pool's live pages and the tables are exactly as
 // before the call, and the selector never moved (outcome rolled_back). If the undo fails too,
-// or the failure was a barrier timeout (a slow peer may still pass the barrier and write past
-// the phase the transport reports, so no undo is trusted), the outcome is `inconsistent`: the
+// or the failure was a barrier timeout or a device/communicator error (a slow peer may still
+// pass the barrier and write past the phase the transport reports, so no undo is trusted),
+// the outcome is `inconsistent`: the
 // report names the cursor the arena was last known to rest at, and the engine must reload
 // its experts and KV before serving; the switcher refuses further switches. A refused switch
 // (capacity) moves nothing.
@@ -135,8 +136,9 @@ class switcher {
 
  private:
   // Runs `p`; on failure returns the error text, sets `completed` to the phases done and
-  // `timed_out` when a barrier timed out.
-  std::string run(const plan& p, switch_fault::stage stage, int64_t& completed, bool& timed_out);
+  // `state_unknown` when no undo can be trusted (barrier timeout, device error).
+  std::string run(const plan& p, switch_fault::stage stage, int64_t& completed,
+                  bool& state_unknown);
 
   kv_migration_options kv_options(arena_cursor weights_at) const;
 
