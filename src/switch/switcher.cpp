@@ -127,22 +127,27 @@ switch_report switcher::switch_to(parallel_mode target) {
     return rep;
   }
 
-  // 1. Capacity: before any byte moves.
+  // 1. Capacity and plans, before any byte moves. The KV planner is the capacity check (it
+  // builds nothing and throws errc::capacity when the target cannot hold the live KV), so a
+  // switch plans its KV once; only a refusal pays for the detailed report.
   auto t = clock_type::now();
   const kv_migration_options kv_opt = kv_options(goal);
-  rep.capacity = check_kv_capacity(kv_geometry_, kv_, target, kv_opt);
-  rep.capacity_ms = ms_between(t, clock_type::now());
-  if (!rep.capacity.fits) {
+  kv_migration kv;
+  try {
+    kv = plan_kv_migration(kv_geometry_, kv_, target, kv_opt);
+  } catch (const error& e) {
+    if (e.code() != errc::capacity) throw;
+    rep.capacity = check_kv_capacity(kv_geometry_, kv_, target, kv_opt);
+    rep.capacity_ms = ms_between(t, clock_type::now());
     rep.outcome = switch_outcome::refused_capacity;
-    rep.error = rep.capacity.reason;
+    rep.error = rep.capacity.reason.empty() ? e.what() : rep.capacity.reason;
     rep.total_ms = ms_between(t0, clock_type::now());
     return rep;
   }
-
-  // 2. Plans (pure data; nothing has moved yet).
-  t = clock_type::now();
+  rep.capacity.fits = rep.capacity.holds = true;
+  rep.capacity.rounds = kv.stats.rounds;
+  rep.capacity.pages_available = kv_geometry_.num_pages(target);
   const plan weights = plan_weight_switch(weights_, start, goal);
-  const kv_migration kv = plan_kv_migration(kv_geometry_, kv_, target, kv_opt);
   rep.plan_ms = ms_between(t, clock_type::now());
   rep.weight_phases = static_cast<int64_t>(weights.phases.size());
   rep.kv_rounds = static_cast<int64_t>(kv.copies.phases.size());

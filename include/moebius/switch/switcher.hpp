@@ -65,6 +65,8 @@ struct switch_report {
   kv_capacity_report capacity;
 
   // Host wall time of each stage, in milliseconds (a stage that did not run is 0).
+  // capacity_ms: the detailed capacity report of a refused switch (an accepted one checks
+  // capacity while planning, inside plan_ms).
   double capacity_ms = 0, plan_ms = 0, weights_ms = 0, kv_ms = 0, verify_ms = 0, undo_ms = 0,
          total_ms = 0;
   bool verified = false;  // the verify hook ran and its checksums matched
