@@ -333,20 +333,11 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // With one GPU the benchmark runs virtual ranks (two streams each) on it.
-  moebius::request_hardware_queues_for_virtual_ranks();
-  // NVLink SHARP multicast must stay off on shared machines; NCCL reads this at communicator
-  // creation, so set it before anything touches NCCL.
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("bench_kv_migration_gpu: no CUDA device; nothing to measure\n");
-    return 0;
+  if (const int status = bench::start_gpu_benchmark(&argc, argv, "bench_kv_migration_gpu");
+      status >= 0) {
+    return status;
   }
   try {
-    bench::init_world(devices);
     std::printf("bench_kv_migration_gpu: P = %d%s\n", world().num_ranks,
                 world().virtual_ranks ? " virtual ranks on one device" : " devices");
     register_all();

@@ -514,22 +514,11 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // With one GPU the benchmark runs virtual ranks (two streams each) on it.
-  moebius::request_hardware_queues_for_virtual_ranks();
-  // NVLink SHARP multicast must stay off on shared machines (see docs/GPU.md); NCCL reads this
-  // at communicator creation, so set it before anything touches NCCL.
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("bench_reshard_bandwidth: no CUDA device; nothing to measure\n");
-    return 0;
+  if (const int status = bench::start_gpu_benchmark(&argc, argv, "bench_reshard_bandwidth");
+      status >= 0) {
+    return status;
   }
   try {
-    int devices = 0;
-    MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
-    bench::init_world(devices);
     std::printf("bench_reshard_bandwidth: P = %d%s, %lld GiB budget per rank\n", world().num_ranks,
                 world().virtual_ranks ? " virtual ranks on one device" : " devices",
                 static_cast<long long>(budget_per_rank() >> 30));

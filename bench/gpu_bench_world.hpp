@@ -14,8 +14,14 @@
 #include <string>
 #include <vector>
 
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <exception>
+
 #include "moebius/cuda/check.hpp"
 #include "moebius/cuda/nccl_check.hpp"
+#include "moebius/transport/cuda_peer_transport.hpp"
 
 namespace moebius::bench {
 
@@ -63,6 +69,30 @@ inline void init_world(int devices) {
     MOEBIUS_NCCL_CHECK(ncclCommInitAll(w.comms.data(), w.num_ranks, w.device_of.data()));
   }
   MOEBIUS_CUDA_CHECK(cudaSetDevice(0));
+}
+
+// The start of every GPU benchmark's main(): hardware queues for virtual ranks, NVLink SHARP
+// multicast off (it can take a shared host's GPUs out of service; NCCL reads this when a
+// communicator is created), Google Benchmark's arguments, then the ranks. Returns -1 to go on,
+// else the exit status: 0 without a GPU (nothing to measure), 1 for bad arguments or a failed
+// setup.
+inline int start_gpu_benchmark(int* argc, char** argv, const char* name) {
+  moebius::request_hardware_queues_for_virtual_ranks();
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  benchmark::Initialize(argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(*argc, argv)) return 1;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("%s: no CUDA device; nothing to measure\n", name);
+    return 0;
+  }
+  try {
+    init_world(devices);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: setup failed: %s\n", name, e.what());
+    return 1;
+  }
+  return -1;
 }
 
 inline void sync_all() {
