@@ -25,7 +25,7 @@ void BM_host_switch(benchmark::State& state) {
   shape.num_layers = 4;
   const arena_geometry g = make_arena_geometry(shape, P);
   std::vector<std::vector<std::byte>> arenas(P);
-  std::vector<host_rank_memory> ranks(P);
+  std::vector<rank_memory> ranks(P);
   for (int r = 0; r < P; ++r) {
     arenas[r].resize(static_cast<size_t>(g.total_bytes()));
     std::memset(arenas[r].data(), 0x5a + r, arenas[r].size());  // touch every page up front

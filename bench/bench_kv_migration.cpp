@@ -84,7 +84,7 @@ void BM_kv_host_transport(benchmark::State& state) {
   const kv_migration m = bench::build_kv_plan(c.g, c.s, kStagingSlots);
   const int P = c.g.num_ranks;
   std::vector<std::vector<std::byte>> kv(static_cast<size_t>(P)), arena(static_cast<size_t>(P));
-  std::vector<host_rank_memory> mem(static_cast<size_t>(P));
+  std::vector<rank_memory> mem(static_cast<size_t>(P));
   const int64_t stage_bytes =
       kStagingSlots * kv_staging_slot_bytes(c.g, state.range(2) == 0 ? parallel_mode::tp
                                                                      : parallel_mode::ep);

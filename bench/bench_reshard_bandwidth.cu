@@ -236,8 +236,8 @@ context& use(const config& cfg) {
     pc.max_cached_plans = 0;  // we hold the prepared plans ourselves
     c.peer[k] =
         std::make_unique<cuda_peer_transport>(cuda_peer_transport::single_process(peer_ranks, pc));
-    c.prepared[k][0] = c.peer[k]->prepare(c.forward);
-    c.prepared[k][1] = c.peer[k]->prepare(c.back);
+    c.prepared[k][0] = c.peer[k]->prepare_plan(c.forward);
+    c.prepared[k][1] = c.peer[k]->prepare_plan(c.back);
   }
   sync_all();
   c.name = cfg.name;
@@ -287,7 +287,7 @@ void run_switch(context& c, method m, int dir) {
       run_ceiling(c);
       return;
     case method::nccl:
-      c.nccl->enqueue(p, 0, static_cast<int64_t>(p.phases.size()));
+      c.nccl->enqueue_phases(p, 0, static_cast<int64_t>(p.phases.size()));
       c.nccl->synchronize();
       return;
     default: {
@@ -375,7 +375,7 @@ void bench_enqueue(benchmark::State& st, const config& cfg, method m) {
       const double s = seconds_of([&] {
         if (m == method::nccl) {
           enq = seconds_of([&] {
-            c->nccl->enqueue(c->forward, 0, static_cast<int64_t>(c->forward.phases.size()));
+            c->nccl->enqueue_phases(c->forward, 0, static_cast<int64_t>(c->forward.phases.size()));
           });
           c->nccl->synchronize();
         } else {

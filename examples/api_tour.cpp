@@ -34,7 +34,7 @@ int main() {
   // 4. One allocation per rank per memory space, never moved; a transport over them.
   std::vector<std::vector<std::byte>> arenas(P, std::vector<std::byte>(arena.total_bytes()));
   std::vector<std::vector<std::byte>> pools(P, std::vector<std::byte>(kv.pool_bytes()));
-  std::vector<host_rank_memory> ranks(P);
+  std::vector<rank_memory> ranks(P);
   for (int r = 0; r < P; ++r) {
     ranks[r].spaces[static_cast<int>(memory_space::arena)] = arenas[r];
     ranks[r].spaces[static_cast<int>(memory_space::kv_pool)] = pools[r];

@@ -18,7 +18,7 @@ namespace {
 class host_backend final : public backend {
  public:
   explicit host_backend(rank_mirror& m) {
-    std::vector<host_rank_memory> ranks(m.arenas.size());
+    std::vector<rank_memory> ranks(m.arenas.size());
     for (size_t r = 0; r < ranks.size(); ++r) {
       ranks[r].spaces[static_cast<int>(memory_space::arena)] = m.arenas[r];
       if (r < m.pools.size()) ranks[r].spaces[static_cast<int>(memory_space::kv_pool)] = m.pools[r];

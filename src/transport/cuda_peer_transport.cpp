@@ -954,21 +954,51 @@ cuda_peer_transport cuda_peer_transport::multi_process(int rank, int num_ranks,
 int cuda_peer_transport::num_ranks() const { return impl_->num_ranks; }
 void cuda_peer_transport::validate(const plan& p) const { impl_->validate(p); }
 
-void cuda_peer_transport::execute(const plan& p) {
-  bool from_cache = false;
-  double prepare_seconds = 0;
-  impl_->completed = 0;
-  std::shared_ptr<const cuda_prepared_plan> prepared =
-      impl_->lookup_or_prepare(p, from_cache, prepare_seconds);
-  impl_->execute(*prepared, from_cache, prepare_seconds);
+std::vector<int> cuda_peer_transport::local_ranks() const {
+  std::vector<int> local;
+  for (int r = 0; r < impl_->num_ranks; ++r) {
+    if (is_local(r)) local.push_back(r);
+  }
+  return local;
+}
+
+void cuda_peer_transport::enqueue(const plan& p, std::span<const stream_handle> streams) {
+  MOEBIUS_CHECK(!outstanding_, errc::invalid_argument,
+                "cuda_peer_transport::enqueue: a plan is still outstanding; call wait() first");
+  MOEBIUS_CHECK(streams.empty(), errc::invalid_argument,
+                "cuda_peer_transport::enqueue: caller streams are not supported yet");
+  validate(p);
+  outstanding_ = true;
+  failure_ = nullptr;
+  try {
+    bool from_cache = false;
+    double prepare_seconds = 0;
+    impl_->completed = 0;
+    std::shared_ptr<const cuda_prepared_plan> prepared =
+        impl_->lookup_or_prepare(p, from_cache, prepare_seconds);
+    impl_->execute(*prepared, from_cache, prepare_seconds);
+  } catch (...) {
+    failure_ = std::current_exception();
+  }
+}
+
+void cuda_peer_transport::wait() {
+  outstanding_ = false;
+  if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
 }
 
 void cuda_peer_transport::execute(const cuda_prepared_plan& prepared) {
   impl_->execute(prepared, false, 0);
 }
 
-std::shared_ptr<const cuda_prepared_plan> cuda_peer_transport::prepare(const plan& p) {
+std::shared_ptr<const cuda_prepared_plan> cuda_peer_transport::prepare_plan(const plan& p) {
   return impl_->prepare(p);
+}
+
+void cuda_peer_transport::prepare(const plan& p) {
+  bool from_cache = false;
+  double prepare_seconds = 0;
+  (void)impl_->lookup_or_prepare(p, from_cache, prepare_seconds);
 }
 
 int64_t cuda_peer_transport::completed_phases() const { return impl_->completed; }

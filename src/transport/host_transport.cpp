@@ -1,53 +1,54 @@
 #include "moebius/transport/host_transport.hpp"
 
-#include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <utility>
 
 #include "moebius/error.hpp"
 
 namespace moebius {
 
-host_transport::host_transport(std::vector<host_rank_memory> ranks) : ranks_(std::move(ranks)) {
-  MOEBIUS_CHECK(!ranks_.empty(), errc::invalid_argument, "host_transport needs at least one rank");
-  // Spans of different ranks (and spaces) must not alias: a copy between two ranks would
-  // otherwise overwrite its own source.
-  std::vector<std::pair<const std::byte*, const std::byte*>> extents;
-  for (const host_rank_memory& r : ranks_) {
-    for (const std::span<std::byte>& s : r.spaces) {
-      if (!s.empty()) extents.emplace_back(s.data(), s.data() + s.size());
-    }
-  }
-  std::sort(extents.begin(), extents.end());
-  for (size_t i = 1; i < extents.size(); ++i) {
-    MOEBIUS_CHECK(extents[i - 1].second <= extents[i].first, errc::invalid_argument,
-                  "host_transport rank memories overlap");
-  }
+host_transport::host_transport(std::vector<rank_memory> ranks) : ranks_(std::move(ranks)) {
+  validate_rank_memory(ranks_, memory_kind_rule::require_host);
 }
 
-void host_transport::validate(const plan& p) const {
-  MOEBIUS_CHECK(p.num_ranks == num_ranks(), errc::invalid_argument, "plan is for ", p.num_ranks,
-                " ranks but the transport has ", num_ranks());
-  // Every rank must hold every op's range: use the smallest rank per space.
-  int64_t caps[num_memory_spaces];
-  for (int s = 0; s < num_memory_spaces; ++s) {
-    caps[s] = static_cast<int64_t>(ranks_[0].spaces[s].size());
-    for (const host_rank_memory& r : ranks_) {
-      caps[s] = std::min(caps[s], static_cast<int64_t>(r.spaces[s].size()));
-    }
-  }
-  moebius::validate(p, caps);
+std::vector<int> host_transport::local_ranks() const {
+  std::vector<int> all(ranks_.size());
+  std::iota(all.begin(), all.end(), 0);
+  return all;
 }
 
-void host_transport::execute(const plan& p) {
-  // An armed fault applies to this execute() only, reached or not.
+void host_transport::validate(const plan& p) const { validate_plan_fits(p, num_ranks(), ranks_); }
+
+void host_transport::enqueue(const plan& p, std::span<const stream_handle> streams) {
+  MOEBIUS_CHECK(!outstanding_, errc::invalid_argument,
+                "host_transport::enqueue: a plan is still outstanding; call wait() first");
+  MOEBIUS_CHECK(streams.empty() || static_cast<int>(streams.size()) == num_ranks(),
+                errc::invalid_argument, "host_transport::enqueue: ", streams.size(),
+                " streams for ", num_ranks(), " local ranks");
+  for (stream_handle s : streams) {
+    MOEBIUS_CHECK(s == nullptr, errc::invalid_argument,
+                  "host_transport::enqueue: host memory has no streams; pass nullptr");
+  }
+  // An armed fault applies to this plan only, reached or not.
   const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);
   completed_phases_ = 0;
   validate(p);
-  for (int64_t k = 0; k < static_cast<int64_t>(p.phases.size()); ++k) {
-    execute_phase(p, k, fault);
-    completed_phases_ = k + 1;
+  outstanding_ = true;
+  failure_ = nullptr;
+  try {
+    for (int64_t k = 0; k < static_cast<int64_t>(p.phases.size()); ++k) {
+      execute_phase(p, k, fault);
+      completed_phases_ = k + 1;
+    }
+  } catch (...) {
+    failure_ = std::current_exception();
   }
+}
+
+void host_transport::wait() {
+  outstanding_ = false;
+  if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
 }
 
 void host_transport::execute_phase(const plan& p, int64_t phase_idx,

@@ -291,7 +291,7 @@ void nccl_transport::enqueue_phase(const plan_phase& phase, int64_t num_ops) {
   }
 }
 
-void nccl_transport::enqueue(const plan& p, int64_t first, int64_t last) {
+void nccl_transport::enqueue_phases(const plan& p, int64_t first, int64_t last) {
   const int64_t num_phases = static_cast<int64_t>(p.phases.size());
   MOEBIUS_CHECK(0 <= first && first <= last && last <= num_phases, errc::out_of_range,
                 "phase range [", first, ", ", last, ") is outside the plan's [0, ", num_phases,
@@ -307,7 +307,33 @@ void nccl_transport::synchronize() {
   }
 }
 
-void nccl_transport::execute(const plan& p) {
+std::vector<int> nccl_transport::local_ranks() const {
+  std::vector<int> local(rank_of_local_);
+  std::sort(local.begin(), local.end());
+  return local;
+}
+
+void nccl_transport::enqueue(const plan& p, std::span<const stream_handle> streams) {
+  MOEBIUS_CHECK(!outstanding_, errc::invalid_argument,
+                "nccl_transport::enqueue: a plan is still outstanding; call wait() first");
+  MOEBIUS_CHECK(streams.empty(), errc::invalid_argument,
+                "nccl_transport::enqueue: caller streams are not supported yet");
+  validate(p);
+  outstanding_ = true;
+  failure_ = nullptr;
+  try {
+    run_blocking(p);
+  } catch (...) {
+    failure_ = std::current_exception();
+  }
+}
+
+void nccl_transport::wait() {
+  outstanding_ = false;
+  if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
+}
+
+void nccl_transport::run_blocking(const plan& p) {
   // An armed fault applies to this execute() only, and fires only if the plan reaches it
   // (transport.hpp): a phase or op index past the end is dropped.
   const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);

@@ -88,7 +88,7 @@ void run_random_plans(std::mt19937_64& rng, int num_ranks, bool spread,
   const int64_t space = int64_t{1} << mt::uniform(rng, 12, 21);
   mt::rank_buffers buffers;
   std::vector<std::vector<std::byte>> host(static_cast<size_t>(2 * num_ranks));
-  std::vector<host_rank_memory> host_ranks(static_cast<size_t>(num_ranks));
+  std::vector<rank_memory> host_ranks(static_cast<size_t>(num_ranks));
   for (int r = 0; r < num_ranks; ++r) {
     buffers.arena.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
     buffers.kv.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
@@ -199,7 +199,7 @@ TEST_CASE("prepared plans are cached and report their engines", "[cuda_peer][cac
     CHECK(t.last_execute_stats().from_cache);
     REQUIRE(mt::compare_to_reference(w, g, arena_cursor{0}, download(buffers)) == "");
 
-    const std::shared_ptr<const cuda_prepared_plan> pp = t.prepare(to_tp);
+    const std::shared_ptr<const cuda_prepared_plan> pp = t.prepare_plan(to_tp);
     REQUIRE(pp->num_phases() == static_cast<int64_t>(to_tp.phases.size()));
     REQUIRE(pp->num_ops() == to_tp.num_ops());
     int64_t ce = 0, sm = 0;
@@ -243,7 +243,7 @@ TEST_CASE("an injected fault stops at its phase with the earlier phases complete
       const std::vector<int> devices = mt::rank_devices(P, true);
       mt::rank_buffers buffers;
       std::vector<std::vector<std::byte>> host(static_cast<size_t>(2 * P));
-      std::vector<host_rank_memory> host_ranks(static_cast<size_t>(P));
+      std::vector<rank_memory> host_ranks(static_cast<size_t>(P));
       for (int r = 0; r < P; ++r) {
         buffers.arena.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
         buffers.kv.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
@@ -311,7 +311,7 @@ TEST_CASE("a peer that never arrives is a timeout, not a hang", "[cuda_peer][tim
       const std::vector<int> devices = mt::rank_devices(P, false);
       mt::rank_buffers buffers;
       std::vector<std::vector<std::byte>> host(static_cast<size_t>(2 * P));
-      std::vector<host_rank_memory> host_ranks(static_cast<size_t>(P));
+      std::vector<rank_memory> host_ranks(static_cast<size_t>(P));
       for (int r = 0; r < P; ++r) {
         buffers.arena.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
         buffers.kv.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
@@ -445,8 +445,8 @@ TEST_CASE("a Qwen3-sized plan (94 layers, E=128, P=8: 12k ops) on miniature tens
   for (const mt::engine_case& e : mt::engine_cases()) {
     CAPTURE(e.name);
     cuda_peer_transport t = cuda_peer_transport::single_process(buffers.memory(devices), e.config);
-    const std::shared_ptr<const cuda_prepared_plan> fwd = t.prepare(to_tp);
-    const std::shared_ptr<const cuda_prepared_plan> back = t.prepare(to_ep);
+    const std::shared_ptr<const cuda_prepared_plan> fwd = t.prepare_plan(to_tp);
+    const std::shared_ptr<const cuda_prepared_plan> back = t.prepare_plan(to_ep);
     t.execute(*fwd);
     const double enqueue_fwd = t.last_execute_stats().enqueue_seconds;
     REQUIRE(mt::compare_to_reference(w, g, arena_cursor{shape.num_layers}, download(buffers)) ==

@@ -21,8 +21,8 @@ struct memory {
   pools kv;     // [P][pool_bytes]
   pools arena;  // [P][staging bytes]
 
-  std::vector<host_rank_memory> spans() {
-    std::vector<host_rank_memory> out(kv.size());
+  std::vector<rank_memory> spans() {
+    std::vector<rank_memory> out(kv.size());
     for (size_t r = 0; r < kv.size(); ++r) {
       out[r].spaces[static_cast<int>(memory_space::kv_pool)] = kv[r];
       out[r].spaces[static_cast<int>(memory_space::arena)] = arena[r];

@@ -59,8 +59,8 @@ struct gpu_case {
   std::vector<images> expected;     // host_transport result after each step
 };
 
-std::vector<host_rank_memory> spans_of(images& m) {
-  std::vector<host_rank_memory> out(m.kv.size());
+std::vector<rank_memory> spans_of(images& m) {
+  std::vector<rank_memory> out(m.kv.size());
   for (size_t r = 0; r < m.kv.size(); ++r) {
     out[r].spaces[static_cast<int>(memory_space::kv_pool)] = m.kv[r];
     out[r].spaces[static_cast<int>(memory_space::arena)] = m.arena[r];

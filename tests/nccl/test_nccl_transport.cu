@@ -309,7 +309,7 @@ TEST_CASE("nccl_transport: random strided plans over both memory spaces match ho
 
     // Host side: the reference transport over random bytes.
     rank_images host[num_memory_spaces];
-    std::vector<host_rank_memory> host_ranks(static_cast<size_t>(P));
+    std::vector<rank_memory> host_ranks(static_cast<size_t>(P));
     for (int s = 0; s < num_memory_spaces; ++s) {
       host[s].resize(static_cast<size_t>(P));
       for (int r = 0; r < P; ++r) {

@@ -86,7 +86,7 @@ TEST_CASE("undoing completed rounds restores every live byte", "[rollback]") {
       for (auto& b : m) b = static_cast<std::byte>(rng());
     }
     const auto before = mem;
-    std::vector<host_rank_memory> ranks(static_cast<size_t>(P));
+    std::vector<rank_memory> ranks(static_cast<size_t>(P));
     for (int r = 0; r < P; ++r) ranks[static_cast<size_t>(r)].spaces[0] = mem[static_cast<size_t>(r)];
     host_transport t(ranks);
     // Fail somewhere (or nowhere), then undo what completed.

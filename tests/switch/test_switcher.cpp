@@ -33,7 +33,7 @@ struct world {
   rank_images arenas;
   rank_images pools;
   kv_state tables;
-  std::vector<host_rank_memory> memory;
+  std::vector<rank_memory> memory;
 
   std::vector<std::span<const std::byte>> arena_spans() const {
     return {arenas.begin(), arenas.end()};
@@ -403,20 +403,24 @@ namespace {
 // host_transport whose phase `k` ends in a barrier timeout, as a stalled peer would cause.
 class timing_out_transport final : public transport {
  public:
-  timing_out_transport(std::vector<host_rank_memory> ranks, int64_t k) : inner_(ranks), k_(k) {}
+  timing_out_transport(std::vector<rank_memory> ranks, int64_t k) : inner_(ranks), k_(k) {}
   int num_ranks() const override { return inner_.num_ranks(); }
+  std::vector<int> local_ranks() const override { return inner_.local_ranks(); }
   void validate(const plan& p) const override { inner_.validate(p); }
-  void execute(const plan& p) override {
+  void enqueue(const plan& p, std::span<const stream_handle> streams) override {
     ++executes_;
-    if (static_cast<int64_t>(p.phases.size()) > k_) {
-      inner_.inject_fault(fault_point{k_, 0});
-      try {
-        inner_.execute(p);
-      } catch (const moebius::error&) {
-        MOEBIUS_FAIL(errc::timeout, "rank 0 timed out at the barrier closing phase ", k_);
-      }
+    times_out_ = static_cast<int64_t>(p.phases.size()) > k_;
+    if (times_out_) inner_.inject_fault(fault_point{k_, 0});
+    inner_.enqueue(p, streams);
+  }
+  bool poll() override { return inner_.poll(); }
+  void wait() override {
+    try {
+      inner_.wait();
+    } catch (const moebius::error&) {
+      if (!times_out_) throw;
+      MOEBIUS_FAIL(errc::timeout, "rank 0 timed out at the barrier closing phase ", k_);
     }
-    inner_.execute(p);
   }
   int64_t completed_phases() const override { return inner_.completed_phases(); }
   void inject_fault(std::optional<fault_point>) override {}
@@ -426,6 +430,7 @@ class timing_out_transport final : public transport {
   host_transport inner_;
   int64_t k_;
   int executes_ = 0;
+  bool times_out_ = false;
 };
 }  // namespace
 

@@ -22,7 +22,7 @@ using moebius::testing::test_seed;
 namespace {
 
 host_transport make_transport(testing::rank_images& images) {
-  std::vector<host_rank_memory> ranks(images.size());
+  std::vector<rank_memory> ranks(images.size());
   for (size_t r = 0; r < images.size(); ++r) {
     ranks[r].spaces[static_cast<int>(memory_space::arena)] = std::span<std::byte>(images[r]);
   }
@@ -141,7 +141,7 @@ TEST_CASE("a weight switch leaves every rank's KV pool untouched", "[transport]"
       for (auto& b : pool) b = static_cast<std::byte>(rng() & 0xFF);
     }
     const auto kv_before = kv;
-    std::vector<host_rank_memory> ranks(static_cast<size_t>(su.P));
+    std::vector<rank_memory> ranks(static_cast<size_t>(su.P));
     for (size_t r = 0; r < ranks.size(); ++r) {
       ranks[r].spaces[static_cast<int>(memory_space::arena)] = std::span<std::byte>(arena[r]);
       ranks[r].spaces[static_cast<int>(memory_space::kv_pool)] = std::span<std::byte>(kv[r]);
@@ -269,7 +269,7 @@ TEST_CASE("plans for another rank count or larger memory are rejected", "[transp
   }
   {
     // Rank 1's memory lacks the last slot: TP->EP writes it, so nothing may move.
-    std::vector<host_rank_memory> ranks(2);
+    std::vector<rank_memory> ranks(2);
     ranks[0].spaces[0] = std::span<std::byte>(images[0]);
     ranks[1].spaces[0] = std::span<std::byte>(images[1]).first(
         static_cast<size_t>(g.total_bytes() - g.slot_bytes));
@@ -290,14 +290,14 @@ TEST_CASE("overlapping rank memories are rejected", "[transport][validate]") {
   std::span<std::byte> all(buffer);
   auto make = [](std::span<std::byte> a0, std::span<std::byte> k0, std::span<std::byte> a1,
                  std::span<std::byte> k1) {
-    std::vector<host_rank_memory> r(2);
+    std::vector<rank_memory> r(2);
     r[0].spaces[0] = a0;
     r[0].spaces[1] = k0;
     r[1].spaces[0] = a1;
     r[1].spaces[1] = k1;
     return r;
   };
-  auto rejects = [](std::vector<host_rank_memory> r) {
+  auto rejects = [](std::vector<rank_memory> r) {
     try {
       host_transport t(std::move(r));
       return false;
@@ -321,7 +321,7 @@ TEST_CASE("overlapping rank memories are rejected", "[transport][validate]") {
   CHECK_NOTHROW(host_transport(make(all.first(1024), {}, all.subspan(1024, 1024), {})));
   // No ranks at all.
   try {
-    host_transport t(std::vector<host_rank_memory>{});
+    host_transport t(std::vector<rank_memory>{});
     FAIL("no throw");
   } catch (const moebius::error& e) {
     CHECK(e.code() == errc::invalid_argument);

@@ -28,7 +28,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
+#include <span>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -182,12 +184,16 @@ class cuda_peer_transport final : public transport {
   int num_ranks() const override;
   // Every op must fit the smallest rank's size of its memory space.
   void validate(const plan& p) const override;
+  std::vector<int> local_ranks() const override;
   // Prepares `p` (or finds it in the cache), enqueues the whole plan on every local rank's
-  // stream and waits for those streams. Throws errc::timeout naming the rank and phase when a
-  // barrier times out, errc::injected_fault for an armed fault, errc::cuda for a CUDA failure.
-  // Multi-process: this process runs its own rank's ops; a final barrier makes every rank's
-  // writes complete and visible before execute() returns on any rank.
-  void execute(const plan& p) override;
+  // stream and (for now) waits for those streams; wait() reports the failure. Failures:
+  // errc::timeout naming the rank and phase when a barrier times out, errc::injected_fault for
+  // an armed fault, errc::cuda for a CUDA failure. Multi-process: this process runs its own
+  // rank's ops; a final barrier makes every rank's writes complete and visible before wait()
+  // returns on any rank. Only empty `streams` are supported so far.
+  void enqueue(const plan& p, std::span<const stream_handle> streams = {}) override;
+  bool poll() override { return true; }
+  void wait() override;
   // Phases that completed on every rank. Multi-process: what this rank can prove (it passed
   // the barrier after them); another rank may report one more.
   int64_t completed_phases() const override;
@@ -198,7 +204,10 @@ class cuda_peer_transport final : public transport {
 
   // Validates `p` and builds its device work (engine choice, descriptors uploaded to every
   // local rank's device). Host cost is O(ops); execute(prepared) then costs only launches.
-  std::shared_ptr<const cuda_prepared_plan> prepare(const plan& p);
+  std::shared_ptr<const cuda_prepared_plan> prepare_plan(const plan& p);
+  // prepare_plan(p) into the plan cache.
+  void prepare(const plan& p) override;
+  using transport::execute;
   // Runs a plan prepared by this transport (see execute(const plan&)).
   void execute(const cuda_prepared_plan& prepared);
 
@@ -217,6 +226,8 @@ class cuda_peer_transport final : public transport {
  private:
   explicit cuda_peer_transport(std::unique_ptr<impl> state);
   std::unique_ptr<impl> impl_;
+  bool outstanding_ = false;
+  std::exception_ptr failure_;
 };
 
 }  // namespace moebius

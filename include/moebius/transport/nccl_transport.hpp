@@ -26,7 +26,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "moebius/plan/plan.hpp"
@@ -77,12 +79,16 @@ class nccl_transport final : public transport {
   // (all ranks of a deployment have equal spaces), and every local rank's workspace must
   // hold workspace_bytes(p, rank).
   void validate(const plan& p) const override;
-  // Enqueues every phase on the local ranks' streams, then synchronizes them. In a
-  // multi-process deployment every process must execute the same plan (with the same fault
-  // armed, in tests), or the NCCL calls do not match. When enqueueing phase k fails, the
-  // streams are drained and completed_phases() is k; when synchronizing fails it is 0
-  // (CUDA errors are sticky: nothing finer can be learnt).
-  void execute(const plan& p) override;
+  std::vector<int> local_ranks() const override;
+  // Enqueues every phase on the local ranks' streams and (for now) synchronizes them; wait()
+  // reports the failure. In a multi-process deployment every process must run the same plan
+  // (with the same fault armed, in tests), or the NCCL calls do not match. When enqueueing
+  // phase k fails, the streams are drained and completed_phases() is k; when synchronizing
+  // fails it is 0 (CUDA errors are sticky: nothing finer can be learnt). Only empty `streams`
+  // are supported so far.
+  void enqueue(const plan& p, std::span<const stream_handle> streams = {}) override;
+  bool poll() override { return true; }
+  void wait() override;
   int64_t completed_phases() const override { return completed_phases_; }
   // The fault fires after ops [0, at.op) of phase at.phase ran on every local rank (both the
   // sending and the receiving side of each, so NCCL calls still pair up).
@@ -90,17 +96,18 @@ class nccl_transport final : public transport {
 
   // Enqueues phases [first, last) of `p` without waiting: for benchmarks and for callers
   // that overlap a switch with other work on the same streams. validate(p) first.
-  void enqueue(const plan& p, int64_t first, int64_t last);
+  void enqueue_phases(const plan& p, int64_t first, int64_t last);
   // Waits for every local stream.
   void synchronize();
 
-  const std::vector<nccl_rank>& local_ranks() const { return ranks_; }
+  const std::vector<nccl_rank>& local_rank_info() const { return ranks_; }
 
  private:
   // Enqueues ops [0, num_ops) of phase `phase_idx` (all of them for num_ops = -1).
   void enqueue_phase(const plan_phase& phase, int64_t num_ops);
   const nccl_rank* find_local(int rank) const;
   void release_streams() noexcept;
+  void run_blocking(const plan& p);
 
   std::vector<nccl_rank> ranks_;
   std::vector<int> local_of_rank_;  // index into ranks_ per global rank, or -1
@@ -111,6 +118,8 @@ class nccl_transport final : public transport {
   int num_ranks_ = 0;
   std::optional<fault_point> fault_;
   int64_t completed_phases_ = 0;
+  bool outstanding_ = false;
+  std::exception_ptr failure_;
 };
 
 }  // namespace moebius

@@ -3,13 +3,42 @@
 // What every transport offers: run a plan, phase by phase, on its P ranks. The switcher and
 // the example engine hold a `transport&` and never care whether bytes move by memcpy, copy
 // engines, an SM kernel or NCCL.
+//
+// One interface, one lifecycle, one fault semantics for all of them:
+//
+//   prepare(p)      optional: validate `p` and cache whatever the transport derives from it
+//                   (descriptors, graphs); a later enqueue of an equal plan reuses it.
+//   enqueue(p, s)   validates `p` (a bad plan throws and moves nothing), then starts every
+//                   phase on the local ranks' streams `s` (or the transport's own) and returns
+//                   without waiting for the device. At most one plan is outstanding.
+//   poll()          true once the outstanding plan has finished (or failed); never blocks.
+//   wait()          blocks until it has finished; throws its failure, if any.
+//   execute(p)      enqueue(p) then wait().
+//
+// Failures. A plan either completes or fails at some phase k: phases before k completed on
+// every rank (their bytes are where the plan says), phase k may be partly done, nothing after
+// it ran. wait() throws moebius::error (errc::injected_fault, errc::timeout, errc::cuda,
+// errc::nccl) and completed_phases() is k afterwards; a plan's phases leave memory in a valid
+// resting state after each one, so that is what a caller needs to roll back. After a barrier
+// timeout or a device error the transport cannot prove that nothing ran past phase k (a slow
+// peer may still pass the barrier), so callers must not trust an undo then (the switcher
+// reports `inconsistent`).
+//
+// A host-memory transport does its copies inside enqueue() (the CPU is its device) and keeps a
+// failure for wait(); device transports only enqueue.
 
 #include <cstdint>
 #include <optional>
+#include <span>
+#include <vector>
 
 #include "moebius/plan/plan.hpp"
 
 namespace moebius {
+
+// A CUDA stream (cudaStream_t) as an opaque handle, so that host-only code needs no CUDA
+// header. nullptr stands for the transport's own stream of that rank.
+using stream_handle = void*;
 
 // Where an injected fault fires: before op `op` of phase `phase` (ops before it in that phase
 // may have run, phases before it are complete on every rank).
@@ -23,24 +52,47 @@ class transport {
   virtual ~transport() = default;
 
   virtual int num_ranks() const = 0;
+  // The ranks this process drives, ascending: every rank for the host transport and for
+  // single-process GPU transports, one rank for a multi-process deployment. enqueue()'s
+  // `streams` are indexed like this list.
+  virtual std::vector<int> local_ranks() const = 0;
 
   // Throws (errc::invalid_argument / errc::out_of_range) unless `p` fits this transport's
   // ranks and memory. Moves nothing.
   virtual void validate(const plan& p) const = 0;
 
-  // Runs every phase of `p` in order and returns when all of it is complete (and visible to
-  // every rank). Validates first, so a bad plan moves nothing. On failure (a transport error,
-  // a barrier timeout, an injected fault) throws moebius::error; completed_phases() then says
-  // how many leading phases completed on every rank, which is what a caller needs to roll
-  // back: a plan's phases leave the memory in a valid resting state after each one.
-  virtual void execute(const plan& p) = 0;
+  // Validates `p` and caches what the transport derives from it, so that enqueueing an equal
+  // plan later costs only launches. Optional: enqueue() prepares what it is given.
+  virtual void prepare(const plan& p) { validate(p); }
 
-  // Phases of the last execute() that completed on every rank.
+  // Starts `p` (see the lifecycle above) on `streams`: empty, or one per local rank (nullptr
+  // entries: the transport's own stream). Work the caller enqueued on those streams before
+  // runs first; work it enqueues after runs after the plan. Throws errc::invalid_argument when
+  // a plan is still outstanding (call wait() first) or `streams` has the wrong length, and the
+  // validation errors of validate(); in those cases nothing was started.
+  virtual void enqueue(const plan& p, std::span<const stream_handle> streams = {}) = 0;
+
+  // True when no plan is outstanding, or the outstanding one has finished or failed (wait()
+  // would not block). Never blocks, never throws a plan's failure.
+  virtual bool poll() = 0;
+
+  // Blocks until the outstanding plan (if any) has finished. Throws its failure (see above);
+  // either way the plan is no longer outstanding afterwards.
+  virtual void wait() = 0;
+
+  // enqueue(p) then wait(): runs `p` to completion or throws.
+  void execute(const plan& p) {
+    enqueue(p);
+    wait();
+  }
+
+  // Phases of the last plan that completed on every rank (all of them after a successful
+  // wait(); meaningful once wait() has returned or thrown).
   virtual int64_t completed_phases() const = 0;
 
-  // Arms a fault for the next execute() only: it throws errc::injected_fault before op
-  // `at.op` of phase `at.phase`; a fault that execute() does not reach (the phase has fewer
-  // ops) is dropped when it returns. std::nullopt disarms.
+  // Arms a fault for the next enqueued plan only: it fails with errc::injected_fault before op
+  // `at.op` of phase `at.phase`, and completed_phases() is then `at.phase`. A fault the plan
+  // does not reach (fewer phases or ops) is dropped. std::nullopt disarms.
   virtual void inject_fault(std::optional<fault_point> at) = 0;
 };
 

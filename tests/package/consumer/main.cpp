@@ -19,7 +19,7 @@ int main() {
   const moebius::arena_geometry g = moebius::make_arena_geometry(shape, P, 256, 4096);
 
   std::vector<std::vector<std::byte>> arenas(P, std::vector<std::byte>(g.total_bytes()));
-  std::vector<moebius::host_rank_memory> ranks(P);
+  std::vector<moebius::rank_memory> ranks(P);
   unsigned x = 12345;
   for (int r = 0; r < P; ++r) {
     for (std::byte& b : arenas[r]) b = std::byte((x = x * 1103515245u + 12345u) >> 16);
