@@ -108,6 +108,7 @@ int64_t round_scheduler::take_slot(int r) {
   if (s.empty()) return -1;
   const int64_t z = s.back();
   s.pop_back();
+  changed_ = true;
   return z;
 }
 
