@@ -35,7 +35,7 @@ TEST_CASE("kv_checksum covers every TP replica of a replicated head", "[switch][
     const uint64_t ep_sum = kv_checksum(g, c.state, spans(kv));
 
     const kv_migration mig = plan_kv_migration(g, c.state, parallel_mode::tp);
-    std::vector<host_rank_memory> mem(4);
+    std::vector<rank_memory> mem(4);
     for (size_t r = 0; r < 4; ++r) mem[r].spaces[static_cast<int>(memory_space::kv_pool)] = kv[r];
     host_transport(mem).execute(mig.copies);
     const kv_state& tp = mig.new_state;
