@@ -142,7 +142,7 @@ struct gpu_runtime::impl {
     std::vector<cudaGraphExec_t> exec;  // per rank
   };
   std::map<std::pair<int, int64_t>, graph_set> graphs;  // (mode, bucket)
-  int64_t captures = 0, replays = 0, eager = 0;
+  int64_t captures = 0, replays = 0, eager = 0, reruns = 0;
 
   // ---- shape helpers ----------------------------------------------------------------------
   int32_t* in_ids(rank_state& r) const { return r.inputs; }
@@ -161,7 +161,9 @@ struct gpu_runtime::impl {
   struct moe_shape {
     int64_t num_local, first, inter, tile_rows, max_tiles;
   };
-  moe_shape moe_shape_of(parallel_mode layer_mode, int rank, int64_t src_tokens) const {
+  // `optimistic` (graphs): capacity for 1.25x the expected pairs (moe_pair_capacity); a step
+  // whose routing needs more sets the overflow flag and is rerun eagerly with the worst case.
+  moe_shape moe_shape_of(parallel_mode layer_mode, int rank, int64_t src_tokens, bool optimistic) const {
     moe_shape s{};
     if (layer_mode == parallel_mode::ep) {
       s.num_local = c.num_experts / P;
@@ -172,7 +174,7 @@ struct gpu_runtime::impl {
       s.first = 0;
       s.inter = c.intermediate / P;
     }
-    const int64_t pairs = src_tokens * std::min(c.top_k, s.num_local);
+    const int64_t pairs = moe_pair_capacity(src_tokens, c.top_k, c.num_experts, s.num_local, optimistic);
     s.tile_rows = moe_tile_rows(pairs, s.num_local);
     s.max_tiles = moe_max_tiles(pairs, s.num_local, s.tile_rows);
     return s;
@@ -226,7 +228,7 @@ struct gpu_runtime::impl {
     for (int64_t t = 1; t <= T_max; ++t)
       for (int64_t src : {t, t * P})
         for (parallel_mode lm : {parallel_mode::ep, parallel_mode::tp}) {
-          const moe_shape s = moe_shape_of(lm, 0, src);
+          const moe_shape s = moe_shape_of(lm, 0, src, false);
           max_tiles = std::max(max_tiles, s.max_tiles);
           max_rows = std::max(max_rows, s.max_tiles * s.tile_rows);
         }
@@ -302,6 +304,7 @@ struct gpu_runtime::impl {
       p.ptr_y = device_alloc<void*>(max_tiles, rs.owned);
       p.sort_temp_bytes = moe_sort_temp_bytes(max_pairs);
       p.sort_temp = device_alloc<std::byte>(static_cast<int64_t>(p.sort_temp_bytes), rs.owned);
+      p.overflow = device_alloc<int32_t>(1, rs.owned);
       p.hidden = H;
       p.type = c.expert_dtype;
     }
@@ -441,7 +444,7 @@ struct gpu_runtime::impl {
     MOEBIUS_NCCL_CHECK(ncclGroupEnd());
   }
 
-  void forward(parallel_mode attn, moebius::arena_cursor cursor, int64_t T) {
+  void forward(parallel_mode attn, moebius::arena_cursor cursor, int64_t T, bool optimistic) {
     const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, K = c.top_k;
     const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
     const int64_t es = moebius::dtype_bytes(c.expert_dtype), ds = moebius::dtype_bytes(o.dense_dtype);
@@ -570,7 +573,7 @@ struct gpu_runtime::impl {
         moe_tokens src = row_layout;
         src.rows = dispatch ? rs.gathered : rs.packed;
         src.tokens = src_tokens;
-        const moe_shape s = moe_shape_of(lm, r, src_tokens);
+        const moe_shape s = moe_shape_of(lm, r, src_tokens, optimistic);
         moe_plan p = rs.moe;
         p.num_local = s.num_local;
         p.first_expert = s.first;
@@ -645,7 +648,7 @@ struct gpu_runtime::impl {
         each_rank([&](int, rank_state& rs) {
           MOEBIUS_CUDA_CHECK(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeRelaxed));
         });
-        forward(m, cursor, b);
+        forward(m, cursor, b, true);
         each_rank([&](int, rank_state& rs) {
           cudaGraph_t g = nullptr;
           MOEBIUS_CUDA_CHECK(cudaStreamEndCapture(rs.stream, &g));
@@ -749,12 +752,24 @@ struct gpu_runtime::impl {
                                          cudaMemcpyHostToDevice, rs.stream));
     });
     if (gs != nullptr) {
+      std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
       each_rank([&](int r, rank_state& rs) {
+        MOEBIUS_CUDA_CHECK(cudaMemsetAsync(rs.moe.overflow, 0, 4, rs.stream));
         MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs->exec[static_cast<size_t>(r)], rs.stream));
+        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(&overflow[static_cast<size_t>(r)], rs.moe.overflow, 4,
+                                           cudaMemcpyDeviceToHost, rs.stream));
       });
+      each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
       ++replays;
+      // Routing beyond the graph's expert capacity on some rank: the step's outputs are
+      // incomplete. Run it again eagerly with the worst-case capacity (it rewrites the same
+      // K/V values into the same slots, so the KV cache is unchanged by the first pass).
+      if (std::any_of(overflow.begin(), overflow.end(), [](int32_t f) { return f != 0; })) {
+        forward(attn, layout.cursor, T, false);
+        ++reruns;
+      }
     } else {
-      forward(attn, layout.cursor, T);
+      forward(attn, layout.cursor, T, false);
       ++eager;
     }
     // Results.
@@ -832,6 +847,7 @@ int gpu_runtime::num_ranks() const { return impl_->P; }
 int64_t gpu_runtime::captures() const { return impl_->captures; }
 int64_t gpu_runtime::graph_replays() const { return impl_->replays; }
 int64_t gpu_runtime::eager_steps() const { return impl_->eager; }
+int64_t gpu_runtime::overflow_reruns() const { return impl_->reruns; }
 
 void gpu_runtime::fill_kv_random(uint64_t seed) {
   for (rank_state& rs : impl_->ranks) {

@@ -31,6 +31,13 @@
 // device addresses) and replays; nothing is ever re-captured, because the weights (arena
 // slots), the KV pool and every buffer keep their addresses across switches. Prefill steps,
 // hybrid cursors and batches beyond the largest bucket run the same code eagerly.
+//
+// Expert capacity. Eager steps size the expert tiles for the worst case (every token's
+// choices among one rank's experts). A graph would then pay that worst case every step (EP at
+// 512 tokens, top-8 of 128 on 2 ranks: 4x the rows it needs), so graphs are sized for 1.25x
+// the expected pairs per rank; a step whose routing needs more raises a device flag, and the
+// step is rerun eagerly (same inputs, same K/V written again): correct always, fast when the
+// routing is balanced. overflow_reruns() counts those.
 
 #include <cstdint>
 #include <memory>
@@ -150,6 +157,9 @@ class gpu_runtime : public runtime {
   int64_t captures() const;        // graphs captured (mode x bucket), all at construction
   int64_t graph_replays() const;   // steps that replayed a graph
   int64_t eager_steps() const;     // steps that ran without a graph
+  // Graph steps whose routing overflowed the graph's expert capacity (1.25x the expected
+  // pairs per rank) and were rerun eagerly with the worst-case capacity.
+  int64_t overflow_reruns() const;
 
   // Fills every rank's KV pool with random values (benchmarks: a context to attend over).
   void fill_kv_random(uint64_t seed);

@@ -184,6 +184,10 @@ struct moe_plan {
   void** ptr_y = nullptr;
   void* sort_temp = nullptr;       // CUB temp storage
   size_t sort_temp_bytes = 0;
+  // Set to 1 (never cleared here) when the pairs need more than max_tiles tiles: the pairs
+  // that do not fit get no row (pair_row -1) and the output is incomplete. A graph sized for
+  // the expected load (not the worst case) checks it after the step and reruns eagerly.
+  int32_t* overflow = nullptr;
 };
 
 // Rows of one tile for a bucket of `pairs` (token, expert) pairs over `num_local` experts:
@@ -192,6 +196,12 @@ int64_t moe_tile_rows(int64_t pairs, int64_t num_local);
 // Tile slots a bucket needs: every expert's last tile may be partial.
 //   pairs 8 (one token, top-8), 128 experts, 8 rows: 1 + 8 = 9 slots.
 int64_t moe_max_tiles(int64_t pairs, int64_t num_local, int64_t tile_rows);
+// Pairs a bucket of `tokens` tokens (top_k of `experts`) sends to `num_local` of them: the
+// worst case (every token's choices among ours), or, `optimistic`, capacity_factor times the
+// expected share (uniform routing) when that is smaller.
+//   512 tokens, top-8 of 128, 64 local: worst 4096, expected 2048, optimistic (1.25) 2560.
+int64_t moe_pair_capacity(int64_t tokens, int64_t top_k, int64_t experts, int64_t num_local,
+                          bool optimistic, double capacity_factor = 1.25);
 // CUB temp bytes for sorting `pairs` pairs.
 size_t moe_sort_temp_bytes(int64_t pairs);
 

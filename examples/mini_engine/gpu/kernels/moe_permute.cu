@@ -3,6 +3,8 @@
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
+#include <cmath>
+
 #include <moebius/error.hpp>
 
 #include "common.cuh"
@@ -42,6 +44,16 @@ int64_t moe_tile_rows(int64_t pairs, int64_t num_local) {
 
 int64_t moe_max_tiles(int64_t pairs, int64_t num_local, int64_t tile_rows) {
   return (pairs + tile_rows - 1) / tile_rows + (num_local < pairs ? num_local : pairs);
+}
+
+int64_t moe_pair_capacity(int64_t tokens, int64_t top_k, int64_t experts, int64_t num_local,
+                          bool optimistic, double capacity_factor) {
+  const int64_t worst = tokens * (top_k < num_local ? top_k : num_local);
+  if (!optimistic) return worst;
+  const double expected = static_cast<double>(tokens * top_k) * static_cast<double>(num_local) /
+                          static_cast<double>(experts);
+  const auto cap = static_cast<int64_t>(std::ceil(capacity_factor * expected)) + top_k;
+  return cap < worst ? cap : worst;
 }
 
 size_t moe_sort_temp_bytes(int64_t pairs) {
@@ -99,7 +111,10 @@ __global__ void __launch_bounds__(k_tile_map_threads)
     p.expert_info[2 * p.num_local + e] = start;
     s_tile_start[e] = start;
   }
-  if (e == 0) p.expert_info[3 * p.num_local] = total;
+  if (e == 0) {
+    p.expert_info[3 * p.num_local] = total;
+    if (total > p.max_tiles && p.overflow != nullptr) *p.overflow = 1;
+  }
   __syncthreads();
   const int64_t es = moebius::dtype_bytes(p.type);
   const int64_t H = p.hidden, I = p.inter, M = p.tile_rows;
@@ -135,6 +150,10 @@ __global__ void moe_gather_kernel(const __grid_constant__ moe_plan p, const __gr
   const int64_t first = p.expert_info[key];
   const int64_t start = p.expert_info[2 * p.num_local + key];
   const int64_t row = start * p.tile_rows + (i - first);
+  if (row >= p.max_tiles * p.tile_rows) {  // past the capacity: dropped, overflow is set
+    if (threadIdx.x == 0) p.pair_row[pair] = -1;
+    return;
+  }
   if (threadIdx.x == 0) p.pair_row[pair] = static_cast<int32_t>(row);
   const int64_t bytes = p.hidden * moebius::dtype_bytes(p.type);
   const std::byte* from = src.rows + (pair / src.top_k) * src.row_bytes;

@@ -175,8 +175,8 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
       max_pages = std::max(max_pages, moebius::pages_for_tokens(l, g.page_size));
       total_pages += moebius::pages_for_tokens(l, g.page_size);
     }
-    const int64_t split = g.tp_pages_per_ep_page();
-    g.num_ep_pages = (total_pages + uniform(rng, 0, 5) + split - 1) / split + 1;
+    // Enough pages in either mode (a TP pool has split x the EP page count).
+    g.num_ep_pages = total_pages + uniform(rng, 0, 5);
     moebius::validate(g);
     const int64_t pages = g.num_pages(mode);
     std::vector<int32_t> perm(static_cast<size_t>(pages));
@@ -453,6 +453,8 @@ TEST_CASE("moe pack/permute/expert GEMMs/combine match the host reference", "[gp
     p.sort_temp_bytes = moe_sort_temp_bytes(all_pairs);
     device_buffer temp(static_cast<int64_t>(p.sort_temp_bytes));
     p.sort_temp = temp.ptr;
+    auto flag = to_device(std::vector<int32_t>{0});
+    p.overflow = flag.as<int32_t>();
     launch_moe_permute(p, src, nullptr);
     expert_gemms(handle, p, nullptr);
     moe_combine_args c;
@@ -514,6 +516,19 @@ TEST_CASE("moe pack/permute/expert GEMMs/combine match the host reference", "[gp
                   << " tile_rows " << p.tile_rows << " max_tiles " << p.max_tiles);
     // bf16: SiLU outputs within an ulp of a rounding boundary may round the other way.
     REQUIRE(mismatches(got, want, t == dtype::bf16 ? 2e-3 : 1e-4, t == dtype::bf16 ? 2e-2 : 1e-4, "moe") == 0);
+    REQUIRE(download<int32_t>(flag, 1)[0] == 0);
+
+    // Too few tile slots for the routing: the flag is raised and no row leaves the buffer.
+    const auto info_h = download<int32_t>(info, static_cast<size_t>(3 * num_local + 1));
+    const int32_t used_tiles = info_h[static_cast<size_t>(3 * num_local)];
+    if (used_tiles > 1) {
+      moe_plan small = p;
+      small.max_tiles = used_tiles - 1;
+      launch_moe_permute(small, src, nullptr);
+      REQUIRE(download<int32_t>(flag, 1)[0] == 1);
+      for (int32_t r : download<int32_t>(pair_row, static_cast<size_t>(all_pairs)))
+        REQUIRE(r < small.max_tiles * small.tile_rows);
+    }
   }
   cublasDestroy(handle);
 }
