@@ -21,19 +21,17 @@ using moebius::weight_tensor;
 
 namespace {
 
-// Four partial sums in double, combined in a fixed order: the same code (and so the same
-// rounding) wherever a row is computed. Products of two floats are exact in double.
+// Eight partial sums in double, combined in a fixed order: the same code (and so the same
+// rounding) wherever a row is computed. Products of two floats are exact in double, so a
+// fused multiply-add, where the compiler contracts one, rounds exactly as the plain sum.
 template <class W>
-inline double dot(const W* w, const float* x, int64_t n) {
-  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+inline double dot(const W* __restrict w, const float* __restrict x, int64_t n) {
+  double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    a0 += static_cast<double>(w[i]) * static_cast<double>(x[i]);
-    a1 += static_cast<double>(w[i + 1]) * static_cast<double>(x[i + 1]);
-    a2 += static_cast<double>(w[i + 2]) * static_cast<double>(x[i + 2]);
-    a3 += static_cast<double>(w[i + 3]) * static_cast<double>(x[i + 3]);
-  }
-  double s = (a0 + a1) + (a2 + a3);
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j)
+      a[j] += static_cast<double>(w[i + j]) * static_cast<double>(x[i + j]);
+  double s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
   for (; i < n; ++i) s += static_cast<double>(w[i]) * static_cast<double>(x[i]);
   return s;
 }
@@ -95,6 +93,10 @@ void dequant_row(const std::byte* p, dtype t, const std::byte* scales, int64_t b
     }
   }
 }
+
+// fp32 expert rows are read in place: the arena is new[]-allocated (max-aligned) and every
+// tensor offset is a multiple of 4 bytes (its alignment and element size).
+inline const float* as_floats(const std::byte* p) { return reinterpret_cast<const float*>(p); }
 
 void store_kv(std::byte* p, const float* v, int64_t n, dtype t) {
   if (t == dtype::fp32) {
@@ -461,6 +463,7 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
   const int64_t p0 = expert_first_[static_cast<size_t>(e)], p1 = expert_first_[static_cast<size_t>(e + 1)];
   const std::byte* arena = arenas_[static_cast<size_t>(rank)].data();
   const bool fp8 = c.fp8_experts();
+  const bool f32 = c.expert_dtype == dtype::fp32;  // read in place, no decode
   const int64_t eb = moebius::dtype_bytes(c.expert_dtype);
   auto locate = [&](weight_tensor t, int64_t row, int64_t col) -> const std::byte* {
     const moebius::element_location at =
@@ -476,12 +479,15 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
   for (int half = 0; half < 2; ++half)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = half * I + i;
-      dequant_row(locate(weight_tensor::w13, row, 0), c.expert_dtype,
-                  fp8 ? locate(weight_tensor::w13_scale, row / b, 0) : nullptr, b, H,
-                  row_.data());
+      const std::byte* w = locate(weight_tensor::w13, row, 0);
+      if (!f32)
+        dequant_row(w, c.expert_dtype,
+                    fp8 ? locate(weight_tensor::w13_scale, row / b, 0) : nullptr, b, H,
+                    row_.data());
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t pair = pairs_[static_cast<size_t>(p)];
-        const double v = dot(row_.data(), &x_[static_cast<size_t>((pair / K) * H)], H);
+        const float* x = &x_[static_cast<size_t>((pair / K) * H)];
+        const double v = f32 ? dot(as_floats(w), x, H) : dot(row_.data(), x, H);
         if (half == 0) {
           gate_[static_cast<size_t>(pair * I + i)] = v;
         } else {
@@ -493,12 +499,15 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
   // Down: y[pair][h] = w2[h, i0:i1] . act[pair][i0:i1].
   const int64_t len = i1 - i0;
   for (int64_t h = 0; h < H; ++h) {
-    dequant_row(locate(weight_tensor::w2, h, i0), c.expert_dtype,
-                fp8 ? locate(weight_tensor::w2_scale, h / b, i0 / b) : nullptr, b, len,
-                row_.data());
+    const std::byte* w = locate(weight_tensor::w2, h, i0);
+    if (!f32)
+      dequant_row(w, c.expert_dtype,
+                  fp8 ? locate(weight_tensor::w2_scale, h / b, i0 / b) : nullptr, b, len,
+                  row_.data());
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t pair = pairs_[static_cast<size_t>(p)];
-      y_[static_cast<size_t>(pair * H + h)] = dot(row_.data(), &act_[static_cast<size_t>(pair * I + i0)], len);
+      const float* a = &act_[static_cast<size_t>(pair * I + i0)];
+      y_[static_cast<size_t>(pair * H + h)] = f32 ? dot(as_floats(w), a, len) : dot(row_.data(), a, len);
     }
   }
 }
