@@ -24,8 +24,8 @@ namespace {
 // Eight partial sums in double, combined in a fixed order: the same code (and so the same
 // rounding) wherever a row is computed. Products of two floats are exact in double, so a
 // fused multiply-add, where the compiler contracts one, rounds exactly as the plain sum.
-template <class W>
-inline double dot(const W* __restrict w, const float* __restrict x, int64_t n) {
+template <class W, class X>
+inline double dot(const W* __restrict w, const X* __restrict x, int64_t n) {
   double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -36,12 +36,17 @@ inline double dot(const W* __restrict w, const float* __restrict x, int64_t n) {
   return s;
 }
 
-// out = in / sqrt(mean(in^2) + eps) * w, rounded to float.
-inline void rmsnorm(const float* in, const float* w, int64_t n, double eps, float* out) {
+// out = in / sqrt(mean(in^2) + eps) * w, rounded to float (and held as Out: activations
+// that feed many dot products are kept as double, exactly the float they were rounded to,
+// so that the loops convert only the weights).
+template <class Out>
+inline void rmsnorm(const float* in, const float* w, int64_t n, double eps, Out* out) {
   const double inv = 1.0 / std::sqrt(dot(in, in, n) / static_cast<double>(n) + eps);
   for (int64_t i = 0; i < n; ++i)
     out[i] = static_cast<float>(static_cast<double>(in[i]) * inv * static_cast<double>(w[i]));
 }
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
 // rotate_half RoPE of x[0, D) with the position's cos/sin [D/2].
 inline void rope(float* x, const double* cs, const double* sn, int64_t D) {
@@ -109,9 +114,13 @@ void store_kv(std::byte* p, const float* v, int64_t n, dtype t) {
   }
 }
 
-void load_kv(const std::byte* p, float* v, int64_t n, dtype t) {
+void load_kv(const std::byte* p, double* v, int64_t n, dtype t) {
   if (t == dtype::fp32) {
-    std::memcpy(v, p, static_cast<size_t>(4 * n));
+    for (int64_t j = 0; j < n; ++j) {
+      float f;
+      std::memcpy(&f, p + 4 * j, 4);
+      v[j] = f;
+    }
     return;
   }
   for (int64_t j = 0; j < n; ++j) {
@@ -144,6 +153,10 @@ host_runtime::host_runtime(const model_weights& weights, const host_runtime_opti
   pools_.assign(static_cast<size_t>(options.num_ranks),
                 std::vector<std::byte>(static_cast<size_t>(kv_geometry_.pool_bytes())));
   place_experts(weights, options.cursor);
+  for (const auto& l : weights_.layers)
+    dense_.push_back({to_double(l.q_proj), to_double(l.k_proj), to_double(l.v_proj),
+                      to_double(l.o_proj), to_double(l.router)});
+  lm_head_ = to_double(weights_.lm_head);
   for (auto& l : weights_.layers) {  // the arena holds them now
     l.w13 = {};
     l.w2 = {};
@@ -248,14 +261,15 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout,
 
   std::vector<int32_t> next(items.size(), -1);
   if (logits) logits->clear();
-  std::vector<float> hn(static_cast<size_t>(H)), row(static_cast<size_t>(V));
+  std::vector<double> hn(static_cast<size_t>(H));
+  std::vector<float> row(static_cast<size_t>(V));
   for (size_t i = 0; i < items.size(); ++i) {
     if (!items[i].sample) continue;
     const int64_t t = item_first_[i + 1] - 1;
     rmsnorm(&h_[static_cast<size_t>(t * H)], weights_.norm.data(), H, c.rms_eps, hn.data());
     int32_t best = 0;
     for (int64_t v = 0; v < V; ++v) {
-      row[static_cast<size_t>(v)] = static_cast<float>(dot(&weights_.lm_head[static_cast<size_t>(v * H)], hn.data(), H));
+      row[static_cast<size_t>(v)] = static_cast<float>(dot(&lm_head_[static_cast<size_t>(v * H)], hn.data(), H));
       if (row[static_cast<size_t>(v)] > row[static_cast<size_t>(best)]) best = static_cast<int32_t>(v);
     }
     next[i] = best;
@@ -277,6 +291,7 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
                           int64_t kv1) {
   const model_config& c = weights_.config;
   const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
+  const dense_layer& dw = dense_[static_cast<size_t>(layer)];
   const moebius::kv_geometry& g = kv_geometry_;
   const int64_t H = c.hidden, D = c.head_dim, qdim = c.q_dim(), ps = g.page_size;
   const int64_t n = static_cast<int64_t>(item.tokens.size());
@@ -299,18 +314,18 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
   float* kn = kv;  // k_norm in place needs a second row
   grow(qbuf_, 2 * D);
   for (int64_t j = 0; j < n; ++j) {
-    const float* x = &x_[static_cast<size_t>((first + j) * H)];
+    const double* x = &x_[static_cast<size_t>((first + j) * H)];
     const int64_t pos = item.start_position + j;
     const double* cs = &cos_[static_cast<size_t>((first + j) * D / 2)];
     const double* sn = &sin_[static_cast<size_t>((first + j) * D / 2)];
     for (int64_t head = kv0; head < kv1; ++head) {
       for (int64_t d = 0; d < D; ++d)
-        qbuf_[static_cast<size_t>(d)] = static_cast<float>(dot(&lw.k_proj[static_cast<size_t>((head * D + d) * H)], x, H));
+        qbuf_[static_cast<size_t>(d)] = static_cast<float>(dot(&dw.k_proj[static_cast<size_t>((head * D + d) * H)], x, H));
       rmsnorm(qbuf_.data(), lw.k_norm.data(), D, c.rms_eps, kn);
       rope(kn, cs, sn, D);
       store_kv(at(kv_tensor::k, head, pos), kn, D, c.kv_dtype);
       for (int64_t d = 0; d < D; ++d)
-        kv[d] = static_cast<float>(dot(&lw.v_proj[static_cast<size_t>((head * D + d) * H)], x, H));
+        kv[d] = static_cast<float>(dot(&dw.v_proj[static_cast<size_t>((head * D + d) * H)], x, H));
       store_kv(at(kv_tensor::v, head, pos), kv, D, c.kv_dtype);
     }
   }
@@ -330,14 +345,14 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
       load_kv(at(kv_tensor::v, head, pos), &vbuf_[static_cast<size_t>(pos * D)], D, c.kv_dtype);
     }
     for (int64_t j = 0; j < n; ++j) {
-      const float* x = &x_[static_cast<size_t>((first + j) * H)];
+      const double* x = &x_[static_cast<size_t>((first + j) * H)];
       const int64_t pos = item.start_position + j;
       const double* cs = &cos_[static_cast<size_t>((first + j) * D / 2)];
       const double* sn = &sin_[static_cast<size_t>((first + j) * D / 2)];
       for (int64_t hq = hq0; hq < hq1; ++hq) {
         float* q = &qbuf_[static_cast<size_t>(D)];
         for (int64_t d = 0; d < D; ++d)
-          qbuf_[static_cast<size_t>(d)] = static_cast<float>(dot(&lw.q_proj[static_cast<size_t>((hq * D + d) * H)], x, H));
+          qbuf_[static_cast<size_t>(d)] = static_cast<float>(dot(&dw.q_proj[static_cast<size_t>((hq * D + d) * H)], x, H));
         rmsnorm(qbuf_.data(), lw.q_norm.data(), D, c.rms_eps, q);
         rope(q, cs, sn, D);
         double mx = -INFINITY;
@@ -351,10 +366,10 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
         std::fill(accd_.begin(), accd_.begin() + D, 0.0);
         for (int64_t s = 0; s <= pos; ++s) {
           const double p = score_[static_cast<size_t>(s)];
-          const float* v = &vbuf_[static_cast<size_t>(s * D)];
-          for (int64_t d = 0; d < D; ++d) accd_[static_cast<size_t>(d)] += p * static_cast<double>(v[d]);
+          const double* v = &vbuf_[static_cast<size_t>(s * D)];
+          for (int64_t d = 0; d < D; ++d) accd_[static_cast<size_t>(d)] += p * v[d];
         }
-        float* o = &o_[static_cast<size_t>((first + j) * qdim + hq * D)];
+        double* o = &o_[static_cast<size_t>((first + j) * qdim + hq * D)];
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(accd_[static_cast<size_t>(d)] / sum);
       }
     }
@@ -375,12 +390,12 @@ void host_runtime::attention_ep(int64_t layer, const moebius::kv_state& tables,
            c.num_q_heads, 0, c.num_kv_heads);
   }
   // o_proj on the owner over all heads: one sum.
-  const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
+  const dense_layer& dw = dense_[static_cast<size_t>(layer)];
   const int64_t H = c.hidden, qdim = c.q_dim(), T = static_cast<int64_t>(tokens_.size());
   for (int64_t t = 0; t < T; ++t)
     for (int64_t r = 0; r < H; ++r)
       acc_[static_cast<size_t>(t * H + r)] =
-          dot(&lw.o_proj[static_cast<size_t>(r * qdim)], &o_[static_cast<size_t>(t * qdim)], qdim);
+          dot(&dw.o_proj[static_cast<size_t>(r * qdim)], &o_[static_cast<size_t>(t * qdim)], qdim);
 }
 
 void host_runtime::attention_tp(int64_t layer, const moebius::kv_state& tables,
@@ -388,7 +403,7 @@ void host_runtime::attention_tp(int64_t layer, const moebius::kv_state& tables,
   const model_config& c = weights_.config;
   const moebius::kv_geometry& g = kv_geometry_;
   const int P = num_ranks();
-  const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
+  const dense_layer& dw = dense_[static_cast<size_t>(layer)];
   const int64_t H = c.hidden, D = c.head_dim, qdim = c.q_dim(), T = static_cast<int64_t>(tokens_.size());
   std::fill(acc_.begin(), acc_.begin() + T * H, 0.0);
   for (int r = 0; r < P; ++r) {
@@ -407,20 +422,20 @@ void host_runtime::attention_tp(int64_t layer, const moebius::kv_state& tables,
     for (int64_t t = 0; t < T; ++t)
       for (int64_t row = 0; row < H; ++row)
         acc_[static_cast<size_t>(t * H + row)] +=
-            dot(&lw.o_proj[static_cast<size_t>(row * qdim + q0 * D)], &o_[static_cast<size_t>(t * qdim + q0 * D)], len);
+            dot(&dw.o_proj[static_cast<size_t>(row * qdim + q0 * D)], &o_[static_cast<size_t>(t * qdim + q0 * D)], len);
   }
 }
 
 void host_runtime::route(int64_t layer, int64_t T) {
   const model_config& c = weights_.config;
-  const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
+  const dense_layer& dw = dense_[static_cast<size_t>(layer)];
   const int64_t H = c.hidden, E = c.num_experts, K = c.top_k;
   grow(probs_, E);
   for (int64_t t = 0; t < T; ++t) {
-    const float* x = &x_[static_cast<size_t>(t * H)];
+    const double* x = &x_[static_cast<size_t>(t * H)];
     double mx = -INFINITY;
     for (int64_t e = 0; e < E; ++e) {
-      probs_[static_cast<size_t>(e)] = dot(&lw.router[static_cast<size_t>(e * H)], x, H);
+      probs_[static_cast<size_t>(e)] = dot(&dw.router[static_cast<size_t>(e * H)], x, H);
       mx = std::max(mx, probs_[static_cast<size_t>(e)]);
     }
     double sum = 0;
@@ -486,7 +501,7 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
                     row_.data());
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t pair = pairs_[static_cast<size_t>(p)];
-        const float* x = &x_[static_cast<size_t>((pair / K) * H)];
+        const double* x = &x_[static_cast<size_t>((pair / K) * H)];
         const double v = f32 ? dot(as_floats(w), x, H) : dot(row_.data(), x, H);
         if (half == 0) {
           gate_[static_cast<size_t>(pair * I + i)] = v;
@@ -506,7 +521,7 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
                   row_.data());
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t pair = pairs_[static_cast<size_t>(p)];
-      const float* a = &act_[static_cast<size_t>(pair * I + i0)];
+      const double* a = &act_[static_cast<size_t>(pair * I + i0)];
       y_[static_cast<size_t>(pair * H + h)] = f32 ? dot(as_floats(w), a, len) : dot(row_.data(), a, len);
     }
   }

@@ -101,7 +101,15 @@ class host_runtime : public runtime {
   void moe_tp(int64_t layer, int64_t T);
   void add_residual(int64_t T);
 
-  model_weights weights_;  // experts cleared: they live in the arena
+  // The projections as double (exactly the float weights), so the dot products convert
+  // nothing: [Hq*D, H], [Hkv*D, H] x2, [H, Hq*D], [E, H]; and the LM head [V, H].
+  struct dense_layer {
+    std::vector<double> q_proj, k_proj, v_proj, o_proj, router;
+  };
+
+  model_weights weights_;  // experts cleared: they live in the arena; norms used from here
+  std::vector<dense_layer> dense_;
+  std::vector<double> lm_head_;
   moebius::arena_geometry arena_geometry_;
   moebius::kv_geometry kv_geometry_;
   std::vector<std::vector<std::byte>> arenas_;  // [P][total_bytes]
@@ -114,8 +122,8 @@ class host_runtime : public runtime {
   std::vector<int64_t> item_first_;   // [items+1] first batch token of each item
   std::vector<double> cos_, sin_;     // [T, D/2] RoPE of each token's position
   std::vector<float> h_;              // [T, H] residual stream
-  std::vector<float> x_;              // [T, H] normed input of the current block
-  std::vector<float> o_;              // [T, Hq*D] attention output per head
+  std::vector<double> x_;             // [T, H] normed input of the current block (floats)
+  std::vector<double> o_;             // [T, Hq*D] attention output per head (floats)
   std::vector<double> acc_;           // [T, H] block output: all-reduce / combine
   std::vector<int32_t> topk_expert_;  // [T, K]
   std::vector<double> topk_weight_;   // [T, K]
@@ -123,10 +131,10 @@ class host_runtime : public runtime {
   std::vector<int64_t> expert_first_, expert_fill_;  // [E+1] pairs of each expert
   std::vector<int64_t> pairs_;        // [T*K] pair t*K+k, grouped by expert
   std::vector<double> gate_;          // [T*K, I] gate projections
-  std::vector<float> act_;            // [T*K, I] SiLU(gate)*up
+  std::vector<double> act_;           // [T*K, I] SiLU(gate)*up (floats)
   std::vector<double> y_;             // [T*K, H] expert outputs (EP: whole; TP: rank slice)
   std::vector<double> row_;           // a dequantized weight row
-  std::vector<float> kbuf_, vbuf_;    // [positions, D] one head's K and V
+  std::vector<double> kbuf_, vbuf_;   // [positions, D] one head's K and V
   std::vector<float> qbuf_, kvtmp_;   // [2D], [D]
   std::vector<double> score_, accd_;  // [positions], [D]
 };
