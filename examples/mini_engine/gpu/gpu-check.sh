@@ -4,17 +4,18 @@
 #
 #   here:  cmake -S . -B build-carry -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90
 #          cmake --build build-carry --target test_mini_engine_gpu_kernels \
-#                test_mini_engine_gpu_runtime bench_mini_engine_step
+#                test_mini_engine_gpu_runtime test_mini_engine_gpu_model bench_mini_engine_step
 #          mkdir -p .carry/bin .carry/lib
-#          cp build-carry/examples/mini_engine/gpu/{test_mini_engine_gpu_kernels,test_mini_engine_gpu_runtime,bench_mini_engine_step} .carry/bin/
+#          cp build-carry/examples/mini_engine/gpu/{test_mini_engine_gpu_kernels,test_mini_engine_gpu_runtime,test_mini_engine_gpu_model,bench_mini_engine_step} .carry/bin/
 #          cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian .carry/lib/
 #   there: examples/mini_engine/gpu/gpu-check.sh          (carry .carry; OUT is set there)
 #
 # Usage: gpu-check.sh [--bin DIR] [--tests-only | --bench-only]
 #   --bin DIR   where the binaries are (default: .carry/bin, else the build folders)
 # Environment: OUT (results; default ./gpu-check-out), MOEBIUS_BENCH_CONTEXT (1024),
+#   MINI_ENGINE_SIMPLE_ATTENTION=1 (the simple attention kernel in the runtime),
 #   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED.
-# Writes into $OUT (5 files): tests.txt (both test binaries' output), bench_mini_engine_step.json
+# Writes into $OUT (5 files): tests.txt (the three test binaries' output), bench_mini_engine_step.json
 # (Google Benchmark JSON), bench_mini_engine_step.txt (console table + crossover summary),
 # bench_step_summary.jsonl (per batch TP/EP ms and the crossover), nvidia-smi.txt.
 # Exit status: 0 when every test passed (or was skipped) and the benchmark ran.
@@ -51,7 +52,8 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 && nvidia-smi topo -m >> "$OUT/nvidia-sm
 status=0
 if [[ $mode != bench ]]; then
   : > "$OUT/tests.txt"
-  for t in test_mini_engine_gpu_kernels test_mini_engine_gpu_runtime; do
+  for t in test_mini_engine_gpu_kernels test_mini_engine_gpu_runtime test_mini_engine_gpu_model; do
+    [[ -x "$bin/$t" ]] || { echo "=== $t: not built" | tee -a "$OUT/tests.txt"; status=1; continue; }
     echo "=== $t" | tee -a "$OUT/tests.txt"
     start=$(date +%s)
     timeout 240 "$bin/$t" --durations yes 2>&1 | tee -a "$OUT/tests.txt"

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
@@ -143,6 +144,11 @@ struct gpu_runtime::impl {
   };
   std::map<std::pair<int, int64_t>, graph_set> graphs;  // (mode, bucket)
   int64_t captures = 0, replays = 0, eager = 0, reruns = 0;
+  // MINI_ENGINE_SIMPLE_ATTENTION=1: the simple attention kernel (a fallback to compare with).
+  bool simple_attention = [] {
+    const char* v = std::getenv("MINI_ENGINE_SIMPLE_ATTENTION");
+    return v != nullptr && *v == '1';
+  }();
 
   // ---- shape helpers ----------------------------------------------------------------------
   int32_t* in_ids(rank_state& r) const { return r.inputs; }
@@ -514,6 +520,7 @@ struct gpu_runtime::impl {
         pa.layer = li;
         pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
         pa.tok = tok;
+        pa.simple = simple_attention;
         launch_paged_attention(pa, rs.stream);
         launch_convert({rs.attn, dtype::fp32, rs.xd, dd, T * hq * D}, rs.stream);
         linear_args a;  // o_proj: this rank's columns (its heads) of the whole weight

@@ -101,6 +101,11 @@ struct paged_attention_args {
   int64_t layer = 0;
   float scale = 1.0f;
   paged_tokens tok;
+  // The simple kernel (one block per q head, one position per warp step) instead of the GQA
+  // kernel (one block per KV head and its q heads, 16-byte loads, several positions per warp
+  // step). The GQA kernel needs head_dim in {8, 16, 32, 64, 128, 256}; others use the simple
+  // one anyway.
+  bool simple = false;
 };
 void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream);
 

@@ -160,7 +160,7 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
     const int rank = static_cast<int>(uniform(rng, 0, P - 1));
     const bool prefill = uniform(rng, 0, 2) == 0;
     const int64_t layer = uniform(rng, 0, g.num_layers - 1);
-    const int64_t group = int64_t{1} << uniform(rng, 0, 2);
+    const int64_t group = int64_t{1} << uniform(rng, 0, 4);  // up to 16: several GQA chunks
     // Heads this rank sees: EP all, TP its slice.
     const int64_t page_heads = mode == parallel_mode::ep ? g.heads_per_ep_page() : g.heads_per_tp_page();
     const int64_t q_heads = page_heads * group;
@@ -239,7 +239,12 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
     pa.layer = layer;
     pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(g.head_dim)));
     pa.tok = tok;
-    launch_paged_attention(pa, nullptr);
+    launch_paged_attention(pa, nullptr);  // the GQA kernel (D = 40: the simple one)
+    device_buffer dout_simple(tokens * q_heads * g.head_dim * 4);
+    paged_attention_args ps = pa;
+    ps.simple = true;
+    ps.out = dout_simple.as<float>();
+    launch_paged_attention(ps, nullptr);
 
     // Host: append, then attend.
     auto at = [&](int64_t t, int64_t s) {
@@ -291,6 +296,13 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
     INFO("round " << round << " " << g << " mode " << moebius::to_string(mode) << " group " << group
                   << " tokens " << tokens << " real " << real << " prefill " << prefill);
     REQUIRE(mismatches(got, want, 2e-5, 2e-4, "attention") == 0);
+    auto out_simple = download<float>(dout_simple, static_cast<size_t>(tokens * q_heads * g.head_dim));
+    std::vector<float> got_simple;
+    for (int64_t t = 0; t < real; ++t)
+      for (int64_t h = 0; h < q_heads; ++h)
+        for (int64_t d = 0; d < g.head_dim; ++d)
+          got_simple.push_back(out_simple[static_cast<size_t>((t * q_heads + h) * g.head_dim + d)]);
+    REQUIRE(mismatches(got_simple, want, 2e-5, 2e-4, "attention (simple kernel)") == 0);
   }
 }
 
