@@ -89,6 +89,7 @@ void bm_decode(benchmark::State& st, parallel_mode mode, int64_t B) {
   const step_layout layout{&tables, cursor};
   for (int w = 0; w < 3; ++w) s.rt->step(layout, items);  // warm-up (first replay uploads)
   const int64_t replays0 = s.rt->graph_replays(), eager0 = s.rt->eager_steps();
+  const int64_t reruns0 = s.rt->overflow_reruns();
   double total = 0;
   for (auto _ : st) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -108,6 +109,7 @@ void bm_decode(benchmark::State& st, parallel_mode mode, int64_t B) {
   st.counters["graph_replays"] = static_cast<double>(s.rt->graph_replays() - replays0);
   st.counters["eager_steps"] = static_cast<double>(s.rt->eager_steps() - eager0);
   st.counters["captures"] = static_cast<double>(s.rt->captures());
+  st.counters["overflow_reruns"] = static_cast<double>(s.rt->overflow_reruns() - reruns0);
 }
 
 void print_summary() {

@@ -355,6 +355,10 @@ struct gpu_runtime::impl {
       need(l.router, E * H, "router");
       need(l.w13, E * 2 * I * H, "w13");
       need(l.w2, E * H * I, "w2");
+      need(l.input_layernorm, H, "input_layernorm");
+      need(l.post_attention_layernorm, H, "post_attention_layernorm");
+      need(l.q_norm, D, "q_norm");
+      need(l.k_norm, D, "k_norm");
       std::vector<float> qkv(l.q_proj.begin(), l.q_proj.end());
       qkv.insert(qkv.end(), l.k_proj.begin(), l.k_proj.end());
       qkv.insert(qkv.end(), l.v_proj.begin(), l.v_proj.end());
