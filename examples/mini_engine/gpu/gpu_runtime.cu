@@ -763,18 +763,23 @@ struct gpu_runtime::impl {
                                          cudaMemcpyHostToDevice, rs.stream));
     });
     if (gs != nullptr) {
-      std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
+      // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
+      // all ranks running (a copy to pageable memory would block the host on rank 0 first).
       each_rank([&](int r, rank_state& rs) {
         MOEBIUS_CUDA_CHECK(cudaMemsetAsync(rs.moe.overflow, 0, 4, rs.stream));
         MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs->exec[static_cast<size_t>(r)], rs.stream));
-        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(&overflow[static_cast<size_t>(r)], rs.moe.overflow, 4,
-                                           cudaMemcpyDeviceToHost, rs.stream));
       });
-      each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
+      std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
+      each_rank([&](int r, rank_state& rs) {
+        MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
+        MOEBIUS_CUDA_CHECK(cudaMemcpy(&overflow[static_cast<size_t>(r)], rs.moe.overflow, 4,
+                                      cudaMemcpyDeviceToHost));
+      });
       ++replays;
       // Routing beyond the graph's expert capacity on some rank: the step's outputs are
-      // incomplete. Run it again eagerly with the worst-case capacity (it rewrites the same
-      // K/V values into the same slots, so the KV cache is unchanged by the first pass).
+      // incomplete. Run it again eagerly with the worst-case capacity: it writes every
+      // layer's K/V of the step's positions again (the first pass's values after the
+      // overflow were wrong), and reads nothing else the first pass wrote.
       if (std::any_of(overflow.begin(), overflow.end(), [](int32_t f) { return f != 0; })) {
         forward(attn, layout.cursor, T, false);
         ++reruns;
@@ -783,7 +788,7 @@ struct gpu_runtime::impl {
       forward(attn, layout.cursor, T, false);
       ++eager;
     }
-    // Results.
+    // Results (every rank's work is enqueued: waiting on one rank at a time is safe now).
     std::vector<std::vector<int32_t>> next(static_cast<size_t>(P));
     each_rank([&](int r, rank_state& rs) {
       next[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
