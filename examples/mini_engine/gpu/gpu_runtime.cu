@@ -119,8 +119,9 @@ struct rank_state {
   std::byte* gathered = nullptr;   // [G] packed rows
   float* moe_out = nullptr;        // [G, H]
   float* recv = nullptr;           // [P, T, H]
-  float* logits = nullptr;         // [T, V]
-  int32_t* next = nullptr;         // [T]
+  float* logits = nullptr;         // [T, vocab slice]: TP V/P columns of its slice, EP all V
+  int32_t* next = nullptr;         // [T] argmax within the slice
+  float* next_value = nullptr;     // [T] its logit
   // Inputs, one block: ids [T], pos [T], seq [T], num_tokens [1], tables [T][max_pages].
   int32_t* inputs = nullptr;
   int32_t* pinned = nullptr;  // host mirror of `inputs`
@@ -156,6 +157,14 @@ struct gpu_runtime::impl {
   int32_t* in_seq(rank_state& r) const { return r.inputs + 2 * T_max; }
   int32_t* in_num(rank_state& r) const { return r.inputs + 3 * T_max; }
   int32_t* in_tables(rank_state& r) const { return r.inputs + 3 * T_max + 4; }
+
+  // The LM head's vocab slice of rank r: TP splits the vocabulary (when P | V), each rank
+  // computing V/P logits of every token and its best candidate; EP computes all V for its
+  // own tokens.
+  std::pair<int64_t, int64_t> vocab_slice(parallel_mode attn, int r) const {
+    if (attn == parallel_mode::tp && c.vocab % P == 0) return {r * (c.vocab / P), c.vocab / P};
+    return {0, c.vocab};
+  }
 
   int64_t q_heads_local(parallel_mode m) const {
     return m == parallel_mode::ep ? c.num_q_heads : c.num_q_heads / P;
@@ -287,6 +296,7 @@ struct gpu_runtime::impl {
       rs.recv = device_alloc<float>(G * H, rs.owned);
       rs.logits = device_alloc<float>(T_max * c.vocab, rs.owned);
       rs.next = device_alloc<int32_t>(T_max, rs.owned);
+      rs.next_value = device_alloc<float>(T_max, rs.owned);
       rs.input_count = 3 * T_max + 4 + T_max * max_pages;
       rs.inputs = device_alloc<int32_t>(rs.input_count, rs.owned);
       MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned, static_cast<size_t>(rs.input_count) * 4));
@@ -632,22 +642,23 @@ struct gpu_runtime::impl {
         });
       }
     }
-    each_rank([&](int, rank_state& rs) {
+    each_rank([&](int r, rank_state& rs) {
+      const auto [v0, vn] = vocab_slice(attn, r);
       launch_rmsnorm({rs.h, H, rs.xn, H, rs.final_norm, T, H, 1, 0, eps}, rs.stream);
       launch_convert({rs.xn, dtype::fp32, rs.xd, dd, T * H}, rs.stream);
       linear_args a;
       a.x = rs.xd;
       a.ldx = H;
-      a.w = rs.lm_head;
+      a.w = rs.lm_head + v0 * H * ds;
       a.ldw = H;
       a.y = rs.logits;
-      a.ldy = c.vocab;
+      a.ldy = vn;
       a.tokens = T;
-      a.out_features = c.vocab;
+      a.out_features = vn;
       a.in_features = H;
       a.type = dd;
       linear(rs.blas, a, rs.stream);
-      launch_argmax({rs.logits, T, c.vocab, rs.next}, rs.stream);
+      launch_argmax({rs.logits, T, vn, rs.next, rs.next_value}, rs.stream);
     });
   }
 
@@ -790,24 +801,43 @@ struct gpu_runtime::impl {
     }
     // Results (every rank's work is enqueued: waiting on one rank at a time is safe now).
     std::vector<std::vector<int32_t>> next(static_cast<size_t>(P));
+    std::vector<std::vector<float>> next_value(static_cast<size_t>(P));
     each_rank([&](int r, rank_state& rs) {
       next[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
+      next_value[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
       MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next[static_cast<size_t>(r)].data(), rs.next,
+                                         static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost, rs.stream));
+      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next_value[static_cast<size_t>(r)].data(), rs.next_value,
                                          static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost, rs.stream));
     });
     each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
     std::vector<int32_t> out(items.size(), -1);
     if (logits_out != nullptr) logits_out->clear();
+    const bool split_vocab = vocab_slice(attn, 0).second != c.vocab;
     for (size_t i = 0; i < items.size(); ++i) {
       if (!items[i].sample) continue;
-      const auto [r, t] = sample_at[i];
-      out[i] = next[static_cast<size_t>(r)][static_cast<size_t>(t)];
+      const auto [owner, t] = sample_at[i];
+      // TP with a split vocabulary: every rank's candidate for token t; the largest logit
+      // wins, ties to the lower vocab id (slices ascend with the rank).
+      const int first = split_vocab ? 0 : owner, last = split_vocab ? P - 1 : owner;
+      float best = 0.0f;
+      for (int r = first; r <= last; ++r) {
+        const float v = next_value[static_cast<size_t>(r)][static_cast<size_t>(t)];
+        const int32_t id = static_cast<int32_t>(vocab_slice(attn, r).first) + next[static_cast<size_t>(r)][static_cast<size_t>(t)];
+        if (r == first || v > best) {
+          best = v;
+          out[i] = id;
+        }
+      }
       if (logits_out != nullptr) {
-        rank_state& rs = ranks[static_cast<size_t>(r)];
-        set_device(rs);
         std::vector<float> row(static_cast<size_t>(c.vocab));
-        MOEBIUS_CUDA_CHECK(cudaMemcpy(row.data(), rs.logits + t * c.vocab,
-                                      static_cast<size_t>(c.vocab) * 4, cudaMemcpyDeviceToHost));
+        for (int r = first; r <= last; ++r) {
+          rank_state& rs = ranks[static_cast<size_t>(r)];
+          const auto [v0, vn] = vocab_slice(attn, r);
+          set_device(rs);
+          MOEBIUS_CUDA_CHECK(cudaMemcpy(row.data() + v0, rs.logits + t * vn, static_cast<size_t>(vn) * 4,
+                                        cudaMemcpyDeviceToHost));
+        }
         logits_out->push_back(std::move(row));
       }
     }

@@ -22,6 +22,9 @@
 //     TP attention: each rank runs its slice of every expert (or, for an EP layer in a hybrid
 //         state, its whole experts) on every token, then all-reduce.
 //   Expert GEMMs: gemm.hpp (tiles of one expert per batch entry, pointers at fixed addresses).
+//   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
+//   every token and its best candidate (id, logit); the host picks the best of the P
+//   candidates (no collective). EP computes all V logits for its own tokens.
 //
 // CUDA graphs: at construction, for each mode (all-TP: TP tables and cursor L; all-EP: EP
 // tables and cursor 0) and each bucket (default 1, 2, 4, ..., 512 tokens per rank), one decode

@@ -69,6 +69,7 @@ __global__ void argmax_kernel(const __grid_constant__ argmax_args a) {
         best_i = s_i[w];
       }
     a.out[r] = best_i == 0x7fffffff ? 0 : best_i;  // an all-NaN row: 0
+    if (a.out_value != nullptr) a.out_value[r] = best;
   }
 }
 

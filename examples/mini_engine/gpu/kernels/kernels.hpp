@@ -261,12 +261,15 @@ struct embedding_args {
 };
 void launch_embedding(const embedding_args& a, cudaStream_t stream);
 
-// out[t] = index of the largest x[t, :] (lowest index on ties; NaN never wins).
+// out[t] = index of the largest x[t, :] (lowest index on ties; NaN never wins), and
+// out_value[t] = that largest value when out_value is not null (vocab-parallel heads merge
+// the ranks' candidates by value).
 struct argmax_args {
   const float* x = nullptr;  // [rows, cols]
   int64_t rows = 0;
   int64_t cols = 0;
   int32_t* out = nullptr;    // [rows]
+  float* out_value = nullptr;  // [rows] or nullptr
 };
 void launch_argmax(const argmax_args& a, cudaStream_t stream);
 

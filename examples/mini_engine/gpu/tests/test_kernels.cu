@@ -626,12 +626,14 @@ TEST_CASE("convert, embedding, argmax and residual_add match the host", "[gpu][k
         x[static_cast<size_t>(r * cols + a)] = x[static_cast<size_t>(r * cols + b)] = 2.0f;
       }
     auto dxa = to_device(x);
-    device_buffer dam(rows * 4);
-    launch_argmax({dxa.as<float>(), rows, cols, dam.as<int32_t>()}, nullptr);
+    device_buffer dam(rows * 4), damv(rows * 4);
+    launch_argmax({dxa.as<float>(), rows, cols, dam.as<int32_t>(), damv.as<float>()}, nullptr);
     auto am = download<int32_t>(dam, static_cast<size_t>(rows));
+    auto amv = download<float>(damv, static_cast<size_t>(rows));
     for (int64_t r = 0; r < rows; ++r) {
       const auto row = x.begin() + r * cols;
       REQUIRE(am[static_cast<size_t>(r)] == std::max_element(row, row + cols) - row);
+      REQUIRE(amv[static_cast<size_t>(r)] == *std::max_element(row, row + cols));
     }
 
     // residual_add over several parts, in order
