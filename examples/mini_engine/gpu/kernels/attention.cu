@@ -150,7 +150,7 @@ __device__ __forceinline__ void load8(const std::byte* p, moebius::dtype t, floa
 }  // namespace
 
 // One block of 4 warps per (token, page head h_kv) and up to 4 of its q heads (a longer group
-// runs as several blocks along blockIdx.y). A position's K row is split over D/8 lanes ("a
+// runs as several adjacent blocks, "chunks"). A position's K row is split over D/8 lanes ("a
 // lane group", 8 elements each), so a warp takes 32/(D/8) positions per step; every lane
 // group keeps an online softmax per q head over its positions, and the block merges the
 // 4 * 32/(D/8) partial states in shared memory at the end. K and V are read once per group
@@ -160,10 +160,13 @@ __global__ void __launch_bounds__(k_attention_warps * 32, 4)
   extern __shared__ float smem[];
   const moebius::kv_geometry& g = a.geometry;
   const int64_t page_heads = (a.q_heads + a.group - 1) / a.group;
-  const int64_t t = blockIdx.x / page_heads;
-  const int64_t kvh = blockIdx.x % page_heads;
+  const int64_t chunks = ((a.group < a.q_heads ? a.group : a.q_heads) + k_max_group - 1) / k_max_group;
+  // Blocks of one (token, KV head) are adjacent, so the chunks' second reads of K/V hit L2.
+  const int64_t chunk = blockIdx.x % chunks;
+  const int64_t t = blockIdx.x / chunks / page_heads;
+  const int64_t kvh = blockIdx.x / chunks % page_heads;
   if (t >= detail::real_rows(a.tok.num_tokens, a.tok.tokens)) return;
-  const int64_t h0 = kvh * a.group + static_cast<int64_t>(blockIdx.y) * k_max_group;
+  const int64_t h0 = kvh * a.group + chunk * k_max_group;
   const int64_t h_end = min(min((kvh + 1) * a.group, a.q_heads), h0 + k_max_group);
   const int G = static_cast<int>(h_end - h0);
   if (G <= 0) return;
@@ -273,7 +276,7 @@ void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream) 
   const int64_t parts = k_attention_warps * (32 / (D / k_vec));
   const size_t smem = static_cast<size_t>(parts * k_max_group * (2 + D)) * sizeof(float);
   // At most 128 parts * 4 heads * (2 + 8) floats = 20 KiB (D = 8): no opt-in needed.
-  const dim3 grid(static_cast<unsigned>(a.tok.tokens * page_heads), static_cast<unsigned>(chunks));
+  const auto grid = static_cast<unsigned>(a.tok.tokens * page_heads * chunks);
   paged_attention_gqa_kernel<<<grid, k_attention_warps * 32, smem, stream>>>(a);
   check_launch("paged_attention_gqa");
 }
