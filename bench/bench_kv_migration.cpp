@@ -8,7 +8,9 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "kv_bench_common.hpp"
@@ -107,6 +109,55 @@ void BM_kv_host_transport(benchmark::State& state) {
   set_labels(state, c);
 }
 
+// Rounds and ops of the plans the GPU benchmark runs (bench_kv_migration_gpu.cu: same page
+// counts, same states, seed 1 + occupancy), for P = 2, 4, 8. The plan does not depend on the
+// layer count, so one layer keeps it fast. Counters: rounds, ops, compacted, staged, in_place,
+// plan_ms; `refused` = 1 when the capacity check says no.
+//   ./bench_kv_migration --benchmark_filter=BM_kv_gpu_case_plan
+// Args: layout (0 = HND page 16, 1 = NHD page 1), occupancy %, direction, P.
+void BM_kv_gpu_case_plan(benchmark::State& state) {
+  const bool nhd = state.range(0) == 1;
+  const int64_t page = nhd ? 1 : 16;
+  const int P = static_cast<int>(state.range(3));
+  const kv_geometry g = bench::qwen3_kv_geometry(page, bench::gpu_bench_ep_pages(page), P, 1,
+                                                 nhd ? kv_layout::nhd : kv_layout::hnd);
+  const parallel_mode from = state.range(2) == 0 ? parallel_mode::ep : parallel_mode::tp;
+  const parallel_mode to = from == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
+  const kv_state s =
+      bench::random_kv_state(g, from, static_cast<double>(state.range(1)) / 100.0,
+                             1 + static_cast<uint64_t>(state.range(1)));
+  kv_migration_options opt;
+  constexpr int64_t gpu_slots = 64;  // bench_kv_migration_gpu.cu's staging
+  opt.staging = {memory_space::arena, 0,
+                 gpu_slots * std::max(kv_staging_slot_bytes(g, parallel_mode::tp),
+                                      kv_staging_slot_bytes(g, parallel_mode::ep))};
+  const kv_capacity_report rep = check_kv_capacity(g, s, to, opt);
+  kv_migration m;
+  for (auto _ : state) {
+    if (!rep.fits) continue;
+    m = plan_kv_migration(g, s, to, opt);
+    benchmark::DoNotOptimize(m);
+  }
+  state.counters["refused"] = rep.fits ? 0 : 1;
+  state.counters["rounds"] = static_cast<double>(m.stats.rounds);
+  state.counters["ops"] = static_cast<double>(m.copies.num_ops());
+  state.counters["compacted"] = static_cast<double>(m.stats.pages_compacted);
+  state.counters["staged"] = static_cast<double>(m.stats.pages_staged);
+  state.counters["in_place"] = static_cast<double>(m.stats.pages_in_place);
+  state.SetLabel(std::string(nhd ? "NHD ps1 " : "HND ps16 ") +
+                 (state.range(2) == 0 ? "EP->TP" : "TP->EP") +
+                 (rep.fits ? "" : " refused: " + rep.reason.substr(0, 60)));
+}
+
+void kv_gpu_case_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"nhd", "occ", "dir", "P"});
+  for (int64_t P : {2, 4, 8})
+    for (int64_t layout : {0, 1})
+      for (int64_t occ : {25, 50, 90})
+        for (int64_t dir : {0, 1}) b->Args({layout, occ, dir, P});
+  b->Unit(benchmark::kMillisecond)->Iterations(1);
+}
+
 void kv_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"page", "occ", "dir"});
   for (int64_t page : {16, 1})
@@ -117,6 +168,7 @@ void kv_args(benchmark::internal::Benchmark* b) {
 
 }  // namespace
 
+BENCHMARK(BM_kv_gpu_case_plan)->Apply(kv_gpu_case_args);
 BENCHMARK(BM_kv_plan_build)->Apply(kv_args);
 BENCHMARK(BM_kv_host_transport)->Apply(kv_args);
 BENCHMARK_MAIN();

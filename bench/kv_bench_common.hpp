@@ -16,9 +16,17 @@ namespace moebius::bench {
 
 // Qwen3-235B KV per layer: H_kv=4, D=128, bf16, P ranks, `num_ep_pages` per rank.
 inline kv_geometry qwen3_kv_geometry(int64_t page_size, int64_t num_ep_pages, int num_ranks = 8,
-                                     int64_t num_layers = 1) {
+                                     int64_t num_layers = 1, kv_layout layout = kv_layout::hnd) {
   return make_kv_geometry(num_layers, 4, 128, page_size, num_ep_pages, num_ranks, dtype::bf16,
-                          kv_layout::hnd);
+                          layout);
+}
+
+// EP pages per rank of the GPU benchmark's pools (bench_kv_migration_gpu.cu, 94 layers): 16 GiB
+// of page size 16 HND (3 MiB per page over all tensors) and 4 GiB of page size 1 NHD (188 KiB).
+// The plan's shape (rounds, ops) depends on the page count and P, not on the layer count.
+inline int64_t gpu_bench_ep_pages(int64_t page_size) {
+  const kv_geometry g = qwen3_kv_geometry(page_size, 1, 2, 94);
+  return ep_pages_for_bytes(g, (page_size == 1 ? int64_t{4} : int64_t{16}) << 30);
 }
 
 // Sequences of 64..8192 tokens (random) filling `occupancy` of the pool in `mode`, pages

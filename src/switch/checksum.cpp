@@ -83,10 +83,10 @@ uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
   }
   const int64_t eb = dtype_bytes(g.type);
   const int64_t heads = g.heads_per_ep_page();
-  uint64_t sum = 0;
-  // Reads every element of `seq` held by `rank` in mode s.mode; `head0` is the global index of
-  // the rank's first head (TP slice), `num_heads` how many it holds.
-  auto add_sequence = [&](int rank, const kv_sequence& seq, int64_t head0, int64_t num_heads) {
+  // Sum over every element of `seq` held by `rank` in mode s.mode; `head0` is the global index
+  // of the rank's first head (TP slice), `num_heads` how many it holds.
+  auto sequence_sum = [&](int rank, const kv_sequence& seq, int64_t head0, int64_t num_heads) {
+    uint64_t sum = 0;
     const uint64_t seq_key = mix(static_cast<uint64_t>(seq.seq_id) * 0x2545f4914f6cdd1dULL);
     for (int64_t layer = 0; layer < g.num_layers; ++layer) {
       for (int64_t kt = 0; kt < g.kv_tensors(); ++kt) {
@@ -106,19 +106,33 @@ uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
         }
       }
     }
+    return sum;
   };
+  uint64_t sum = 0;
   if (s.mode == parallel_mode::ep) {
     for (int r = 0; r < g.num_ranks; ++r) {
       for (const kv_sequence& seq : s.ranks[static_cast<size_t>(r)].sequences) {
-        add_sequence(r, seq, 0, heads);
+        sum += sequence_sum(r, seq, 0, heads);
       }
     }
   } else {
-    // Slice j lives on ranks [j * replicas, (j + 1) * replicas): read it from the first.
+    // Slice j lives on ranks [j * replicas, (j + 1) * replicas). The first replica counts; each
+    // other one adds twice its difference to the first: 0 when it holds the same K/V. A change
+    // d of one replica moves the sum by 2d (another) or d * (1 - 2 (replicas - 1)), an odd
+    // multiple (the first), so neither cancels out.
+    const int64_t reps = g.tp_replicas();
     for (int64_t j = 0; j < g.tp_pages_per_ep_page(); ++j) {
-      const int r = static_cast<int>(j * g.tp_replicas());
-      for (const kv_sequence& seq : s.ranks[static_cast<size_t>(r)].sequences) {
-        add_sequence(r, seq, j * g.heads_per_tp_page(), g.heads_per_tp_page());
+      const int first = static_cast<int>(j * reps);
+      const auto& seqs = s.ranks[static_cast<size_t>(first)].sequences;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        const int64_t head0 = j * g.heads_per_tp_page();
+        const uint64_t ref = sequence_sum(first, seqs[i], head0, g.heads_per_tp_page());
+        sum += ref;
+        for (int r = first + 1; r < first + reps; ++r) {
+          // TP states hold the same sequences in the same order on every rank (validate()).
+          const kv_sequence& q = s.ranks[static_cast<size_t>(r)].sequences[i];
+          sum += 2 * (sequence_sum(r, q, head0, g.heads_per_tp_page()) - ref);
+        }
       }
     }
   }

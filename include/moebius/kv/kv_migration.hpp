@@ -10,21 +10,24 @@
 // start of the phase (or into staging slots), barrier, then the batch's source pages become
 // free for later rounds. Staged pieces are drained into the pool in later rounds.
 //
-// EP->TP, per head slice ("piece") of each live EP page: HND keeps the owner's own slice in
-//   place (EP page p = TP pages p*split+j; slice tp_slice_of_rank(owner) is already where
-//   the TP view reads it); piece j goes to the ranks holding slice j (one, or P/H_kv
-//   replicas) and, after its round, TP page p*split+j of the owner is free. Pieces of one page
-//   move independently, so two full ranks unblock each other. NHD interleaves heads per
-//   token, so the owner copies its own slice out too and the EP page frees when its last
-//   piece left (a full NHD rank then needs one staging slot).
+// EP->TP, per head slice ("piece") of each live EP page: when slices are contiguous (HND, or
+//   NHD with page_size 1, where a page is [head][dim]) the owner's own slice stays in place (EP
+//   page p = TP pages p*split+j; slice tp_slice_of_rank(owner) is already where the TP view
+//   reads it); piece j goes to the ranks holding slice j (one, or P/H_kv replicas) and, after
+//   its round, TP page p*split+j of the owner is free. Pieces of one page move independently,
+//   so two full ranks unblock each other. NHD with page_size > 1 interleaves heads per token,
+//   so the owner copies its own slice out too and the EP page frees when its last piece left
+//   (a full NHD rank then needs one staging slot).
 //   Incoming pieces take TP pages of wholly free EP pages first, so the owners' freed pieces
 //   stay free and the way back can be in place.
-// TP->EP: each sequence gets an owner (placement); the owner needs an aligned group of split
-//   free TP pages (= one EP page) and gathers every slice into it (from one replica when
-//   H_kv < P). When the owner's own TP piece sits at its slice position in an otherwise free
-//   group (HND), it stays in place. When no owner finds a group, a round compacts: live TP
-//   pages move (locally) out of the least-used groups so whole groups come free.
-//
+// TP->EP: each sequence gets an owner (placement); each page of the owner gets an aligned
+//   group of split TP pages (= one EP page) and gathers every slice into it (from one replica
+//   when H_kv < P). Contiguous slices land piece by piece as the group's TP pages free, so
+//   every free TP page is used in the round it is free; a page whose own piece already sits at
+//   its slice position keeps it there. Pieces that block a destination while spare free pages
+//   idle step aside into them (stats.pages_compacted); staging breaks a cycle of waits.
+//   Interleaved slices need a wholly free group; owners short of groups compact.
+//   Rounds at 90% occupancy, P=2: ~ 8 (pieces to land / free TP pages per rank, plus a tail).
 // Within a phase no destination overlaps another destination or a live source
 // (find_phase_hazard() in plan.hpp checks it), and every byte a phase frees is either read by it or listed
 // in plan_phase::restores (unread TP replicas), so rollback_plan() undoes any prefix of the
@@ -67,7 +70,7 @@ struct kv_migration_stats {
   int64_t pages_moved = 0;     // logical pages migrated (a shared page once, or once/owner)
   int64_t pages_in_place = 0;  // pages whose owner slice stayed where it was
   int64_t pages_staged = 0;    // page pieces that went through staging
-  int64_t pages_compacted = 0; // TP pages moved locally to free an aligned group
+  int64_t pages_compacted = 0; // TP pages moved locally (aside) to free a destination
   int64_t bytes_copied = 0;    // all bytes of all ops
   double imbalance = 0.0;      // TP->EP: placement max/mean load; EP->TP: 1
 };

@@ -22,8 +22,9 @@ uint64_t weight_checksum(const arena_geometry& g, arena_cursor cursor, int64_t l
                          std::span<const std::span<const std::byte>> rank_arenas);
 
 // Checksum of every live sequence's K and V (every layer, token, head and dim), read through
-// the page tables of `s` from the P rank pools. A head replicated on several TP ranks counts
-// once (from its first replica).
+// the page tables of `s` from the P rank pools. A head replicated on several TP ranks (H_kv < P)
+// counts once, and every replica is read: one that differs from the first changes the sum.
+//   H_kv=4, P=8, TP: ranks 0 and 1 both hold head 0; a byte flipped on rank 1 changes it.
 uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
                      std::span<const std::span<const std::byte>> rank_pools);
 
