@@ -8,11 +8,10 @@
 #include "moebius/error.hpp"
 #include "moebius/plan/rollback.hpp"
 #include "moebius/plan/weight_plan.hpp"
+#include "progress.hpp"
 
 namespace moebius {
 namespace {
-
-using clock_type = std::chrono::steady_clock;
 
 double ms_between(clock_type::time_point a, clock_type::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
@@ -31,6 +30,7 @@ const char* to_string(switch_outcome o) {
     case switch_outcome::refused_capacity: return "refused_capacity";
     case switch_outcome::rolled_back: return "rolled_back";
     case switch_outcome::inconsistent: return "inconsistent";
+    case switch_outcome::in_progress: return "in_progress";
   }
   return "unknown";
 }
@@ -107,6 +107,8 @@ switch_report switcher::switch_to(parallel_mode target) {
     std::vector<switch_fault>& faults;
     ~disarm_on_exit() { faults.clear(); }
   } disarm{faults_};
+  MOEBIUS_CHECK(!progress_, errc::invalid_argument,
+                "switch_to: a progressive switch is in progress; finish() or abort() it first");
   const auto t0 = clock_type::now();
   switch_report rep;
   rep.from = mode();

@@ -24,7 +24,9 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,6 +45,7 @@ enum class switch_outcome : uint8_t {
   refused_capacity,   // the target mode cannot hold the live KV: nothing moved
   rolled_back,        // a failure; everything is back as before the call
   inconsistent,       // a failure and a failed undo: see switch_report::error and cursor
+  in_progress,        // a progressive switch has begun and not yet finished
 };
 
 const char* to_string(switch_outcome o);
@@ -108,6 +111,9 @@ class switcher {
   // counts differ from the transport's.
   switcher(const arena_geometry& weights, const kv_geometry& kv, transport& t, kv_state kv_tables,
            arena_cursor cursor, switcher_options options = {});
+  ~switcher();
+  switcher(const switcher&) = delete;
+  switcher& operator=(const switcher&) = delete;
 
   // The runtime selector: the mode the engine must run in now (meaningless once
   // consistent() is false).
@@ -129,6 +135,53 @@ class switcher {
   // False after an `inconsistent` outcome: switch_to() then refuses, moving nothing.
   bool consistent() const { return consistent_; }
 
+  // --- Progressive switch (DESIGN.md §7): a few layers per decode step ---------------------
+  //
+  //   begin(target)    capacity check and plans; moves nothing
+  //   advance(n, s)    enqueues the next n layers (each layer's weights, then that layer's KV
+  //                    rounds) on the caller's streams and returns without waiting
+  //   poll()           true once the last advance finished; the cursor then moves past it
+  //   finish()         advances the rest, waits, commits (tables, selector)
+  //   abort()          waits, then puts every moved layer back: the state of begin()
+  //
+  // While a switch is in progress layer l runs TP when l < cursor() and EP otherwise, with the
+  // page tables of that mode (tables_for()); both sets coexist, one per layer. The tables are
+  // frozen from begin() to finish(): a sequence may fill the tokens its tables already hold
+  // (reserve them before begin()), and new sequences wait for finish(). Layers of an
+  // outstanding advance are in flight: the engine must order its reads and KV writes of those
+  // layers around the copies (the streams it passes to advance()), or advance between steps.
+  // A failure anywhere (an advance, the undo of an abort) follows the failure protocol above:
+  // everything is put back (rolled_back) or the switcher is inconsistent.
+  //
+  // Outcome of begin(): in_progress, or already_there / refused_capacity / inconsistent
+  // (nothing started).
+  switch_report begin(parallel_mode target);
+  bool in_progress() const { return progress_ != nullptr; }
+  // Layers not yet enqueued by advance().
+  int64_t layers_remaining() const;
+  // Enqueues the next min(layers, layers_remaining()) layers; returns how many. `streams`: one
+  // per local rank of the transport, or empty (see transport::enqueue). Throws
+  // errc::invalid_argument when no switch is in progress, an advance is still outstanding
+  // (poll() first), or layers < 1.
+  int64_t advance(int64_t layers, std::span<const stream_handle> streams = {});
+  // True when no advance is outstanding (never blocks). When the outstanding one has just
+  // finished, the cursor moves past its layers; when it failed, the switch is rolled back
+  // (see progress_report()) and in_progress() becomes false.
+  bool poll();
+  // Advances every remaining layer, waits, and commits; or rolls back on failure.
+  switch_report finish();
+  // Waits for an outstanding advance, then undoes every moved layer (last first).
+  switch_report abort();
+  // The report of the switch in progress (or of the last one that ended).
+  const switch_report& progress_report() const { return progress_report_; }
+  // The page tables layers of mode `m` read: during a switch both modes have tables; outside
+  // one only mode() does (errc::invalid_argument otherwise).
+  const kv_state& tables_for(parallel_mode m) const;
+  // The mode layer `layer` runs in now: TP iff layer < cursor().
+  parallel_mode layer_mode(int64_t layer) const {
+    return layer < cursor_.tp_layers ? parallel_mode::tp : parallel_mode::ep;
+  }
+
   // Arms a one-shot fault for one stage of the next switch_to() (tests of the failure
   // protocol); several calls arm several stages; std::nullopt disarms them all.
   void inject_fault(std::optional<switch_fault> fault) {
@@ -144,6 +197,12 @@ class switcher {
 
   kv_migration_options kv_options(arena_cursor weights_at) const;
 
+  // Progressive switch state (src/switch/progressive.cpp).
+  struct progress;
+  void wait_advance();
+  void undo_progress(int64_t layers_done, int64_t partial_phases);
+  switch_report end_progress();
+
   arena_geometry weights_;
   kv_geometry kv_geometry_;
   transport& transport_;
@@ -153,6 +212,8 @@ class switcher {
   std::vector<switch_fault> faults_;
   bool consistent_ = true;
   std::string inconsistency_;
+  std::unique_ptr<progress> progress_;
+  switch_report progress_report_;
 };
 
 }  // namespace moebius

@@ -1,0 +1,142 @@
+#pragma once
+
+// The mini-engine's host runtime: the whole model on P virtual ranks in one process, no GPU
+// (CI and the CPU demo). Per rank an expert arena and a KV pool, both plain host memory that
+// a moebius::host_transport (and so a moebius::switcher) moves between the EP and TP
+// layouts; the runtime reads its experts only from the arena and its K/V only from the pool.
+//
+// Per layer:
+//   attention, in the mode of the KV tables passed to step():
+//     TP: rank r computes its Hq/P query heads and the KV head slice tp_slice_of_rank(r)
+//         (replicated on P/Hkv ranks when Hkv < P), writes that slice into its own TP pages,
+//         and an o_proj partial sum over its heads' columns; all-reduce.
+//     EP: each sequence runs whole (all heads) on its owner rank, over EP pages.
+//   MoE, in the mode of the layer in the arena (layers below the cursor TP, the rest EP):
+//     TP: every rank runs its I/P slice of every routed expert (TP view, slot layer) and sums
+//         its partials over the token's experts; all-reduce.
+//     EP: each token is dispatched to the owners of its top-k experts (EP view, slot
+//         layer+1), computed there, and combined back in top-k order.
+// Norms, router and LM head are computed once per token (every rank would compute the same
+// values). Collectives are simulated exactly: an all-reduce is the sum of the ranks'
+// partials in rank order.
+//
+// Why a switch at any step leaves the greedy tokens unchanged (fp32 bitwise, in practice):
+// every dot product and every cross-rank sum accumulates in double, and values are rounded
+// to float (or to the KV dtype on store) at fixed points that are the same in both modes:
+// after each projection's full sum, after each norm, after RoPE, after each head's
+// attention output, after each expert's SiLU(gate)*up, after each all-reduce/combine, after
+// each residual add. A product of two floats (24-bit significands) is exact in double (53),
+// and so is an fp8 code times its power-of-two scale times a float; the loops that produce
+// a row's dot product are the same code over the same bytes in both modes (a row of q/k/v,
+// of w13 or of the router is whole on whichever rank computes it), so those values are
+// bitwise identical. The only mode-dependent difference is the order of the cross-rank
+// sums (o_proj and the experts' down projection: partial sums per rank, then over ranks,
+// versus one sum), an error of about 1e-16 relative inside double, which changes the float
+// it rounds to only when the exact value lies within that distance of a rounding boundary
+// between two floats (probability ~1e-9 per value). K and V, the router's choice and the
+// attention are then identical bitwise, and the logits are too unless such a near-tie hit.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include <moebius/kv/kv_geometry.hpp>
+#include <moebius/layout/arena_geometry.hpp>
+#include <moebius/memory/rank_memory.hpp>
+
+#include "model_config.hpp"
+#include "step.hpp"
+#include "weights.hpp"
+
+namespace mini_engine {
+
+struct host_runtime_options {
+  int num_ranks = 1;
+  int64_t num_ep_pages = 64;        // KV pages per rank in EP (TP: x tp_pages_per_ep_page)
+  moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
+  int64_t tensor_alignment = 256;   // arena layout (small slots keep host images small)
+  int64_t slot_alignment = 4096;
+};
+
+class host_runtime : public runtime {
+ public:
+  // Validates the weights and the config over options.num_ranks, lays out the arena and the
+  // KV pool, and places the experts at options.cursor. Keeps the non-expert weights; the
+  // experts exist only in the arena from then on.
+  host_runtime(const model_weights& weights, const host_runtime_options& options);
+
+  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
+                            std::vector<std::vector<float>>* logits = nullptr) override;
+
+  // Rank r's arena and KV pool, for a moebius::host_transport.
+  std::vector<moebius::rank_memory> memory();
+  const moebius::arena_geometry& arena() const { return arena_geometry_; }
+  const moebius::kv_geometry& kv() const { return kv_geometry_; }
+  const model_config& config() const { return weights_.config; }
+  int num_ranks() const { return arena_geometry_.num_ranks; }
+
+  // Rewrites every layer's experts where `cursor` puts them (tests; a reload).
+  void place_experts(const model_weights& weights, moebius::arena_cursor cursor);
+
+ private:
+  struct token_ref {
+    int64_t item;
+    int64_t position;
+  };
+  void attention_ep(int64_t layer, const moebius::kv_state& tables,
+                    std::span<const step_item> items);
+  void attention_tp(int64_t layer, const moebius::kv_state& tables,
+                    std::span<const step_item> items);
+  // On `rank` in `mode`: K/V of the item's new tokens for global KV heads [kv0, kv1)
+  // (projection, k_norm, RoPE, store into the rank's pages), then attention of q heads
+  // [q0, q1) over the pages into o_.
+  void attend(int64_t layer, int rank, moebius::parallel_mode mode,
+              const moebius::kv_sequence& seq, int64_t item_index, const step_item& item,
+              int64_t q0, int64_t q1, int64_t kv0, int64_t kv1);
+  void route(int64_t layer, int64_t T);
+  void run_expert(int64_t layer, moebius::parallel_mode mode, int rank, int64_t e, int64_t i0,
+                  int64_t i1);
+  void moe_ep(int64_t layer, int64_t T);
+  void moe_tp(int64_t layer, int64_t T);
+  void add_residual(int64_t T);
+
+  // The projections as double (exactly the float weights), so the dot products convert
+  // nothing: [Hq*D, H], [Hkv*D, H] x2, [H, Hq*D], [E, H]; and the LM head [V, H].
+  struct dense_layer {
+    std::vector<double> q_proj, k_proj, v_proj, o_proj, router;
+  };
+
+  model_weights weights_;  // experts cleared: they live in the arena; norms used from here
+  std::vector<dense_layer> dense_;
+  std::vector<double> lm_head_;
+  moebius::arena_geometry arena_geometry_;
+  moebius::kv_geometry kv_geometry_;
+  std::vector<std::vector<std::byte>> arenas_;  // [P][total_bytes]
+  std::vector<std::vector<std::byte>> pools_;   // [P][pool_bytes]
+  std::vector<double> inv_freq_;                // [D/2] RoPE frequencies
+
+  // Per-step scratch, grown as needed (no allocation inside the loops).
+  std::vector<token_ref> tokens_;     // [T] the batch's new tokens
+  std::vector<int32_t> token_ids_;    // [T]
+  std::vector<int64_t> item_first_;   // [items+1] first batch token of each item
+  std::vector<double> cos_, sin_;     // [T, D/2] RoPE of each token's position
+  std::vector<float> h_;              // [T, H] residual stream
+  std::vector<double> x_;             // [T, H] normed input of the current block (floats)
+  std::vector<double> o_;             // [T, Hq*D] attention output per head (floats)
+  std::vector<double> acc_;           // [T, H] block output: all-reduce / combine
+  std::vector<int32_t> topk_expert_;  // [T, K]
+  std::vector<double> topk_weight_;   // [T, K]
+  std::vector<double> probs_;         // [E]
+  std::vector<int64_t> expert_first_, expert_fill_;  // [E+1] pairs of each expert
+  std::vector<int64_t> pairs_;        // [T*K] pair t*K+k, grouped by expert
+  std::vector<double> gate_;          // [T*K, I] gate projections
+  std::vector<double> act_;           // [T*K, I] SiLU(gate)*up (floats)
+  std::vector<double> y_;             // [T*K, H] expert outputs (EP: whole; TP: rank slice)
+  std::vector<double> row_;           // a dequantized weight row
+  std::vector<double> kbuf_, vbuf_;   // [positions, D] one head's K and V
+  std::vector<float> qbuf_, kvtmp_;   // [2D], [D]
+  std::vector<double> score_, accd_;  // [positions], [D]
+};
+
+}  // namespace mini_engine

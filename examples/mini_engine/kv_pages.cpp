@@ -1,0 +1,126 @@
+#include "kv_pages.hpp"
+
+#include <algorithm>
+#include <utility>
+
+#include <moebius/error.hpp>
+
+namespace mini_engine {
+
+using moebius::errc;
+using moebius::kv_rank_state;
+using moebius::kv_sequence;
+using moebius::parallel_mode;
+
+namespace {
+
+auto seq_lower_bound(std::vector<kv_sequence>& seqs, int64_t seq_id) {
+  return std::lower_bound(seqs.begin(), seqs.end(), seq_id,
+                          [](const kv_sequence& a, int64_t id) { return a.seq_id < id; });
+}
+
+kv_sequence* find_mut(kv_rank_state& r, int64_t seq_id) {
+  auto it = seq_lower_bound(r.sequences, seq_id);
+  return (it != r.sequences.end() && it->seq_id == seq_id) ? &*it : nullptr;
+}
+
+// Grows (or inserts) the sequence on one rank; the caller checked the free pages.
+void grow(kv_rank_state& r, int64_t seq_id, int64_t num_tokens, int64_t page_size) {
+  auto it = seq_lower_bound(r.sequences, seq_id);
+  if (it == r.sequences.end() || it->seq_id != seq_id) {
+    kv_sequence fresh;
+    fresh.seq_id = seq_id;
+    it = r.sequences.insert(it, std::move(fresh));
+  }
+  const int64_t need = moebius::pages_for_tokens(num_tokens, page_size) - it->num_pages();
+  it->pages.insert(it->pages.end(), r.free_pages.begin(), r.free_pages.begin() + need);
+  r.free_pages.erase(r.free_pages.begin(), r.free_pages.begin() + need);
+  it->num_tokens = num_tokens;
+  it->last_page_len = num_tokens - (it->num_pages() - 1) * page_size;
+}
+
+}  // namespace
+
+const kv_sequence* find_sequence(const moebius::kv_state& s, int rank, int64_t seq_id) {
+  return find_mut(const_cast<kv_rank_state&>(s.ranks[static_cast<size_t>(rank)]), seq_id);
+}
+
+int64_t free_pages(const moebius::kv_state& s, int rank) {
+  return static_cast<int64_t>(s.ranks[static_cast<size_t>(rank)].free_pages.size());
+}
+
+int64_t pages_needed(const moebius::kv_geometry& g, parallel_mode, int64_t num_tokens) {
+  // A TP page holds the same tokens as an EP page (fewer heads), so the count is the same in
+  // both modes; TP takes it on every rank.
+  return moebius::pages_for_tokens(num_tokens, g.page_size);
+}
+
+int owner_of(const moebius::kv_state& s, int64_t seq_id) {
+  if (s.mode == parallel_mode::tp) return -1;
+  for (size_t r = 0; r < s.ranks.size(); ++r)
+    if (find_sequence(s, static_cast<int>(r), seq_id)) return static_cast<int>(r);
+  return -1;
+}
+
+void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, int64_t seq_id,
+                    int64_t num_tokens, int owner) {
+  MOEBIUS_CHECK(num_tokens >= 1, errc::invalid_argument, "reserve_tokens: sequence ", seq_id,
+                " needs num_tokens >= 1 (got ", num_tokens, ")");
+  const int P = static_cast<int>(s.ranks.size());
+  std::vector<int> ranks;
+  if (s.mode == parallel_mode::ep) {
+    const int at = owner_of(s, seq_id);
+    if (at >= 0) {
+      ranks.push_back(at);
+    } else {
+      MOEBIUS_CHECK(owner >= 0 && owner < P, errc::invalid_argument, "reserve_tokens: owner ",
+                    owner, " of new sequence ", seq_id, " is not a rank of ", P);
+      ranks.push_back(owner);
+    }
+  } else {
+    for (int r = 0; r < P; ++r) ranks.push_back(r);
+  }
+  // Check every rank first, so that a refusal changes nothing.
+  for (int r : ranks) {
+    const kv_sequence* seq = find_sequence(s, r, seq_id);
+    const int64_t have = seq ? seq->num_tokens : 0;
+    MOEBIUS_CHECK(num_tokens >= have, errc::invalid_argument, "reserve_tokens: sequence ",
+                  seq_id, " holds ", have, " tokens, cannot shrink to ", num_tokens);
+    const int64_t need =
+        pages_needed(g, s.mode, num_tokens) - (seq ? seq->num_pages() : 0);
+    MOEBIUS_CHECK(need <= free_pages(s, r), errc::capacity, "reserve_tokens: sequence ",
+                  seq_id, " needs ", need, " more ", moebius::to_string(s.mode),
+                  " pages on rank ", r, " for ", num_tokens, " tokens; ", free_pages(s, r),
+                  " are free");
+  }
+  for (int r : ranks) grow(s.ranks[static_cast<size_t>(r)], seq_id, num_tokens, g.page_size);
+}
+
+void release_sequence(moebius::kv_state& s, int64_t seq_id) {
+  for (auto& r : s.ranks) {
+    auto it = seq_lower_bound(r.sequences, seq_id);
+    if (it == r.sequences.end() || it->seq_id != seq_id) continue;
+    // Pages shared with other sequences' prefixes stay in use.
+    for (int64_t i = 0; i < it->num_pages(); ++i) {
+      const int64_t page = it->pages[static_cast<size_t>(i)];
+      bool shared = false;
+      if (i < it->shared_prefix_pages)
+        for (const auto& other : r.sequences)
+          if (other.seq_id != seq_id &&
+              std::find(other.pages.begin(), other.pages.begin() + other.shared_prefix_pages,
+                        page) != other.pages.begin() + other.shared_prefix_pages)
+            shared = true;
+      if (!shared)
+        r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), page),
+                            page);
+    }
+    r.sequences.erase(it);
+  }
+}
+
+moebius::kv_state make_empty_kv_state(const moebius::kv_geometry& g, parallel_mode m) {
+  return moebius::make_kv_state(g, m, std::vector<std::vector<kv_sequence>>(
+                                          static_cast<size_t>(g.num_ranks)));
+}
+
+}  // namespace mini_engine

@@ -1,0 +1,123 @@
+#pragma once
+
+// A minimal serving loop for the tests: prefills sequences (in chunks), then decodes them
+// together, growing the page tables with kv_pages before each step. Between steps a hook
+// may switch (or do nothing). Records every sampled token and its logits.
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include <moebius/kv/page_table.hpp>
+
+#include "host_runtime.hpp"
+#include "kv_pages.hpp"
+
+namespace mini_engine::testing {
+
+struct sequence_run {
+  std::vector<int32_t> tokens;             // prompt, then the generated tokens
+  std::vector<int32_t> generated;          // greedy tokens
+  std::vector<std::vector<float>> logits;  // logits of each generated token
+};
+
+// Where the tables and cursor live between steps (the switcher's, or a static copy).
+struct driver_state {
+  std::function<moebius::kv_state&()> tables;
+  std::function<moebius::arena_cursor()> cursor;
+  // Called before every step with the step's index (switch here).
+  std::function<void(int64_t)> before_step = [](int64_t) {};
+};
+
+// Runs prompts (chunked prefill of at most `chunk` tokens per step, one chunk per sequence
+// per step), then `decode_steps` steps decoding every sequence. Sequence i has seq_id
+// 100 + i and EP owner i % P.
+inline std::vector<sequence_run> drive(host_runtime& rt, driver_state& st,
+                                       const std::vector<std::vector<int32_t>>& prompts,
+                                       int64_t chunk, int64_t decode_steps) {
+  std::vector<sequence_run> runs(prompts.size());
+  std::vector<int64_t> done(prompts.size(), 0);  // tokens in the KV cache
+  for (size_t i = 0; i < prompts.size(); ++i) runs[i].tokens = prompts[i];
+  int64_t step_idx = 0;
+  auto run_step = [&](const std::vector<size_t>& which, const std::vector<int64_t>& counts) {
+    st.before_step(step_idx++);
+    std::vector<step_item> items;
+    for (size_t j = 0; j < which.size(); ++j) {
+      const size_t i = which[j];
+      const int64_t n = counts[j];
+      reserve_tokens(rt.kv(), st.tables(), static_cast<int64_t>(100 + i), done[i] + n,
+                     static_cast<int>(i % static_cast<size_t>(rt.num_ranks())));
+      step_item it;
+      it.seq_id = static_cast<int64_t>(100 + i);
+      it.tokens = std::span<const int32_t>(runs[i].tokens).subspan(static_cast<size_t>(done[i]),
+                                                                   static_cast<size_t>(n));
+      it.start_position = done[i];
+      it.sample = done[i] + n == static_cast<int64_t>(runs[i].tokens.size());
+      items.push_back(it);
+    }
+    std::vector<std::vector<float>> logits;
+    const moebius::kv_state& tables = st.tables();
+    const std::vector<int32_t> next =
+        rt.step(step_layout{&tables, st.cursor()}, items, &logits);
+    size_t li = 0;
+    for (size_t j = 0; j < which.size(); ++j) {
+      const size_t i = which[j];
+      done[i] += counts[j];
+      if (items[j].sample) {
+        runs[i].generated.push_back(next[j]);
+        runs[i].logits.push_back(logits[li++]);
+      }
+    }
+    // Append after the step: the spans above point into runs[i].tokens.
+    for (size_t j = 0; j < which.size(); ++j)
+      if (items[j].sample) runs[which[j]].tokens.push_back(next[j]);
+  };
+  // Prefill: every step takes the next chunk of every unfinished prompt.
+  for (;;) {
+    std::vector<size_t> which;
+    std::vector<int64_t> counts;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const int64_t left = static_cast<int64_t>(prompts[i].size()) - done[i];
+      if (left > 0) {
+        which.push_back(i);
+        counts.push_back(std::min(left, chunk));
+      }
+    }
+    if (which.empty()) break;
+    run_step(which, counts);
+  }
+  for (int64_t s = 0; s < decode_steps; ++s) {
+    std::vector<size_t> which;
+    for (size_t i = 0; i < prompts.size(); ++i) which.push_back(i);
+    run_step(which, std::vector<int64_t>(prompts.size(), 1));
+  }
+  return runs;
+}
+
+// A static deployment: tables of `mode` with every page free, cursor 0 (EP) or L (TP).
+struct static_state {
+  moebius::kv_state tables;
+  moebius::arena_cursor cursor;
+  driver_state driver;
+  static_state(const host_runtime& rt, moebius::parallel_mode mode)
+      : tables(make_empty_kv_state(rt.kv(), mode)),
+        cursor{mode == moebius::parallel_mode::tp ? rt.config().num_layers : 0} {
+    driver.tables = [this]() -> moebius::kv_state& { return tables; };
+    driver.cursor = [this] { return cursor; };
+  }
+  static_state(const static_state&) = delete;
+};
+
+inline std::vector<std::vector<int32_t>> random_prompts(std::mt19937_64& rng, int64_t count,
+                                                        int64_t max_len, int64_t vocab) {
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(count));
+  for (auto& p : prompts) {
+    p.resize(static_cast<size_t>(std::uniform_int_distribution<int64_t>(1, max_len)(rng)));
+    for (auto& t : p) t = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, vocab - 1)(rng));
+  }
+  return prompts;
+}
+
+}  // namespace mini_engine::testing

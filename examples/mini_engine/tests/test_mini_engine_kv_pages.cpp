@@ -1,0 +1,117 @@
+// kv_pages: growing and releasing sequences keeps the tables valid; a refusal changes
+// nothing. Checked against a simple model of the pages each rank holds.
+
+#include <cstdint>
+#include <map>
+#include <random>
+
+#include <moebius/error.hpp>
+#include <moebius/kv/page_table.hpp>
+
+#include "catch.hpp"
+#include "kv_pages.hpp"
+
+using namespace mini_engine;
+using moebius::errc;
+using moebius::parallel_mode;
+
+TEST_CASE("kv_pages: the worked example", "[kv_pages]") {
+  const auto g = moebius::make_kv_geometry(1, 2, 4, 4, 8, 2, moebius::dtype::fp32);
+  auto s = make_empty_kv_state(g, parallel_mode::ep);
+  reserve_tokens(g, s, 7, 6, 1);
+  REQUIRE(owner_of(s, 7) == 1);
+  const auto* seq = find_sequence(s, 1, 7);
+  REQUIRE(seq);
+  CHECK(seq->pages == std::vector<int64_t>{0, 1});
+  CHECK(seq->last_page_len == 2);
+  reserve_tokens(g, s, 7, 9, 0);  // stays on rank 1
+  CHECK(owner_of(s, 7) == 1);
+  CHECK(find_sequence(s, 1, 7)->pages == std::vector<int64_t>{0, 1, 2});
+  CHECK(find_sequence(s, 1, 7)->last_page_len == 1);
+  CHECK(free_pages(s, 0) == 8);
+  CHECK(free_pages(s, 1) == 5);
+  release_sequence(s, 7);
+  CHECK(free_pages(s, 1) == 8);
+  CHECK(owner_of(s, 7) == -1);
+  moebius::validate(g, s);
+  CHECK(pages_needed(g, parallel_mode::ep, 9) == 3);
+  CHECK(pages_needed(g, parallel_mode::tp, 9) == 3);
+}
+
+TEST_CASE("kv_pages: random grow/release keeps the state valid; refusals change nothing",
+          "[kv_pages]") {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int P = 1 << (rng() % 3);
+    const int64_t kv_heads = (rng() & 1) ? 1 : 4;
+    const int64_t page_size = 1 + static_cast<int64_t>(rng() % 5);
+    const int64_t pages = 1 + static_cast<int64_t>(rng() % 12);
+    const auto g = moebius::make_kv_geometry(2, kv_heads, 8, page_size, pages, P);
+    const parallel_mode mode = (rng() & 1) ? parallel_mode::tp : parallel_mode::ep;
+    auto s = make_empty_kv_state(g, mode);
+    std::map<int64_t, int64_t> tokens;  // seq -> tokens
+    int refusals = 0;
+    for (int op = 0; op < 200; ++op) {
+      const int64_t seq = static_cast<int64_t>(rng() % 10);
+      if (rng() % 4 == 0) {
+        release_sequence(s, seq);
+        tokens.erase(seq);
+      } else {
+        const int64_t want = tokens[seq] + 1 + static_cast<int64_t>(rng() % (2 * page_size));
+        const int owner = static_cast<int>(rng() % static_cast<uint64_t>(P));
+        const auto before = s;
+        try {
+          reserve_tokens(g, s, seq, want, owner);
+          tokens[seq] = want;
+        } catch (const moebius::error& e) {
+          REQUIRE(e.code() == errc::capacity);
+          REQUIRE(s == before);  // nothing changed
+          ++refusals;
+          if (tokens[seq] == 0) tokens.erase(seq);
+        }
+      }
+      moebius::validate(g, s);
+      // Every tracked sequence holds its tokens, on one owner (EP) or every rank (TP).
+      for (const auto& [id, n] : tokens) {
+        int holders = 0;
+        for (int r = 0; r < P; ++r)
+          if (const auto* q = find_sequence(s, r, id)) {
+            ++holders;
+            REQUIRE(q->num_tokens == n);
+            REQUIRE(q->num_pages() == pages_needed(g, mode, n));
+          }
+        REQUIRE(holders == (mode == parallel_mode::ep ? 1 : P));
+        REQUIRE((owner_of(s, id) >= 0) == (mode == parallel_mode::ep));
+      }
+      int64_t used = 0;
+      for (const auto& [id, n] : tokens) used += pages_needed(g, mode, n);
+      int64_t free_total = 0;
+      for (int r = 0; r < P; ++r) free_total += free_pages(s, r);
+      REQUIRE(free_total + used * (mode == parallel_mode::tp ? P : 1) ==
+              g.num_pages(mode) * P);
+    }
+    CHECK(refusals > 0);
+  }
+}
+
+TEST_CASE("kv_pages: bad arguments throw and change nothing", "[kv_pages]") {
+  const auto g = moebius::make_kv_geometry(1, 2, 4, 4, 8, 2, moebius::dtype::fp32);
+  auto s = make_empty_kv_state(g, parallel_mode::ep);
+  reserve_tokens(g, s, 1, 5, 0);
+  const auto before = s;
+  auto code_of = [&](auto&& f) {
+    try {
+      f();
+    } catch (const moebius::error& e) {
+      return e.code();
+    }
+    return errc::internal;
+  };
+  CHECK(code_of([&] { reserve_tokens(g, s, 1, 3, 0); }) == errc::invalid_argument);  // shrink
+  CHECK(code_of([&] { reserve_tokens(g, s, 2, 0, 0); }) == errc::invalid_argument);
+  CHECK(code_of([&] { reserve_tokens(g, s, 2, 4, 5); }) == errc::invalid_argument);  // owner
+  CHECK(code_of([&] { reserve_tokens(g, s, 2, 33, 1); }) == errc::capacity);
+  CHECK(s == before);
+  release_sequence(s, 99);  // absent: no-op
+  CHECK(s == before);
+}

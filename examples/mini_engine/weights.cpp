@@ -1,0 +1,254 @@
+#include "weights.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include <moebius/error.hpp>
+#include <moebius/layout/weight_view.hpp>
+
+#include "numerics.hpp"
+
+namespace mini_engine {
+
+using moebius::dtype;
+using moebius::errc;
+using moebius::parallel_mode;
+using moebius::weight_tensor;
+
+namespace {
+
+std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
+
+struct tensor_ref {
+  const char* name;
+  std::vector<float>* data;
+  int64_t elements;
+};
+
+// Every tensor of a layer with its expected element count, in generation order.
+std::vector<tensor_ref> layer_tensors(const model_config& c, layer_weights& l) {
+  const int64_t H = c.hidden, E = c.num_experts, I = c.intermediate, D = c.head_dim;
+  std::vector<tensor_ref> t = {
+      {"input_layernorm", &l.input_layernorm, H},
+      {"q_proj", &l.q_proj, c.q_dim() * H},
+      {"k_proj", &l.k_proj, c.kv_dim() * H},
+      {"v_proj", &l.v_proj, c.kv_dim() * H},
+      {"o_proj", &l.o_proj, H * c.q_dim()},
+      {"q_norm", &l.q_norm, D},
+      {"k_norm", &l.k_norm, D},
+      {"post_attention_layernorm", &l.post_attention_layernorm, H},
+      {"router", &l.router, E * H},
+      {"w13", &l.w13, E * 2 * I * H},
+      {"w2", &l.w2, E * H * I},
+  };
+  if (c.fp8_experts()) {
+    const int64_t b = c.fp8_block;
+    t.push_back({"w13_scale", &l.w13_scale, E * (2 * I / b) * (H / b)});
+    t.push_back({"w2_scale", &l.w2_scale, E * (H / b) * (I / b)});
+  }
+  return t;
+}
+
+// The smallest power of two s with amax / s <= 448 (1 for an all-zero block).
+float pow2_scale(float amax) {
+  if (!(amax > 0)) return 1.0f;
+  int e;
+  const double m = std::frexp(static_cast<double>(amax) / fp8_e4m3_max, &e);  // m in [0.5,1)
+  return static_cast<float>(std::ldexp(1.0, m == 0.5 ? e - 1 : e));
+}
+
+// Quantizes one [E, rows, cols] tensor to fp8 blocks of b x b in place; fills `scales`.
+void round_fp8(std::vector<float>& t, std::vector<float>& scales, int64_t E, int64_t rows,
+               int64_t cols, int64_t b) {
+  const int64_t br = rows / b, bc = cols / b;
+  scales.assign(static_cast<size_t>(E * br * bc), 1.0f);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < br; ++i)
+      for (int64_t j = 0; j < bc; ++j) {
+        float amax = 0;
+        for (int64_t r = i * b; r < (i + 1) * b; ++r)
+          for (int64_t q = j * b; q < (j + 1) * b; ++q)
+            amax = std::fmax(amax, std::fabs(t[static_cast<size_t>((e * rows + r) * cols + q)]));
+        const float s = pow2_scale(amax);
+        scales[static_cast<size_t>((e * br + i) * bc + j)] = s;
+        for (int64_t r = i * b; r < (i + 1) * b; ++r)
+          for (int64_t q = j * b; q < (j + 1) * b; ++q) {
+            float& v = t[static_cast<size_t>((e * rows + r) * cols + q)];
+            v = round_fp8_e4m3(v / s) * s;
+          }
+      }
+}
+
+}  // namespace
+
+model_weights make_empty_weights(const model_config& c) {
+  validate(c);
+  model_weights w;
+  w.config = c;
+  w.embed = zeros(c.vocab * c.hidden);
+  w.layers.resize(static_cast<size_t>(c.num_layers));
+  for (auto& l : w.layers)
+    for (auto& t : layer_tensors(c, l)) *t.data = zeros(t.elements);
+  w.norm = zeros(c.hidden);
+  w.lm_head = zeros(c.vocab * c.hidden);
+  return w;
+}
+
+model_weights make_weights(const model_config& c, uint64_t seed) {
+  model_weights w = make_empty_weights(c);
+  splitmix64 rng(seed);
+  auto fill = [&](std::vector<float>& t, double scale) {
+    for (float& v : t) v = static_cast<float>(rng.symmetric() * scale);
+  };
+  auto fill_norm = [&](std::vector<float>& t) {
+    for (float& v : t) v = static_cast<float>(1.0 + 0.1 * rng.symmetric());
+  };
+  const double H = static_cast<double>(c.hidden);
+  fill(w.embed, 1.0);
+  for (auto& l : w.layers) {
+    fill_norm(l.input_layernorm);
+    fill(l.q_proj, std::sqrt(3.0 / H));
+    fill(l.k_proj, std::sqrt(3.0 / H));
+    fill(l.v_proj, std::sqrt(3.0 / H));
+    fill(l.o_proj, std::sqrt(3.0 / static_cast<double>(c.q_dim())));
+    fill_norm(l.q_norm);
+    fill_norm(l.k_norm);
+    fill_norm(l.post_attention_layernorm);
+    fill(l.router, std::sqrt(3.0 / H) * 2.0);
+    fill(l.w13, std::sqrt(3.0 / H));
+    fill(l.w2, std::sqrt(3.0 / static_cast<double>(c.intermediate)));
+  }
+  fill_norm(w.norm);
+  fill(w.lm_head, std::sqrt(3.0 / H) * 2.0);
+  round_experts(w);
+  return w;
+}
+
+void round_experts(model_weights& w) {
+  const model_config& c = w.config;
+  for (auto& l : w.layers) {
+    switch (c.expert_dtype) {
+      case dtype::bf16:
+        for (float& v : l.w13) v = round_bf16(v);
+        for (float& v : l.w2) v = round_bf16(v);
+        break;
+      case dtype::fp8_e4m3:
+        round_fp8(l.w13, l.w13_scale, c.num_experts, 2 * c.intermediate, c.hidden, c.fp8_block);
+        round_fp8(l.w2, l.w2_scale, c.num_experts, c.hidden, c.intermediate, c.fp8_block);
+        break;
+      default: break;
+    }
+  }
+}
+
+void validate(const model_weights& w) {
+  const model_config& c = w.config;
+  validate(c);
+  auto check = [](const std::string& name, const std::vector<float>& t, int64_t n) {
+    MOEBIUS_CHECK(static_cast<int64_t>(t.size()) == n, errc::invalid_argument, "weights: ",
+                  name, " has ", t.size(), " elements, the config needs ", n);
+  };
+  check("embed", w.embed, c.vocab * c.hidden);
+  check("norm", w.norm, c.hidden);
+  check("lm_head", w.lm_head, c.vocab * c.hidden);
+  MOEBIUS_CHECK(static_cast<int64_t>(w.layers.size()) == c.num_layers, errc::invalid_argument,
+                "weights: ", w.layers.size(), " layers, the config needs ", c.num_layers);
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    auto& l = const_cast<layer_weights&>(w.layers[i]);  // layer_tensors only reads here
+    for (auto& t : layer_tensors(c, l))
+      check("layer " + std::to_string(i) + " " + t.name, *t.data, t.elements);
+  }
+}
+
+namespace {
+
+// Writes one [E, rows, cols] float tensor (and its fp8 scales) into the view `Mode`.
+template <parallel_mode Mode>
+void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64_t layer,
+                  weight_tensor t, const std::vector<float>& values,
+                  const std::vector<float>& scales,
+                  std::span<const std::span<std::byte>> arenas) {
+  const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
+  const int64_t base = g.tensor_base(Mode, layer, t);
+  const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
+  const int64_t b = c.fp8_block;
+  const int64_t bc = c.fp8_experts() ? cols / b : 0;
+  const int64_t br = c.fp8_experts() ? rows / b : 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t q = 0; q < cols; ++q) {
+        const float v = values[static_cast<size_t>((e * rows + r) * cols + q)];
+        const moebius::element_location at = view.locate(e, r, q);
+        std::byte* p = arenas[static_cast<size_t>(at.rank)].data() + base +
+                       at.offset * view.tensor.elem_bytes;
+        switch (c.expert_dtype) {
+          case dtype::fp32: std::memcpy(p, &v, 4); break;
+          case dtype::bf16: {
+            const uint16_t u = to_bf16(v);
+            std::memcpy(p, &u, 2);
+            break;
+          }
+          default: {  // fp8: the value is code * scale exactly (round_experts)
+            const float s = scales[static_cast<size_t>((e * br + r / b) * bc + q / b)];
+            const uint8_t u = to_fp8_e4m3(v / s);
+            std::memcpy(p, &u, 1);
+            break;
+          }
+        }
+      }
+}
+
+template <parallel_mode Mode>
+void place_scales(const moebius::arena_geometry& g, int64_t layer, weight_tensor t,
+                  const std::vector<float>& scales,
+                  std::span<const std::span<std::byte>> arenas) {
+  const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
+  const int64_t base = g.tensor_base(Mode, layer, t);
+  const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t q = 0; q < cols; ++q) {
+        const float v = scales[static_cast<size_t>((e * rows + r) * cols + q)];
+        const moebius::element_location at = view.locate(e, r, q);
+        std::memcpy(arenas[static_cast<size_t>(at.rank)].data() + base + at.offset * 4, &v, 4);
+      }
+}
+
+template <parallel_mode Mode>
+void place_layer(const model_weights& w, const moebius::arena_geometry& g, int64_t layer,
+                 std::span<const std::span<std::byte>> arenas) {
+  const layer_weights& l = w.layers[static_cast<size_t>(layer)];
+  place_tensor<Mode>(w.config, g, layer, weight_tensor::w13, l.w13, l.w13_scale, arenas);
+  place_tensor<Mode>(w.config, g, layer, weight_tensor::w2, l.w2, l.w2_scale, arenas);
+  if (w.config.fp8_experts()) {
+    place_scales<Mode>(g, layer, weight_tensor::w13_scale, l.w13_scale, arenas);
+    place_scales<Mode>(g, layer, weight_tensor::w2_scale, l.w2_scale, arenas);
+  }
+}
+
+}  // namespace
+
+void place_layer_experts(const model_weights& w, const moebius::arena_geometry& g,
+                         int64_t layer, parallel_mode mode,
+                         std::span<const std::span<std::byte>> arenas) {
+  MOEBIUS_CHECK(static_cast<int>(arenas.size()) == g.num_ranks, errc::invalid_argument,
+                "place_layer_experts: ", arenas.size(), " arenas for ", g.num_ranks, " ranks");
+  for (const auto& a : arenas)
+    MOEBIUS_CHECK(static_cast<int64_t>(a.size()) >= g.total_bytes(), errc::invalid_argument,
+                  "place_layer_experts: an arena of ", a.size(), " bytes, the geometry needs ",
+                  g.total_bytes());
+  MOEBIUS_CHECK(layer >= 0 && layer < w.config.num_layers, errc::invalid_argument,
+                "place_layer_experts: layer ", layer, " of ", w.config.num_layers);
+  if (mode == parallel_mode::ep) place_layer<parallel_mode::ep>(w, g, layer, arenas);
+  else place_layer<parallel_mode::tp>(w, g, layer, arenas);
+}
+
+void place_experts(const model_weights& w, const moebius::arena_geometry& g,
+                   moebius::arena_cursor cursor, std::span<const std::span<std::byte>> arenas) {
+  moebius::validate(g, cursor);
+  for (int64_t l = 0; l < w.config.num_layers; ++l)
+    place_layer_experts(w, g, l, moebius::arena_geometry::mode_of(cursor, l), arenas);
+}
+
+}  // namespace mini_engine
