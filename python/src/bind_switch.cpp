@@ -94,7 +94,8 @@ void bind_switch(nb::module_& m) {
       .value("already_there", switch_outcome::already_there)
       .value("refused_capacity", switch_outcome::refused_capacity)
       .value("rolled_back", switch_outcome::rolled_back)
-      .value("inconsistent", switch_outcome::inconsistent);
+      .value("inconsistent", switch_outcome::inconsistent)
+      .value("in_progress", switch_outcome::in_progress);
 
   nb::enum_<switch_fault::stage>(m, "SwitchStage", "Stage of a switch (fault injection).")
       .value("weights", switch_fault::stage::weights)
@@ -162,6 +163,63 @@ void bind_switch(nb::module_& m) {
           "'already_there', 'refused_capacity', 'rolled_back', 'inconsistent'), error, cursor,\n"
           "phases and rounds, bytes sent per rank, kv_stats, capacity, *_ms timings, verified,\n"
           "summary (the C++ operator<< text). Failures end in the report, not in an exception.")
+      // Progressive switch: a few layers per decode step.
+      .def(
+          "begin",
+          [](switcher& s, parallel_mode target) {
+            switch_report report;
+            {
+              nb::gil_scoped_release release;
+              report = s.begin(target);
+            }
+            return to_dict(report);
+          },
+          nb::arg("target"),
+          "Starts a progressive switch: capacity check and plans, nothing moves. The report's\n"
+          "outcome is 'in_progress', or 'already_there' / 'refused_capacity' / 'inconsistent'.")
+      .def(
+          "advance",
+          [](switcher& s, int64_t layers, const std::vector<uintptr_t>& streams) {
+            std::vector<stream_handle> handles;
+            for (uintptr_t h : streams) handles.push_back(stream_of_int(h));
+            nb::gil_scoped_release release;
+            return s.advance(layers, handles);
+          },
+          nb::arg("layers"), nb::arg("streams") = std::vector<uintptr_t>{},
+          "Enqueues the next `layers` layers (weights, then that layer's KV) on `streams` (one\n"
+          "cudaStream_t as int per local rank, or empty); returns how many were enqueued.")
+      .def("poll", &switcher::poll, nb::call_guard<nb::gil_scoped_release>(),
+           "True when no advance is outstanding; the cursor then moves past its layers.")
+      .def(
+          "finish",
+          [](switcher& s) {
+            switch_report report;
+            {
+              nb::gil_scoped_release release;
+              report = s.finish();
+            }
+            return to_dict(report);
+          },
+          "Advances every remaining layer, waits and commits (or rolls back); the report.")
+      .def(
+          "abort",
+          [](switcher& s) {
+            switch_report report;
+            {
+              nb::gil_scoped_release release;
+              report = s.abort();
+            }
+            return to_dict(report);
+          },
+          "Waits for an outstanding advance, then puts every moved layer back.")
+      .def_prop_ro("in_progress", &switcher::in_progress)
+      .def_prop_ro("layers_remaining", &switcher::layers_remaining)
+      .def_prop_ro("progress_report",
+                   [](const switcher& s) { return to_dict(s.progress_report()); })
+      .def("tables_for", &switcher::tables_for, nb::arg("mode"),
+           "The page tables layers in `mode` read (both modes during a progressive switch).")
+      .def("layer_mode", &switcher::layer_mode, nb::arg("layer"),
+           "The mode `layer` runs in now: TP iff layer < cursor.")
       .def(
           "inject_fault",
           [](switcher& s, std::optional<switch_fault::stage> stage, int64_t phase, int64_t op) {

@@ -68,6 +68,31 @@ def test_switch_report_and_selector(rng):
     assert back["outcome"] == "committed" and flips == [TP, EP] and sw.cursor == 0
 
 
+def test_progressive_switch(rng):
+    arena, kv, full, ranks, state = deployment(rng)
+    flips = []
+    sw = moebius.Switcher(arena, kv, moebius.HostTransport(ranks), state, on_commit=flips.append)
+    before = logical_kv(kv, state, ranks)
+    assert sw.begin(TP)["outcome"] == "in_progress" and sw.in_progress
+    assert sw.layers_remaining == 2
+    assert sw.advance(1) == 1
+    while not sw.poll():
+        pass
+    assert sw.cursor == 1 and sw.layer_mode(0) == TP and sw.layer_mode(1) == EP
+    for r, mem in enumerate(ranks):  # layer 0 is TP already, layer 1 still EP
+        np.testing.assert_array_equal(raw_view(mem, arena, 0, TP, W13),
+                                      tp_slice(full[0][W13], W13, r, 2))
+        np.testing.assert_array_equal(raw_view(mem, arena, 1, EP, W13),
+                                      ep_slice(full[1][W13], W13, r, 2))
+    report = sw.finish()
+    assert report["outcome"] == "committed" and flips == [TP] and not sw.in_progress
+    for seq_id, data in logical_kv(kv, sw.tables_for(TP), ranks).items():
+        np.testing.assert_array_equal(data, before[seq_id])
+    assert sw.begin(EP)["outcome"] == "in_progress"
+    sw.advance(1)
+    assert sw.abort()["outcome"] == "rolled_back" and sw.mode == TP and sw.cursor == 2
+
+
 @pytest.mark.parametrize("stage", [moebius.SwitchStage.weights, moebius.SwitchStage.kv])
 def test_fault_rolls_back(rng, stage):
     arena, kv, full, ranks, state = deployment(rng)
