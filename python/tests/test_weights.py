@@ -154,3 +154,16 @@ def test_plans_print_compare_and_validate():
     assert shape == moebius.ExpertShape(num_layers=2, num_experts=4, hidden=32, intermediate=16)
     assert geometry == moebius.make_arena_geometry(shape, 2, 256, 4096)
     assert "arena_geometry{" in repr(geometry)
+
+
+def test_pointer_tuples_work_like_arrays(rng):
+    shape = moebius.ExpertShape(num_layers=2, num_experts=4, hidden=32, intermediate=16)
+    geometry, full, ranks, tensors = make_stack(rng, shape, 2)
+    # The same bytes, handed in as (pointer, bytes, device=-1): the caller keeps them alive.
+    backing = [np.from_dlpack(m.weight_view(geometry, 0, EP, W13, raw=True)) for m in ranks]
+    tuples = [moebius.RankMemory((m.arena_ptr, m.arena_bytes, -1)) for m in ranks]
+    assert [t.device for t in tuples] == [-1, -1]
+    moebius.HostTransport(tuples).execute(moebius.plan_weight_switch(geometry, 0, 2))
+    for layer in range(2):
+        check_layer(geometry, full, ranks, tensors, layer, TP)
+    assert len(backing) == 2
