@@ -212,6 +212,23 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout,
       token_ids_.push_back(it.tokens[j]);
     }
   }
+  // Every item's sequence must be in the tables with room for its tokens (EP: on one owner,
+  // TP: on every rank); checked before anything is written, so a refused step changes
+  // nothing.
+  for (const step_item& it : items) {
+    const int64_t end = it.start_position + static_cast<int64_t>(it.tokens.size());
+    int holders = 0;
+    for (int r = 0; r < num_ranks(); ++r) {
+      const moebius::kv_sequence* seq = find_sequence(*layout.tables, r, it.seq_id);
+      if (!seq) continue;
+      ++holders;
+      MOEBIUS_CHECK(seq->num_tokens >= end, errc::invalid_argument, "step: sequence ",
+                    it.seq_id, " holds ", seq->num_tokens, " tokens on rank ", r,
+                    ", the step writes up to position ", end - 1);
+    }
+    MOEBIUS_CHECK(holders >= 1, errc::invalid_argument, "step: sequence ", it.seq_id,
+                  " is not in the ", moebius::to_string(layout.tables->mode), " tables");
+  }
   const int64_t T = static_cast<int64_t>(tokens_.size());
   const int64_t K = c.top_k;
   grow(h_, T * H);

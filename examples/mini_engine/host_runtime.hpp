@@ -66,6 +66,9 @@ class host_runtime : public runtime {
   // experts exist only in the arena from then on.
   host_runtime(const model_weights& weights, const host_runtime_options& options);
 
+  // One forward step (step.hpp). Throws errc::invalid_argument, before writing anything,
+  // when the tables are invalid, the cursor is outside [0, L], a token is outside the vocab,
+  // or an item's sequence is not in the tables with room for its tokens.
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                             std::vector<std::vector<float>>* logits = nullptr) override;
 

@@ -11,6 +11,7 @@
 #include "catch.hpp"
 #include "driver.hpp"
 #include "host_runtime.hpp"
+#include "kv_pages.hpp"
 #include "model_config.hpp"
 #include "reference.hpp"
 #include "weights.hpp"
@@ -140,4 +141,41 @@ TEST_CASE("EP and TP logits agree, also with a hybrid cursor", "[runtime]") {
                       1e-5f * std::max(1.0f, std::fabs(results[0][i].logits[s][v])));
         }
     }
+}
+
+TEST_CASE("a refused step throws and writes nothing", "[runtime]") {
+  const model_weights w = make_weights(tiny(), 3);
+  host_runtime_options o;
+  o.num_ranks = 2;
+  o.num_ep_pages = 8;
+  host_runtime rt(w, o);
+  for (parallel_mode mode : {parallel_mode::ep, parallel_mode::tp}) {
+    static_state st(rt, mode);
+    reserve_tokens(rt.kv(), st.tables, 1, 3, 1);
+    const std::vector<int32_t> four = {1, 2, 3, 4}, bad = {1, 9999};
+    auto snapshot = [&] {
+      std::vector<std::vector<std::byte>> bytes;
+      for (const auto& m : rt.memory())
+        for (const auto& sp : m.spaces) bytes.emplace_back(sp.data(), sp.data() + sp.bytes);
+      return bytes;
+    };
+    const auto before = snapshot();
+    auto refused = [&](step_item it) {
+      try {
+        rt.step(step_layout{&st.tables, st.cursor}, std::span<const step_item>(&it, 1));
+      } catch (const moebius::error& e) {
+        return e.code() == moebius::errc::invalid_argument;
+      }
+      return false;
+    };
+    CHECK(refused(step_item{.seq_id = 1, .tokens = four, .start_position = 0, .sample = true}));
+    CHECK(refused(step_item{.seq_id = 2, .tokens = std::span(four).first(1), .sample = true}));
+    CHECK(refused(step_item{.seq_id = 1, .tokens = bad, .sample = true}));
+    CHECK(refused(step_item{.seq_id = 1, .tokens = {}, .sample = true}));
+    CHECK(snapshot() == before);
+    // The same tables with room: accepted.
+    CHECK(rt.step(step_layout{&st.tables, st.cursor},
+                  std::vector<step_item>{{.seq_id = 1, .tokens = std::span(four).first(3),
+                                          .sample = true}})[0] >= 0);
+  }
 }
