@@ -1,9 +1,8 @@
 #include "kv_pages.hpp"
 
 #include <algorithm>
-#include <utility>
-
 #include <moebius/error.hpp>
+#include <utility>
 
 namespace mini_engine {
 
@@ -84,14 +83,12 @@ void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, int64_t
   for (int r : ranks) {
     const kv_sequence* seq = find_sequence(s, r, seq_id);
     const int64_t have = seq ? seq->num_tokens : 0;
-    MOEBIUS_CHECK(num_tokens >= have, errc::invalid_argument, "reserve_tokens: sequence ",
-                  seq_id, " holds ", have, " tokens, cannot shrink to ", num_tokens);
-    const int64_t need =
-        pages_needed(g, s.mode, num_tokens) - (seq ? seq->num_pages() : 0);
-    MOEBIUS_CHECK(need <= free_pages(s, r), errc::capacity, "reserve_tokens: sequence ",
-                  seq_id, " needs ", need, " more ", moebius::to_string(s.mode),
-                  " pages on rank ", r, " for ", num_tokens, " tokens; ", free_pages(s, r),
-                  " are free");
+    MOEBIUS_CHECK(num_tokens >= have, errc::invalid_argument, "reserve_tokens: sequence ", seq_id,
+                  " holds ", have, " tokens, cannot shrink to ", num_tokens);
+    const int64_t need = pages_needed(g, s.mode, num_tokens) - (seq ? seq->num_pages() : 0);
+    MOEBIUS_CHECK(need <= free_pages(s, r), errc::capacity, "reserve_tokens: sequence ", seq_id,
+                  " needs ", need, " more ", moebius::to_string(s.mode), " pages on rank ", r,
+                  " for ", num_tokens, " tokens; ", free_pages(s, r), " are free");
   }
   for (int r : ranks) grow(s.ranks[static_cast<size_t>(r)], seq_id, num_tokens, g.page_size);
 }
@@ -111,16 +108,15 @@ void release_sequence(moebius::kv_state& s, int64_t seq_id) {
                         page) != other.pages.begin() + other.shared_prefix_pages)
             shared = true;
       if (!shared)
-        r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), page),
-                            page);
+        r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), page), page);
     }
     r.sequences.erase(it);
   }
 }
 
 moebius::kv_state make_empty_kv_state(const moebius::kv_geometry& g, parallel_mode m) {
-  return moebius::make_kv_state(g, m, std::vector<std::vector<kv_sequence>>(
-                                          static_cast<size_t>(g.num_ranks)));
+  return moebius::make_kv_state(
+      g, m, std::vector<std::vector<kv_sequence>>(static_cast<size_t>(g.num_ranks)));
 }
 
 }  // namespace mini_engine

@@ -2,10 +2,9 @@
 
 #include <cmath>
 #include <cstring>
-#include <string>
-
 #include <moebius/error.hpp>
 #include <moebius/layout/weight_view.hpp>
+#include <string>
 
 #include "numerics.hpp"
 
@@ -18,7 +17,9 @@ using moebius::weight_tensor;
 
 namespace {
 
-std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
+std::vector<float> zeros(int64_t n) {
+  return std::vector<float>(static_cast<size_t>(n), 0.0f);
+}
 
 struct tensor_ref {
   const char* name;
@@ -137,7 +138,8 @@ void round_experts(model_weights& w) {
         round_fp8(l.w13, l.w13_scale, c.num_experts, 2 * c.intermediate, c.hidden, c.fp8_block);
         round_fp8(l.w2, l.w2_scale, c.num_experts, c.hidden, c.intermediate, c.fp8_block);
         break;
-      default: break;
+      default:
+        break;
     }
   }
 }
@@ -146,8 +148,8 @@ void validate(const model_weights& w) {
   const model_config& c = w.config;
   validate(c);
   auto check = [](const std::string& name, const std::vector<float>& t, int64_t n) {
-    MOEBIUS_CHECK(static_cast<int64_t>(t.size()) == n, errc::invalid_argument, "weights: ",
-                  name, " has ", t.size(), " elements, the config needs ", n);
+    MOEBIUS_CHECK(static_cast<int64_t>(t.size()) == n, errc::invalid_argument, "weights: ", name,
+                  " has ", t.size(), " elements, the config needs ", n);
   };
   check("embed", w.embed, c.vocab * c.hidden);
   check("norm", w.norm, c.hidden);
@@ -167,8 +169,7 @@ namespace {
 template <parallel_mode Mode>
 void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64_t layer,
                   weight_tensor t, const std::vector<float>& values,
-                  const std::vector<float>& scales,
-                  std::span<const std::span<std::byte>> arenas) {
+                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas) {
   const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
   const int64_t base = g.tensor_base(Mode, layer, t);
   const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
@@ -180,10 +181,12 @@ void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64
       for (int64_t q = 0; q < cols; ++q) {
         const float v = values[static_cast<size_t>((e * rows + r) * cols + q)];
         const moebius::element_location at = view.locate(e, r, q);
-        std::byte* p = arenas[static_cast<size_t>(at.rank)].data() + base +
-                       at.offset * view.tensor.elem_bytes;
+        std::byte* p =
+            arenas[static_cast<size_t>(at.rank)].data() + base + at.offset * view.tensor.elem_bytes;
         switch (c.expert_dtype) {
-          case dtype::fp32: std::memcpy(p, &v, 4); break;
+          case dtype::fp32:
+            std::memcpy(p, &v, 4);
+            break;
           case dtype::bf16: {
             const uint16_t u = to_bf16(v);
             std::memcpy(p, &u, 2);
@@ -201,8 +204,7 @@ void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64
 
 template <parallel_mode Mode>
 void place_scales(const moebius::arena_geometry& g, int64_t layer, weight_tensor t,
-                  const std::vector<float>& scales,
-                  std::span<const std::span<std::byte>> arenas) {
+                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas) {
   const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
   const int64_t base = g.tensor_base(Mode, layer, t);
   const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
@@ -229,9 +231,8 @@ void place_layer(const model_weights& w, const moebius::arena_geometry& g, int64
 
 }  // namespace
 
-void place_layer_experts(const model_weights& w, const moebius::arena_geometry& g,
-                         int64_t layer, parallel_mode mode,
-                         std::span<const std::span<std::byte>> arenas) {
+void place_layer_experts(const model_weights& w, const moebius::arena_geometry& g, int64_t layer,
+                         parallel_mode mode, std::span<const std::span<std::byte>> arenas) {
   MOEBIUS_CHECK(static_cast<int>(arenas.size()) == g.num_ranks, errc::invalid_argument,
                 "place_layer_experts: ", arenas.size(), " arenas for ", g.num_ranks, " ranks");
   for (const auto& a : arenas)
@@ -240,8 +241,10 @@ void place_layer_experts(const model_weights& w, const moebius::arena_geometry& 
                   g.total_bytes());
   MOEBIUS_CHECK(layer >= 0 && layer < w.config.num_layers, errc::invalid_argument,
                 "place_layer_experts: layer ", layer, " of ", w.config.num_layers);
-  if (mode == parallel_mode::ep) place_layer<parallel_mode::ep>(w, g, layer, arenas);
-  else place_layer<parallel_mode::tp>(w, g, layer, arenas);
+  if (mode == parallel_mode::ep)
+    place_layer<parallel_mode::ep>(w, g, layer, arenas);
+  else
+    place_layer<parallel_mode::tp>(w, g, layer, arenas);
 }
 
 void place_experts(const model_weights& w, const moebius::arena_geometry& g,

@@ -95,8 +95,8 @@ TEST_CASE("host runtime matches the float64 reference in EP and TP", "[runtime]"
             REQUIRE(runs[i].generated.size() == 4);
             for (size_t s = 0; s < runs[i].generated.size(); ++s) {
               const size_t len = prompts[i].size() + s;  // tokens seen by that sample
-              const auto ref = reference_logits(
-                  w, std::span<const int32_t>(runs[i].tokens).first(len)).back();
+              const auto ref =
+                  reference_logits(w, std::span<const int32_t>(runs[i].tokens).first(len)).back();
               const double scale = std::max(1.0, max_abs(ref));
               const auto& got = runs[i].logits[s];
               REQUIRE(got.size() == ref.size());
@@ -175,7 +175,7 @@ TEST_CASE("a refused step throws and writes nothing", "[runtime]") {
     CHECK(snapshot() == before);
     // The same tables with room: accepted.
     CHECK(rt.step(step_layout{&st.tables, st.cursor},
-                  std::vector<step_item>{{.seq_id = 1, .tokens = std::span(four).first(3),
-                                          .sample = true}})[0] >= 0);
+                  std::vector<step_item>{
+                      {.seq_id = 1, .tokens = std::span(four).first(3), .sample = true}})[0] >= 0);
   }
 }
