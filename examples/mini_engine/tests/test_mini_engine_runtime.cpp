@@ -120,9 +120,13 @@ TEST_CASE("EP and TP logits agree, also with a hybrid cursor", "[runtime]") {
       const model_weights w = make_weights(c, rng());
       const auto prompts = mini_engine::testing::random_prompts(rng, 4, 7, c.vocab);
       std::vector<std::vector<mini_engine::testing::sequence_run>> results;
-      // EP, TP, and a hybrid: TP attention tables with the experts half TP, half EP.
-      for (int64_t cursor : {int64_t{0}, c.num_layers, c.num_layers / 2}) {
-        const parallel_mode mode = cursor == 0 ? parallel_mode::ep : parallel_mode::tp;
+      // EP, TP, and hybrids: the experts half TP, half EP under TP and under EP attention.
+      const std::pair<int64_t, parallel_mode> layouts[] = {
+          {0, parallel_mode::ep},
+          {c.num_layers, parallel_mode::tp},
+          {c.num_layers / 2, parallel_mode::tp},
+          {(c.num_layers + 1) / 2, parallel_mode::ep}};
+      for (const auto& [cursor, mode] : layouts) {
         host_runtime_options o;
         o.num_ranks = P;
         o.cursor = moebius::arena_cursor{cursor};
