@@ -13,14 +13,10 @@ using moebius::parallel_mode;
 
 namespace {
 
-auto seq_lower_bound(std::vector<kv_sequence>& seqs, int64_t seq_id) {
+template <class Sequences>  // const or mutable
+auto seq_lower_bound(Sequences& seqs, int64_t seq_id) {
   return std::lower_bound(seqs.begin(), seqs.end(), seq_id,
                           [](const kv_sequence& a, int64_t id) { return a.seq_id < id; });
-}
-
-kv_sequence* find_mut(kv_rank_state& r, int64_t seq_id) {
-  auto it = seq_lower_bound(r.sequences, seq_id);
-  return (it != r.sequences.end() && it->seq_id == seq_id) ? &*it : nullptr;
 }
 
 // Grows (or inserts) the sequence on one rank; the caller checked the free pages.
@@ -41,7 +37,9 @@ void grow(kv_rank_state& r, int64_t seq_id, int64_t num_tokens, int64_t page_siz
 }  // namespace
 
 const kv_sequence* find_sequence(const moebius::kv_state& s, int rank, int64_t seq_id) {
-  return find_mut(const_cast<kv_rank_state&>(s.ranks[static_cast<size_t>(rank)]), seq_id);
+  const auto& seqs = s.ranks[static_cast<size_t>(rank)].sequences;
+  const auto it = seq_lower_bound(seqs, seq_id);
+  return (it != seqs.end() && it->seq_id == seq_id) ? &*it : nullptr;
 }
 
 int64_t free_pages(const moebius::kv_state& s, int rank) {

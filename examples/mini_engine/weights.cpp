@@ -23,30 +23,30 @@ std::vector<float> zeros(int64_t n) {
 
 struct tensor_ref {
   const char* name;
-  std::vector<float>* data;
+  std::vector<float> layer_weights::*member;
   int64_t elements;
 };
 
 // Every tensor of a layer with its expected element count, in generation order.
-std::vector<tensor_ref> layer_tensors(const model_config& c, layer_weights& l) {
+std::vector<tensor_ref> layer_tensors(const model_config& c) {
   const int64_t H = c.hidden, E = c.num_experts, I = c.intermediate, D = c.head_dim;
   std::vector<tensor_ref> t = {
-      {"input_layernorm", &l.input_layernorm, H},
-      {"q_proj", &l.q_proj, c.q_dim() * H},
-      {"k_proj", &l.k_proj, c.kv_dim() * H},
-      {"v_proj", &l.v_proj, c.kv_dim() * H},
-      {"o_proj", &l.o_proj, H * c.q_dim()},
-      {"q_norm", &l.q_norm, D},
-      {"k_norm", &l.k_norm, D},
-      {"post_attention_layernorm", &l.post_attention_layernorm, H},
-      {"router", &l.router, E * H},
-      {"w13", &l.w13, E * 2 * I * H},
-      {"w2", &l.w2, E * H * I},
+      {"input_layernorm", &layer_weights::input_layernorm, H},
+      {"q_proj", &layer_weights::q_proj, c.q_dim() * H},
+      {"k_proj", &layer_weights::k_proj, c.kv_dim() * H},
+      {"v_proj", &layer_weights::v_proj, c.kv_dim() * H},
+      {"o_proj", &layer_weights::o_proj, H * c.q_dim()},
+      {"q_norm", &layer_weights::q_norm, D},
+      {"k_norm", &layer_weights::k_norm, D},
+      {"post_attention_layernorm", &layer_weights::post_attention_layernorm, H},
+      {"router", &layer_weights::router, E * H},
+      {"w13", &layer_weights::w13, E * 2 * I * H},
+      {"w2", &layer_weights::w2, E * H * I},
   };
   if (c.fp8_experts()) {
     const int64_t b = c.fp8_block;
-    t.push_back({"w13_scale", &l.w13_scale, E * (2 * I / b) * (H / b)});
-    t.push_back({"w2_scale", &l.w2_scale, E * (H / b) * (I / b)});
+    t.push_back({"w13_scale", &layer_weights::w13_scale, E * (2 * I / b) * (H / b)});
+    t.push_back({"w2_scale", &layer_weights::w2_scale, E * (H / b) * (I / b)});
   }
   return t;
 }
@@ -90,7 +90,7 @@ model_weights make_empty_weights(const model_config& c) {
   w.embed = zeros(c.vocab * c.hidden);
   w.layers.resize(static_cast<size_t>(c.num_layers));
   for (auto& l : w.layers)
-    for (auto& t : layer_tensors(c, l)) *t.data = zeros(t.elements);
+    for (const tensor_ref& t : layer_tensors(c)) l.*t.member = zeros(t.elements);
   w.norm = zeros(c.hidden);
   w.lm_head = zeros(c.vocab * c.hidden);
   return w;
@@ -157,9 +157,8 @@ void validate(const model_weights& w) {
   MOEBIUS_CHECK(static_cast<int64_t>(w.layers.size()) == c.num_layers, errc::invalid_argument,
                 "weights: ", w.layers.size(), " layers, the config needs ", c.num_layers);
   for (size_t i = 0; i < w.layers.size(); ++i) {
-    auto& l = const_cast<layer_weights&>(w.layers[i]);  // layer_tensors only reads here
-    for (auto& t : layer_tensors(c, l))
-      check("layer " + std::to_string(i) + " " + t.name, *t.data, t.elements);
+    for (const tensor_ref& t : layer_tensors(c))
+      check("layer " + std::to_string(i) + " " + t.name, w.layers[i].*t.member, t.elements);
   }
 }
 
