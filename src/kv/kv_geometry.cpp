@@ -3,6 +3,7 @@
 #include <ostream>
 
 #include "moebius/detail/checked_math.hpp"
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -21,7 +22,8 @@ void validate(const kv_geometry& g) {
                 "kv_geometry needs num_ep_pages >= 0 (num_ep_pages=", g.num_ep_pages, ")");
   MOEBIUS_CHECK(g.num_ranks >= 1, errc::invalid_argument,
                 "kv_geometry needs num_ranks >= 1 (num_ranks=", g.num_ranks, ")");
-  MOEBIUS_CHECK(dtype_bytes(g.type) >= 1, errc::invalid_argument, "kv_geometry has an unknown dtype");
+  detail::check_enum(g.type, "kv_geometry type (dtype)");
+  detail::check_enum(g.layout, "kv_geometry layout (kv_layout)");
   if (!g.latent()) {
     if (g.num_kv_heads >= g.num_ranks) {
       MOEBIUS_CHECK(g.num_kv_heads % g.num_ranks == 0, errc::invalid_argument,
