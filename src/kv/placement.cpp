@@ -50,18 +50,28 @@ void sort_items(std::vector<item>& items) {
   const auto range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
   const int range_bits = static_cast<int>(std::bit_width(range));
   const int page_bits = static_cast<int>(std::bit_width(static_cast<uint64_t>(max_pages)));
-  if (range >= 8 * static_cast<uint64_t>(items.size()) + 64 || range_bits + page_bits > 64) {
+  auto comparator_sort = [&] {
     std::sort(items.begin(), items.end(), [](const item& a, const item& b) {
       return a.pages != b.pages ? a.pages > b.pages : a.min_seq < b.min_seq;
     });
+  };
+  if (range >= 8 * static_cast<uint64_t>(items.size()) + 64 || range_bits + page_bits > 64) {
+    comparator_sort();
     return;
   }
   const size_t n = items.size();
   std::vector<uint64_t> keys(n), tmp(n);
-  std::vector<uint32_t> slot_of(static_cast<size_t>(range) + 1);
+  constexpr uint32_t no_item = ~uint32_t{0};
+  std::vector<uint32_t> slot_of(static_cast<size_t>(range) + 1, no_item);
   for (size_t i = 0; i < n; ++i) {
     const auto off = static_cast<uint64_t>(items[i].min_seq) - static_cast<uint64_t>(lo);
     keys[i] = (static_cast<uint64_t>(max_pages - items[i].pages) << range_bits) | off;
+    // The key names its item through the seq id: two items with one id (the caller's ids
+    // repeat) would collapse into one, and the other would never be placed.
+    if (slot_of[static_cast<size_t>(off)] != no_item) {
+      comparator_sort();
+      return;
+    }
     slot_of[static_cast<size_t>(off)] = static_cast<uint32_t>(i);
   }
   for (int shift = 0; shift < range_bits + page_bits; shift += 8) {

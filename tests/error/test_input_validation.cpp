@@ -530,3 +530,25 @@ TEST_CASE("placement refuses negative capacity and counts; extreme counts never 
 }
 
 }  // namespace
+
+namespace {
+
+// Found by fuzz/fuzz_placement: repeated seq ids made the radix sort's key -> item map
+// collapse items, so some demands were never placed while `fits` still said true.
+TEST_CASE("placement with repeated seq ids places every demand (fuzz regression)") {
+  std::vector<moebius::kv_demand> demands(32, moebius::kv_demand{0, 0, -1});
+  for (size_t i = 0; i < demands.size(); i += 3) demands[i].own_pages = 2;
+  const int64_t capacity[] = {int64_t{584393728697827327}, 25, 0, 0, 0, 0, 0};
+  const moebius::kv_placement p = moebius::place_longest_first(demands, {}, capacity);
+  CHECK(p.fits);
+  int64_t load0 = 0, load1 = 0;
+  for (size_t i = 0; i < demands.size(); ++i) {
+    INFO("demand " << i);
+    REQUIRE(p.owner[i] >= 0);
+    (p.owner[i] == 0 ? load0 : load1) += demands[i].own_pages;
+  }
+  CHECK(load0 == p.load[0]);
+  CHECK(load1 == p.load[1]);
+}
+
+}  // namespace
