@@ -25,10 +25,12 @@ class input {
     size_ -= n;
     return v;
   }
-  // A value in [lo, hi] (hi - lo < 2^32).
+  // A value in [lo, hi] (lo when hi < lo), spread over at most 2^32 values.
   int64_t range(int64_t lo, int64_t hi) {
-    const uint64_t span = static_cast<uint64_t>(hi - lo) + 1;
-    return lo + static_cast<int64_t>(raw<uint32_t>() % span);
+    if (hi <= lo) return lo;
+    const uint64_t span = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) + 1;  // 0: all
+    const uint64_t r = raw<uint32_t>();
+    return static_cast<int64_t>(static_cast<uint64_t>(lo) + (span == 0 ? r : r % span));
   }
   // Usually in [lo, hi]; one time in eight any int64.
   int64_t mostly(int64_t lo, int64_t hi) {

@@ -51,6 +51,8 @@ void validate(const expert_shape& s, int P) {
                   "each TP slice I/P must be whole scale blocks (I/P=", I / P, ", block_n=", bn,
                   ", block_k=", bk, ", P=", P, ")");
   }
+  // geometry_of() below computes w13's 2I rows unchecked.
+  detail::checked_mul(2, s.intermediate, "w13 rows (2I)");
   // Every byte count of one rank's arena must fit in 64 bits: the whole logical stack is the
   // largest such number (P ranks' arenas together), so checking it covers them all.
   int64_t layer_bytes = 0;

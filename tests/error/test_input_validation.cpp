@@ -552,3 +552,17 @@ TEST_CASE("placement with repeated seq ids places every demand (fuzz regression)
 }
 
 }  // namespace
+
+namespace {
+
+// Found by fuzz/fuzz_weight_plan: validate(expert_shape) computed w13's 2I rows (signed
+// overflow, undefined behaviour) before checking any byte count.
+TEST_CASE("an intermediate size whose 2I overflows is refused before anything computes it (fuzz regression)") {
+  moebius::expert_shape s = moebius::testing::small_shape();
+  s.intermediate = int64_t{4702111237672473088};
+  s.num_experts = 1;
+  REQUIRE_MOEBIUS_ERROR(validate(s, 1), moebius::errc::overflow, "w13 rows (2I)");
+  REQUIRE_MOEBIUS_ERROR(moebius::make_arena_geometry(s, 1), moebius::errc::overflow, "2I");
+}
+
+}  // namespace
