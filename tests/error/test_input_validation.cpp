@@ -566,3 +566,34 @@ TEST_CASE("an intermediate size whose 2I overflows is refused before anything co
 }
 
 }  // namespace
+
+namespace {
+
+// Found by fuzz/fuzz_kv: validate(kv_geometry) multiplied L by 2 (K and V) unchecked.
+TEST_CASE("a KV layer count whose L x 2 tensors overflows is refused (fuzz regression)") {
+  moebius::kv_geometry g = moebius::testing::small_kv();
+  g.num_layers = int64_t{6925117155258272263};
+  REQUIRE_MOEBIUS_ERROR(validate(g), moebius::errc::overflow, "KV tensors (L x K|V)");
+  g.num_ep_pages = 0;  // an empty pool does not excuse it
+  REQUIRE_MOEBIUS_ERROR(validate(g), moebius::errc::overflow, "KV tensors (L x K|V)");
+}
+
+}  // namespace
+
+namespace {
+
+// Found by fuzz/fuzz_kv: a geometry with 0 pages passed validate() although one page over
+// all its tensors (a staging slot) overflowed; the KV planner then computed it.
+TEST_CASE("a KV page over all tensors must fit in 64 bits even in an empty pool (fuzz regression)") {
+  moebius::kv_geometry g = moebius::testing::small_kv();
+  g.num_ep_pages = 0;
+  g.head_dim = int64_t{1} << 50;  // page 2^50 * 4 tokens * 2 heads * 2 B = 2^54, x 4 tensors
+  g.num_layers = 64;              // x 128 tensors = 2^61 ... x 2^4 more overflows
+  g.page_size = 64;
+  REQUIRE_MOEBIUS_ERROR(validate(g), moebius::errc::overflow, "KV page bytes");
+  const moebius::kv_state s{moebius::parallel_mode::ep, {{}, {}}};
+  REQUIRE_MOEBIUS_ERROR(plan_kv_migration(g, s, moebius::parallel_mode::tp),
+                        moebius::errc::overflow, "KV page bytes");
+}
+
+}  // namespace
