@@ -3,7 +3,6 @@
 #include <array>
 #include <cmath>
 #include <cstring>
-
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
 #include <moebius/layout/weight_view.hpp>
@@ -46,7 +45,9 @@ inline void rmsnorm(const float* in, const float* w, int64_t n, double eps, Out*
     out[i] = static_cast<float>(static_cast<double>(in[i]) * inv * static_cast<double>(w[i]));
 }
 
-std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+std::vector<double> to_double(const std::vector<float>& v) {
+  return {v.begin(), v.end()};
+}
 
 // rotate_half RoPE of x[0, D) with the position's cos/sin [D/2].
 inline void rope(float* x, const double* cs, const double* sn, int64_t D) {
@@ -61,7 +62,8 @@ inline void rope(float* x, const double* cs, const double* sn, int64_t D) {
 const std::array<float, 256>& fp8_table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) t[static_cast<size_t>(i)] = from_fp8_e4m3(static_cast<uint8_t>(i));
+    for (int i = 0; i < 256; ++i)
+      t[static_cast<size_t>(i)] = from_fp8_e4m3(static_cast<uint8_t>(i));
     return t;
   }();
   return table;
@@ -101,7 +103,9 @@ void dequant_row(const std::byte* p, dtype t, const std::byte* scales, int64_t b
 
 // fp32 expert rows are read in place: the arena is new[]-allocated (max-aligned) and every
 // tensor offset is a multiple of 4 bytes (its alignment and element size).
-inline const float* as_floats(const std::byte* p) { return reinterpret_cast<const float*>(p); }
+inline const float* as_floats(const std::byte* p) {
+  return reinterpret_cast<const float*>(p);
+}
 
 void store_kv(std::byte* p, const float* v, int64_t n, dtype t) {
   if (t == dtype::fp32) {
@@ -145,8 +149,7 @@ host_runtime::host_runtime(const model_weights& weights, const host_runtime_opti
   MOEBIUS_CHECK(options.num_ep_pages >= 1, errc::invalid_argument,
                 "host_runtime: num_ep_pages must be >= 1 (got ", options.num_ep_pages, ")");
   arena_geometry_ = moebius::make_arena_geometry(expert_shape_of(c), options.num_ranks,
-                                                 options.tensor_alignment,
-                                                 options.slot_alignment);
+                                                 options.tensor_alignment, options.slot_alignment);
   kv_geometry_ = kv_geometry_of(c, options.num_ranks, options.num_ep_pages);
   arenas_.assign(static_cast<size_t>(options.num_ranks),
                  std::vector<std::byte>(static_cast<size_t>(arena_geometry_.total_bytes())));
@@ -183,12 +186,12 @@ void host_runtime::place_experts(const model_weights& weights, moebius::arena_cu
 
 std::vector<moebius::rank_memory> host_runtime::memory() {
   std::vector<moebius::rank_memory> m;
-  for (size_t r = 0; r < arenas_.size(); ++r) m.push_back(moebius::rank_memory::host(arenas_[r], pools_[r]));
+  for (size_t r = 0; r < arenas_.size(); ++r)
+    m.push_back(moebius::rank_memory::host(arenas_[r], pools_[r]));
   return m;
 }
 
-std::vector<int32_t> host_runtime::step(const step_layout& layout,
-                                        std::span<const step_item> items,
+std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<const step_item> items,
                                         std::vector<std::vector<float>>* logits) {
   const model_config& c = weights_.config;
   MOEBIUS_CHECK(layout.tables != nullptr, errc::invalid_argument, "step: no KV tables");
@@ -212,6 +215,23 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout,
       token_ids_.push_back(it.tokens[j]);
     }
   }
+  // Every item's sequence must be in the tables with room for its tokens (EP: on one owner,
+  // TP: on every rank); checked before anything is written, so a refused step changes
+  // nothing.
+  for (const step_item& it : items) {
+    const int64_t end = it.start_position + static_cast<int64_t>(it.tokens.size());
+    int holders = 0;
+    for (int r = 0; r < num_ranks(); ++r) {
+      const moebius::kv_sequence* seq = find_sequence(*layout.tables, r, it.seq_id);
+      if (!seq) continue;
+      ++holders;
+      MOEBIUS_CHECK(seq->num_tokens >= end, errc::invalid_argument, "step: sequence ", it.seq_id,
+                    " holds ", seq->num_tokens, " tokens on rank ", r,
+                    ", the step writes up to position ", end - 1);
+    }
+    MOEBIUS_CHECK(holders >= 1, errc::invalid_argument, "step: sequence ", it.seq_id,
+                  " is not in the ", moebius::to_string(layout.tables->mode), " tables");
+  }
   const int64_t T = static_cast<int64_t>(tokens_.size());
   const int64_t K = c.top_k;
   grow(h_, T * H);
@@ -227,7 +247,8 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout,
   grow(cos_, T * D / 2);
   grow(sin_, T * D / 2);
   for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(&h_[static_cast<size_t>(t * H)], &weights_.embed[static_cast<size_t>(token_ids_[static_cast<size_t>(t)] * H)],
+    std::memcpy(&h_[static_cast<size_t>(t * H)],
+                &weights_.embed[static_cast<size_t>(token_ids_[static_cast<size_t>(t)] * H)],
                 static_cast<size_t>(H) * sizeof(float));
     const double pos = static_cast<double>(tokens_[static_cast<size_t>(t)].position);
     for (int64_t i = 0; i < D / 2; ++i) {
@@ -245,17 +266,22 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout,
   for (int64_t layer = 0; layer < c.num_layers; ++layer) {
     const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
     for (int64_t t = 0; t < T; ++t)
-      rmsnorm(&h_[static_cast<size_t>(t * H)], lw.input_layernorm.data(), H, c.rms_eps, &x_[static_cast<size_t>(t * H)]);
-    if (layout.tables->mode == parallel_mode::tp) attention_tp(layer, *layout.tables, items);
-    else attention_ep(layer, *layout.tables, items);
+      rmsnorm(&h_[static_cast<size_t>(t * H)], lw.input_layernorm.data(), H, c.rms_eps,
+              &x_[static_cast<size_t>(t * H)]);
+    if (layout.tables->mode == parallel_mode::tp)
+      attention_tp(layer, *layout.tables, items);
+    else
+      attention_ep(layer, *layout.tables, items);
     add_residual(T);
 
     for (int64_t t = 0; t < T; ++t)
       rmsnorm(&h_[static_cast<size_t>(t * H)], lw.post_attention_layernorm.data(), H, c.rms_eps,
               &x_[static_cast<size_t>(t * H)]);
     route(layer, T);
-    if (moebius::arena_geometry::mode_of(layout.cursor, layer) == parallel_mode::tp) moe_tp(layer, T);
-    else moe_ep(layer, T);
+    if (moebius::arena_geometry::mode_of(layout.cursor, layer) == parallel_mode::tp)
+      moe_tp(layer, T);
+    else
+      moe_ep(layer, T);
     add_residual(T);
   }
 
@@ -269,8 +295,10 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout,
     rmsnorm(&h_[static_cast<size_t>(t * H)], weights_.norm.data(), H, c.rms_eps, hn.data());
     int32_t best = 0;
     for (int64_t v = 0; v < V; ++v) {
-      row[static_cast<size_t>(v)] = static_cast<float>(dot(&lm_head_[static_cast<size_t>(v * H)], hn.data(), H));
-      if (row[static_cast<size_t>(v)] > row[static_cast<size_t>(best)]) best = static_cast<int32_t>(v);
+      row[static_cast<size_t>(v)] =
+          static_cast<float>(dot(&lm_head_[static_cast<size_t>(v * H)], hn.data(), H));
+      if (row[static_cast<size_t>(v)] > row[static_cast<size_t>(best)])
+        best = static_cast<int32_t>(v);
     }
     next[i] = best;
     if (logits) logits->push_back(row);
@@ -282,13 +310,13 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout,
 void host_runtime::add_residual(int64_t T) {
   const int64_t n = T * weights_.config.hidden;
   for (int64_t j = 0; j < n; ++j)
-    h_[static_cast<size_t>(j)] = h_[static_cast<size_t>(j)] + static_cast<float>(acc_[static_cast<size_t>(j)]);
+    h_[static_cast<size_t>(j)] =
+        h_[static_cast<size_t>(j)] + static_cast<float>(acc_[static_cast<size_t>(j)]);
 }
 
 void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
                           const moebius::kv_sequence& seq, int64_t item_index,
-                          const step_item& item, int64_t q0, int64_t q1, int64_t kv0,
-                          int64_t kv1) {
+                          const step_item& item, int64_t q0, int64_t q1, int64_t kv0, int64_t kv1) {
   const model_config& c = weights_.config;
   const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
   const dense_layer& dw = dense_[static_cast<size_t>(layer)];
@@ -320,7 +348,8 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
     const double* sn = &sin_[static_cast<size_t>((first + j) * D / 2)];
     for (int64_t head = kv0; head < kv1; ++head) {
       for (int64_t d = 0; d < D; ++d)
-        qbuf_[static_cast<size_t>(d)] = static_cast<float>(dot(&dw.k_proj[static_cast<size_t>((head * D + d) * H)], x, H));
+        qbuf_[static_cast<size_t>(d)] =
+            static_cast<float>(dot(&dw.k_proj[static_cast<size_t>((head * D + d) * H)], x, H));
       rmsnorm(qbuf_.data(), lw.k_norm.data(), D, c.rms_eps, kn);
       rope(kn, cs, sn, D);
       store_kv(at(kv_tensor::k, head, pos), kn, D, c.kv_dtype);
@@ -352,7 +381,8 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
       for (int64_t hq = hq0; hq < hq1; ++hq) {
         float* q = &qbuf_[static_cast<size_t>(D)];
         for (int64_t d = 0; d < D; ++d)
-          qbuf_[static_cast<size_t>(d)] = static_cast<float>(dot(&dw.q_proj[static_cast<size_t>((hq * D + d) * H)], x, H));
+          qbuf_[static_cast<size_t>(d)] =
+              static_cast<float>(dot(&dw.q_proj[static_cast<size_t>((hq * D + d) * H)], x, H));
         rmsnorm(qbuf_.data(), lw.q_norm.data(), D, c.rms_eps, q);
         rope(q, cs, sn, D);
         double mx = -INFINITY;
@@ -362,7 +392,8 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
           mx = std::max(mx, sc);
         }
         double sum = 0;
-        for (int64_t s = 0; s <= pos; ++s) sum += (score_[static_cast<size_t>(s)] = std::exp(score_[static_cast<size_t>(s)] - mx));
+        for (int64_t s = 0; s <= pos; ++s)
+          sum += (score_[static_cast<size_t>(s)] = std::exp(score_[static_cast<size_t>(s)] - mx));
         std::fill(accd_.begin(), accd_.begin() + D, 0.0);
         for (int64_t s = 0; s <= pos; ++s) {
           const double p = score_[static_cast<size_t>(s)];
@@ -370,7 +401,8 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
           for (int64_t d = 0; d < D; ++d) accd_[static_cast<size_t>(d)] += p * v[d];
         }
         double* o = &o_[static_cast<size_t>((first + j) * qdim + hq * D)];
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(accd_[static_cast<size_t>(d)] / sum);
+        for (int64_t d = 0; d < D; ++d)
+          o[d] = static_cast<float>(accd_[static_cast<size_t>(d)] / sum);
       }
     }
   }
@@ -404,7 +436,8 @@ void host_runtime::attention_tp(int64_t layer, const moebius::kv_state& tables,
   const moebius::kv_geometry& g = kv_geometry_;
   const int P = num_ranks();
   const dense_layer& dw = dense_[static_cast<size_t>(layer)];
-  const int64_t H = c.hidden, D = c.head_dim, qdim = c.q_dim(), T = static_cast<int64_t>(tokens_.size());
+  const int64_t H = c.hidden, D = c.head_dim, qdim = c.q_dim(),
+                T = static_cast<int64_t>(tokens_.size());
   std::fill(acc_.begin(), acc_.begin() + T * H, 0.0);
   for (int r = 0; r < P; ++r) {
     const int64_t q0 = r * c.num_q_heads / P, q1 = (r + 1) * c.num_q_heads / P;
@@ -422,7 +455,8 @@ void host_runtime::attention_tp(int64_t layer, const moebius::kv_state& tables,
     for (int64_t t = 0; t < T; ++t)
       for (int64_t row = 0; row < H; ++row)
         acc_[static_cast<size_t>(t * H + row)] +=
-            dot(&dw.o_proj[static_cast<size_t>(row * qdim + q0 * D)], &o_[static_cast<size_t>(t * qdim + q0 * D)], len);
+            dot(&dw.o_proj[static_cast<size_t>(row * qdim + q0 * D)],
+                &o_[static_cast<size_t>(t * qdim + q0 * D)], len);
   }
 }
 
@@ -439,7 +473,8 @@ void host_runtime::route(int64_t layer, int64_t T) {
       mx = std::max(mx, probs_[static_cast<size_t>(e)]);
     }
     double sum = 0;
-    for (int64_t e = 0; e < E; ++e) sum += (probs_[static_cast<size_t>(e)] = std::exp(probs_[static_cast<size_t>(e)] - mx));
+    for (int64_t e = 0; e < E; ++e)
+      sum += (probs_[static_cast<size_t>(e)] = std::exp(probs_[static_cast<size_t>(e)] - mx));
     for (int64_t e = 0; e < E; ++e) probs_[static_cast<size_t>(e)] /= sum;
     // Top-k by probability, the lower expert first on ties; weights renormalised.
     double top = 0;
@@ -448,34 +483,41 @@ void host_runtime::route(int64_t layer, int64_t T) {
       for (int64_t e = 0; e < E; ++e) {
         bool taken = false;
         for (int64_t j = 0; j < k; ++j) taken |= topk_expert_[static_cast<size_t>(t * K + j)] == e;
-        if (!taken && (best < 0 || probs_[static_cast<size_t>(e)] > probs_[static_cast<size_t>(best)])) best = e;
+        if (!taken &&
+            (best < 0 || probs_[static_cast<size_t>(e)] > probs_[static_cast<size_t>(best)]))
+          best = e;
       }
       topk_expert_[static_cast<size_t>(t * K + k)] = static_cast<int32_t>(best);
       top += probs_[static_cast<size_t>(best)];
     }
     for (int64_t k = 0; k < K; ++k)
-      topk_weight_[static_cast<size_t>(t * K + k)] = probs_[static_cast<size_t>(topk_expert_[static_cast<size_t>(t * K + k)])] / top;
+      topk_weight_[static_cast<size_t>(t * K + k)] =
+          probs_[static_cast<size_t>(topk_expert_[static_cast<size_t>(t * K + k)])] / top;
   }
   // Tokens per expert: pairs (t, k) as indices t*K + k, grouped by expert.
   expert_first_.assign(static_cast<size_t>(E + 1), 0);
-  for (int64_t p = 0; p < T * K; ++p) ++expert_first_[static_cast<size_t>(topk_expert_[static_cast<size_t>(p)] + 1)];
-  for (int64_t e = 0; e < E; ++e) expert_first_[static_cast<size_t>(e + 1)] += expert_first_[static_cast<size_t>(e)];
+  for (int64_t p = 0; p < T * K; ++p)
+    ++expert_first_[static_cast<size_t>(topk_expert_[static_cast<size_t>(p)] + 1)];
+  for (int64_t e = 0; e < E; ++e)
+    expert_first_[static_cast<size_t>(e + 1)] += expert_first_[static_cast<size_t>(e)];
   grow(pairs_, T * K);
   std::vector<int64_t>& fill = expert_fill_;
   fill.assign(expert_first_.begin(), expert_first_.end() - 1);
   for (int64_t p = 0; p < T * K; ++p)
-    pairs_[static_cast<size_t>(fill[static_cast<size_t>(topk_expert_[static_cast<size_t>(p)])]++)] = p;
+    pairs_[static_cast<size_t>(fill[static_cast<size_t>(topk_expert_[static_cast<size_t>(p)])]++)] =
+        p;
 }
 
 // One expert's slice on one rank: SiLU(gate)*up for rows [i0, i1) of each half, then the
 // down projection over those columns. `mode` picks the view (and so the slot and the rank
 // whose arena holds them); the loops are the same in both modes.
-void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64_t e,
-                              int64_t i0, int64_t i1) {
+void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64_t e, int64_t i0,
+                              int64_t i1) {
   const model_config& c = weights_.config;
   const moebius::arena_geometry& ag = arena_geometry_;
   const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, b = c.fp8_block;
-  const int64_t p0 = expert_first_[static_cast<size_t>(e)], p1 = expert_first_[static_cast<size_t>(e + 1)];
+  const int64_t p0 = expert_first_[static_cast<size_t>(e)],
+                p1 = expert_first_[static_cast<size_t>(e + 1)];
   const std::byte* arena = arenas_[static_cast<size_t>(rank)].data();
   const bool fp8 = c.fp8_experts();
   const bool f32 = c.expert_dtype == dtype::fp32;  // read in place, no decode
@@ -485,8 +527,8 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
         mode == parallel_mode::ep
             ? moebius::make_view<parallel_mode::ep>(ag.shape, t, ag.num_ranks).locate(e, row, col)
             : moebius::make_view<parallel_mode::tp>(ag.shape, t, ag.num_ranks).locate(e, row, col);
-    MOEBIUS_CHECK(at.rank == rank, errc::internal, "expert ", e, " row ", row, " col ", col,
-                  " of ", moebius::to_string(t), " is on rank ", at.rank, ", not ", rank);
+    MOEBIUS_CHECK(at.rank == rank, errc::internal, "expert ", e, " row ", row, " col ", col, " of ",
+                  moebius::to_string(t), " is on rank ", at.rank, ", not ", rank);
     const int64_t elem = (t == weight_tensor::w13 || t == weight_tensor::w2) ? eb : 4;
     return arena + ag.tensor_base(mode, layer, t) + at.offset * elem;
   };
@@ -496,9 +538,8 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
       const int64_t row = half * I + i;
       const std::byte* w = locate(weight_tensor::w13, row, 0);
       if (!f32)
-        dequant_row(w, c.expert_dtype,
-                    fp8 ? locate(weight_tensor::w13_scale, row / b, 0) : nullptr, b, H,
-                    row_.data());
+        dequant_row(w, c.expert_dtype, fp8 ? locate(weight_tensor::w13_scale, row / b, 0) : nullptr,
+                    b, H, row_.data());
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t pair = pairs_[static_cast<size_t>(p)];
         const double* x = &x_[static_cast<size_t>((pair / K) * H)];
@@ -507,7 +548,8 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
           gate_[static_cast<size_t>(pair * I + i)] = v;
         } else {
           const double gt = gate_[static_cast<size_t>(pair * I + i)];
-          act_[static_cast<size_t>(pair * I + i)] = static_cast<float>(gt / (1.0 + std::exp(-gt)) * v);
+          act_[static_cast<size_t>(pair * I + i)] =
+              static_cast<float>(gt / (1.0 + std::exp(-gt)) * v);
         }
       }
     }
@@ -516,13 +558,13 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
   for (int64_t h = 0; h < H; ++h) {
     const std::byte* w = locate(weight_tensor::w2, h, i0);
     if (!f32)
-      dequant_row(w, c.expert_dtype,
-                  fp8 ? locate(weight_tensor::w2_scale, h / b, i0 / b) : nullptr, b, len,
-                  row_.data());
+      dequant_row(w, c.expert_dtype, fp8 ? locate(weight_tensor::w2_scale, h / b, i0 / b) : nullptr,
+                  b, len, row_.data());
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t pair = pairs_[static_cast<size_t>(p)];
       const double* a = &act_[static_cast<size_t>(pair * I + i0)];
-      y_[static_cast<size_t>(pair * H + h)] = f32 ? dot(as_floats(w), a, len) : dot(row_.data(), a, len);
+      y_[static_cast<size_t>(pair * H + h)] =
+          f32 ? dot(as_floats(w), a, len) : dot(row_.data(), a, len);
     }
   }
 }
@@ -540,7 +582,8 @@ void host_runtime::moe_ep(int64_t layer, int64_t T) {
     for (int64_t h = 0; h < H; ++h) {
       double s = 0;
       for (int64_t k = 0; k < K; ++k)
-        s += topk_weight_[static_cast<size_t>(t * K + k)] * y_[static_cast<size_t>((t * K + k) * H + h)];
+        s += topk_weight_[static_cast<size_t>(t * K + k)] *
+             y_[static_cast<size_t>((t * K + k) * H + h)];
       acc_[static_cast<size_t>(t * H + h)] = s;
     }
 }
@@ -559,7 +602,8 @@ void host_runtime::moe_tp(int64_t layer, int64_t T) {
       for (int64_t h = 0; h < H; ++h) {
         double s = 0;
         for (int64_t k = 0; k < K; ++k)
-          s += topk_weight_[static_cast<size_t>(t * K + k)] * y_[static_cast<size_t>((t * K + k) * H + h)];
+          s += topk_weight_[static_cast<size_t>(t * K + k)] *
+               y_[static_cast<size_t>((t * K + k) * H + h)];
         acc_[static_cast<size_t>(t * H + h)] += s;
       }
   }

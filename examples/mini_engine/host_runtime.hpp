@@ -38,12 +38,11 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <span>
-#include <vector>
-
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/memory/rank_memory.hpp>
+#include <span>
+#include <vector>
 
 #include "model_config.hpp"
 #include "step.hpp"
@@ -66,6 +65,9 @@ class host_runtime : public runtime {
   // experts exist only in the arena from then on.
   host_runtime(const model_weights& weights, const host_runtime_options& options);
 
+  // One forward step (step.hpp). Throws errc::invalid_argument, before writing anything,
+  // when the tables are invalid, the cursor is outside [0, L], a token is outside the vocab,
+  // or an item's sequence is not in the tables with room for its tokens.
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                             std::vector<std::vector<float>>* logits = nullptr) override;
 
@@ -91,9 +93,9 @@ class host_runtime : public runtime {
   // On `rank` in `mode`: K/V of the item's new tokens for global KV heads [kv0, kv1)
   // (projection, k_norm, RoPE, store into the rank's pages), then attention of q heads
   // [q0, q1) over the pages into o_.
-  void attend(int64_t layer, int rank, moebius::parallel_mode mode,
-              const moebius::kv_sequence& seq, int64_t item_index, const step_item& item,
-              int64_t q0, int64_t q1, int64_t kv0, int64_t kv1);
+  void attend(int64_t layer, int rank, moebius::parallel_mode mode, const moebius::kv_sequence& seq,
+              int64_t item_index, const step_item& item, int64_t q0, int64_t q1, int64_t kv0,
+              int64_t kv1);
   void route(int64_t layer, int64_t T);
   void run_expert(int64_t layer, moebius::parallel_mode mode, int rank, int64_t e, int64_t i0,
                   int64_t i1);
@@ -129,9 +131,9 @@ class host_runtime : public runtime {
   std::vector<double> topk_weight_;   // [T, K]
   std::vector<double> probs_;         // [E]
   std::vector<int64_t> expert_first_, expert_fill_;  // [E+1] pairs of each expert
-  std::vector<int64_t> pairs_;        // [T*K] pair t*K+k, grouped by expert
-  std::vector<double> gate_;          // [T*K, I] gate projections
-  std::vector<double> act_;           // [T*K, I] SiLU(gate)*up (floats)
+  std::vector<int64_t> pairs_;                       // [T*K] pair t*K+k, grouped by expert
+  std::vector<double> gate_;                         // [T*K, I] gate projections
+  std::vector<double> act_;                          // [T*K, I] SiLU(gate)*up (floats)
   std::vector<double> y_;             // [T*K, H] expert outputs (EP: whole; TP: rank slice)
   std::vector<double> row_;           // a dequantized weight row
   std::vector<double> kbuf_, vbuf_;   // [positions, D] one head's K and V

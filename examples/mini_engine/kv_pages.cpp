@@ -1,9 +1,8 @@
 #include "kv_pages.hpp"
 
 #include <algorithm>
-#include <utility>
-
 #include <moebius/error.hpp>
+#include <utility>
 
 namespace mini_engine {
 
@@ -14,14 +13,10 @@ using moebius::parallel_mode;
 
 namespace {
 
-auto seq_lower_bound(std::vector<kv_sequence>& seqs, int64_t seq_id) {
+template <class Sequences>  // const or mutable
+auto seq_lower_bound(Sequences& seqs, int64_t seq_id) {
   return std::lower_bound(seqs.begin(), seqs.end(), seq_id,
                           [](const kv_sequence& a, int64_t id) { return a.seq_id < id; });
-}
-
-kv_sequence* find_mut(kv_rank_state& r, int64_t seq_id) {
-  auto it = seq_lower_bound(r.sequences, seq_id);
-  return (it != r.sequences.end() && it->seq_id == seq_id) ? &*it : nullptr;
 }
 
 // Grows (or inserts) the sequence on one rank; the caller checked the free pages.
@@ -42,7 +37,9 @@ void grow(kv_rank_state& r, int64_t seq_id, int64_t num_tokens, int64_t page_siz
 }  // namespace
 
 const kv_sequence* find_sequence(const moebius::kv_state& s, int rank, int64_t seq_id) {
-  return find_mut(const_cast<kv_rank_state&>(s.ranks[static_cast<size_t>(rank)]), seq_id);
+  const auto& seqs = s.ranks[static_cast<size_t>(rank)].sequences;
+  const auto it = seq_lower_bound(seqs, seq_id);
+  return (it != seqs.end() && it->seq_id == seq_id) ? &*it : nullptr;
 }
 
 int64_t free_pages(const moebius::kv_state& s, int rank) {
@@ -84,14 +81,12 @@ void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, int64_t
   for (int r : ranks) {
     const kv_sequence* seq = find_sequence(s, r, seq_id);
     const int64_t have = seq ? seq->num_tokens : 0;
-    MOEBIUS_CHECK(num_tokens >= have, errc::invalid_argument, "reserve_tokens: sequence ",
-                  seq_id, " holds ", have, " tokens, cannot shrink to ", num_tokens);
-    const int64_t need =
-        pages_needed(g, s.mode, num_tokens) - (seq ? seq->num_pages() : 0);
-    MOEBIUS_CHECK(need <= free_pages(s, r), errc::capacity, "reserve_tokens: sequence ",
-                  seq_id, " needs ", need, " more ", moebius::to_string(s.mode),
-                  " pages on rank ", r, " for ", num_tokens, " tokens; ", free_pages(s, r),
-                  " are free");
+    MOEBIUS_CHECK(num_tokens >= have, errc::invalid_argument, "reserve_tokens: sequence ", seq_id,
+                  " holds ", have, " tokens, cannot shrink to ", num_tokens);
+    const int64_t need = pages_needed(g, s.mode, num_tokens) - (seq ? seq->num_pages() : 0);
+    MOEBIUS_CHECK(need <= free_pages(s, r), errc::capacity, "reserve_tokens: sequence ", seq_id,
+                  " needs ", need, " more ", moebius::to_string(s.mode), " pages on rank ", r,
+                  " for ", num_tokens, " tokens; ", free_pages(s, r), " are free");
   }
   for (int r : ranks) grow(s.ranks[static_cast<size_t>(r)], seq_id, num_tokens, g.page_size);
 }
@@ -111,16 +106,15 @@ void release_sequence(moebius::kv_state& s, int64_t seq_id) {
                         page) != other.pages.begin() + other.shared_prefix_pages)
             shared = true;
       if (!shared)
-        r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), page),
-                            page);
+        r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), page), page);
     }
     r.sequences.erase(it);
   }
 }
 
 moebius::kv_state make_empty_kv_state(const moebius::kv_geometry& g, parallel_mode m) {
-  return moebius::make_kv_state(g, m, std::vector<std::vector<kv_sequence>>(
-                                          static_cast<size_t>(g.num_ranks)));
+  return moebius::make_kv_state(
+      g, m, std::vector<std::vector<kv_sequence>>(static_cast<size_t>(g.num_ranks)));
 }
 
 }  // namespace mini_engine

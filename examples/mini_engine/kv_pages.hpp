@@ -11,7 +11,6 @@
 //   gains page 2, last_page_len 1; release_sequence(s, 7) -> rank 1's free list is whole.
 
 #include <cstdint>
-
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/kv/page_table.hpp>
 

@@ -1,8 +1,7 @@
 #include "model_config.hpp"
 
-#include <ostream>
-
 #include <moebius/error.hpp>
+#include <ostream>
 
 namespace mini_engine {
 
@@ -11,8 +10,8 @@ using moebius::errc;
 
 void validate(const model_config& c) {
   auto positive = [](int64_t v, const char* name) {
-    MOEBIUS_CHECK(v >= 1, errc::invalid_argument, "model_config: ", name, " must be >= 1 (got ",
-                  v, ")");
+    MOEBIUS_CHECK(v >= 1, errc::invalid_argument, "model_config: ", name, " must be >= 1 (got ", v,
+                  ")");
   };
   positive(c.num_layers, "num_layers");
   positive(c.hidden, "hidden");
@@ -34,31 +33,34 @@ void validate(const model_config& c) {
                 ", E=", c.num_experts, ")");
   MOEBIUS_CHECK(c.rope_theta > 0, errc::invalid_argument,
                 "model_config: rope_theta must be > 0 (got ", c.rope_theta, ")");
-  MOEBIUS_CHECK(c.rms_eps > 0, errc::invalid_argument,
-                "model_config: rms_eps must be > 0 (got ", c.rms_eps, ")");
+  MOEBIUS_CHECK(c.rms_eps > 0, errc::invalid_argument, "model_config: rms_eps must be > 0 (got ",
+                c.rms_eps, ")");
   MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16 ||
                     c.expert_dtype == dtype::fp8_e4m3,
-                errc::invalid_argument, "model_config: expert_dtype must be fp32, bf16 or "
-                "fp8_e4m3 (got ", moebius::to_string(c.expert_dtype), ")");
+                errc::invalid_argument,
+                "model_config: expert_dtype must be fp32, bf16 or "
+                "fp8_e4m3 (got ",
+                moebius::to_string(c.expert_dtype), ")");
   MOEBIUS_CHECK(c.kv_dtype == dtype::fp32 || c.kv_dtype == dtype::bf16, errc::invalid_argument,
-                "model_config: kv_dtype must be fp32 or bf16 (got ",
-                moebius::to_string(c.kv_dtype), ")");
+                "model_config: kv_dtype must be fp32 or bf16 (got ", moebius::to_string(c.kv_dtype),
+                ")");
   if (c.fp8_experts()) {
     positive(c.fp8_block, "fp8_block");
     MOEBIUS_CHECK(c.hidden % c.fp8_block == 0 && c.intermediate % c.fp8_block == 0,
-                  errc::invalid_argument, "model_config: fp8_block must divide hidden and "
-                  "intermediate (block=", c.fp8_block, ", H=", c.hidden, ", I=",
-                  c.intermediate, ")");
+                  errc::invalid_argument,
+                  "model_config: fp8_block must divide hidden and "
+                  "intermediate (block=",
+                  c.fp8_block, ", H=", c.hidden, ", I=", c.intermediate, ")");
   }
 }
 
 void validate(const model_config& c, int num_ranks) {
   validate(c);
-  MOEBIUS_CHECK(num_ranks >= 1, errc::invalid_argument, "num_ranks must be >= 1 (got ",
-                num_ranks, ")");
+  MOEBIUS_CHECK(num_ranks >= 1, errc::invalid_argument, "num_ranks must be >= 1 (got ", num_ranks,
+                ")");
   MOEBIUS_CHECK(c.num_q_heads % num_ranks == 0, errc::invalid_argument,
-                "P must divide num_q_heads for TP attention (Hq=", c.num_q_heads, ", P=",
-                num_ranks, ")");
+                "P must divide num_q_heads for TP attention (Hq=", c.num_q_heads, ", P=", num_ranks,
+                ")");
   moebius::validate(expert_shape_of(c), num_ranks);
   moebius::validate(kv_geometry_of(c, num_ranks, 1));
 }
@@ -70,7 +72,9 @@ model_config with(model_config c) {
 }
 }  // namespace
 
-model_config tiny() { return with(model_config{.fp8_block = 8, .page_size = 4}); }
+model_config tiny() {
+  return with(model_config{.fp8_block = 8, .page_size = 4});
+}
 
 model_config small() {
   return with(model_config{.num_layers = 4,
@@ -127,8 +131,8 @@ moebius::kv_geometry kv_geometry_of(const model_config& c, int num_ranks, int64_
 
 std::ostream& operator<<(std::ostream& os, const model_config& c) {
   return os << "model{L=" << c.num_layers << " H=" << c.hidden << " Hq=" << c.num_q_heads
-            << " Hkv=" << c.num_kv_heads << " D=" << c.head_dim << " E=" << c.num_experts
-            << " top" << c.top_k << " I=" << c.intermediate << " V=" << c.vocab
+            << " Hkv=" << c.num_kv_heads << " D=" << c.head_dim << " E=" << c.num_experts << " top"
+            << c.top_k << " I=" << c.intermediate << " V=" << c.vocab
             << " experts=" << moebius::to_string(c.expert_dtype)
             << (c.fp8_experts() ? " block " + std::to_string(c.fp8_block) : std::string())
             << " kv=" << moebius::to_string(c.kv_dtype) << " page=" << c.page_size << "}";

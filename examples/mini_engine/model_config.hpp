@@ -9,24 +9,23 @@
 
 #include <cstdint>
 #include <iosfwd>
-#include <string>
-
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/dtype.hpp>
 #include <moebius/layout/expert_shape.hpp>
+#include <string>
 
 namespace mini_engine {
 
 struct model_config {
-  int64_t num_layers = 2;       // L
-  int64_t hidden = 64;          // H
-  int64_t num_q_heads = 4;      // Hq
-  int64_t num_kv_heads = 2;     // Hkv (GQA: Hq / Hkv query heads share one KV head)
-  int64_t head_dim = 16;        // D (even: RoPE rotates halves)
-  int64_t num_experts = 8;      // E
-  int64_t top_k = 2;            // experts per token
-  int64_t intermediate = 32;    // I: per-expert intermediate size
-  int64_t vocab = 256;          // V
+  int64_t num_layers = 2;     // L
+  int64_t hidden = 64;        // H
+  int64_t num_q_heads = 4;    // Hq
+  int64_t num_kv_heads = 2;   // Hkv (GQA: Hq / Hkv query heads share one KV head)
+  int64_t head_dim = 16;      // D (even: RoPE rotates halves)
+  int64_t num_experts = 8;    // E
+  int64_t top_k = 2;          // experts per token
+  int64_t intermediate = 32;  // I: per-expert intermediate size
+  int64_t vocab = 256;        // V
   double rope_theta = 1e6;
   double rms_eps = 1e-6;
   // Expert weights in the arena: fp32, bf16, or fp8_e4m3 with one fp32 scale per

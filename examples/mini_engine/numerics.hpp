@@ -20,8 +20,12 @@ inline uint16_t to_bf16(float f) {
   const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>((u + rounding) >> 16);
 }
-inline float from_bf16(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
-inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+inline float from_bf16(uint16_t b) {
+  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
+inline float round_bf16(float f) {
+  return from_bf16(to_bf16(f));
+}
 
 // FP8 E4M3 (OCP, "fn"): 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, max
 // 448, 0x7f / 0xff are NaN; subnormals 2^-9 * m. Encoding saturates to +-448.
@@ -29,9 +33,12 @@ inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
 inline float from_fp8_e4m3(uint8_t v) {
   const int sign = v >> 7, exp = (v >> 3) & 0xf, man = v & 7;
   float mag;
-  if (exp == 0xf && man == 7) mag = NAN;
-  else if (exp == 0) mag = std::ldexp(static_cast<float>(man), -9);
-  else mag = std::ldexp(static_cast<float>(8 + man), exp - 10);
+  if (exp == 0xf && man == 7)
+    mag = NAN;
+  else if (exp == 0)
+    mag = std::ldexp(static_cast<float>(man), -9);
+  else
+    mag = std::ldexp(static_cast<float>(8 + man), exp - 10);
   return sign ? -mag : mag;
 }
 inline uint8_t to_fp8_e4m3(float f) {
@@ -54,7 +61,9 @@ inline uint8_t to_fp8_e4m3(float f) {
   const int man = static_cast<int>(std::ldexp(vm, 4)) - 8;
   return static_cast<uint8_t>(sign | (exp_field << 3) | man);
 }
-inline float round_fp8_e4m3(float f) { return from_fp8_e4m3(to_fp8_e4m3(f)); }
+inline float round_fp8_e4m3(float f) {
+  return from_fp8_e4m3(to_fp8_e4m3(f));
+}
 inline constexpr float fp8_e4m3_max = 448.0f;
 
 // splitmix64: a tiny generator with a portable stream (the GPU runtime and any other

@@ -2,9 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
-
 #include <moebius/error.hpp>
+#include <numeric>
 
 #include "numerics.hpp"
 
@@ -31,7 +30,8 @@ vec matvec(const std::vector<float>& W, int64_t rows, int64_t cols, const vec& x
 // x / sqrt(mean(x^2) + eps) * w over x[off, off+n).
 void rmsnorm(vec& x, int64_t off, int64_t n, const std::vector<float>& w, double eps) {
   double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += x[static_cast<size_t>(off + i)] * x[static_cast<size_t>(off + i)];
+  for (int64_t i = 0; i < n; ++i)
+    ss += x[static_cast<size_t>(off + i)] * x[static_cast<size_t>(off + i)];
   const double inv = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
   for (int64_t i = 0; i < n; ++i)
     x[static_cast<size_t>(off + i)] *= inv * static_cast<double>(w[static_cast<size_t>(i)]);
@@ -75,7 +75,8 @@ std::vector<std::vector<double>> reference_logits(const model_weights& w,
 
   for (const layer_weights& l : w.layers) {
     // Attention: projections, per-head norms, RoPE, then causal softmax attention.
-    std::vector<vec> q(static_cast<size_t>(T)), k(static_cast<size_t>(T)), v(static_cast<size_t>(T));
+    std::vector<vec> q(static_cast<size_t>(T)), k(static_cast<size_t>(T)),
+        v(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) {
       vec x = h[static_cast<size_t>(t)];
       rmsnorm(x, 0, H, l.input_layernorm, c.rms_eps);
@@ -111,11 +112,13 @@ std::vector<std::vector<double>> reference_logits(const model_weights& w,
         for (double& e : score) sum += (e = std::exp(e - mx));
         for (int64_t s = 0; s <= t; ++s)
           for (int64_t i = 0; i < D; ++i)
-            o[static_cast<size_t>(hd * D + i)] += score[static_cast<size_t>(s)] / sum *
-                                                  v[static_cast<size_t>(s)][static_cast<size_t>(kvh * D + i)];
+            o[static_cast<size_t>(hd * D + i)] +=
+                score[static_cast<size_t>(s)] / sum *
+                v[static_cast<size_t>(s)][static_cast<size_t>(kvh * D + i)];
       }
       const vec a = matvec(l.o_proj, H, Hq * D, o);
-      for (int64_t i = 0; i < H; ++i) h[static_cast<size_t>(t)][static_cast<size_t>(i)] += a[static_cast<size_t>(i)];
+      for (int64_t i = 0; i < H; ++i)
+        h[static_cast<size_t>(t)][static_cast<size_t>(i)] += a[static_cast<size_t>(i)];
     }
     // MoE: softmax router, top-k renormalised, SiLU(gate) * up, down.
     for (int64_t t = 0; t < T; ++t) {
@@ -162,7 +165,8 @@ std::vector<int32_t> reference_generate(const model_weights& w, std::span<const 
   std::vector<int32_t> seq(prompt.begin(), prompt.end()), out;
   for (int64_t s = 0; s < steps; ++s) {
     const vec last = reference_logits(w, seq).back();
-    const auto best = static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
+    const auto best =
+        static_cast<int32_t>(std::max_element(last.begin(), last.end()) - last.begin());
     out.push_back(best);
     seq.push_back(best);
   }

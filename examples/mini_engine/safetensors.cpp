@@ -5,9 +5,8 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <sstream>
-
 #include <moebius/error.hpp>
+#include <sstream>
 
 #include "numerics.hpp"
 
@@ -43,7 +42,8 @@ class json_parser {
                                  ": bad JSON header at byte ", pos_, ": ", what);
   }
   void skip_ws() {
-    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\r' || s_[pos_] == '\t'))
+    while (pos_ < s_.size() &&
+           (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\r' || s_[pos_] == '\t'))
       ++pos_;
   }
   char peek() {
@@ -69,15 +69,30 @@ class json_parser {
       if (pos_ >= s_.size()) fail("unterminated escape");
       const char e = s_[pos_++];
       switch (e) {
-        case '"': case '\\': case '/': out += e; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
+        case '"':
+        case '\\':
+        case '/':
+          out += e;
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
         case 'u': {
           if (pos_ + 4 > s_.size()) fail("short \\u escape");
-          const unsigned cp = static_cast<unsigned>(std::stoul(std::string(s_.substr(pos_, 4)), nullptr, 16));
+          const unsigned cp =
+              static_cast<unsigned>(std::stoul(std::string(s_.substr(pos_, 4)), nullptr, 16));
           pos_ += 4;
           // UTF-8 of a BMP code point (surrogate pairs do not occur in tensor names).
           if (cp < 0x80) {
@@ -92,7 +107,8 @@ class json_parser {
           }
           break;
         }
-        default: fail("bad escape");
+        default:
+          fail("bad escape");
       }
     }
   }
@@ -141,13 +157,13 @@ class json_parser {
       return v;
     }
     const size_t start = pos_;
-    while (pos_ < s_.size() && (std::isalnum(static_cast<unsigned char>(s_[pos_])) || s_[pos_] == '-' ||
-                                s_[pos_] == '+' || s_[pos_] == '.'))
+    while (pos_ < s_.size() && (std::isalnum(static_cast<unsigned char>(s_[pos_])) ||
+                                s_[pos_] == '-' || s_[pos_] == '+' || s_[pos_] == '.'))
       ++pos_;
     if (pos_ == start) fail("unexpected character");
     v.text = std::string(s_.substr(start, pos_ - start));
     v.k = (v.text == "true" || v.text == "false" || v.text == "null") ? json::kind::literal
-                                                                       : json::kind::number;
+                                                                      : json::kind::number;
     return v;
   }
 
@@ -224,9 +240,8 @@ safetensors_file::safetensors_file(const std::string& path) : path_(path) {
         for (const json& d : val.items) e.shape.push_back(to_int(d, path, name + " shape"));
         has_shape = val.k == json::kind::array;
       } else if (key == "data_offsets") {
-        MOEBIUS_CHECK(val.k == json::kind::array && val.items.size() == 2,
-                      errc::invalid_argument, "safetensors ", path, ": ", name,
-                      " data_offsets must be [begin, end]");
+        MOEBIUS_CHECK(val.k == json::kind::array && val.items.size() == 2, errc::invalid_argument,
+                      "safetensors ", path, ": ", name, " data_offsets must be [begin, end]");
         e.begin = to_int(val.items[0], path, name + " data_offsets");
         e.end = to_int(val.items[1], path, name + " data_offsets");
         has_offsets = true;
@@ -258,8 +273,7 @@ const safetensors_entry* safetensors_file::find(std::string_view name) const {
 std::vector<float> safetensors_file::read(std::string_view name,
                                           std::span<const int64_t> shape) const {
   const safetensors_entry* e = find(name);
-  MOEBIUS_CHECK(e != nullptr, errc::invalid_argument, "safetensors ", path_, ": no tensor ",
-                name);
+  MOEBIUS_CHECK(e != nullptr, errc::invalid_argument, "safetensors ", path_, ": no tensor ", name);
   MOEBIUS_CHECK(std::equal(e->shape.begin(), e->shape.end(), shape.begin(), shape.end()),
                 errc::invalid_argument, "safetensors ", path_, ": tensor ", name, " has shape ",
                 shape_text(e->shape), ", the model needs ", shape_text(shape));
@@ -275,8 +289,8 @@ std::vector<float> safetensors_file::read(std::string_view name,
       out[static_cast<size_t>(i)] = from_bf16(u);
     }
   } else {
-    MOEBIUS_CHECK(false, errc::invalid_argument, "safetensors ", path_, ": tensor ", name,
-                  " is ", e->dtype, "; the loader reads F32 and BF16");
+    MOEBIUS_CHECK(false, errc::invalid_argument, "safetensors ", path_, ": tensor ", name, " is ",
+                  e->dtype, "; the loader reads F32 and BF16");
   }
   return out;
 }
@@ -287,7 +301,8 @@ model_weights load_qwen3_moe(const model_config& c, const std::vector<std::strin
   for (const auto& p : paths) files.push_back(std::make_unique<safetensors_file>(p));
   auto load = [&](const std::string& name, std::initializer_list<int64_t> shape) {
     for (const auto& f : files)
-      if (f->find(name)) return f->read(name, std::span<const int64_t>(shape.begin(), shape.size()));
+      if (f->find(name))
+        return f->read(name, std::span<const int64_t>(shape.begin(), shape.size()));
     MOEBIUS_CHECK(false, errc::invalid_argument, "load_qwen3_moe: tensor ", name,
                   " is missing from the checkpoint (", paths.size(), " file(s))");
     return std::vector<float>{};

@@ -22,7 +22,7 @@ namespace mini_engine {
 
 struct safetensors_entry {
   std::string name;
-  std::string dtype;           // "F32", "BF16", ... as written
+  std::string dtype;  // "F32", "BF16", ... as written
   std::vector<int64_t> shape;
   int64_t begin = 0, end = 0;  // byte range within the data section
 };

@@ -2,10 +2,9 @@
 
 #include <cmath>
 #include <cstring>
-#include <string>
-
 #include <moebius/error.hpp>
 #include <moebius/layout/weight_view.hpp>
+#include <string>
 
 #include "numerics.hpp"
 
@@ -18,34 +17,36 @@ using moebius::weight_tensor;
 
 namespace {
 
-std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
+std::vector<float> zeros(int64_t n) {
+  return std::vector<float>(static_cast<size_t>(n), 0.0f);
+}
 
 struct tensor_ref {
   const char* name;
-  std::vector<float>* data;
+  std::vector<float> layer_weights::*member;
   int64_t elements;
 };
 
 // Every tensor of a layer with its expected element count, in generation order.
-std::vector<tensor_ref> layer_tensors(const model_config& c, layer_weights& l) {
+std::vector<tensor_ref> layer_tensors(const model_config& c) {
   const int64_t H = c.hidden, E = c.num_experts, I = c.intermediate, D = c.head_dim;
   std::vector<tensor_ref> t = {
-      {"input_layernorm", &l.input_layernorm, H},
-      {"q_proj", &l.q_proj, c.q_dim() * H},
-      {"k_proj", &l.k_proj, c.kv_dim() * H},
-      {"v_proj", &l.v_proj, c.kv_dim() * H},
-      {"o_proj", &l.o_proj, H * c.q_dim()},
-      {"q_norm", &l.q_norm, D},
-      {"k_norm", &l.k_norm, D},
-      {"post_attention_layernorm", &l.post_attention_layernorm, H},
-      {"router", &l.router, E * H},
-      {"w13", &l.w13, E * 2 * I * H},
-      {"w2", &l.w2, E * H * I},
+      {"input_layernorm", &layer_weights::input_layernorm, H},
+      {"q_proj", &layer_weights::q_proj, c.q_dim() * H},
+      {"k_proj", &layer_weights::k_proj, c.kv_dim() * H},
+      {"v_proj", &layer_weights::v_proj, c.kv_dim() * H},
+      {"o_proj", &layer_weights::o_proj, H * c.q_dim()},
+      {"q_norm", &layer_weights::q_norm, D},
+      {"k_norm", &layer_weights::k_norm, D},
+      {"post_attention_layernorm", &layer_weights::post_attention_layernorm, H},
+      {"router", &layer_weights::router, E * H},
+      {"w13", &layer_weights::w13, E * 2 * I * H},
+      {"w2", &layer_weights::w2, E * H * I},
   };
   if (c.fp8_experts()) {
     const int64_t b = c.fp8_block;
-    t.push_back({"w13_scale", &l.w13_scale, E * (2 * I / b) * (H / b)});
-    t.push_back({"w2_scale", &l.w2_scale, E * (H / b) * (I / b)});
+    t.push_back({"w13_scale", &layer_weights::w13_scale, E * (2 * I / b) * (H / b)});
+    t.push_back({"w2_scale", &layer_weights::w2_scale, E * (H / b) * (I / b)});
   }
   return t;
 }
@@ -89,7 +90,7 @@ model_weights make_empty_weights(const model_config& c) {
   w.embed = zeros(c.vocab * c.hidden);
   w.layers.resize(static_cast<size_t>(c.num_layers));
   for (auto& l : w.layers)
-    for (auto& t : layer_tensors(c, l)) *t.data = zeros(t.elements);
+    for (const tensor_ref& t : layer_tensors(c)) l.*t.member = zeros(t.elements);
   w.norm = zeros(c.hidden);
   w.lm_head = zeros(c.vocab * c.hidden);
   return w;
@@ -137,7 +138,8 @@ void round_experts(model_weights& w) {
         round_fp8(l.w13, l.w13_scale, c.num_experts, 2 * c.intermediate, c.hidden, c.fp8_block);
         round_fp8(l.w2, l.w2_scale, c.num_experts, c.hidden, c.intermediate, c.fp8_block);
         break;
-      default: break;
+      default:
+        break;
     }
   }
 }
@@ -146,8 +148,8 @@ void validate(const model_weights& w) {
   const model_config& c = w.config;
   validate(c);
   auto check = [](const std::string& name, const std::vector<float>& t, int64_t n) {
-    MOEBIUS_CHECK(static_cast<int64_t>(t.size()) == n, errc::invalid_argument, "weights: ",
-                  name, " has ", t.size(), " elements, the config needs ", n);
+    MOEBIUS_CHECK(static_cast<int64_t>(t.size()) == n, errc::invalid_argument, "weights: ", name,
+                  " has ", t.size(), " elements, the config needs ", n);
   };
   check("embed", w.embed, c.vocab * c.hidden);
   check("norm", w.norm, c.hidden);
@@ -155,9 +157,8 @@ void validate(const model_weights& w) {
   MOEBIUS_CHECK(static_cast<int64_t>(w.layers.size()) == c.num_layers, errc::invalid_argument,
                 "weights: ", w.layers.size(), " layers, the config needs ", c.num_layers);
   for (size_t i = 0; i < w.layers.size(); ++i) {
-    auto& l = const_cast<layer_weights&>(w.layers[i]);  // layer_tensors only reads here
-    for (auto& t : layer_tensors(c, l))
-      check("layer " + std::to_string(i) + " " + t.name, *t.data, t.elements);
+    for (const tensor_ref& t : layer_tensors(c))
+      check("layer " + std::to_string(i) + " " + t.name, w.layers[i].*t.member, t.elements);
   }
 }
 
@@ -167,8 +168,7 @@ namespace {
 template <parallel_mode Mode>
 void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64_t layer,
                   weight_tensor t, const std::vector<float>& values,
-                  const std::vector<float>& scales,
-                  std::span<const std::span<std::byte>> arenas) {
+                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas) {
   const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
   const int64_t base = g.tensor_base(Mode, layer, t);
   const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
@@ -180,10 +180,12 @@ void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64
       for (int64_t q = 0; q < cols; ++q) {
         const float v = values[static_cast<size_t>((e * rows + r) * cols + q)];
         const moebius::element_location at = view.locate(e, r, q);
-        std::byte* p = arenas[static_cast<size_t>(at.rank)].data() + base +
-                       at.offset * view.tensor.elem_bytes;
+        std::byte* p =
+            arenas[static_cast<size_t>(at.rank)].data() + base + at.offset * view.tensor.elem_bytes;
         switch (c.expert_dtype) {
-          case dtype::fp32: std::memcpy(p, &v, 4); break;
+          case dtype::fp32:
+            std::memcpy(p, &v, 4);
+            break;
           case dtype::bf16: {
             const uint16_t u = to_bf16(v);
             std::memcpy(p, &u, 2);
@@ -201,8 +203,7 @@ void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64
 
 template <parallel_mode Mode>
 void place_scales(const moebius::arena_geometry& g, int64_t layer, weight_tensor t,
-                  const std::vector<float>& scales,
-                  std::span<const std::span<std::byte>> arenas) {
+                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas) {
   const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
   const int64_t base = g.tensor_base(Mode, layer, t);
   const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
@@ -229,9 +230,8 @@ void place_layer(const model_weights& w, const moebius::arena_geometry& g, int64
 
 }  // namespace
 
-void place_layer_experts(const model_weights& w, const moebius::arena_geometry& g,
-                         int64_t layer, parallel_mode mode,
-                         std::span<const std::span<std::byte>> arenas) {
+void place_layer_experts(const model_weights& w, const moebius::arena_geometry& g, int64_t layer,
+                         parallel_mode mode, std::span<const std::span<std::byte>> arenas) {
   MOEBIUS_CHECK(static_cast<int>(arenas.size()) == g.num_ranks, errc::invalid_argument,
                 "place_layer_experts: ", arenas.size(), " arenas for ", g.num_ranks, " ranks");
   for (const auto& a : arenas)
@@ -240,8 +240,10 @@ void place_layer_experts(const model_weights& w, const moebius::arena_geometry& 
                   g.total_bytes());
   MOEBIUS_CHECK(layer >= 0 && layer < w.config.num_layers, errc::invalid_argument,
                 "place_layer_experts: layer ", layer, " of ", w.config.num_layers);
-  if (mode == parallel_mode::ep) place_layer<parallel_mode::ep>(w, g, layer, arenas);
-  else place_layer<parallel_mode::tp>(w, g, layer, arenas);
+  if (mode == parallel_mode::ep)
+    place_layer<parallel_mode::ep>(w, g, layer, arenas);
+  else
+    place_layer<parallel_mode::tp>(w, g, layer, arenas);
 }
 
 void place_experts(const model_weights& w, const moebius::arena_geometry& g,

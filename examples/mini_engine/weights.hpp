@@ -12,10 +12,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <moebius/layout/arena_geometry.hpp>
 #include <span>
 #include <vector>
-
-#include <moebius/layout/arena_geometry.hpp>
 
 #include "model_config.hpp"
 

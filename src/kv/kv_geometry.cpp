@@ -3,6 +3,7 @@
 #include <ostream>
 
 #include "moebius/detail/checked_math.hpp"
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -21,7 +22,8 @@ void validate(const kv_geometry& g) {
                 "kv_geometry needs num_ep_pages >= 0 (num_ep_pages=", g.num_ep_pages, ")");
   MOEBIUS_CHECK(g.num_ranks >= 1, errc::invalid_argument,
                 "kv_geometry needs num_ranks >= 1 (num_ranks=", g.num_ranks, ")");
-  MOEBIUS_CHECK(dtype_bytes(g.type) >= 1, errc::invalid_argument, "kv_geometry has an unknown dtype");
+  detail::check_enum(g.type, "kv_geometry type (dtype)");
+  detail::check_enum(g.layout, "kv_geometry layout (kv_layout)");
   if (!g.latent()) {
     if (g.num_kv_heads >= g.num_ranks) {
       MOEBIUS_CHECK(g.num_kv_heads % g.num_ranks == 0, errc::invalid_argument,
@@ -35,7 +37,12 @@ void validate(const kv_geometry& g) {
   }
   const int64_t page = detail::checked_product("KV page bytes", g.page_size, g.heads_per_ep_page(),
                                                g.head_dim, dtype_bytes(g.type));
-  detail::checked_product("KV pool bytes", page, g.num_ep_pages, g.num_tensors());
+  // num_tensors() = L x (K|V) is unchecked: check it before any product uses it.
+  const int64_t tensors = detail::checked_mul(g.num_layers, g.kv_tensors(), "KV tensors (L x K|V)");
+  // One page over every tensor (a staging slot, page_bytes_all_tensors) must fit even when
+  // the pool has no pages and its own product is 0.
+  detail::checked_mul(page, tensors, "KV page bytes over all tensors");
+  detail::checked_product("KV pool bytes", page, g.num_ep_pages, tensors);
   detail::checked_mul(g.num_ep_pages, g.tp_pages_per_ep_page(), "TP page count");
 }
 

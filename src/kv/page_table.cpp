@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -33,6 +34,7 @@ void validate_sequence(const kv_geometry& g, int rank, const kv_sequence& q) {
 
 void validate(const kv_geometry& g, const kv_state& s) {
   validate(g);
+  detail::check_enum(s.mode, "kv_state mode (parallel_mode)");
   const int P = g.num_ranks;
   MOEBIUS_CHECK(static_cast<int>(s.ranks.size()) == P, errc::invalid_argument,
                 "kv_state must have one entry per rank (ranks=", s.ranks.size(), ", P=", P, ")");
@@ -40,6 +42,10 @@ void validate(const kv_geometry& g, const kv_state& s) {
   // use[p]: 0 free-unseen, >0 uses; shared[p]: 1 when every use so far was in a shared prefix.
   std::vector<int32_t> use(static_cast<size_t>(num_pages));
   std::vector<uint8_t> shared(static_cast<size_t>(num_pages));
+  // last_user[p]: index of the last sequence on this rank that used page p. A page twice in
+  // one sequence (shared prefix or not) aliases two token ranges: after a migration they
+  // would become two pages holding one copy.
+  std::vector<int64_t> last_user(static_cast<size_t>(num_pages));
   for (int r = 0; r < P; ++r) {
     const kv_rank_state& rs = s.ranks[static_cast<size_t>(r)];
     std::fill(use.begin(), use.end(), 0);
@@ -57,6 +63,11 @@ void validate(const kv_geometry& g, const kv_state& s) {
         const bool in_shared = k < q.shared_prefix_pages;
         auto& u = use[static_cast<size_t>(p)];
         auto& sh = shared[static_cast<size_t>(p)];
+        int64_t& last = last_user[static_cast<size_t>(p)];
+        MOEBIUS_CHECK(u == 0 || last != static_cast<int64_t>(i), errc::invalid_argument, "rank ",
+                      r, " sequence ", q.seq_id, " uses page ", p, " twice (again as page ", k,
+                      "); a page may repeat only across sequences' shared prefixes");
+        last = static_cast<int64_t>(i);
         if (u == 0) {
           sh = in_shared ? 1 : 0;
         } else {
@@ -128,6 +139,7 @@ void validate(const kv_geometry& g, const kv_state& s) {
 kv_state make_kv_state(const kv_geometry& g, parallel_mode mode,
                        std::vector<std::vector<kv_sequence>> tables) {
   validate(g);
+  detail::check_enum(mode, "make_kv_state mode (parallel_mode)");
   MOEBIUS_CHECK(static_cast<int>(tables.size()) == g.num_ranks, errc::invalid_argument,
                 "make_kv_state needs one table list per rank (lists=", tables.size(),
                 ", P=", g.num_ranks, ")");

@@ -5,6 +5,7 @@
 #include <limits>
 #include <numeric>
 
+#include "moebius/detail/checked_math.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -25,8 +26,9 @@ int best_rank(const std::vector<int64_t>& load, std::span<const int64_t> capacit
   int64_t best_after = std::numeric_limits<int64_t>::max();
   const int P = static_cast<int>(load.size());
   for (int r = 0; r < P; ++r) {
-    const int64_t after = load[static_cast<size_t>(r)] + cost(r);
-    const bool better = (after <= capacity[static_cast<size_t>(r)]) & (after < best_after);
+    int64_t after = 0;
+    const bool wraps = __builtin_add_overflow(load[static_cast<size_t>(r)], cost(r), &after);
+    const bool better = !wraps & (after <= capacity[static_cast<size_t>(r)]) & (after < best_after);
     best = better ? r : best;  // selects, not branches: the winner is unpredictable
     best_after = better ? after : best_after;
   }
@@ -48,18 +50,28 @@ void sort_items(std::vector<item>& items) {
   const auto range = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
   const int range_bits = static_cast<int>(std::bit_width(range));
   const int page_bits = static_cast<int>(std::bit_width(static_cast<uint64_t>(max_pages)));
-  if (range >= 8 * static_cast<uint64_t>(items.size()) + 64 || range_bits + page_bits > 64) {
+  auto comparator_sort = [&] {
     std::sort(items.begin(), items.end(), [](const item& a, const item& b) {
       return a.pages != b.pages ? a.pages > b.pages : a.min_seq < b.min_seq;
     });
+  };
+  if (range >= 8 * static_cast<uint64_t>(items.size()) + 64 || range_bits + page_bits > 64) {
+    comparator_sort();
     return;
   }
   const size_t n = items.size();
   std::vector<uint64_t> keys(n), tmp(n);
-  std::vector<uint32_t> slot_of(static_cast<size_t>(range) + 1);
+  constexpr uint32_t no_item = ~uint32_t{0};
+  std::vector<uint32_t> slot_of(static_cast<size_t>(range) + 1, no_item);
   for (size_t i = 0; i < n; ++i) {
     const auto off = static_cast<uint64_t>(items[i].min_seq) - static_cast<uint64_t>(lo);
     keys[i] = (static_cast<uint64_t>(max_pages - items[i].pages) << range_bits) | off;
+    // The key names its item through the seq id: two items with one id (the caller's ids
+    // repeat) would collapse into one, and the other would never be placed.
+    if (slot_of[static_cast<size_t>(off)] != no_item) {
+      comparator_sort();
+      return;
+    }
     slot_of[static_cast<size_t>(off)] = static_cast<uint32_t>(i);
   }
   for (int shift = 0; shift < range_bits + page_bits; shift += 8) {
@@ -83,6 +95,11 @@ kv_placement place_longest_first(std::span<const kv_demand> demands,
   const auto num_groups = static_cast<int64_t>(group_shared_pages.size());
   const auto P = static_cast<int>(capacity.size());
   MOEBIUS_CHECK(P >= 1, errc::invalid_argument, "placement needs >= 1 rank of capacity");
+  for (int r = 0; r < P; ++r) {
+    MOEBIUS_CHECK(capacity[static_cast<size_t>(r)] >= 0, errc::invalid_argument,
+                  "placement capacity of rank ", r, " is ", capacity[static_cast<size_t>(r)],
+                  " < 0 pages");
+  }
   kv_placement out;
   out.owner.assign(demands.size(), -1);
   out.load.assign(static_cast<size_t>(P), 0);
@@ -111,7 +128,7 @@ kv_placement place_longest_first(std::span<const kv_demand> demands,
       items.push_back({shared, d.seq_id, d.share_group, -1});
     }
     item& it = items[static_cast<size_t>(gi)];
-    it.pages += d.own_pages;
+    it.pages = detail::checked_add(it.pages, d.own_pages, "pages of a share group");
     it.min_seq = std::min(it.min_seq, d.seq_id);
   }
   sort_items(items);
@@ -141,7 +158,8 @@ kv_placement place_longest_first(std::span<const kv_demand> demands,
   auto place_whole = [&](int64_t pages) {
     for (size_t i = 0; i < order.size(); ++i) {
       const int r = order[i];
-      if (out.load[static_cast<size_t>(r)] + pages > capacity[static_cast<size_t>(r)]) continue;
+      // load <= capacity always, so the room left never wraps (load + pages could).
+      if (pages > capacity[static_cast<size_t>(r)] - out.load[static_cast<size_t>(r)]) continue;
       out.load[static_cast<size_t>(r)] += pages;
       size_t j = i;
       while (j + 1 < order.size() && before(order[j + 1], r)) {
@@ -196,10 +214,11 @@ kv_placement place_longest_first(std::span<const kv_demand> demands,
     std::sort(order.begin(), order.end(), before);
   }
   out.fits = fits;
-  const int64_t total = std::accumulate(out.load.begin(), out.load.end(), int64_t{0});
+  // In double: each load is within its capacity, but P capacities near 2^63 sum past it.
+  double total = 0.0;
+  for (int64_t l : out.load) total += static_cast<double>(l);
   const int64_t max_load = *std::max_element(out.load.begin(), out.load.end());
-  out.imbalance = total == 0 ? 0.0
-                             : static_cast<double>(max_load) * P / static_cast<double>(total);
+  out.imbalance = total == 0.0 ? 0.0 : static_cast<double>(max_load) * P / total;
   return out;
 }
 
@@ -207,7 +226,9 @@ void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_deman
                    std::vector<int64_t>& group_shared_pages) {
   demands.clear();
   group_shared_pages.clear();
-  MOEBIUS_CHECK(!s.ranks.empty(), errc::invalid_argument, "kv_demands_of needs a state with ranks");
+  // Page ids index the tables below: a state edited since it was built must not index past
+  // them (a repeated page would also miscount the shared pages).
+  validate(g, s);
   const std::vector<kv_sequence>& seqs = s.ranks[0].sequences;
   const int64_t num_pages = g.num_pages(s.mode);
   // Pages in shared prefixes used by >= 2 sequences link those sequences (union-find).

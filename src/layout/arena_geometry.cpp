@@ -44,7 +44,31 @@ arena_geometry make_arena_geometry(const expert_shape& shape, int num_ranks,
   return g;
 }
 
+void validate(const arena_geometry& g) {
+  validate(g.shape, g.num_ranks);
+  MOEBIUS_CHECK(is_power_of_two(g.tensor_alignment), errc::invalid_argument,
+                "arena_geometry tensor_alignment must be a power of two (tensor_alignment=",
+                g.tensor_alignment, ")");
+  int64_t end = 0;  // first byte after the previous tensor
+  for (weight_tensor t : all_weight_tensors) {
+    const int i = static_cast<int>(t);
+    const int64_t want = make_view<parallel_mode::ep>(g.shape, t, g.num_ranks).bytes_per_rank();
+    MOEBIUS_CHECK(g.tensor_bytes[i] == want, errc::invalid_argument, "arena_geometry ",
+                  to_string(t), " holds ", g.tensor_bytes[i], " bytes per rank but its shape at P=",
+                  g.num_ranks, " needs ", want, " (edited after make_arena_geometry?)");
+    MOEBIUS_CHECK(g.tensor_offset[i] >= end && g.tensor_offset[i] % g.tensor_alignment == 0,
+                  errc::invalid_argument, "arena_geometry ", to_string(t), " offset ",
+                  g.tensor_offset[i], " must be a multiple of tensor_alignment ",
+                  g.tensor_alignment, " at or after the previous tensor's end ", end);
+    end = detail::checked_add(g.tensor_offset[i], g.tensor_bytes[i], "slot bytes");
+  }
+  MOEBIUS_CHECK(g.slot_bytes >= end, errc::invalid_argument, "arena_geometry slot_bytes ",
+                g.slot_bytes, " is smaller than its tensors (", end, " bytes)");
+  detail::checked_mul(g.slot_bytes, g.num_slots(), "arena bytes per rank");
+}
+
 void validate(const arena_geometry& g, arena_cursor c) {
+  validate(g);
   MOEBIUS_CHECK(c.tp_layers >= 0 && c.tp_layers <= g.shape.num_layers, errc::invalid_argument,
                 "arena cursor must lie in [0, L] (tp_layers=", c.tp_layers,
                 ", L=", g.shape.num_layers, ")");

@@ -3,6 +3,7 @@
 #include <ostream>
 
 #include "moebius/detail/checked_math.hpp"
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 #include "moebius/layout/weight_view.hpp"
 
@@ -20,6 +21,8 @@ void validate(const expert_shape& s, int P) {
                 "intermediate (I) must be > 0 (I=", s.intermediate, ")");
   MOEBIUS_CHECK(dtype_bytes(s.weight_dtype) > 0, errc::invalid_argument,
                 "unknown weight dtype (", static_cast<int>(s.weight_dtype), ")");
+  detail::check_enum(s.ep_order, "expert_shape ep_order (gate_up_order)");
+  detail::check_enum(s.tp_order, "expert_shape tp_order (gate_up_order)");
   MOEBIUS_CHECK(s.num_experts % P == 0, errc::invalid_argument,
                 "num_ranks (P) must divide num_experts (E) for EP (E=", s.num_experts, ", P=", P,
                 ")");
@@ -48,6 +51,8 @@ void validate(const expert_shape& s, int P) {
                   "each TP slice I/P must be whole scale blocks (I/P=", I / P, ", block_n=", bn,
                   ", block_k=", bk, ", P=", P, ")");
   }
+  // geometry_of() below computes w13's 2I rows unchecked.
+  detail::checked_mul(2, s.intermediate, "w13 rows (2I)");
   // Every byte count of one rank's arena must fit in 64 bits: the whole logical stack is the
   // largest such number (P ranks' arenas together), so checking it covers them all.
   int64_t layer_bytes = 0;

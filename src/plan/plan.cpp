@@ -42,15 +42,27 @@ plan_traffic traffic_of(const plan& p) {
   t.bytes_sent.assign(P, 0);
   t.bytes_received.assign(P, 0);
   t.bytes_local.assign(P, 0);
-  for (const plan_phase& ph : p.phases) {
-    for (const copy_op& op : ph.ops) {
+  for (size_t k = 0; k < p.phases.size(); ++k) {
+    const std::vector<copy_op>& ops = p.phases[k].ops;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const copy_op& op = ops[i];
+      // The per-rank tables are indexed by rank: an unvalidated plan must not index past them.
+      MOEBIUS_CHECK(op.src_rank >= 0 && op.src_rank < p.num_ranks && op.dst_rank >= 0 &&
+                        op.dst_rank < p.num_ranks,
+                    errc::invalid_argument, "traffic_of: op ", i, " of phase ", k,
+                    " names a rank outside [0, ", p.num_ranks, "): ", op);
       ++t.num_ops;
+      const int64_t bytes = detail::checked_mul(op.rows, op.row_bytes, "traffic_of op bytes");
+      auto add = [&](std::vector<int64_t>& to, int32_t rank) {
+        int64_t& sum = to[static_cast<size_t>(rank)];
+        sum = detail::checked_add(sum, bytes, "traffic_of bytes per rank");
+      };
       if (op.is_local()) {
-        t.bytes_local[static_cast<size_t>(op.src_rank)] += op.bytes();
+        add(t.bytes_local, op.src_rank);
       } else {
         ++t.num_remote_ops;
-        t.bytes_sent[static_cast<size_t>(op.src_rank)] += op.bytes();
-        t.bytes_received[static_cast<size_t>(op.dst_rank)] += op.bytes();
+        add(t.bytes_sent, op.src_rank);
+        add(t.bytes_received, op.dst_rank);
       }
     }
   }
@@ -79,6 +91,9 @@ void validate(const plan& p, const int64_t (&space_bytes)[num_memory_spaces]) {
                         op.dst_rank < p.num_ranks,
                     errc::invalid_argument, "op ", i, " of phase ", k, " names a rank outside [0, ",
                     p.num_ranks, "): ", op);
+      MOEBIUS_CHECK(is_valid(op.src_space) && is_valid(op.dst_space), errc::invalid_argument,
+                    "op ", i, " of phase ", k, " names an out-of-range memory_space (src ",
+                    static_cast<int>(op.src_space), ", dst ", static_cast<int>(op.dst_space), ")");
       MOEBIUS_CHECK(op.rows >= 1 && op.row_bytes >= 1, errc::invalid_argument, "op ", i,
                     " of phase ", k, " must have rows >= 1 and row_bytes >= 1: ", op);
       MOEBIUS_CHECK(op.rows == 1 || (op.dst_pitch >= op.row_bytes && op.src_pitch >= 0),

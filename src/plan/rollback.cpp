@@ -21,6 +21,11 @@ plan rollback_plan(const plan& executed, int64_t completed_phases) {
     out.label = "undo " + ph.label;
     out.ops.reserve(ph.ops.size());
     for (const copy_op& op : ph.ops) {
+      MOEBIUS_CHECK(op.src_rank >= 0 && op.src_rank < executed.num_ranks && op.dst_rank >= 0 &&
+                        op.dst_rank < executed.num_ranks && is_valid(op.src_space) &&
+                        is_valid(op.dst_space) && op.rows >= 1,
+                    errc::invalid_argument, "cannot undo phase ", k, ": an op names a rank outside [0, ",
+                    executed.num_ranks, "), an out-of-range memory_space or rows < 1: ", op);
       MOEBIUS_CHECK(op.rows == 1 || op.src_pitch >= op.row_bytes, errc::invalid_argument,
                     "cannot undo an op whose source rows overlap (src_pitch < row_bytes): ", op);
       copy_op inv = op;

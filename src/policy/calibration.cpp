@@ -4,6 +4,7 @@
 #include <cmath>
 #include <ostream>
 
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -41,6 +42,7 @@ double interpolate(const std::vector<latency_sample>& k, double b) {
 }  // namespace
 
 latency_curve latency_curve::fit(std::span<const latency_sample> samples, curve_fit kind) {
+  detail::check_enum(kind, "latency_curve::fit kind (curve_fit)");
   for (const latency_sample& s : samples) {
     MOEBIUS_CHECK(std::isfinite(s.batch) && s.batch > 0 && std::isfinite(s.ms) && s.ms > 0,
                   errc::invalid_argument,
@@ -135,6 +137,7 @@ void validate(const calibration_options& o) {
   MOEBIUS_CHECK(std::isfinite(o.low_ratio) && o.low_ratio > 0 && o.low_ratio <= 1,
                 errc::invalid_argument, "low_ratio must lie in (0, 1] (low_ratio=", o.low_ratio,
                 ")");
+  detail::check_enum(o.fit, "calibration_options fit (curve_fit)");
 }
 
 calibration_result calibrate(std::span<const latency_sample> ep_samples,
@@ -146,9 +149,14 @@ calibration_result calibrate(std::span<const latency_sample> ep_samples,
   r.curves.tp = latency_curve::fit(tp_samples, options.fit);
   r.cross = find_crossover(r.curves);
   if (r.cross.status == crossover_status::found) {
+    // The policy takes T_h <= 2^40; a larger (or non-finite) value would also be undefined
+    // behaviour to convert to an integer.
+    const double t_high = std::ceil(r.cross.batch * (1.0 + options.margin) - 1e-9);
+    MOEBIUS_CHECK(t_high <= static_cast<double>(int64_t{1} << 40), errc::overflow,
+                  "calibrated T_h = ceil(B* x (1 + margin)) exceeds the policy's limit 2^40 (B*=",
+                  r.cross.batch, ", margin=", options.margin, ")");
     r.has_thresholds = true;
-    r.t_high = std::max<int64_t>(
-        1, static_cast<int64_t>(std::ceil(r.cross.batch * (1.0 + options.margin) - 1e-9)));
+    r.t_high = std::max<int64_t>(1, static_cast<int64_t>(t_high));
     r.t_low = std::clamp<int64_t>(
         std::llround(options.low_ratio * static_cast<double>(r.t_high)), 1, r.t_high);
   }

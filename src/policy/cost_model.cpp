@@ -5,6 +5,7 @@
 #include <ostream>
 
 #include "moebius/detail/checked_math.hpp"
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -18,7 +19,10 @@ double transfer_ms(int64_t bytes, double gbps) {
   return static_cast<double>(bytes) / (gbps * 1e6);
 }
 
-int64_t sync_points(const switch_workload& w) { return w.weight_phases + w.kv_rounds; }
+// In double: both counts are user inputs, and their int64 sum may wrap.
+double sync_points(const switch_workload& w) {
+  return static_cast<double>(w.weight_phases) + static_cast<double>(w.kv_rounds);
+}
 
 }  // namespace
 
@@ -48,6 +52,7 @@ void validate(const switch_workload& w) {
 }
 
 switch_workload weight_switch_workload(const arena_geometry& g, int64_t num_layers) {
+  validate(g);
   MOEBIUS_CHECK(num_layers >= 0 && num_layers <= g.shape.num_layers, errc::invalid_argument,
                 "layers to switch must lie in [0, L] (num_layers=", num_layers,
                 ", L=", g.shape.num_layers, ")");
@@ -80,11 +85,13 @@ switch_workload workload_of(const plan& p) {
       MOEBIUS_CHECK(op.src_rank >= 0 && static_cast<size_t>(op.src_rank) < P,
                     errc::invalid_argument, "plan op source rank out of range (src_rank=",
                     op.src_rank, ", P=", p.num_ranks, ")");
+      detail::check_enum(op.dst_space, "workload_of op dst_space (memory_space)");
       writes_kv = writes_kv || op.dst_space == memory_space::kv_pool;
       if (op.is_local()) continue;
       std::vector<int64_t>& v = op.dst_space == memory_space::kv_pool ? kv : weight;
       v[static_cast<size_t>(op.src_rank)] = detail::checked_add(
-          v[static_cast<size_t>(op.src_rank)], op.bytes(), "bytes leaving a rank");
+          v[static_cast<size_t>(op.src_rank)],
+          detail::checked_mul(op.rows, op.row_bytes, "bytes of a plan op"), "bytes leaving a rank");
     }
     ++(writes_kv ? w.kv_rounds : w.weight_phases);
   }

@@ -105,6 +105,7 @@ int64_t max_ops_per_rank(const plan& p) {
 memory_budget make_memory_budget(const arena_geometry& g, const attention_shape& attention,
                                  const dense_shape& dense, int64_t kv_pool_bytes,
                                  const switch_footprint& f) {
+  validate(g);  // the geometry's fields are public: it may have been edited since it was built
   MOEBIUS_CHECK(g.num_ranks >= 1 && g.shape.num_layers >= 1, errc::invalid_argument,
                 "geometry needs num_ranks >= 1 and L >= 1 (num_ranks=", g.num_ranks,
                 ", L=", g.shape.num_layers, ")");

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <ostream>
 
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 #include "moebius/policy/calibration.hpp"
 
@@ -12,6 +13,10 @@ namespace moebius {
 namespace {
 // Keeps T_l · W (the mean rule compares sums, not means) far from overflow.
 constexpr int64_t max_threshold = int64_t{1} << 40;
+// Loads enter the window saturated at 2^48 >= T_l · W (2^40 · 256): a load that large already
+// keeps the window's sum at or above T_l · W, so saturating changes no decision, and a full
+// ring of saturated loads (2^56) cannot overflow the sum.
+constexpr int64_t max_window_load = max_threshold * switch_policy_config::max_window;
 
 constexpr int mode_idx(parallel_mode m) { return m == parallel_mode::ep ? 0 : 1; }
 }  // namespace
@@ -20,6 +25,8 @@ switch_policy_config interactive_config(int64_t t_high, double low_ratio) {
   MOEBIUS_CHECK(std::isfinite(low_ratio) && low_ratio > 0.0 && low_ratio <= 1.0,
                 errc::invalid_argument, "low_ratio must lie in (0, 1] (low_ratio=", low_ratio,
                 ")");
+  MOEBIUS_CHECK(t_high > 0 && t_high <= max_threshold, errc::invalid_argument,
+                "T_h must lie in [1, 2^40] (t_high=", t_high, ")");
   switch_policy_config c;
   c.t_high = t_high;
   c.t_low = std::max<int64_t>(1, std::llround(low_ratio * static_cast<double>(t_high)));
@@ -51,6 +58,7 @@ void validate(const switch_policy_config& c) {
   MOEBIUS_CHECK(c.down_window >= 1 && c.down_window <= switch_policy_config::max_window,
                 errc::invalid_argument, "down_window W must lie in [1, ",
                 switch_policy_config::max_window, "] (down_window=", c.down_window, ")");
+  detail::check_enum(c.rule, "switch_policy_config rule (down_rule)");
   MOEBIUS_CHECK(c.cooldown_steps >= 0, errc::invalid_argument,
                 "cooldown_steps must be >= 0 (cooldown_steps=", c.cooldown_steps, ")");
   MOEBIUS_CHECK(std::isfinite(c.cooldown_s) && c.cooldown_s >= 0.0, errc::invalid_argument,
@@ -136,6 +144,10 @@ bool switch_policy::gain_exceeds_cost(parallel_mode current, parallel_mode targe
 
 switch_decision switch_policy::step(int64_t load, parallel_mode current, double now_s) {
   MOEBIUS_CHECK(load >= 0, errc::invalid_argument, "load must be >= 0 (load=", load, ")");
+  detail::check_enum(current, "switch_policy::step current (parallel_mode)");
+  // A NaN time compares false against everything: the seconds cooldown would never hold.
+  MOEBIUS_CHECK(std::isfinite(now_s), errc::invalid_argument,
+                "switch_policy::step now_s must be finite (now_s=", now_s, ")");
   const int64_t step_idx = stats_.steps++;
 
   // A mode change the policy did not predict (an operator switch, or a proposed switch that
@@ -155,8 +167,9 @@ switch_decision switch_policy::step(int64_t load, parallel_mode current, double 
   } else {
     ++ring_count_;
   }
-  ring_[ring_head_] = load;
-  ring_sum_ += load;
+  const int64_t window_load = std::min(load, max_window_load);
+  ring_[ring_head_] = window_load;
+  ring_sum_ += window_load;
   ring_head_ = ring_head_ + 1 == config_.down_window ? 0 : ring_head_ + 1;
 
   switch_decision d;

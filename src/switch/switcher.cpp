@@ -5,6 +5,7 @@
 #include <ostream>
 #include <utility>
 
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 #include "moebius/plan/rollback.hpp"
 #include "moebius/plan/weight_plan.hpp"
@@ -68,6 +69,7 @@ kv_migration_options switcher::kv_options(arena_cursor weights_at) const {
 }
 
 kv_capacity_report switcher::check(parallel_mode target) const {
+  detail::check_enum(target, "switcher::check target (parallel_mode)");
   return check_kv_capacity(kv_geometry_, kv_, target,
                            kv_options(resting_cursor(weights_, target)));
 }
@@ -107,6 +109,7 @@ switch_report switcher::switch_to(parallel_mode target) {
     std::vector<switch_fault>& faults;
     ~disarm_on_exit() { faults.clear(); }
   } disarm{faults_};
+  detail::check_enum(target, "switcher::switch_to target (parallel_mode)");
   MOEBIUS_CHECK(!progress_, errc::invalid_argument,
                 "switch_to: a progressive switch is in progress; finish() or abort() it first");
   const auto t0 = clock_type::now();

@@ -7,10 +7,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <moebius/kv/page_table.hpp>
 #include <random>
 #include <vector>
-
-#include <moebius/kv/page_table.hpp>
 
 #include "host_runtime.hpp"
 #include "kv_pages.hpp"
@@ -51,16 +50,15 @@ inline std::vector<sequence_run> drive(host_runtime& rt, driver_state& st,
                      static_cast<int>(i % static_cast<size_t>(rt.num_ranks())));
       step_item it;
       it.seq_id = static_cast<int64_t>(100 + i);
-      it.tokens = std::span<const int32_t>(runs[i].tokens).subspan(static_cast<size_t>(done[i]),
-                                                                   static_cast<size_t>(n));
+      it.tokens = std::span<const int32_t>(runs[i].tokens)
+                      .subspan(static_cast<size_t>(done[i]), static_cast<size_t>(n));
       it.start_position = done[i];
       it.sample = done[i] + n == static_cast<int64_t>(runs[i].tokens.size());
       items.push_back(it);
     }
     std::vector<std::vector<float>> logits;
     const moebius::kv_state& tables = st.tables();
-    const std::vector<int32_t> next =
-        rt.step(step_layout{&tables, st.cursor()}, items, &logits);
+    const std::vector<int32_t> next = rt.step(step_layout{&tables, st.cursor()}, items, &logits);
     size_t li = 0;
     for (size_t j = 0; j < which.size(); ++j) {
       const size_t i = which[j];
@@ -115,7 +113,8 @@ inline std::vector<std::vector<int32_t>> random_prompts(std::mt19937_64& rng, in
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(count));
   for (auto& p : prompts) {
     p.resize(static_cast<size_t>(std::uniform_int_distribution<int64_t>(1, max_len)(rng)));
-    for (auto& t : p) t = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, vocab - 1)(rng));
+    for (auto& t : p)
+      t = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, vocab - 1)(rng));
   }
   return prompts;
 }

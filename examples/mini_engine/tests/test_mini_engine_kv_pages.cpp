@@ -3,10 +3,9 @@
 
 #include <cstdint>
 #include <map>
-#include <random>
-
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
+#include <random>
 
 #include "catch.hpp"
 #include "kv_pages.hpp"
@@ -87,8 +86,7 @@ TEST_CASE("kv_pages: random grow/release keeps the state valid; refusals change 
       for (const auto& [id, n] : tokens) used += pages_needed(g, mode, n);
       int64_t free_total = 0;
       for (int r = 0; r < P; ++r) free_total += free_pages(s, r);
-      REQUIRE(free_total + used * (mode == parallel_mode::tp ? P : 1) ==
-              g.num_pages(mode) * P);
+      REQUIRE(free_total + used * (mode == parallel_mode::tp ? P : 1) == g.num_pages(mode) * P);
     }
     CHECK(refusals > 0);
   }

@@ -3,11 +3,10 @@
 
 #include <cmath>
 #include <cstring>
-#include <random>
-#include <string>
-
 #include <moebius/error.hpp>
 #include <moebius/layout/weight_view.hpp>
+#include <random>
+#include <string>
 
 #include "catch.hpp"
 #include "model_config.hpp"
@@ -72,10 +71,19 @@ TEST_CASE("model_config: bad configs name the broken constraint", "[model]") {
       {[](model_config& c) {
          c.expert_dtype = dtype::fp8_e4m3;
          c.fp8_block = 24;
-       }, 1, "fp8_block"},
+       },
+       1, "fp8_block"},
       {[](model_config& c) { c.rope_theta = 0; }, 1, "rope_theta"},
-      {[](model_config& c) { c.num_q_heads = 6; c.num_kv_heads = 2; }, 4, "num_q_heads"},
-      {[](model_config& c) { c.num_experts = 6; c.top_k = 2; }, 4, "E"},
+      {[](model_config& c) {
+         c.num_q_heads = 6;
+         c.num_kv_heads = 2;
+       },
+       4, "num_q_heads"},
+      {[](model_config& c) {
+         c.num_experts = 6;
+         c.top_k = 2;
+       },
+       4, "E"},
   };
   for (const bad& b : cases) {
     model_config c = tiny();
@@ -90,14 +98,14 @@ TEST_CASE("model_config: bad configs name the broken constraint", "[model]") {
 TEST_CASE("bf16 and fp8 e4m3 conversions round to nearest even", "[model]") {
   CHECK(to_bf16(1.0f) == 0x3f80);
   CHECK(from_bf16(0x3f80) == 1.0f);
-  CHECK(round_bf16(1.0f + 0x1p-8f) == 1.0f);              // tie -> even
-  CHECK(round_bf16(1.0f + 0x3p-8f) == 1.0f + 0x1p-6f);    // tie -> even (up)
+  CHECK(round_bf16(1.0f + 0x1p-8f) == 1.0f);            // tie -> even
+  CHECK(round_bf16(1.0f + 0x3p-8f) == 1.0f + 0x1p-6f);  // tie -> even (up)
   CHECK(to_fp8_e4m3(1.0f) == 0x38);
   CHECK(from_fp8_e4m3(0x7e) == 448.0f);
-  CHECK(to_fp8_e4m3(1000.0f) == 0x7e);                    // saturates
-  CHECK(round_fp8_e4m3(1.0625f) == 1.0f);                 // tie -> even
-  CHECK(round_fp8_e4m3(1.1875f) == 1.25f);                // tie -> even (up)
-  CHECK(from_fp8_e4m3(0x01) == std::ldexp(1.0f, -9));     // smallest subnormal
+  CHECK(to_fp8_e4m3(1000.0f) == 0x7e);                 // saturates
+  CHECK(round_fp8_e4m3(1.0625f) == 1.0f);              // tie -> even
+  CHECK(round_fp8_e4m3(1.1875f) == 1.25f);             // tie -> even (up)
+  CHECK(from_fp8_e4m3(0x01) == std::ldexp(1.0f, -9));  // smallest subnormal
   // Every finite code decodes and re-encodes to itself (+-0 aside).
   for (int v = 0; v < 256; ++v) {
     const auto u = static_cast<uint8_t>(v);
@@ -151,8 +159,7 @@ TEST_CASE("weights: seeded, shaped, and rounded experts are a fixed point", "[mo
   CHECK(what.find("layer 1 k_norm") != std::string::npos);
 }
 
-TEST_CASE("weights: placement in EP and TP puts every element where the views say",
-          "[model]") {
+TEST_CASE("weights: placement in EP and TP puts every element where the views say", "[model]") {
   for (dtype t : {dtype::fp32, dtype::bf16, dtype::fp8_e4m3})
     for (int P : {1, 2, 4}) {
       model_config c = tiny();
@@ -168,11 +175,12 @@ TEST_CASE("weights: placement in EP and TP puts every element where the views sa
         const parallel_mode m = moebius::arena_geometry::mode_of(cursor, layer);
         const auto& lw = w.layers[static_cast<size_t>(layer)];
         auto decode = [&](moebius::weight_tensor tensor, int64_t e, int64_t r, int64_t q) {
-          const auto at = m == parallel_mode::ep
-                              ? moebius::make_view<parallel_mode::ep>(g.shape, tensor, P).locate(e, r, q)
-                              : moebius::make_view<parallel_mode::tp>(g.shape, tensor, P).locate(e, r, q);
-          const std::byte* p = arenas[static_cast<size_t>(at.rank)].data() +
-                               g.tensor_base(m, layer, tensor);
+          const auto at =
+              m == parallel_mode::ep
+                  ? moebius::make_view<parallel_mode::ep>(g.shape, tensor, P).locate(e, r, q)
+                  : moebius::make_view<parallel_mode::tp>(g.shape, tensor, P).locate(e, r, q);
+          const std::byte* p =
+              arenas[static_cast<size_t>(at.rank)].data() + g.tensor_base(m, layer, tensor);
           if (t == dtype::fp32 || tensor == moebius::weight_tensor::w13_scale ||
               tensor == moebius::weight_tensor::w2_scale) {
             float f;
@@ -191,13 +199,15 @@ TEST_CASE("weights: placement in EP and TP puts every element where the views sa
           for (int64_t r = 0; r < 2 * I; ++r)
             for (int64_t q = 0; q < H; ++q) {
               float v = decode(moebius::weight_tensor::w13, e, r, q);
-              if (t == dtype::fp8_e4m3) v *= decode(moebius::weight_tensor::w13_scale, e, r / b, q / b);
+              if (t == dtype::fp8_e4m3)
+                v *= decode(moebius::weight_tensor::w13_scale, e, r / b, q / b);
               REQUIRE(v == lw.w13[static_cast<size_t>((e * 2 * I + r) * H + q)]);
             }
           for (int64_t r = 0; r < H; ++r)
             for (int64_t q = 0; q < I; ++q) {
               float v = decode(moebius::weight_tensor::w2, e, r, q);
-              if (t == dtype::fp8_e4m3) v *= decode(moebius::weight_tensor::w2_scale, e, r / b, q / b);
+              if (t == dtype::fp8_e4m3)
+                v *= decode(moebius::weight_tensor::w2_scale, e, r / b, q / b);
               REQUIRE(v == lw.w2[static_cast<size_t>((e * H + r) * I + q)]);
             }
         }

@@ -11,6 +11,7 @@
 #include "catch.hpp"
 #include "driver.hpp"
 #include "host_runtime.hpp"
+#include "kv_pages.hpp"
 #include "model_config.hpp"
 #include "reference.hpp"
 #include "weights.hpp"
@@ -94,8 +95,8 @@ TEST_CASE("host runtime matches the float64 reference in EP and TP", "[runtime]"
             REQUIRE(runs[i].generated.size() == 4);
             for (size_t s = 0; s < runs[i].generated.size(); ++s) {
               const size_t len = prompts[i].size() + s;  // tokens seen by that sample
-              const auto ref = reference_logits(
-                  w, std::span<const int32_t>(runs[i].tokens).first(len)).back();
+              const auto ref =
+                  reference_logits(w, std::span<const int32_t>(runs[i].tokens).first(len)).back();
               const double scale = std::max(1.0, max_abs(ref));
               const auto& got = runs[i].logits[s];
               REQUIRE(got.size() == ref.size());
@@ -119,9 +120,13 @@ TEST_CASE("EP and TP logits agree, also with a hybrid cursor", "[runtime]") {
       const model_weights w = make_weights(c, rng());
       const auto prompts = mini_engine::testing::random_prompts(rng, 4, 7, c.vocab);
       std::vector<std::vector<mini_engine::testing::sequence_run>> results;
-      // EP, TP, and a hybrid: TP attention tables with the experts half TP, half EP.
-      for (int64_t cursor : {int64_t{0}, c.num_layers, c.num_layers / 2}) {
-        const parallel_mode mode = cursor == 0 ? parallel_mode::ep : parallel_mode::tp;
+      // EP, TP, and hybrids: the experts half TP, half EP under TP and under EP attention.
+      const std::pair<int64_t, parallel_mode> layouts[] = {
+          {0, parallel_mode::ep},
+          {c.num_layers, parallel_mode::tp},
+          {c.num_layers / 2, parallel_mode::tp},
+          {(c.num_layers + 1) / 2, parallel_mode::ep}};
+      for (const auto& [cursor, mode] : layouts) {
         host_runtime_options o;
         o.num_ranks = P;
         o.cursor = moebius::arena_cursor{cursor};
@@ -140,4 +145,41 @@ TEST_CASE("EP and TP logits agree, also with a hybrid cursor", "[runtime]") {
                       1e-5f * std::max(1.0f, std::fabs(results[0][i].logits[s][v])));
         }
     }
+}
+
+TEST_CASE("a refused step throws and writes nothing", "[runtime]") {
+  const model_weights w = make_weights(tiny(), 3);
+  host_runtime_options o;
+  o.num_ranks = 2;
+  o.num_ep_pages = 8;
+  host_runtime rt(w, o);
+  for (parallel_mode mode : {parallel_mode::ep, parallel_mode::tp}) {
+    static_state st(rt, mode);
+    reserve_tokens(rt.kv(), st.tables, 1, 3, 1);
+    const std::vector<int32_t> four = {1, 2, 3, 4}, bad = {1, 9999};
+    auto snapshot = [&] {
+      std::vector<std::vector<std::byte>> bytes;
+      for (const auto& m : rt.memory())
+        for (const auto& sp : m.spaces) bytes.emplace_back(sp.data(), sp.data() + sp.bytes);
+      return bytes;
+    };
+    const auto before = snapshot();
+    auto refused = [&](step_item it) {
+      try {
+        rt.step(step_layout{&st.tables, st.cursor}, std::span<const step_item>(&it, 1));
+      } catch (const moebius::error& e) {
+        return e.code() == moebius::errc::invalid_argument;
+      }
+      return false;
+    };
+    CHECK(refused(step_item{.seq_id = 1, .tokens = four, .start_position = 0, .sample = true}));
+    CHECK(refused(step_item{.seq_id = 2, .tokens = std::span(four).first(1), .sample = true}));
+    CHECK(refused(step_item{.seq_id = 1, .tokens = bad, .sample = true}));
+    CHECK(refused(step_item{.seq_id = 1, .tokens = {}, .sample = true}));
+    CHECK(snapshot() == before);
+    // The same tables with room: accepted.
+    CHECK(rt.step(step_layout{&st.tables, st.cursor},
+                  std::vector<step_item>{
+                      {.seq_id = 1, .tokens = std::span(four).first(3), .sample = true}})[0] >= 0);
+  }
 }

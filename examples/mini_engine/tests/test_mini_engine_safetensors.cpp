@@ -3,18 +3,17 @@
 // logits against the reference computed from the same tensors; broken files and missing or
 // misshapen tensors give errors that name them.
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <moebius/error.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
-
-#include <moebius/error.hpp>
 
 #include "catch.hpp"
 #include "driver.hpp"
@@ -55,7 +54,8 @@ void write_safetensors(const std::string& path, const std::vector<named_tensor>&
       }
     }
     header += ", \"" + t.name + "\": {\"dtype\": \"" + (bf16 ? "BF16" : "F32") + "\", \"shape\": [";
-    for (size_t i = 0; i < t.shape.size(); ++i) header += (i ? ", " : "") + std::to_string(t.shape[i]);
+    for (size_t i = 0; i < t.shape.size(); ++i)
+      header += (i ? ", " : "") + std::to_string(t.shape[i]);
     header += "], \"data_offsets\": [" + std::to_string(begin) + ", " +
               std::to_string(data.size()) + "]}";
   }
@@ -156,9 +156,11 @@ TEST_CASE("safetensors: a written checkpoint loads back and runs like the refere
       const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4, 5}, {200, 7}};
       const auto runs = mini_engine::testing::drive(rt, st.driver, prompts, 8, 2);
       for (const auto& run : runs) {
-        const auto ref = reference_logits(loaded, std::span<const int32_t>(run.tokens).first(run.tokens.size() - 1));
+        const auto ref = reference_logits(
+            loaded, std::span<const int32_t>(run.tokens).first(run.tokens.size() - 1));
         for (size_t v = 0; v < ref.back().size(); ++v)
-          REQUIRE(std::fabs(run.logits.back()[v] - ref.back()[v]) <= 1e-4 * std::max(1.0, std::fabs(ref.back()[v])) + 1e-4);
+          REQUIRE(std::fabs(run.logits.back()[v] - ref.back()[v]) <=
+                  1e-4 * std::max(1.0, std::fabs(ref.back()[v])) + 1e-4);
       }
     }
     std::filesystem::remove(path);
@@ -218,7 +220,8 @@ TEST_CASE("safetensors: errors name the file, the tensor and the problem", "[saf
     for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
     out << header;
     out.close();
-    CHECK(error_text([&] { safetensors_file f(path); }).find("bad JSON header") != std::string::npos);
+    CHECK(error_text([&] { safetensors_file f(path); }).find("bad JSON header") !=
+          std::string::npos);
   }
   SECTION("a header length beyond the file") {
     std::ofstream out(path, std::ios::binary);
@@ -228,7 +231,8 @@ TEST_CASE("safetensors: errors name the file, the tensor and the problem", "[saf
     CHECK(error_text([&] { safetensors_file f(path); }).find("exceeds") != std::string::npos);
   }
   SECTION("no file") {
-    CHECK(error_text([&] { safetensors_file f(path + ".none"); }).find("cannot open") != std::string::npos);
+    CHECK(error_text([&] { safetensors_file f(path + ".none"); }).find("cannot open") !=
+          std::string::npos);
   }
   std::filesystem::remove(path);
 }

@@ -4,12 +4,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <moebius/switch/switcher.hpp>
+#include <moebius/transport/host_transport.hpp>
 #include <random>
 #include <sstream>
 #include <vector>
-
-#include <moebius/switch/switcher.hpp>
-#include <moebius/transport/host_transport.hpp>
 
 #include "catch.hpp"
 #include "driver.hpp"
@@ -92,8 +91,8 @@ TEST_CASE("switching at random steps gives the tokens and logits of a static run
         // The switched run: tables and cursor belong to the switcher.
         host_runtime rt(w, o);
         moebius::host_transport transport(rt.memory());
-        moebius::switcher sw(rt.arena(), rt.kv(), transport,
-                             make_empty_kv_state(rt.kv(), start), start_cursor);
+        moebius::switcher sw(rt.arena(), rt.kv(), transport, make_empty_kv_state(rt.kv(), start),
+                             start_cursor);
         driver_state ds;
         ds.tables = [&]() -> moebius::kv_state& { return sw.mutable_kv_tables(); };
         ds.cursor = [&] { return sw.cursor(); };
@@ -147,8 +146,8 @@ TEST_CASE("a switch at every step, both directions, matches both static runs", "
   ds.cursor = [&] { return sw.cursor(); };
   ds.before_step = [&](int64_t step) {
     if (step == 0) return;
-    const auto r = sw.switch_to(sw.mode() == parallel_mode::ep ? parallel_mode::tp
-                                                               : parallel_mode::ep);
+    const auto r =
+        sw.switch_to(sw.mode() == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep);
     REQUIRE(r.outcome == moebius::switch_outcome::committed);
   };
   const auto got = drive(rt, ds, prompts, 3, 6);

@@ -49,9 +49,19 @@ enum class kv_layout : uint8_t {
   nhd,  // [token][head][dim]
 };
 
-constexpr const char* to_string(kv_layout l) { return l == kv_layout::hnd ? "HND" : "NHD"; }
+constexpr bool is_valid(kv_layout l) { return l == kv_layout::hnd || l == kv_layout::nhd; }
+
+constexpr const char* to_string(kv_layout l) {
+  switch (l) {
+    case kv_layout::hnd: return "HND";
+    case kv_layout::nhd: return "NHD";
+  }
+  return "unknown";
+}
 
 enum class kv_tensor : uint8_t { k = 0, v = 1 };
+
+constexpr bool is_valid(kv_tensor t) { return t == kv_tensor::k || t == kv_tensor::v; }
 
 struct kv_geometry {
   int64_t num_layers = 0;      // L: attention layers with a KV cache

@@ -56,11 +56,12 @@ constexpr int64_t pages_for_tokens(int64_t num_tokens, int64_t page_size) {
 }
 
 // Throws errc::invalid_argument naming the rank, sequence, page and constraint unless `s`
-// is a valid state of `g`: ranks.size() == P; per sequence >= 1 page, 1 <= last_page_len
-// <= page_size, num_tokens == (pages-1)*page_size + last_page_len, shared_prefix_pages in
-// [0, pages] and (when all pages are shared) last_page_len == page_size; seq ids unique and
-// ascending per rank; every page id in [0, num_pages(mode)); a page used twice only inside
-// shared prefixes; free_pages ascending, disjoint from pages in use, and together with them
+// is a valid state of `g`: g valid, mode EP or TP, ranks.size() == P; per sequence >= 1
+// page, 1 <= last_page_len <= page_size, num_tokens == (pages-1)*page_size + last_page_len,
+// shared_prefix_pages in [0, pages] and (when all pages are shared) last_page_len ==
+// page_size; seq ids unique and ascending per rank; every page id in [0, num_pages(mode));
+// a page used twice only inside shared prefixes of different sequences (never twice in one
+// sequence); free_pages ascending, disjoint from pages in use, and together with them
 // covering every page (nothing leaked). In EP mode a seq id lives on one rank only; in TP
 // mode every rank holds the same sequences with the same token counts and the same sharing
 // (two sequence pages share a page id on one rank iff they do on every rank).

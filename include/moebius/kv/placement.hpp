@@ -44,13 +44,15 @@ struct kv_placement {
 // Places `demands` (any order) onto capacity.size() ranks; group_shared_pages[g] is the
 // number of distinct shared pages of share group g. Never exceeds capacity[r]; demands that
 // fit nowhere get owner -1 and fits = false. Throws errc::invalid_argument for a negative
-// count or a share_group outside the table.
+// count or capacity or a share_group outside the table, errc::overflow when a share group's
+// pages do not fit in 64 bits.
 kv_placement place_longest_first(std::span<const kv_demand> demands,
                                  std::span<const int64_t> group_shared_pages,
                                  std::span<const int64_t> capacity);
 
 // Demands of the sequences of a TP-mode state (rank 0's sequence order, which is seq id
 // order), with share groups = connected components of sequences through shared page ids.
+// Validates `s` first (validate(g, s)): errc::invalid_argument for an invalid state.
 void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_demand>& demands,
                    std::vector<int64_t>& group_shared_pages);
 

@@ -85,7 +85,17 @@ arena_geometry make_arena_geometry(const expert_shape& shape, int num_ranks,
                                    int64_t tensor_alignment = default_tensor_alignment,
                                    int64_t slot_alignment = default_slot_alignment);
 
-// Throws errc::invalid_argument unless 0 <= cursor.tp_layers <= L.
+// Re-checks a geometry that may have been edited after make_arena_geometry() (its fields are
+// public): throws errc::invalid_argument unless the shape is valid over num_ranks (validate
+// above), tensor_alignment is a power of two, every tensor_bytes[t] is what the views of that
+// shape hold per rank, the tensors sit in order at tensor_alignment-aligned offsets without
+// overlapping, and slot_bytes holds them all; errc::overflow when the arena's byte count does
+// not fit in 64 bits. O(1); every plan builder calls it on the geometry it receives.
+//   g = make_arena_geometry(qwen3, 8); g.num_ranks = 4;  validate(g) -> throws (w13 holds
+//   805,306,368 B per rank at P=4, the geometry says 402,653,184)
+void validate(const arena_geometry& geometry);
+
+// validate(geometry), then throws errc::invalid_argument unless 0 <= cursor.tp_layers <= L.
 void validate(const arena_geometry& geometry, arena_cursor cursor);
 
 std::ostream& operator<<(std::ostream& os, const arena_geometry& g);

@@ -20,6 +20,11 @@ enum class dtype : uint8_t {
 inline constexpr dtype all_dtypes[] = {dtype::bf16, dtype::fp16, dtype::fp32, dtype::fp8_e4m3,
                                        dtype::fp8_e5m2};
 
+// False for a value cast from an integer that names no dtype (detail/enum_check.hpp).
+MOEBIUS_HOST_DEVICE constexpr bool is_valid(dtype t) {
+  return static_cast<uint8_t>(t) <= static_cast<uint8_t>(dtype::fp8_e5m2);
+}
+
 // Bytes per element: bf16 -> 2, fp8_e4m3 -> 1.
 MOEBIUS_HOST_DEVICE constexpr int64_t dtype_bytes(dtype t) {
   switch (t) {

@@ -15,15 +15,33 @@ namespace moebius {
 // different orders: the reshard swaps the halves on the way.
 enum class gate_up_order : uint8_t { gate_first, up_first };
 
+constexpr bool is_valid(gate_up_order o) {
+  return o == gate_up_order::gate_first || o == gate_up_order::up_first;
+}
+
 constexpr const char* to_string(gate_up_order o) {
-  return o == gate_up_order::gate_first ? "gate_first" : "up_first";
+  switch (o) {
+    case gate_up_order::gate_first: return "gate_first";
+    case gate_up_order::up_first: return "up_first";
+  }
+  return "unknown";
 }
 
 // Parallel mode of a layer: experts whole on E/P ranks each (EP), or every expert sliced
 // along its intermediate dimension across all P ranks (TP).
 enum class parallel_mode : uint8_t { ep, tp };
 
-constexpr const char* to_string(parallel_mode m) { return m == parallel_mode::ep ? "EP" : "TP"; }
+constexpr bool is_valid(parallel_mode m) {
+  return m == parallel_mode::ep || m == parallel_mode::tp;
+}
+
+constexpr const char* to_string(parallel_mode m) {
+  switch (m) {
+    case parallel_mode::ep: return "EP";
+    case parallel_mode::tp: return "TP";
+  }
+  return "unknown";
+}
 
 struct expert_shape {
   int64_t num_layers = 0;    // L: MoE layers in the stack

@@ -31,6 +31,10 @@ inline constexpr weight_tensor all_weight_tensors[] = {weight_tensor::w13, weigh
                                                        weight_tensor::w13_scale,
                                                        weight_tensor::w2_scale};
 
+constexpr bool is_valid(weight_tensor t) {
+  return static_cast<uint8_t>(t) <= static_cast<uint8_t>(weight_tensor::w2_scale);
+}
+
 constexpr const char* to_string(weight_tensor t) {
   switch (t) {
     case weight_tensor::w13: return "w13";

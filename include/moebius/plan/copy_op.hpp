@@ -17,8 +17,16 @@ enum class memory_space : uint8_t {
 
 inline constexpr int num_memory_spaces = 2;
 
+constexpr bool is_valid(memory_space s) {
+  return s == memory_space::arena || s == memory_space::kv_pool;
+}
+
 constexpr const char* to_string(memory_space s) {
-  return s == memory_space::arena ? "arena" : "kv_pool";
+  switch (s) {
+    case memory_space::arena: return "arena";
+    case memory_space::kv_pool: return "kv_pool";
+  }
+  return "unknown";
 }
 
 // Copies `rows` rows of `row_bytes` bytes: row j goes from

@@ -46,19 +46,21 @@ struct plan_traffic {
   int64_t total_bytes_sent() const;
 };
 
+// Throws errc::invalid_argument when an op names a rank outside [0, num_ranks), errc::overflow
+// when a byte count does not fit in 64 bits.
 plan_traffic traffic_of(const plan& p);
 
 // Throws errc::invalid_argument or errc::out_of_range unless every op of `p` names ranks in
-// [0, num_ranks), has rows >= 1, row_bytes >= 1, and when rows > 1 dst_pitch >= row_bytes
-// and src_pitch >= 0 (source rows may overlap: a row read several times), and
-// stays inside [0, space_bytes[space]) at both ends. Run by every transport before it moves
+// [0, num_ranks) and memory spaces that exist, has rows >= 1, row_bytes >= 1, and when
+// rows > 1 dst_pitch >= row_bytes and src_pitch >= 0 (source rows may overlap: a row read
+// several times), and stays inside [0, space_bytes[space]) at both ends. Run by every transport before it moves
 // the first byte, so a bad plan moves nothing.
 void validate(const plan& p, const int64_t (&space_bytes)[num_memory_spaces]);
 
 // "" when, in every phase of `p`, no destination byte range overlaps another destination or a
 // source on the same rank and memory space (the rule every phase must keep, so that its ops
 // may run in any order and in parallel); else the first hazard: the phase and the two ops.
-// Exact, row by row: O(total rows * log).
+// Exact, row by row: O(total rows * log). Call it on a plan that passed validate().
 std::string find_phase_hazard(const plan& p);
 
 // One line per phase ("phase 0 'layer 0 EP->TP': 12 ops, 3.0 MiB") then, with

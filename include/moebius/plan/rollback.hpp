@@ -26,7 +26,8 @@ namespace moebius {
 // order, each op with source and destination swapped, each followed by a phase of its
 // restores when it has any; when several ops of a phase read the
 // same source range (a page sent to several ranks), its undo keeps one of them. Throws
-// errc::invalid_argument when completed_phases is outside [0, phases] or an op's source pitch
+// errc::invalid_argument when completed_phases is outside [0, phases], an undone op names a
+// rank outside [0, num_ranks), an out-of-range memory_space or rows < 1, or its source pitch
 // is smaller than its row (its undo would overlap itself).
 //   executed = {phase "layer 0 EP->TP": 1->0 arena[A] -> arena[B]}, completed 1
 //     -> {phase "undo layer 0 EP->TP": 0->1 arena[B] -> arena[A]}

@@ -19,6 +19,7 @@
 #include <span>
 #include <vector>
 
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/layout/expert_shape.hpp"
 #include "moebius/policy/switch_policy.hpp"
 
@@ -32,8 +33,16 @@ struct latency_sample {
 
 enum class curve_fit : uint8_t { least_squares_line, piecewise_linear };
 
+constexpr bool is_valid(curve_fit f) {
+  return f == curve_fit::least_squares_line || f == curve_fit::piecewise_linear;
+}
+
 constexpr const char* to_string(curve_fit f) {
-  return f == curve_fit::least_squares_line ? "least_squares_line" : "piecewise_linear";
+  switch (f) {
+    case curve_fit::least_squares_line: return "least_squares_line";
+    case curve_fit::piecewise_linear: return "piecewise_linear";
+  }
+  return "unknown";
 }
 
 // Step latency of one mode as a function of the batch. Evaluation allocates nothing.
@@ -42,7 +51,7 @@ class latency_curve {
   latency_curve() = default;
 
   // Throws errc::invalid_argument unless every sample has a finite batch > 0 and a finite
-  // ms > 0 and at least two distinct batches are given.
+  // ms > 0, at least two distinct batches are given and `kind` is a curve_fit value.
   //   fit({{1, 10}, {3, 14}}, least_squares_line) -> 8 + 2·batch
   static latency_curve fit(std::span<const latency_sample> samples, curve_fit kind);
 
@@ -73,7 +82,9 @@ class latency_curves {
   latency_curve ep;
   latency_curve tp;
 
+  // Throws errc::invalid_argument for a mode that names neither EP nor TP.
   double latency_ms(parallel_mode mode, double batch) const {
+    detail::check_enum(mode, "latency_ms mode (parallel_mode)");
     return mode == parallel_mode::ep ? ep.at(batch) : tp.at(batch);
   }
 };
@@ -84,6 +95,10 @@ enum class crossover_status : uint8_t {
   ep_always_faster,   // no crossing in range: stay in EP (or measure smaller batches)
   wrong_orientation,  // EP faster below, TP above: contradicts eq. 5, measurement suspect
 };
+
+constexpr bool is_valid(crossover_status s) {
+  return static_cast<uint8_t>(s) <= static_cast<uint8_t>(crossover_status::wrong_orientation);
+}
 
 constexpr const char* to_string(crossover_status s) {
   switch (s) {
@@ -118,7 +133,8 @@ struct calibration_options {
   double low_ratio = 0.8;  // T_l = max(1, round(low_ratio · T_h)) (paper)
 };
 
-// Throws errc::invalid_argument unless margin >= 0 and 0 < low_ratio <= 1 (both finite).
+// Throws errc::invalid_argument unless margin >= 0 and 0 < low_ratio <= 1 (both finite) and
+// fit is a curve_fit value.
 void validate(const calibration_options& options);
 
 struct calibration_result {
@@ -130,7 +146,8 @@ struct calibration_result {
 };
 
 // Fits both curves, finds B* and derives T_h / T_l. Throws errc::invalid_argument for bad
-// samples or options (see latency_curve::fit, validate).
+// samples or options (see latency_curve::fit, validate), errc::overflow when the derived T_h
+// exceeds the policy's limit of 2^40.
 //   ep = 20 + 0.05·b, tp = 10 + 0.1·b sampled at 1..512, margin 0.25 -> B* 200, T_h 250,
 //   T_l 200.
 calibration_result calibrate(std::span<const latency_sample> ep_samples,

@@ -41,7 +41,15 @@ enum class down_rule : uint8_t {
   every,  // each of the last W loads < T_l
 };
 
-constexpr const char* to_string(down_rule r) { return r == down_rule::mean ? "mean" : "every"; }
+constexpr bool is_valid(down_rule r) { return r == down_rule::mean || r == down_rule::every; }
+
+constexpr const char* to_string(down_rule r) {
+  switch (r) {
+    case down_rule::mean: return "mean";
+    case down_rule::every: return "every";
+  }
+  return "unknown";
+}
 
 struct switch_policy_config {
   static constexpr int64_t max_window = 256;  // ring capacity: state stays fixed-size
@@ -67,7 +75,8 @@ switch_policy_config interactive_config(int64_t t_high, double low_ratio = 0.8);
 // no wall-clock pacing to honour). rollout_config(256): switch to TP at the first load < 256.
 switch_policy_config rollout_config(int64_t t_high, int64_t cooldown_steps = 0);
 
-// Throws errc::invalid_argument naming the constraint: 0 < T_l <= T_h, 1 <= up_window <=
+// Throws errc::invalid_argument naming the constraint: 0 < T_l <= T_h <= 2^40, a valid
+// rule, 1 <= up_window <=
 // max_window, 1 <= down_window <= max_window, cooldowns >= 0 and finite,
 // expected_residency_steps >= 0.
 void validate(const switch_policy_config& config);
@@ -85,6 +94,10 @@ enum class decision_reason : uint8_t {
 };
 
 inline constexpr int num_decision_reasons = 6;
+
+constexpr bool is_valid(decision_reason r) {
+  return static_cast<uint8_t>(r) < num_decision_reasons;
+}
 
 constexpr const char* to_string(decision_reason r) {
   switch (r) {
@@ -140,7 +153,10 @@ class switch_policy {
   // in seconds (any monotonic clock; only differences are used; pass it even when
   // cooldown_s is 0). Returns stay or
   // switch_to(target); a proposed switch starts the cooldown at once (a failed switch also
-  // backs off). O(1), no allocation. Throws errc::invalid_argument for load < 0.
+  // backs off). O(1), no allocation. Throws errc::invalid_argument for load < 0, a `current`
+  // that names neither EP nor TP, or a non-finite now_s (a NaN time would silently disable
+  // the seconds cooldown). Any load >= 0 is accepted: the window saturates each load at
+  // 2^48 (>= T_l · W for every valid config, so no decision changes) and never overflows.
   switch_decision step(int64_t load, parallel_mode current, double now_s);
 
   // Attaches the cost gate: step-latency curves of both modes and the predicted time of a
@@ -154,7 +170,7 @@ class switch_policy {
 
   const switch_policy_config& config() const { return config_; }
   const switch_policy_stats& stats() const { return stats_; }
-  // Mean of the loads currently in the EP -> TP window (0 when empty).
+  // Mean of the loads currently in the EP -> TP window (0 when empty), each saturated at 2^48.
   double window_mean() const;
 
  private:

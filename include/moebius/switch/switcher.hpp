@@ -48,6 +48,10 @@ enum class switch_outcome : uint8_t {
   in_progress,        // a progressive switch has begun and not yet finished
 };
 
+constexpr bool is_valid(switch_outcome o) {
+  return static_cast<uint8_t>(o) <= static_cast<uint8_t>(switch_outcome::inconsistent);
+}
+
 const char* to_string(switch_outcome o);
 
 // What one switch_to() did.
@@ -124,12 +128,13 @@ class switcher {
   kv_state& mutable_kv_tables() { return kv_; }
 
   // Whether a switch to `target` would be accepted by the capacity check; moves nothing.
+  // Throws errc::invalid_argument for a target that names neither EP nor TP.
   kv_capacity_report check(parallel_mode target) const;
 
   // Switches everything to `target` (see the failure protocol above). Never throws once bytes
   // may move: a transport error, a fault, a verify mismatch or a throwing verify hook all
-  // end in the report. Throws errc::invalid_argument when the KV tables are invalid (nothing
-  // moved).
+  // end in the report. Throws errc::invalid_argument for a target that names neither EP nor
+  // TP, or when the KV tables are invalid (nothing moved).
   switch_report switch_to(parallel_mode target);
 
   // False after an `inconsistent` outcome: switch_to() then refuses, moving nothing.

@@ -1,0 +1,146 @@
+#include "options.hpp"
+
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <string_view>
+
+namespace mini_engine::demo {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& option, const std::string& why) {
+  throw usage_error(option + ": " + why);
+}
+
+int64_t parse_int(const std::string& option, std::string_view v, int64_t lo, int64_t hi) {
+  int64_t x = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  if (v.empty() || ec == std::errc::invalid_argument || end != v.data() + v.size()) {
+    fail(option, "'" + std::string(v) + "' is not an integer");
+  }
+  if (ec == std::errc::result_out_of_range || x < lo || x > hi) {
+    fail(option, std::string(v) + " is out of range [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "]");
+  }
+  return x;
+}
+
+uint64_t parse_seed(const std::string& option, std::string_view v) {
+  uint64_t x = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  if (v.empty() || ec != std::errc() || end != v.data() + v.size()) {
+    fail(option, "'" + std::string(v) + "' is not an unsigned 64-bit integer");
+  }
+  return x;
+}
+
+double parse_double(const std::string& option, std::string_view v, double lo, double hi) {
+  const std::string s(v);
+  char* end = nullptr;
+  const double x = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size() || s.front() == ' ') {
+    fail(option, "'" + s + "' is not a number");
+  }
+  if (!std::isfinite(x) || x < lo || x > hi) {
+    fail(option, s + " is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  return x;
+}
+
+}  // namespace
+
+const char* usage_text() {
+  return "usage: moebius_demo [options]\n"
+         "Serves a request trace three times on the mini-engine (static TP, static EP, and\n"
+         "switching live between them with the Moebius policy), then prints a table and writes\n"
+         "a CSV and an SVG timeline. Without GPUs it runs the host runtime (small model, P\n"
+         "virtual ranks) and prices each step with an H200 model (the clock it shows).\n"
+         "  --runtime auto|host|gpu  which runtime (auto: gpu when GPUs are present)\n"
+         "  --ranks P                ranks, 1..64 (default 4; the model must split over P)\n"
+         "  --trace bursty|rollout|FILE  the workload (FILE: lines 'arrival_s prompt output')\n"
+         "  --seed N                 seed of the trace and the weights (default 1)\n"
+         "  --duration S             bursty trace length in seconds, (0, 3600] (default 1.6)\n"
+         "  --requests N             rollout batch, 1..100000 (default 160)\n"
+         "  --kv-pages N             EP KV pages per rank, 1..16777216 (default 2048)\n"
+         "  --max-batch N            sequences running at once, 1..4096 (default 128)\n"
+         "  --step-tokens N          token budget per step, 1..65536 (default 512)\n"
+         "  --clock auto|model|measured  step times: H200 model (host default) or measured\n"
+         "  --context-scale X        H200 model: context tokens priced x X, [1, 1024] (32)\n"
+         "  --out DIR                where the CSV and SVG go (default moebius_demo_out)\n"
+         "  --no-reshard             skip the verified-reshard stage\n"
+         "  --help                   this text\n";
+}
+
+options parse_options(int argc, const char* const* argv) {
+  options o;
+  bool max_batch_set = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) fail(a, "needs a value");
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") {
+      o.help = true;
+    } else if (a == "--runtime") {
+      const std::string_view v = value();
+      if (v == "auto") o.runtime = runtime_kind::automatic;
+      else if (v == "host") o.runtime = runtime_kind::host;
+      else if (v == "gpu") o.runtime = runtime_kind::gpu;
+      else fail(a, "'" + std::string(v) + "' is not one of auto, host, gpu");
+    } else if (a == "--ranks") {
+      o.ranks = static_cast<int>(parse_int(a, value(), 1, 64));
+    } else if (a == "--trace") {
+      const std::string_view v = value();
+      if (v == "bursty") o.trace = trace_kind::bursty;
+      else if (v == "rollout") o.trace = trace_kind::rollout;
+      else if (v.empty()) fail(a, "needs bursty, rollout or a file name");
+      else {
+        o.trace = trace_kind::file;
+        o.trace_file = std::string(v);
+      }
+    } else if (a == "--seed") {
+      o.seed = parse_seed(a, value());
+    } else if (a == "--duration") {
+      o.duration_s = parse_double(a, value(), 0, 3600);
+      if (o.duration_s <= 0) fail(a, "must be > 0");
+    } else if (a == "--requests") {
+      o.requests = parse_int(a, value(), 1, 100000);
+    } else if (a == "--kv-pages") {
+      o.kv_pages = parse_int(a, value(), 1, int64_t{1} << 24);
+    } else if (a == "--max-batch") {
+      o.max_batch = parse_int(a, value(), 1, 4096);
+      max_batch_set = true;
+    } else if (a == "--step-tokens") {
+      o.step_tokens = parse_int(a, value(), 1, 65536);
+    } else if (a == "--clock") {
+      const std::string_view v = value();
+      if (v == "auto") o.clock = clock_kind::automatic;
+      else if (v == "model") o.clock = clock_kind::model;
+      else if (v == "measured") o.clock = clock_kind::measured;
+      else fail(a, "'" + std::string(v) + "' is not one of auto, model, measured");
+    } else if (a == "--context-scale") {
+      o.context_scale = parse_double(a, value(), 1, 1024);
+    } else if (a == "--out") {
+      const std::string_view v = value();
+      if (v.empty()) fail(a, "needs a directory name");
+      o.out_dir = std::string(v);
+    } else if (a == "--no-reshard") {
+      o.reshard_stage = false;
+    } else {
+      throw usage_error("unknown option '" + a + "'");
+    }
+  }
+  if (o.max_batch > o.step_tokens) {
+    if (max_batch_set) {
+      fail("--max-batch", std::to_string(o.max_batch) + " exceeds --step-tokens " +
+                              std::to_string(o.step_tokens) +
+                              " (every running sequence decodes one token per step)");
+    }
+    o.max_batch = o.step_tokens;
+  }
+  return o;
+}
+
+}  // namespace mini_engine::demo

@@ -1,0 +1,95 @@
+#include "timeline_svg.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <ostream>
+#include <string>
+
+namespace mini_engine::demo {
+
+namespace {
+
+constexpr double width = 1000, panel_h = 180, left = 60, right = 60, top = 30, gap = 50;
+
+std::string fmt(const char* f, double a) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, a);
+  return buf;
+}
+
+}  // namespace
+
+void write_timeline_svg(std::ostream& os, const std::vector<const run_result*>& runs) {
+  double t_end = 0, max_batch = 1, max_ms = 0;
+  for (const run_result* r : runs) {
+    t_end = std::max(t_end, r->end_s);
+    for (const step_record& s : r->steps) {
+      max_batch = std::max(max_batch, static_cast<double>(s.sequences));
+      max_ms = std::max(max_ms, s.step_ms);
+    }
+  }
+  if (t_end <= 0) t_end = 1;
+  if (max_ms <= 0) max_ms = 1;
+  const double plot_w = width - left - right;
+  const double height = top + static_cast<double>(runs.size()) * (panel_h + gap) + 20;
+  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+     << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
+     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+     << "<text x=\"" << left << "\" y=\"18\" font-size=\"13\">Moebius mini-engine: batch "
+        "(blue, left axis), step time (orange, right axis), mode bands (TP green, EP purple), "
+        "switches (red)</text>\n";
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const run_result& r = *runs[i];
+    const double y0 = top + static_cast<double>(i) * (panel_h + gap) + 20;
+    auto X = [&](double t) { return left + plot_w * t / t_end; };
+    auto YB = [&](double b) { return y0 + panel_h - panel_h * b / max_batch; };
+    auto YT = [&](double ms) { return y0 + panel_h - panel_h * ms / max_ms; };
+    os << "<text x=\"" << left << "\" y=\"" << y0 - 6 << "\" font-size=\"12\">" << r.name
+       << " (clock: " << r.clock << ")</text>\n";
+    // Mode bands: one rectangle per run of equal mode.
+    size_t a = 0;
+    while (a < r.steps.size()) {
+      size_t b = a;
+      while (b + 1 < r.steps.size() && r.steps[b + 1].mode == r.steps[a].mode) ++b;
+      const double t0 = r.steps[a].start_s;
+      const double t1 = b + 1 < r.steps.size() ? r.steps[b + 1].start_s
+                                               : r.steps[b].start_s + r.steps[b].step_ms * 1e-3;
+      os << "<rect x=\"" << fmt("%.2f", X(t0)) << "\" y=\"" << y0 << "\" width=\""
+         << fmt("%.2f", std::max(0.5, X(t1) - X(t0))) << "\" height=\"" << panel_h
+         << "\" fill=\"" << (r.steps[a].mode == moebius::parallel_mode::tp ? "#dff3df" : "#ece0f5")
+         << "\"/>\n";
+      a = b + 1;
+    }
+    os << "<rect x=\"" << left << "\" y=\"" << y0 << "\" width=\"" << plot_w << "\" height=\""
+       << panel_h << "\" fill=\"none\" stroke=\"#888\"/>\n";
+    // Batch and step time as polylines.
+    for (const int series : {0, 1}) {
+      os << "<polyline fill=\"none\" stroke=\"" << (series == 0 ? "#1f5fbf" : "#e08020")
+         << "\" stroke-width=\"1\" points=\"";
+      for (const step_record& s : r.steps) {
+        os << fmt("%.2f", X(s.start_s)) << ','
+           << fmt("%.2f", series == 0 ? YB(static_cast<double>(s.sequences)) : YT(s.step_ms)) << ' ';
+      }
+      os << "\"/>\n";
+    }
+    for (const switch_record& s : r.switches) {
+      if (s.outcome != moebius::switch_outcome::committed) continue;
+      os << "<line x1=\"" << fmt("%.2f", X(s.start_s)) << "\" x2=\"" << fmt("%.2f", X(s.start_s))
+         << "\" y1=\"" << y0 << "\" y2=\"" << y0 + panel_h
+         << "\" stroke=\"#d02020\" stroke-width=\"1.5\"><title>switch to "
+         << moebius::to_string(s.to) << fmt(", %.1f ms", s.clock_ms) << "</title></line>\n";
+    }
+    // Axes labels.
+    os << "<text x=\"" << left - 6 << "\" y=\"" << y0 + 10 << "\" text-anchor=\"end\" fill=\"#1f5fbf\">"
+       << fmt("%.0f", max_batch) << "</text>\n"
+       << "<text x=\"" << left - 6 << "\" y=\"" << y0 + panel_h << "\" text-anchor=\"end\">0</text>\n"
+       << "<text x=\"" << width - right + 6 << "\" y=\"" << y0 + 10 << "\" fill=\"#e08020\">"
+       << fmt("%.2f ms", max_ms) << "</text>\n"
+       << "<text x=\"" << width - right << "\" y=\"" << y0 + panel_h + 14
+       << "\" text-anchor=\"end\">" << fmt("%.3f s", t_end) << "</text>\n"
+       << "<text x=\"" << left << "\" y=\"" << y0 + panel_h + 14 << "\">0 s</text>\n";
+  }
+  os << "</svg>\n";
+}
+
+}  // namespace mini_engine::demo

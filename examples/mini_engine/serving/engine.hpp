@@ -1,0 +1,149 @@
+#pragma once
+
+// The mini-engine's serving loop: a scheduler (continuous batching), a runtime (one forward
+// step per call), a moebius::switcher that owns the KV page tables and the arena cursor, and
+// a moebius::switch_policy that decides between two steps whether to switch. Each step and
+// each switch advances the serving clock by what a step_clock says it took.
+//
+//   loop: [policy.step(load, mode, now) -> switcher.switch_to(target)]  (or a forced switch)
+//         batch = scheduler.next_step(tables, now)      (admit, grow page tables)
+//         tokens = runtime.step({tables, cursor}, batch) (timed)
+//         now += clock.step_s(cost, measured); scheduler.finish_step(batch, tokens, now)
+//
+// The load the policy sees is the number of sequences that want to run: running plus arrived
+// and waiting, capped at max_running (the batch the calibration measured).
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <moebius/kv/kv_geometry.hpp>
+#include <moebius/layout/arena_geometry.hpp>
+#include <moebius/policy/calibration.hpp>
+#include <moebius/policy/switch_policy.hpp>
+#include <moebius/switch/switcher.hpp>
+#include <moebius/transport/transport.hpp>
+
+#include "../step.hpp"
+#include "scheduler.hpp"
+#include "step_clock.hpp"
+#include "trace.hpp"
+
+namespace mini_engine {
+
+enum class switching : uint8_t {
+  never,   // static: serve in start_mode throughout
+  policy,  // the switch policy decides between steps
+  forced,  // switch to the other mode before each step in forced_steps (tests)
+};
+
+struct progress_info {
+  const std::string* run = nullptr;
+  int64_t step = 0;
+  double now_s = 0;
+  int64_t running = 0, finished = 0, total = 0, switches = 0;
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+};
+
+struct engine_options {
+  scheduler_options scheduler;
+  moebius::parallel_mode start_mode = moebius::parallel_mode::ep;
+  switching how = switching::never;
+  moebius::switch_policy_config policy;  // switching::policy
+  std::vector<int64_t> forced_steps;     // switching::forced: step indices, ascending
+  bool validate_every_step = false;      // moebius::validate(kv, tables) after every step
+  int64_t max_steps = 50'000'000;        // a run longer than this throws (a stuck loop)
+  int64_t progress_every_steps = 0;      // 0: no progress callback
+  std::function<void(const progress_info&)> on_progress;
+  // Passed to the switcher (switcher_options::verify): a layout-independent checksum.
+  std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify;
+};
+
+// One step, as the CSV records it.
+struct step_record {
+  int64_t step = 0;
+  double start_s = 0;                   // serving clock at the step's start
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  int64_t sequences = 0, decode_tokens = 0, prefill_tokens = 0, context_tokens = 0;
+  int64_t running = 0, waiting = 0, stalled = 0;
+  int64_t kv_used_pages = 0;            // sum over ranks, in `mode`'s pages
+  double step_ms = 0;                   // on the serving clock
+  double measured_ms = 0;               // host (or GPU) time of runtime.step()
+  bool switched = false;                // a switch ran before this step
+  double switch_ms = 0;                 // its time on the serving clock
+};
+
+struct switch_record {
+  int64_t step = 0;                     // ran before this step
+  double start_s = 0;
+  moebius::parallel_mode from = moebius::parallel_mode::ep, to = moebius::parallel_mode::ep;
+  moebius::switch_outcome outcome = moebius::switch_outcome::committed;
+  double clock_ms = 0, measured_ms = 0;
+  int64_t running = 0, prefilling = 0;  // sequences live, and of them mid chunked prefill
+  std::string error;
+};
+
+struct run_result {
+  std::string name;
+  std::string clock;                    // step_clock::name()
+  std::vector<step_record> steps;
+  std::vector<switch_record> switches;  // committed or not
+  std::vector<request_result> requests; // sorted by id
+  double end_s = 0;
+  int64_t stalls = 0;
+};
+
+struct run_summary {
+  int64_t requests = 0, output_tokens = 0, steps = 0;
+  double mean_ttft_ms = 0, p99_ttft_ms = 0, mean_tpot_ms = 0, tokens_per_s = 0;
+  int64_t switches = 0;                 // committed
+  double switch_total_ms = 0, switch_mean_ms = 0;
+  double duration_s = 0;
+};
+
+run_summary summarize(const run_result& r);
+
+// step,start_s,mode,sequences,... one line per step (header first).
+void write_steps_csv(std::ostream& os, const run_result& r);
+
+class engine {
+ public:
+  // The runtime's arena must rest at `cursor` and its KV pool hold no live sequence; `t` is
+  // a transport over the runtime's memory. The engine's switcher owns the tables from here.
+  engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry& arena,
+         const moebius::kv_geometry& kv, const step_clock& clock, moebius::arena_cursor cursor);
+
+  // Serves `requests` to the end (every request finished, every page free) and returns what
+  // happened. Switches first (untimed) to options.start_mode when the engine rests elsewhere.
+  run_result run(std::vector<request> requests, const engine_options& options,
+                 const std::string& name = "run");
+
+  // One decode step of `batch` sequences at `context` tokens each in `mode` on the serving
+  // clock: evaluated directly for a model clock, else run on the runtime with placeholder
+  // sequences (KV content meaningless; released after). For calibration.
+  double decode_step_s(moebius::parallel_mode mode, int64_t batch, int64_t context);
+
+  moebius::parallel_mode mode() const { return switcher_.mode(); }
+  const moebius::switcher& get_switcher() const { return switcher_; }
+  const step_clock& clock() const { return clock_; }
+
+ private:
+  void switch_untimed(moebius::parallel_mode target);
+
+  runtime& runtime_;
+  moebius::kv_geometry kv_;
+  const step_clock& clock_;
+  moebius::switcher switcher_;
+  std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify_;
+};
+
+// Calibration (moebius::calibrate) from the engine's clock: decode-step times of both modes
+// at each batch in `batches` (>= 2 distinct, each >= 1) at `context` tokens per sequence.
+moebius::calibration_result calibrate_engine(engine& e, std::span<const int64_t> batches,
+                                             int64_t context,
+                                             const moebius::calibration_options& options = {});
+
+}  // namespace mini_engine

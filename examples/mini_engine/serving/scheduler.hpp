@@ -1,0 +1,143 @@
+#pragma once
+
+// Continuous batching for the mini-engine: a waiting queue in arrival order, admission bounded
+// by the KV pool, chunked prefill under a token budget per step, decode, retirement.
+//
+// One step's batch is built in this order, within `max_step_tokens`:
+//   1. decode: one token for every running sequence whose prompt is in the KV cache;
+//   2. prefill: the next chunk of every sequence whose prompt is partly in the cache (oldest
+//      admission first);
+//   3. admission: waiting requests that have arrived, first come first served (no overtaking,
+//      so a long prompt cannot starve), while a sequence slot, budget and KV pages remain;
+//      each admitted request starts its first chunk in this step.
+// Admission reserves (in its bookkeeping, not in the page tables) the pages the request needs
+// at its largest, prompt + output - 1 tokens (the last sampled token is never written), on
+// its EP owner or on every TP rank; page tables grow only as tokens are written, so the
+// tables always describe exactly the KV the runtime wrote (what a switch moves). The EP owner
+// is the rank with the most pages left after the running sequences' reservations.
+//
+// A switch can change the reservations (EP owners are chosen by the switcher's placement,
+// TP holds every sequence on every rank): a sequence whose next token finds no page waits a
+// step (a stall, counted) and keeps its place; it is never restarted. A batch that is empty
+// while sequences run is a deadlock and throws errc::capacity.
+//
+// Invariants (tested): every request is admitted once and finishes once with exactly
+// output_tokens tokens; tokens are produced in order; at the end every page is free.
+
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include <moebius/kv/kv_geometry.hpp>
+#include <moebius/kv/page_table.hpp>
+
+#include "../step.hpp"
+#include "trace.hpp"
+
+namespace mini_engine {
+
+struct scheduler_options {
+  int64_t max_step_tokens = 256;  // token budget of one step: decode tokens + prefill chunks
+  int64_t max_running = 64;       // sequences admitted at once (<= max_step_tokens)
+};
+
+// Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens.
+void validate(const scheduler_options& o);
+
+// What happened to one request. Times are on the serving clock (seconds).
+struct request_result {
+  int64_t id = 0;
+  double arrival_s = 0;
+  double admitted_s = -1;     // when its first prefill chunk was scheduled
+  double first_token_s = -1;  // end of the step that sampled its first token
+  double finish_s = -1;       // end of the step that sampled its last token
+  int64_t prompt_tokens = 0;
+  int64_t output_tokens = 0;
+  int64_t admissions = 0;     // 1 once admitted; never more (no restart)
+  int64_t stalls = 0;         // steps it waited for a KV page after admission
+  std::vector<int32_t> generated;  // greedy tokens, in order
+
+  bool finished() const { return finish_s >= 0; }
+  double ttft_s() const { return first_token_s - arrival_s; }
+  // Mean time per output token after the first (0 for a single-token answer).
+  double tpot_s() const {
+    return output_tokens > 1 ? (finish_s - first_token_s) / static_cast<double>(output_tokens - 1)
+                             : 0.0;
+  }
+};
+
+// The items of one step and what the clock needs to price it.
+struct step_batch {
+  std::vector<step_item> items;
+  std::vector<int64_t> running_idx;  // [items] the scheduler's running slot of each item
+  int64_t num_sequences = 0;         // items.size()
+  int64_t decode_tokens = 0;         // items that decode one token
+  int64_t prefill_tokens = 0;        // tokens of prefill chunks
+  int64_t context_tokens = 0;        // sum over items of start_position + new tokens
+  int64_t admitted = 0;              // requests admitted by this step
+  int64_t stalled = 0;               // sequences skipped for want of a KV page
+
+  bool empty() const { return items.empty(); }
+};
+
+class scheduler {
+ public:
+  // Takes the requests (any order; ids unique, prompts non-empty, output_tokens >= 1) of one
+  // run over the KV pool `g`. Throws errc::invalid_argument for a bad request, or one that
+  // needs more pages at its largest than one rank holds (it could never be admitted).
+  scheduler(const moebius::kv_geometry& g, std::vector<request> requests,
+            scheduler_options options = {});
+
+  // Admits what has arrived by `now_s`, grows the page tables in `kv` (the switcher's tables,
+  // in their current mode) for every item, and returns the next step's batch. Empty when
+  // nothing runs (then advance the clock to next_arrival_s()).
+  step_batch next_step(moebius::kv_state& kv, double now_s);
+
+  // Records a step that ended at `now_s`: the runtime's tokens for `b` (one per item, -1
+  // where no sample), then retires finished requests and releases their pages.
+  void finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
+                   moebius::kv_state& kv, double now_s);
+
+  bool done() const { return num_finished_ == static_cast<int64_t>(results_.size()); }
+  // Arrival of the first request not yet admitted (+inf when none waits).
+  double next_arrival_s() const;
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  // Requests that have arrived by `now_s` and wait for admission.
+  int64_t num_waiting(double now_s) const;
+  int64_t num_finished() const { return num_finished_; }
+  // Running sequences whose prompt is not yet wholly in the KV cache (mid chunked prefill).
+  int64_t num_prefilling() const;
+
+  // Whether every running sequence, grown to its largest, fits the KV pool in mode `target`
+  // (TP: on every rank; EP: first-fit decreasing over the ranks). A switch the policy
+  // proposes should pass this as well as the switcher's check of the current tables.
+  bool fits_at_largest(const moebius::kv_state& kv, moebius::parallel_mode target) const;
+
+  // Per request, in the order of the ids given (sorted by id).
+  const std::vector<request_result>& results() const { return results_; }
+  const moebius::kv_geometry& geometry() const { return g_; }
+
+ private:
+  struct running_seq {
+    int64_t result_idx = 0;
+    std::vector<int32_t> tokens;  // prompt, then generated; capacity fixed at admission
+    int64_t in_kv = 0;            // tokens whose K/V the runtime has written
+    int64_t prompt = 0;
+    int64_t final_tokens = 0;     // prompt + output - 1: the most it will hold
+    bool decoding() const { return in_kv >= prompt; }
+  };
+
+  // Pages left per rank after the running sequences' reservations, in kv.mode.
+  std::vector<int64_t> unreserved(const moebius::kv_state& kv) const;
+
+  moebius::kv_geometry g_;
+  scheduler_options options_;
+  std::vector<request> requests_;        // sorted by (arrival, id)
+  size_t next_waiting_ = 0;              // requests_[next_waiting_..] wait
+  std::vector<request_result> results_;  // sorted by id
+  std::vector<running_seq> running_;     // in admission order
+  int64_t num_finished_ = 0;
+};
+
+}  // namespace mini_engine

@@ -1,0 +1,103 @@
+#include "step_clock.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <ostream>
+
+#include <moebius/error.hpp>
+#include <moebius/policy/cost_model.hpp>
+
+namespace mini_engine {
+
+using moebius::errc;
+using moebius::parallel_mode;
+
+h200_step_model::h200_step_model(priced_model m, h200_params hw, int num_ranks,
+                                 int64_t run_kv_bytes_per_token)
+    : m_(m), hw_(hw), num_ranks_(num_ranks), run_kv_bytes_per_token_(run_kv_bytes_per_token) {
+  MOEBIUS_CHECK(num_ranks >= 1 && m.num_experts % num_ranks == 0 && m.top_k >= 1 &&
+                    m.top_k <= m.num_experts && m.num_kv_heads >= 1 && m.context_scale > 0 &&
+                    hw.hbm_gbps > 0 && hw.nvlink_gbps > 0 && hw.switch_gbps > 0 &&
+                    run_kv_bytes_per_token > 0,
+                errc::invalid_argument,
+                "h200_step_model: need P | E, 1 <= top_k <= E, H_kv >= 1, positive rates and "
+                "scales (P=", num_ranks, ", E=", m.num_experts, ", top_k=", m.top_k, ")");
+}
+
+double h200_step_model::time_s(parallel_mode mode, double sequences, double tokens,
+                               double context_tokens) const {
+  const double P = num_ranks_, L = static_cast<double>(m_.num_layers);
+  const double H = static_cast<double>(m_.hidden), D = static_cast<double>(m_.head_dim);
+  const double Hq = static_cast<double>(m_.num_q_heads), Hkv = static_cast<double>(m_.num_kv_heads);
+  const double E = static_cast<double>(m_.num_experts), k = static_cast<double>(m_.top_k);
+  const double I = static_cast<double>(m_.intermediate), V = static_cast<double>(m_.vocab);
+  const double wb = static_cast<double>(m_.weight_bytes), kvb = static_cast<double>(m_.kv_bytes);
+  const double expert_bytes = 3 * H * I * wb;
+  const double ctx = context_tokens * m_.context_scale;
+  const double link = hw_.nvlink_gbps * 1e9, hbm = hw_.hbm_gbps * 1e9;
+  const double latency = hw_.collective_us * 1e-6;
+  const double untouched = std::pow(1 - k / E, tokens);
+  double bytes = 0, collectives = 0;
+  if (mode == parallel_mode::tp) {
+    const double heads = std::max(Hkv / P, 1.0);  // KV heads per rank; replicated when H_kv < P
+    bytes += L * (2 * Hq * D * H / P + 2 * heads * D * H) * wb;
+    bytes += L * E * (1 - untouched) * expert_bytes / P;
+    bytes += ctx * L * 2 * heads * D * kvb;
+    bytes += V * H * wb / P;
+    collectives = L * 2 * (2 * (P - 1) / P * tokens * H * wb / link + latency);
+  } else {
+    const double own_seqs = std::ceil(sequences / P);
+    const double own_share = sequences > 0 ? own_seqs / sequences : 0;
+    const double mean = E / P * (1 - untouched);
+    bytes += L * (2 * Hq * D * H + 2 * Hkv * D * H) * wb;
+    bytes += L * std::min(E / P, mean + std::sqrt(mean)) * expert_bytes;
+    bytes += ctx * own_share * L * 2 * Hkv * D * kvb;
+    bytes += V * H * wb;
+    collectives = L * 2 * (tokens * own_share * k * (P - 1) / P * H * wb / link + latency);
+  }
+  return bytes / hbm + collectives + hw_.step_overhead_us * 1e-6;
+}
+
+double h200_step_model::step_s(const step_cost& c, double) const {
+  return time_s(c.mode, static_cast<double>(c.num_sequences), static_cast<double>(c.new_tokens),
+                static_cast<double>(c.context_tokens));
+}
+
+double h200_step_model::decode_step_s(parallel_mode mode, int64_t batch, double context) const {
+  const double b = static_cast<double>(batch);
+  return time_s(mode, b, b, b * context);
+}
+
+double h200_step_model::switch_s(const moebius::switch_report& r) const {
+  if (r.outcome != moebius::switch_outcome::committed) return r.total_ms * 1e-3;
+  moebius::link_params link;
+  link.bandwidth_gbps = hw_.switch_gbps;
+  const moebius::cost_model cost(link);
+  moebius::switch_workload w;
+  w.num_ranks = num_ranks_;
+  const double P = num_ranks_;
+  // Expert bytes of the priced model leaving each rank: (P-1)/P of its share, every layer.
+  const double layer_bytes = static_cast<double>(m_.num_experts) * 3.0 *
+                             static_cast<double>(m_.hidden * m_.intermediate * m_.weight_bytes) / P;
+  w.weight_bytes_per_rank =
+      static_cast<int64_t>(static_cast<double>(m_.num_layers) * layer_bytes * (P - 1) / P);
+  w.weight_phases = m_.num_layers;
+  int64_t kv_sent = 0;
+  for (int64_t b : r.kv_bytes_sent) kv_sent = std::max(kv_sent, b);
+  const double priced_kv_per_token = static_cast<double>(m_.num_layers * 2 * m_.num_kv_heads *
+                                                         m_.head_dim * m_.kv_bytes);
+  w.kv_bytes_per_rank = static_cast<int64_t>(static_cast<double>(kv_sent) * m_.context_scale *
+                                             priced_kv_per_token /
+                                             static_cast<double>(run_kv_bytes_per_token_));
+  w.kv_rounds = r.kv_rounds;
+  return cost.predict(w).total_ms() * 1e-3;
+}
+
+std::ostream& operator<<(std::ostream& os, const priced_model& m) {
+  return os << "L=" << m.num_layers << " H=" << m.hidden << " Hq=" << m.num_q_heads
+            << " Hkv=" << m.num_kv_heads << " D=" << m.head_dim << " E=" << m.num_experts
+            << " top-" << m.top_k << " I=" << m.intermediate << " V=" << m.vocab
+            << ", context x" << m.context_scale;
+}
+
+}  // namespace mini_engine

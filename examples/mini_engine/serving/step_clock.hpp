@@ -1,0 +1,112 @@
+#pragma once
+
+// The serving clock: how long a step and a switch take. On GPUs it is the measured time; on
+// the host runtime, where all P virtual ranks run one after another on one CPU core, the
+// measured time says nothing about where TP and EP cross on real hardware, so the host demo
+// prices each step with a documented model of an H200 deployment instead (h200_step_model),
+// and records the measured host time beside it.
+
+#include <cstdint>
+#include <iosfwd>
+
+#include <moebius/layout/expert_shape.hpp>
+#include <moebius/switch/switcher.hpp>
+
+namespace mini_engine {
+
+// What a step did, in the units a step-time model needs.
+struct step_cost {
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  int num_ranks = 1;
+  int64_t num_sequences = 0;   // items of the step
+  int64_t new_tokens = 0;      // decode tokens + prefill chunk tokens
+  int64_t context_tokens = 0;  // sum over items of the tokens attended (start + new)
+};
+
+class step_clock {
+ public:
+  virtual ~step_clock() = default;
+  // Seconds the step counts for on the serving clock, given the measured host/GPU seconds.
+  virtual double step_s(const step_cost& cost, double measured_s) const = 0;
+  // Seconds a switch counts for, given its report (report.total_ms is the measured time).
+  virtual double switch_s(const moebius::switch_report& report) const = 0;
+  // "measured" or "modelled H200 (...)": printed with every figure on this clock.
+  virtual const char* name() const = 0;
+  // Whether calibration must run steps on the runtime (a measured clock), or can evaluate
+  // the clock at a batch size directly (a model).
+  virtual bool needs_measurement() const = 0;
+};
+
+// The measured time itself (GPU runtimes; the host when its time is what you want).
+class measured_clock final : public step_clock {
+ public:
+  double step_s(const step_cost&, double measured_s) const override { return measured_s; }
+  double switch_s(const moebius::switch_report& r) const override { return r.total_ms * 1e-3; }
+  const char* name() const override { return "measured"; }
+  bool needs_measurement() const override { return true; }
+};
+
+// The model a step is priced as: Qwen3-30B-A3B's sizes by default (bf16 weights and KV).
+struct priced_model {
+  int64_t num_layers = 48, hidden = 2048, num_q_heads = 32, num_kv_heads = 4, head_dim = 128;
+  int64_t num_experts = 128, top_k = 8, intermediate = 768, vocab = 151936;
+  int64_t weight_bytes = 2, kv_bytes = 2;
+  // Each context token of the run is priced as this many: the host demo's prompts of tens to
+  // hundreds of tokens stand for prompts of a few thousand.
+  double context_scale = 8;
+};
+
+// The hardware, from DESIGN.md §6-7 (2x H200, NV18).
+struct h200_params {
+  double hbm_gbps = 4000;          // HBM read rate a decode step's GEMMs and attention reach
+  double nvlink_gbps = 389;        // per GPU per direction (copy-engine ceiling, §7)
+  double collective_us = 10;       // latency of one all-reduce or all-to-all
+  double step_overhead_us = 50;    // graph launch, sampling, scheduling per step
+  double switch_gbps = 330;        // whole-switch rate (paper: ~330 GB/s per GPU)
+};
+
+// A roofline-style decode/prefill step on P H200s, per rank (the busiest), in seconds:
+//
+//   time = bytes read / hbm + layers * 2 * collective + overhead, where
+//   TP: attention weights / P (q, o sliced; k, v: the rank's KV head slice, one head when
+//       H_kv < P: replicated), touched experts' slices / P, KV of EVERY sequence for the
+//       rank's heads (replicated heads read on each of their ranks), LM head / P; two
+//       all-reduces of tokens x H per layer (ring: 2(P-1)/P of the bytes over NVLink).
+//   EP: whole attention weights (data-parallel attention), the busiest rank's touched whole
+//       experts (mean m = E/P (1-(1-k/E)^T), busiest m + sqrt(m), at most E/P), the KV of its
+//       own ceil(B/P) sequences with all heads, the whole LM head; dispatch and combine
+//       all-to-alls of its tokens x k x (P-1)/P rows of H.
+//   touched experts of T tokens: E (1 - (1 - k/E)^T).
+// So TP wins at small batch (it streams 1/P of every weight), and EP at large batch and long
+// contexts when H_kv < P (TP reads and stores replicated KV heads): DESIGN.md §7's regime.
+// A switch is priced with moebius::cost_model at switch_gbps: the priced model's expert bytes
+// leaving each rank, plus the report's KV bytes scaled by priced/run KV bytes per token.
+class h200_step_model final : public step_clock {
+ public:
+  // `run_kv_bytes_per_token`: KV bytes per token of the model actually run (all layers, K and
+  // V, all heads), to scale a switch's KV bytes; `num_ranks` the P being priced.
+  h200_step_model(priced_model m, h200_params hw, int num_ranks, int64_t run_kv_bytes_per_token);
+
+  double step_s(const step_cost& cost, double measured_s) const override;
+  double switch_s(const moebius::switch_report& report) const override;
+  const char* name() const override { return "modelled H200"; }
+  bool needs_measurement() const override { return false; }
+
+  // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
+  double decode_step_s(moebius::parallel_mode mode, int64_t batch, double context) const;
+  const priced_model& model() const { return m_; }
+  const h200_params& hardware() const { return hw_; }
+
+ private:
+  double time_s(moebius::parallel_mode mode, double sequences, double tokens,
+                double context_tokens) const;
+
+  priced_model m_;
+  h200_params hw_;
+  int num_ranks_;
+  int64_t run_kv_bytes_per_token_;
+};
+
+std::ostream& operator<<(std::ostream& os, const priced_model& m);
+
+}  // namespace mini_engine

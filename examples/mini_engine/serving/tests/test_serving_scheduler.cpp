@@ -1,0 +1,174 @@
+// Scheduler invariants, with the model replaced by a token rule (no runtime): no request is
+// lost, duplicated or restarted; page tables always describe exactly the tokens written and
+// validate; admission never over-commits the pool (no stall in a run without switches);
+// prompts longer than the budget are prefilled in chunks; at the end every page is free.
+#include <algorithm>
+#include <map>
+#include <random>
+
+#include <moebius/error.hpp>
+#include <moebius/kv/page_table.hpp>
+
+#include "catch.hpp"
+#include "kv_pages.hpp"
+#include "scheduler.hpp"
+
+using namespace mini_engine;
+using moebius::parallel_mode;
+
+namespace {
+
+moebius::kv_state empty_state(const moebius::kv_geometry& g, parallel_mode m) {
+  std::vector<std::vector<moebius::kv_sequence>> tables(static_cast<size_t>(g.num_ranks));
+  return moebius::make_kv_state(g, m, tables);
+}
+
+int32_t rule(int64_t id, int64_t k) { return static_cast<int32_t>((id * 31 + k * 7) % 97); }
+
+const moebius::kv_sequence* table_of(const moebius::kv_state& s, int64_t id) {
+  for (const auto& r : s.ranks) {
+    for (const auto& q : r.sequences) {
+      if (q.seq_id == id) return &q;
+    }
+  }
+  return nullptr;
+}
+
+// Runs `reqs` to the end on a step clock of 1 per step; checks the invariants at every step.
+std::vector<request_result> drive(const moebius::kv_geometry& g, parallel_mode m,
+                                  std::vector<request> reqs, scheduler_options o,
+                                  int64_t* chunked = nullptr) {
+  std::map<int64_t, int64_t> prompt_len;
+  for (const request& r : reqs) prompt_len[r.id] = static_cast<int64_t>(r.prompt.size());
+  std::map<int64_t, std::vector<int32_t>> history;  // tokens fed to the model per id
+  for (const request& r : reqs) history[r.id] = {};
+  std::map<int64_t, int64_t> chunks;
+  scheduler s(g, std::move(reqs), o);
+  moebius::kv_state kv = empty_state(g, m);
+  double now = 0;
+  for (int64_t step = 0; !s.done(); ++step) {
+    REQUIRE(step < 100000);
+    if (s.num_running() == 0) now = std::max(now, s.next_arrival_s());
+    const step_batch b = s.next_step(kv, now);
+    CHECK(b.stalled == 0);  // admission reserved every page a sequence will need
+    int64_t tokens = 0;
+    std::vector<int32_t> next;
+    for (const step_item& it : b.items) {
+      tokens += static_cast<int64_t>(it.tokens.size());
+      std::vector<int32_t>& h = history[it.seq_id];
+      REQUIRE(it.start_position == static_cast<int64_t>(h.size()));  // in order, no restart
+      h.insert(h.end(), it.tokens.begin(), it.tokens.end());
+      const moebius::kv_sequence* q = table_of(kv, it.seq_id);
+      REQUIRE(q != nullptr);
+      CHECK(q->num_tokens == static_cast<int64_t>(h.size()));  // tables = tokens written
+      if (m == parallel_mode::ep) CHECK(owner_of(kv, it.seq_id) >= 0);
+      if (it.start_position < prompt_len[it.seq_id]) ++chunks[it.seq_id];
+      CHECK(it.sample == (static_cast<int64_t>(h.size()) >= prompt_len[it.seq_id]));
+      // The sampled token is the k-th generated one: k = tokens beyond the prompt.
+      next.push_back(it.sample ? rule(it.seq_id, static_cast<int64_t>(h.size()) -
+                                                     prompt_len[it.seq_id])
+                               : -1);
+    }
+    CHECK(tokens <= o.max_step_tokens);
+    CHECK(s.num_running() <= o.max_running);
+    now += 1;
+    s.finish_step(b, next, kv, now);
+    moebius::validate(g, kv);
+  }
+  for (const auto& r : kv.ranks) {
+    CHECK(r.sequences.empty());
+    CHECK(static_cast<int64_t>(r.free_pages.size()) == g.num_pages(m));  // no leak
+  }
+  if (chunked != nullptr) {
+    *chunked = 0;
+    for (const auto& [id, n] : chunks) *chunked += n > 1;
+  }
+  return s.results();
+}
+
+}  // namespace
+
+TEST_CASE("scheduler: every request once, in order, within capacity; nothing leaks") {
+  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+    for (uint64_t seed = 1; seed <= 6; ++seed) {
+      std::mt19937_64 rng(seed);
+      const int P = std::uniform_int_distribution<int>(0, 1)(rng) ? 2 : 4;
+      const int64_t pages = std::uniform_int_distribution<int64_t>(8, 24)(rng);
+      const auto g = moebius::make_kv_geometry(2, 2, 8, 4, pages, P, moebius::dtype::fp32);
+      bursty_options t;
+      t.duration_s = 6;
+      t.quiet_s = 2;
+      t.burst_s = 1;
+      t.burst_rate = 30;
+      t.prompt_min = 1;
+      t.prompt_max = 20;
+      t.output_min = 1;
+      t.output_max = 12;
+      t.vocab = 97;
+      std::vector<request> reqs = bursty_trace(seed, t);
+      REQUIRE(reqs.size() > 10);
+      scheduler_options o;
+      o.max_step_tokens = std::uniform_int_distribution<int64_t>(4, 24)(rng);
+      o.max_running = std::uniform_int_distribution<int64_t>(1, o.max_step_tokens)(rng);
+      CAPTURE(m, seed, P, pages, o.max_step_tokens, o.max_running);
+      int64_t chunked = 0;
+      const auto res = drive(g, m, reqs, o, &chunked);
+      REQUIRE(res.size() == reqs.size());
+      if (o.max_step_tokens < 20) CHECK(chunked > 0);
+      std::sort(reqs.begin(), reqs.end(), [](auto& a, auto& b) { return a.id < b.id; });
+      for (size_t i = 0; i < res.size(); ++i) {
+        const request_result& r = res[i];
+        CHECK(r.id == reqs[i].id);
+        CHECK(r.admissions == 1);
+        CHECK(r.finished());
+        CHECK(r.stalls == 0);
+        REQUIRE(static_cast<int64_t>(r.generated.size()) == reqs[i].output_tokens);
+        for (int64_t k = 0; k < r.output_tokens; ++k) {
+          CHECK(r.generated[static_cast<size_t>(k)] == rule(r.id, k));
+        }
+        CHECK(r.admitted_s >= r.arrival_s);
+        CHECK(r.first_token_s > r.admitted_s);
+        CHECK(r.finish_s >= r.first_token_s);
+        CHECK(r.ttft_s() > 0);
+        CHECK(r.tpot_s() >= 0);
+      }
+      // First come, first served: admission order follows arrival order.
+      for (size_t i = 0; i < res.size(); ++i) {
+        for (size_t j = 0; j < res.size(); ++j) {
+          if (res[i].arrival_s < res[j].arrival_s) CHECK(res[i].admitted_s <= res[j].admitted_s);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("scheduler: a request larger than a rank is refused up front") {
+  const auto g = moebius::make_kv_geometry(2, 2, 8, 4, 4, 2, moebius::dtype::fp32);
+  std::vector<request> reqs(1);
+  reqs[0].prompt.assign(14, 1);
+  reqs[0].output_tokens = 4;  // 17 tokens: 5 pages of 4 > 4
+  CHECK_THROWS_WITH(scheduler(g, reqs), Catch::Matchers::Contains("could never be admitted"));
+  reqs[0].output_tokens = 3;  // 16 tokens: 4 pages
+  CHECK_NOTHROW(scheduler(g, reqs));
+  reqs.push_back(reqs[0]);
+  CHECK_THROWS_WITH(scheduler(g, reqs), Catch::Matchers::Contains("appears twice"));
+  scheduler_options o;
+  o.max_running = 10;
+  o.max_step_tokens = 5;
+  reqs.pop_back();
+  CHECK_THROWS_AS(scheduler(g, reqs, o), moebius::error);
+}
+
+TEST_CASE("scheduler: admission waits for KV capacity, then admits") {
+  // One rank of 4 pages of 4 tokens; each request needs 3 pages at its largest: one at a time.
+  const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 4, 1, moebius::dtype::fp32);
+  std::vector<request> reqs(3);
+  for (int i = 0; i < 3; ++i) {
+    reqs[static_cast<size_t>(i)].id = i;
+    reqs[static_cast<size_t>(i)].prompt.assign(4, 1);
+    reqs[static_cast<size_t>(i)].output_tokens = 6;
+  }
+  const auto res = drive(g, parallel_mode::ep, reqs, scheduler_options{});
+  CHECK(res[1].admitted_s >= res[0].finish_s);
+  CHECK(res[2].admitted_s >= res[1].finish_s);
+}

@@ -1,0 +1,226 @@
+#include "trace.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <fstream>
+#include <istream>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string_view>
+
+#include <moebius/error.hpp>
+
+namespace mini_engine {
+
+using moebius::errc;
+
+namespace {
+
+constexpr int64_t max_tokens_per_field = int64_t{1} << 20;
+
+void check_range(const char* what, int64_t lo, int64_t hi) {
+  MOEBIUS_CHECK(lo >= 1 && lo <= hi, errc::invalid_argument, what,
+                ": need 1 <= min <= max (min=", lo, ", max=", hi, ")");
+}
+
+void check_time(const char* what, double v, bool positive) {
+  MOEBIUS_CHECK(std::isfinite(v) && (positive ? v > 0 : v >= 0), errc::invalid_argument, what,
+                positive ? " must be finite and > 0 (got " : " must be finite and >= 0 (got ", v,
+                ")");
+}
+
+// A request's own generator: prompts depend on (seed, id) only.
+std::mt19937_64 request_rng(uint64_t seed, int64_t id) {
+  std::seed_seq s{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                  static_cast<uint32_t>(id), static_cast<uint32_t>(static_cast<uint64_t>(id) >> 32),
+                  0x70726f6du};
+  return std::mt19937_64(s);
+}
+
+int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+}  // namespace
+
+void validate(const bursty_options& o) {
+  check_time("bursty duration_s", o.duration_s, false);
+  check_time("bursty quiet_s", o.quiet_s, true);
+  check_time("bursty burst_s", o.burst_s, true);
+  check_time("bursty quiet_rate", o.quiet_rate, false);
+  check_time("bursty burst_rate", o.burst_rate, false);
+  check_range("bursty prompt tokens", o.prompt_min, o.prompt_max);
+  check_range("bursty output tokens", o.output_min, o.output_max);
+  MOEBIUS_CHECK(o.vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", o.vocab, ")");
+}
+
+void validate(const rollout_options& o) {
+  MOEBIUS_CHECK(o.batch >= 0, errc::invalid_argument, "rollout batch must be >= 0 (got ",
+                o.batch, ")");
+  check_range("rollout prompt tokens", o.prompt_min, o.prompt_max);
+  check_time("rollout output_median", o.output_median, true);
+  check_time("rollout output_sigma", o.output_sigma, false);
+  MOEBIUS_CHECK(o.output_max >= 1, errc::invalid_argument, "rollout output_max must be >= 1 (got ",
+                o.output_max, ")");
+  MOEBIUS_CHECK(o.vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", o.vocab, ")");
+}
+
+std::vector<int32_t> draw_prompt(uint64_t seed, int64_t id, int64_t num_tokens, int32_t vocab) {
+  MOEBIUS_CHECK(num_tokens >= 0 && vocab >= 1, errc::invalid_argument,
+                "draw_prompt: need num_tokens >= 0 and vocab >= 1 (got ", num_tokens, ", ", vocab,
+                ")");
+  std::mt19937_64 rng = request_rng(seed, id);
+  std::uniform_int_distribution<int32_t> token(0, vocab - 1);
+  std::vector<int32_t> out(static_cast<size_t>(num_tokens));
+  for (int32_t& t : out) t = token(rng);
+  return out;
+}
+
+std::vector<request> bursty_trace(uint64_t seed, const bursty_options& o) {
+  validate(o);
+  std::mt19937_64 rng(seed);
+  std::vector<request> out;
+  // Alternate quiet and burst periods; arrivals in each are a Poisson process of its rate.
+  double t = 0;
+  bool burst = false;
+  while (t < o.duration_s) {
+    const double len = burst ? o.burst_s : o.quiet_s;
+    const double rate = burst ? o.burst_rate : o.quiet_rate;
+    const double end = std::min(t + len, o.duration_s);
+    if (rate > 0) {
+      std::exponential_distribution<double> gap(rate);
+      for (double a = t + gap(rng); a < end; a += gap(rng)) {
+        request r;
+        r.id = static_cast<int64_t>(out.size());
+        r.arrival_s = a;
+        const int64_t prompt = uniform(rng, o.prompt_min, o.prompt_max);
+        r.output_tokens = uniform(rng, o.output_min, o.output_max);
+        r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
+        out.push_back(std::move(r));
+      }
+    }
+    t = end;
+    burst = !burst;
+  }
+  return out;
+}
+
+std::vector<request> rollout_trace(uint64_t seed, const rollout_options& o) {
+  validate(o);
+  std::mt19937_64 rng(seed);
+  std::lognormal_distribution<double> output(std::log(o.output_median), o.output_sigma);
+  std::vector<request> out;
+  for (int64_t i = 0; i < o.batch; ++i) {
+    request r;
+    r.id = i;
+    r.arrival_s = 0;
+    const int64_t prompt = uniform(rng, o.prompt_min, o.prompt_max);
+    const double len = std::round(output(rng));
+    r.output_tokens = std::clamp(static_cast<int64_t>(len), int64_t{1}, o.output_max);
+    r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+void write_trace(std::ostream& os, const std::vector<request>& requests) {
+  os << "# arrival_s prompt_tokens output_tokens\n";
+  char buf[96];
+  for (const request& r : requests) {
+    std::snprintf(buf, sizeof buf, "%.6f %lld %lld\n", r.arrival_s,
+                  static_cast<long long>(r.prompt.size()), static_cast<long long>(r.output_tokens));
+    os << buf;
+  }
+}
+
+namespace {
+
+// Splits `line` (comment removed) into whitespace-separated fields.
+std::vector<std::string_view> fields_of(std::string_view line) {
+  if (const size_t hash = line.find('#'); hash != std::string_view::npos) line = line.substr(0, hash);
+  std::vector<std::string_view> out;
+  size_t i = 0;
+  while (i < line.size()) {
+    while (i < line.size() && (line[i] == ' ' || line[i] == '\t' || line[i] == '\r')) ++i;
+    const size_t start = i;
+    while (i < line.size() && line[i] != ' ' && line[i] != '\t' && line[i] != '\r') ++i;
+    if (i > start) out.push_back(line.substr(start, i - start));
+  }
+  return out;
+}
+
+[[noreturn]] void bad_line(const std::string& source, int64_t line_no, const std::string& what) {
+  MOEBIUS_CHECK(false, errc::invalid_argument, source, ":", line_no, ": ", what);
+  std::abort();  // unreachable: MOEBIUS_CHECK(false) throws
+}
+
+int64_t parse_count(std::string_view f, const char* name, const std::string& source, int64_t line_no) {
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(f.data(), f.data() + f.size(), v);
+  if (ec != std::errc() || end != f.data() + f.size()) {
+    bad_line(source, line_no, std::string(name) + ": '" + std::string(f) + "' is not an integer");
+  }
+  if (v < 1 || v > max_tokens_per_field) {
+    bad_line(source, line_no, std::string(name) + ": " + std::string(f) + " is outside [1, " +
+                                  std::to_string(max_tokens_per_field) + "]");
+  }
+  return v;
+}
+
+double parse_time(std::string_view f, const std::string& source, int64_t line_no) {
+  // strtod accepts what from_chars<double> does on every libstdc++ we build with; go through a
+  // string so the end pointer tells us about trailing garbage.
+  const std::string s(f);
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size()) {
+    bad_line(source, line_no, "arrival_s: '" + s + "' is not a number");
+  }
+  if (!std::isfinite(v) || v < 0) {
+    bad_line(source, line_no, "arrival_s: " + s + " must be finite and >= 0");
+  }
+  return v;
+}
+
+}  // namespace
+
+std::vector<request> read_trace(std::istream& is, uint64_t seed, int32_t vocab,
+                                const std::string& source) {
+  MOEBIUS_CHECK(vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", vocab, ")");
+  std::vector<request> out;
+  std::string line;
+  int64_t line_no = 0;
+  while (std::getline(is, line)) {
+    ++line_no;
+    const std::vector<std::string_view> f = fields_of(line);
+    if (f.empty()) continue;
+    if (f.size() != 3) {
+      bad_line(source, line_no,
+               "expected 3 fields 'arrival_s prompt_tokens output_tokens', got " +
+                   std::to_string(f.size()));
+    }
+    request r;
+    r.id = static_cast<int64_t>(out.size());
+    r.arrival_s = parse_time(f[0], source, line_no);
+    const int64_t prompt = parse_count(f[1], "prompt_tokens", source, line_no);
+    r.output_tokens = parse_count(f[2], "output_tokens", source, line_no);
+    r.prompt = draw_prompt(seed, r.id, prompt, vocab);
+    out.push_back(std::move(r));
+  }
+  MOEBIUS_CHECK(!is.bad(), errc::invalid_argument, source, ": read error after line ", line_no);
+  std::stable_sort(out.begin(), out.end(),
+                   [](const request& a, const request& b) { return a.arrival_s < b.arrival_s; });
+  return out;
+}
+
+std::vector<request> read_trace_file(const std::string& path, uint64_t seed, int32_t vocab) {
+  std::ifstream in(path);
+  MOEBIUS_CHECK(in.good(), errc::invalid_argument, "cannot open trace file '", path, "'");
+  return read_trace(in, seed, vocab, path);
+}
+
+}  // namespace mini_engine

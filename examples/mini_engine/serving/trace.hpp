@@ -1,0 +1,77 @@
+#pragma once
+
+// Request traces for the mini-engine: two generators drawn from a seed (bursty interactive
+// traffic, an RL rollout) and a text file format for users' own traces.
+//
+// File format: one request per line, `arrival_s prompt_tokens output_tokens`, blank lines and
+// `#` comments (whole-line or trailing) ignored. The prompt's token ids are not in the file:
+// they are drawn from the reader's seed, so a file plus a seed is a reproducible workload.
+//
+//   # arrival_s prompt output
+//   0.00  128  64
+//   0.25   32 200    # a long answer
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace mini_engine {
+
+struct request {
+  int64_t id = 0;                // unique within a trace; the KV seq_id of the request
+  double arrival_s = 0;          // seconds from the start of the trace
+  std::vector<int32_t> prompt;   // token ids, [prompt_tokens]
+  int64_t output_tokens = 1;     // tokens to generate (>= 1; the first one ends the prefill)
+};
+
+// Quiet periods with a few requests, then bursts with many (Poisson arrivals in each).
+//   defaults: 4 s quiet at 1 req/s, 2 s burst at 24 req/s, repeated for 20 s.
+struct bursty_options {
+  double duration_s = 20;
+  double quiet_s = 4, quiet_rate = 1;   // length of a quiet period, requests per second in it
+  double burst_s = 2, burst_rate = 24;  // length of a burst, requests per second in it
+  int64_t prompt_min = 16, prompt_max = 256;
+  int64_t output_min = 8, output_max = 96;
+  int32_t vocab = 1024;
+};
+
+// A rollout: `batch` requests at t = 0 whose output lengths follow a heavy tail (log-normal),
+// so the batch decays into a long tail of a few long generations.
+struct rollout_options {
+  int64_t batch = 128;
+  int64_t prompt_min = 32, prompt_max = 128;
+  double output_median = 48, output_sigma = 0.8;  // log-normal: median and sigma of the log
+  int64_t output_max = 512;                       // clamp of the tail
+  int32_t vocab = 1024;
+};
+
+// Throw moebius::error(errc::invalid_argument) naming the field unless every duration and
+// rate is finite and >= 0 (periods > 0), 1 <= min <= max for the lengths, vocab >= 1.
+void validate(const bursty_options& o);
+void validate(const rollout_options& o);
+
+// Requests sorted by arrival, ids 0, 1, 2, ... in that order. Same seed, same trace.
+std::vector<request> bursty_trace(uint64_t seed, const bursty_options& o = {});
+std::vector<request> rollout_trace(uint64_t seed, const rollout_options& o = {});
+
+// Token ids of a prompt of `num_tokens` tokens, drawn from (seed, id) alone: the same request
+// has the same prompt whichever trace or file it comes from.
+std::vector<int32_t> draw_prompt(uint64_t seed, int64_t id, int64_t num_tokens, int32_t vocab);
+
+// Writes `arrival_s prompt_tokens output_tokens` per request (arrival with 6 decimals),
+// after a `#` header line.
+void write_trace(std::ostream& os, const std::vector<request>& requests);
+
+// Reads the format above. Every line must hold exactly three numbers: arrival_s finite and
+// >= 0, prompt_tokens in [1, 1<<20], output_tokens in [1, 1<<20], with nothing after them
+// but a comment. Arrivals need not be sorted: requests come back sorted by arrival (stable),
+// ids in file order. Throws errc::invalid_argument naming `source`, the line number and the
+// field on the first bad line.
+//   "0.5 12 3"  -> {id 0, arrival 0.5, 12 prompt ids, 3 outputs}
+//   "0.5 12x 3" -> "trace.txt:1: prompt_tokens: '12x' is not an integer"
+std::vector<request> read_trace(std::istream& is, uint64_t seed, int32_t vocab,
+                                const std::string& source = "trace");
+std::vector<request> read_trace_file(const std::string& path, uint64_t seed, int32_t vocab);
+
+}  // namespace mini_engine

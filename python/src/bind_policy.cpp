@@ -1,0 +1,107 @@
+// The switch policy (policy/switch_policy.hpp): when to switch.
+
+#include <nanobind/stl/string.h>
+
+#include "common.hpp"
+
+namespace moebius::python {
+
+namespace {
+
+// switch_policy plus the Python capacity callable its capacity_check points at. The policy
+// holds a pointer to `capacity`, so this object never moves (nanobind constructs it in place).
+struct py_switch_policy {
+  nb::object capacity;
+  switch_policy policy;
+
+  static bool call_capacity(void* context, parallel_mode target) {
+    // step() runs with the GIL held (it is cheap: no release), so calling back is safe.
+    return nb::cast<bool>((*static_cast<nb::object*>(context))(target));
+  }
+
+  py_switch_policy(const switch_policy_config& config, nb::object capacity_fn)
+      : capacity(std::move(capacity_fn)),
+        policy(config, capacity.is_none() ? capacity_check{}
+                                          : capacity_check{&call_capacity, &capacity}) {}
+};
+
+nb::dict to_dict(const switch_policy_stats& s) {
+  nb::dict by_reason;
+  for (int r = 0; r < num_decision_reasons; ++r) {
+    by_reason[to_string(static_cast<decision_reason>(r))] = s.by_reason[r];
+  }
+  nb::dict d;
+  d["steps"] = s.steps;
+  d["switches"] = s.switches;
+  d["external_switches"] = s.external_switches;
+  d["by_reason"] = by_reason;
+  return d;
+}
+
+}  // namespace
+
+void bind_policy(nb::module_& m) {
+  nb::enum_<down_rule>(m, "DownRule", "How the EP -> TP window decides 'below T_l'.")
+      .value("mean", down_rule::mean)
+      .value("every", down_rule::every);
+
+  nb::enum_<decision_reason>(m, "DecisionReason")
+      .value("hold", decision_reason::hold)
+      .value("above_high", decision_reason::above_high)
+      .value("below_low", decision_reason::below_low)
+      .value("cooldown", decision_reason::cooldown)
+      .value("capacity_refused", decision_reason::capacity_refused)
+      .value("cost_exceeds_gain", decision_reason::cost_exceeds_gain);
+
+  nb::class_<switch_policy_config>(
+      m, "SwitchPolicyConfig",
+      "Asymmetric hysteresis: enter EP at load >= t_high for up_window steps; leave EP when\n"
+      "the last down_window loads are below t_low; cooldown after any switch.")
+      .def(nb::init<>())
+      .def_rw("t_high", &switch_policy_config::t_high)
+      .def_rw("t_low", &switch_policy_config::t_low)
+      .def_rw("up_window", &switch_policy_config::up_window)
+      .def_rw("down_window", &switch_policy_config::down_window)
+      .def_rw("rule", &switch_policy_config::rule)
+      .def_rw("cooldown_steps", &switch_policy_config::cooldown_steps)
+      .def_rw("cooldown_s", &switch_policy_config::cooldown_s)
+      .def_rw("expected_residency_steps", &switch_policy_config::expected_residency_steps)
+      .def("validate", [](const switch_policy_config& c) { validate(c); },
+           "Raises moebius.Error(code='invalid_argument') naming the broken constraint.")
+      .def("__repr__", &printed<switch_policy_config>);
+
+  m.def("interactive_config", &interactive_config, nb::arg("t_high"),
+        nb::arg("low_ratio") = 0.8, "T_l = round(0.8 * T_h): interactive_config(256) -> 256/205.");
+  m.def("rollout_config", &rollout_config, nb::arg("t_high"), nb::arg("cooldown_steps") = 0,
+        "RL rollout: T_l = T_h, W = 1: switch to TP at the first load < T_h.");
+
+  nb::class_<switch_decision>(m, "SwitchDecision")
+      .def_ro("do_switch", &switch_decision::do_switch, "switch to `target` now")
+      .def_ro("target", &switch_decision::target, "the mode a rule pointed at (unless hold)")
+      .def_ro("reason", &switch_decision::reason)
+      .def_prop_ro("blocked", &switch_decision::blocked)
+      .def("__bool__", [](const switch_decision& d) { return d.do_switch; })
+      .def("__repr__", &printed<switch_decision>);
+
+  nb::class_<py_switch_policy>(m, "SwitchPolicy",
+                               "Decides, once per engine step, whether to switch.")
+      .def(nb::init<const switch_policy_config&, nb::object>(), nb::arg("config"),
+           nb::arg("capacity") = nb::none(),
+           "capacity(target: Mode) -> bool is asked before a switch is proposed (e.g.\n"
+           "lambda m: switcher.check(m)['fits']); None: always fits.")
+      .def(
+          "step",
+          [](py_switch_policy& p, int64_t load, parallel_mode current, double now_s) {
+            return p.policy.step(load, current, now_s);
+          },
+          nb::arg("load"), nb::arg("current"), nb::arg("now_s"),
+          "One engine step: `load` active sequences, the mode the engine runs now, a\n"
+          "monotonic time in seconds. Returns a SwitchDecision (truthy when it says switch).")
+      .def("reset", [](py_switch_policy& p) { p.policy.reset(); })
+      .def_prop_ro("config", [](const py_switch_policy& p) { return p.policy.config(); })
+      .def_prop_ro("stats", [](const py_switch_policy& p) { return to_dict(p.policy.stats()); },
+                   "{steps, switches, external_switches, by_reason: {reason: count}}")
+      .def("window_mean", [](const py_switch_policy& p) { return p.policy.window_mean(); });
+}
+
+}  // namespace moebius::python

@@ -1,0 +1,146 @@
+"""The switcher end to end on the CPU (weights + KV + tables + selector), its report as a
+dict, rollback after an injected fault, and the policy."""
+
+import numpy as np
+import pytest
+
+import moebius
+from conftest import ep_slice, host_memory, raw_view, tp_slice
+from test_kv import logical_kv, random_ep_state
+
+EP, TP = moebius.Mode.EP, moebius.Mode.TP
+W13, W2 = moebius.WeightTensor.w13, moebius.WeightTensor.w2
+
+
+def deployment(rng, P=2):
+    shape = moebius.ExpertShape(num_layers=2, num_experts=4, hidden=32, intermediate=16)
+    arena = moebius.make_arena_geometry(shape, P, 256, 4096)
+    kv = moebius.make_kv_geometry(2, 4, 8, 4, 8, P)
+    full = [{t: rng.integers(0, 2**16, moebius.weight_view_shape(shape, 1, EP, t),
+                             dtype=np.uint16) for t in (W13, W2)} for _ in range(2)]
+    ranks = [moebius.RankMemory(host_memory(arena.total_bytes),
+                                rng.integers(0, 256, kv.pool_bytes, dtype=np.uint8))
+             for _ in range(P)]
+    for r, mem in enumerate(ranks):
+        for layer in range(2):
+            for t in (W13, W2):
+                raw_view(mem, arena, layer, EP, t)[...] = ep_slice(full[layer][t], t, r, P)
+    return arena, kv, full, ranks, random_ep_state(rng, kv, 0.4)
+
+
+def checksum(arena, kv, ranks):
+    def verify(cursor, state):
+        total = moebius.kv_checksum(kv, state, ranks)
+        for layer in range(arena.shape.num_layers):
+            total += moebius.weight_checksum(arena, cursor, layer, ranks)
+        return total % 2**64
+    return verify
+
+
+def test_switch_report_and_selector(rng):
+    arena, kv, full, ranks, state = deployment(rng)
+    transport = moebius.HostTransport(ranks)
+    flips = []
+    sw = moebius.Switcher(arena, kv, transport, state, 0, on_commit=flips.append,
+                          verify=checksum(arena, kv, ranks))
+    before = logical_kv(kv, state, ranks)
+    assert sw.mode == EP and sw.cursor == 0 and sw.consistent
+    assert sw.check(TP)["fits"]
+
+    report = sw.switch_to(TP)
+    assert report["outcome"] == "committed", report["error"]
+    assert report["from"] == "EP" and report["to"] == "TP" and report["cursor"] == 2
+    assert report["verified"] and flips == [TP] and sw.mode == TP
+    assert report["weight_phases"] == report["weight_phases_completed"] == 2
+    assert len(report["weight_bytes_sent"]) == 2 and report["kv_stats"]["rounds"] >= 1
+    assert report["total_ms"] >= 0 and report["summary"].startswith("switch EP->TP")
+    for r, mem in enumerate(ranks):
+        for layer in range(2):
+            for t in (W13, W2):
+                np.testing.assert_array_equal(raw_view(mem, arena, layer, TP, t),
+                                              tp_slice(full[layer][t], t, r, 2))
+    after = logical_kv(kv, sw.kv_tables, ranks)
+    for seq_id, data in before.items():
+        np.testing.assert_array_equal(after[seq_id], data)
+
+    assert sw.switch_to(TP)["outcome"] == "already_there"
+    back = sw.switch_to(EP)
+    assert back["outcome"] == "committed" and flips == [TP, EP] and sw.cursor == 0
+
+
+def test_progressive_switch(rng):
+    arena, kv, full, ranks, state = deployment(rng)
+    flips = []
+    sw = moebius.Switcher(arena, kv, moebius.HostTransport(ranks), state, on_commit=flips.append)
+    before = logical_kv(kv, state, ranks)
+    assert sw.begin(TP)["outcome"] == "in_progress" and sw.in_progress
+    assert sw.layers_remaining == 2
+    assert sw.advance(1) == 1
+    while not sw.poll():
+        pass
+    assert sw.cursor == 1 and sw.layer_mode(0) == TP and sw.layer_mode(1) == EP
+    for r, mem in enumerate(ranks):  # layer 0 is TP already, layer 1 still EP
+        np.testing.assert_array_equal(raw_view(mem, arena, 0, TP, W13),
+                                      tp_slice(full[0][W13], W13, r, 2))
+        np.testing.assert_array_equal(raw_view(mem, arena, 1, EP, W13),
+                                      ep_slice(full[1][W13], W13, r, 2))
+    report = sw.finish()
+    assert report["outcome"] == "committed" and flips == [TP] and not sw.in_progress
+    for seq_id, data in logical_kv(kv, sw.tables_for(TP), ranks).items():
+        np.testing.assert_array_equal(data, before[seq_id])
+    assert sw.begin(EP)["outcome"] == "in_progress"
+    sw.advance(1)
+    assert sw.abort()["outcome"] == "rolled_back" and sw.mode == TP and sw.cursor == 2
+
+
+@pytest.mark.parametrize("stage", [moebius.SwitchStage.weights, moebius.SwitchStage.kv])
+def test_fault_rolls_back(rng, stage):
+    arena, kv, full, ranks, state = deployment(rng)
+    snapshot = [(np.from_dlpack(m.weight_view(arena, 0, EP, W13, raw=True)).copy()) for m in ranks]
+    before = logical_kv(kv, state, ranks)
+    flips = []
+    sw = moebius.Switcher(arena, kv, moebius.HostTransport(ranks), state,
+                          on_commit=flips.append)
+    sw.inject_fault(stage, 1 if stage == moebius.SwitchStage.weights else 0)
+    report = sw.switch_to(TP)
+    assert report["outcome"] == "rolled_back" and "injected_fault" in report["error"]
+    assert sw.mode == EP and sw.cursor == 0 and flips == [] and sw.consistent
+    assert sw.kv_tables == state
+    for m, old in zip(ranks, snapshot):
+        np.testing.assert_array_equal(raw_view(m, arena, 0, EP, W13), old)
+    for seq_id, data in logical_kv(kv, sw.kv_tables, ranks).items():
+        np.testing.assert_array_equal(data, before[seq_id])
+    assert sw.switch_to(TP)["outcome"] == "committed"  # one-shot
+
+
+def test_callback_failure_is_a_rolled_back_switch(rng):
+    arena, kv, full, ranks, state = deployment(rng)
+
+    def broken(cursor, state):
+        raise ValueError("verify hook broke")
+
+    sw = moebius.Switcher(arena, kv, moebius.HostTransport(ranks), state, verify=broken)
+    report = sw.switch_to(TP)
+    assert report["outcome"] == "rolled_back" and "verify hook broke" in report["error"]
+    assert sw.mode == EP
+
+
+def test_policy():
+    config = moebius.interactive_config(256)
+    assert (config.t_high, config.t_low) == (256, 205)
+    policy = moebius.SwitchPolicy(config)
+    decision = policy.step(300, TP, 0.0)
+    assert decision and decision.do_switch and decision.target == EP
+    assert decision.reason == moebius.DecisionReason.above_high
+    assert "EP" in repr(decision)
+    held = policy.step(10, EP, 1.0)  # cooldown (5 s) and window
+    assert not held
+    stats = policy.stats
+    assert stats["steps"] == 2 and stats["switches"] == 1 and stats["by_reason"]["above_high"] == 1
+
+    refusing = moebius.SwitchPolicy(moebius.rollout_config(256), capacity=lambda mode: False)
+    d = refusing.step(100, EP, 0.0)
+    assert not d and d.blocked and d.reason == moebius.DecisionReason.capacity_refused
+    with pytest.raises(moebius.Error) as e:
+        policy.step(-1, EP, 2.0)
+    assert e.value.code == "invalid_argument"
