@@ -327,7 +327,13 @@ struct gpu_runtime::impl {
     if (P > 1) {
       std::vector<ncclComm_t> comms(static_cast<size_t>(P));
       MOEBIUS_NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
-      for (int r = 0; r < P; ++r) ranks[static_cast<size_t>(r)].comm = comms[static_cast<size_t>(r)];
+      for (int r = 0; r < P; ++r) {
+        ranks[static_cast<size_t>(r)].comm = comms[static_cast<size_t>(r)];
+        // A non-sticky error NCCL may leave behind (peer access already enabled) would be
+        // taken for our first kernel launch's failure by check_launch().
+        set_device(ranks[static_cast<size_t>(r)]);
+        (void)cudaGetLastError();
+      }
     }
   }
 
