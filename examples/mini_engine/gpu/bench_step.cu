@@ -132,8 +132,11 @@ void print_summary() {
     if (json != nullptr)
       std::fprintf(json, "{\"batch\": %lld, \"tp_ms\": %.6f, \"ep_ms\": %.6f, \"P\": %d, \"context\": %lld}\n",
                    static_cast<long long>(B), tp->second, ep->second, s.P, static_cast<long long>(s.context));
-    if (last >= 0 && faster != last)
-      crossovers += " " + std::string(faster ? "TP->EP" : "EP->TP") + " at batch " + std::to_string(B);
+    if (last >= 0 && faster != last) {
+      // (appends, not operator+: GCC 12 warns falsely on `" " + std::string(...)`)
+      crossovers.append(faster ? " TP->EP at batch " : " EP->TP at batch ");
+      crossovers.append(std::to_string(B));
+    }
     last = faster;
   }
   std::printf("crossover:%s\n", crossovers.empty() ? " none (one mode is faster at every batch)" : crossovers.c_str());
