@@ -95,7 +95,7 @@ TEST_CASE("rmsnorm matches the host reference (rows and per-head)", "[gpu][kerne
           want.push_back(x[base + i] * inv * w[static_cast<size_t>(i)]);
         }
       }
-    REQUIRE(mismatches(got, want, 1e-5, 1e-5, "rmsnorm") == 0);
+    REQUIRE(mismatches(got, want, 5e-5, 5e-5, "rmsnorm") == 0);  // float sum of up to 700 squares
   }
 }
 
@@ -650,7 +650,7 @@ TEST_CASE("convert, embedding, argmax and residual_add match the host", "[gpu][k
       for (int64_t p = 0; p < parts; ++p) s += pp[static_cast<size_t>(p * (n + 7) + i)];
       hw.push_back(s);
     }
-    REQUIRE(mismatches(hg, hw, 1e-6, 1e-6, "residual_add") == 0);
+    REQUIRE(mismatches(hg, hw, 1e-5, 1e-5, "residual_add") == 0);  // float sums of up to 5 terms
 
     // convert round trip: bf16 is round-to-nearest-even
     auto f = random_floats(rng, 1000, -100, 100);
