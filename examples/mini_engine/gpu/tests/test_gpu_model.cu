@@ -124,7 +124,7 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
             ++k;
           }
         }
-        REQUIRE(loose * 10 <= rows);
+        REQUIRE(loose * 4 <= rows);  // bf16: see test_gpu_runtime.cu
         REQUIRE(gpu_rt.captures() == 6);
         REQUIRE(gpu_rt.graph_replays() > 0);
       }
