@@ -156,6 +156,9 @@ class gpu_runtime : public runtime {
   const moebius::kv_geometry& kv() const;
   int num_ranks() const;
 
+  // Whether decode steps replay graphs: options.capture_graphs, unless the environment sets
+  // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one).
+  bool graphs_enabled() const;
   int64_t captures() const;       // graphs captured (mode x bucket), all at construction
   int64_t graph_replays() const;  // steps that replayed a graph
   int64_t eager_steps() const;    // steps that ran without a graph
