@@ -14,6 +14,7 @@
 #   --bin DIR   where the binaries are (default: .carry/bin, else the build folders)
 # Environment: OUT (results; default ./gpu-check-out), MOEBIUS_BENCH_CONTEXT (1024),
 #   MINI_ENGINE_SIMPLE_ATTENTION=1 (the simple attention kernel in the runtime),
+#   MINI_ENGINE_NO_GRAPHS=1 (no CUDA graphs: every step eager),
 #   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED.
 # Writes into $OUT (5 files): tests.txt (the three test binaries' output), bench_mini_engine_step.json
 # (Google Benchmark JSON), bench_mini_engine_step.txt (console table + crossover summary),
@@ -57,11 +58,17 @@ if [[ $mode != bench ]]; then
     echo "=== $t" | tee -a "$OUT/tests.txt"
     start=$(date +%s)
     # Limits keep the whole script inside one 10-minute device call even if something hangs.
-    case $t in *runtime) limit=150 ;; *) limit=120 ;; esac
+    case $t in *runtime) limit=120 ;; *) limit=90 ;; esac
     timeout $limit "$bin/$t" --durations yes 2>&1 | tee -a "$OUT/tests.txt"
     rc=${PIPESTATUS[0]}
     echo "=== $t: exit $rc in $(( $(date +%s) - start )) s (77 = skipped: no GPU)" | tee -a "$OUT/tests.txt"
     [[ $rc == 0 || $rc == 77 ]] || status=1
+    if [[ $rc != 0 && $rc != 77 && $t != *kernels ]]; then
+      # Once more without CUDA graphs: tells a capture/replay problem from a numerics one.
+      echo "=== $t again with MINI_ENGINE_NO_GRAPHS=1" | tee -a "$OUT/tests.txt"
+      MINI_ENGINE_NO_GRAPHS=1 timeout 90 "$bin/$t" 2>&1 | tail -40 | tee -a "$OUT/tests.txt"
+      echo "=== $t without graphs: exit ${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"
+    fi
   done
 fi
 if [[ $mode != tests ]]; then

@@ -200,6 +200,8 @@ struct gpu_runtime::impl {
   void setup(const gpu_model_config& config, const gpu_runtime_options& options) {
     c = config;
     o = options;
+    if (const char* v = std::getenv("MINI_ENGINE_NO_GRAPHS"); v != nullptr && *v == '1')
+      o.capture_graphs = false;
     P = o.num_ranks;
     MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16,
                   errc::invalid_argument, "gpu_runtime: experts must be fp32 or bf16, not ",
@@ -890,7 +892,7 @@ gpu_runtime::gpu_runtime(const gpu_model_config& config, const host_weights_view
     : impl_(std::make_unique<impl>()) {
   impl_->setup(config, options);
   impl_->upload_weights(weights);
-  if (options.capture_graphs) impl_->capture_all();
+  if (impl_->o.capture_graphs) impl_->capture_all();
 }
 
 gpu_runtime::gpu_runtime(const gpu_model_config& config, uint64_t seed,
@@ -898,7 +900,7 @@ gpu_runtime::gpu_runtime(const gpu_model_config& config, uint64_t seed,
     : impl_(std::make_unique<impl>()) {
   impl_->setup(config, options);
   impl_->random_weights(seed);
-  if (options.capture_graphs) impl_->capture_all();
+  if (impl_->o.capture_graphs) impl_->capture_all();
 }
 
 gpu_runtime::~gpu_runtime() = default;
@@ -923,6 +925,9 @@ const moebius::kv_geometry& gpu_runtime::kv() const {
 }
 int gpu_runtime::num_ranks() const {
   return impl_->P;
+}
+bool gpu_runtime::graphs_enabled() const {
+  return impl_->o.capture_graphs;
 }
 int64_t gpu_runtime::captures() const {
   return impl_->captures;

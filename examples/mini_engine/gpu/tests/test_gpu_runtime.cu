@@ -184,16 +184,16 @@ TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursor
       DYNAMIC_SECTION("dtype " << moebius::to_string(t) << " attention " << moebius::to_string(mode)
                                << " cursor " << k) {
         gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {k}, t));
-        REQUIRE(rt.captures() == 8);
+        REQUIRE(rt.captures() == (rt.graphs_enabled() ? 8 : 0));
         const auto r = serve(rt, empty_kv_state(rt.kv(), mode), {k}, 6, {}, nullptr);
         check_against_reference(c, w, r, bf16);
         const bool pure = (mode == parallel_mode::ep && k == 0) ||
                           (mode == parallel_mode::tp && k == c.num_layers);
-        if (pure)
+        if (pure && rt.graphs_enabled())
           REQUIRE(rt.graph_replays() == 6);  // decode steps 2..7 (steps 0, 1 prefill)
         else
           REQUIRE(rt.graph_replays() == 0);
-        REQUIRE(rt.captures() == 8);
+        REQUIRE(rt.captures() == (rt.graphs_enabled() ? 8 : 0));
       }
     }
   }
@@ -227,7 +227,7 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
 
   gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
   const int64_t captured = rt.captures();
-  REQUIRE(captured == 8);
+  REQUIRE(captured == (rt.graphs_enabled() ? 8 : 0));
   std::vector<moebius::cuda_rank_memory> mem;
   for (const moebius::rank_memory& m : rt.memory()) {
     moebius::cuda_rank_memory cm;
@@ -245,7 +245,7 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
       {3, parallel_mode::tp}, {6, parallel_mode::ep}, {8, parallel_mode::tp}};
   const auto switched = serve(rt, {}, {0}, 8, plan, &sw);
   REQUIRE(rt.captures() == captured);
-  REQUIRE(rt.graph_replays() > 0);
+  REQUIRE((rt.graph_replays() > 0 || !rt.graphs_enabled()));
   for (size_t q = 0; q < base.seqs.size(); ++q) {
     for (size_t i = 0; i < base.seqs[q].size(); ++i) {
       if (base.seqs[q][i] == switched.seqs[q][i]) continue;
