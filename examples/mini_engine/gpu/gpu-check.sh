@@ -57,7 +57,8 @@ if [[ $mode != bench ]]; then
     [[ -x "$bin/$t" ]] || { echo "=== $t: not built" | tee -a "$OUT/tests.txt"; status=1; continue; }
     echo "=== $t" | tee -a "$OUT/tests.txt"
     start=$(date +%s)
-    # Limits keep the whole script inside one 10-minute device call even if something hangs.
+    # Limits keep the whole script inside one 10-minute device call even if something hangs
+    # (at most 90 + 120+60 + 90+60 + 150 s).
     case $t in *runtime) limit=120 ;; *) limit=90 ;; esac
     timeout $limit "$bin/$t" --durations yes 2>&1 | tee -a "$OUT/tests.txt"
     rc=${PIPESTATUS[0]}
@@ -66,13 +67,13 @@ if [[ $mode != bench ]]; then
     if [[ $rc != 0 && $rc != 77 && $t != *kernels ]]; then
       # Once more without CUDA graphs: tells a capture/replay problem from a numerics one.
       echo "=== $t again with MINI_ENGINE_NO_GRAPHS=1" | tee -a "$OUT/tests.txt"
-      MINI_ENGINE_NO_GRAPHS=1 timeout 90 "$bin/$t" 2>&1 | tail -40 | tee -a "$OUT/tests.txt"
+      MINI_ENGINE_NO_GRAPHS=1 timeout 60 "$bin/$t" 2>&1 | tail -40 | tee -a "$OUT/tests.txt"
       echo "=== $t without graphs: exit ${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"
     fi
   done
 fi
 if [[ $mode != tests ]]; then
-  MOEBIUS_BENCH_SUMMARY="$OUT/bench_step_summary.jsonl" timeout 200 "$bin/bench_mini_engine_step" \
+  MOEBIUS_BENCH_SUMMARY="$OUT/bench_step_summary.jsonl" timeout 150 "$bin/bench_mini_engine_step" \
     --benchmark_out="$OUT/bench_mini_engine_step.json" --benchmark_out_format=json \
     2>&1 | tee "$OUT/bench_mini_engine_step.txt"
   rc=${PIPESTATUS[0]}
