@@ -1,0 +1,201 @@
+// Decode-step latency of the mini-engine's GPU runtime per mode and batch size (graph replay),
+// Qwen3-30B-A3B shapes (L=48, H=2048, 32 q / 4 KV heads of 128, E=128 top-8, I=768,
+// V=151936, bf16 weights, experts and KV) over P = min(devices, 2) GPUs, and the crossover.
+//
+// Names: decode/<mode>/P<P>/ctx<C>/B<B>. One step = every one of B sequences decodes one
+// token at position C (each sequence has C tokens of random KV already); the time is the
+// wall clock of gpu_runtime::step() (host inputs, upload, graph replay on every rank, the
+// next tokens back), which is what a serving loop waits for. Weights are random (drawn on the
+// device): routing is then close to uniform over experts, as in a well-balanced model.
+// After the runs a summary prints, per batch, both modes and the faster one, and the
+// crossover (the batch sizes at which the faster mode changes).
+//
+// Environment: MOEBIUS_BENCH_CONTEXT (default 1024), MOEBIUS_BENCH_MAX_BATCH (512),
+// MOEBIUS_BENCH_LAYERS (48: fewer for a quick run), MOEBIUS_BENCH_SUMMARY (a file for the
+// summary as JSON lines).
+
+#include <cuda_runtime.h>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <moebius/kv/page_table.hpp>
+
+#include "gpu_runtime.hpp"
+
+using namespace mini_engine;
+using namespace mini_engine::gpu;
+using moebius::parallel_mode;
+
+namespace {
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return (v == nullptr || *v == '\0') ? fallback : std::strtoll(v, nullptr, 10);
+}
+
+struct bench_state {
+  gpu_model_config config;
+  int P = 1;
+  int64_t context = 1024, max_batch = 512;
+  std::unique_ptr<gpu_runtime> rt;
+  std::map<std::pair<int, int64_t>, double> ms;  // (mode, batch) -> ms per step
+};
+
+bench_state& state() {
+  static bench_state s;
+  return s;
+}
+
+// B sequences of `context` + 1 tokens (the decode token's slot included): EP round-robin
+// owners with EP pages, TP every rank with its TP pages; pages handed out in order.
+moebius::kv_state make_tables(const moebius::kv_geometry& g, parallel_mode m, int64_t B, int64_t tokens) {
+  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(g.num_ranks));
+  std::vector<int64_t> next_page(static_cast<size_t>(g.num_ranks), 0);
+  const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int r = 0; r < g.num_ranks; ++r) {
+      if (m == parallel_mode::ep && b % g.num_ranks != r) continue;
+      moebius::kv_sequence s;
+      s.seq_id = b;
+      s.num_tokens = tokens;
+      s.last_page_len = tokens - (pages - 1) * g.page_size;
+      for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
+      per_rank[static_cast<size_t>(r)].push_back(std::move(s));
+    }
+  }
+  return moebius::make_kv_state(g, m, std::move(per_rank));
+}
+
+void bm_decode(benchmark::State& st, parallel_mode mode, int64_t B) {
+  bench_state& s = state();
+  const int64_t L = s.config.num_layers;
+  const moebius::kv_state tables = make_tables(s.rt->kv(), mode, B, s.context + 1);
+  const moebius::arena_cursor cursor{mode == parallel_mode::tp ? L : 0};
+  std::vector<int32_t> tokens(static_cast<size_t>(B));
+  std::vector<step_item> items(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    tokens[static_cast<size_t>(b)] = static_cast<int32_t>((b * 7919) % s.config.vocab);
+    items[static_cast<size_t>(b)] = {b, {&tokens[static_cast<size_t>(b)], 1}, s.context, true};
+  }
+  const step_layout layout{&tables, cursor};
+  for (int w = 0; w < 3; ++w) s.rt->step(layout, items);  // warm-up (first replay uploads)
+  const int64_t replays0 = s.rt->graph_replays(), eager0 = s.rt->eager_steps();
+  const int64_t reruns0 = s.rt->overflow_reruns();
+  double total = 0;
+  for (auto _ : st) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto next = s.rt->step(layout, items);
+    benchmark::DoNotOptimize(next.data());
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    st.SetIterationTime(sec);
+    total += sec;
+  }
+  const double ms = 1e3 * total / static_cast<double>(st.iterations());
+  s.ms[{static_cast<int>(mode), B}] = ms;
+  st.counters["ms_per_step"] = ms;
+  st.counters["tokens_per_s"] = static_cast<double>(B) / (ms * 1e-3);
+  st.counters["batch"] = static_cast<double>(B);
+  st.counters["P"] = s.P;
+  st.counters["context"] = static_cast<double>(s.context);
+  st.counters["graph_replays"] = static_cast<double>(s.rt->graph_replays() - replays0);
+  st.counters["eager_steps"] = static_cast<double>(s.rt->eager_steps() - eager0);
+  st.counters["captures"] = static_cast<double>(s.rt->captures());
+  st.counters["overflow_reruns"] = static_cast<double>(s.rt->overflow_reruns() - reruns0);
+}
+
+void print_summary() {
+  bench_state& s = state();
+  std::FILE* json = nullptr;
+  if (const char* path = std::getenv("MOEBIUS_BENCH_SUMMARY"); path != nullptr && *path != '\0')
+    json = std::fopen(path, "w");
+  std::printf("\nDecode step, Qwen3-30B-A3B shapes (L=%lld), P=%d, context %lld: ms per step\n",
+              static_cast<long long>(s.config.num_layers), s.P, static_cast<long long>(s.context));
+  std::printf("%8s %10s %10s %8s %s\n", "batch", "TP", "EP", "EP/TP", "faster");
+  int last = -1;
+  std::string crossovers;
+  for (int64_t B = 1; B <= s.max_batch; B *= 2) {
+    auto tp = s.ms.find({static_cast<int>(parallel_mode::tp), B});
+    auto ep = s.ms.find({static_cast<int>(parallel_mode::ep), B});
+    if (tp == s.ms.end() || ep == s.ms.end()) continue;
+    const int faster = ep->second < tp->second ? 1 : 0;
+    std::printf("%8lld %10.3f %10.3f %8.3f %s\n", static_cast<long long>(B), tp->second, ep->second,
+                ep->second / tp->second, faster ? "EP" : "TP");
+    if (json != nullptr)
+      std::fprintf(json, "{\"batch\": %lld, \"tp_ms\": %.6f, \"ep_ms\": %.6f, \"P\": %d, \"context\": %lld}\n",
+                   static_cast<long long>(B), tp->second, ep->second, s.P, static_cast<long long>(s.context));
+    if (last >= 0 && faster != last)
+      crossovers += " " + std::string(faster ? "TP->EP" : "EP->TP") + " at batch " + std::to_string(B);
+    last = faster;
+  }
+  std::printf("crossover:%s\n", crossovers.empty() ? " none (one mode is faster at every batch)" : crossovers.c_str());
+  if (json != nullptr) {
+    std::fprintf(json, "{\"crossover\": \"%s\"}\n", crossovers.c_str());
+    std::fclose(json);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  benchmark::Initialize(&argc, argv);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: nothing to measure\n");
+    return 0;
+  }
+  bench_state& s = state();
+  s.config = qwen3_30b_a3b_config();
+  s.config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", s.config.num_layers);
+  s.P = std::min(devices, 2);
+  s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
+  s.max_batch = env_int("MOEBIUS_BENCH_MAX_BATCH", 512);
+  gpu_runtime_options o;
+  o.num_ranks = s.P;
+  o.dense_dtype = moebius::dtype::bf16;
+  o.max_tokens = s.max_batch;
+  o.buckets.clear();
+  for (int64_t b = 1; b <= s.max_batch; b *= 2) o.buckets.push_back(b);
+  const int64_t pages_per_seq = moebius::pages_for_tokens(s.context + 1, s.config.page_size);
+  o.max_pages_per_seq = pages_per_seq;
+  // EP: max_batch / P sequences per rank; TP: every sequence on every rank in TP pages
+  // (tp_pages_per_ep_page = min(Hkv, P) of them per EP page).
+  const int64_t split = std::min<int64_t>(s.config.num_kv_heads, s.P);
+  o.num_ep_pages = std::max((s.max_batch + s.P - 1) / s.P * pages_per_seq,
+                            (s.max_batch * pages_per_seq + split - 1) / split);
+  std::printf("building the runtime: P=%d, %lld layers, %lld EP pages per rank, %zu buckets x 2 modes\n", s.P,
+              static_cast<long long>(s.config.num_layers), static_cast<long long>(o.num_ep_pages), o.buckets.size());
+  try {
+    s.rt = std::make_unique<gpu_runtime>(s.config, uint64_t{12345}, o);
+    s.rt->fill_kv_random(777);
+  } catch (const std::exception& e) {
+    std::printf("could not build the runtime: %s\n", e.what());
+    return 1;
+  }
+  std::printf("captured %lld graphs; arena %.2f GiB per rank, KV pool %.2f GiB per rank\n",
+              static_cast<long long>(s.rt->captures()), static_cast<double>(s.rt->arena().total_bytes()) / (1 << 30),
+              static_cast<double>(s.rt->kv().pool_bytes()) / (1 << 30));
+  for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep})
+    for (int64_t B = 1; B <= s.max_batch; B *= 2) {
+      const std::string name = std::string("decode/") + moebius::to_string(m) + "/P" + std::to_string(s.P) +
+                               "/ctx" + std::to_string(s.context) + "/B" + std::to_string(B);
+      benchmark::RegisterBenchmark(name.c_str(), [m, B](benchmark::State& st) { bm_decode(st, m, B); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(0.2);
+    }
+  benchmark::RunSpecifiedBenchmarks();
+  print_summary();
+  benchmark::Shutdown();
+  s.rt.reset();
+  return 0;
+}

@@ -1,0 +1,909 @@
+#include "gpu_runtime.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+#include <moebius/cuda/check.hpp>
+#include <moebius/cuda/nccl_check.hpp>
+#include <moebius/error.hpp>
+#include <moebius/kv/page_table.hpp>
+
+#include "gemm.hpp"
+#include "kernels/kernels.hpp"
+
+namespace mini_engine::gpu {
+
+using moebius::dtype;
+using moebius::errc;
+using moebius::parallel_mode;
+
+gpu_model_config qwen3_30b_a3b_config() {
+  gpu_model_config c;
+  c.num_layers = 48;
+  c.hidden = 2048;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 128;
+  c.top_k = 8;
+  c.intermediate = 768;
+  c.vocab = 151936;
+  c.rope_theta = 1e6;
+  c.rms_eps = 1e-6;
+  c.expert_dtype = dtype::bf16;
+  c.kv_dtype = dtype::bf16;
+  c.page_size = 16;
+  return c;
+}
+
+namespace {
+
+uint16_t host_to_bf16(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Host floats as `t` bytes.
+std::vector<std::byte> encode(std::span<const float> v, dtype t) {
+  std::vector<std::byte> out(v.size() * static_cast<size_t>(moebius::dtype_bytes(t)));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (t == dtype::bf16) {
+      const uint16_t b = host_to_bf16(v[i]);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    } else {
+      std::memcpy(out.data() + 4 * i, &v[i], 4);
+    }
+  }
+  return out;
+}
+
+template <class T>
+T* device_alloc(int64_t count, std::vector<void*>& owned) {
+  void* p = nullptr;
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T);
+  MOEBIUS_CUDA_CHECK(cudaMalloc(&p, bytes));
+  MOEBIUS_CUDA_CHECK(cudaMemset(p, 0, bytes));
+  owned.push_back(p);
+  return static_cast<T*>(p);
+}
+
+
+}  // namespace
+
+// One rank's device state. Every pointer is allocated once, in the constructor.
+struct rank_state {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  ncclComm_t comm = nullptr;
+  std::vector<void*> owned;
+
+  std::byte* arena = nullptr;
+  std::byte* kv_pool = nullptr;
+
+  // Non-expert weights. qkv: [(Hq + 2 Hkv) D, H] = q_proj; k_proj; v_proj (dense dtype).
+  struct layer {
+    std::byte* qkv = nullptr;
+    std::byte* o = nullptr;   // [H, Hq D]
+    float* router = nullptr;  // [E, H] fp32: routing decisions match the reference's
+    float* ln1 = nullptr;     // [H]
+    float* ln2 = nullptr;     // [H]
+    float* q_norm = nullptr;  // [D]
+    float* k_norm = nullptr;  // [D]
+  };
+  std::vector<layer> layers;
+  std::byte* embed = nullptr;    // [V, H] dense dtype
+  float* final_norm = nullptr;   // [H]
+  std::byte* lm_head = nullptr;  // [V, H] dense dtype
+
+  // Activations for up to T_max tokens (G = P * T_max gathered rows).
+  float* h = nullptr;        // [T, H] residual stream
+  float* xn = nullptr;       // [T, H] normed
+  std::byte* xd = nullptr;   // [T, max(H, Hq D)] dense dtype GEMM input
+  float* qkv = nullptr;      // [T, (Hq + 2 Hkv) D]
+  float* attn = nullptr;     // [T, Hq D]
+  float* proj = nullptr;     // [T, H] o_proj output / all-reduce buffer
+  float* router_logits = nullptr;  // [T, E]
+  int32_t* topk_ids = nullptr;     // [T, k]
+  float* topk_w = nullptr;         // [T, k]
+  std::byte* packed = nullptr;     // [T] packed rows
+  std::byte* gathered = nullptr;   // [G] packed rows
+  float* moe_out = nullptr;        // [G, H]
+  float* recv = nullptr;           // [P, T, H]
+  float* logits = nullptr;         // [T, vocab slice]: TP V/P columns of its slice, EP all V
+  int32_t* next = nullptr;         // [T] argmax within the slice
+  float* next_value = nullptr;     // [T] its logit
+  // Inputs, one block: ids [T], pos [T], seq [T], num_tokens [1], tables [T][max_pages].
+  int32_t* inputs = nullptr;
+  int32_t* pinned = nullptr;  // host mirror of `inputs`
+  int64_t input_count = 0;
+  // Expert workspace, sized for the largest bucket of either mode.
+  moe_plan moe;  // pointers only; shapes are filled per step
+};
+
+struct gpu_runtime::impl {
+  gpu_model_config c;
+  gpu_runtime_options o;
+  int P = 1;
+  moebius::arena_geometry arena;
+  moebius::kv_geometry kv;
+  int64_t T_max = 0, qkv_ld = 0, max_pages = 0;
+  moe_tokens row_layout;  // packed row layout (tokens set per use)
+  std::vector<rank_state> ranks;
+
+  struct graph_set {
+    std::vector<cudaGraphExec_t> exec;  // per rank
+  };
+  std::map<std::pair<int, int64_t>, graph_set> graphs;  // (mode, bucket)
+  int64_t captures = 0, replays = 0, eager = 0, reruns = 0;
+  // MINI_ENGINE_SIMPLE_ATTENTION=1: the simple attention kernel (a fallback to compare with).
+  bool simple_attention = [] {
+    const char* v = std::getenv("MINI_ENGINE_SIMPLE_ATTENTION");
+    return v != nullptr && *v == '1';
+  }();
+
+  // ---- shape helpers ----------------------------------------------------------------------
+  int32_t* in_ids(rank_state& r) const { return r.inputs; }
+  int32_t* in_pos(rank_state& r) const { return r.inputs + T_max; }
+  int32_t* in_seq(rank_state& r) const { return r.inputs + 2 * T_max; }
+  int32_t* in_num(rank_state& r) const { return r.inputs + 3 * T_max; }
+  int32_t* in_tables(rank_state& r) const { return r.inputs + 3 * T_max + 4; }
+
+  // The LM head's vocab slice of rank r: TP splits the vocabulary (when P | V), each rank
+  // computing V/P logits of every token and its best candidate; EP computes all V for its
+  // own tokens.
+  std::pair<int64_t, int64_t> vocab_slice(parallel_mode attn, int r) const {
+    if (attn == parallel_mode::tp && c.vocab % P == 0) return {r * (c.vocab / P), c.vocab / P};
+    return {0, c.vocab};
+  }
+
+  int64_t q_heads_local(parallel_mode m) const {
+    return m == parallel_mode::ep ? c.num_q_heads : c.num_q_heads / P;
+  }
+  int64_t kv_heads_local(parallel_mode m) const {
+    return m == parallel_mode::ep ? kv.heads_per_ep_page() : kv.heads_per_tp_page();
+  }
+
+  struct moe_shape {
+    int64_t num_local, first, inter, tile_rows, max_tiles;
+  };
+  // `optimistic` (graphs): capacity for 1.25x the expected pairs (moe_pair_capacity); a step
+  // whose routing needs more sets the overflow flag and is rerun eagerly with the worst case.
+  moe_shape moe_shape_of(parallel_mode layer_mode, int rank, int64_t src_tokens, bool optimistic) const {
+    moe_shape s{};
+    if (layer_mode == parallel_mode::ep) {
+      s.num_local = c.num_experts / P;
+      s.first = rank * s.num_local;
+      s.inter = c.intermediate;
+    } else {
+      s.num_local = c.num_experts;
+      s.first = 0;
+      s.inter = c.intermediate / P;
+    }
+    const int64_t pairs = moe_pair_capacity(src_tokens, c.top_k, c.num_experts, s.num_local, optimistic);
+    s.tile_rows = moe_tile_rows(pairs, s.num_local);
+    s.max_tiles = moe_max_tiles(pairs, s.num_local, s.tile_rows);
+    return s;
+  }
+
+  void set_device(const rank_state& r) const { MOEBIUS_CUDA_CHECK(cudaSetDevice(r.device)); }
+
+  // ---- construction -----------------------------------------------------------------------
+  void setup(const gpu_model_config& config, const gpu_runtime_options& options) {
+    c = config;
+    o = options;
+    P = o.num_ranks;
+    MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16, errc::invalid_argument,
+                  "gpu_runtime: experts must be fp32 or bf16, not ", moebius::to_string(c.expert_dtype));
+    MOEBIUS_CHECK(c.kv_dtype == dtype::fp32 || c.kv_dtype == dtype::bf16, errc::invalid_argument,
+                  "gpu_runtime: KV must be fp32 or bf16");
+    MOEBIUS_CHECK(o.dense_dtype == dtype::fp32 || o.dense_dtype == dtype::bf16, errc::invalid_argument,
+                  "gpu_runtime: dense weights must be fp32 or bf16");
+    MOEBIUS_CHECK(P >= 1 && c.num_q_heads % P == 0 && c.num_kv_heads >= 1 &&
+                      c.num_q_heads % c.num_kv_heads == 0,
+                  errc::invalid_argument, "gpu_runtime: P=", P, " must divide Hq=", c.num_q_heads,
+                  " and Hkv=", c.num_kv_heads, " must divide Hq");
+    MOEBIUS_CHECK(c.top_k <= c.num_experts && c.head_dim % 2 == 0, errc::invalid_argument,
+                  "gpu_runtime: top_k <= E and an even head_dim needed");
+    int devices = 0;
+    MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    MOEBIUS_CHECK(P <= devices, errc::invalid_argument, "gpu_runtime: ", P, " ranks need ", P,
+                  " devices, found ", devices, " (one rank per device: NCCL allows no two ranks of a "
+                  "communicator on one device)");
+    moebius::expert_shape shape;
+    shape.num_layers = c.num_layers;
+    shape.num_experts = c.num_experts;
+    shape.hidden = c.hidden;
+    shape.intermediate = c.intermediate;
+    shape.weight_dtype = c.expert_dtype;
+    arena = moebius::make_arena_geometry(shape, P, o.tensor_alignment, o.slot_alignment);
+    moebius::validate(arena, o.cursor);
+    kv = moebius::make_kv_geometry(c.num_layers, c.num_kv_heads, c.head_dim, c.page_size,
+                                   o.num_ep_pages, P, c.kv_dtype, moebius::kv_layout::hnd);
+    T_max = o.max_tokens;
+    for (int64_t b : o.buckets)
+      MOEBIUS_CHECK(b >= 1 && b <= T_max, errc::invalid_argument, "gpu_runtime: bucket ", b,
+                    " outside [1, max_tokens=", T_max, "]");
+    max_pages = o.max_pages_per_seq;
+    qkv_ld = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
+    row_layout = moe_token_layout(0, c.hidden, c.top_k, c.expert_dtype);
+
+    // The expert workspace must hold the largest shape any token count up to T_max needs,
+    // in either attention mode and either layer mode (tile rows change with the count).
+    int64_t max_rows = 0, max_tiles = 0;
+    for (int64_t t = 1; t <= T_max; ++t)
+      for (int64_t src : {t, t * P})
+        for (parallel_mode lm : {parallel_mode::ep, parallel_mode::tp}) {
+          const moe_shape s = moe_shape_of(lm, 0, src, false);
+          max_tiles = std::max(max_tiles, s.max_tiles);
+          max_rows = std::max(max_rows, s.max_tiles * s.tile_rows);
+        }
+    const int64_t G = P * T_max, max_pairs = G * c.top_k;
+    const int64_t H = c.hidden, es = moebius::dtype_bytes(c.expert_dtype);
+    const int64_t ds = moebius::dtype_bytes(o.dense_dtype);
+    const int64_t max_inter = c.intermediate;  // EP: I (TP: I/P)
+
+    ranks.resize(static_cast<size_t>(P));
+    std::vector<int> devs(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      rank_state& rs = ranks[static_cast<size_t>(r)];
+      rs.device = r;
+      devs[static_cast<size_t>(r)] = r;
+      set_device(rs);
+      MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
+      MINI_ENGINE_CUBLAS_CHECK(cublasCreate(&rs.blas));
+      void* ws = device_alloc<std::byte>(cublas_workspace_bytes, rs.owned);
+      MINI_ENGINE_CUBLAS_CHECK(cublasSetWorkspace(rs.blas, ws, cublas_workspace_bytes));
+      MINI_ENGINE_CUBLAS_CHECK(cublasSetStream(rs.blas, rs.stream));
+      rs.arena = device_alloc<std::byte>(arena.total_bytes(), rs.owned);
+      rs.kv_pool = device_alloc<std::byte>(kv.pool_bytes(), rs.owned);
+      rs.layers.resize(static_cast<size_t>(c.num_layers));
+      const int64_t D = c.head_dim, qd = c.num_q_heads * D;
+      for (auto& l : rs.layers) {
+        l.qkv = device_alloc<std::byte>(qkv_ld * H * ds, rs.owned);
+        l.o = device_alloc<std::byte>(H * qd * ds, rs.owned);
+        l.router = device_alloc<float>(c.num_experts * H, rs.owned);
+        l.ln1 = device_alloc<float>(H, rs.owned);
+        l.ln2 = device_alloc<float>(H, rs.owned);
+        l.q_norm = device_alloc<float>(D, rs.owned);
+        l.k_norm = device_alloc<float>(D, rs.owned);
+      }
+      rs.embed = device_alloc<std::byte>(c.vocab * H * ds, rs.owned);
+      rs.final_norm = device_alloc<float>(H, rs.owned);
+      rs.lm_head = device_alloc<std::byte>(c.vocab * H * ds, rs.owned);
+
+      rs.h = device_alloc<float>(T_max * H, rs.owned);
+      rs.xn = device_alloc<float>(T_max * H, rs.owned);
+      rs.xd = device_alloc<std::byte>(T_max * std::max(H, qd) * ds, rs.owned);
+      rs.qkv = device_alloc<float>(T_max * qkv_ld, rs.owned);
+      rs.attn = device_alloc<float>(T_max * qd, rs.owned);
+      rs.proj = device_alloc<float>(T_max * H, rs.owned);
+      rs.router_logits = device_alloc<float>(T_max * c.num_experts, rs.owned);
+      rs.topk_ids = device_alloc<int32_t>(T_max * c.top_k, rs.owned);
+      rs.topk_w = device_alloc<float>(T_max * c.top_k, rs.owned);
+      rs.packed = device_alloc<std::byte>(T_max * row_layout.row_bytes, rs.owned);
+      rs.gathered = device_alloc<std::byte>(G * row_layout.row_bytes, rs.owned);
+      rs.moe_out = device_alloc<float>(G * H, rs.owned);
+      rs.recv = device_alloc<float>(G * H, rs.owned);
+      rs.logits = device_alloc<float>(T_max * c.vocab, rs.owned);
+      rs.next = device_alloc<int32_t>(T_max, rs.owned);
+      rs.next_value = device_alloc<float>(T_max, rs.owned);
+      rs.input_count = 3 * T_max + 4 + T_max * max_pages;
+      rs.inputs = device_alloc<int32_t>(rs.input_count, rs.owned);
+      MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned, static_cast<size_t>(rs.input_count) * 4));
+
+      moe_plan& p = rs.moe;
+      p.keys = device_alloc<int32_t>(max_pairs, rs.owned);
+      p.values = device_alloc<int32_t>(max_pairs, rs.owned);
+      p.keys_sorted = device_alloc<int32_t>(max_pairs, rs.owned);
+      p.values_sorted = device_alloc<int32_t>(max_pairs, rs.owned);
+      p.expert_info = device_alloc<int32_t>(3 * c.num_experts + 1, rs.owned);
+      p.pair_row = device_alloc<int32_t>(max_pairs, rs.owned);
+      p.x_perm = device_alloc<std::byte>(max_rows * H * es, rs.owned);
+      p.gu = device_alloc<float>(max_rows * 2 * max_inter, rs.owned);
+      p.act = device_alloc<std::byte>(max_rows * max_inter * es, rs.owned);
+      p.y = device_alloc<float>(max_rows * H, rs.owned);
+      p.ptr_w13 = device_alloc<const void*>(max_tiles, rs.owned);
+      p.ptr_x = device_alloc<const void*>(max_tiles, rs.owned);
+      p.ptr_gu = device_alloc<void*>(max_tiles, rs.owned);
+      p.ptr_w2 = device_alloc<const void*>(max_tiles, rs.owned);
+      p.ptr_act = device_alloc<const void*>(max_tiles, rs.owned);
+      p.ptr_y = device_alloc<void*>(max_tiles, rs.owned);
+      p.sort_temp_bytes = moe_sort_temp_bytes(max_pairs);
+      p.sort_temp = device_alloc<std::byte>(static_cast<int64_t>(p.sort_temp_bytes), rs.owned);
+      p.overflow = device_alloc<int32_t>(1, rs.owned);
+      p.hidden = H;
+      p.type = c.expert_dtype;
+    }
+    if (P > 1) {
+      std::vector<ncclComm_t> comms(static_cast<size_t>(P));
+      MOEBIUS_NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
+      for (int r = 0; r < P; ++r) ranks[static_cast<size_t>(r)].comm = comms[static_cast<size_t>(r)];
+    }
+  }
+
+  void upload_weights(const host_weights_view& w) {
+    const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, I = c.intermediate;
+    MOEBIUS_CHECK(static_cast<int64_t>(w.layers.size()) == c.num_layers, errc::invalid_argument,
+                  "gpu_runtime: ", w.layers.size(), " layers of weights for a model of ", c.num_layers);
+    auto need = [](std::span<const float> s, int64_t n, const char* what) {
+      MOEBIUS_CHECK(static_cast<int64_t>(s.size()) == n, errc::invalid_argument, "gpu_runtime: ",
+                    what, " has ", s.size(), " elements, expected ", n);
+    };
+    need(w.embed, c.vocab * H, "embed");
+    need(w.norm, H, "norm");
+    need(w.lm_head, c.vocab * H, "lm_head");
+    const dtype dd = o.dense_dtype;
+    auto put = [](void* dst, const std::vector<std::byte>& b) {
+      MOEBIUS_CUDA_CHECK(cudaMemcpy(dst, b.data(), b.size(), cudaMemcpyHostToDevice));
+    };
+    auto put_f = [](float* dst, std::span<const float> s) {
+      MOEBIUS_CUDA_CHECK(cudaMemcpy(dst, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
+    };
+    const auto embed = encode(w.embed, dd), lm = encode(w.lm_head, dd);
+    for (rank_state& rs : ranks) {
+      set_device(rs);
+      put(rs.embed, embed);
+      put(rs.lm_head, lm);
+      put_f(rs.final_norm, w.norm);
+    }
+    for (int64_t li = 0; li < c.num_layers; ++li) {
+      const host_layer_view& l = w.layers[static_cast<size_t>(li)];
+      need(l.q_proj, c.num_q_heads * D * H, "q_proj");
+      need(l.k_proj, c.num_kv_heads * D * H, "k_proj");
+      need(l.v_proj, c.num_kv_heads * D * H, "v_proj");
+      need(l.o_proj, H * c.num_q_heads * D, "o_proj");
+      need(l.router, E * H, "router");
+      need(l.w13, E * 2 * I * H, "w13");
+      need(l.w2, E * H * I, "w2");
+      need(l.input_layernorm, H, "input_layernorm");
+      need(l.post_attention_layernorm, H, "post_attention_layernorm");
+      need(l.q_norm, D, "q_norm");
+      need(l.k_norm, D, "k_norm");
+      std::vector<float> qkv(l.q_proj.begin(), l.q_proj.end());
+      qkv.insert(qkv.end(), l.k_proj.begin(), l.k_proj.end());
+      qkv.insert(qkv.end(), l.v_proj.begin(), l.v_proj.end());
+      const auto qkv_b = encode(qkv, dd), o_b = encode(l.o_proj, dd);
+      for (rank_state& rs : ranks) {
+        set_device(rs);
+        const auto& dl = rs.layers[static_cast<size_t>(li)];
+        put(dl.qkv, qkv_b);
+        put(dl.o, o_b);
+        put_f(dl.router, l.router);
+        put_f(dl.ln1, l.input_layernorm);
+        put_f(dl.ln2, l.post_attention_layernorm);
+        put_f(dl.q_norm, l.q_norm);
+        put_f(dl.k_norm, l.k_norm);
+      }
+      // Experts: every element to its home in the layer's mode (weight_view.locate).
+      const parallel_mode m = moebius::arena_geometry::mode_of(o.cursor, li);
+      const int64_t es = moebius::dtype_bytes(c.expert_dtype);
+      for (moebius::weight_tensor t : {moebius::weight_tensor::w13, moebius::weight_tensor::w2}) {
+        const auto& src = t == moebius::weight_tensor::w13 ? l.w13 : l.w2;
+        const auto g = moebius::geometry_of(arena.shape, t);
+        const int64_t bytes = arena.tensor_bytes[static_cast<int>(t)];
+        std::vector<std::vector<std::byte>> img(static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(bytes)));
+        const auto encoded = encode(src, c.expert_dtype);
+        const auto ep = moebius::make_view<parallel_mode::ep>(arena.shape, t, P);
+        const auto tp = moebius::make_view<parallel_mode::tp>(arena.shape, t, P);
+        int64_t idx = 0;
+        for (int64_t e = 0; e < g.num_experts; ++e)
+          for (int64_t row = 0; row < g.rows; ++row)
+            for (int64_t col = 0; col < g.cols; ++col, ++idx) {
+              const moebius::element_location at =
+                  m == parallel_mode::ep ? ep.locate(e, row, col) : tp.locate(e, row, col);
+              std::memcpy(img[static_cast<size_t>(at.rank)].data() + at.offset * es,
+                          encoded.data() + idx * es, static_cast<size_t>(es));
+            }
+        for (int r = 0; r < P; ++r) {
+          rank_state& rs = ranks[static_cast<size_t>(r)];
+          set_device(rs);
+          put(rs.arena + arena.tensor_base(m, li, t), img[static_cast<size_t>(r)]);
+        }
+      }
+    }
+  }
+
+  void random_weights(uint64_t seed) {
+    const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts;
+    const dtype dd = o.dense_dtype;
+    uint64_t s = seed;
+    auto fill = [&](rank_state& rs, void* p, dtype t, int64_t n, float scale, float offset = 0.0f) {
+      launch_fill_random({p, t, n, s += 0x1234567ull, scale, offset}, rs.stream);
+    };
+    for (rank_state& rs : ranks) {
+      set_device(rs);
+      fill(rs, rs.embed, dd, c.vocab * H, 1.0f);
+      fill(rs, rs.lm_head, dd, c.vocab * H, 2.0f * std::sqrt(3.0f / static_cast<float>(H)));
+      fill(rs, rs.final_norm, dtype::fp32, H, 0.1f, 1.0f);
+      for (auto& l : rs.layers) {
+        fill(rs, l.qkv, dd, qkv_ld * H, std::sqrt(3.0f / static_cast<float>(H)));
+        fill(rs, l.o, dd, H * c.num_q_heads * D, std::sqrt(3.0f / static_cast<float>(c.num_q_heads * D)));
+        fill(rs, l.router, dtype::fp32, E * H, std::sqrt(3.0f / static_cast<float>(H)));
+        fill(rs, l.ln1, dtype::fp32, H, 0.1f, 1.0f);
+        fill(rs, l.ln2, dtype::fp32, H, 0.1f, 1.0f);
+        fill(rs, l.q_norm, dtype::fp32, D, 0.1f, 1.0f);
+        fill(rs, l.k_norm, dtype::fp32, D, 0.1f, 1.0f);
+      }
+      // The whole arena: every slot holds plausible weights in either view.
+      fill(rs, rs.arena, c.expert_dtype, arena.total_bytes() / moebius::dtype_bytes(c.expert_dtype),
+           std::sqrt(3.0f / static_cast<float>(H)));
+      MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
+    }
+  }
+
+  // ---- one forward pass, enqueued on every rank's stream ----------------------------------
+  // T rows per rank (a bucket, or the exact count when eager); attention in `attn`, layer l's
+  // experts in cursor.mode_of(l). Collectives of all ranks are grouped (one thread drives
+  // every device).
+  template <class F>
+  void each_rank(F&& f) {
+    for (int r = 0; r < P; ++r) {
+      rank_state& rs = ranks[static_cast<size_t>(r)];
+      set_device(rs);
+      f(r, rs);
+    }
+  }
+
+  void all_reduce(float* rank_state::*buf, int64_t count) {
+    if (P == 1) return;
+    MOEBIUS_NCCL_CHECK(ncclGroupStart());
+    for (rank_state& rs : ranks) {
+      float* b = rs.*buf;
+      MOEBIUS_NCCL_CHECK(ncclAllReduce(b, b, static_cast<size_t>(count), ncclFloat, ncclSum, rs.comm, rs.stream));
+    }
+    MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  void forward(parallel_mode attn, moebius::arena_cursor cursor, int64_t T, bool optimistic) {
+    const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, K = c.top_k;
+    const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
+    const int64_t es = moebius::dtype_bytes(c.expert_dtype), ds = moebius::dtype_bytes(o.dense_dtype);
+    const dtype dd = o.dense_dtype;
+    const float eps = static_cast<float>(c.rms_eps);
+    each_rank([&](int, rank_state& rs) {
+      launch_embedding({rs.embed, dd, c.vocab, H, in_ids(rs), T, in_num(rs), rs.h}, rs.stream);
+    });
+    for (int64_t li = 0; li < c.num_layers; ++li) {
+      // ---- attention
+      each_rank([&](int r, rank_state& rs) {
+        const auto& l = rs.layers[static_cast<size_t>(li)];
+        rmsnorm_args n{rs.h, H, rs.xn, H, l.ln1, T, H, 1, 0, eps};
+        launch_rmsnorm(n, rs.stream);
+        launch_convert({rs.xn, dtype::fp32, rs.xd, dd, T * H}, rs.stream);
+        // q, k, v of this rank's heads: row slices of the whole fused weight.
+        const int64_t q0 = attn == parallel_mode::ep ? 0 : r * hq;
+        const int64_t kv0 = attn == parallel_mode::ep ? 0 : kv.tp_slice_of_rank(r) * hkv;
+        struct part { int64_t w_row, rows, out_col; };
+        const part parts[3] = {{q0 * D, hq * D, 0},
+                               {(c.num_q_heads + kv0) * D, hkv * D, hq * D},
+                               {(c.num_q_heads + c.num_kv_heads + kv0) * D, hkv * D, (hq + hkv) * D}};
+        for (const part& pt : parts) {
+          linear_args a;
+          a.x = rs.xd;
+          a.ldx = H;
+          a.w = l.qkv + pt.w_row * H * ds;
+          a.ldw = H;
+          a.y = rs.qkv + pt.out_col;
+          a.ldy = qkv_ld;
+          a.tokens = T;
+          a.out_features = pt.rows;
+          a.in_features = H;
+          a.type = dd;
+          linear(rs.blas, a, rs.stream);
+        }
+        float* q = rs.qkv;
+        float* k = rs.qkv + hq * D;
+        float* v = rs.qkv + (hq + hkv) * D;
+        launch_rmsnorm({q, qkv_ld, q, qkv_ld, l.q_norm, T * hq, D, hq, D, eps}, rs.stream);
+        launch_rmsnorm({k, qkv_ld, k, qkv_ld, l.k_norm, T * hkv, D, hkv, D, eps}, rs.stream);
+        launch_rope({q, qkv_ld, T, hq, D, in_pos(rs), in_num(rs), c.rope_theta}, rs.stream);
+        launch_rope({k, qkv_ld, T, hkv, D, in_pos(rs), in_num(rs), c.rope_theta}, rs.stream);
+        const paged_tokens tok{in_seq(rs), in_pos(rs), in_tables(rs), max_pages, T, in_num(rs)};
+        kv_append_args ka;
+        ka.k = k;
+        ka.v = v;
+        ka.stride = qkv_ld;
+        ka.heads = hkv;
+        ka.head0 = 0;
+        ka.pool = rs.kv_pool;
+        ka.geometry = kv;
+        ka.mode = attn;
+        ka.layer = li;
+        ka.tok = tok;
+        launch_kv_append(ka, rs.stream);
+        paged_attention_args pa;
+        pa.q = q;
+        pa.q_stride = qkv_ld;
+        pa.q_heads = hq;
+        pa.group = c.num_q_heads / c.num_kv_heads;
+        pa.out = rs.attn;
+        pa.out_stride = hq * D;
+        pa.pool = rs.kv_pool;
+        pa.geometry = kv;
+        pa.mode = attn;
+        pa.layer = li;
+        pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+        pa.tok = tok;
+        pa.simple = simple_attention;
+        launch_paged_attention(pa, rs.stream);
+        launch_convert({rs.attn, dtype::fp32, rs.xd, dd, T * hq * D}, rs.stream);
+        linear_args a;  // o_proj: this rank's columns (its heads) of the whole weight
+        a.x = rs.xd;
+        a.ldx = hq * D;
+        a.w = l.o + q0 * D * ds;
+        a.ldw = c.num_q_heads * D;
+        a.y = rs.proj;
+        a.ldy = H;
+        a.tokens = T;
+        a.out_features = H;
+        a.in_features = hq * D;
+        a.type = dd;
+        linear(rs.blas, a, rs.stream);
+      });
+      if (attn == parallel_mode::tp) all_reduce(&rank_state::proj, T * H);
+      // ---- MoE
+      const parallel_mode lm = moebius::arena_geometry::mode_of(cursor, li);
+      each_rank([&](int, rank_state& rs) {
+        const auto& l = rs.layers[static_cast<size_t>(li)];
+        launch_residual_add({rs.h, rs.proj, 1, 0, T, H}, rs.stream);
+        launch_rmsnorm({rs.h, H, rs.xn, H, l.ln2, T, H, 1, 0, eps}, rs.stream);
+        linear_args a;
+        a.x = rs.xn;
+        a.ldx = H;
+        a.w = l.router;
+        a.ldw = H;
+        a.y = rs.router_logits;
+        a.ldy = E;
+        a.tokens = T;
+        a.out_features = E;
+        a.in_features = H;
+        a.type = dtype::fp32;
+        linear(rs.blas, a, rs.stream);
+        launch_router_topk({rs.router_logits, T, E, K, in_num(rs), rs.topk_ids, rs.topk_w}, rs.stream);
+        moe_pack_args pk;
+        pk.x = rs.xn;
+        pk.ids = rs.topk_ids;
+        pk.weights = rs.topk_w;
+        pk.dst = row_layout;
+        pk.dst.tokens = T;
+        pk.rows = rs.packed;
+        pk.hidden = H;
+        pk.type = c.expert_dtype;
+        launch_moe_pack(pk, rs.stream);
+      });
+      const bool dispatch = attn == parallel_mode::ep && P > 1;
+      if (dispatch) {  // every rank gets every rank's packed tokens
+        const size_t bytes = static_cast<size_t>(T * row_layout.row_bytes);
+        MOEBIUS_NCCL_CHECK(ncclGroupStart());
+        for (rank_state& rs : ranks)
+          MOEBIUS_NCCL_CHECK(ncclAllGather(rs.packed, rs.gathered, bytes, ncclUint8, rs.comm, rs.stream));
+        MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+      }
+      const int64_t src_tokens = dispatch ? P * T : T;
+      each_rank([&](int r, rank_state& rs) {
+        moe_tokens src = row_layout;
+        src.rows = dispatch ? rs.gathered : rs.packed;
+        src.tokens = src_tokens;
+        const moe_shape s = moe_shape_of(lm, r, src_tokens, optimistic);
+        moe_plan p = rs.moe;
+        p.num_local = s.num_local;
+        p.first_expert = s.first;
+        p.tile_rows = s.tile_rows;
+        p.max_tiles = s.max_tiles;
+        p.inter = s.inter;
+        p.w13 = rs.arena + arena.tensor_base(lm, li, moebius::weight_tensor::w13);
+        p.w2 = rs.arena + arena.tensor_base(lm, li, moebius::weight_tensor::w2);
+        launch_moe_permute(p, src, rs.stream);
+        expert_gemms(rs.blas, p, rs.stream);
+        moe_combine_args cb;
+        cb.y = p.y;
+        cb.pair_row = p.pair_row;
+        cb.src = src;
+        cb.out = rs.moe_out;
+        cb.hidden = H;
+        launch_moe_combine(cb, rs.stream);
+        (void)es;
+      });
+      if (attn == parallel_mode::tp) {
+        all_reduce(&rank_state::moe_out, T * H);
+        each_rank([&](int, rank_state& rs) {
+          launch_residual_add({rs.h, rs.moe_out, 1, 0, T, H}, rs.stream);
+        });
+      } else if (!dispatch) {
+        each_rank([&](int, rank_state& rs) {
+          launch_residual_add({rs.h, rs.moe_out, 1, 0, T, H}, rs.stream);
+        });
+      } else {  // combine: partial sums back to the tokens' owners, summed in rank order
+        const size_t n = static_cast<size_t>(T * H);
+        MOEBIUS_NCCL_CHECK(ncclGroupStart());
+        for (int r = 0; r < P; ++r) {
+          rank_state& rs = ranks[static_cast<size_t>(r)];
+          for (int peer = 0; peer < P; ++peer) {
+            if (peer == r) continue;
+            MOEBIUS_NCCL_CHECK(ncclSend(rs.moe_out + peer * T * H, n, ncclFloat, peer, rs.comm, rs.stream));
+            MOEBIUS_NCCL_CHECK(ncclRecv(rs.recv + peer * T * H, n, ncclFloat, peer, rs.comm, rs.stream));
+          }
+        }
+        MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+        each_rank([&](int r, rank_state& rs) {
+          MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.recv + r * T * H, rs.moe_out + r * T * H, n * 4,
+                                             cudaMemcpyDeviceToDevice, rs.stream));
+          launch_residual_add({rs.h, rs.recv, P, T * H, T, H}, rs.stream);
+        });
+      }
+    }
+    each_rank([&](int r, rank_state& rs) {
+      const auto [v0, vn] = vocab_slice(attn, r);
+      launch_rmsnorm({rs.h, H, rs.xn, H, rs.final_norm, T, H, 1, 0, eps}, rs.stream);
+      launch_convert({rs.xn, dtype::fp32, rs.xd, dd, T * H}, rs.stream);
+      linear_args a;
+      a.x = rs.xd;
+      a.ldx = H;
+      a.w = rs.lm_head + v0 * H * ds;
+      a.ldw = H;
+      a.y = rs.logits;
+      a.ldy = vn;
+      a.tokens = T;
+      a.out_features = vn;
+      a.in_features = H;
+      a.type = dd;
+      linear(rs.blas, a, rs.stream);
+      launch_argmax({rs.logits, T, vn, rs.next, rs.next_value}, rs.stream);
+    });
+  }
+
+  void capture_all() {
+    for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+      const moebius::arena_cursor cursor{m == parallel_mode::tp ? c.num_layers : 0};
+      for (int64_t b : o.buckets) {
+        graph_set gs;
+        each_rank([&](int, rank_state& rs) {
+          MOEBIUS_CUDA_CHECK(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeRelaxed));
+        });
+        forward(m, cursor, b, true);
+        each_rank([&](int, rank_state& rs) {
+          cudaGraph_t g = nullptr;
+          MOEBIUS_CUDA_CHECK(cudaStreamEndCapture(rs.stream, &g));
+          cudaGraphExec_t exec = nullptr;
+          MOEBIUS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+          MOEBIUS_CUDA_CHECK(cudaGraphUpload(exec, rs.stream));
+          MOEBIUS_CUDA_CHECK(cudaGraphDestroy(g));
+          gs.exec.push_back(exec);
+        });
+        graphs[{static_cast<int>(m), b}] = std::move(gs);
+        ++captures;
+      }
+    }
+    each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
+  }
+
+  // ---- step ---------------------------------------------------------------------------------
+  struct local_token {
+    int64_t item;
+    bool last;  // the item's last token (its sample row)
+  };
+
+  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
+                            std::vector<std::vector<float>>* logits_out) {
+    MOEBIUS_CHECK(layout.tables != nullptr, errc::invalid_argument, "gpu_runtime::step: no page tables");
+    const moebius::kv_state& tables = *layout.tables;
+    MOEBIUS_CHECK(static_cast<int>(tables.ranks.size()) == P, errc::invalid_argument,
+                  "gpu_runtime::step: tables for ", tables.ranks.size(), " ranks, runtime has ", P);
+    moebius::validate(arena, layout.cursor);
+    const parallel_mode attn = tables.mode;
+    // Per rank: its tokens (item order) and page-table rows.
+    std::vector<std::vector<local_token>> toks(static_cast<size_t>(P));
+    std::vector<int64_t> rows(static_cast<size_t>(P), 0);
+    std::vector<std::pair<int, int64_t>> sample_at(items.size(), {-1, -1});  // (rank, token)
+    bool decode = true;
+    for (int r = 0; r < P; ++r) {
+      rank_state& rs = ranks[static_cast<size_t>(r)];
+      int32_t* ids = rs.pinned;
+      int32_t* pos = rs.pinned + T_max;
+      int32_t* seq = rs.pinned + 2 * T_max;
+      int32_t* tab = rs.pinned + 3 * T_max + 4;
+      const auto& seqs = tables.ranks[static_cast<size_t>(r)].sequences;
+      for (size_t i = 0; i < items.size(); ++i) {
+        const step_item& it = items[i];
+        auto found = std::lower_bound(seqs.begin(), seqs.end(), it.seq_id,
+                                      [](const moebius::kv_sequence& s, int64_t id) { return s.seq_id < id; });
+        if (found == seqs.end() || found->seq_id != it.seq_id) continue;  // not on this rank
+        const auto n = static_cast<int64_t>(it.tokens.size());
+        MOEBIUS_CHECK(n >= 1, errc::invalid_argument, "gpu_runtime::step: item ", i, " has no tokens");
+        if (n != 1) decode = false;
+        MOEBIUS_CHECK(found->num_tokens >= it.start_position + n, errc::invalid_argument,
+                      "gpu_runtime::step: sequence ", it.seq_id, " holds ", found->num_tokens,
+                      " tokens, the step needs ", it.start_position + n);
+        MOEBIUS_CHECK(found->num_pages() <= max_pages, errc::capacity, "gpu_runtime::step: sequence ",
+                      it.seq_id, " has ", found->num_pages(), " pages, max_pages_per_seq is ", max_pages);
+        auto& tl = toks[static_cast<size_t>(r)];
+        MOEBIUS_CHECK(static_cast<int64_t>(tl.size()) + n <= T_max, errc::capacity,
+                      "gpu_runtime::step: more than max_tokens=", T_max, " tokens on rank ", r);
+        const int64_t row = rows[static_cast<size_t>(r)]++;
+        for (int64_t p = 0; p < found->num_pages(); ++p)
+          tab[row * max_pages + p] = static_cast<int32_t>(found->pages[static_cast<size_t>(p)]);
+        for (int64_t j = 0; j < n; ++j) {
+          const auto t = static_cast<int64_t>(tl.size());
+          ids[t] = it.tokens[static_cast<size_t>(j)];
+          pos[t] = static_cast<int32_t>(it.start_position + j);
+          seq[t] = static_cast<int32_t>(row);
+          tl.push_back({static_cast<int64_t>(i), j == n - 1});
+          if (j == n - 1 && (attn == parallel_mode::ep || r == 0)) sample_at[i] = {r, t};
+        }
+      }
+    }
+    for (size_t i = 0; i < items.size(); ++i)
+      MOEBIUS_CHECK(sample_at[i].first >= 0, errc::invalid_argument, "gpu_runtime::step: sequence ",
+                    items[i].seq_id, " is in no page table");
+    int64_t need = 1;
+    for (const auto& tl : toks) need = std::max(need, static_cast<int64_t>(tl.size()));
+    const bool pure = (attn == parallel_mode::tp && layout.cursor.tp_layers == c.num_layers) ||
+                      (attn == parallel_mode::ep && layout.cursor.tp_layers == 0);
+    int64_t T = need;
+    const graph_set* gs = nullptr;
+    if (decode && pure && o.capture_graphs) {
+      for (int64_t b : o.buckets)
+        if (b >= need && (gs == nullptr || b < T)) {
+          auto it = graphs.find({static_cast<int>(attn), b});
+          if (it != graphs.end()) {
+            gs = &it->second;
+            T = b;
+          }
+        }
+    }
+    // Inputs: padding rows get token 0, position 0, row 0 (num_tokens makes kernels skip them).
+    each_rank([&](int r, rank_state& rs) {
+      const auto n = static_cast<int64_t>(toks[static_cast<size_t>(r)].size());
+      for (int64_t t = n; t < T; ++t) {
+        rs.pinned[t] = 0;
+        rs.pinned[T_max + t] = 0;
+        rs.pinned[2 * T_max + t] = 0;
+      }
+      rs.pinned[3 * T_max] = static_cast<int32_t>(n);
+      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.inputs, rs.pinned, static_cast<size_t>(rs.input_count) * 4,
+                                         cudaMemcpyHostToDevice, rs.stream));
+    });
+    if (gs != nullptr) {
+      // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
+      // all ranks running (a copy to pageable memory would block the host on rank 0 first).
+      each_rank([&](int r, rank_state& rs) {
+        MOEBIUS_CUDA_CHECK(cudaMemsetAsync(rs.moe.overflow, 0, 4, rs.stream));
+        MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs->exec[static_cast<size_t>(r)], rs.stream));
+      });
+      std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
+      each_rank([&](int r, rank_state& rs) {
+        MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
+        MOEBIUS_CUDA_CHECK(cudaMemcpy(&overflow[static_cast<size_t>(r)], rs.moe.overflow, 4,
+                                      cudaMemcpyDeviceToHost));
+      });
+      ++replays;
+      // Routing beyond the graph's expert capacity on some rank: the step's outputs are
+      // incomplete. Run it again eagerly with the worst-case capacity: it writes every
+      // layer's K/V of the step's positions again (the first pass's values after the
+      // overflow were wrong), and reads nothing else the first pass wrote.
+      if (std::any_of(overflow.begin(), overflow.end(), [](int32_t f) { return f != 0; })) {
+        forward(attn, layout.cursor, T, false);
+        ++reruns;
+      }
+    } else {
+      forward(attn, layout.cursor, T, false);
+      ++eager;
+    }
+    // Results (every rank's work is enqueued: waiting on one rank at a time is safe now).
+    std::vector<std::vector<int32_t>> next(static_cast<size_t>(P));
+    std::vector<std::vector<float>> next_value(static_cast<size_t>(P));
+    each_rank([&](int r, rank_state& rs) {
+      next[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
+      next_value[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
+      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next[static_cast<size_t>(r)].data(), rs.next,
+                                         static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost, rs.stream));
+      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next_value[static_cast<size_t>(r)].data(), rs.next_value,
+                                         static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost, rs.stream));
+    });
+    each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
+    std::vector<int32_t> out(items.size(), -1);
+    if (logits_out != nullptr) logits_out->clear();
+    const bool split_vocab = vocab_slice(attn, 0).second != c.vocab;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].sample) continue;
+      const auto [owner, t] = sample_at[i];
+      // TP with a split vocabulary: every rank's candidate for token t; the largest logit
+      // wins, ties to the lower vocab id (slices ascend with the rank).
+      const int first = split_vocab ? 0 : owner, last = split_vocab ? P - 1 : owner;
+      float best = 0.0f;
+      for (int r = first; r <= last; ++r) {
+        const float v = next_value[static_cast<size_t>(r)][static_cast<size_t>(t)];
+        const int32_t id = static_cast<int32_t>(vocab_slice(attn, r).first) + next[static_cast<size_t>(r)][static_cast<size_t>(t)];
+        if (r == first || v > best) {
+          best = v;
+          out[i] = id;
+        }
+      }
+      if (logits_out != nullptr) {
+        std::vector<float> row(static_cast<size_t>(c.vocab));
+        for (int r = first; r <= last; ++r) {
+          rank_state& rs = ranks[static_cast<size_t>(r)];
+          const auto [v0, vn] = vocab_slice(attn, r);
+          set_device(rs);
+          MOEBIUS_CUDA_CHECK(cudaMemcpy(row.data() + v0, rs.logits + t * vn, static_cast<size_t>(vn) * 4,
+                                        cudaMemcpyDeviceToHost));
+        }
+        logits_out->push_back(std::move(row));
+      }
+    }
+    return out;
+  }
+
+  ~impl() {
+    for (auto& [key, gs] : graphs)
+      for (cudaGraphExec_t e : gs.exec) cudaGraphExecDestroy(e);
+    for (rank_state& rs : ranks) {
+      cudaSetDevice(rs.device);
+      if (rs.comm != nullptr) ncclCommDestroy(rs.comm);
+      if (rs.blas != nullptr) cublasDestroy(rs.blas);
+      if (rs.pinned != nullptr) cudaFreeHost(rs.pinned);
+      for (void* p : rs.owned) cudaFree(p);
+      if (rs.stream != nullptr) cudaStreamDestroy(rs.stream);
+    }
+  }
+};
+
+gpu_runtime::gpu_runtime(const gpu_model_config& config, const host_weights_view& weights,
+                         const gpu_runtime_options& options)
+    : impl_(std::make_unique<impl>()) {
+  impl_->setup(config, options);
+  impl_->upload_weights(weights);
+  if (options.capture_graphs) impl_->capture_all();
+}
+
+gpu_runtime::gpu_runtime(const gpu_model_config& config, uint64_t seed, const gpu_runtime_options& options)
+    : impl_(std::make_unique<impl>()) {
+  impl_->setup(config, options);
+  impl_->random_weights(seed);
+  if (options.capture_graphs) impl_->capture_all();
+}
+
+gpu_runtime::~gpu_runtime() = default;
+
+std::vector<int32_t> gpu_runtime::step(const step_layout& layout, std::span<const step_item> items,
+                                       std::vector<std::vector<float>>* logits) {
+  return impl_->step(layout, items, logits);
+}
+
+std::vector<moebius::rank_memory> gpu_runtime::memory() const {
+  std::vector<moebius::rank_memory> m;
+  for (const rank_state& rs : impl_->ranks)
+    m.push_back(moebius::rank_memory::on_device(rs.device, rs.arena, impl_->arena.total_bytes(),
+                                                rs.kv_pool, impl_->kv.pool_bytes()));
+  return m;
+}
+const moebius::arena_geometry& gpu_runtime::arena() const { return impl_->arena; }
+const moebius::kv_geometry& gpu_runtime::kv() const { return impl_->kv; }
+int gpu_runtime::num_ranks() const { return impl_->P; }
+int64_t gpu_runtime::captures() const { return impl_->captures; }
+int64_t gpu_runtime::graph_replays() const { return impl_->replays; }
+int64_t gpu_runtime::eager_steps() const { return impl_->eager; }
+int64_t gpu_runtime::overflow_reruns() const { return impl_->reruns; }
+
+void gpu_runtime::fill_kv_random(uint64_t seed) {
+  for (rank_state& rs : impl_->ranks) {
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(rs.device));
+    launch_fill_random({rs.kv_pool, impl_->c.kv_dtype,
+                        impl_->kv.pool_bytes() / moebius::dtype_bytes(impl_->c.kv_dtype),
+                        seed + static_cast<uint64_t>(rs.device), 1.0f, 0.0f},
+                       rs.stream);
+    MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
+  }
+}
+
+}  // namespace mini_engine::gpu

@@ -1,0 +1,176 @@
+#pragma once
+
+// The mini-engine's GPU runtime: one process drives P GPUs (rank r on device r), each with an
+// expert arena and a KV pool allocated once (cudaMalloc, never moved), the non-expert weights
+// beside them, one stream, one cuBLAS handle and (P > 1) one NCCL communicator.
+//
+// Per layer (DESIGN.md §7):
+//   attention, in the mode of the page tables passed to step():
+//     TP: every rank holds every token; rank r computes q heads [r*Hq/P, (r+1)*Hq/P) and its
+//         KV head slice (tp_slice_of_rank; replicated when Hkv < P) over its TP pages, from
+//         row slices of the whole q/k/v weights and a column slice of o_proj (pointers with a
+//         leading dimension: no second copy); NCCL all-reduce of the o_proj partial sums.
+//     EP: data-parallel: each rank runs its own sequences (their EP owner) with all heads.
+//   MoE, in the mode of the layer in the arena (layers below the cursor TP, the rest EP):
+//     the router runs where the token is; tokens are packed with their top-k (moe_pack);
+//     EP attention: the packed rows are all-gathered (dispatch: every rank sees every token,
+//         fixed size per bucket, so a graph can hold it; with top-8 of 128 experts on 2 ranks a
+//         token misses a rank with probability 0.4%, so this is what a deduplicated dispatch
+//         sends anyway), each rank runs its experts on the pairs routed to them, and the
+//         partial outputs go back to the tokens' owners (grouped ncclSend/ncclRecv, fixed
+//         [bucket, H] blocks) and are summed there in rank order (combine);
+//     TP attention: each rank runs its slice of every expert (or, for an EP layer in a hybrid
+//         state, its whole experts) on every token, then all-reduce.
+//   Expert GEMMs: gemm.hpp (tiles of one expert per batch entry, pointers at fixed addresses).
+//   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
+//   every token and its best candidate (id, logit); the host picks the best of the P
+//   candidates (no collective). EP computes all V logits for its own tokens.
+//
+// CUDA graphs: at construction, for each mode (all-TP: TP tables and cursor L; all-EP: EP
+// tables and cursor 0) and each bucket (default 1, 2, 4, ..., 512 tokens per rank), one decode
+// step is captured on every rank's stream (NCCL calls included) and instantiated: captures()
+// counts them. A decode step (every item one token) in a pure mode picks the smallest bucket
+// >= its tokens per rank, uploads the step's inputs (token ids, positions, page tables: fixed
+// device addresses) and replays; nothing is ever re-captured, because the weights (arena
+// slots), the KV pool and every buffer keep their addresses across switches. Prefill steps,
+// hybrid cursors and batches beyond the largest bucket run the same code eagerly.
+//
+// Expert capacity. Eager steps size the expert tiles for the worst case (every token's
+// choices among one rank's experts). A graph would then pay that worst case every step (EP at
+// 512 tokens, top-8 of 128 on 2 ranks: 4x the rows it needs), so graphs are sized for 1.25x
+// the expected pairs per rank; a step whose routing needs more raises a device flag, and the
+// step is rerun eagerly (same inputs, same K/V written again): correct always, fast when the
+// routing is balanced. overflow_reruns() counts those.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include <moebius/kv/kv_geometry.hpp>
+#include <moebius/layout/arena_geometry.hpp>
+#include <moebius/memory/rank_memory.hpp>
+
+#include "../step.hpp"
+
+namespace mini_engine::gpu {
+
+// The model's shape (the fields of mini_engine::model_config that the GPU runtime reads;
+// config_from() maps one).
+struct gpu_model_config {
+  int64_t num_layers = 2;
+  int64_t hidden = 64;
+  int64_t num_q_heads = 4;
+  int64_t num_kv_heads = 2;
+  int64_t head_dim = 16;
+  int64_t num_experts = 8;
+  int64_t top_k = 2;
+  int64_t intermediate = 32;
+  int64_t vocab = 256;
+  double rope_theta = 1e6;
+  double rms_eps = 1e-6;
+  moebius::dtype expert_dtype = moebius::dtype::fp32;  // fp32 or bf16 (fp8 is not supported here)
+  moebius::dtype kv_dtype = moebius::dtype::fp32;      // fp32 or bf16
+  int64_t page_size = 16;
+};
+
+// Any config with model_config's field names (mini_engine::model_config).
+template <class Config>
+gpu_model_config config_from(const Config& c) {
+  gpu_model_config g;
+  g.num_layers = c.num_layers;
+  g.hidden = c.hidden;
+  g.num_q_heads = c.num_q_heads;
+  g.num_kv_heads = c.num_kv_heads;
+  g.head_dim = c.head_dim;
+  g.num_experts = c.num_experts;
+  g.top_k = c.top_k;
+  g.intermediate = c.intermediate;
+  g.vocab = c.vocab;
+  g.rope_theta = c.rope_theta;
+  g.rms_eps = c.rms_eps;
+  g.expert_dtype = c.expert_dtype;
+  g.kv_dtype = c.kv_dtype;
+  g.page_size = c.page_size;
+  return g;
+}
+
+// Qwen3-30B-A3B: L=48, H=2048, 32 q / 4 KV heads of 128, E=128, top-8, I=768, V=151936,
+// bf16 experts and KV, page 16.
+gpu_model_config qwen3_30b_a3b_config();
+
+// The model's logical weights as float spans (Hugging Face shapes, row-major; experts fused
+// w13 = [gate; up] [E, 2I, H] and w2 [E, H, I]). weights_view_of() maps a
+// mini_engine::model_weights.
+struct host_layer_view {
+  std::span<const float> input_layernorm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
+      post_attention_layernorm, router, w13, w2;
+};
+struct host_weights_view {
+  std::span<const float> embed, norm, lm_head;
+  std::vector<host_layer_view> layers;
+};
+template <class Weights>
+host_weights_view weights_view_of(const Weights& w) {
+  host_weights_view v;
+  v.embed = w.embed;
+  v.norm = w.norm;
+  v.lm_head = w.lm_head;
+  for (const auto& l : w.layers)
+    v.layers.push_back({l.input_layernorm, l.q_proj, l.k_proj, l.v_proj, l.o_proj, l.q_norm,
+                        l.k_norm, l.post_attention_layernorm, l.router, l.w13, l.w2});
+  return v;
+}
+
+struct gpu_runtime_options {
+  int num_ranks = 1;                 // ranks on devices 0 .. P-1 (one per device)
+  int64_t num_ep_pages = 64;         // KV pages per rank in EP (TP: x tp_pages_per_ep_page)
+  int64_t max_pages_per_seq = 64;    // page-table width: longest sequence = this * page_size
+  int64_t max_tokens = 512;          // tokens per rank per step (decode and prefill)
+  std::vector<int64_t> buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};  // graph buckets
+  bool capture_graphs = true;
+  moebius::dtype dense_dtype = moebius::dtype::fp32;  // attention/embedding/LM-head weights
+  moebius::arena_cursor cursor{0};   // where the experts are placed initially (0: EP, L: TP)
+  int64_t tensor_alignment = moebius::default_tensor_alignment;
+  int64_t slot_alignment = moebius::default_slot_alignment;
+};
+
+class gpu_runtime : public runtime {
+ public:
+  // Uploads `weights` (experts into the arena at options.cursor, the rest per rank) and
+  // captures the graphs. Throws moebius::error for a model it cannot run (dtype, P not
+  // dividing heads/experts, more ranks than devices).
+  gpu_runtime(const gpu_model_config& config, const host_weights_view& weights,
+              const gpu_runtime_options& options);
+  // The same with weights drawn on the device from `seed` (benchmarks: values do not matter).
+  gpu_runtime(const gpu_model_config& config, uint64_t seed, const gpu_runtime_options& options);
+  ~gpu_runtime() override;
+  gpu_runtime(const gpu_runtime&) = delete;
+  gpu_runtime& operator=(const gpu_runtime&) = delete;
+
+  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
+                            std::vector<std::vector<float>>* logits = nullptr) override;
+
+  // Rank r's arena and KV pool on device r (moebius transports).
+  std::vector<moebius::rank_memory> memory() const;
+  const moebius::arena_geometry& arena() const;
+  const moebius::kv_geometry& kv() const;
+  int num_ranks() const;
+
+  int64_t captures() const;        // graphs captured (mode x bucket), all at construction
+  int64_t graph_replays() const;   // steps that replayed a graph
+  int64_t eager_steps() const;     // steps that ran without a graph
+  // Graph steps whose routing overflowed the graph's expert capacity (1.25x the expected
+  // pairs per rank) and were rerun eagerly with the worst-case capacity.
+  int64_t overflow_reruns() const;
+
+  // Fills every rank's KV pool with random values (benchmarks: a context to attend over).
+  void fill_kv_random(uint64_t seed);
+
+  struct impl;
+
+ private:
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace mini_engine::gpu

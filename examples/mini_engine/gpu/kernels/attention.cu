@@ -1,0 +1,284 @@
+#include "kernels.hpp"
+
+#include <algorithm>
+
+#include <moebius/error.hpp>
+
+#include "common.cuh"
+
+namespace mini_engine::gpu {
+
+namespace {
+
+constexpr int k_attention_warps = 4;
+constexpr int k_max_dims_per_lane = 8;  // head_dim <= 256
+
+__device__ __forceinline__ int64_t page_of(const paged_tokens& tok, int64_t t, int64_t position,
+                                           int64_t page_size) {
+  return tok.tables[static_cast<int64_t>(tok.seq[t]) * tok.table_stride + position / page_size];
+}
+
+}  // namespace
+
+// One thread per (token, head, dim): K and V of the token's new position into its page.
+__global__ void kv_append_kernel(const __grid_constant__ kv_append_args a) {
+  const moebius::kv_geometry& g = a.geometry;
+  const int64_t tokens = detail::real_rows(a.tok.num_tokens, a.tok.tokens);
+  const int64_t n = tokens * a.heads * g.head_dim;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < n;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d = idx % g.head_dim;
+    const int64_t h = (idx / g.head_dim) % a.heads;
+    const int64_t t = idx / (g.head_dim * a.heads);
+    const int64_t position = a.tok.pos[t];
+    const int64_t page = page_of(a.tok, t, position, g.page_size);
+    const int64_t slot = position % g.page_size;
+    const int64_t ko = g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, a.head0 + h, slot, d);
+    const int64_t vo = g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, a.head0 + h, slot, d);
+    detail::store_from_float(a.pool + ko, g.type, 0, a.k[t * a.stride + h * g.head_dim + d]);
+    detail::store_from_float(a.pool + vo, g.type, 0, a.v[t * a.stride + h * g.head_dim + d]);
+  }
+}
+
+void launch_kv_append(const kv_append_args& a, cudaStream_t stream) {
+  const int64_t n = a.tok.tokens * a.heads * a.geometry.head_dim;
+  if (n == 0) return;
+  kv_append_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(a);
+  check_launch("kv_append");
+}
+
+// One block of 4 warps per (token, local q head). Warp w takes positions w, w+4, ...; each
+// lane holds dims lane, lane+32, ... of q and of its running output; online softmax per warp,
+// merged across warps at the end.
+__global__ void __launch_bounds__(k_attention_warps * 32)
+    paged_attention_kernel(const __grid_constant__ paged_attention_args a) {
+  const moebius::kv_geometry& g = a.geometry;
+  const int64_t t = blockIdx.x / a.q_heads;
+  const int64_t h = blockIdx.x % a.q_heads;
+  if (t >= detail::real_rows(a.tok.num_tokens, a.tok.tokens)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t D = g.head_dim;
+  const int64_t kv_head = h / a.group;
+
+  float q[k_max_dims_per_lane], acc[k_max_dims_per_lane];
+#pragma unroll
+  for (int j = 0; j < k_max_dims_per_lane; ++j) {
+    const int64_t d = lane + 32 * j;
+    q[j] = d < D ? a.q[t * a.q_stride + h * D + d] : 0.0f;
+    acc[j] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  const int64_t last = a.tok.pos[t];
+  for (int64_t s = warp; s <= last; s += k_attention_warps) {
+    const int64_t page = page_of(a.tok, t, s, g.page_size);
+    const int64_t slot = s % g.page_size;
+    const std::byte* kp = a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, kv_head, slot, 0);
+    const std::byte* vp = a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, kv_head, slot, 0);
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < k_max_dims_per_lane; ++j) {
+      const int64_t d = lane + 32 * j;
+      if (d < D) dot += q[j] * detail::load_as_float(kp, g.type, d);
+    }
+    const float score = detail::warp_sum(dot) * a.scale;
+    const float m_new = fmaxf(m, score);
+    const float corr = expf(m - m_new);  // 0 when m was -inf
+    const float p = expf(score - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int j = 0; j < k_max_dims_per_lane; ++j) {
+      const int64_t d = lane + 32 * j;
+      const float v = d < D ? detail::load_as_float(vp, g.type, d) : 0.0f;
+      acc[j] = acc[j] * corr + p * v;
+    }
+    m = m_new;
+  }
+
+  __shared__ float s_m[k_attention_warps], s_l[k_attention_warps];
+  __shared__ float s_acc[k_attention_warps][k_max_dims_per_lane * 32];
+  if (lane == 0) {
+    s_m[warp] = m;
+    s_l[warp] = l;
+  }
+#pragma unroll
+  for (int j = 0; j < k_max_dims_per_lane; ++j) s_acc[warp][lane + 32 * j] = acc[j];
+  __syncthreads();
+  if (warp == 0) {
+    float mm = -INFINITY;
+    for (int w = 0; w < k_attention_warps; ++w) mm = fmaxf(mm, s_m[w]);
+    float ll = 0.0f;
+    float o[k_max_dims_per_lane] = {};
+    for (int w = 0; w < k_attention_warps; ++w) {
+      if (s_m[w] == -INFINITY) continue;  // a warp that saw no position
+      const float c = expf(s_m[w] - mm);
+      ll += s_l[w] * c;
+#pragma unroll
+      for (int j = 0; j < k_max_dims_per_lane; ++j) o[j] += s_acc[w][lane + 32 * j] * c;
+    }
+#pragma unroll
+    for (int j = 0; j < k_max_dims_per_lane; ++j) {
+      const int64_t d = lane + 32 * j;
+      if (d < D) a.out[t * a.out_stride + h * D + d] = o[j] / ll;
+    }
+  }
+}
+
+namespace {
+
+constexpr int k_vec = 8;          // elements per lane per position (16 bytes of bf16)
+constexpr int k_max_group = 4;    // q heads per block held in registers (8: 208 registers)
+
+// Eight consecutive elements at `p` (16-byte aligned) as floats.
+__device__ __forceinline__ void load8(const std::byte* p, moebius::dtype t, float (&out)[k_vec]) {
+  if (t == moebius::dtype::bf16) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  }
+}
+
+}  // namespace
+
+// One block of 4 warps per (token, page head h_kv) and up to 4 of its q heads (a longer group
+// runs as several adjacent blocks, "chunks"). A position's K row is split over D/8 lanes ("a
+// lane group", 8 elements each), so a warp takes 32/(D/8) positions per step; every lane
+// group keeps an online softmax per q head over its positions, and the block merges the
+// 4 * 32/(D/8) partial states in shared memory at the end. K and V are read once per group
+// of q heads.
+__global__ void __launch_bounds__(k_attention_warps * 32, 4)
+    paged_attention_gqa_kernel(const __grid_constant__ paged_attention_args a) {
+  extern __shared__ float smem[];
+  const moebius::kv_geometry& g = a.geometry;
+  const int64_t page_heads = (a.q_heads + a.group - 1) / a.group;
+  const int64_t chunks = ((a.group < a.q_heads ? a.group : a.q_heads) + k_max_group - 1) / k_max_group;
+  // Blocks of one (token, KV head) are adjacent, so the chunks' second reads of K/V hit L2.
+  const int64_t chunk = blockIdx.x % chunks;
+  const int64_t t = blockIdx.x / chunks / page_heads;
+  const int64_t kvh = blockIdx.x / chunks % page_heads;
+  if (t >= detail::real_rows(a.tok.num_tokens, a.tok.tokens)) return;
+  const int64_t h0 = kvh * a.group + chunk * k_max_group;
+  const int64_t h_end = min(min((kvh + 1) * a.group, a.q_heads), h0 + k_max_group);
+  const int G = static_cast<int>(h_end - h0);
+  if (G <= 0) return;
+  const int D = static_cast<int>(g.head_dim);
+  const int lpp = D / k_vec;            // lanes per position
+  const int ppw = 32 / lpp;             // positions per warp step
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane / lpp;           // which position of the step
+  const int d0 = (lane % lpp) * k_vec;  // this lane's first dim
+
+  float q[k_max_group][k_vec], acc[k_max_group][k_vec], m[k_max_group], l[k_max_group];
+#pragma unroll
+  for (int j = 0; j < k_max_group; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < k_vec; ++i) {
+      q[j][i] = j < G ? a.q[t * a.q_stride + (h0 + j) * D + d0 + i] * a.scale : 0.0f;
+      acc[j][i] = 0.0f;
+    }
+  }
+  const int64_t last = a.tok.pos[t];
+  const int64_t step = int64_t{k_attention_warps} * ppw;
+  for (int64_t base = 0; base <= last; base += step) {
+    const int64_t s = base + warp * ppw + sub;
+    const bool valid = s <= last;
+    float kv[k_vec] = {};
+    float score[k_max_group];
+    if (valid) {
+      const int64_t page = page_of(a.tok, t, s, g.page_size);
+      const int64_t slot = s % g.page_size;
+      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, kvh, slot, d0), g.type, kv);
+    }
+#pragma unroll
+    for (int j = 0; j < k_max_group; ++j) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < k_vec; ++i) dot += q[j][i] * kv[i];
+      for (int o = lpp / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      score[j] = dot;
+    }
+    if (valid) {
+      const int64_t page = page_of(a.tok, t, s, g.page_size);
+      const int64_t slot = s % g.page_size;
+      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, kvh, slot, d0), g.type, kv);
+#pragma unroll
+      for (int j = 0; j < k_max_group; ++j) {
+        if (j >= G) break;
+        const float m_new = fmaxf(m[j], score[j]);
+        const float corr = expf(m[j] - m_new);
+        const float p = expf(score[j] - m_new);
+        l[j] = l[j] * corr + p;
+#pragma unroll
+        for (int i = 0; i < k_vec; ++i) acc[j][i] = acc[j][i] * corr + p * kv[i];
+        m[j] = m_new;
+      }
+    }
+  }
+  // Partial states: [part = warp * ppw + sub][j] of (m, l, acc[D]).
+  const int parts = k_attention_warps * ppw;
+  float* s_m = smem;                                  // [parts][G]
+  float* s_l = s_m + parts * k_max_group;             // [parts][G]
+  float* s_acc = s_l + parts * k_max_group;           // [parts][G][D]
+  const int part = warp * ppw + sub;
+#pragma unroll
+  for (int j = 0; j < k_max_group; ++j) {
+    if (j >= G) break;
+    if (lane % lpp == 0) {
+      s_m[part * k_max_group + j] = m[j];
+      s_l[part * k_max_group + j] = l[j];
+    }
+#pragma unroll
+    for (int i = 0; i < k_vec; ++i) s_acc[(part * k_max_group + j) * D + d0 + i] = acc[j][i];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int j = idx / D, d = idx % D;
+    float mm = -INFINITY;
+    for (int p = 0; p < parts; ++p) mm = fmaxf(mm, s_m[p * k_max_group + j]);
+    float ll = 0.0f, o = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+      const float mp = s_m[p * k_max_group + j];
+      if (mp == -INFINITY) continue;  // a lane group that saw no position
+      const float c = expf(mp - mm);
+      ll += s_l[p * k_max_group + j] * c;
+      o += s_acc[(p * k_max_group + j) * D + d] * c;
+    }
+    a.out[t * a.out_stride + (h0 + j) * D + d] = o / ll;
+  }
+}
+
+void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream) {
+  const int64_t D = a.geometry.head_dim;
+  MOEBIUS_CHECK(D <= 32 * k_max_dims_per_lane, moebius::errc::invalid_argument,
+                "paged_attention: head_dim ", D, " > ", 32 * k_max_dims_per_lane);
+  MOEBIUS_CHECK(a.group >= 1, moebius::errc::invalid_argument, "paged_attention: group < 1");
+  if (a.tok.tokens == 0 || a.q_heads == 0) return;
+  const bool gqa_shape = D % k_vec == 0 && D / k_vec <= 32 && ((D / k_vec) & (D / k_vec - 1)) == 0;
+  if (a.simple || !gqa_shape) {
+    const int64_t blocks = a.tok.tokens * a.q_heads;
+    paged_attention_kernel<<<static_cast<unsigned>(blocks), k_attention_warps * 32, 0, stream>>>(a);
+    check_launch("paged_attention");
+    return;
+  }
+  const int64_t page_heads = (a.q_heads + a.group - 1) / a.group;
+  const int64_t chunks = (std::min(a.group, a.q_heads) + k_max_group - 1) / k_max_group;
+  const int64_t parts = k_attention_warps * (32 / (D / k_vec));
+  const size_t smem = static_cast<size_t>(parts * k_max_group * (2 + D)) * sizeof(float);
+  // At most 128 parts * 4 heads * (2 + 8) floats = 20 KiB (D = 8): no opt-in needed.
+  const auto grid = static_cast<unsigned>(a.tok.tokens * page_heads * chunks);
+  paged_attention_gqa_kernel<<<grid, k_attention_warps * 32, smem, stream>>>(a);
+  check_launch("paged_attention_gqa");
+}
+
+}  // namespace mini_engine::gpu

@@ -1,0 +1,303 @@
+#pragma once
+
+// The mini-engine's GPU kernels: one argument struct per kernel, passed by value
+// (__grid_constant__), and a launcher that takes it and the stream last. Every kernel has a
+// host reference in tests/kernel_reference.hpp and a GPU test in tests/test_kernels.cu.
+//
+// Conventions. Activations between kernels are fp32, row-major, with an explicit row stride
+// in elements; GEMM inputs are converted to the weights' dtype (fp32 or bf16) right before
+// the GEMM. A kernel that works on a bucket of tokens (a captured CUDA graph) reads how many
+// are real from a device scalar `num_tokens` (nullptr: all rows), so one graph serves every
+// batch up to its bucket: rows past it are skipped or marked invalid.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include <moebius/kv/kv_geometry.hpp>
+#include <moebius/layout/dtype.hpp>
+#include <moebius/layout/expert_shape.hpp>
+
+namespace mini_engine::gpu {
+
+// ---- norm.cu --------------------------------------------------------------------------------
+// y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight[:]. In place when y == x. Also the
+// per-head q/k norm: rows = tokens * heads, width = head_dim, strides of one head.
+struct rmsnorm_args {
+  const float* x = nullptr;  // [rows] rows of `width`, x_stride apart
+  int64_t x_stride = 0;
+  float* y = nullptr;  // [rows] rows of `width`, y_stride apart
+  int64_t y_stride = 0;
+  const float* weight = nullptr;  // [width]
+  int64_t rows = 0;
+  int64_t width = 0;
+  int64_t heads = 1;  // rows are (token, head): row r is token r / heads, head r % heads
+  int64_t head_stride = 0;  // elements between heads of one token (heads > 1)
+  float eps = 1e-6f;
+};
+void launch_rmsnorm(const rmsnorm_args& a, cudaStream_t stream);
+
+// ---- rope.cu --------------------------------------------------------------------------------
+// Rotates each head of each token in place (rotate_half: pairs (i, i + D/2)) by its token's
+// position: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, angle = pos * theta^(-2i/D)
+// (angles in double: positions reach 1e5 and a float angle would be off by 1e-2 rad).
+struct rope_args {
+  float* x = nullptr;            // [tokens] rows of heads * head_dim, row_stride apart
+  int64_t row_stride = 0;
+  int64_t tokens = 0;
+  int64_t heads = 0;
+  int64_t head_dim = 0;          // even
+  const int32_t* positions = nullptr;  // [tokens]
+  const int32_t* num_tokens = nullptr; // device scalar or nullptr
+  double theta = 1e6;
+};
+void launch_rope(const rope_args& a, cudaStream_t stream);
+
+// ---- attention.cu ---------------------------------------------------------------------------
+// Token t belongs to page-table row seq[t] and sits at position pos[t]: its K/V go to page
+// tables[seq[t] * table_stride + pos[t] / page_size], slot pos[t] % page_size, and it attends
+// causally over positions [0, pos[t]] of its row (decode: one token per row; a prefill chunk:
+// several tokens of one row, each seeing the earlier ones, written by kv_append first).
+struct paged_tokens {
+  const int32_t* seq = nullptr;        // [tokens] page-table row of each token
+  const int32_t* pos = nullptr;        // [tokens] position of each token in its sequence
+  const int32_t* tables = nullptr;     // [rows][table_stride] page ids of this rank's pool
+  int64_t table_stride = 0;
+  int64_t tokens = 0;                  // rows of the bucket
+  const int32_t* num_tokens = nullptr; // device scalar: real tokens (nullptr: all)
+};
+
+// Stores K and V of `heads` heads per token into the pool (kv dtype: fp32 or bf16), as heads
+// head0 .. head0+heads-1 of the page in `mode` (EP: global head; TP: head within the rank's
+// slice).
+struct kv_append_args {
+  const float* k = nullptr;  // [tokens] rows of heads * head_dim, stride apart
+  const float* v = nullptr;
+  int64_t stride = 0;
+  int64_t heads = 0;
+  int64_t head0 = 0;
+  std::byte* pool = nullptr;  // the rank's KV pool
+  moebius::kv_geometry geometry;
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  int64_t layer = 0;
+  paged_tokens tok;
+};
+void launch_kv_append(const kv_append_args& a, cudaStream_t stream);
+
+// out[t, h, :] = softmax(q[t, h, :] . K[0..pos]^T * scale) V[0..pos] for local q head h,
+// which reads page head h / group (GQA). One block per (token, q head); online softmax in
+// fp32 over the token's pages, the last one partial.
+struct paged_attention_args {
+  const float* q = nullptr;  // [tokens] rows of q_heads * head_dim, q_stride apart
+  int64_t q_stride = 0;
+  int64_t q_heads = 0;       // local q heads
+  int64_t group = 1;         // q heads per KV head
+  float* out = nullptr;      // [tokens] rows of q_heads * head_dim, out_stride apart
+  int64_t out_stride = 0;
+  const std::byte* pool = nullptr;
+  moebius::kv_geometry geometry;
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  int64_t layer = 0;
+  float scale = 1.0f;
+  paged_tokens tok;
+  // The simple kernel (one block per q head, one position per warp step) instead of the GQA
+  // kernel (one block per KV head and its q heads, 16-byte loads, several positions per warp
+  // step). The GQA kernel needs head_dim in {8, 16, 32, 64, 128, 256}; others use the simple
+  // one anyway.
+  bool simple = false;
+};
+void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream);
+
+// ---- activation.cu --------------------------------------------------------------------------
+// out[r, i] = silu(in[r, i]) * in[r, inter + i]: in rows are [gate slice | up slice].
+struct silu_and_mul_args {
+  const float* in = nullptr;  // [rows, 2 * inter]
+  void* out = nullptr;        // [rows, inter] of out_type (fp32 or bf16)
+  moebius::dtype out_type = moebius::dtype::fp32;
+  int64_t rows = 0;
+  int64_t inter = 0;
+};
+void launch_silu_and_mul(const silu_and_mul_args& a, cudaStream_t stream);
+
+// ---- router.cu ------------------------------------------------------------------------------
+// Softmax over each token's expert logits, the top_k largest (ties: lower index first),
+// weights renormalised to sum to 1. Tokens at or past *num_tokens get ids -1, weights 0.
+struct router_topk_args {
+  const float* logits = nullptr;  // [tokens, experts]
+  int64_t tokens = 0;
+  int64_t experts = 0;
+  int64_t top_k = 0;              // <= 32
+  const int32_t* num_tokens = nullptr;
+  int32_t* ids = nullptr;         // [tokens, top_k] global expert ids, best first
+  float* weights = nullptr;       // [tokens, top_k]
+};
+void launch_router_topk(const router_topk_args& a, cudaStream_t stream);
+
+// ---- moe_permute.cu -------------------------------------------------------------------------
+// Token permutation for the expert GEMMs (design in moe_plan below and gemm.hpp):
+//   1. moe_route: key of pair p = (token p / k, choice p % k) = its expert's local id, or
+//      num_local (not ours / invalid); value = p.
+//   2. CUB radix sort of (key, value): pairs grouped by local expert, in pair order.
+//   3. moe_tile_map: per expert its count, its first sorted pair and its first tile
+//      (ceil(count / tile_rows) tiles each), and the cuBLAS pointer arrays of every tile slot
+//      (slots past the used tiles point at their own spare rows and expert 0: computed,
+//      never read).
+//   4. moe_gather: each sorted pair's row = tile_start * tile_rows + rank within its expert;
+//      copies its token's row there (expert dtype) and records pair_row[p].
+//   5. (GEMMs, SiLU-and-mul, GEMM.)
+//   6. moe_combine: out[t] = sum over j of weight[t, j] * y[pair_row[t*k+j]] (j ascending,
+//      pairs with no row skipped).
+// A token source: rows of `x` (expert dtype) with their routing, `row_bytes` apart (the
+// packed rows that EP all-gathers; TP packs its own tokens the same way).
+struct moe_tokens {
+  const std::byte* rows = nullptr;  // [tokens] packed rows
+  int64_t row_bytes = 0;
+  int64_t ids_offset = 0;      // int32 [top_k] global expert ids (-1: none) at this byte offset
+  int64_t weights_offset = 0;  // float [top_k]
+  int64_t tokens = 0;
+  int64_t top_k = 0;
+};
+
+// Where an expert layer's work lives for one bucket: fixed addresses, sized for the bucket.
+struct moe_plan {
+  int64_t num_local = 0;      // experts of this rank in this mode (EP E/P, TP E)
+  int64_t first_expert = 0;   // global id of local expert 0
+  int64_t tile_rows = 0;      // rows per GEMM batch entry
+  int64_t max_tiles = 0;      // batch entries (ceil(pairs / tile_rows) + min(num_local, pairs))
+  int64_t hidden = 0;         // H
+  int64_t inter = 0;          // I of this rank (EP I, TP I/P)
+  moebius::dtype type = moebius::dtype::bf16;  // expert dtype (fp32 or bf16)
+  const std::byte* w13 = nullptr;  // [num_local, 2 * inter, H] in the arena slot
+  const std::byte* w2 = nullptr;   // [num_local, H, inter]
+  // workspace (device)
+  int32_t* keys = nullptr;         // [pairs]
+  int32_t* values = nullptr;       // [pairs]
+  int32_t* keys_sorted = nullptr;  // [pairs]
+  int32_t* values_sorted = nullptr;
+  int32_t* expert_info = nullptr;  // [3 * num_local + 1]: counts, first pair, first tile, tiles
+  int32_t* pair_row = nullptr;     // [pairs]
+  std::byte* x_perm = nullptr;     // [max_tiles * tile_rows, H] expert dtype
+  float* gu = nullptr;             // [max_tiles * tile_rows, 2 * inter]
+  std::byte* act = nullptr;        // [max_tiles * tile_rows, inter] expert dtype
+  float* y = nullptr;              // [max_tiles * tile_rows, H]
+  const void** ptr_w13 = nullptr;  // [max_tiles] cuBLAS pointer arrays
+  const void** ptr_x = nullptr;
+  void** ptr_gu = nullptr;
+  const void** ptr_w2 = nullptr;
+  const void** ptr_act = nullptr;
+  void** ptr_y = nullptr;
+  void* sort_temp = nullptr;       // CUB temp storage
+  size_t sort_temp_bytes = 0;
+  // Set to 1 (never cleared here) when the pairs need more than max_tiles tiles: the pairs
+  // that do not fit get no row (pair_row -1) and the output is incomplete. A graph sized for
+  // the expected load (not the worst case) checks it after the step and reruns eagerly.
+  int32_t* overflow = nullptr;
+};
+
+// Rows of one tile for a bucket of `pairs` (token, expert) pairs over `num_local` experts:
+// about half the mean rows per expert, a power of two in [8, 128].
+int64_t moe_tile_rows(int64_t pairs, int64_t num_local);
+// Tile slots a bucket needs: every expert's last tile may be partial.
+//   pairs 8 (one token, top-8), 128 experts, 8 rows: 1 + 8 = 9 slots.
+int64_t moe_max_tiles(int64_t pairs, int64_t num_local, int64_t tile_rows);
+// Pairs a bucket of `tokens` tokens (top_k of `experts`) sends to `num_local` of them: the
+// worst case (every token's choices among ours), or, `optimistic`, capacity_factor times the
+// expected share (uniform routing) when that is smaller.
+//   512 tokens, top-8 of 128, 64 local: worst 4096, expected 2048, optimistic (1.25) 2560.
+int64_t moe_pair_capacity(int64_t tokens, int64_t top_k, int64_t experts, int64_t num_local,
+                          bool optimistic, double capacity_factor = 1.25);
+// CUB temp bytes for sorting `pairs` pairs.
+size_t moe_sort_temp_bytes(int64_t pairs);
+
+// Steps 1-4 (route, sort, tile map, gather) for `src`.
+void launch_moe_permute(const moe_plan& p, const moe_tokens& src, cudaStream_t stream);
+
+struct moe_combine_args {
+  const float* y = nullptr;         // [rows, H] expert outputs (already down-projected)
+  const int32_t* pair_row = nullptr;  // [tokens * top_k], -1: no row
+  moe_tokens src;                   // for the weights
+  float* out = nullptr;             // [tokens, H]
+  int64_t hidden = 0;
+};
+void launch_moe_combine(const moe_combine_args& a, cudaStream_t stream);
+
+// Packs tokens for the MoE: row t = x[t] in `type`, then its top-k ids and weights.
+struct moe_pack_args {
+  const float* x = nullptr;  // [tokens, hidden] (stride hidden)
+  const int32_t* ids = nullptr;    // [tokens, top_k]
+  const float* weights = nullptr;  // [tokens, top_k]
+  moe_tokens dst;                  // layout of the packed rows (rows is written)
+  std::byte* rows = nullptr;
+  int64_t hidden = 0;
+  moebius::dtype type = moebius::dtype::bf16;
+};
+void launch_moe_pack(const moe_pack_args& a, cudaStream_t stream);
+// The packed row layout: x, ids, weights, each 16-byte aligned.
+moe_tokens moe_token_layout(int64_t tokens, int64_t hidden, int64_t top_k, moebius::dtype type);
+
+// ---- elementwise.cu -------------------------------------------------------------------------
+// out[i] = in[i] converted (fp32 <-> bf16, or a copy), n elements.
+struct convert_args {
+  const void* in = nullptr;
+  moebius::dtype in_type = moebius::dtype::fp32;
+  void* out = nullptr;
+  moebius::dtype out_type = moebius::dtype::bf16;
+  int64_t n = 0;
+};
+void launch_convert(const convert_args& a, cudaStream_t stream);
+
+// out[t, :] = table[ids[t], :] as fp32 (table fp32 or bf16); ids outside [0, vocab) or
+// tokens past *num_tokens give zeros.
+struct embedding_args {
+  const void* table = nullptr;  // [vocab, hidden]
+  moebius::dtype type = moebius::dtype::fp32;
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  const int32_t* ids = nullptr;  // [tokens]
+  int64_t tokens = 0;
+  const int32_t* num_tokens = nullptr;
+  float* out = nullptr;  // [tokens, hidden]
+};
+void launch_embedding(const embedding_args& a, cudaStream_t stream);
+
+// out[t] = index of the largest x[t, :] (lowest index on ties; NaN never wins), and
+// out_value[t] = that largest value when out_value is not null (vocab-parallel heads merge
+// the ranks' candidates by value).
+struct argmax_args {
+  const float* x = nullptr;  // [rows, cols]
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int32_t* out = nullptr;    // [rows]
+  float* out_value = nullptr;  // [rows] or nullptr
+};
+void launch_argmax(const argmax_args& a, cudaStream_t stream);
+
+// h[t, :] += parts[0][t, :] + parts[1][t, :] + ... (parts in order, each `part_stride`
+// elements after the previous), rows of `hidden`.
+struct residual_add_args {
+  float* h = nullptr;
+  const float* parts = nullptr;
+  int64_t num_parts = 1;
+  int64_t part_stride = 0;
+  int64_t rows = 0;
+  int64_t hidden = 0;
+};
+void launch_residual_add(const residual_add_args& a, cudaStream_t stream);
+
+// Fills n elements of `type` with uniform values in [-scale, scale) from (seed, index)
+// (benchmarks: weights whose values do not matter, drawn on the device).
+struct fill_random_args {
+  void* out = nullptr;
+  moebius::dtype type = moebius::dtype::bf16;
+  int64_t n = 0;
+  uint64_t seed = 0;
+  float scale = 1.0f;
+  float offset = 0.0f;  // added after scaling (norm weights: 1)
+};
+void launch_fill_random(const fill_random_args& a, cudaStream_t stream);
+
+// Throws moebius::error(errc::cuda) naming `what` when the last launch failed.
+void check_launch(const char* what);
+
+}  // namespace mini_engine::gpu

@@ -1,0 +1,251 @@
+// The GPU runtime end to end: logits against a float64 reference in both modes (and in hybrid
+// cursors), TP against EP, CUDA graphs captured once and replayed across switches, and a
+// serving run that switches (weights and KV moved by moebius::switcher over
+// cuda_peer_transport) giving the same greedy tokens as a run that never switches.
+// P = 2 when two devices are present, else P = 1 (NCCL allows no two ranks on one device).
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <vector>
+
+#include <moebius/switch/switcher.hpp>
+#include <moebius/transport/cuda_peer_transport.hpp>
+
+#include "gpu_runtime.hpp"
+#include "runtime_test_model.hpp"
+#include "support/catch.hpp"
+
+using namespace mini_engine;
+using namespace mini_engine::gpu;
+using namespace mini_engine::gpu::testing;
+using moebius::parallel_mode;
+
+namespace {
+
+int test_ranks() {
+  int n = 0;
+  MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&n));
+  return n >= 2 ? 2 : 1;
+}
+
+gpu_model_config tiny_config(moebius::dtype t) {
+  gpu_model_config c;  // L=2, H=64, Hq=4, Hkv=2, D=16, E=8, top-2, I=32, V=256
+  c.num_layers = 3;
+  c.page_size = 4;
+  c.expert_dtype = t;
+  c.kv_dtype = t;
+  return c;
+}
+
+gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moebius::dtype dense) {
+  gpu_runtime_options o;
+  o.num_ranks = P;
+  o.num_ep_pages = 64;
+  o.max_pages_per_seq = 16;
+  o.max_tokens = 32;
+  o.buckets = {1, 2, 4, 8};
+  o.cursor = cursor;
+  o.dense_dtype = dense;
+  o.slot_alignment = 4096;
+  return o;
+}
+
+struct serve_result {
+  std::vector<std::vector<int32_t>> seqs;                 // prompt + generated, per sequence
+  std::vector<std::vector<std::vector<float>>> logits;    // per sequence, per sampled step
+  std::vector<std::vector<int64_t>> positions;            // position of each sampled row
+};
+
+// Three sequences: seq 0's prompt in two chunks over steps 0 and 1, seqs 1 and 2 whole at step
+// 0, then `decode_steps` decode steps of all three. `switch_at[s]` = mode to switch to before
+// step s (through the switcher; needs a switcher).
+serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cursor cursor,
+                   int decode_steps, const std::map<int, parallel_mode>& switch_at,
+                   moebius::switcher* sw) {
+  const std::vector<std::vector<int32_t>> prompts = {{5, 17, 200, 3, 9, 77, 1}, {42, 8, 13}, {99}};
+  const int P = rt.num_ranks();
+  serve_result out;
+  out.seqs = prompts;
+  out.logits.resize(3);
+  out.positions.resize(3);
+  std::vector<int64_t> done(3, 0);  // tokens of each sequence already in the KV cache
+  const int total_steps = 2 + decode_steps;
+  for (int s = 0; s < total_steps; ++s) {
+    if (auto it = switch_at.find(s); it != switch_at.end()) {
+      REQUIRE(sw != nullptr);
+      const moebius::switch_report rep = sw->switch_to(it->second);
+      INFO(rep);
+      REQUIRE(rep.outcome == moebius::switch_outcome::committed);
+    }
+    moebius::kv_state& kv = sw != nullptr ? sw->mutable_kv_tables() : tables;
+    const moebius::arena_cursor cur = sw != nullptr ? sw->cursor() : cursor;
+    std::vector<step_item> items;
+    std::vector<std::vector<int32_t>> chunk_store(3);
+    std::vector<int> item_seq;
+    for (int q = 0; q < 3; ++q) {
+      const auto& toks = out.seqs[static_cast<size_t>(q)];
+      int64_t from = done[static_cast<size_t>(q)], to = static_cast<int64_t>(toks.size());
+      if (s == 0 && q == 0) to = 4;  // first chunk of seq 0
+      if (s == 1 && q != 0) continue;  // seqs 1, 2 wait for seq 0's second chunk
+      if (from >= to) continue;
+      chunk_store[static_cast<size_t>(q)].assign(toks.begin() + from, toks.begin() + to);
+      reserve_tokens(rt.kv(), kv, q, to, q % P);
+      step_item it;
+      it.seq_id = q;
+      it.tokens = chunk_store[static_cast<size_t>(q)];
+      it.start_position = from;
+      it.sample = to == static_cast<int64_t>(toks.size());
+      items.push_back(it);
+      item_seq.push_back(q);
+    }
+    moebius::validate(rt.kv(), kv);
+    std::vector<std::vector<float>> logits;
+    const std::vector<int32_t> next = rt.step({&kv, cur}, items, &logits);
+    size_t li = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const int q = item_seq[i];
+      done[static_cast<size_t>(q)] = items[i].start_position + static_cast<int64_t>(items[i].tokens.size());
+      if (!items[i].sample) {
+        REQUIRE(next[i] == -1);
+        continue;
+      }
+      out.positions[static_cast<size_t>(q)].push_back(done[static_cast<size_t>(q)] - 1);
+      out.logits[static_cast<size_t>(q)].push_back(logits[li++]);
+      out.seqs[static_cast<size_t>(q)].push_back(next[i]);
+    }
+    REQUIRE(li == logits.size());
+  }
+  return out;
+}
+
+// Every sampled row against the float64 reference of the generated sequence (teacher-forced
+// with the runtime's own tokens), and each sampled token the argmax of its row.
+// fp32: every logit within atol + rtol |want|. bf16 (weights rounded to bf16, so only the
+// activations' rounding at GEMM inputs and the KV differ): the router then sees logits off by
+// ~1e-3, so a near-tie between the k-th and (k+1)-th expert can pick another expert than the
+// reference for some token and layer, which moves that row by tens of percent. So bf16 checks
+// each row's relative RMS error: at most 10% of rows above 3%, none above 60%.
+void check_against_reference(const gpu_model_config& c, const test_weights& w, const serve_result& r,
+                             bool bf16) {
+  int64_t rows = 0, loose_rows = 0;
+  for (size_t q = 0; q < r.seqs.size(); ++q) {
+    const auto ref = reference_logits(c, w, r.seqs[q]);
+    for (size_t k = 0; k < r.logits[q].size(); ++k) {
+      const auto& got = r.logits[q][k];
+      const auto& want = ref[static_cast<size_t>(r.positions[q][k])];
+      int64_t bad = 0;
+      double worst = 0, err2 = 0, norm2 = 0;
+      for (size_t v = 0; v < got.size(); ++v) {
+        const double err = std::fabs(got[v] - want[v]);
+        worst = std::max(worst, err);
+        err2 += err * err;
+        norm2 += want[v] * want[v];
+        if (!(err <= 2e-3 + 2e-3 * std::fabs(want[v]))) ++bad;
+      }
+      const double rel_rms = std::sqrt(err2 / norm2);
+      INFO("sequence " << q << " sample " << k << " position " << r.positions[q][k] << " worst |err| "
+                       << worst << " relative RMS error " << rel_rms);
+      ++rows;
+      if (bf16) {
+        REQUIRE(rel_rms < 0.6);
+        if (rel_rms > 0.03) ++loose_rows;
+      } else {
+        REQUIRE(bad == 0);
+      }
+      const auto best = std::max_element(got.begin(), got.end()) - got.begin();
+      REQUIRE(r.seqs[q][static_cast<size_t>(r.positions[q][k] + 1)] == best);
+    }
+  }
+  INFO(loose_rows << " of " << rows << " rows above 3% relative RMS error");
+  REQUIRE(loose_rows * 10 <= rows);
+}
+
+}  // namespace
+
+TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursors", "[gpu][runtime]") {
+  const int P = test_ranks();
+  for (moebius::dtype t : {moebius::dtype::fp32, moebius::dtype::bf16}) {
+    const gpu_model_config c = tiny_config(t);
+    const bool bf16 = t == moebius::dtype::bf16;
+    const test_weights w = make_test_weights(c, seed(21), bf16);
+    std::map<std::string, serve_result> results;
+    // (attention mode, cursor): the pure modes replay graphs; the hybrids run eagerly.
+    const std::pair<parallel_mode, int64_t> cases[] = {
+        {parallel_mode::ep, 0}, {parallel_mode::tp, c.num_layers}, {parallel_mode::ep, 1}, {parallel_mode::tp, 2}};
+    for (auto [mode, k] : cases) {
+      DYNAMIC_SECTION("dtype " << moebius::to_string(t) << " attention " << moebius::to_string(mode) << " cursor " << k) {
+        gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {k}, t));
+        REQUIRE(rt.captures() == 8);
+        const auto r = serve(rt, empty_kv_state(rt.kv(), mode), {k}, 6, {}, nullptr);
+        check_against_reference(c, w, r, bf16);
+        const bool pure = (mode == parallel_mode::ep && k == 0) || (mode == parallel_mode::tp && k == c.num_layers);
+        if (pure) REQUIRE(rt.graph_replays() == 6);  // decode steps 2..7 (steps 0, 1 prefill)
+        else REQUIRE(rt.graph_replays() == 0);
+        REQUIRE(rt.captures() == 8);
+      }
+    }
+  }
+}
+
+TEST_CASE("gpu_runtime: TP and EP logits agree", "[gpu][runtime]") {
+  const int P = test_ranks();
+  const gpu_model_config c = tiny_config(moebius::dtype::fp32);
+  const test_weights w = make_test_weights(c, seed(22), false);
+  gpu_runtime ep(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+  gpu_runtime tp(c, weights_view_of(w), tiny_options(P, {c.num_layers}, moebius::dtype::fp32));
+  const auto a = serve(ep, empty_kv_state(ep.kv(), parallel_mode::ep), {0}, 5, {}, nullptr);
+  const auto b = serve(tp, empty_kv_state(tp.kv(), parallel_mode::tp), {c.num_layers}, 5, {}, nullptr);
+  REQUIRE(a.seqs == b.seqs);
+  for (size_t q = 0; q < a.logits.size(); ++q)
+    for (size_t k = 0; k < a.logits[q].size(); ++k)
+      for (size_t v = 0; v < a.logits[q][k].size(); ++v)
+        REQUIRE(std::fabs(a.logits[q][k][v] - b.logits[q][k][v]) <= 1e-4 + 1e-4 * std::fabs(a.logits[q][k][v]));
+}
+
+TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never re-capture",
+          "[gpu][runtime]") {
+  const int P = test_ranks();
+  const gpu_model_config c = tiny_config(moebius::dtype::fp32);
+  const test_weights w = make_test_weights(c, seed(23), false);
+  gpu_runtime static_rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+  const auto base = serve(static_rt, empty_kv_state(static_rt.kv(), parallel_mode::ep), {0}, 8, {}, nullptr);
+
+  gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+  const int64_t captured = rt.captures();
+  REQUIRE(captured == 8);
+  std::vector<moebius::cuda_rank_memory> mem;
+  for (const moebius::rank_memory& m : rt.memory()) {
+    moebius::cuda_rank_memory cm;
+    cm.device = m.device;
+    for (int s = 0; s < moebius::num_memory_spaces; ++s) {
+      cm.base[s] = m.spaces[s].base;
+      cm.bytes[s] = m.spaces[s].bytes;
+    }
+    mem.push_back(cm);
+  }
+  moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(mem);
+  moebius::switcher sw(rt.arena(), rt.kv(), tr, empty_kv_state(rt.kv(), parallel_mode::ep), {0});
+  // EP prefill, TP from decode step 3, EP again from 6, TP from 8.
+  const std::map<int, parallel_mode> plan = {{3, parallel_mode::tp}, {6, parallel_mode::ep}, {8, parallel_mode::tp}};
+  const auto switched = serve(rt, {}, {0}, 8, plan, &sw);
+  REQUIRE(rt.captures() == captured);
+  REQUIRE(rt.graph_replays() > 0);
+  for (size_t q = 0; q < base.seqs.size(); ++q) {
+    for (size_t i = 0; i < base.seqs[q].size(); ++i) {
+      if (base.seqs[q][i] == switched.seqs[q][i]) continue;
+      // Report the first divergence with the two runs' logit margins at that position.
+      std::ostringstream why;
+      const size_t k = i - (base.seqs[q].size() - base.logits[q].size());
+      const auto& la = base.logits[q][k];
+      const auto& lb = switched.logits[q][k];
+      why << "sequence " << q << " token " << i << ": static " << base.seqs[q][i] << " (logit "
+          << la[static_cast<size_t>(base.seqs[q][i])] << "), switched " << switched.seqs[q][i] << " (logit "
+          << lb[static_cast<size_t>(switched.seqs[q][i])] << ")";
+      FAIL(why.str());
+    }
+  }
+}
