@@ -14,9 +14,8 @@
 // MOEBIUS_BENCH_LAYERS (48: fewer for a quick run), MOEBIUS_BENCH_SUMMARY (a file for the
 // summary as JSON lines).
 
-#include <cuda_runtime.h>
-
 #include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,10 +23,9 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <moebius/kv/page_table.hpp>
 #include <string>
 #include <vector>
-
-#include <moebius/kv/page_table.hpp>
 
 #include "gpu_runtime.hpp"
 
@@ -57,7 +55,8 @@ bench_state& state() {
 
 // B sequences of `context` + 1 tokens (the decode token's slot included): EP round-robin
 // owners with EP pages, TP every rank with its TP pages; pages handed out in order.
-moebius::kv_state make_tables(const moebius::kv_geometry& g, parallel_mode m, int64_t B, int64_t tokens) {
+moebius::kv_state make_tables(const moebius::kv_geometry& g, parallel_mode m, int64_t B,
+                              int64_t tokens) {
   std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(g.num_ranks));
   std::vector<int64_t> next_page(static_cast<size_t>(g.num_ranks), 0);
   const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
@@ -130,13 +129,20 @@ void print_summary() {
     std::printf("%8lld %10.3f %10.3f %8.3f %s\n", static_cast<long long>(B), tp->second, ep->second,
                 ep->second / tp->second, faster ? "EP" : "TP");
     if (json != nullptr)
-      std::fprintf(json, "{\"batch\": %lld, \"tp_ms\": %.6f, \"ep_ms\": %.6f, \"P\": %d, \"context\": %lld}\n",
-                   static_cast<long long>(B), tp->second, ep->second, s.P, static_cast<long long>(s.context));
-    if (last >= 0 && faster != last)
-      crossovers += " " + std::string(faster ? "TP->EP" : "EP->TP") + " at batch " + std::to_string(B);
+      std::fprintf(
+          json,
+          "{\"batch\": %lld, \"tp_ms\": %.6f, \"ep_ms\": %.6f, \"P\": %d, \"context\": %lld}\n",
+          static_cast<long long>(B), tp->second, ep->second, s.P,
+          static_cast<long long>(s.context));
+    if (last >= 0 && faster != last) {
+      // (appends, not operator+: GCC 12 warns falsely on `" " + std::string(...)`)
+      crossovers.append(faster ? " TP->EP at batch " : " EP->TP at batch ");
+      crossovers.append(std::to_string(B));
+    }
     last = faster;
   }
-  std::printf("crossover:%s\n", crossovers.empty() ? " none (one mode is faster at every batch)" : crossovers.c_str());
+  std::printf("crossover:%s\n", crossovers.empty() ? " none (one mode is faster at every batch)"
+                                                   : crossovers.c_str());
   if (json != nullptr) {
     std::fprintf(json, "{\"crossover\": \"%s\"}\n", crossovers.c_str());
     std::fclose(json);
@@ -172,8 +178,10 @@ int main(int argc, char** argv) {
   const int64_t split = std::min<int64_t>(s.config.num_kv_heads, s.P);
   o.num_ep_pages = std::max((s.max_batch + s.P - 1) / s.P * pages_per_seq,
                             (s.max_batch * pages_per_seq + split - 1) / split);
-  std::printf("building the runtime: P=%d, %lld layers, %lld EP pages per rank, %zu buckets x 2 modes\n", s.P,
-              static_cast<long long>(s.config.num_layers), static_cast<long long>(o.num_ep_pages), o.buckets.size());
+  std::printf(
+      "building the runtime: P=%d, %lld layers, %lld EP pages per rank, %zu buckets x 2 modes\n",
+      s.P, static_cast<long long>(s.config.num_layers), static_cast<long long>(o.num_ep_pages),
+      o.buckets.size());
   try {
     s.rt = std::make_unique<gpu_runtime>(s.config, uint64_t{12345}, o);
     s.rt->fill_kv_random(777);
@@ -182,13 +190,16 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("captured %lld graphs; arena %.2f GiB per rank, KV pool %.2f GiB per rank\n",
-              static_cast<long long>(s.rt->captures()), static_cast<double>(s.rt->arena().total_bytes()) / (1 << 30),
+              static_cast<long long>(s.rt->captures()),
+              static_cast<double>(s.rt->arena().total_bytes()) / (1 << 30),
               static_cast<double>(s.rt->kv().pool_bytes()) / (1 << 30));
   for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep})
     for (int64_t B = 1; B <= s.max_batch; B *= 2) {
-      const std::string name = std::string("decode/") + moebius::to_string(m) + "/P" + std::to_string(s.P) +
-                               "/ctx" + std::to_string(s.context) + "/B" + std::to_string(B);
-      benchmark::RegisterBenchmark(name.c_str(), [m, B](benchmark::State& st) { bm_decode(st, m, B); })
+      const std::string name = std::string("decode/") + moebius::to_string(m) + "/P" +
+                               std::to_string(s.P) + "/ctx" + std::to_string(s.context) + "/B" +
+                               std::to_string(B);
+      benchmark::RegisterBenchmark(name.c_str(),
+                                   [m, B](benchmark::State& st) { bm_decode(st, m, B); })
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond)
           ->MinTime(0.2);

@@ -24,7 +24,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-
 #include <moebius/layout/dtype.hpp>
 
 #include "kernels/kernels.hpp"
@@ -33,14 +32,15 @@ namespace mini_engine::gpu {
 
 // Throws moebius::error(errc::cuda) naming the call and cuBLAS's status.
 void check_cublas(cublasStatus_t status, const char* call, const char* file, int line);
-#define MINI_ENGINE_CUBLAS_CHECK(expr) ::mini_engine::gpu::check_cublas((expr), #expr, __FILE__, __LINE__)
+#define MINI_ENGINE_CUBLAS_CHECK(expr) \
+  ::mini_engine::gpu::check_cublas((expr), #expr, __FILE__, __LINE__)
 
 struct linear_args {
   const void* x = nullptr;  // [T] rows of K, ldx apart (weight dtype)
   int64_t ldx = 0;
   const void* w = nullptr;  // [N] rows of K, ldw apart
   int64_t ldw = 0;
-  float* y = nullptr;       // [T] rows of N, ldy apart
+  float* y = nullptr;  // [T] rows of N, ldy apart
   int64_t ldy = 0;
   int64_t tokens = 0, out_features = 0, in_features = 0;  // T, N, K
   moebius::dtype type = moebius::dtype::bf16;

@@ -1,5 +1,3 @@
-#include "gpu_runtime.hpp"
-
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -10,13 +8,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-
 #include <moebius/cuda/check.hpp>
 #include <moebius/cuda/nccl_check.hpp>
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
 
 #include "gemm.hpp"
+#include "gpu_runtime.hpp"
 #include "kernels/kernels.hpp"
 
 namespace mini_engine::gpu {
@@ -76,7 +74,6 @@ T* device_alloc(int64_t count, std::vector<void*>& owned) {
   return static_cast<T*>(p);
 }
 
-
 }  // namespace
 
 // One rank's device state. Every pointer is allocated once, in the constructor.
@@ -106,12 +103,12 @@ struct rank_state {
   std::byte* lm_head = nullptr;  // [V, H] dense dtype
 
   // Activations for up to T_max tokens (G = P * T_max gathered rows).
-  float* h = nullptr;        // [T, H] residual stream
-  float* xn = nullptr;       // [T, H] normed
-  std::byte* xd = nullptr;   // [T, max(H, Hq D)] dense dtype GEMM input
-  float* qkv = nullptr;      // [T, (Hq + 2 Hkv) D]
-  float* attn = nullptr;     // [T, Hq D]
-  float* proj = nullptr;     // [T, H] o_proj output / all-reduce buffer
+  float* h = nullptr;              // [T, H] residual stream
+  float* xn = nullptr;             // [T, H] normed
+  std::byte* xd = nullptr;         // [T, max(H, Hq D)] dense dtype GEMM input
+  float* qkv = nullptr;            // [T, (Hq + 2 Hkv) D]
+  float* attn = nullptr;           // [T, Hq D]
+  float* proj = nullptr;           // [T, H] o_proj output / all-reduce buffer
   float* router_logits = nullptr;  // [T, E]
   int32_t* topk_ids = nullptr;     // [T, k]
   float* topk_w = nullptr;         // [T, k]
@@ -178,7 +175,8 @@ struct gpu_runtime::impl {
   };
   // `optimistic` (graphs): capacity for 1.25x the expected pairs (moe_pair_capacity); a step
   // whose routing needs more sets the overflow flag and is rerun eagerly with the worst case.
-  moe_shape moe_shape_of(parallel_mode layer_mode, int rank, int64_t src_tokens, bool optimistic) const {
+  moe_shape moe_shape_of(parallel_mode layer_mode, int rank, int64_t src_tokens,
+                         bool optimistic) const {
     moe_shape s{};
     if (layer_mode == parallel_mode::ep) {
       s.num_local = c.num_experts / P;
@@ -189,7 +187,8 @@ struct gpu_runtime::impl {
       s.first = 0;
       s.inter = c.intermediate / P;
     }
-    const int64_t pairs = moe_pair_capacity(src_tokens, c.top_k, c.num_experts, s.num_local, optimistic);
+    const int64_t pairs =
+        moe_pair_capacity(src_tokens, c.top_k, c.num_experts, s.num_local, optimistic);
     s.tile_rows = moe_tile_rows(pairs, s.num_local);
     s.max_tiles = moe_max_tiles(pairs, s.num_local, s.tile_rows);
     return s;
@@ -202,12 +201,13 @@ struct gpu_runtime::impl {
     c = config;
     o = options;
     P = o.num_ranks;
-    MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16, errc::invalid_argument,
-                  "gpu_runtime: experts must be fp32 or bf16, not ", moebius::to_string(c.expert_dtype));
+    MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16,
+                  errc::invalid_argument, "gpu_runtime: experts must be fp32 or bf16, not ",
+                  moebius::to_string(c.expert_dtype));
     MOEBIUS_CHECK(c.kv_dtype == dtype::fp32 || c.kv_dtype == dtype::bf16, errc::invalid_argument,
                   "gpu_runtime: KV must be fp32 or bf16");
-    MOEBIUS_CHECK(o.dense_dtype == dtype::fp32 || o.dense_dtype == dtype::bf16, errc::invalid_argument,
-                  "gpu_runtime: dense weights must be fp32 or bf16");
+    MOEBIUS_CHECK(o.dense_dtype == dtype::fp32 || o.dense_dtype == dtype::bf16,
+                  errc::invalid_argument, "gpu_runtime: dense weights must be fp32 or bf16");
     MOEBIUS_CHECK(P >= 1 && c.num_q_heads % P == 0 && c.num_kv_heads >= 1 &&
                       c.num_q_heads % c.num_kv_heads == 0,
                   errc::invalid_argument, "gpu_runtime: P=", P, " must divide Hq=", c.num_q_heads,
@@ -217,7 +217,8 @@ struct gpu_runtime::impl {
     int devices = 0;
     MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
     MOEBIUS_CHECK(P <= devices, errc::invalid_argument, "gpu_runtime: ", P, " ranks need ", P,
-                  " devices, found ", devices, " (one rank per device: NCCL allows no two ranks of a "
+                  " devices, found ", devices,
+                  " (one rank per device: NCCL allows no two ranks of a "
                   "communicator on one device)");
     moebius::expert_shape shape;
     shape.num_layers = c.num_layers;
@@ -327,17 +328,24 @@ struct gpu_runtime::impl {
     if (P > 1) {
       std::vector<ncclComm_t> comms(static_cast<size_t>(P));
       MOEBIUS_NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
-      for (int r = 0; r < P; ++r) ranks[static_cast<size_t>(r)].comm = comms[static_cast<size_t>(r)];
+      for (int r = 0; r < P; ++r) {
+        ranks[static_cast<size_t>(r)].comm = comms[static_cast<size_t>(r)];
+        // A non-sticky error NCCL may leave behind (peer access already enabled) would be
+        // taken for our first kernel launch's failure by check_launch().
+        set_device(ranks[static_cast<size_t>(r)]);
+        (void)cudaGetLastError();
+      }
     }
   }
 
   void upload_weights(const host_weights_view& w) {
     const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, I = c.intermediate;
     MOEBIUS_CHECK(static_cast<int64_t>(w.layers.size()) == c.num_layers, errc::invalid_argument,
-                  "gpu_runtime: ", w.layers.size(), " layers of weights for a model of ", c.num_layers);
+                  "gpu_runtime: ", w.layers.size(), " layers of weights for a model of ",
+                  c.num_layers);
     auto need = [](std::span<const float> s, int64_t n, const char* what) {
-      MOEBIUS_CHECK(static_cast<int64_t>(s.size()) == n, errc::invalid_argument, "gpu_runtime: ",
-                    what, " has ", s.size(), " elements, expected ", n);
+      MOEBIUS_CHECK(static_cast<int64_t>(s.size()) == n, errc::invalid_argument,
+                    "gpu_runtime: ", what, " has ", s.size(), " elements, expected ", n);
     };
     need(w.embed, c.vocab * H, "embed");
     need(w.norm, H, "norm");
@@ -391,7 +399,8 @@ struct gpu_runtime::impl {
         const auto& src = t == moebius::weight_tensor::w13 ? l.w13 : l.w2;
         const auto g = moebius::geometry_of(arena.shape, t);
         const int64_t bytes = arena.tensor_bytes[static_cast<int>(t)];
-        std::vector<std::vector<std::byte>> img(static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(bytes)));
+        std::vector<std::vector<std::byte>> img(static_cast<size_t>(P),
+                                                std::vector<std::byte>(static_cast<size_t>(bytes)));
         const auto encoded = encode(src, c.expert_dtype);
         const auto ep = moebius::make_view<parallel_mode::ep>(arena.shape, t, P);
         const auto tp = moebius::make_view<parallel_mode::tp>(arena.shape, t, P);
@@ -427,7 +436,8 @@ struct gpu_runtime::impl {
       fill(rs, rs.final_norm, dtype::fp32, H, 0.1f, 1.0f);
       for (auto& l : rs.layers) {
         fill(rs, l.qkv, dd, qkv_ld * H, std::sqrt(3.0f / static_cast<float>(H)));
-        fill(rs, l.o, dd, H * c.num_q_heads * D, std::sqrt(3.0f / static_cast<float>(c.num_q_heads * D)));
+        fill(rs, l.o, dd, H * c.num_q_heads * D,
+             std::sqrt(3.0f / static_cast<float>(c.num_q_heads * D)));
         fill(rs, l.router, dtype::fp32, E * H, std::sqrt(3.0f / static_cast<float>(H)));
         fill(rs, l.ln1, dtype::fp32, H, 0.1f, 1.0f);
         fill(rs, l.ln2, dtype::fp32, H, 0.1f, 1.0f);
@@ -459,7 +469,8 @@ struct gpu_runtime::impl {
     MOEBIUS_NCCL_CHECK(ncclGroupStart());
     for (rank_state& rs : ranks) {
       float* b = rs.*buf;
-      MOEBIUS_NCCL_CHECK(ncclAllReduce(b, b, static_cast<size_t>(count), ncclFloat, ncclSum, rs.comm, rs.stream));
+      MOEBIUS_NCCL_CHECK(
+          ncclAllReduce(b, b, static_cast<size_t>(count), ncclFloat, ncclSum, rs.comm, rs.stream));
     }
     MOEBIUS_NCCL_CHECK(ncclGroupEnd());
   }
@@ -467,7 +478,8 @@ struct gpu_runtime::impl {
   void forward(parallel_mode attn, moebius::arena_cursor cursor, int64_t T, bool optimistic) {
     const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, K = c.top_k;
     const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
-    const int64_t es = moebius::dtype_bytes(c.expert_dtype), ds = moebius::dtype_bytes(o.dense_dtype);
+    const int64_t es = moebius::dtype_bytes(c.expert_dtype),
+                  ds = moebius::dtype_bytes(o.dense_dtype);
     const dtype dd = o.dense_dtype;
     const float eps = static_cast<float>(c.rms_eps);
     each_rank([&](int, rank_state& rs) {
@@ -483,10 +495,13 @@ struct gpu_runtime::impl {
         // q, k, v of this rank's heads: row slices of the whole fused weight.
         const int64_t q0 = attn == parallel_mode::ep ? 0 : r * hq;
         const int64_t kv0 = attn == parallel_mode::ep ? 0 : kv.tp_slice_of_rank(r) * hkv;
-        struct part { int64_t w_row, rows, out_col; };
-        const part parts[3] = {{q0 * D, hq * D, 0},
-                               {(c.num_q_heads + kv0) * D, hkv * D, hq * D},
-                               {(c.num_q_heads + c.num_kv_heads + kv0) * D, hkv * D, (hq + hkv) * D}};
+        struct part {
+          int64_t w_row, rows, out_col;
+        };
+        const part parts[3] = {
+            {q0 * D, hq * D, 0},
+            {(c.num_q_heads + kv0) * D, hkv * D, hq * D},
+            {(c.num_q_heads + c.num_kv_heads + kv0) * D, hkv * D, (hq + hkv) * D}};
         for (const part& pt : parts) {
           linear_args a;
           a.x = rs.xd;
@@ -569,7 +584,8 @@ struct gpu_runtime::impl {
         a.in_features = H;
         a.type = dtype::fp32;
         linear(rs.blas, a, rs.stream);
-        launch_router_topk({rs.router_logits, T, E, K, in_num(rs), rs.topk_ids, rs.topk_w}, rs.stream);
+        launch_router_topk({rs.router_logits, T, E, K, in_num(rs), rs.topk_ids, rs.topk_w},
+                           rs.stream);
         moe_pack_args pk;
         pk.x = rs.xn;
         pk.ids = rs.topk_ids;
@@ -586,7 +602,8 @@ struct gpu_runtime::impl {
         const size_t bytes = static_cast<size_t>(T * row_layout.row_bytes);
         MOEBIUS_NCCL_CHECK(ncclGroupStart());
         for (rank_state& rs : ranks)
-          MOEBIUS_NCCL_CHECK(ncclAllGather(rs.packed, rs.gathered, bytes, ncclUint8, rs.comm, rs.stream));
+          MOEBIUS_NCCL_CHECK(
+              ncclAllGather(rs.packed, rs.gathered, bytes, ncclUint8, rs.comm, rs.stream));
         MOEBIUS_NCCL_CHECK(ncclGroupEnd());
       }
       const int64_t src_tokens = dispatch ? P * T : T;
@@ -630,8 +647,10 @@ struct gpu_runtime::impl {
           rank_state& rs = ranks[static_cast<size_t>(r)];
           for (int peer = 0; peer < P; ++peer) {
             if (peer == r) continue;
-            MOEBIUS_NCCL_CHECK(ncclSend(rs.moe_out + peer * T * H, n, ncclFloat, peer, rs.comm, rs.stream));
-            MOEBIUS_NCCL_CHECK(ncclRecv(rs.recv + peer * T * H, n, ncclFloat, peer, rs.comm, rs.stream));
+            MOEBIUS_NCCL_CHECK(
+                ncclSend(rs.moe_out + peer * T * H, n, ncclFloat, peer, rs.comm, rs.stream));
+            MOEBIUS_NCCL_CHECK(
+                ncclRecv(rs.recv + peer * T * H, n, ncclFloat, peer, rs.comm, rs.stream));
           }
         }
         MOEBIUS_NCCL_CHECK(ncclGroupEnd());
@@ -695,7 +714,8 @@ struct gpu_runtime::impl {
 
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                             std::vector<std::vector<float>>* logits_out) {
-    MOEBIUS_CHECK(layout.tables != nullptr, errc::invalid_argument, "gpu_runtime::step: no page tables");
+    MOEBIUS_CHECK(layout.tables != nullptr, errc::invalid_argument,
+                  "gpu_runtime::step: no page tables");
     const moebius::kv_state& tables = *layout.tables;
     MOEBIUS_CHECK(static_cast<int>(tables.ranks.size()) == P, errc::invalid_argument,
                   "gpu_runtime::step: tables for ", tables.ranks.size(), " ranks, runtime has ", P);
@@ -715,17 +735,20 @@ struct gpu_runtime::impl {
       const auto& seqs = tables.ranks[static_cast<size_t>(r)].sequences;
       for (size_t i = 0; i < items.size(); ++i) {
         const step_item& it = items[i];
-        auto found = std::lower_bound(seqs.begin(), seqs.end(), it.seq_id,
-                                      [](const moebius::kv_sequence& s, int64_t id) { return s.seq_id < id; });
+        auto found = std::lower_bound(
+            seqs.begin(), seqs.end(), it.seq_id,
+            [](const moebius::kv_sequence& s, int64_t id) { return s.seq_id < id; });
         if (found == seqs.end() || found->seq_id != it.seq_id) continue;  // not on this rank
         const auto n = static_cast<int64_t>(it.tokens.size());
-        MOEBIUS_CHECK(n >= 1, errc::invalid_argument, "gpu_runtime::step: item ", i, " has no tokens");
+        MOEBIUS_CHECK(n >= 1, errc::invalid_argument, "gpu_runtime::step: item ", i,
+                      " has no tokens");
         if (n != 1) decode = false;
         MOEBIUS_CHECK(found->num_tokens >= it.start_position + n, errc::invalid_argument,
                       "gpu_runtime::step: sequence ", it.seq_id, " holds ", found->num_tokens,
                       " tokens, the step needs ", it.start_position + n);
-        MOEBIUS_CHECK(found->num_pages() <= max_pages, errc::capacity, "gpu_runtime::step: sequence ",
-                      it.seq_id, " has ", found->num_pages(), " pages, max_pages_per_seq is ", max_pages);
+        MOEBIUS_CHECK(found->num_pages() <= max_pages, errc::capacity,
+                      "gpu_runtime::step: sequence ", it.seq_id, " has ", found->num_pages(),
+                      " pages, max_pages_per_seq is ", max_pages);
         auto& tl = toks[static_cast<size_t>(r)];
         MOEBIUS_CHECK(static_cast<int64_t>(tl.size()) + n <= T_max, errc::capacity,
                       "gpu_runtime::step: more than max_tokens=", T_max, " tokens on rank ", r);
@@ -770,7 +793,8 @@ struct gpu_runtime::impl {
         rs.pinned[2 * T_max + t] = 0;
       }
       rs.pinned[3 * T_max] = static_cast<int32_t>(n);
-      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.inputs, rs.pinned, static_cast<size_t>(rs.input_count) * 4,
+      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.inputs, rs.pinned,
+                                         static_cast<size_t>(rs.input_count) * 4,
                                          cudaMemcpyHostToDevice, rs.stream));
     });
     if (gs != nullptr) {
@@ -806,9 +830,11 @@ struct gpu_runtime::impl {
       next[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
       next_value[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
       MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next[static_cast<size_t>(r)].data(), rs.next,
-                                         static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost, rs.stream));
+                                         static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost,
+                                         rs.stream));
       MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next_value[static_cast<size_t>(r)].data(), rs.next_value,
-                                         static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost, rs.stream));
+                                         static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost,
+                                         rs.stream));
     });
     each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
     std::vector<int32_t> out(items.size(), -1);
@@ -823,7 +849,8 @@ struct gpu_runtime::impl {
       float best = 0.0f;
       for (int r = first; r <= last; ++r) {
         const float v = next_value[static_cast<size_t>(r)][static_cast<size_t>(t)];
-        const int32_t id = static_cast<int32_t>(vocab_slice(attn, r).first) + next[static_cast<size_t>(r)][static_cast<size_t>(t)];
+        const int32_t id = static_cast<int32_t>(vocab_slice(attn, r).first) +
+                           next[static_cast<size_t>(r)][static_cast<size_t>(t)];
         if (r == first || v > best) {
           best = v;
           out[i] = id;
@@ -835,8 +862,8 @@ struct gpu_runtime::impl {
           rank_state& rs = ranks[static_cast<size_t>(r)];
           const auto [v0, vn] = vocab_slice(attn, r);
           set_device(rs);
-          MOEBIUS_CUDA_CHECK(cudaMemcpy(row.data() + v0, rs.logits + t * vn, static_cast<size_t>(vn) * 4,
-                                        cudaMemcpyDeviceToHost));
+          MOEBIUS_CUDA_CHECK(cudaMemcpy(row.data() + v0, rs.logits + t * vn,
+                                        static_cast<size_t>(vn) * 4, cudaMemcpyDeviceToHost));
         }
         logits_out->push_back(std::move(row));
       }
@@ -866,7 +893,8 @@ gpu_runtime::gpu_runtime(const gpu_model_config& config, const host_weights_view
   if (options.capture_graphs) impl_->capture_all();
 }
 
-gpu_runtime::gpu_runtime(const gpu_model_config& config, uint64_t seed, const gpu_runtime_options& options)
+gpu_runtime::gpu_runtime(const gpu_model_config& config, uint64_t seed,
+                         const gpu_runtime_options& options)
     : impl_(std::make_unique<impl>()) {
   impl_->setup(config, options);
   impl_->random_weights(seed);
@@ -887,13 +915,27 @@ std::vector<moebius::rank_memory> gpu_runtime::memory() const {
                                                 rs.kv_pool, impl_->kv.pool_bytes()));
   return m;
 }
-const moebius::arena_geometry& gpu_runtime::arena() const { return impl_->arena; }
-const moebius::kv_geometry& gpu_runtime::kv() const { return impl_->kv; }
-int gpu_runtime::num_ranks() const { return impl_->P; }
-int64_t gpu_runtime::captures() const { return impl_->captures; }
-int64_t gpu_runtime::graph_replays() const { return impl_->replays; }
-int64_t gpu_runtime::eager_steps() const { return impl_->eager; }
-int64_t gpu_runtime::overflow_reruns() const { return impl_->reruns; }
+const moebius::arena_geometry& gpu_runtime::arena() const {
+  return impl_->arena;
+}
+const moebius::kv_geometry& gpu_runtime::kv() const {
+  return impl_->kv;
+}
+int gpu_runtime::num_ranks() const {
+  return impl_->P;
+}
+int64_t gpu_runtime::captures() const {
+  return impl_->captures;
+}
+int64_t gpu_runtime::graph_replays() const {
+  return impl_->replays;
+}
+int64_t gpu_runtime::eager_steps() const {
+  return impl_->eager;
+}
+int64_t gpu_runtime::overflow_reruns() const {
+  return impl_->reruns;
+}
 
 void gpu_runtime::fill_kv_random(uint64_t seed) {
   for (rank_state& rs : impl_->ranks) {

@@ -44,12 +44,11 @@
 
 #include <cstdint>
 #include <memory>
-#include <span>
-#include <vector>
-
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/memory/rank_memory.hpp>
+#include <span>
+#include <vector>
 
 #include "../step.hpp"
 
@@ -123,14 +122,14 @@ host_weights_view weights_view_of(const Weights& w) {
 }
 
 struct gpu_runtime_options {
-  int num_ranks = 1;                 // ranks on devices 0 .. P-1 (one per device)
-  int64_t num_ep_pages = 64;         // KV pages per rank in EP (TP: x tp_pages_per_ep_page)
-  int64_t max_pages_per_seq = 64;    // page-table width: longest sequence = this * page_size
-  int64_t max_tokens = 512;          // tokens per rank per step (decode and prefill)
+  int num_ranks = 1;               // ranks on devices 0 .. P-1 (one per device)
+  int64_t num_ep_pages = 64;       // KV pages per rank in EP (TP: x tp_pages_per_ep_page)
+  int64_t max_pages_per_seq = 64;  // page-table width: longest sequence = this * page_size
+  int64_t max_tokens = 512;        // tokens per rank per step (decode and prefill)
   std::vector<int64_t> buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};  // graph buckets
   bool capture_graphs = true;
   moebius::dtype dense_dtype = moebius::dtype::fp32;  // attention/embedding/LM-head weights
-  moebius::arena_cursor cursor{0};   // where the experts are placed initially (0: EP, L: TP)
+  moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
   int64_t tensor_alignment = moebius::default_tensor_alignment;
   int64_t slot_alignment = moebius::default_slot_alignment;
 };
@@ -157,9 +156,9 @@ class gpu_runtime : public runtime {
   const moebius::kv_geometry& kv() const;
   int num_ranks() const;
 
-  int64_t captures() const;        // graphs captured (mode x bucket), all at construction
-  int64_t graph_replays() const;   // steps that replayed a graph
-  int64_t eager_steps() const;     // steps that ran without a graph
+  int64_t captures() const;       // graphs captured (mode x bucket), all at construction
+  int64_t graph_replays() const;  // steps that replayed a graph
+  int64_t eager_steps() const;    // steps that ran without a graph
   // Graph steps whose routing overflowed the graph's expert capacity (1.25x the expected
   // pairs per rank) and were rerun eagerly with the worst-case capacity.
   int64_t overflow_reruns() const;

@@ -1,10 +1,8 @@
-#include "kernels.hpp"
-
 #include <algorithm>
-
 #include <moebius/error.hpp>
 
 #include "common.cuh"
+#include "kernels.hpp"
 
 namespace mini_engine::gpu {
 
@@ -72,8 +70,10 @@ __global__ void __launch_bounds__(k_attention_warps * 32)
   for (int64_t s = warp; s <= last; s += k_attention_warps) {
     const int64_t page = page_of(a.tok, t, s, g.page_size);
     const int64_t slot = s % g.page_size;
-    const std::byte* kp = a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, kv_head, slot, 0);
-    const std::byte* vp = a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, kv_head, slot, 0);
+    const std::byte* kp =
+        a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, kv_head, slot, 0);
+    const std::byte* vp =
+        a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, kv_head, slot, 0);
     float dot = 0.0f;
 #pragma unroll
     for (int j = 0; j < k_max_dims_per_lane; ++j) {
@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(k_attention_warps * 32)
 
 namespace {
 
-constexpr int k_vec = 8;          // elements per lane per position (16 bytes of bf16)
-constexpr int k_max_group = 4;    // q heads per block held in registers (8: 208 registers)
+constexpr int k_vec = 8;        // elements per lane per position (16 bytes of bf16)
+constexpr int k_max_group = 4;  // q heads per block held in registers (8: 208 registers)
 
 // Eight consecutive elements at `p` (16-byte aligned) as floats.
 __device__ __forceinline__ void load8(const std::byte* p, moebius::dtype t, float (&out)[k_vec]) {
@@ -142,8 +142,14 @@ __device__ __forceinline__ void load8(const std::byte* p, moebius::dtype t, floa
   } else {
     const float4 a = reinterpret_cast<const float4*>(p)[0];
     const float4 b = reinterpret_cast<const float4*>(p)[1];
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+    out[0] = a.x;
+    out[1] = a.y;
+    out[2] = a.z;
+    out[3] = a.w;
+    out[4] = b.x;
+    out[5] = b.y;
+    out[6] = b.z;
+    out[7] = b.w;
   }
 }
 
@@ -160,7 +166,8 @@ __global__ void __launch_bounds__(k_attention_warps * 32, 4)
   extern __shared__ float smem[];
   const moebius::kv_geometry& g = a.geometry;
   const int64_t page_heads = (a.q_heads + a.group - 1) / a.group;
-  const int64_t chunks = ((a.group < a.q_heads ? a.group : a.q_heads) + k_max_group - 1) / k_max_group;
+  const int64_t chunks =
+      ((a.group < a.q_heads ? a.group : a.q_heads) + k_max_group - 1) / k_max_group;
   // Blocks of one (token, KV head) are adjacent, so the chunks' second reads of K/V hit L2.
   const int64_t chunk = blockIdx.x % chunks;
   const int64_t t = blockIdx.x / chunks / page_heads;
@@ -171,8 +178,8 @@ __global__ void __launch_bounds__(k_attention_warps * 32, 4)
   const int G = static_cast<int>(h_end - h0);
   if (G <= 0) return;
   const int D = static_cast<int>(g.head_dim);
-  const int lpp = D / k_vec;            // lanes per position
-  const int ppw = 32 / lpp;             // positions per warp step
+  const int lpp = D / k_vec;  // lanes per position
+  const int ppw = 32 / lpp;   // positions per warp step
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane / lpp;           // which position of the step
   const int d0 = (lane % lpp) * k_vec;  // this lane's first dim
@@ -198,7 +205,8 @@ __global__ void __launch_bounds__(k_attention_warps * 32, 4)
     if (valid) {
       const int64_t page = page_of(a.tok, t, s, g.page_size);
       const int64_t slot = s % g.page_size;
-      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, kvh, slot, d0), g.type, kv);
+      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, kvh, slot, d0), g.type,
+            kv);
     }
 #pragma unroll
     for (int j = 0; j < k_max_group; ++j) {
@@ -211,7 +219,8 @@ __global__ void __launch_bounds__(k_attention_warps * 32, 4)
     if (valid) {
       const int64_t page = page_of(a.tok, t, s, g.page_size);
       const int64_t slot = s % g.page_size;
-      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, kvh, slot, d0), g.type, kv);
+      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, kvh, slot, d0), g.type,
+            kv);
 #pragma unroll
       for (int j = 0; j < k_max_group; ++j) {
         if (j >= G) break;
@@ -227,9 +236,9 @@ __global__ void __launch_bounds__(k_attention_warps * 32, 4)
   }
   // Partial states: [part = warp * ppw + sub][j] of (m, l, acc[D]).
   const int parts = k_attention_warps * ppw;
-  float* s_m = smem;                                  // [parts][G]
-  float* s_l = s_m + parts * k_max_group;             // [parts][G]
-  float* s_acc = s_l + parts * k_max_group;           // [parts][G][D]
+  float* s_m = smem;                         // [parts][G]
+  float* s_l = s_m + parts * k_max_group;    // [parts][G]
+  float* s_acc = s_l + parts * k_max_group;  // [parts][G][D]
   const int part = warp * ppw + sub;
 #pragma unroll
   for (int j = 0; j < k_max_group; ++j) {

@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-
 #include <moebius/cuda/check.hpp>
 #include <moebius/layout/dtype.hpp>
 
@@ -19,8 +18,10 @@ __device__ __forceinline__ float load_as_float(const void* p, moebius::dtype t, 
 }
 
 __device__ __forceinline__ void store_from_float(void* p, moebius::dtype t, int64_t i, float v) {
-  if (t == moebius::dtype::bf16) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-  else static_cast<float*>(p)[i] = v;
+  if (t == moebius::dtype::bf16)
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  else
+    static_cast<float*>(p)[i] = v;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

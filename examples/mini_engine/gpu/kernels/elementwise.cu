@@ -1,6 +1,5 @@
-#include "kernels.hpp"
-
 #include "common.cuh"
+#include "kernels.hpp"
 
 namespace mini_engine::gpu {
 
@@ -21,7 +20,8 @@ __global__ void embedding_kernel(const __grid_constant__ embedding_args a) {
   const int32_t id = a.ids[t];
   const bool real = t < detail::real_rows(a.num_tokens, a.tokens) && id >= 0 && id < a.vocab;
   for (int64_t c = threadIdx.x; c < a.hidden; c += blockDim.x)
-    a.out[t * a.hidden + c] = real ? detail::load_as_float(a.table, a.type, id * a.hidden + c) : 0.0f;
+    a.out[t * a.hidden + c] =
+        real ? detail::load_as_float(a.table, a.type, id * a.hidden + c) : 0.0f;
 }
 
 void launch_embedding(const embedding_args& a, cudaStream_t stream) {

@@ -14,7 +14,6 @@
 
 #include <cstddef>
 #include <cstdint>
-
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/dtype.hpp>
 #include <moebius/layout/expert_shape.hpp>
@@ -32,7 +31,7 @@ struct rmsnorm_args {
   const float* weight = nullptr;  // [width]
   int64_t rows = 0;
   int64_t width = 0;
-  int64_t heads = 1;  // rows are (token, head): row r is token r / heads, head r % heads
+  int64_t heads = 1;        // rows are (token, head): row r is token r / heads, head r % heads
   int64_t head_stride = 0;  // elements between heads of one token (heads > 1)
   float eps = 1e-6f;
 };
@@ -43,13 +42,13 @@ void launch_rmsnorm(const rmsnorm_args& a, cudaStream_t stream);
 // position: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, angle = pos * theta^(-2i/D)
 // (angles in double: positions reach 1e5 and a float angle would be off by 1e-2 rad).
 struct rope_args {
-  float* x = nullptr;            // [tokens] rows of heads * head_dim, row_stride apart
+  float* x = nullptr;  // [tokens] rows of heads * head_dim, row_stride apart
   int64_t row_stride = 0;
   int64_t tokens = 0;
   int64_t heads = 0;
-  int64_t head_dim = 0;          // even
-  const int32_t* positions = nullptr;  // [tokens]
-  const int32_t* num_tokens = nullptr; // device scalar or nullptr
+  int64_t head_dim = 0;                 // even
+  const int32_t* positions = nullptr;   // [tokens]
+  const int32_t* num_tokens = nullptr;  // device scalar or nullptr
   double theta = 1e6;
 };
 void launch_rope(const rope_args& a, cudaStream_t stream);
@@ -60,12 +59,12 @@ void launch_rope(const rope_args& a, cudaStream_t stream);
 // causally over positions [0, pos[t]] of its row (decode: one token per row; a prefill chunk:
 // several tokens of one row, each seeing the earlier ones, written by kv_append first).
 struct paged_tokens {
-  const int32_t* seq = nullptr;        // [tokens] page-table row of each token
-  const int32_t* pos = nullptr;        // [tokens] position of each token in its sequence
-  const int32_t* tables = nullptr;     // [rows][table_stride] page ids of this rank's pool
+  const int32_t* seq = nullptr;     // [tokens] page-table row of each token
+  const int32_t* pos = nullptr;     // [tokens] position of each token in its sequence
+  const int32_t* tables = nullptr;  // [rows][table_stride] page ids of this rank's pool
   int64_t table_stride = 0;
-  int64_t tokens = 0;                  // rows of the bucket
-  const int32_t* num_tokens = nullptr; // device scalar: real tokens (nullptr: all)
+  int64_t tokens = 0;                   // rows of the bucket
+  const int32_t* num_tokens = nullptr;  // device scalar: real tokens (nullptr: all)
 };
 
 // Stores K and V of `heads` heads per token into the pool (kv dtype: fp32 or bf16), as heads
@@ -91,9 +90,9 @@ void launch_kv_append(const kv_append_args& a, cudaStream_t stream);
 struct paged_attention_args {
   const float* q = nullptr;  // [tokens] rows of q_heads * head_dim, q_stride apart
   int64_t q_stride = 0;
-  int64_t q_heads = 0;       // local q heads
-  int64_t group = 1;         // q heads per KV head
-  float* out = nullptr;      // [tokens] rows of q_heads * head_dim, out_stride apart
+  int64_t q_heads = 0;   // local q heads
+  int64_t group = 1;     // q heads per KV head
+  float* out = nullptr;  // [tokens] rows of q_heads * head_dim, out_stride apart
   int64_t out_stride = 0;
   const std::byte* pool = nullptr;
   moebius::kv_geometry geometry;
@@ -127,10 +126,10 @@ struct router_topk_args {
   const float* logits = nullptr;  // [tokens, experts]
   int64_t tokens = 0;
   int64_t experts = 0;
-  int64_t top_k = 0;              // <= 32
+  int64_t top_k = 0;  // <= 32
   const int32_t* num_tokens = nullptr;
-  int32_t* ids = nullptr;         // [tokens, top_k] global expert ids, best first
-  float* weights = nullptr;       // [tokens, top_k]
+  int32_t* ids = nullptr;    // [tokens, top_k] global expert ids, best first
+  float* weights = nullptr;  // [tokens, top_k]
 };
 void launch_router_topk(const router_topk_args& a, cudaStream_t stream);
 
@@ -161,15 +160,15 @@ struct moe_tokens {
 
 // Where an expert layer's work lives for one bucket: fixed addresses, sized for the bucket.
 struct moe_plan {
-  int64_t num_local = 0;      // experts of this rank in this mode (EP E/P, TP E)
-  int64_t first_expert = 0;   // global id of local expert 0
-  int64_t tile_rows = 0;      // rows per GEMM batch entry
-  int64_t max_tiles = 0;      // batch entries (ceil(pairs / tile_rows) + min(num_local, pairs))
-  int64_t hidden = 0;         // H
-  int64_t inter = 0;          // I of this rank (EP I, TP I/P)
+  int64_t num_local = 0;     // experts of this rank in this mode (EP E/P, TP E)
+  int64_t first_expert = 0;  // global id of local expert 0
+  int64_t tile_rows = 0;     // rows per GEMM batch entry
+  int64_t max_tiles = 0;     // batch entries (ceil(pairs / tile_rows) + min(num_local, pairs))
+  int64_t hidden = 0;        // H
+  int64_t inter = 0;         // I of this rank (EP I, TP I/P)
   moebius::dtype type = moebius::dtype::bf16;  // expert dtype (fp32 or bf16)
-  const std::byte* w13 = nullptr;  // [num_local, 2 * inter, H] in the arena slot
-  const std::byte* w2 = nullptr;   // [num_local, H, inter]
+  const std::byte* w13 = nullptr;              // [num_local, 2 * inter, H] in the arena slot
+  const std::byte* w2 = nullptr;               // [num_local, H, inter]
   // workspace (device)
   int32_t* keys = nullptr;         // [pairs]
   int32_t* values = nullptr;       // [pairs]
@@ -187,7 +186,7 @@ struct moe_plan {
   const void** ptr_w2 = nullptr;
   const void** ptr_act = nullptr;
   void** ptr_y = nullptr;
-  void* sort_temp = nullptr;       // CUB temp storage
+  void* sort_temp = nullptr;  // CUB temp storage
   size_t sort_temp_bytes = 0;
   // Set to 1 (never cleared here) when the pairs need more than max_tiles tiles: the pairs
   // that do not fit get no row (pair_row -1) and the output is incomplete. A graph sized for
@@ -214,17 +213,17 @@ size_t moe_sort_temp_bytes(int64_t pairs);
 void launch_moe_permute(const moe_plan& p, const moe_tokens& src, cudaStream_t stream);
 
 struct moe_combine_args {
-  const float* y = nullptr;         // [rows, H] expert outputs (already down-projected)
+  const float* y = nullptr;           // [rows, H] expert outputs (already down-projected)
   const int32_t* pair_row = nullptr;  // [tokens * top_k], -1: no row
-  moe_tokens src;                   // for the weights
-  float* out = nullptr;             // [tokens, H]
+  moe_tokens src;                     // for the weights
+  float* out = nullptr;               // [tokens, H]
   int64_t hidden = 0;
 };
 void launch_moe_combine(const moe_combine_args& a, cudaStream_t stream);
 
 // Packs tokens for the MoE: row t = x[t] in `type`, then its top-k ids and weights.
 struct moe_pack_args {
-  const float* x = nullptr;  // [tokens, hidden] (stride hidden)
+  const float* x = nullptr;        // [tokens, hidden] (stride hidden)
   const int32_t* ids = nullptr;    // [tokens, top_k]
   const float* weights = nullptr;  // [tokens, top_k]
   moe_tokens dst;                  // layout of the packed rows (rows is written)
@@ -268,7 +267,7 @@ struct argmax_args {
   const float* x = nullptr;  // [rows, cols]
   int64_t rows = 0;
   int64_t cols = 0;
-  int32_t* out = nullptr;    // [rows]
+  int32_t* out = nullptr;      // [rows]
   float* out_value = nullptr;  // [rows] or nullptr
 };
 void launch_argmax(const argmax_args& a, cudaStream_t stream);

@@ -1,13 +1,10 @@
-#include "kernels.hpp"
-
+#include <cmath>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
-
-#include <cmath>
-
 #include <moebius/error.hpp>
 
 #include "common.cuh"
+#include "kernels.hpp"
 
 namespace mini_engine::gpu {
 
@@ -15,7 +12,9 @@ namespace {
 
 constexpr int k_tile_map_threads = 1024;  // num_local <= 1024
 
-int64_t align16(int64_t b) { return (b + 15) / 16 * 16; }
+int64_t align16(int64_t b) {
+  return (b + 15) / 16 * 16;
+}
 
 int end_bit_for(int64_t max_key) {
   int bits = 1;
@@ -27,8 +26,10 @@ __device__ __forceinline__ int64_t lower_bound(const int32_t* v, int64_t n, int3
   int64_t lo = 0, hi = n;
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (v[mid] < key) lo = mid + 1;
-    else hi = mid;
+    if (v[mid] < key)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -58,11 +59,10 @@ int64_t moe_pair_capacity(int64_t tokens, int64_t top_k, int64_t experts, int64_
 
 size_t moe_sort_temp_bytes(int64_t pairs) {
   size_t bytes = 0;
-  MOEBIUS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
-                                                     static_cast<int32_t*>(nullptr),
-                                                     static_cast<const int32_t*>(nullptr),
-                                                     static_cast<int32_t*>(nullptr),
-                                                     static_cast<int>(pairs)));
+  MOEBIUS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<int>(pairs)));
   return bytes;
 }
 
@@ -77,15 +77,17 @@ moe_tokens moe_token_layout(int64_t tokens, int64_t hidden, int64_t top_k, moebi
 }
 
 // 1. pair keys: local expert id, or num_local for a pair that is not ours.
-__global__ void moe_route_kernel(const __grid_constant__ moe_plan p, const __grid_constant__ moe_tokens src) {
+__global__ void moe_route_kernel(const __grid_constant__ moe_plan p,
+                                 const __grid_constant__ moe_tokens src) {
   const int64_t pairs = src.tokens * src.top_k;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < pairs;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / src.top_k, j = i % src.top_k;
-    const int32_t id = reinterpret_cast<const int32_t*>(src.rows + t * src.row_bytes + src.ids_offset)[j];
+    const int32_t id =
+        reinterpret_cast<const int32_t*>(src.rows + t * src.row_bytes + src.ids_offset)[j];
     const int64_t local = static_cast<int64_t>(id) - p.first_expert;
     p.keys[i] = (id >= 0 && local >= 0 && local < p.num_local) ? static_cast<int32_t>(local)
-                                                              : static_cast<int32_t>(p.num_local);
+                                                               : static_cast<int32_t>(p.num_local);
     p.values[i] = static_cast<int32_t>(i);
   }
 }
@@ -124,8 +126,10 @@ __global__ void __launch_bounds__(k_tile_map_threads)
       int64_t lo = 0, hi = p.num_local - 1;
       while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
-        if (s_tile_start[mid] <= s) lo = mid;
-        else hi = mid - 1;
+        if (s_tile_start[mid] <= s)
+          lo = mid;
+        else
+          hi = mid - 1;
       }
       ex = lo;
     }
@@ -139,7 +143,8 @@ __global__ void __launch_bounds__(k_tile_map_threads)
 }
 
 // 4. one block per sorted pair: its row, and its token's x copied there.
-__global__ void moe_gather_kernel(const __grid_constant__ moe_plan p, const __grid_constant__ moe_tokens src) {
+__global__ void moe_gather_kernel(const __grid_constant__ moe_plan p,
+                                  const __grid_constant__ moe_tokens src) {
   const int64_t i = blockIdx.x;
   const int32_t key = p.keys_sorted[i];
   const int32_t pair = p.values_sorted[i];
@@ -175,10 +180,9 @@ void launch_moe_permute(const moe_plan& p, const moe_tokens& src, cudaStream_t s
   moe_route_kernel<<<detail::grid_for(pairs, 256), 256, 0, stream>>>(p, src);
   check_launch("moe_route");
   size_t temp_bytes = p.sort_temp_bytes;
-  MOEBIUS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(p.sort_temp, temp_bytes, p.keys, p.keys_sorted,
-                                                     p.values, p.values_sorted,
-                                                     static_cast<int>(pairs), 0,
-                                                     end_bit_for(p.num_local), stream));
+  MOEBIUS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      p.sort_temp, temp_bytes, p.keys, p.keys_sorted, p.values, p.values_sorted,
+      static_cast<int>(pairs), 0, end_bit_for(p.num_local), stream));
   moe_tile_map_kernel<<<1, k_tile_map_threads, 0, stream>>>(p, pairs);
   check_launch("moe_tile_map");
   moe_gather_kernel<<<static_cast<unsigned>(pairs), 128, 0, stream>>>(p, src);
@@ -188,7 +192,8 @@ void launch_moe_permute(const moe_plan& p, const moe_tokens& src, cudaStream_t s
 // 6. one block per token: weighted sum of its pairs' rows, choices in order.
 __global__ void moe_combine_kernel(const __grid_constant__ moe_combine_args a) {
   const int64_t t = blockIdx.x;
-  const float* w = reinterpret_cast<const float*>(a.src.rows + t * a.src.row_bytes + a.src.weights_offset);
+  const float* w =
+      reinterpret_cast<const float*>(a.src.rows + t * a.src.row_bytes + a.src.weights_offset);
   for (int64_t c = threadIdx.x; c < a.hidden; c += blockDim.x) {
     float sum = 0.0f;
     for (int64_t j = 0; j < a.src.top_k; ++j) {

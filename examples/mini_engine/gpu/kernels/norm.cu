@@ -1,6 +1,5 @@
-#include "kernels.hpp"
-
 #include "common.cuh"
+#include "kernels.hpp"
 
 namespace mini_engine::gpu {
 

@@ -1,6 +1,5 @@
-#include "kernels.hpp"
-
 #include "common.cuh"
+#include "kernels.hpp"
 
 namespace mini_engine::gpu {
 
@@ -15,7 +14,8 @@ __global__ void rope_kernel(const __grid_constant__ rope_args a) {
     const int64_t head = (idx / half) % a.heads;
     const int64_t t = idx / (half * a.heads);
     float* x = a.x + t * a.row_stride + head * a.head_dim;
-    const double inv_freq = pow(a.theta, -2.0 * static_cast<double>(i) / static_cast<double>(a.head_dim));
+    const double inv_freq =
+        pow(a.theta, -2.0 * static_cast<double>(i) / static_cast<double>(a.head_dim));
     const double angle = static_cast<double>(a.positions[t]) * inv_freq;
     double s, c;
     sincos(angle, &s, &c);

@@ -1,8 +1,7 @@
-#include "kernels.hpp"
-
 #include <moebius/error.hpp>
 
 #include "common.cuh"
+#include "kernels.hpp"
 
 namespace mini_engine::gpu {
 
@@ -80,7 +79,8 @@ void launch_router_topk(const router_topk_args& a, cudaStream_t stream) {
                 a.top_k, " (need experts <= 1024, 1 <= top_k <= min(32, experts))");
   if (a.tokens == 0) return;
   constexpr int warps = 4;
-  router_topk_kernel<<<detail::grid_for(a.tokens, warps, int64_t{1} << 30), warps * 32, 0, stream>>>(a);
+  router_topk_kernel<<<detail::grid_for(a.tokens, warps, int64_t{1} << 30), warps * 32, 0,
+                       stream>>>(a);
   check_launch("router_topk");
 }
 

@@ -9,10 +9,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <moebius/cuda/check.hpp>
 #include <random>
 #include <vector>
-
-#include <moebius/cuda/check.hpp>
 
 namespace mini_engine::gpu::testing {
 
@@ -35,7 +34,9 @@ struct device_buffer {
   device_buffer(device_buffer&& o) noexcept : ptr(o.ptr), bytes(o.bytes) { o.ptr = nullptr; }
   ~device_buffer() { cudaFree(ptr); }
   template <class T>
-  T* as() const { return static_cast<T*>(ptr); }
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
 };
 
 template <class T>
@@ -61,8 +62,12 @@ inline uint16_t to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-inline float from_bf16(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
-inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+inline float from_bf16(uint16_t b) {
+  return std::bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
+inline float round_bf16(float f) {
+  return from_bf16(to_bf16(f));
+}
 
 inline std::vector<float> random_floats(std::mt19937_64& rng, size_t n, float lo = -1.0f,
                                         float hi = 1.0f) {

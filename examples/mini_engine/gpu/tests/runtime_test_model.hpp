@@ -7,12 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <moebius/error.hpp>
+#include <moebius/kv/page_table.hpp>
 #include <numeric>
 #include <random>
 #include <vector>
-
-#include <moebius/error.hpp>
-#include <moebius/kv/page_table.hpp>
 
 #include "gpu_runtime.hpp"
 #include "gpu_test_util.hpp"
@@ -66,13 +65,17 @@ inline test_weights make_test_weights(const gpu_model_config& c, uint64_t seed, 
 }
 
 // Logits [T][V] of every position of one sequence, in double; K and V rounded to kv_dtype.
-inline std::vector<std::vector<double>> reference_logits(const gpu_model_config& c, const test_weights& w,
+inline std::vector<std::vector<double>> reference_logits(const gpu_model_config& c,
+                                                         const test_weights& w,
                                                          const std::vector<int32_t>& tokens) {
   using vec = std::vector<double>;
   const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden, D = c.head_dim;
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, E = c.num_experts, I = c.intermediate;
-  auto at = [](auto& v, int64_t i) -> auto& { return v[static_cast<size_t>(i)]; };
-  auto matvec = [&](const std::vector<float>& W, int64_t rows, int64_t cols, const vec& x, int64_t row0) {
+  auto at = [](auto& v, int64_t i) -> auto& {
+    return v[static_cast<size_t>(i)];
+  };
+  auto matvec = [&](const std::vector<float>& W, int64_t rows, int64_t cols, const vec& x,
+                    int64_t row0) {
     vec y(static_cast<size_t>(rows), 0.0);
     for (int64_t r = 0; r < rows; ++r) {
       double s = 0;
@@ -89,7 +92,9 @@ inline std::vector<std::vector<double>> reference_logits(const gpu_model_config&
   };
   auto rope = [&](vec& x, int64_t off, int64_t pos) {
     for (int64_t i = 0; i < D / 2; ++i) {
-      const double a = static_cast<double>(pos) * std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+      const double a =
+          static_cast<double>(pos) *
+          std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
       const double x1 = at(x, off + i), x2 = at(x, off + i + D / 2);
       at(x, off + i) = x1 * std::cos(a) - x2 * std::sin(a);
       at(x, off + i + D / 2) = x2 * std::cos(a) + x1 * std::sin(a);
@@ -103,7 +108,8 @@ inline std::vector<std::vector<double>> reference_logits(const gpu_model_config&
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < H; ++i) at(at(h, t), i) = at(w.embed, at(tokens, t) * H + i);
   for (const test_layer& l : w.layers) {
-    std::vector<vec> q(static_cast<size_t>(T)), k(static_cast<size_t>(T)), v(static_cast<size_t>(T));
+    std::vector<vec> q(static_cast<size_t>(T)), k(static_cast<size_t>(T)),
+        v(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) {
       vec x = at(h, t);
       rmsnorm(x, 0, H, l.input_layernorm);
@@ -135,7 +141,8 @@ inline std::vector<std::vector<double>> reference_logits(const gpu_model_config&
         double sum = 0;
         for (double& e : s) sum += (e = std::exp(e - mx));
         for (int64_t j = 0; j <= t; ++j)
-          for (int64_t i = 0; i < D; ++i) at(o, hd * D + i) += at(s, j) / sum * at(at(v, j), kvh * D + i);
+          for (int64_t i = 0; i < D; ++i)
+            at(o, hd * D + i) += at(s, j) / sum * at(at(v, j), kvh * D + i);
       }
       const vec a = matvec(l.o_proj, H, Hq * D, o, 0);
       for (int64_t i = 0; i < H; ++i) at(at(h, t), i) += at(a, i);
@@ -150,7 +157,8 @@ inline std::vector<std::vector<double>> reference_logits(const gpu_model_config&
       for (double& e : p) e /= sum;
       std::vector<int64_t> order(static_cast<size_t>(E));
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return at(p, a) > at(p, b); });
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t a, int64_t b) { return at(p, a) > at(p, b); });
       double top = 0;
       for (int64_t j = 0; j < c.top_k; ++j) top += at(p, at(order, j));
       for (int64_t j = 0; j < c.top_k; ++j) {
@@ -209,7 +217,8 @@ inline void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, 
 }
 
 inline moebius::kv_state empty_kv_state(const moebius::kv_geometry& g, moebius::parallel_mode m) {
-  return moebius::make_kv_state(g, m, std::vector<std::vector<moebius::kv_sequence>>(static_cast<size_t>(g.num_ranks)));
+  return moebius::make_kv_state(
+      g, m, std::vector<std::vector<moebius::kv_sequence>>(static_cast<size_t>(g.num_ranks)));
 }
 
 }  // namespace mini_engine::gpu::testing

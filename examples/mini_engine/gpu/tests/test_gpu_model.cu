@@ -6,9 +6,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
-#include <vector>
-
 #include <moebius/cuda/check.hpp>
+#include <vector>
 
 #include "gpu_runtime.hpp"
 #include "host_runtime.hpp"
@@ -79,10 +78,12 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
             // Prefill in chunks of at most 5 tokens, then decode.
             const int64_t n = std::min<int64_t>(5, static_cast<int64_t>(seqs[i].size()) - done[i]);
             if (n <= 0) continue;
-            reserve_tokens(gpu_rt.kv(), tables, static_cast<int64_t>(i), done[i] + n, static_cast<int>(i) % P);
+            reserve_tokens(gpu_rt.kv(), tables, static_cast<int64_t>(i), done[i] + n,
+                           static_cast<int>(i) % P);
             step_item it;
             it.seq_id = static_cast<int64_t>(i);
-            it.tokens = std::span<const int32_t>(seqs[i]).subspan(static_cast<size_t>(done[i]), static_cast<size_t>(n));
+            it.tokens = std::span<const int32_t>(seqs[i]).subspan(static_cast<size_t>(done[i]),
+                                                                  static_cast<size_t>(n));
             it.start_position = done[i];
             it.sample = done[i] + n == static_cast<int64_t>(seqs[i].size());
             items.push_back(it);
@@ -98,12 +99,13 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
             const size_t i = which[j];
             done[i] += static_cast<int64_t>(items[j].tokens.size());
             if (!items[j].sample) continue;
-            const auto ref = reference_logits(w, std::span<const int32_t>(seqs[i]).subspan(0, static_cast<size_t>(done[i])));
+            const auto ref = reference_logits(
+                w, std::span<const int32_t>(seqs[i]).subspan(0, static_cast<size_t>(done[i])));
             const std::vector<double> want_ref = ref.back();
             const std::vector<double> want_host(hl[k].begin(), hl[k].end());
             const double e_ref = rel_rms(gl[k], want_ref), e_host = rel_rms(gl[k], want_host);
-            INFO("step " << step << " sequence " << i << " relative RMS error vs reference " << e_ref
-                         << ", vs host runtime " << e_host);
+            INFO("step " << step << " sequence " << i << " relative RMS error vs reference "
+                         << e_ref << ", vs host runtime " << e_host);
             ++rows;
             if (t == moebius::dtype::fp32) {
               for (size_t v = 0; v < gl[k].size(); ++v) {

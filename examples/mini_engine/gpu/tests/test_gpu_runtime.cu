@@ -8,12 +8,11 @@
 
 #include <cmath>
 #include <map>
+#include <moebius/switch/switcher.hpp>
+#include <moebius/transport/cuda_peer_transport.hpp>
 #include <optional>
 #include <sstream>
 #include <vector>
-
-#include <moebius/switch/switcher.hpp>
-#include <moebius/transport/cuda_peer_transport.hpp>
 
 #include "gpu_runtime.hpp"
 #include "runtime_test_model.hpp"
@@ -55,9 +54,9 @@ gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moebius::d
 }
 
 struct serve_result {
-  std::vector<std::vector<int32_t>> seqs;                 // prompt + generated, per sequence
-  std::vector<std::vector<std::vector<float>>> logits;    // per sequence, per sampled step
-  std::vector<std::vector<int64_t>> positions;            // position of each sampled row
+  std::vector<std::vector<int32_t>> seqs;               // prompt + generated, per sequence
+  std::vector<std::vector<std::vector<float>>> logits;  // per sequence, per sampled step
+  std::vector<std::vector<int64_t>> positions;          // position of each sampled row
 };
 
 // Three sequences: seq 0's prompt in two chunks over steps 0 and 1, seqs 1 and 2 whole at step
@@ -89,7 +88,7 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
     for (int q = 0; q < 3; ++q) {
       const auto& toks = out.seqs[static_cast<size_t>(q)];
       int64_t from = done[static_cast<size_t>(q)], to = static_cast<int64_t>(toks.size());
-      if (s == 0 && q == 0) to = 4;  // first chunk of seq 0
+      if (s == 0 && q == 0) to = 4;    // first chunk of seq 0
       if (s == 1 && q != 0) continue;  // seqs 1, 2 wait for seq 0's second chunk
       if (from >= to) continue;
       chunk_store[static_cast<size_t>(q)].assign(toks.begin() + from, toks.begin() + to);
@@ -108,7 +107,8 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
     size_t li = 0;
     for (size_t i = 0; i < items.size(); ++i) {
       const int q = item_seq[i];
-      done[static_cast<size_t>(q)] = items[i].start_position + static_cast<int64_t>(items[i].tokens.size());
+      done[static_cast<size_t>(q)] =
+          items[i].start_position + static_cast<int64_t>(items[i].tokens.size());
       if (!items[i].sample) {
         REQUIRE(next[i] == -1);
         continue;
@@ -129,8 +129,8 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
 // ~1e-3, so a near-tie between the k-th and (k+1)-th expert can pick another expert than the
 // reference for some token and layer, which moves that row by tens of percent. So bf16 checks
 // each row's relative RMS error: at most 10% of rows above 3%, none above 60%.
-void check_against_reference(const gpu_model_config& c, const test_weights& w, const serve_result& r,
-                             bool bf16) {
+void check_against_reference(const gpu_model_config& c, const test_weights& w,
+                             const serve_result& r, bool bf16) {
   int64_t rows = 0, loose_rows = 0;
   for (size_t q = 0; q < r.seqs.size(); ++q) {
     const auto ref = reference_logits(c, w, r.seqs[q]);
@@ -147,8 +147,8 @@ void check_against_reference(const gpu_model_config& c, const test_weights& w, c
         if (!(err <= 2e-3 + 2e-3 * std::fabs(want[v]))) ++bad;
       }
       const double rel_rms = std::sqrt(err2 / norm2);
-      INFO("sequence " << q << " sample " << k << " position " << r.positions[q][k] << " worst |err| "
-                       << worst << " relative RMS error " << rel_rms);
+      INFO("sequence " << q << " sample " << k << " position " << r.positions[q][k]
+                       << " worst |err| " << worst << " relative RMS error " << rel_rms);
       ++rows;
       if (bf16) {
         REQUIRE(rel_rms < 0.6);
@@ -166,7 +166,8 @@ void check_against_reference(const gpu_model_config& c, const test_weights& w, c
 
 }  // namespace
 
-TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursors", "[gpu][runtime]") {
+TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursors",
+          "[gpu][runtime]") {
   const int P = test_ranks();
   for (moebius::dtype t : {moebius::dtype::fp32, moebius::dtype::bf16}) {
     const gpu_model_config c = tiny_config(t);
@@ -174,17 +175,23 @@ TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursor
     const test_weights w = make_test_weights(c, seed(21), bf16);
     std::map<std::string, serve_result> results;
     // (attention mode, cursor): the pure modes replay graphs; the hybrids run eagerly.
-    const std::pair<parallel_mode, int64_t> cases[] = {
-        {parallel_mode::ep, 0}, {parallel_mode::tp, c.num_layers}, {parallel_mode::ep, 1}, {parallel_mode::tp, 2}};
+    const std::pair<parallel_mode, int64_t> cases[] = {{parallel_mode::ep, 0},
+                                                       {parallel_mode::tp, c.num_layers},
+                                                       {parallel_mode::ep, 1},
+                                                       {parallel_mode::tp, 2}};
     for (auto [mode, k] : cases) {
-      DYNAMIC_SECTION("dtype " << moebius::to_string(t) << " attention " << moebius::to_string(mode) << " cursor " << k) {
+      DYNAMIC_SECTION("dtype " << moebius::to_string(t) << " attention " << moebius::to_string(mode)
+                               << " cursor " << k) {
         gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {k}, t));
         REQUIRE(rt.captures() == 8);
         const auto r = serve(rt, empty_kv_state(rt.kv(), mode), {k}, 6, {}, nullptr);
         check_against_reference(c, w, r, bf16);
-        const bool pure = (mode == parallel_mode::ep && k == 0) || (mode == parallel_mode::tp && k == c.num_layers);
-        if (pure) REQUIRE(rt.graph_replays() == 6);  // decode steps 2..7 (steps 0, 1 prefill)
-        else REQUIRE(rt.graph_replays() == 0);
+        const bool pure = (mode == parallel_mode::ep && k == 0) ||
+                          (mode == parallel_mode::tp && k == c.num_layers);
+        if (pure)
+          REQUIRE(rt.graph_replays() == 6);  // decode steps 2..7 (steps 0, 1 prefill)
+        else
+          REQUIRE(rt.graph_replays() == 0);
         REQUIRE(rt.captures() == 8);
       }
     }
@@ -198,12 +205,14 @@ TEST_CASE("gpu_runtime: TP and EP logits agree", "[gpu][runtime]") {
   gpu_runtime ep(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
   gpu_runtime tp(c, weights_view_of(w), tiny_options(P, {c.num_layers}, moebius::dtype::fp32));
   const auto a = serve(ep, empty_kv_state(ep.kv(), parallel_mode::ep), {0}, 5, {}, nullptr);
-  const auto b = serve(tp, empty_kv_state(tp.kv(), parallel_mode::tp), {c.num_layers}, 5, {}, nullptr);
+  const auto b =
+      serve(tp, empty_kv_state(tp.kv(), parallel_mode::tp), {c.num_layers}, 5, {}, nullptr);
   REQUIRE(a.seqs == b.seqs);
   for (size_t q = 0; q < a.logits.size(); ++q)
     for (size_t k = 0; k < a.logits[q].size(); ++k)
       for (size_t v = 0; v < a.logits[q][k].size(); ++v)
-        REQUIRE(std::fabs(a.logits[q][k][v] - b.logits[q][k][v]) <= 1e-4 + 1e-4 * std::fabs(a.logits[q][k][v]));
+        REQUIRE(std::fabs(a.logits[q][k][v] - b.logits[q][k][v]) <=
+                1e-4 + 1e-4 * std::fabs(a.logits[q][k][v]));
 }
 
 TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never re-capture",
@@ -212,7 +221,8 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
   const gpu_model_config c = tiny_config(moebius::dtype::fp32);
   const test_weights w = make_test_weights(c, seed(23), false);
   gpu_runtime static_rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
-  const auto base = serve(static_rt, empty_kv_state(static_rt.kv(), parallel_mode::ep), {0}, 8, {}, nullptr);
+  const auto base =
+      serve(static_rt, empty_kv_state(static_rt.kv(), parallel_mode::ep), {0}, 8, {}, nullptr);
 
   gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
   const int64_t captured = rt.captures();
@@ -230,7 +240,8 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
   moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(mem);
   moebius::switcher sw(rt.arena(), rt.kv(), tr, empty_kv_state(rt.kv(), parallel_mode::ep), {0});
   // EP prefill, TP from decode step 3, EP again from 6, TP from 8.
-  const std::map<int, parallel_mode> plan = {{3, parallel_mode::tp}, {6, parallel_mode::ep}, {8, parallel_mode::tp}};
+  const std::map<int, parallel_mode> plan = {
+      {3, parallel_mode::tp}, {6, parallel_mode::ep}, {8, parallel_mode::tp}};
   const auto switched = serve(rt, {}, {0}, 8, plan, &sw);
   REQUIRE(rt.captures() == captured);
   REQUIRE(rt.graph_replays() > 0);
@@ -243,8 +254,8 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
       const auto& la = base.logits[q][k];
       const auto& lb = switched.logits[q][k];
       why << "sequence " << q << " token " << i << ": static " << base.seqs[q][i] << " (logit "
-          << la[static_cast<size_t>(base.seqs[q][i])] << "), switched " << switched.seqs[q][i] << " (logit "
-          << lb[static_cast<size_t>(switched.seqs[q][i])] << ")";
+          << la[static_cast<size_t>(base.seqs[q][i])] << "), switched " << switched.seqs[q][i]
+          << " (logit " << lb[static_cast<size_t>(switched.seqs[q][i])] << ")";
       FAIL(why.str());
     }
   }
