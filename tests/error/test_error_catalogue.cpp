@@ -869,7 +869,7 @@ TEST_CASE("E75 host_transport (constructor): no ranks", "[error_catalogue]") {
       [] {
         (void)(host_transport{std::vector<rank_memory>{}});
       },
-      errc::invalid_argument, "host_transport needs at least one rank");
+      errc::invalid_argument, "a transport needs at least one rank");
 }
 
 TEST_CASE("E76 host_transport::execute: a plan for 3 ranks on 2", "[error_catalogue]") {

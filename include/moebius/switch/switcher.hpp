@@ -49,7 +49,7 @@ enum class switch_outcome : uint8_t {
 };
 
 constexpr bool is_valid(switch_outcome o) {
-  return static_cast<uint8_t>(o) <= static_cast<uint8_t>(switch_outcome::inconsistent);
+  return static_cast<uint8_t>(o) <= static_cast<uint8_t>(switch_outcome::in_progress);
 }
 
 const char* to_string(switch_outcome o);
