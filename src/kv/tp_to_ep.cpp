@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "migration_directions.hpp"
+#include "moebius/error.hpp"
 #include "round_scheduler.hpp"
 
 namespace moebius::kv_detail {
@@ -64,12 +65,13 @@ class tp_to_ep_rounds {
     while (!done()) {
       if (!sch_.begin_round(waiting())) return false;
       const int64_t before = moved_;
+      if (sch_.rounds() == 0) drop_unread_replicas();
       assign_groups();
       land_pieces();
       if (!contiguous_) compact();
       step_aside(moved_ == before);
       if (!sch_.end_round(waiting())) return false;
-      for (const auto& [r, t] : sch_.freed()) l_of_(r, t) = -1;
+      for (const auto& [r, t] : sch_.freed()) forget(r, t);
     }
     stats_.rounds = sch_.rounds();
     stats_.bytes_copied = sch_.bytes();
@@ -83,6 +85,14 @@ class tp_to_ep_rounds {
   // spreads owners over replicas.
   int src_rank(int64_t j, int o) const {
     return g_.tp_slice_of_rank(o) == j ? o : static_cast<int>(j * reps_ + o % reps_);
+  }
+  // A page freed at the barrier no longer holds its logical page: both maps drop it, so a
+  // later look-up by logical page (an unread replica to drop) never finds the page's next
+  // content (e.g. a piece moved aside into it).
+  void forget(int r, int64_t t) {
+    const int64_t l = l_of_(r, t);
+    if (l >= 0 && loc_(r, l) == t) loc_(r, l) = -1;
+    l_of_(r, t) = -1;
   }
   piece_at& at(int64_t i, int64_t j) { return at_[idx(i * split_ + j)]; }
   bool done() const { return landed_items_ == static_cast<int64_t>(items_.size()); }
@@ -158,11 +168,38 @@ class tp_to_ep_rounds {
     for (int r = static_cast<int>(j * reps_); r < (j + 1) * reps_; ++r) {
       const int64_t u = loc_(r, l);
       if (r == sr || u < 0 || reads_(r, u) > 0 || sch_.state(r, u) != page_state::live) continue;
+      MOEBIUS_CHECK(l_of_(r, u) == l, errc::internal, "TP->EP: replica of page ", l,
+                    " on rank ", r, " at TP page ", u, " holds page ", l_of_(r, u));
       sch_.restores([&](copy_emitter& em) {
         em.whole(parallel_mode::tp, em.pool(parallel_mode::tp, sr, t),
                  em.pool(parallel_mode::tp, r, u));
       });
       sch_.release(r, u);
+    }
+  }
+
+  // Replicas no owner reads (H_kv < P: each owner reads a slice from one of its P/H_kv
+  // replicas) free in the first round instead of with their slice's last read, so a full pool
+  // gets free pages at once (an interleaved owner can then empty a group). Each is re-created
+  // on rollback from a replica that is read: it stays untouched to the end of this round, and
+  // undoing the later rounds gives it back its bytes before this round's restores run.
+  void drop_unread_replicas() {
+    if (reps_ == 1) return;
+    for (int r = 0; r < P_; ++r) {
+      const int64_t j = g_.tp_slice_of_rank(r);
+      for (int64_t t = 0; t < g_.num_tp_pages(); ++t) {
+        const int64_t l = l_of_(r, t);
+        if (l < 0 || reads_(r, t) > 0 || sch_.state(r, t) != page_state::live) continue;
+        int sr = -1;
+        for (int q = static_cast<int>(j * reps_); q < (j + 1) * reps_ && sr < 0; ++q)
+          if (q != r && loc_(q, l) >= 0 && reads_(q, loc_(q, l)) > 0) sr = q;
+        if (sr < 0) continue;
+        sch_.restores([&](copy_emitter& em) {
+          em.whole(parallel_mode::tp, em.pool(parallel_mode::tp, sr, loc_(sr, l)),
+                   em.pool(parallel_mode::tp, r, t));
+        });
+        sch_.release(r, t);
+      }
     }
   }
 
@@ -387,12 +424,15 @@ class tp_to_ep_rounds {
   }
 
   // The first waiting page of owner o not staged yet: its pieces still at their sources go to
-  // a staging slot (which frees them).
+  // a staging slot (which frees them). A page kept in place qualifies once its own piece is
+  // kept (always, once it is active): with a full pool, two in-place pages whose groups each
+  // hold the other's missing piece wait on each other, and only staging breaks that cycle.
   void stage_one(int o) {
     if (sch_.free_slots(o) == 0) return;
     auto stageable = [&](int64_t i) {
       const tp_item& m = items_[idx(i)];
-      return m.owner == o && m.slot < 0 && !m.in_place;
+      return m.owner == o && m.slot < 0 &&
+             (!m.in_place || at(i, g_.tp_slice_of_rank(o)) == piece_at::landed);
     };
     int64_t pick = -1;
     for (int64_t i : active_)

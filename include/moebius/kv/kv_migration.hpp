@@ -25,7 +25,8 @@
 //   when H_kv < P). Contiguous slices land piece by piece as the group's TP pages free, so
 //   every free TP page is used in the round it is free; a page whose own piece already sits at
 //   its slice position keeps it there. Pieces that block a destination while spare free pages
-//   idle step aside into them (stats.pages_compacted); staging breaks a cycle of waits.
+//   idle step aside into them (stats.pages_compacted); staging breaks a cycle of waits (also
+//   between two pages kept in place). Replicas no owner reads (H_kv < P) free in round 0.
 //   Interleaved slices need a wholly free group; owners short of groups compact.
 //   Rounds at 90% occupancy, P=2: ~ 8 (pieces to land / free TP pages per rank, plus a tail).
 // Within a phase no destination overlaps another destination or a live source
