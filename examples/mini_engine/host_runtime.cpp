@@ -194,8 +194,22 @@ std::vector<moebius::rank_memory> host_runtime::memory() {
 std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<const step_item> items,
                                         std::vector<std::vector<float>>* logits) {
   const model_config& c = weights_.config;
-  MOEBIUS_CHECK(layout.tables != nullptr, errc::invalid_argument, "step: no KV tables");
-  moebius::validate(kv_geometry_, *layout.tables);
+  // The table sets the step reads: one (static) or both (hybrid, step.hpp).
+  MOEBIUS_CHECK(layout.hybrid() || (layout.tables != nullptr && layout.tp_tables == nullptr &&
+                                    layout.ep_tables == nullptr),
+                errc::invalid_argument,
+                "step: give either `tables` (static) or both tp_tables and ep_tables (hybrid)");
+  std::array<const moebius::kv_state*, 2> sets{layout.tables, nullptr};
+  if (layout.hybrid()) {
+    MOEBIUS_CHECK(layout.tp_tables->mode == parallel_mode::tp &&
+                      layout.ep_tables->mode == parallel_mode::ep,
+                  errc::invalid_argument, "step: hybrid layout with tp_tables in ",
+                  moebius::to_string(layout.tp_tables->mode), " and ep_tables in ",
+                  moebius::to_string(layout.ep_tables->mode));
+    sets = {layout.tp_tables, layout.ep_tables};
+  }
+  for (const moebius::kv_state* s : sets)
+    if (s) moebius::validate(kv_geometry_, *s);
   moebius::validate(arena_geometry_, layout.cursor);
   const int64_t H = c.hidden, V = c.vocab, D = c.head_dim;
 
@@ -220,17 +234,21 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<con
   // nothing.
   for (const step_item& it : items) {
     const int64_t end = it.start_position + static_cast<int64_t>(it.tokens.size());
-    int holders = 0;
-    for (int r = 0; r < num_ranks(); ++r) {
-      const moebius::kv_sequence* seq = find_sequence(*layout.tables, r, it.seq_id);
-      if (!seq) continue;
-      ++holders;
-      MOEBIUS_CHECK(seq->num_tokens >= end, errc::invalid_argument, "step: sequence ", it.seq_id,
-                    " holds ", seq->num_tokens, " tokens on rank ", r,
-                    ", the step writes up to position ", end - 1);
+    for (const moebius::kv_state* s : sets) {
+      if (!s) continue;
+      int holders = 0;
+      for (int r = 0; r < num_ranks(); ++r) {
+        const moebius::kv_sequence* seq = find_sequence(*s, r, it.seq_id);
+        if (!seq) continue;
+        ++holders;
+        MOEBIUS_CHECK(seq->num_tokens >= end, errc::invalid_argument, "step: sequence ",
+                      it.seq_id, " holds ", seq->num_tokens, " tokens on ",
+                      moebius::to_string(s->mode), " rank ", r,
+                      ", the step writes up to position ", end - 1);
+      }
+      MOEBIUS_CHECK(holders >= 1, errc::invalid_argument, "step: sequence ", it.seq_id,
+                    " is not in the ", moebius::to_string(s->mode), " tables");
     }
-    MOEBIUS_CHECK(holders >= 1, errc::invalid_argument, "step: sequence ", it.seq_id,
-                  " is not in the ", moebius::to_string(layout.tables->mode), " tables");
   }
   const int64_t T = static_cast<int64_t>(tokens_.size());
   const int64_t K = c.top_k;
@@ -265,19 +283,23 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<con
 
   for (int64_t layer = 0; layer < c.num_layers; ++layer) {
     const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
+    if (layout.hybrid() && layer > 0 &&
+        layout.attention_mode(layer) != layout.attention_mode(layer - 1))
+      hand_off(layout.attention_mode(layer), *layout.ep_tables, items);
     for (int64_t t = 0; t < T; ++t)
       rmsnorm(&h_[static_cast<size_t>(t * H)], lw.input_layernorm.data(), H, c.rms_eps,
               &x_[static_cast<size_t>(t * H)]);
-    if (layout.tables->mode == parallel_mode::tp)
-      attention_tp(layer, *layout.tables, items);
+    if (layout.attention_mode(layer) == parallel_mode::tp)
+      attention_tp(layer, layout.tables_of_layer(layer), items);
     else
-      attention_ep(layer, *layout.tables, items);
+      attention_ep(layer, layout.tables_of_layer(layer), items);
     add_residual(T);
 
     for (int64_t t = 0; t < T; ++t)
       rmsnorm(&h_[static_cast<size_t>(t * H)], lw.post_attention_layernorm.data(), H, c.rms_eps,
               &x_[static_cast<size_t>(t * H)]);
     route(layer, T);
+    // Hybrid and static alike: the arena holds layer l in TP iff l < cursor.
     if (moebius::arena_geometry::mode_of(layout.cursor, layer) == parallel_mode::tp)
       moe_tp(layer, T);
     else
@@ -304,6 +326,50 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<con
     if (logits) logits->push_back(row);
   }
   return next;
+}
+
+// The activation hand-off at a mode boundary of a hybrid step, simulated with one buffer
+// per rank. Before a TP layer every rank holds every row of h (replicated, as the all-reduce
+// leaves it); before an EP layer (data-parallel attention) a rank holds the rows of its own
+// sequences.
+//   to EP: each rank keeps its own sequences' rows of the replicated h and drops the rest.
+//   to TP: all-gather: every rank receives each owner's rows (gathered in rank order).
+// The rows are copied, never recomputed, so the hand-off is exact; h_ ends up as the
+// gathered (to TP) or owner-held (to EP) rows, and a token whose sequence has no EP owner
+// would be lost (an internal error, checked).
+void host_runtime::hand_off(parallel_mode to, const moebius::kv_state& ep_tables,
+                            std::span<const step_item> items) {
+  const int P = num_ranks();
+  const int64_t H = weights_.config.hidden, T = static_cast<int64_t>(tokens_.size());
+  grow(rank_rows_, T * H);
+  grow(row_owner_, T);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int owner = owner_of(ep_tables, items[i].seq_id);
+    MOEBIUS_CHECK(owner >= 0 && owner < P, errc::internal, "hand-off: sequence ", items[i].seq_id,
+                  " has no EP owner");
+    for (int64_t t = item_first_[i]; t < item_first_[i + 1]; ++t)
+      row_owner_[static_cast<size_t>(t)] = owner;
+  }
+  // Each rank's buffer: the rows it holds after the hand-off (to EP) or contributes to the
+  // all-gather (to TP): in both directions the owner's rows. rank_rows_ is the concatenation
+  // of the P buffers, rank by rank, each in batch order.
+  int64_t filled = 0;
+  for (int r = 0; r < P; ++r)
+    for (int64_t t = 0; t < T; ++t)
+      if (row_owner_[static_cast<size_t>(t)] == r)
+        std::memcpy(&rank_rows_[static_cast<size_t>((filled++) * H)],
+                    &h_[static_cast<size_t>(t * H)], static_cast<size_t>(H) * sizeof(float));
+  MOEBIUS_CHECK(filled == T, errc::internal, "hand-off: ", filled, " of ", T, " rows owned");
+  // Unpack: to TP every rank receives every buffer (all-gather); to EP each rank reads only
+  // its own. In both, row t comes back from its owner's buffer to its batch position.
+  filled = 0;
+  for (int r = 0; r < P; ++r)
+    for (int64_t t = 0; t < T; ++t)
+      if (row_owner_[static_cast<size_t>(t)] == r)
+        std::memcpy(&h_[static_cast<size_t>(t * H)],
+                    &rank_rows_[static_cast<size_t>((filled++) * H)],
+                    static_cast<size_t>(H) * sizeof(float));
+  (void)to;
 }
 
 // h = float(h + float(acc)): the block's output (acc_, summed in double) joins the stream.

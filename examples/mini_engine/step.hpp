@@ -22,11 +22,45 @@ struct step_item {
   bool sample = false;              // return the next token (last prefill chunk, or decode)
 };
 
-// Where the model's layers are: the page tables (their mode) and the arena cursor. Layers
-// below the cursor are TP, the rest EP; a static deployment has cursor 0 (EP) or L (TP).
+// Where the model's layers are: the page tables and the arena cursor.
+//
+// Static (tables set, tp_tables/ep_tables null): every layer's attention runs in the mode of
+// `tables`; each layer's MoE follows the cursor (layers below it TP, the rest EP). A static
+// deployment has cursor 0 (EP) or L (TP) with tables of the same mode.
+//
+// Hybrid (tp_tables and ep_tables both set; `tables` ignored): a progressive switch is in
+// progress (moebius::switcher::begin/advance). Layer l runs wholly in one mode, TP iff
+// l < cursor: its attention with that mode's tables (switcher::tables_for(mode)) and head
+// split, its MoE with that mode's arena view. Where the mode changes between two layers the
+// activations are handed off: TP -> EP (data-parallel attention) each rank keeps its own
+// sequences' rows (the EP owner in ep_tables); EP -> TP an all-gather of every owner's rows.
+//   L=4, cursor 1: layer 0 TP (tp_tables), hand-off, layers 1..3 EP (ep_tables).
+// A runtime that cannot run hybrid steps must refuse them (check hybrid()).
 struct step_layout {
   const moebius::kv_state* tables = nullptr;
   moebius::arena_cursor cursor;
+  const moebius::kv_state* tp_tables = nullptr;
+  const moebius::kv_state* ep_tables = nullptr;
+
+  static step_layout hybrid_of(const moebius::kv_state& tp, const moebius::kv_state& ep,
+                               moebius::arena_cursor cursor) {
+    step_layout l;
+    l.cursor = cursor;
+    l.tp_tables = &tp;
+    l.ep_tables = &ep;
+    return l;
+  }
+  bool hybrid() const { return tp_tables != nullptr && ep_tables != nullptr; }
+  // The mode of layer `layer`'s attention (hybrid: also of its MoE).
+  moebius::parallel_mode attention_mode(int64_t layer) const {
+    if (!hybrid()) return tables->mode;
+    return layer < cursor.tp_layers ? moebius::parallel_mode::tp : moebius::parallel_mode::ep;
+  }
+  // The tables layer `layer`'s attention reads.
+  const moebius::kv_state& tables_of_layer(int64_t layer) const {
+    if (!hybrid()) return *tables;
+    return layer < cursor.tp_layers ? *tp_tables : *ep_tables;
+  }
 };
 
 class runtime {
@@ -34,7 +68,7 @@ class runtime {
   virtual ~runtime() = default;
 
   // Runs one forward step of every item. Before the call the serving loop has already grown
-  // each item's page tables to hold start_position + tokens.size() tokens; the step writes
+  // each item's page tables (hybrid: both sets) to hold start_position + tokens.size() tokens; the step writes
   // the new tokens' K and V into those pages and attends over all of them. Returns, per item,
   // the greedy next token (-1 for items with sample == false). When `logits` is not null it
   // receives, per sampled item in order, the vocab-sized row of logits.

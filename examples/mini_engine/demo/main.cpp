@@ -1,19 +1,21 @@
 // moebius_demo: the mini-engine serving a request trace while Moebius switches it between TP
-// and EP (README: the first command). Three runs of the same trace (static TP, static EP,
-// switching by the policy) on the same runtime, then a table, a CSV and an SVG timeline.
+// and EP (README: the first command). Four runs of the same trace (static TP, static EP,
+// switching by the policy stop-the-world, and progressively: a few layers per step) on the
+// same runtime, then a table, a CSV and an SVG timeline.
 //
 //   stage 1  a verified reshard: the model's experts EP -> TP -> EP through the switcher,
 //            with layout-independent checksums of every layer before and after;
 //   stage 2  calibration: decode-step times of both modes over a batch sweep, on the clock
 //            in use -> moebius::calibrate -> the policy's thresholds;
-//   stage 3  the three runs, with progress; the switching run must produce the static runs'
-//            greedy tokens, request for request.
+//   stage 3  the four runs, with progress; both switching runs must produce the static
+//            runs' greedy tokens, request for request.
 //
 // Runtimes: the host runtime (P virtual ranks in this process) on the small() model; on a
 // machine with GPUs `--runtime gpu` is where the GPU runtime plugs in (make_world below); until
 // it exists the demo says so and runs the host runtime.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -257,6 +259,60 @@ struct table_row {
   double wall_s = 0;
 };
 
+// Step latency during switches against normal steps: a stop-the-world switch stalls the step
+// after it (its step time plus the switch), a progressive switch stretches each step it
+// overlaps to max(step, copies).
+struct switch_steps {
+  double normal_max_ms = 0, normal_p99_ms = 0, switch_max_ms = 0, switch_p99_ms = 0;
+  double mean_length_steps = 0;  // steps per committed switch (stop-the-world: 1)
+};
+
+double p99(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(v.size())));
+  return v[std::max<size_t>(rank, 1) - 1];
+}
+
+switch_steps switch_steps_of(const run_result& r) {
+  std::vector<double> normal, during;
+  for (const step_record& s : r.steps) {
+    if (s.switched) during.push_back(s.step_ms + s.switch_ms);
+    else if (s.in_switch) during.push_back(s.step_ms);
+    else normal.push_back(s.step_ms);
+  }
+  switch_steps out;
+  out.normal_p99_ms = p99(normal);
+  out.switch_p99_ms = p99(during);
+  for (double x : normal) out.normal_max_ms = std::max(out.normal_max_ms, x);
+  for (double x : during) out.switch_max_ms = std::max(out.switch_max_ms, x);
+  int64_t n = 0, steps = 0;
+  for (const switch_record& w : r.switches) {
+    if (w.outcome != moebius::switch_outcome::committed) continue;
+    ++n;
+    steps += w.progressive ? w.steps : 1;
+  }
+  out.mean_length_steps = n > 0 ? static_cast<double>(steps) / static_cast<double>(n) : 0;
+  return out;
+}
+
+void print_switch_steps(const std::vector<table_row>& rows, const std::vector<run_result>& runs) {
+  std::printf("\n  %-11s %23s %23s %14s\n", "run", "normal steps max / p99",
+              "switch steps max / p99", "switch length");
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const switch_steps w = switch_steps_of(runs[k]);
+    char len[32] = "-", sw[48] = "-";
+    if (w.mean_length_steps > 0) {
+      std::snprintf(len, sizeof len, "%.1f steps", w.mean_length_steps);
+      std::snprintf(sw, sizeof sw, "%.2f / %.2f ms", w.switch_max_ms, w.switch_p99_ms);
+    }
+    char normal[48];
+    std::snprintf(normal, sizeof normal, "%.2f / %.2f ms", w.normal_max_ms, w.normal_p99_ms);
+    std::printf("  %-11s %23s %23s %14s\n", rows[k].name.c_str(), normal, sw, len);
+  }
+  std::printf("  (a stop-the-world switch counts as one step: the step after it, plus the switch)\n");
+}
+
 void print_table(const std::vector<table_row>& rows, const std::string& clock) {
   std::printf("\n  %-11s %11s %11s %11s %10s %9s %16s %8s\n", "run", "mean TTFT", "p99 TTFT",
               "mean TPOT", "tokens/s", "switches", "switch total/mean", "host s");
@@ -382,13 +438,14 @@ int run_demo(const demo::options& o) {
                 moebius::to_string(cal.cross.status), moebius::to_string(switching_opts.start_mode));
   }
 
-  std::printf("\nstage 3: serving the trace three times\n");
+  std::printf("\nstage 3: serving the trace four times\n");
   std::vector<run_result> results;
   std::vector<table_row> rows;
-  for (int k = 0; k < 3; ++k) {
-    engine_options opt = k == 2 ? switching_opts : base;
+  for (int k = 0; k < 4; ++k) {
+    engine_options opt = k >= 2 ? switching_opts : base;
     if (k < 2) opt.start_mode = k == 0 ? parallel_mode::tp : parallel_mode::ep;
-    const std::string name = k == 0 ? "static TP" : k == 1 ? "static EP" : "switching";
+    if (k == 3) opt.style = switch_style::progressive;
+    const std::string name = k == 0 ? "static TP" : k == 1 ? "static EP" : k == 2 ? "switching" : "progressive";
     std::printf("  %s ...\n", name.c_str());
     std::fflush(stdout);
     const auto t0 = wall::now();
@@ -400,14 +457,19 @@ int run_demo(const demo::options& o) {
   int64_t differ = 0;
   for (size_t i = 0; i < trace.size(); ++i) {
     const auto& a = results[0].requests[i].generated;
-    differ += results[1].requests[i].generated != a || results[2].requests[i].generated != a;
+    differ += results[1].requests[i].generated != a || results[2].requests[i].generated != a ||
+              results[3].requests[i].generated != a;
   }
-  int64_t mid_prefill = 0;
+  int64_t mid_prefill = 0, prog_tokens = 0;
   for (const switch_record& s : results[2].switches) mid_prefill += s.prefilling > 0;
+  for (const switch_record& s : results[3].switches) prog_tokens += s.tokens;
   print_table(rows, results[0].clock);
-  std::printf("\n  greedy tokens: %s (%zu requests; %zu switches, %lld of them mid-prefill)\n",
-              differ == 0 ? "identical in all three runs" : "DIFFER", trace.size(),
-              results[2].switches.size(), static_cast<long long>(mid_prefill));
+  print_switch_steps(rows, results);
+  std::printf("\n  greedy tokens: %s (%zu requests; %zu switches, %lld of them mid-prefill; "
+              "progressive: %zu switches, %lld tokens served during them)\n",
+              differ == 0 ? "identical in all four runs" : "DIFFER", trace.size(),
+              results[2].switches.size(), static_cast<long long>(mid_prefill),
+              results[3].switches.size(), static_cast<long long>(prog_tokens));
   ok = ok && differ == 0;
 
   std::filesystem::create_directories(o.out_dir);
@@ -423,7 +485,7 @@ int run_demo(const demo::options& o) {
     }
     if (!csv) throw std::runtime_error("cannot write " + csv_path);
     std::ofstream svg(svg_path);
-    demo::write_timeline_svg(svg, {&results[0], &results[1], &results[2]});
+    demo::write_timeline_svg(svg, {&results[0], &results[1], &results[2], &results[3]});
     if (!svg) throw std::runtime_error("cannot write " + svg_path);
   }
   std::printf("  wrote %s and %s\n", csv_path.c_str(), svg_path.c_str());

@@ -60,7 +60,7 @@ const char* usage_text() {
          "  --ranks P                ranks, 1..64 (default 4; the model must split over P)\n"
          "  --trace bursty|rollout|FILE  the workload (FILE: lines 'arrival_s prompt output')\n"
          "  --seed N                 seed of the trace and the weights (default 1)\n"
-         "  --duration S             bursty trace length in seconds, (0, 3600] (default 0.8)\n"
+         "  --duration S             bursty trace length in seconds, (0, 3600] (default 1.0)\n"
          "  --requests N             rollout batch, 1..100000 (default 160)\n"
          "  --kv-pages N             EP KV pages per rank, 1..16777216 (default 2048)\n"
          "  --max-batch N            sequences running at once, 1..4096 (default 128)\n"

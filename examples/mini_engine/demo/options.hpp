@@ -27,7 +27,7 @@ struct options {
   trace_kind trace = trace_kind::bursty;
   std::string trace_file;        // trace_kind::file
   uint64_t seed = 1;
-  double duration_s = 0.8;       // bursty: length of the trace on the serving clock
+  double duration_s = 1.0;       // bursty: length of the trace on the serving clock
   int64_t requests = 160;        // rollout: the batch
   int64_t kv_pages = 2048;       // EP KV pages per rank
   int64_t max_batch = 128;       // sequences running at once

@@ -9,6 +9,7 @@
 
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
+#include <moebius/switch/pacing.hpp>
 
 #include "kv_pages.hpp"
 
@@ -64,12 +65,19 @@ bool fits(void* c, parallel_mode target) {
   return ctx->sw->check(target).fits && ctx->sched->fits_at_largest(ctx->sw->kv_tables(), target);
 }
 
+int64_t tokens_produced(const scheduler& sched) {
+  int64_t n = 0;
+  for (const request_result& q : sched.results()) n += static_cast<int64_t>(q.generated.size());
+  return n;
+}
+
 }  // namespace
 
 engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry& arena,
                const moebius::kv_geometry& kv, const step_clock& clock,
                moebius::arena_cursor cursor)
     : runtime_(rt),
+      arena_(arena),
       kv_(kv),
       clock_(clock),
       switcher_(arena, kv, t,
@@ -81,6 +89,22 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
                   };
                   return o;
                 }()) {}
+
+void engine::end_progressive(progressive_state& p, run_result& out, scheduler& sched, double now,
+                             const std::string& name) {
+  const moebius::switch_report& r = switcher_.progress_report();
+  switch_record& s = out.switches[p.record];
+  s.outcome = r.outcome;
+  s.error = r.error;
+  s.measured_ms = r.total_ms;
+  s.clock_ms = (now - s.start_s) * 1e3;
+  s.tokens = tokens_produced(sched) - p.tokens_before;
+  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
+                "engine::run '", name, "': the progressive switch left the engine inconsistent: ",
+                r.error);
+  sched.release_deferred(switcher_.mutable_kv_tables());
+  p.active = false;
+}
 
 void engine::switch_untimed(parallel_mode target) {
   if (switcher_.mode() == target) return;
@@ -109,6 +133,8 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   out.clock = clock_.name();
   double now = 0;
   size_t next_forced = 0;
+  progressive_state prog;
+  double last_step_s = 0;  // the last normal step on the serving clock (pacing)
   const int64_t total = static_cast<int64_t>(sched.results().size());
   for (int64_t step = 0; !sched.done(); ++step) {
     MOEBIUS_CHECK(step < o.max_steps, errc::internal, "engine::run '", name, "': more than ",
@@ -118,10 +144,11 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
 
     step_record rec;
     rec.step = step;
-    // Between two steps: decide and switch.
+    // Between two steps: decide and switch (not while a progressive switch runs).
     bool want = false;
     parallel_mode target = switcher_.mode();
-    if (o.how == switching::policy) {
+    if (prog.active) {
+    } else if (o.how == switching::policy) {
       const int64_t load = std::min(sched.num_running() + sched.num_waiting(now),
                                     o.scheduler.max_running);
       const moebius::switch_decision d = policy->step(load, switcher_.mode(), now);
@@ -140,38 +167,128 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       s.start_s = now;
       s.running = sched.num_running();
       s.prefilling = sched.num_prefilling();
-      const moebius::switch_report r = switcher_.switch_to(target);
-      s.from = r.from;
-      s.to = r.to;
-      s.outcome = r.outcome;
-      s.error = r.error;
-      s.measured_ms = r.total_ms;
-      s.clock_ms = clock_.switch_s(r) * 1e3;
-      MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                    "engine::run '", name, "': switch left the engine inconsistent: ", r.error);
-      now += s.clock_ms * 1e-3;
-      if (r.outcome == moebius::switch_outcome::committed) {
-        rec.switched = true;
-        rec.switch_ms = s.clock_ms;
+      s.from = switcher_.mode();
+      s.to = target;
+      bool stop_the_world = o.style == switch_style::stop_the_world;
+      if (!stop_the_world) {
+        // Pacing from the last step's time, the clock's link and bytes per layer.
+        const int64_t L = arena_.shape.num_layers;
+        moebius::kv_migration_options kvo;  // as the switcher plans it (switcher_options)
+        kvo.staging.space = moebius::memory_space::arena;
+        kvo.staging.offset = 0;
+        kvo.staging.bytes = arena_.slot_bytes;
+        std::optional<moebius::layer_bytes> lb;
+        try {
+          lb = moebius::switch_layer_bytes(arena_, kv_, switcher_.kv_tables(), target, kvo);
+        } catch (const moebius::error& e) {
+          if (e.code() != errc::capacity) throw;
+        }
+        if (lb) {
+          prog.pacing.step_s = last_step_s > 0 ? last_step_s : 0.01;
+          prog.pacing.link_bytes_per_s = clock_.link_bytes_per_s();
+          prog.pacing.link_fraction = o.copy_link_fraction;
+          prog.pacing.bytes_per_layer = clock_.layer_bytes(*lb, L);
+          prog.layers = moebius::layers_per_step(prog.pacing, L);
+          const int64_t steps = (L + prog.layers - 1) / prog.layers;
+          try {
+            sched.reserve_for_switch(switcher_.mutable_kv_tables(), steps);
+          } catch (const moebius::error& e) {
+            if (e.code() != errc::capacity) throw;
+            lb.reset();  // the pages are not there: stop the world instead
+          }
+        }
+        if (!lb) {
+          stop_the_world = true;
+        } else {
+          const moebius::switch_report r = switcher_.begin(target);
+          if (r.outcome == moebius::switch_outcome::in_progress) {
+            s.progressive = true;
+            s.layers_per_step = prog.layers;
+            prog.active = true;
+            prog.record = out.switches.size();
+            prog.tokens_before = tokens_produced(sched);
+          } else {
+            MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
+                          "engine::run '", name, "': begin left the engine inconsistent: ",
+                          r.error);
+            s.outcome = r.outcome;
+            s.error = r.error;
+            s.measured_ms = r.total_ms;
+          }
+        }
+      }
+      if (stop_the_world) {
+        const moebius::switch_report r = switcher_.switch_to(target);
+        s.from = r.from;
+        s.to = r.to;
+        s.outcome = r.outcome;
+        s.error = r.error;
+        s.measured_ms = r.total_ms;
+        s.clock_ms = clock_.switch_s(r) * 1e3;
+        MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
+                      "engine::run '", name, "': switch left the engine inconsistent: ", r.error);
+        now += s.clock_ms * 1e-3;
+        if (r.outcome == moebius::switch_outcome::committed) {
+          rec.switched = true;
+          rec.switch_ms = s.clock_ms;
+        }
       }
       out.switches.push_back(std::move(s));
     }
 
+    // Progressive: the next layers move before the step (on the host the copies complete
+    // inside advance(); on a GPU they would run on the copy streams beside the step, the
+    // step ordered after the layers it reads: see step.hpp).
+    double copy_s = 0;
+    if (prog.active) {
+      if (o.before_advance) o.before_advance(switcher_, step);
+      const auto ta = host_clock::now();
+      rec.layers = switcher_.advance(prog.layers);
+      while (!switcher_.poll()) {
+      }
+      const double measured_copy = seconds_since(ta);
+      copy_s = clock_.needs_measurement() ? measured_copy
+                                          : moebius::copy_seconds(prog.pacing, rec.layers);
+      if (!switcher_.in_progress()) {  // the advance failed: rolled back to the start
+        end_progressive(prog, out, sched, now, name);
+      } else if (o.abort_after_advance && o.abort_after_advance(switcher_, step)) {
+        switcher_.abort();
+        end_progressive(prog, out, sched, now, name);
+      }
+    }
+
+    const bool frozen = prog.active;
     kv_state& tables = switcher_.mutable_kv_tables();
     rec.start_s = now;
-    const step_batch b = sched.next_step(tables, now);
-    if (b.empty()) continue;  // arrivals only in the future: the idle jump above handles it
-    const step_layout layout{&tables, switcher_.cursor()};
-    const auto t0 = host_clock::now();
-    const std::vector<int32_t> tokens = runtime_.step(layout, b.items);
-    const double measured = seconds_since(t0);
-    step_cost cost;
-    cost.mode = tables.mode;
-    cost.num_ranks = kv_.num_ranks;
-    cost.num_sequences = b.num_sequences;
-    cost.new_tokens = b.decode_tokens + b.prefill_tokens;
-    cost.context_tokens = b.context_tokens;
-    const double dt = clock_.step_s(cost, measured);
+    const step_batch b = frozen ? sched.next_step_frozen(tables) : sched.next_step(tables, now);
+    if (b.empty() && !frozen) continue;  // arrivals only in the future: the idle jump above
+    const step_layout layout =
+        frozen ? step_layout::hybrid_of(switcher_.tables_for(parallel_mode::tp),
+                                        switcher_.tables_for(parallel_mode::ep),
+                                        switcher_.cursor())
+               : step_layout{&tables, switcher_.cursor()};
+    rec.in_switch = frozen;
+    rec.cursor = switcher_.cursor().tp_layers;
+    std::vector<int32_t> tokens;
+    double dt = 0, measured = 0;
+    if (!b.empty()) {
+      const auto t0 = host_clock::now();
+      tokens = runtime_.step(layout, b.items);
+      measured = seconds_since(t0);
+      step_cost cost;
+      cost.mode = tables.mode;
+      if (frozen && switcher_.cursor().tp_layers * 2 >= arena_.shape.num_layers)
+        cost.mode = parallel_mode::tp;  // a hybrid step: priced as its majority mode
+      cost.num_ranks = kv_.num_ranks;
+      cost.num_sequences = b.num_sequences;
+      cost.new_tokens = b.decode_tokens + b.prefill_tokens;
+      cost.context_tokens = b.context_tokens;
+      dt = clock_.step_s(cost, measured);
+      if (!frozen) last_step_s = dt;
+    }
+    // The copies overlap the step: the step lasts the longer of the two.
+    rec.copy_ms = copy_s * 1e3;
+    dt = std::max(dt, copy_s);
     rec.mode = tables.mode;
     rec.sequences = b.num_sequences;
     rec.decode_tokens = b.decode_tokens;
@@ -185,8 +302,15 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     rec.measured_ms = measured * 1e3;
     out.stalls += b.stalled;
     now += dt;
-    sched.finish_step(b, tokens, tables, now);
-    if (o.validate_every_step) moebius::validate(kv_, tables);
+    if (!b.empty()) sched.finish_step(b, tokens, tables, now, frozen);
+    if (frozen) {
+      ++out.switches[prog.record].steps;
+      if (switcher_.layers_remaining() == 0) {
+        switcher_.finish();
+        end_progressive(prog, out, sched, now, name);
+      }
+    }
+    if (o.validate_every_step) moebius::validate(kv_, switcher_.kv_tables());
     out.steps.push_back(rec);
     if (o.on_progress && o.progress_every_steps > 0 && step % o.progress_every_steps == 0) {
       progress_info p;
@@ -200,6 +324,10 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       p.switches = static_cast<int64_t>(out.switches.size());
       o.on_progress(p);
     }
+  }
+  if (prog.active) {  // every request finished during the switch: move the rest, commit
+    switcher_.finish();
+    end_progressive(prog, out, sched, now, name);
   }
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::internal, "engine::run '", name,
                 "': pages still in use after every request finished (a leak)");

@@ -6,6 +6,8 @@
 // each switch advances the serving clock by what a step_clock says it took.
 //
 //   loop: [policy.step(load, mode, now) -> switcher.switch_to(target)]  (or a forced switch)
+//         [progressive: begin(target) once, then advance(paced) + poll() each step, hybrid
+//          steps, finish() after the last layer; switch_style below]
 //         batch = scheduler.next_step(tables, now)      (admit, grow page tables)
 //         tokens = runtime.step({tables, cursor}, batch) (timed)
 //         now += clock.step_s(cost, measured); scheduler.finish_step(batch, tokens, now)
@@ -24,6 +26,7 @@
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/policy/calibration.hpp>
 #include <moebius/policy/switch_policy.hpp>
+#include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/transport.hpp>
 
@@ -38,6 +41,18 @@ enum class switching : uint8_t {
   never,   // static: serve in start_mode throughout
   policy,  // the switch policy decides between steps
   forced,  // switch to the other mode before each step in forced_steps (tests)
+};
+
+// How a switch runs once decided.
+enum class switch_style : uint8_t {
+  stop_the_world,  // switcher::switch_to between two steps: no token meanwhile
+  // switcher::begin, then a few layers per step (advance, paced so that each step's copies
+  // fit the step: moebius/switch/pacing.hpp) while the engine keeps decoding with hybrid
+  // steps (step.hpp); finish() after the last layer. Before begin() every running sequence
+  // gets the pages for the tokens it writes during the switch (the tables are frozen until
+  // finish); no admission meanwhile; finished sequences release their pages at the end. When
+  // those pages are not there the switch runs stop-the-world instead.
+  progressive,
 };
 
 struct progress_info {
@@ -58,6 +73,13 @@ struct engine_options {
   int64_t max_steps = 50'000'000;        // a run longer than this throws (a stuck loop)
   int64_t progress_every_steps = 0;      // 0: no progress callback
   std::function<void(const progress_info&)> on_progress;
+  switch_style style = switch_style::stop_the_world;
+  // Progressive: the share of the link the copies may use (pacing_params::link_fraction).
+  double copy_link_fraction = 0.55;
+  // Progressive, tests: called before each advance (inject a fault here), and after it
+  // (return true to abort the switch at the cursor reached).
+  std::function<void(moebius::switcher&, int64_t step)> before_advance;
+  std::function<bool(const moebius::switcher&, int64_t step)> abort_after_advance;
   // Passed to the switcher (switcher_options::verify): a layout-independent checksum.
   std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify;
 };
@@ -74,6 +96,12 @@ struct step_record {
   double measured_ms = 0;               // host (or GPU) time of runtime.step()
   bool switched = false;                // a switch ran before this step
   double switch_ms = 0;                 // its time on the serving clock
+  // Progressive: the step ran during a switch (hybrid), after advancing `layers` layers
+  // whose copies took copy_ms on the serving clock (step_ms = max(its compute, copy_ms)).
+  bool in_switch = false;
+  int64_t layers = 0;
+  int64_t cursor = 0;                   // arena cursor (TP layers) the step ran at
+  double copy_ms = 0;
 };
 
 struct switch_record {
@@ -84,6 +112,10 @@ struct switch_record {
   double clock_ms = 0, measured_ms = 0;
   int64_t running = 0, prefilling = 0;  // sequences live, and of them mid chunked prefill
   std::string error;
+  // Progressive: steps served during the switch, layers advanced per step (paced), tokens
+  // produced meanwhile. clock_ms is then begin to finish on the serving clock.
+  bool progressive = false;
+  int64_t steps = 0, layers_per_step = 0, tokens = 0;
 };
 
 struct run_result {
@@ -132,8 +164,18 @@ class engine {
 
  private:
   void switch_untimed(moebius::parallel_mode target);
+  struct progressive_state {
+    bool active = false;
+    size_t record = 0;               // its switch_record
+    int64_t layers = 1;              // paced layers per step
+    moebius::pacing_params pacing;
+    int64_t tokens_before = 0;
+  };
+  void end_progressive(progressive_state& p, run_result& out, scheduler& sched, double now,
+                       const std::string& name);
 
   runtime& runtime_;
+  moebius::arena_geometry arena_;
   moebius::kv_geometry kv_;
   const step_clock& clock_;
   moebius::switcher switcher_;

@@ -60,6 +60,9 @@ float* fake_runtime::k_at(int rank, parallel_mode m, int64_t layer, int64_t page
 
 std::vector<int32_t> fake_runtime::step(const step_layout& layout, std::span<const step_item> items,
                                         std::vector<std::vector<float>>* logits) {
+  MOEBIUS_CHECK(!layout.hybrid() && layout.tables != nullptr, moebius::errc::invalid_argument,
+                "fake_runtime: hybrid steps (a progressive switch) are not supported; serve "
+                "progressive switches on host_runtime");
   const moebius::kv_state& s = *layout.tables;
   const parallel_mode m = s.mode;
   const int P = kv_.num_ranks;

@@ -114,6 +114,17 @@ bool scheduler::fits_at_largest(const kv_state& kv, parallel_mode target) const 
   return true;
 }
 
+namespace {
+
+// Tokens sequence `id` holds in `kv` (0 when absent): on its EP owner, or on every TP rank.
+int64_t held_tokens(const kv_state& kv, int64_t id) {
+  for (int r = 0; r < static_cast<int>(kv.ranks.size()); ++r)
+    if (const moebius::kv_sequence* q = find_sequence(kv, r, id)) return q->num_tokens;
+  return 0;
+}
+
+}  // namespace
+
 step_batch scheduler::next_step(kv_state& kv, double now_s) {
   step_batch b;
   int64_t budget = options_.max_step_tokens;
@@ -124,7 +135,8 @@ step_batch scheduler::next_step(kv_state& kv, double now_s) {
     running_seq& s = running_[static_cast<size_t>(slot)];
     const int64_t id = results_[static_cast<size_t>(s.result_idx)].id;
     try {
-      reserve_tokens(g_, kv, id, s.in_kv + n, owner);
+      // A sequence may already hold more (reserve_for_switch): then nothing grows.
+      if (held_tokens(kv, id) < s.in_kv + n) reserve_tokens(g_, kv, id, s.in_kv + n, owner);
     } catch (const moebius::error& e) {
       if (e.code() != errc::capacity) throw;
       ++results_[static_cast<size_t>(s.result_idx)].stalls;
@@ -197,8 +209,55 @@ step_batch scheduler::next_step(kv_state& kv, double now_s) {
   return b;
 }
 
+void scheduler::reserve_for_switch(kv_state& kv, int64_t steps) {
+  MOEBIUS_CHECK(steps >= 1, errc::invalid_argument, "reserve_for_switch: steps must be >= 1 (got ",
+                steps, ")");
+  for (const running_seq& s : running_) {
+    const int64_t id = results_[static_cast<size_t>(s.result_idx)].id;
+    const int64_t want = std::min(s.final_tokens, std::max(s.in_kv, s.prompt) + steps);
+    if (held_tokens(kv, id) < want) reserve_tokens(g_, kv, id, want, -1);
+  }
+}
+
+step_batch scheduler::next_step_frozen(const kv_state& kv) {
+  step_batch b;
+  int64_t budget = options_.max_step_tokens;
+  auto add = [&](size_t slot, int64_t n) {
+    running_seq& s = running_[slot];
+    request_result& res = results_[static_cast<size_t>(s.result_idx)];
+    n = std::min(n, held_tokens(kv, res.id) - s.in_kv);
+    if (n <= 0) {
+      ++res.stalls;
+      ++b.stalled;
+      return;
+    }
+    step_item it;
+    it.seq_id = res.id;
+    it.tokens = std::span<const int32_t>(s.tokens.data() + s.in_kv, static_cast<size_t>(n));
+    it.start_position = s.in_kv;
+    it.sample = s.in_kv + n >= s.prompt;
+    b.items.push_back(it);
+    b.running_idx.push_back(static_cast<int64_t>(slot));
+    budget -= n;
+    b.context_tokens += s.in_kv + n;
+    if (s.decoding()) ++b.decode_tokens;
+    else b.prefill_tokens += n;
+  };
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i)
+    if (running_[i].decoding()) add(i, 1);
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i)
+    if (!running_[i].decoding()) add(i, std::min(budget, running_[i].prompt - running_[i].in_kv));
+  b.num_sequences = static_cast<int64_t>(b.items.size());
+  return b;
+}
+
+void scheduler::release_deferred(kv_state& kv) {
+  for (int64_t id : deferred_release_) release_sequence(kv, id);
+  deferred_release_.clear();
+}
+
 void scheduler::finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
-                            kv_state& kv, double now_s) {
+                            kv_state& kv, double now_s, bool frozen) {
   MOEBIUS_CHECK(next_tokens.size() == b.items.size(), errc::invalid_argument,
                 "finish_step: ", next_tokens.size(), " tokens for ", b.items.size(), " items");
   std::vector<bool> retire(running_.size(), false);
@@ -219,7 +278,8 @@ void scheduler::finish_step(const step_batch& b, std::span<const int32_t> next_t
       res.finish_s = now_s;
       ++num_finished_;
       retire[static_cast<size_t>(b.running_idx[i])] = true;
-      release_sequence(kv, res.id);
+      if (frozen) deferred_release_.push_back(res.id);
+      else release_sequence(kv, res.id);
     } else {
       s.tokens.push_back(next_tokens[i]);  // within the capacity reserved at admission
     }

@@ -94,10 +94,25 @@ class scheduler {
   // nothing runs (then advance the clock to next_arrival_s()).
   step_batch next_step(moebius::kv_state& kv, double now_s);
 
+  // --- During a progressive switch the page tables are frozen (switcher.hpp) -------------
+  // reserve_for_switch: before switcher::begin(), grows every running sequence's tables for
+  // the tokens it can write in the next `steps` steps (decode: one a step; prefill: the rest
+  // of its prompt, then one a step), clamped to its largest (prompt + output - 1). Throws
+  // errc::capacity when the pages are not there (what was reserved stays: it is within the
+  // admission's reservation, and the tables stay valid).
+  void reserve_for_switch(moebius::kv_state& kv, int64_t steps);
+  // next_step_frozen: a batch that writes only tokens the frozen tables already hold: no
+  // admission, no page taken; a sequence whose held tokens are used up waits (counted as a
+  // stall). May be empty while sequences run. finish_step with `frozen` set defers the
+  // release of finished sequences' pages; release_deferred() returns them once the switch
+  // has finished or rolled back (on the tables then current).
+  step_batch next_step_frozen(const moebius::kv_state& kv);
+  void release_deferred(moebius::kv_state& kv);
+
   // Records a step that ended at `now_s`: the runtime's tokens for `b` (one per item, -1
   // where no sample), then retires finished requests and releases their pages.
   void finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
-                   moebius::kv_state& kv, double now_s);
+                   moebius::kv_state& kv, double now_s, bool frozen = false);
 
   bool done() const { return num_finished_ == static_cast<int64_t>(results_.size()); }
   // Arrival of the first request not yet admitted (+inf when none waits).
@@ -138,6 +153,7 @@ class scheduler {
   std::vector<request_result> results_;  // sorted by id
   std::vector<running_seq> running_;     // in admission order
   int64_t num_finished_ = 0;
+  std::vector<int64_t> deferred_release_;  // finished during a switch, pages not yet freed
 };
 
 }  // namespace mini_engine

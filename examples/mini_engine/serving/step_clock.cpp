@@ -93,6 +93,25 @@ double h200_step_model::switch_s(const moebius::switch_report& r) const {
   return cost.predict(w).total_ms() * 1e-3;
 }
 
+int64_t h200_step_model::layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const {
+  MOEBIUS_CHECK(run_layers >= 1, errc::invalid_argument, "layer_bytes: run_layers must be >= 1");
+  // The priced switch's busiest-rank bytes (as switch_s() prices a whole switch: experts
+  // (P-1)/P of the rank's share, every priced layer; the run's KV scaled to the priced
+  // model), spread over the run's layers: one layer of the run stands for L_priced / L_run
+  // priced layers.
+  const double P = num_ranks_;
+  const double experts = static_cast<double>(m_.num_layers * m_.num_experts) * 3.0 *
+                         static_cast<double>(m_.hidden * m_.intermediate * m_.weight_bytes) / P *
+                         (P - 1) / P;
+  int64_t kv = 0;
+  for (int64_t b : run.kv_bytes_sent) kv = std::max(kv, b);
+  const double priced_kv_per_token = static_cast<double>(m_.num_layers * 2 * m_.num_kv_heads *
+                                                         m_.head_dim * m_.kv_bytes);
+  const double kv_priced = static_cast<double>(kv * run_layers) * m_.context_scale *
+                           priced_kv_per_token / static_cast<double>(run_kv_bytes_per_token_);
+  return static_cast<int64_t>((experts + kv_priced) / static_cast<double>(run_layers));
+}
+
 std::ostream& operator<<(std::ostream& os, const priced_model& m) {
   return os << "L=" << m.num_layers << " H=" << m.hidden << " Hq=" << m.num_q_heads
             << " Hkv=" << m.num_kv_heads << " D=" << m.head_dim << " E=" << m.num_experts

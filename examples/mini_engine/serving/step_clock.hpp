@@ -10,6 +10,7 @@
 #include <iosfwd>
 
 #include <moebius/layout/expert_shape.hpp>
+#include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
 
 namespace mini_engine {
@@ -35,6 +36,16 @@ class step_clock {
   // Whether calibration must run steps on the runtime (a measured clock), or can evaluate
   // the clock at a batch size directly (a model).
   virtual bool needs_measurement() const = 0;
+
+  // Progressive switch (engine.hpp, moebius/switch/pacing.hpp): the busiest rank's bytes per
+  // layer the clock prices, given the run's own (`run`: weights and KV of one layer, from
+  // moebius::switch_layer_bytes), and the link rate per GPU the copies run at. A measured
+  // clock prices the run's bytes at an H200's copy-engine ceiling (389 GB/s).
+  // `run_layers`: the run model's layer count.
+  virtual int64_t layer_bytes(const moebius::layer_bytes& run, int64_t /*run_layers*/) const {
+    return run.busiest();
+  }
+  virtual double link_bytes_per_s() const { return 389e9; }
 };
 
 // The measured time itself (GPU runtimes; the host when its time is what you want).
@@ -91,6 +102,12 @@ class h200_step_model final : public step_clock {
   double switch_s(const moebius::switch_report& report) const override;
   const char* name() const override { return "modelled H200"; }
   bool needs_measurement() const override { return false; }
+  // Bytes per layer of the run: the priced switch (expert bytes leaving the busiest rank,
+  // (P-1)/P of its share, every priced layer: Qwen3-30B-A3B bf16, P=2: 48 x 301,989,888 B;
+  // plus the run's KV scaled as in switch_s()) divided by the run's layers, so a run of 4
+  // layers advances in 4 moves of 12 priced layers each; the link at nvlink_gbps.
+  int64_t layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const override;
+  double link_bytes_per_s() const override { return hw_.nvlink_gbps * 1e9; }
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
   double decode_step_s(moebius::parallel_mode mode, int64_t batch, double context) const;
