@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "migration_directions.hpp"
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -29,6 +30,7 @@ namespace {
 
 outcome run(const kv_geometry& g, const kv_state& s, parallel_mode target,
             const kv_migration_options& opt) {
+  detail::check_enum(target, "target (parallel_mode)");
   validate(g, s);
   MOEBIUS_CHECK(opt.max_rounds >= 1, errc::invalid_argument,
                 "max_rounds must be >= 1 (max_rounds=", opt.max_rounds, ")");
