@@ -169,13 +169,8 @@ int64_t switcher::advance(int64_t layers, std::span<const stream_handle> streams
     append(work, shift_kv_plan(p.kv_layer0, kv_geometry_, p.layer(i),
                                weights_.slot_offset(arena_geometry::free_slot(after))));
   }
-  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
-    if (it->where != switch_fault::stage::undo) {
-      transport_.inject_fault(it->at);
-      faults_.erase(it);
-      break;
-    }
-  }
+  // An advance is weights and KV together: a weights or a KV fault arms it.
+  arm_fault([](switch_fault::stage s) { return s != switch_fault::stage::undo; });
   transport_.enqueue(work, streams);  // a bad plan throws here and nothing started
   p.layers_enqueued += n;
   p.outstanding = n;

@@ -74,16 +74,20 @@ kv_capacity_report switcher::check(parallel_mode target) const {
                            kv_options(resting_cursor(weights_, target)));
 }
 
+void switcher::arm_fault(const std::function<bool(switch_fault::stage)>& matches) {
+  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
+    if (matches(it->where)) {
+      transport_.inject_fault(it->at);
+      faults_.erase(it);
+      return;
+    }
+  }
+}
+
 std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& completed,
                           bool& state_unknown) {
   completed = 0;
-  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
-    if (it->where == stage) {
-      transport_.inject_fault(it->at);
-      faults_.erase(it);
-      break;
-    }
-  }
+  arm_fault([stage](switch_fault::stage s) { return s == stage; });
   std::string failure;
   try {
     transport_.execute(p);

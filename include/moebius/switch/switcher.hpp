@@ -201,6 +201,8 @@ class switcher {
                   bool& state_unknown);
 
   kv_migration_options kv_options(arena_cursor weights_at) const;
+  // Arms the first armed fault whose stage `matches` on the transport, and drops it.
+  void arm_fault(const std::function<bool(switch_fault::stage)>& matches);
 
   // Progressive switch state (src/switch/progressive.cpp).
   struct progress;
