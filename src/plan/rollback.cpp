@@ -1,11 +1,108 @@
 #include "moebius/plan/rollback.hpp"
 
 #include <algorithm>
-#include <tuple>
+#include <iterator>
+#include <map>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "moebius/error.hpp"
 
 namespace moebius {
+
+namespace {
+
+// Disjoint byte ranges [begin, end) of one memory space of one rank, merged on insertion.
+class byte_ranges {
+ public:
+  bool covers(int64_t begin, int64_t end) const {
+    auto it = ranges_.upper_bound(begin);
+    if (it == ranges_.begin()) return false;
+    --it;
+    return it->second >= end;
+  }
+  bool overlaps(int64_t begin, int64_t end) const {
+    auto it = ranges_.lower_bound(end);  // first range starting at or after `end`
+    if (it == ranges_.begin()) return false;
+    --it;
+    return it->second > begin;
+  }
+  void insert(int64_t begin, int64_t end) {
+    auto it = ranges_.upper_bound(begin);
+    if (it != ranges_.begin() && std::prev(it)->second >= begin) {
+      --it;
+      begin = it->first;
+      end = std::max(end, it->second);
+      it = ranges_.erase(it);
+    }
+    while (it != ranges_.end() && it->first <= end) {
+      end = std::max(end, it->second);
+      it = ranges_.erase(it);
+    }
+    ranges_.emplace(begin, end);
+  }
+
+ private:
+  std::map<int64_t, int64_t> ranges_;  // begin -> end
+};
+
+// The bytes an op writes, by (rank, space).
+using written_bytes = std::map<std::pair<int, memory_space>, byte_ranges>;
+
+template <class Pred>
+bool all_rows(const copy_op& op, Pred pred) {
+  for (int64_t r = 0; r < op.rows; ++r) {
+    const int64_t begin = op.dst_offset + r * op.dst_pitch;
+    if (!pred(begin, begin + op.row_bytes)) return false;
+  }
+  return true;
+}
+
+// Ops of a forward phase that read overlapping source bytes (a page sent to several ranks, or
+// a head slice of a page that is also copied whole) become undo ops whose destinations
+// overlap. They all write the bytes the source held before the phase, so the result is right
+// in any order, but a phase must not have overlapping destinations. An op whose destination
+// other ops already write entirely is dropped; an op that overlaps them only in part goes to
+// the first of a sequence of phases in which its destination overlaps nothing.
+std::vector<plan_phase> without_overlapping_writes(plan_phase undo) {
+  std::vector<size_t> order(undo.ops.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return undo.ops[a].bytes() > undo.ops[b].bytes();  // widest first: they cover the others
+  });
+  written_bytes all;
+  std::vector<written_bytes> part_writes;
+  std::vector<int> part_of(undo.ops.size(), -1);  // -1: dropped
+  for (size_t i : order) {
+    const copy_op& op = undo.ops[i];
+    const auto key = std::make_pair(op.dst_rank, op.dst_space);
+    if (all_rows(op, [&](int64_t b, int64_t e) { return all[key].covers(b, e); })) continue;
+    size_t part = 0;
+    while (part < part_writes.size() &&
+           !all_rows(op, [&](int64_t b, int64_t e) { return !part_writes[part][key].overlaps(b, e); })) {
+      ++part;
+    }
+    if (part == part_writes.size()) part_writes.emplace_back();
+    all_rows(op, [&](int64_t b, int64_t e) {
+      part_writes[part][key].insert(b, e);
+      all[key].insert(b, e);
+      return true;
+    });
+    part_of[i] = static_cast<int>(part);
+  }
+  std::vector<plan_phase> parts(std::max<size_t>(part_writes.size(), 1));
+  for (size_t k = 0; k < parts.size(); ++k) {
+    parts[k].label = k == 0 ? undo.label : undo.label + " (part " + std::to_string(k + 1) + ")";
+  }
+  for (size_t i = 0; i < undo.ops.size(); ++i) {  // keep the forward order within a phase
+    if (part_of[i] >= 0) parts[static_cast<size_t>(part_of[i])].ops.push_back(undo.ops[i]);
+  }
+  return parts;
+}
+
+}  // namespace
 
 plan rollback_plan(const plan& executed, int64_t completed_phases) {
   MOEBIUS_CHECK(completed_phases >= 0 &&
@@ -17,7 +114,7 @@ plan rollback_plan(const plan& executed, int64_t completed_phases) {
   undo.phases.reserve(static_cast<size_t>(completed_phases));
   for (int64_t k = completed_phases - 1; k >= 0; --k) {
     const plan_phase& ph = executed.phases[static_cast<size_t>(k)];
-    plan_phase& out = undo.phases.emplace_back();
+    plan_phase out;
     out.label = "undo " + ph.label;
     out.ops.reserve(ph.ops.size());
     for (const copy_op& op : ph.ops) {
@@ -35,19 +132,9 @@ plan rollback_plan(const plan& executed, int64_t completed_phases) {
       std::swap(inv.src_space, inv.dst_space);
       out.ops.push_back(inv);
     }
-    // Several ops that read one source range become several writes of identical bytes to one
-    // range: keep the first, so the undo phase keeps the no-overlapping-destinations rule.
-    auto dst_key = [](const copy_op& o) {
-      return std::make_tuple(o.dst_rank, o.dst_space, o.dst_offset, o.rows, o.row_bytes,
-                             o.dst_pitch);
-    };
-    std::stable_sort(out.ops.begin(), out.ops.end(),
-                     [&](const copy_op& a, const copy_op& b) { return dst_key(a) < dst_key(b); });
-    out.ops.erase(std::unique(out.ops.begin(), out.ops.end(),
-                              [&](const copy_op& a, const copy_op& b) {
-                                return dst_key(a) == dst_key(b);
-                              }),
-                  out.ops.end());
+    for (plan_phase& part : without_overlapping_writes(std::move(out))) {
+      undo.phases.push_back(std::move(part));
+    }
     if (!ph.restores.empty()) {
       // They read what the undo above restored, so they need a phase of their own.
       undo.phases.push_back(plan_phase{"restore " + ph.label, ph.restores, {}});

@@ -24,8 +24,11 @@ namespace moebius {
 
 // The plan that undoes the first `completed_phases` phases of `executed`: phases in reverse
 // order, each op with source and destination swapped, each followed by a phase of its
-// restores when it has any; when several ops of a phase read the
-// same source range (a page sent to several ranks), its undo keeps one of them. Throws
+// restores when it has any. Ops of a phase that read overlapping source bytes (a page sent to
+// several ranks, a head slice of a page also copied whole) would write those bytes back
+// twice: the undo drops an op whose destination the others already write entirely, and moves
+// one that overlaps them in part to an extra phase ("undo <label> (part 2)"), so no undo phase
+// has overlapping destinations. Throws
 // errc::invalid_argument when completed_phases is outside [0, phases], an undone op names a
 // rank outside [0, num_ranks), an out-of-range memory_space or rows < 1, or its source pitch
 // is smaller than its row (its undo would overlap itself).
