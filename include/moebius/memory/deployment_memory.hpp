@@ -65,7 +65,7 @@ class deployment_memory {
 
   // The memory of local rank `i`, as transports take it. Throws errc::out_of_range on a bad i.
   const rank_memory& memory(int i) const;
-  std::span<const rank_memory> ranks() const { return ranks_; }
+  const std::vector<rank_memory>& ranks() const { return ranks_; }
 
   // Where each tensor of `layer` lives on local rank `i` when the layer is in `mode`.
   //   L=4: weights(i, 2, tp) is slot 2, weights(i, 2, ep) is slot 3 (DESIGN.md §3).
