@@ -1,15 +1,15 @@
-// A tour of the Moebius API in one runnable file (the README quotes it). Host memory and
-// host_transport stand in for GPUs: swap in cuda_peer_transport and nothing else changes.
-#include <cstddef>
+// A tour of the Moebius API in one runnable program (the README quotes it whole, and a test
+// compiles the README's copy). Host memory and host_transport stand in for GPUs: with
+// Moebius::cuda, device_deployment_memory and cuda_peer_transport take their places.
 #include <cstdio>
 #include <iostream>
 #include <vector>
 
 #include "moebius/moebius.hpp"
 
-int main() {
-  using namespace moebius;
+using namespace moebius;
 
+int main() {
   // 1. Describe the experts and lay out one rank's arena (validated; allocates nothing).
   expert_shape shape = qwen3_235b_a22b();  // L=94, E=128, H=4096, I=1536, bf16
   std::cout << make_arena_geometry(shape, 8) << '\n';
@@ -31,15 +31,12 @@ int main() {
                                   .prefill_cursor = 40, .pages = {3, 4, 5}});
   const kv_state kv_tables = make_kv_state(kv, parallel_mode::ep, tables);
 
-  // 4. One allocation per rank per memory space, never moved; a transport over them.
-  std::vector<std::vector<std::byte>> arenas(P, std::vector<std::byte>(arena.total_bytes()));
-  std::vector<std::vector<std::byte>> pools(P, std::vector<std::byte>(kv.pool_bytes()));
-  std::vector<rank_memory> ranks(P);
-  for (int r = 0; r < P; ++r) {
-    ranks[r].spaces[static_cast<int>(memory_space::arena)] = arenas[r];
-    ranks[r].spaces[static_cast<int>(memory_space::kv_pool)] = pools[r];
-  }
-  host_transport transport(ranks);  // or cuda_peer_transport::single_process(...)
+  // 4. The memory owner: per rank one arena and one KV pool, never moved; views of each
+  //    layer's tensors; a transport over its ranks.
+  host_deployment_memory memory(arena, kv);
+  const tensor_slab w2 = memory.weights(/*rank=*/0, /*layer=*/1)[weight_tensor::w2];
+  std::cout << "rank 0, layer 1, w2: " << w2.bytes << " B at arena offset " << w2.offset << '\n';
+  host_transport transport(memory.ranks());
 
   // 5. The switcher runs the whole switch: capacity check, weights, KV, tables, selector.
   parallel_mode graphs = parallel_mode::ep;  // which set of CUDA graphs the engine launches
@@ -47,7 +44,11 @@ int main() {
   options.on_commit = [&](parallel_mode m) { graphs = m; };  // flip the runtime selector
   switcher sw(arena, kv, transport, kv_tables, arena_cursor{0}, options);
   const switch_report report = sw.switch_to(parallel_mode::tp);
+  memory.set_cursor(report.cursor);
   std::cout << report << '\n';
+  for_each_metric(report, [](std::string_view name, double value) {
+    if (name.ends_with("_ms") && value > 0) std::cout << name << ' ' << value << '\n';
+  });
 
   // 6. The policy decides when: asymmetric hysteresis, cooldown, capacity check.
   switch_policy policy(interactive_config(/*t_high=*/256));

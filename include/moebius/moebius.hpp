@@ -1,7 +1,10 @@
 #pragma once
 
-// Everything a host-side user of Moebius needs, in one include. Device-only declarations
-// (moebius/cuda/) are left out; include them from .cu files that need them.
+// Everything a host-side user of Moebius needs, in one include: the Moebius::moebius component,
+// which compiles and links without the CUDA Toolkit. The CUDA and NCCL components have headers
+// of their own (they include the CUDA runtime's): moebius/transport/cuda_peer_transport.hpp,
+// moebius/memory/device_arena.hpp (Moebius::cuda), moebius/transport/nccl_transport.hpp
+// (Moebius::nccl); device-only declarations live in moebius/cuda/.
 
 #include "moebius/config.hpp"
 #include "moebius/error.hpp"
@@ -25,16 +28,12 @@
 
 #include "moebius/transport/host_transport.hpp"
 #include "moebius/transport/transport.hpp"
-#if MOEBIUS_WITH_CUDA
-#include "moebius/transport/cuda_peer_transport.hpp"
-#endif
-#if MOEBIUS_WITH_NCCL
-#include "moebius/transport/nccl_transport.hpp"
-#endif
 
 #include "moebius/switch/checksum.hpp"
+#include "moebius/switch/switch_stats.hpp"
 #include "moebius/switch/switcher.hpp"
 
+#include "moebius/memory/deployment_memory.hpp"
 #include "moebius/memory/memory_budget.hpp"
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <ostream>
 #include <utility>
 
 #include "moebius/detail/enum_check.hpp"
+#include "moebius/detail/nvtx.hpp"
 #include "moebius/error.hpp"
 #include "moebius/plan/rollback.hpp"
 #include "moebius/plan/weight_plan.hpp"
@@ -117,6 +119,7 @@ switch_report switcher::switch_to(parallel_mode target) {
   MOEBIUS_CHECK(!progress_, errc::invalid_argument,
                 "switch_to: a progressive switch is in progress; finish() or abort() it first");
   const auto t0 = clock_type::now();
+  const detail::nvtx_range switch_range("moebius/switch");
   switch_report rep;
   rep.from = mode();
   rep.to = target;
@@ -142,10 +145,13 @@ switch_report switcher::switch_to(parallel_mode target) {
   auto t = clock_type::now();
   const kv_migration_options kv_opt = kv_options(goal);
   kv_migration kv;
+  std::optional<detail::nvtx_range> plan_range(std::in_place, "moebius/switch/plan");
   try {
     kv = plan_kv_migration(kv_geometry_, kv_, target, kv_opt);
   } catch (const error& e) {
     if (e.code() != errc::capacity) throw;
+    plan_range.reset();
+    const detail::nvtx_range capacity_range("moebius/switch/capacity");
     rep.capacity = check_kv_capacity(kv_geometry_, kv_, target, kv_opt);
     rep.capacity_ms = ms_between(t, clock_type::now());
     rep.outcome = switch_outcome::refused_capacity;
@@ -157,6 +163,7 @@ switch_report switcher::switch_to(parallel_mode target) {
   rep.capacity.rounds = kv.stats.rounds;
   rep.capacity.pages_available = kv_geometry_.num_pages(target);
   const plan weights = plan_weight_switch(weights_, start, goal);
+  plan_range.reset();
   rep.plan_ms = ms_between(t, clock_type::now());
   rep.weight_phases = static_cast<int64_t>(weights.phases.size());
   rep.kv_rounds = static_cast<int64_t>(kv.copies.phases.size());
@@ -168,6 +175,7 @@ switch_report switcher::switch_to(parallel_mode target) {
   // first byte moves that costs nothing; after, it is a failure like any other.
   auto checksum = [&](arena_cursor c, const kv_state& tables, std::string& failure) {
     const auto tv = clock_type::now();
+    const detail::nvtx_range verify_range("moebius/switch/verify");
     uint64_t sum = 0;
     try {
       sum = options_.verify(c, tables);
@@ -203,6 +211,7 @@ switch_report switcher::switch_to(parallel_mode target) {
       return rep;
     }
     const auto tu = clock_type::now();
+    std::optional<detail::nvtx_range> undo_range(std::in_place, "moebius/switch/undo");
     int64_t done = 0;
     std::string failure;
     if (kv_done > 0) {
@@ -214,6 +223,7 @@ switch_report switcher::switch_to(parallel_mode target) {
       const int64_t moved = weights_at.tp_layers > start.tp_layers ? -done : done;
       weights_at = arena_cursor{weights_at.tp_layers + moved};
     }
+    undo_range.reset();
     rep.undo_ms = ms_between(tu, clock_type::now());
     cursor_ = weights_at;
     rep.cursor = cursor_;
@@ -231,7 +241,11 @@ switch_report switcher::switch_to(parallel_mode target) {
 
   // 3. Expert weights, layer by layer through the arena cursor.
   t = clock_type::now();
-  rep.error = run(weights, switch_fault::stage::weights, rep.weight_phases_completed, state_unknown);
+  {
+    const detail::nvtx_range weights_range("moebius/switch/weights");
+    rep.error =
+        run(weights, switch_fault::stage::weights, rep.weight_phases_completed, state_unknown);
+  }
   rep.weights_ms = ms_between(t, clock_type::now());
   if (!rep.error.empty()) {
     const int64_t k = rep.weight_phases_completed;
@@ -241,7 +255,10 @@ switch_report switcher::switch_to(parallel_mode target) {
 
   // 4. KV pages, in rounds.
   t = clock_type::now();
-  rep.error = run(kv.copies, switch_fault::stage::kv, rep.kv_rounds_completed, state_unknown);
+  {
+    const detail::nvtx_range kv_range("moebius/switch/kv");
+    rep.error = run(kv.copies, switch_fault::stage::kv, rep.kv_rounds_completed, state_unknown);
+  }
   rep.kv_ms = ms_between(t, clock_type::now());
   if (!rep.error.empty()) return undo(rep.kv_rounds_completed, goal);
 

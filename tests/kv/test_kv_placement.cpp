@@ -71,7 +71,7 @@ TEST_CASE("place_longest_first matches the naive reference", "[kv][placement]") 
     if (total > 0) {
       const double mean = static_cast<double>(total) / P;
       if (pl.fits)
-        REQUIRE(pl.imbalance == Approx(static_cast<double>(*std::max_element(load.begin(), load.end())) / mean));
+        REQUIRE(pl.imbalance == Catch::Approx(static_cast<double>(*std::max_element(load.begin(), load.end())) / mean));
     }
     // Deterministic: same answer for a shuffled input (owners follow their demand).
     std::vector<size_t> perm(n);

@@ -32,7 +32,7 @@ TEST_CASE("Qwen3-235B at P=8, bf16: hand-computed arena", "[layout][arena]") {
   CHECK(g.layer_bytes_per_rank() == 603'979'776);
   CHECK(g.static_bytes_per_rank() == int64_t{94} * 603'979'776);
   CHECK(g.overhead_bytes() == 603'979'776);  // exactly one spare slot
-  CHECK(g.overhead_fraction() == Approx(1.0 / 94.0));
+  CHECK(g.overhead_fraction() == Catch::Approx(1.0 / 94.0));
   CHECK(g.total_bytes() > (int64_t{1} << 32));  // 57 GB: offsets need 64 bits
   std::ostringstream os;
   os << g;

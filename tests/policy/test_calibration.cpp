@@ -65,7 +65,7 @@ TEST_CASE("calibration: worked example from the header", "[calibration]") {
     const calibration_result r = calibrate(e, t, o);
     INFO(r);
     REQUIRE(r.cross.status == crossover_status::found);
-    CHECK(r.cross.batch == Approx(200.0).epsilon(1e-12));
+    CHECK(r.cross.batch == Catch::Approx(200.0).epsilon(1e-12));
     CHECK(r.cross.num_crossings == 1);
     REQUIRE(r.has_thresholds);
     CHECK(r.t_high == 250);
@@ -78,8 +78,8 @@ TEST_CASE("calibration: worked example from the header", "[calibration]") {
   // Line fit of two points is exact.
   const latency_curve c = latency_curve::fit(std::vector<latency_sample>{{1, 10}, {3, 14}},
                                              curve_fit::least_squares_line);
-  CHECK(c.intercept() == Approx(8.0));
-  CHECK(c.slope() == Approx(2.0));
+  CHECK(c.intercept() == Catch::Approx(8.0));
+  CHECK(c.slope() == Catch::Approx(2.0));
 }
 
 TEST_CASE("calibration: recovers a known crossover from noisy samples", "[calibration]") {
@@ -99,7 +99,7 @@ TEST_CASE("calibration: recovers a known crossover from noisy samples", "[calibr
     const calibration_result r = calibrate(e, t);
     INFO("trial " << trial << " true B*=" << b_star << ": " << r);
     REQUIRE(r.cross.status == crossover_status::found);
-    CHECK(r.cross.batch == Approx(b_star).epsilon(0.10));
+    CHECK(r.cross.batch == Catch::Approx(b_star).epsilon(0.10));
     CHECK(r.t_high == static_cast<int64_t>(std::ceil(r.cross.batch * 1.25 - 1e-9)));
     CHECK(r.t_low == std::llround(0.8 * static_cast<double>(r.t_high)));
     // Piecewise without noise lands exactly on the true crossing.
@@ -107,7 +107,7 @@ TEST_CASE("calibration: recovers a known crossover from noisy samples", "[calibr
     pw.fit = curve_fit::piecewise_linear;
     const calibration_result exact =
         calibrate(sample(ep, batches, 1, 0.0, rng), sample(tp, batches, 1, 0.0, rng), pw);
-    CHECK(exact.cross.batch == Approx(b_star).epsilon(1e-9));
+    CHECK(exact.cross.batch == Catch::Approx(b_star).epsilon(1e-9));
   }
 }
 
@@ -123,9 +123,9 @@ TEST_CASE("calibration: piecewise curve with a kink", "[calibration]") {
   o.fit = curve_fit::piecewise_linear;
   const calibration_result r = calibrate(e, t, o);
   REQUIRE(r.cross.status == crossover_status::found);
-  CHECK(r.cross.batch == Approx(168.0));
-  CHECK(r.curves.tp.at(64) == Approx(30.0));
-  CHECK(r.curves.tp.at(1024) == Approx(30.0 + 0.25 * 896));  // end segment extends
+  CHECK(r.cross.batch == Catch::Approx(168.0));
+  CHECK(r.curves.tp.at(64) == Catch::Approx(30.0));
+  CHECK(r.curves.tp.at(1024) == Catch::Approx(30.0 + 0.25 * 896));  // end segment extends
   std::ostringstream os;
   os << r;
   CHECK_THAT(os.str(), Catch::Contains("B*=168"));

@@ -25,7 +25,7 @@ TEST_CASE("cost_model: paper anchor, 50 GB at 330 GB/s", "[cost_model]") {
   switch_workload w;
   w.num_ranks = 8;
   w.weight_bytes_per_rank = 50'000'000'000;
-  CHECK(m.predict(w).total_ms() == Approx(151.515151).epsilon(1e-6));
+  CHECK(m.predict(w).total_ms() == Catch::Approx(151.515151).epsilon(1e-6));
 
   // Qwen3-235B at P=8: 7/8 of 94 slots of 603,979,776 B leave each rank.
   const arena_geometry g = make_arena_geometry(qwen3_235b_a22b(), 8);
@@ -35,10 +35,10 @@ TEST_CASE("cost_model: paper anchor, 50 GB at 330 GB/s", "[cost_model]") {
   CHECK(q.kv_bytes_per_rank == 0);
   // 49.68 GB / 330 GB/s = 150.54 ms; + 94 · (10 + 5) us with the default link.
   const switch_cost c = cost_model{}.predict(q);
-  CHECK(c.weight_ms == Approx(49'677'336'576.0 / 330e6));
-  CHECK(c.barrier_ms == Approx(0.94));
-  CHECK(c.launch_ms == Approx(0.47));
-  CHECK(c.total_ms() == Approx(150.537 + 1.41).epsilon(1e-4));
+  CHECK(c.weight_ms == Catch::Approx(49'677'336'576.0 / 330e6));
+  CHECK(c.barrier_ms == Catch::Approx(0.94));
+  CHECK(c.launch_ms == Catch::Approx(0.47));
+  CHECK(c.total_ms() == Catch::Approx(150.537 + 1.41).epsilon(1e-4));
   CHECK(weight_switch_workload(g, 10).weight_bytes_per_rank == int64_t{10} * 528'482'304);
 }
 
@@ -93,12 +93,12 @@ TEST_CASE("cost_model: hand-computed breakdown", "[cost_model]") {
   w.weight_phases = 10;
   w.kv_rounds = 3;
   const switch_cost c = m.predict(w);
-  CHECK(c.weight_ms == Approx(10.0));
-  CHECK(c.kv_ms == Approx(5.0));
-  CHECK(c.barrier_ms == Approx(0.13));
-  CHECK(c.launch_ms == Approx(0.065));
-  CHECK(c.fixed_ms == Approx(2.0));
-  CHECK(c.total_ms() == Approx(17.195));
+  CHECK(c.weight_ms == Catch::Approx(10.0));
+  CHECK(c.kv_ms == Catch::Approx(5.0));
+  CHECK(c.barrier_ms == Catch::Approx(0.13));
+  CHECK(c.launch_ms == Catch::Approx(0.065));
+  CHECK(c.fixed_ms == Catch::Approx(2.0));
+  CHECK(c.total_ms() == Catch::Approx(17.195));
   std::ostringstream os;
   os << c;
   CHECK_THAT(os.str(), Catch::StartsWith("total 17.195 ms = weights 10 + kv 5"));
@@ -136,13 +136,13 @@ TEST_CASE("cost_model: fit recovers a synthetic bandwidth and fixed overhead", "
       noisy.update({w, t * (1 + noise(rng))});
     }
     INFO("truth " << truth << ", fitted " << exact.link());
-    CHECK(exact.link().bandwidth_gbps == Approx(truth.bandwidth_gbps).epsilon(1e-6));
-    CHECK(exact.link().effective_kv_gbps() == Approx(truth.effective_kv_gbps()).epsilon(1e-6));
-    CHECK(exact.link().fixed_ms == Approx(truth.fixed_ms).margin(1e-6));
+    CHECK(exact.link().bandwidth_gbps == Catch::Approx(truth.bandwidth_gbps).epsilon(1e-6));
+    CHECK(exact.link().effective_kv_gbps() == Catch::Approx(truth.effective_kv_gbps()).epsilon(1e-6));
+    CHECK(exact.link().fixed_ms == Catch::Approx(truth.fixed_ms).margin(1e-6));
     const cost_fit_result fr = noisy.refit();
     INFO("noisy fit " << noisy.link());
     if (fr.ok) {
-      CHECK(noisy.link().bandwidth_gbps == Approx(truth.bandwidth_gbps).epsilon(0.03));
+      CHECK(noisy.link().bandwidth_gbps == Catch::Approx(truth.bandwidth_gbps).epsilon(0.03));
     } else {
       CHECK(std::string(fr.why).find("negative fixed") != std::string::npos);  // fixed ~ 0
     }
@@ -160,13 +160,13 @@ TEST_CASE("cost_model: degenerate fits keep the link", "[cost_model]") {
   big.weight_bytes_per_rank = 10'000'000'000;
   // One byte count: bandwidth only (fixed 0 kept): 1 GB in 5 ms -> 200 GB/s.
   REQUIRE(m.update({small, 5.0}).ok);
-  CHECK(m.link().bandwidth_gbps == Approx(200.0));
+  CHECK(m.link().bandwidth_gbps == Catch::Approx(200.0));
   CHECK(m.link().fixed_ms == 0.0);
   // More bytes in less time: no positive bandwidth fits; the link stays.
   const cost_fit_result r = m.update({big, 1.0});
   CHECK_FALSE(r.ok);
   CHECK_THAT(std::string(r.why), Catch::Contains("non-positive bandwidth"));
-  CHECK(m.link().bandwidth_gbps == Approx(200.0));
+  CHECK(m.link().bandwidth_gbps == Catch::Approx(200.0));
   std::ostringstream os;
   m.report(os);
   CHECK_THAT(os.str(), Catch::Contains("10000000000"));

@@ -18,6 +18,7 @@
 
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/plan/plan.hpp"
+#include "moebius/plan/switch_workload.hpp"
 
 namespace moebius {
 
@@ -36,15 +37,6 @@ struct link_params {
 // Throws errc::invalid_argument unless bandwidth > 0, kv bandwidth >= 0, barrier, launch and
 // fixed >= 0 (all finite).
 void validate(const link_params& link);
-
-// What one switch moves.
-struct switch_workload {
-  int num_ranks = 1;
-  int64_t weight_bytes_per_rank = 0;  // expert bytes leaving the busiest rank
-  int64_t kv_bytes_per_rank = 0;      // KV bytes leaving the busiest rank
-  int64_t weight_phases = 0;          // one per layer switched
-  int64_t kv_rounds = 0;              // KV migration rounds (each ends in a barrier)
-};
 
 // Throws errc::invalid_argument unless num_ranks >= 1 and every count >= 0.
 void validate(const switch_workload& w);

@@ -34,7 +34,7 @@
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
-#include "moebius/policy/cost_model.hpp"
+#include "moebius/plan/switch_workload.hpp"
 #include "moebius/transport/transport.hpp"
 
 namespace moebius {
@@ -81,7 +81,8 @@ struct switch_report {
 
 std::ostream& operator<<(std::ostream& os, const switch_report& r);
 
-// What a switch moved, for the cost model (policy/cost_model.hpp): the busiest rank's bytes,
+// What a switch moved, for the cost model (policy/cost_model.hpp, a layer above: feed it from
+// there; this header does not include it): the busiest rank's bytes,
 // the weight phases and KV rounds that ran. Feed it with the measured time to
 // cost_model::update() so predictions follow the hardware.
 switch_workload workload_of(const switch_report& r);

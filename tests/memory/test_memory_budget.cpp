@@ -63,7 +63,7 @@ TEST_CASE("memory_budget: Qwen3-235B-A22B at P=8", "[memory_budget]") {
   CHECK(b.arena_bytes == 95 * int64_t{603'979'776});
   CHECK(b.spare_slot_bytes == 603'979'776);
   CHECK(b.spare_slot_bytes * 95 == b.arena_bytes);  // exactly 1/(L+1) of the arena
-  CHECK(b.spare_fraction_of_arena() == Approx(1.0 / 95));
+  CHECK(b.spare_fraction_of_arena() == Catch::Approx(1.0 / 95));
   CHECK(b.padding_bytes == 0);
   CHECK(b.attention_bytes == 13'405'043'712);
   CHECK(b.attention_tp_view_bytes == 0);
@@ -83,11 +83,11 @@ TEST_CASE("memory_budget: Qwen3-235B-A22B at P=8", "[memory_budget]") {
   CHECK(b.static_tp_total_bytes() == static_tp);
   CHECK(b.total_bytes() == static_ep + overhead);
   CHECK(b.overhead_fraction_of_experts() ==
-        Approx(static_cast<double>(overhead) / 56'774'098'944.0));
+        Catch::Approx(static_cast<double>(overhead) / 56'774'098'944.0));
   CHECK(b.overhead_fraction_vs_static_ep() ==
-        Approx(static_cast<double>(overhead) / static_cast<double>(static_ep)));
+        Catch::Approx(static_cast<double>(overhead) / static_cast<double>(static_ep)));
   CHECK(b.overhead_fraction_vs_static_tp() ==
-        Approx(static_cast<double>(b.total_bytes() - static_tp) / static_cast<double>(static_tp)));
+        Catch::Approx(static_cast<double>(b.total_bytes() - static_tp) / static_cast<double>(static_tp)));
   // Targets: spare <= 1/(L+1) of the arena, switching overhead <= 1.5% (paper: 2.4%).
   CHECK(b.spare_fraction_of_arena() <= 1.0 / 95 + 1e-15);
   CHECK(b.overhead_fraction_of_experts() <= 0.015);

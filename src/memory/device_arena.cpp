@@ -1,0 +1,153 @@
+#include "moebius/memory/device_arena.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <utility>
+
+#include "moebius/cuda/check.hpp"
+#include "moebius/error.hpp"
+
+namespace moebius {
+
+static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(device_ipc_range::handle),
+              "device_ipc_range::handle must hold a cudaIpcMemHandle_t");
+
+namespace {
+
+// Restores the calling thread's current device (the owner sets each rank's device in turn).
+class device_guard {
+ public:
+  device_guard() { MOEBIUS_CUDA_CHECK(cudaGetDevice(&saved_)); }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  ~device_guard() { (void)cudaSetDevice(saved_); }
+
+ private:
+  int saved_ = 0;
+};
+
+std::vector<int> default_ranks(std::vector<int> local_ranks, size_t num_devices) {
+  if (!local_ranks.empty()) return local_ranks;
+  for (size_t i = 0; i < num_devices; ++i) local_ranks.push_back(static_cast<int>(i));
+  return local_ranks;
+}
+
+void* allocate_device(int64_t bytes, memory_fill fill) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  MOEBIUS_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(bytes)));
+  const cudaError_t st =
+      cudaMemset(p, fill == memory_fill::zero ? 0 : static_cast<int>(memory_poison_byte),
+                 static_cast<size_t>(bytes));
+  if (st != cudaSuccess) {
+    (void)cudaFree(p);
+    MOEBIUS_CUDA_CHECK(st);
+  }
+  return p;
+}
+
+}  // namespace
+
+device_deployment_memory::device_deployment_memory(const arena_geometry& arena,
+                                                   const kv_geometry& kv,
+                                                   std::vector<int> devices,
+                                                   std::vector<int> local_ranks,
+                                                   memory_fill fill, arena_cursor cursor)
+    : deployment_memory(arena, kv, default_ranks(std::move(local_ranks), devices.size()),
+                        cursor) {
+  MOEBIUS_CHECK(devices.size() == local_ranks_.size(), errc::invalid_argument,
+                "device deployment memory: ", devices.size(), " devices for ",
+                local_ranks_.size(), " local ranks");
+  for (int d : devices) {
+    MOEBIUS_CHECK(d >= 0, errc::invalid_argument, "device deployment memory: device ", d,
+                  " is not a CUDA ordinal");
+  }
+  device_guard guard;
+  try {
+    for (size_t i = 0; i < devices.size(); ++i) {
+      MOEBIUS_CUDA_CHECK(cudaSetDevice(devices[i]));
+      rank_memory m;
+      m.device = devices[i];
+      ranks_.push_back(m);  // published first so that release() frees a partial rank too
+      ranks_.back().space(memory_space::arena) = {allocate_device(arena_.total_bytes(), fill),
+                                                  arena_.total_bytes()};
+      ranks_.back().space(memory_space::kv_pool) = {allocate_device(kv_.pool_bytes(), fill),
+                                                    kv_.pool_bytes()};
+    }
+    MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());  // the fills are done before anyone reads
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+device_deployment_memory::~device_deployment_memory() { release(); }
+
+void device_deployment_memory::release() noexcept {
+  for (rank_memory& m : ranks_) {
+    for (memory_span& sp : m.spaces) {
+      if (sp.base != nullptr) (void)cudaFree(sp.base);  // cudaFree needs no current device
+      sp = {};
+    }
+  }
+  ranks_.clear();
+}
+
+device_rank_ipc device_deployment_memory::export_ipc(int i) const {
+  const rank_memory& m = memory(i);
+  device_rank_ipc h;
+  h.rank = local_ranks_[static_cast<size_t>(i)];
+  for (int s = 0; s < num_memory_spaces; ++s) {
+    const memory_span& sp = m.spaces[s];
+    if (sp.bytes == 0) continue;
+    cudaIpcMemHandle_t handle;
+    MOEBIUS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, sp.base));
+    std::memcpy(h.spaces[s].handle.data(), &handle, sizeof(handle));
+    h.spaces[s].offset = 0;  // each space is an allocation of its own
+    h.spaces[s].bytes = sp.bytes;
+  }
+  return h;
+}
+
+imported_rank_memory::imported_rank_memory(const device_rank_ipc& handle, int device)
+    : rank_(handle.rank) {
+  const device_ipc_range& arena = handle.spaces[static_cast<int>(memory_space::arena)];
+  MOEBIUS_CHECK(handle.rank >= 0 && arena.bytes > 0, errc::invalid_argument,
+                "imported rank memory: the handle has no arena (rank ", handle.rank, ", ",
+                arena.bytes, " bytes): was it exported?");
+  MOEBIUS_CHECK(device >= 0, errc::invalid_argument, "imported rank memory: device ", device,
+                " is not a CUDA ordinal");
+  for (const device_ipc_range& r : handle.spaces) {
+    MOEBIUS_CHECK(r.offset >= 0 && r.bytes >= 0, errc::invalid_argument,
+                  "imported rank memory: negative offset or size (offset ", r.offset, ", ",
+                  r.bytes, " bytes)");
+  }
+  device_guard guard;
+  MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
+  memory_.device = device;
+  try {
+    for (int s = 0; s < num_memory_spaces; ++s) {
+      const device_ipc_range& r = handle.spaces[s];
+      if (r.bytes == 0) continue;
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, r.handle.data(), sizeof(h));
+      MOEBIUS_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped_[s], h, cudaIpcMemLazyEnablePeerAccess));
+      memory_.spaces[s] = {static_cast<std::byte*>(mapped_[s]) + r.offset, r.bytes};
+    }
+  } catch (...) {
+    for (void*& p : mapped_) {
+      if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
+      p = nullptr;
+    }
+    throw;
+  }
+}
+
+imported_rank_memory::~imported_rank_memory() {
+  for (void* p : mapped_) {
+    if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
+  }
+}
+
+}  // namespace moebius
