@@ -40,7 +40,7 @@ class gpu_backend final : public backend {
   gpu_backend(const rank_mirror& m, int gpus) {
     const auto P = static_cast<int>(m.arenas.size());
     virtual_ranks_ = gpus < P;
-    std::vector<cuda_rank_memory> ranks(static_cast<size_t>(P));
+    std::vector<rank_memory> ranks(static_cast<size_t>(P));
     for (int r = 0; r < P; ++r) {
       const int device = virtual_ranks_ ? 0 : r;
       MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
@@ -51,8 +51,7 @@ class gpu_backend final : public backend {
         if (bytes > 0) MOEBIUS_CUDA_CHECK(cudaMalloc(&p, bytes));
         buffers_.push_back({p, bytes, device});
         ranks[r].device = device;
-        ranks[r].base[s] = p;
-        ranks[r].bytes[s] = static_cast<int64_t>(bytes);
+        ranks[r].spaces[s] = memory_span(p, static_cast<int64_t>(bytes));
       }
     }
     transport_ = std::make_unique<cuda_peer_transport>(cuda_peer_transport::single_process(ranks));
