@@ -106,6 +106,7 @@ struct context {
   std::vector<int64_t> workspace_bytes;
   std::unique_ptr<cuda_peer_transport> peer;
   std::unique_ptr<nccl_transport> nccl;
+  std::vector<rank_memory> memory;  // per rank, for the NCCL transport
   std::map<std::pair<int, int>, plan_entry> plans;  // (occupancy %, dir) -> plan; one kept
 
   context() = default;
@@ -146,24 +147,21 @@ struct context {
     staging = {memory_space::arena, 0,
                k_staging_slots * std::max(kv_staging_slot_bytes(g, parallel_mode::tp),
                                           kv_staging_slot_bytes(g, parallel_mode::ep))};
-    std::vector<cuda_rank_memory> mem(static_cast<size_t>(w.num_ranks));
+    std::vector<rank_memory> mem(static_cast<size_t>(w.num_ranks));
     for (int r = 0; r < w.num_ranks; ++r) {
       const int d = w.device_of[static_cast<size_t>(r)];
       kv.push_back(alloc_on(d, g.pool_bytes()));
       arena.push_back(alloc_on(d, staging.bytes));
       workspace.push_back(nullptr);
       workspace_bytes.push_back(0);
-      cuda_rank_memory& m = mem[static_cast<size_t>(r)];
-      m.device = d;
-      m.base[static_cast<int>(memory_space::kv_pool)] = kv.back();
-      m.bytes[static_cast<int>(memory_space::kv_pool)] = g.pool_bytes();
-      m.base[static_cast<int>(memory_space::arena)] = arena.back();
-      m.bytes[static_cast<int>(memory_space::arena)] = std::max<int64_t>(staging.bytes, 1);
+      mem[static_cast<size_t>(r)] = rank_memory::on_device(
+          d, arena.back(), std::max<int64_t>(staging.bytes, 1), kv.back(), g.pool_bytes());
     }
     cuda_peer_config cfg;
     cfg.engine = engine_policy::automatic;
     cfg.max_cached_plans = 1;  // one benchmark's plan at a time (millions of descriptors)
     peer = std::make_unique<cuda_peer_transport>(cuda_peer_transport::single_process(mem, cfg));
+    memory = mem;
     page_size = lc.page_size;
     layout = lc.layout;
     ready = true;
@@ -198,6 +196,7 @@ struct context {
     }
     plans.clear();  // benchmarks run grouped by plan: the previous one is not needed again
     if (peer) peer->clear_plan_cache();
+    if (nccl) nccl->clear_plan_cache();
     return plans.emplace(std::make_pair(occ_pct, dir), std::move(e)).first->second;
   }
 
@@ -210,7 +209,7 @@ struct context {
         grow = true;
     if (!grow) return *nccl;
     nccl.reset();
-    std::vector<nccl_rank> ranks;
+    std::vector<nccl_rank_comm> comms;
     for (int r = 0; r < w.num_ranks; ++r) {
       const size_t i = static_cast<size_t>(r);
       const int64_t need = std::max(workspace_bytes[i], nccl_transport::workspace_bytes(p, r));
@@ -220,19 +219,11 @@ struct context {
         workspace[i] = alloc_on(w.device_of[i], need);
         workspace_bytes[i] = need;
       }
-      nccl_rank nr;
-      nr.comm = w.comms[i];
-      nr.device = w.device_of[i];
-      nr.stream = w.streams[i];
-      nr.space_base[static_cast<int>(memory_space::kv_pool)] = kv[i];
-      nr.space_bytes[static_cast<int>(memory_space::kv_pool)] = g.pool_bytes();
-      nr.space_base[static_cast<int>(memory_space::arena)] = arena[i];
-      nr.space_bytes[static_cast<int>(memory_space::arena)] = std::max<int64_t>(staging.bytes, 1);
-      nr.workspace = workspace[i];
-      nr.workspace_bytes = workspace_bytes[i];
-      ranks.push_back(nr);
+      comms.push_back({w.comms[i], workspace[i], workspace_bytes[i]});
     }
-    nccl = std::make_unique<nccl_transport>(std::move(ranks));
+    nccl_config cfg;
+    cfg.max_cached_plans = 1;  // as the peer transport: one benchmark's plan at a time
+    nccl = std::make_unique<nccl_transport>(memory, std::move(comms), cfg);
     return *nccl;
   }
 };

@@ -176,8 +176,8 @@ context& use(const config& cfg) {
   c.bytes_per_gpu =
       std::max(traffic_of(c.forward).max_bytes_sent(), traffic_of(c.back).max_bytes_sent());
 
-  std::vector<cuda_rank_memory> peer_ranks;
-  std::vector<nccl_rank> nccl_ranks;
+  std::vector<rank_memory> peer_ranks;
+  std::vector<nccl_rank_comm> nccl_comms;
   for (int r = 0; r < P; ++r) {
     const int dev = w.device_of[static_cast<size_t>(r)];
     MOEBIUS_CUDA_CHECK(cudaSetDevice(dev));
@@ -199,23 +199,8 @@ context& use(const config& cfg) {
     c.staging.push_back(s);
     c.staging_bytes.push_back(ws);
 
-    cuda_rank_memory m;
-    m.device = dev;
-    m.base[static_cast<int>(memory_space::arena)] = a;
-    m.bytes[static_cast<int>(memory_space::arena)] = c.geometry.total_bytes();
-    peer_ranks.push_back(m);
-
-    if (!w.virtual_ranks) {
-      nccl_rank nr;
-      nr.comm = w.comms[static_cast<size_t>(r)];
-      nr.device = dev;
-      nr.stream = w.streams[static_cast<size_t>(r)];
-      nr.space_base[static_cast<int>(memory_space::arena)] = a;
-      nr.space_bytes[static_cast<int>(memory_space::arena)] = c.geometry.total_bytes();
-      nr.workspace = s;
-      nr.workspace_bytes = ws;
-      nccl_ranks.push_back(nr);
-    }
+    peer_ranks.push_back(rank_memory::on_device(dev, a, c.geometry.total_bytes()));
+    if (!w.virtual_ranks) nccl_comms.push_back({w.comms[static_cast<size_t>(r)], s, ws});
   }
   for (int src = 0; src < P; ++src) {
     for (int dst = 0; dst < P; ++dst) {
@@ -226,9 +211,9 @@ context& use(const config& cfg) {
     }
   }
   if (!w.virtual_ranks) {
-    c.nccl = std::make_unique<nccl_transport>(nccl_ranks);
-    c.nccl->validate(c.forward);
-    c.nccl->validate(c.back);
+    c.nccl = std::make_unique<nccl_transport>(peer_ranks, nccl_comms);
+    c.nccl->prepare(c.forward);
+    c.nccl->prepare(c.back);
   }
   for (int k = 0; k < 3; ++k) {
     cuda_peer_config pc;
@@ -287,12 +272,12 @@ void run_switch(context& c, method m, int dir) {
       run_ceiling(c);
       return;
     case method::nccl:
-      c.nccl->enqueue_phases(p, 0, static_cast<int64_t>(p.phases.size()));
-      c.nccl->synchronize();
+      c.nccl->enqueue(p, bench::world_streams());
+      c.nccl->wait();
       return;
     default: {
       const int k = static_cast<int>(m) - 2;
-      c.peer[k]->execute(*c.prepared[k][dir]);
+      c.peer[k]->execute(c.prepared[k][dir]);
       return;
     }
   }
@@ -374,13 +359,11 @@ void bench_enqueue(benchmark::State& st, const config& cfg, method m) {
       double enq = 0;
       const double s = seconds_of([&] {
         if (m == method::nccl) {
-          enq = seconds_of([&] {
-            c->nccl->enqueue_phases(c->forward, 0, static_cast<int64_t>(c->forward.phases.size()));
-          });
-          c->nccl->synchronize();
+          enq = seconds_of([&] { c->nccl->enqueue(c->forward, bench::world_streams()); });
+          c->nccl->wait();
         } else {
           const int k = static_cast<int>(m) - 2;
-          c->peer[k]->execute(*c->prepared[k][0]);
+          c->peer[k]->execute(c->prepared[k][0]);
           enq = c->peer[k]->last_execute_stats().enqueue_seconds;
         }
       });

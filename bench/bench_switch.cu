@@ -93,7 +93,7 @@ bool init_world() {
   kv_geometry probe = make_kv_geometry(shape.num_layers, 4, 128, 16, 1, P);
   w.kv = make_kv_geometry(shape.num_layers, 4, 128, 16, ep_pages_for_bytes(probe, kv_bytes), P);
 
-  std::vector<cuda_rank_memory> ranks(static_cast<size_t>(P));
+  std::vector<rank_memory> ranks(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) {
     const int device = w.virtual_ranks ? 0 : r;
     MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
@@ -106,11 +106,8 @@ bool init_world() {
     MOEBIUS_CUDA_CHECK(cudaGetLastError());
     w.arenas.push_back(a);
     w.pools.push_back(k);
-    ranks[static_cast<size_t>(r)].device = device;
-    ranks[static_cast<size_t>(r)].base[static_cast<int>(memory_space::arena)] = a;
-    ranks[static_cast<size_t>(r)].bytes[static_cast<int>(memory_space::arena)] = w.weights.total_bytes();
-    ranks[static_cast<size_t>(r)].base[static_cast<int>(memory_space::kv_pool)] = k;
-    ranks[static_cast<size_t>(r)].bytes[static_cast<int>(memory_space::kv_pool)] = w.kv.pool_bytes();
+    ranks[static_cast<size_t>(r)] =
+        rank_memory::on_device(device, a, w.weights.total_bytes(), k, w.kv.pool_bytes());
   }
   for (int d = 0; d < (w.virtual_ranks ? 1 : P); ++d) {
     MOEBIUS_CUDA_CHECK(cudaSetDevice(d));

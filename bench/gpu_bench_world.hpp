@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,13 @@ struct gpu_world {
 inline gpu_world& world() {
   static gpu_world w;
   return w;
+}
+
+// The world's streams as transport::enqueue() takes them (one per rank: every rank is local).
+inline std::span<const stream_handle> world_streams() {
+  static std::vector<stream_handle> handles;
+  handles.assign(world().streams.begin(), world().streams.end());
+  return handles;
 }
 
 // Ranks over `devices` (>= 1) GPUs. NCCL_NVLS_ENABLE must already be 0 (multicast stays off).

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "moebius/cuda/check.hpp"
 #include "moebius/error.hpp"
 #include "moebius/kv/placement_device.hpp"
 
@@ -125,11 +126,6 @@ __global__ void __launch_bounds__(32) greedy_kernel(const __grid_constant__ gree
   if (lane == 0) *a.unplaced = unplaced;
 }
 
-void check_launch(const char* what) {
-  const cudaError_t st = cudaGetLastError();
-  MOEBIUS_CHECK(st == cudaSuccess, errc::cuda, what, " launch failed: ", cudaGetErrorString(st));
-}
-
 unsigned grid_for(int64_t n) {
   const int64_t blocks = (n + 255) / 256;
   return static_cast<unsigned>(blocks < 1024 ? (blocks < 1 ? 1 : blocks) : 1024);
@@ -169,13 +165,13 @@ void place_longest_first_device(const kv_device_placement_args& a, void* workspa
   if (n > 0) {
     // Radix sorts are stable: by seq id, then by pages, gives (pages desc, seq id asc).
     seq_key_kernel<<<grid_for(n), 256, 0, stream>>>(seq_key_args{a.seq_id, keys0, idx0, n});
-    check_launch("placement seq key");
+    detail::check_launch("placement seq key");
     cudaError_t st = cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys0, keys1, idx0,
                                                      idx1, static_cast<int>(n), 0, 64, stream);
     MOEBIUS_CHECK(st == cudaSuccess, errc::cuda, "placement sort by seq id failed: ",
                   cudaGetErrorString(st));
     page_key_kernel<<<grid_for(n), 256, 0, stream>>>(page_key_args{a.own_pages, idx1, keys2, n});
-    check_launch("placement page key");
+    detail::check_launch("placement page key");
     cub_bytes = static_cast<size_t>(w.cub_bytes);
     st = cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, keys2, keys3, idx1, idx2,
                                          static_cast<int>(n), 0, 64, stream);
@@ -184,7 +180,7 @@ void place_longest_first_device(const kv_device_placement_args& a, void* workspa
   }
   greedy_kernel<<<1, 32, 0, stream>>>(
       greedy_args{a.own_pages, idx2, n, a.capacity, a.num_ranks, a.owner, a.load, a.unplaced});
-  check_launch("placement greedy");
+  detail::check_launch("placement greedy");
 }
 
 }  // namespace moebius

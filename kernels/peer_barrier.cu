@@ -6,6 +6,9 @@
 
 #include "moebius/cuda/peer_kernels.hpp"
 
+#include "moebius/cuda/check.hpp"
+#include "moebius/error.hpp"
+
 namespace moebius {
 namespace {
 
@@ -75,16 +78,15 @@ __global__ void barrier_begin_kernel(barrier_status* status, uint64_t epoch_base
 
 }  // namespace
 
-cudaError_t launch_barrier_begin(barrier_status* status, uint64_t epoch_base,
-                                 cudaStream_t stream) {
+void launch_barrier_begin(barrier_status* status, uint64_t epoch_base, cudaStream_t stream) {
   barrier_begin_kernel<<<1, 1, 0, stream>>>(status, epoch_base);
-  return cudaGetLastError();
+  detail::check_launch("barrier_begin");
 }
 
-cudaError_t launch_barrier(const barrier_args& args, cudaStream_t stream) {
+void launch_barrier(const barrier_args& args, cudaStream_t stream) {
   const int threads = (args.num_ranks + 31) / 32 * 32;
   barrier_kernel<<<1, static_cast<unsigned>(threads), 0, stream>>>(args);
-  return cudaGetLastError();
+  detail::check_launch("barrier");
 }
 
 }  // namespace moebius

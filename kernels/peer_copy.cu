@@ -7,6 +7,9 @@
 
 #include "moebius/cuda/peer_kernels.hpp"
 
+#include "moebius/cuda/check.hpp"
+#include "moebius/error.hpp"
+
 namespace moebius {
 namespace {
 
@@ -152,13 +155,15 @@ __global__ void __launch_bounds__(peer_copy_max_threads)
 
 }  // namespace
 
-cudaError_t launch_peer_copy(const peer_copy_args& args, int blocks, int threads,
-                             cudaStream_t stream) {
-  if (args.num_chunks == 0 || blocks <= 0) return cudaSuccess;
-  if (threads <= 0 || threads > peer_copy_max_threads) return cudaErrorInvalidConfiguration;
+void launch_peer_copy(const peer_copy_args& args, int blocks, int threads,
+                      cudaStream_t stream) {
+  if (args.num_chunks == 0 || blocks <= 0) return;
+  MOEBIUS_CHECK(threads >= 32 && threads <= peer_copy_max_threads && threads % 32 == 0,
+                errc::invalid_argument, "peer_copy: threads must be a multiple of 32 in [32, ",
+                peer_copy_max_threads, "] (threads=", threads, ")");
   peer_copy_kernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(threads), 0, stream>>>(
       args);
-  return cudaGetLastError();
+  detail::check_launch("peer_copy");
 }
 
 }  // namespace moebius

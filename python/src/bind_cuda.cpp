@@ -19,20 +19,12 @@ namespace moebius::python {
 
 namespace {
 
-// The adapter from the binding's memory to what cuda_peer_transport takes today. When the CUDA
-// peer transport takes rank_memory (the transport spine), this is the one place to change.
-cuda_rank_memory cuda_memory_of(const py_rank_memory& mem, uintptr_t stream) {
+// cuda_peer_transport takes rank_memory on a device; say so in Python's terms.
+rank_memory device_memory_of(const py_rank_memory& mem) {
   MOEBIUS_CHECK(mem.on_device(), errc::invalid_argument,
                 "cuda_peer_transport needs device memory (a CUDA tensor or a tuple with a "
                 "device ordinal), got host memory");
-  cuda_rank_memory c;
-  c.device = mem.memory.device;
-  for (int s = 0; s < num_memory_spaces; ++s) {
-    c.base[s] = mem.memory.spaces[s].base;
-    c.bytes[s] = mem.memory.spaces[s].bytes;
-  }
-  c.stream = reinterpret_cast<cudaStream_t>(stream);
-  return c;
+  return mem.memory;
 }
 
 nb::dict to_dict(const cuda_execute_stats& s) {
@@ -55,7 +47,7 @@ nb::dict to_dict(const cuda_execute_stats& s) {
 // group). Whatever happens, the worker is joined before this object goes away.
 class ipc_exchange {
  public:
-  ipc_exchange(int rank, int num_ranks, const cuda_rank_memory& local,
+  ipc_exchange(int rank, int num_ranks, const rank_memory& local,
                const cuda_peer_config& config)
       : num_ranks_(num_ranks) {
     send_future_ = send_.get_future();
@@ -212,15 +204,10 @@ void bind_cuda(nb::module_& m) {
       "multi_process with an all-gather callable).")
       .def_static(
           "single_process",
-          [](const std::vector<nb::handle>& ranks, std::optional<std::vector<uintptr_t>> streams,
-             std::optional<cuda_peer_config> config) {
-            MOEBIUS_CHECK(!streams || streams->size() == ranks.size(), errc::invalid_argument,
-                          "streams must have one entry per rank (", ranks.size(), "), got ",
-                          streams->size());
-            std::vector<cuda_rank_memory> memory;
-            for (size_t r = 0; r < ranks.size(); ++r) {
-              memory.push_back(cuda_memory_of(nb::cast<const py_rank_memory&>(ranks[r]),
-                                              streams ? (*streams)[r] : 0));
+          [](const std::vector<nb::handle>& ranks, std::optional<cuda_peer_config> config) {
+            std::vector<rank_memory> memory;
+            for (nb::handle r : ranks) {
+              memory.push_back(device_memory_of(nb::cast<const py_rank_memory&>(r)));
             }
             std::optional<cuda_peer_transport> t;
             {
@@ -230,30 +217,26 @@ void bind_cuda(nb::module_& m) {
             }
             return wrap_transport(std::move(*t), ranks);
           },
-          nb::arg("ranks"), nb::arg("streams") = nb::none(), nb::arg("config") = nb::none(),
-          "All ranks in this process: ranks[r] is rank r's RankMemory (device memory);\n"
-          "streams[r] its cudaStream_t as int (0: the transport creates one).")
+          nb::arg("ranks"), nb::arg("config") = nb::none(),
+          "All ranks in this process: ranks[r] is rank r's RankMemory (device memory). Plans\n"
+          "run on the streams given to enqueue() (default: the transport's own, stream_of).")
       .def_static(
           "export_ipc",
-          [](nb::handle memory, int rank, int num_ranks, uintptr_t stream,
-             std::optional<cuda_peer_config> config) {
-            const cuda_rank_memory local =
-                cuda_memory_of(nb::cast<const py_rank_memory&>(memory), stream);
+          [](nb::handle memory, int rank, int num_ranks, std::optional<cuda_peer_config> config) {
+            const rank_memory local = device_memory_of(nb::cast<const py_rank_memory&>(memory));
             auto* x = new ipc_exchange(rank, num_ranks, local, config.value_or(cuda_peer_config{}));
             nb::object obj = nb::cast(x, nb::rv_policy::take_ownership);
             keep_alive(obj, memory);
             return obj;
           },
-          nb::arg("memory"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("stream") = 0,
-          nb::arg("config") = nb::none(),
+          nb::arg("memory"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("config") = nb::none(),
           "Step one of the multi-process form (collective: every rank calls it): exports CUDA\n"
           "IPC handles of this rank's memory and barrier flags. Returns a CudaIpcExchange.")
       .def_static(
           "multi_process",
-          [](nb::handle memory, int rank, int num_ranks, nb::object all_gather, uintptr_t stream,
+          [](nb::handle memory, int rank, int num_ranks, nb::object all_gather,
              std::optional<cuda_peer_config> config) {
-            const cuda_rank_memory local =
-                cuda_memory_of(nb::cast<const py_rank_memory&>(memory), stream);
+            const rank_memory local = device_memory_of(nb::cast<const py_rank_memory&>(memory));
             auto gather = [&all_gather, num_ranks](const void* send, void* recv_all, size_t n) {
               const nb::object gathered =
                   all_gather(nb::bytes(static_cast<const char*>(send), n));
@@ -269,7 +252,7 @@ void bind_cuda(nb::module_& m) {
             return wrap_transport(std::move(t), {memory});
           },
           nb::arg("memory"), nb::arg("rank"), nb::arg("num_ranks"), nb::arg("all_gather"),
-          nb::arg("stream") = 0, nb::arg("config") = nb::none(),
+          nb::arg("config") = nb::none(),
           "One call: all_gather(local: bytes) -> list[bytes] (rank order) or bytes.")
       .def_prop_ro("process_rank", &cuda_peer_transport::process_rank,
                    "the rank this process drives (multi-process), else -1")

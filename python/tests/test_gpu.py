@@ -69,11 +69,13 @@ def test_single_process_weight_switch(P):
     assert view.dtype == torch.bfloat16 and view.is_cuda
     assert view.data_ptr() == tensors[0].data_ptr() + arena.tensor_base(TP, 1, W13)
     streams = [torch.cuda.Stream(device=d) for d in devices(P)]
-    transport = moebius.CudaPeerTransport.single_process(
-        ranks, streams=[s.cuda_stream for s in streams])
-    assert transport.stream_of(0) == streams[0].cuda_stream
+    transport = moebius.CudaPeerTransport.single_process(ranks)
+    assert transport.stream_of(0) != 0
     torch.cuda.synchronize()
-    transport.execute(moebius.plan_weight_switch(arena, 0, shape.num_layers))
+    # On the caller's streams: the plan runs after what was queued there before it.
+    transport.enqueue(moebius.plan_weight_switch(arena, 0, shape.num_layers),
+                      [s.cuda_stream for s in streams])
+    transport.wait()
     for r, mem in enumerate(ranks):
         check_tp(mem, arena, full, r)
     assert transport.last_execute_stats["copy_engine_ops"] + \

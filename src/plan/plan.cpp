@@ -22,6 +22,48 @@ std::ostream& operator<<(std::ostream& os, const copy_op& op) {
   return os << ']';
 }
 
+namespace {
+
+// One 64-bit mixing step (splitmix64's finaliser over the running state and the value), so
+// that a change in any field flips about half of the result's bits.
+uint64_t mix(uint64_t h, uint64_t v) {
+  uint64_t x = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t mix_op(uint64_t h, const copy_op& op) {
+  h = mix(h, static_cast<uint64_t>(op.src_offset));
+  h = mix(h, static_cast<uint64_t>(op.dst_offset));
+  h = mix(h, static_cast<uint64_t>(op.rows));
+  h = mix(h, static_cast<uint64_t>(op.row_bytes));
+  h = mix(h, static_cast<uint64_t>(op.src_pitch));
+  h = mix(h, static_cast<uint64_t>(op.dst_pitch));
+  h = mix(h, (static_cast<uint64_t>(static_cast<uint32_t>(op.src_rank)) << 32) |
+                 static_cast<uint32_t>(op.dst_rank));
+  return mix(h, (static_cast<uint64_t>(op.src_space) << 8) | static_cast<uint64_t>(op.dst_space));
+}
+
+}  // namespace
+
+uint64_t hash_of(const plan& p) {
+  uint64_t h = mix(0, static_cast<uint64_t>(static_cast<uint32_t>(p.num_ranks)));
+  h = mix(h, p.phases.size());
+  for (const plan_phase& ph : p.phases) {
+    // Lengths separate the sequences, so ops cannot shift between phases or lists unseen.
+    h = mix(h, ph.label.size());
+    for (const char c : ph.label) h = mix(h, static_cast<unsigned char>(c));
+    h = mix(h, ph.ops.size());
+    for (const copy_op& op : ph.ops) h = mix_op(h, op);
+    h = mix(h, ph.restores.size());
+    for (const copy_op& op : ph.restores) h = mix_op(h, op);
+  }
+  return h;
+}
+
 int64_t plan::num_ops() const {
   int64_t n = 0;
   for (const plan_phase& ph : phases) n += static_cast<int64_t>(ph.ops.size());

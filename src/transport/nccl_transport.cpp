@@ -3,18 +3,26 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
+#include <exception>
+#include <list>
+#include <string>
 #include <utility>
 
 #include "moebius/cuda/check.hpp"
+#include "moebius/cuda/handles.hpp"
 #include "moebius/cuda/nccl_check.hpp"
-#include "moebius/detail/nccl_pack.hpp"
+#include "moebius/cuda/peer_kernels.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
 namespace {
 
 constexpr int64_t k_staging_alignment = 256;
+// Fused copy kernel settings for pack, unpack and local copies (cuda_peer_config's defaults).
+constexpr int k_copy_threads = 512;
+constexpr int64_t k_copy_chunk_bytes = int64_t{32} << 10;
 
 constexpr int64_t align_up(int64_t v, int64_t a) {
   return (v + a - 1) / a * a;
@@ -28,14 +36,14 @@ constexpr bool strided_at_destination(const copy_op& op) {
   return op.rows > 1 && op.dst_pitch != op.row_bytes;
 }
 
-// Calls f(op_index, staging_offset) for each op of `ops[0, num_ops)` that `rank` stages, in
-// op order, and returns the staging bytes used. workspace_bytes and enqueue_phase both walk
-// the ops through this one function, so the query and the execution cannot disagree.
+// Calls f(op_index, staging_offset) for each op of `ops` that `rank` stages, in op order, and
+// returns the staging bytes used. workspace_bytes and prepare both walk the ops through this
+// one function, so the query and the execution cannot disagree.
 template <class F>
-int64_t walk_staging(const std::vector<copy_op>& ops, int64_t num_ops, int rank, F&& f) {
+int64_t walk_staging(const std::vector<copy_op>& ops, int rank, F&& f) {
   int64_t offset = 0;
-  for (int64_t i = 0; i < num_ops; ++i) {
-    const copy_op& op = ops[static_cast<size_t>(i)];
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const copy_op& op = ops[i];
     if (op.is_local()) continue;
     const bool stages = (op.src_rank == rank && strided_at_source(op)) ||
                         (op.dst_rank == rank && strided_at_destination(op));
@@ -46,333 +54,465 @@ int64_t walk_staging(const std::vector<copy_op>& ops, int64_t num_ops, int rank,
   return offset;
 }
 
-// Device pointer of `offset` in `space` of a local rank.
-std::byte* address(const nccl_rank& r, memory_space space, int64_t offset) {
-  return static_cast<std::byte*>(r.space_base[static_cast<int>(space)]) + offset;
-}
+// The steps of one phase that are device copies on a rank.
+enum step : uint8_t { step_local, step_pack, step_unpack, num_steps };
 
-// Makes a device current for a scope and restores the caller's device afterwards.
-class device_guard {
- public:
-  device_guard() { MOEBIUS_CUDA_CHECK(cudaGetDevice(&saved_)); }
-  ~device_guard() { (void)cudaSetDevice(saved_); }
-  device_guard(const device_guard&) = delete;
-  device_guard& operator=(const device_guard&) = delete;
-  void set(int device) { MOEBIUS_CUDA_CHECK(cudaSetDevice(device)); }
+// One fused-kernel launch: descriptors [desc_offset, desc_offset + num_descs) of the rank.
+struct copy_launch {
+  int64_t desc_offset = 0;
+  int64_t num_descs = 0;
+  int64_t num_chunks = 0;
+  int blocks = 0;
+};
 
- private:
-  int saved_ = 0;
+// One ncclSend / ncclRecv with resolved pointers, in plan order.
+struct p2p_call {
+  bool send = false;
+  size_t local_index = 0;
+  void* buf = nullptr;
+  size_t count = 0;
+  int peer = 0;
+};
+
+struct prepared_plan {
+  int64_t num_phases = 0;
+  std::vector<device_buffer> descs;  // per local rank: every step's descriptors
+  // [local rank][phase][step]
+  std::vector<std::vector<std::array<copy_launch, num_steps>>> launches;
+  std::vector<std::vector<p2p_call>> p2p;  // [phase]
 };
 
 }  // namespace
+
+struct nccl_transport::impl {
+  struct local_rank {
+    int rank = 0;          // NCCL rank = plan rank
+    rank_memory memory;
+    nccl_rank_comm comm;
+    int sm_count = 0;
+    cuda_stream stream;    // the transport's own
+    cuda_stream side;      // local copies
+    cuda_event fork;
+    cuda_event join;
+    cuda_event done;
+    int device() const { return memory.device; }
+  };
+  struct cache_entry {
+    uint64_t hash;
+    plan key;
+    std::shared_ptr<const prepared_plan> prepared;
+  };
+
+  nccl_config config;
+  std::vector<local_rank> ranks;   // sorted by rank
+  std::vector<int> local_of_rank;  // index into ranks per plan rank, or -1
+  std::list<cache_entry> cache;    // most recently used first
+
+  bool outstanding = false;
+  std::shared_ptr<const prepared_plan> current;
+  std::vector<cudaStream_t> active;  // per local rank
+  std::exception_ptr failure;
+  int64_t completed_on_success = 0;
+  int64_t enqueued_phases = 0;      // phases fully enqueued (for a failure part-way)
+  bool fault_fires = false;
+  std::string fault_message;
+
+  ~impl() {
+    if (outstanding) drain();
+  }
+
+  std::byte* address(const local_rank& r, memory_space space, int64_t offset) const {
+    return r.memory.space(space).data() + offset;
+  }
+
+  std::shared_ptr<const prepared_plan> prepare(const plan& p) const {
+    auto pp = std::make_shared<prepared_plan>();
+    pp->num_phases = static_cast<int64_t>(p.phases.size());
+    pp->launches.resize(ranks.size());
+    pp->p2p.resize(p.phases.size());
+    for (size_t li = 0; li < ranks.size(); ++li) {
+      const local_rank& r = ranks[li];
+      const int64_t warps_per_block = k_copy_threads / 32;
+      std::vector<peer_copy_desc> descs;
+      for (const plan_phase& phase : p.phases) {
+        std::vector<int64_t> staged(phase.ops.size(), -1);
+        walk_staging(phase.ops, r.rank, [&](size_t i, int64_t off) { staged[i] = off; });
+        auto* staging = static_cast<std::byte*>(r.comm.workspace);
+        std::array<copy_launch, num_steps> launch{};
+        for (int s = 0; s < num_steps; ++s) {
+          copy_launch& l = launch[static_cast<size_t>(s)];
+          l.desc_offset = static_cast<int64_t>(descs.size());
+          auto add = [&](const std::byte* src, std::byte* dst, const copy_op& op,
+                         int64_t src_pitch, int64_t dst_pitch) {
+            peer_copy_desc d;
+            d.src = src;
+            d.dst = dst;
+            d.rows = op.rows;
+            d.row_bytes = op.row_bytes;
+            d.src_pitch = op.rows == 1 ? 0 : src_pitch;
+            d.dst_pitch = op.rows == 1 ? 0 : dst_pitch;
+            d.first_chunk = l.num_chunks;
+            l.num_chunks += split_into_chunks(d, k_copy_chunk_bytes);
+            descs.push_back(d);
+          };
+          for (size_t i = 0; i < phase.ops.size(); ++i) {
+            const copy_op& op = phase.ops[i];
+            if (s == step_local && op.is_local() && op.src_rank == r.rank) {
+              add(address(r, op.src_space, op.src_offset), address(r, op.dst_space, op.dst_offset),
+                  op, op.src_pitch, op.dst_pitch);
+            } else if (s == step_pack && staged[i] >= 0 && op.src_rank == r.rank) {
+              add(address(r, op.src_space, op.src_offset), staging + staged[i], op, op.src_pitch,
+                  op.row_bytes);
+            } else if (s == step_unpack && staged[i] >= 0 && op.dst_rank == r.rank) {
+              add(staging + staged[i], address(r, op.dst_space, op.dst_offset), op, op.row_bytes,
+                  op.dst_pitch);
+            }
+          }
+          l.num_descs = static_cast<int64_t>(descs.size()) - l.desc_offset;
+          if (l.num_chunks > 0) {
+            const int64_t want = (l.num_chunks + warps_per_block - 1) / warps_per_block;
+            l.blocks = static_cast<int>(std::min<int64_t>(want, r.sm_count));
+          }
+        }
+        pp->launches[li].push_back(launch);
+      }
+      const auto bytes = static_cast<int64_t>(descs.size() * sizeof(peer_copy_desc));
+      pp->descs.push_back(device_buffer::allocate(r.device(), bytes));
+      if (bytes > 0) {
+        device_guard guard(r.device());
+        // Stream-ordered and complete before `descs` dies.
+        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(pp->descs.back().get(), descs.data(),
+                                           static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
+                                           r.stream.get()));
+        MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(r.stream.get()));
+      }
+    }
+    // Every send and receive, in plan order on both sides: NCCL pairs the calls between two
+    // ranks in issue order.
+    for (size_t k = 0; k < p.phases.size(); ++k) {
+      const plan_phase& phase = p.phases[k];
+      std::vector<std::vector<int64_t>> staged(ranks.size());
+      for (size_t li = 0; li < ranks.size(); ++li) {
+        staged[li].assign(phase.ops.size(), -1);
+        walk_staging(phase.ops, ranks[li].rank,
+                     [&](size_t i, int64_t off) { staged[li][i] = off; });
+      }
+      for (size_t i = 0; i < phase.ops.size(); ++i) {
+        const copy_op& op = phase.ops[i];
+        if (op.is_local()) continue;
+        const auto count = static_cast<size_t>(op.bytes());
+        const int src_li = local_of_rank[static_cast<size_t>(op.src_rank)];
+        const int dst_li = local_of_rank[static_cast<size_t>(op.dst_rank)];
+        if (src_li >= 0) {
+          const local_rank& r = ranks[static_cast<size_t>(src_li)];
+          std::byte* buf = strided_at_source(op)
+                               ? static_cast<std::byte*>(r.comm.workspace) +
+                                     staged[static_cast<size_t>(src_li)][i]
+                               : address(r, op.src_space, op.src_offset);
+          pp->p2p[k].push_back({true, static_cast<size_t>(src_li), buf, count, op.dst_rank});
+        }
+        if (dst_li >= 0) {
+          const local_rank& r = ranks[static_cast<size_t>(dst_li)];
+          std::byte* buf = strided_at_destination(op)
+                               ? static_cast<std::byte*>(r.comm.workspace) +
+                                     staged[static_cast<size_t>(dst_li)][i]
+                               : address(r, op.dst_space, op.dst_offset);
+          pp->p2p[k].push_back({false, static_cast<size_t>(dst_li), buf, count, op.src_rank});
+        }
+      }
+    }
+    return pp;
+  }
+
+  std::shared_ptr<const prepared_plan> lookup_or_prepare(const plan& p) {
+    const uint64_t h = hash_of(p);
+    for (auto it = cache.begin(); it != cache.end(); ++it) {
+      if (it->hash == h && it->key == p) {
+        cache.splice(cache.begin(), cache, it);
+        return cache.front().prepared;
+      }
+    }
+    std::shared_ptr<const prepared_plan> pp = prepare(p);
+    if (config.max_cached_plans > 0) {
+      cache.push_front(cache_entry{h, p, pp});
+      while (cache.size() > static_cast<size_t>(config.max_cached_plans)) cache.pop_back();
+    }
+    return pp;
+  }
+
+  void launch_copy(size_t li, const prepared_plan& pp, const copy_launch& l,
+                   cudaStream_t stream) const {
+    if (l.num_chunks == 0) return;
+    peer_copy_args a;
+    a.descs = pp.descs[li].as<const peer_copy_desc>() + l.desc_offset;
+    a.num_descs = l.num_descs;
+    a.num_chunks = l.num_chunks;
+    a.chunk_bytes = k_copy_chunk_bytes;
+    launch_peer_copy(a, l.blocks, k_copy_threads, stream);
+  }
+
+  // Enqueues phase k of `pp` on every local rank's active stream.
+  void enqueue_phase(const prepared_plan& pp, size_t k) {
+    device_guard guard;
+    // 0. Local copies on each rank's side stream, forked from its stream at the start of the
+    // phase, so they overlap the NCCL transfers (at P = 2 they are half of a rank's bytes).
+    std::vector<char> forked(ranks.size(), 0);
+    for (size_t li = 0; li < ranks.size(); ++li) {
+      const copy_launch& l = pp.launches[li][k][step_local];
+      if (l.num_chunks == 0) continue;
+      const local_rank& r = ranks[li];
+      guard.set(r.device());
+      MOEBIUS_CUDA_CHECK(cudaEventRecord(r.fork.get(), active[li]));
+      MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(r.side.get(), r.fork.get(), 0));
+      launch_copy(li, pp, l, r.side.get());
+      MOEBIUS_CUDA_CHECK(cudaEventRecord(r.join.get(), r.side.get()));
+      forked[li] = 1;
+    }
+    // 1. Pack strided sources.
+    for (size_t li = 0; li < ranks.size(); ++li) {
+      guard.set(ranks[li].device());
+      launch_copy(li, pp, pp.launches[li][k][step_pack], active[li]);
+    }
+    // 2. Every send and receive of the phase, of every local rank, in one group.
+    if (!pp.p2p[k].empty()) {
+      MOEBIUS_NCCL_CHECK(ncclGroupStart());
+      try {
+        for (const p2p_call& c : pp.p2p[k]) {
+          const local_rank& r = ranks[c.local_index];
+          if (c.send) {
+            MOEBIUS_NCCL_CHECK(ncclSend(c.buf, c.count, ncclUint8, c.peer, r.comm.comm,
+                                        active[c.local_index]));
+          } else {
+            MOEBIUS_NCCL_CHECK(ncclRecv(c.buf, c.count, ncclUint8, c.peer, r.comm.comm,
+                                        active[c.local_index]));
+          }
+        }
+      } catch (...) {
+        (void)ncclGroupEnd();
+        throw;
+      }
+      MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+    }
+    // 3. Unpack strided destinations (same stream, so after the receives), then make the
+    // stream wait for the local copies: the phase ends when both are done.
+    for (size_t li = 0; li < ranks.size(); ++li) {
+      guard.set(ranks[li].device());
+      launch_copy(li, pp, pp.launches[li][k][step_unpack], active[li]);
+      if (forked[li] != 0) {
+        MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(active[li], ranks[li].join.get(), 0));
+      }
+    }
+  }
+
+  void drain() noexcept {
+    int saved = 0;
+    const bool have = cudaGetDevice(&saved) == cudaSuccess;
+    for (size_t li = 0; li < ranks.size() && li < active.size(); ++li) {
+      (void)cudaSetDevice(ranks[li].device());
+      (void)cudaStreamSynchronize(ranks[li].side.get());
+      (void)cudaStreamSynchronize(active[li]);
+    }
+    if (have) (void)cudaSetDevice(saved);
+  }
+};
 
 int64_t nccl_transport::workspace_bytes(const plan& p, int rank) {
   MOEBIUS_CHECK(rank >= 0 && rank < p.num_ranks, errc::invalid_argument, "rank ", rank,
                 " is outside the plan's ranks [0, ", p.num_ranks, ")");
   int64_t most = 0;
   for (const plan_phase& phase : p.phases) {
-    const int64_t bytes = walk_staging(phase.ops, static_cast<int64_t>(phase.ops.size()), rank,
-                                       [](int64_t, int64_t) {});
-    most = std::max(most, bytes);
+    most = std::max(most, walk_staging(phase.ops, rank, [](size_t, int64_t) {}));
   }
   return most;
 }
 
-nccl_transport::nccl_transport(std::vector<nccl_rank> local_ranks)
-    : ranks_(std::move(local_ranks)) {
-  MOEBIUS_CHECK(!ranks_.empty(), errc::invalid_argument, "nccl_transport needs at least one rank");
-  for (size_t i = 0; i < ranks_.size(); ++i) {
-    const nccl_rank& r = ranks_[i];
-    MOEBIUS_CHECK(r.comm != nullptr, errc::invalid_argument, "local rank entry ", i,
+nccl_transport::nccl_transport(std::vector<rank_memory> memory, std::vector<nccl_rank_comm> comms,
+                               const nccl_config& config)
+    : impl_(std::make_unique<impl>()) {
+  MOEBIUS_CHECK(config.max_cached_plans >= 0, errc::invalid_argument,
+                "max_cached_plans must be >= 0 (max_cached_plans=", config.max_cached_plans, ")");
+  impl_->config = config;
+  MOEBIUS_CHECK(!memory.empty() && memory.size() == comms.size(), errc::invalid_argument,
+                "nccl_transport needs one rank_memory and one nccl_rank_comm per local rank (got ",
+                memory.size(), " and ", comms.size(), ")");
+  validate_rank_memory(memory, memory_kind_rule::require_device);
+  std::vector<impl::local_rank>& ranks = impl_->ranks;
+  for (size_t i = 0; i < comms.size(); ++i) {
+    const nccl_rank_comm& c = comms[i];
+    MOEBIUS_CHECK(c.comm != nullptr, errc::invalid_argument, "local rank entry ", i,
                   " has no communicator");
     int count = 0, rank = 0, device = 0;
-    MOEBIUS_NCCL_CHECK(ncclCommCount(r.comm, &count));
-    MOEBIUS_NCCL_CHECK(ncclCommUserRank(r.comm, &rank));
-    MOEBIUS_NCCL_CHECK(ncclCommCuDevice(r.comm, &device));
+    MOEBIUS_NCCL_CHECK(ncclCommCount(c.comm, &count));
+    MOEBIUS_NCCL_CHECK(ncclCommUserRank(c.comm, &rank));
+    MOEBIUS_NCCL_CHECK(ncclCommCuDevice(c.comm, &device));
     if (i == 0) num_ranks_ = count;
     MOEBIUS_CHECK(count == num_ranks_, errc::invalid_argument,
                   "communicators of one nccl_transport must have the same size (entry 0 has ",
                   num_ranks_, " ranks, entry ", i, " has ", count, ")");
-    MOEBIUS_CHECK(device == r.device, errc::invalid_argument, "local rank entry ", i,
-                  " says device ", r.device, " but its communicator uses device ", device);
-    for (int s = 0; s < num_memory_spaces; ++s) {
-      MOEBIUS_CHECK(r.space_bytes[s] >= 0, errc::invalid_argument, "rank ", rank, " space ",
-                    to_string(static_cast<memory_space>(s)), " has negative size ",
-                    r.space_bytes[s]);
-      MOEBIUS_CHECK(r.space_bytes[s] == 0 || r.space_base[s] != nullptr, errc::invalid_argument,
-                    "rank ", rank, " space ", to_string(static_cast<memory_space>(s)), " has ",
-                    r.space_bytes[s], " bytes but a null base pointer");
-    }
-    MOEBIUS_CHECK(r.workspace_bytes >= 0 && (r.workspace_bytes == 0 || r.workspace != nullptr),
-                  errc::invalid_argument, "rank ", rank, " workspace of ", r.workspace_bytes,
+    MOEBIUS_CHECK(device == memory[i].device, errc::invalid_argument, "local rank entry ", i,
+                  " has memory on device ", memory[i].device, " but its communicator uses device ",
+                  device);
+    MOEBIUS_CHECK(c.workspace_bytes >= 0 && (c.workspace_bytes == 0 || c.workspace != nullptr),
+                  errc::invalid_argument, "rank ", rank, " workspace of ", c.workspace_bytes,
                   " bytes has a null pointer");
-    rank_of_local_.push_back(rank);
+    impl::local_rank r;
+    r.rank = rank;
+    r.memory = memory[i];
+    r.comm = c;
+    ranks.push_back(std::move(r));
   }
-  local_of_rank_.assign(static_cast<size_t>(num_ranks_), -1);
-  for (size_t i = 0; i < rank_of_local_.size(); ++i) {
-    int& slot = local_of_rank_[static_cast<size_t>(rank_of_local_[i])];
-    MOEBIUS_CHECK(slot < 0, errc::invalid_argument, "NCCL rank ", rank_of_local_[i],
-                  " appears twice among the local ranks (entries ", slot, " and ", i, ")");
-    slot = static_cast<int>(i);
+  std::sort(ranks.begin(), ranks.end(),
+            [](const impl::local_rank& a, const impl::local_rank& b) { return a.rank < b.rank; });
+  impl_->local_of_rank.assign(static_cast<size_t>(num_ranks_), -1);
+  for (size_t li = 0; li < ranks.size(); ++li) {
+    int& slot = impl_->local_of_rank[static_cast<size_t>(ranks[li].rank)];
+    MOEBIUS_CHECK(slot < 0, errc::invalid_argument, "NCCL rank ", ranks[li].rank,
+                  " appears twice among the local ranks");
+    slot = static_cast<int>(li);
   }
-  device_guard guard;
-  try {
-    for (const nccl_rank& r : ranks_) {
-      guard.set(r.device);
-      cudaStream_t side = nullptr;
-      MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-      side_.push_back(side);
-      cudaEvent_t fork = nullptr, join = nullptr;
-      MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-      fork_.push_back(fork);
-      MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
-      join_.push_back(join);
-    }
-  } catch (...) {
-    release_streams();
-    throw;
+  for (impl::local_rank& r : ranks) {
+    MOEBIUS_CUDA_CHECK(
+        cudaDeviceGetAttribute(&r.sm_count, cudaDevAttrMultiProcessorCount, r.device()));
+    r.stream = cuda_stream::create(r.device());
+    r.side = cuda_stream::create(r.device());
+    r.fork = cuda_event::create(r.device());
+    r.join = cuda_event::create(r.device());
+    r.done = cuda_event::create(r.device());
   }
 }
 
-nccl_transport::~nccl_transport() {
-  release_streams();
-}
-
-void nccl_transport::release_streams() noexcept {
-  int saved = 0;
-  (void)cudaGetDevice(&saved);
-  for (size_t li = 0; li < ranks_.size(); ++li) {
-    (void)cudaSetDevice(ranks_[li].device);
-    if (li < side_.size()) {
-      (void)cudaStreamSynchronize(side_[li]);
-      (void)cudaStreamDestroy(side_[li]);
-    }
-    if (li < fork_.size()) (void)cudaEventDestroy(fork_[li]);
-    if (li < join_.size()) (void)cudaEventDestroy(join_[li]);
-  }
-  (void)cudaSetDevice(saved);
-  side_.clear();
-  fork_.clear();
-  join_.clear();
-}
-
-const nccl_rank* nccl_transport::find_local(int rank) const {
-  const int i = local_of_rank_[static_cast<size_t>(rank)];
-  return i < 0 ? nullptr : &ranks_[static_cast<size_t>(i)];
-}
+nccl_transport::~nccl_transport() = default;
 
 void nccl_transport::validate(const plan& p) const {
-  MOEBIUS_CHECK(p.num_ranks == num_ranks_, errc::invalid_argument, "plan is for ", p.num_ranks,
-                " ranks but the NCCL communicators have ", num_ranks_);
-  int64_t caps[num_memory_spaces];
-  for (int s = 0; s < num_memory_spaces; ++s) {
-    caps[s] = ranks_[0].space_bytes[s];
-    for (const nccl_rank& r : ranks_) caps[s] = std::min(caps[s], r.space_bytes[s]);
-  }
-  moebius::validate(p, caps);
-  for (size_t rank = 0; rank < local_of_rank_.size(); ++rank) {
-    const nccl_rank* r = find_local(static_cast<int>(rank));
-    if (r == nullptr) continue;
-    const int64_t need = workspace_bytes(p, static_cast<int>(rank));
-    MOEBIUS_CHECK(r->workspace_bytes >= need, errc::invalid_argument, "rank ", rank,
-                  " staging workspace holds ", r->workspace_bytes,
-                  " bytes but the plan needs workspace_bytes(plan, ", rank, ") = ", need);
-  }
-}
-
-void nccl_transport::enqueue_phase(const plan_phase& phase, int64_t num_ops) {
-  const std::vector<copy_op>& ops = phase.ops;
-  if (num_ops < 0) num_ops = static_cast<int64_t>(ops.size());
-  device_guard guard;
-
-  // Staging offset of each op per local rank (-1: not staged). An op stages on at most one
-  // side per rank, since a remote op has two different ranks.
-  std::vector<std::vector<int64_t>> staged(ranks_.size());
-  for (size_t li = 0; li < ranks_.size(); ++li) {
-    staged[li].assign(static_cast<size_t>(num_ops), -1);
-    walk_staging(ops, num_ops, rank_of_local_[li],
-                 [&](int64_t i, int64_t off) { staged[li][static_cast<size_t>(i)] = off; });
-  }
-  const auto staging_of = [&](size_t li, int64_t op_idx) {
-    return static_cast<std::byte*>(ranks_[li].workspace) + staged[li][static_cast<size_t>(op_idx)];
-  };
-
-  // 0. Local ops on each rank's side stream, forked from the main stream at the start of the
-  // phase, so they overlap the NCCL transfers (at P = 2 they are half of a rank's bytes).
-  std::vector<char> has_local(ranks_.size(), 0);
-  for (size_t li = 0; li < ranks_.size(); ++li) {
-    const nccl_rank& r = ranks_[li];
-    for (int64_t i = 0; i < num_ops; ++i) {
-      const copy_op& op = ops[static_cast<size_t>(i)];
-      if (!op.is_local() || op.src_rank != rank_of_local_[li]) continue;
-      if (!has_local[li]) {
-        guard.set(r.device);
-        MOEBIUS_CUDA_CHECK(cudaEventRecord(fork_[li], r.stream));
-        MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(side_[li], fork_[li], 0));
-        has_local[li] = 1;
-      }
-      std::byte* dst = address(r, op.dst_space, op.dst_offset);
-      const std::byte* src = address(r, op.src_space, op.src_offset);
-      const bool contiguous =
-          op.rows == 1 || (op.src_pitch == op.row_bytes && op.dst_pitch == op.row_bytes);
-      if (contiguous) {
-        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(op.bytes()),
-                                           cudaMemcpyDeviceToDevice, side_[li]));
-      } else {
-        detail::launch_strided_copy({src, dst, op.rows, op.row_bytes, op.src_pitch, op.dst_pitch},
-                                    side_[li]);
-      }
-    }
-    if (has_local[li]) MOEBIUS_CUDA_CHECK(cudaEventRecord(join_[li], side_[li]));
-  }
-
-  // 1. Pack strided sources.
-  for (size_t li = 0; li < ranks_.size(); ++li) {
-    const nccl_rank& r = ranks_[li];
-    guard.set(r.device);
-    for (int64_t i = 0; i < num_ops; ++i) {
-      const copy_op& op = ops[static_cast<size_t>(i)];
-      if (staged[li][static_cast<size_t>(i)] < 0 || op.src_rank != rank_of_local_[li]) continue;
-      detail::launch_strided_copy({address(r, op.src_space, op.src_offset), staging_of(li, i),
-                                   op.rows, op.row_bytes, op.src_pitch, op.row_bytes},
-                                  r.stream);
-    }
-  }
-
-  // 2. Every send and receive of the phase, of every local rank, in one group. NCCL pairs
-  // the calls between two ranks in issue order, and both sides walk the ops in plan order.
-  bool any_remote = false;
-  for (int64_t i = 0; i < num_ops && !any_remote; ++i) {
-    const copy_op& op = ops[static_cast<size_t>(i)];
-    any_remote = !op.is_local() && (find_local(op.src_rank) || find_local(op.dst_rank));
-  }
-  if (any_remote) {
-    MOEBIUS_NCCL_CHECK(ncclGroupStart());
-    try {
-      for (int64_t i = 0; i < num_ops; ++i) {
-        const copy_op& op = ops[static_cast<size_t>(i)];
-        if (op.is_local()) continue;
-        const size_t count = static_cast<size_t>(op.bytes());
-        const int src_li = local_of_rank_[static_cast<size_t>(op.src_rank)];
-        const int dst_li = local_of_rank_[static_cast<size_t>(op.dst_rank)];
-        if (src_li >= 0) {
-          const nccl_rank& r = ranks_[static_cast<size_t>(src_li)];
-          const std::byte* buf = strided_at_source(op) ? staging_of(static_cast<size_t>(src_li), i)
-                                                       : address(r, op.src_space, op.src_offset);
-          MOEBIUS_NCCL_CHECK(ncclSend(buf, count, ncclUint8, op.dst_rank, r.comm, r.stream));
-        }
-        if (dst_li >= 0) {
-          const nccl_rank& r = ranks_[static_cast<size_t>(dst_li)];
-          std::byte* buf = strided_at_destination(op) ? staging_of(static_cast<size_t>(dst_li), i)
-                                                      : address(r, op.dst_space, op.dst_offset);
-          MOEBIUS_NCCL_CHECK(ncclRecv(buf, count, ncclUint8, op.src_rank, r.comm, r.stream));
-        }
-      }
-    } catch (...) {
-      (void)ncclGroupEnd();
-      throw;
-    }
-    MOEBIUS_NCCL_CHECK(ncclGroupEnd());
-  }
-
-  // 3. Unpack strided destinations (same stream, so after the receives), then make the main
-  // stream wait for the local copies: the phase ends when both are done.
-  for (size_t li = 0; li < ranks_.size(); ++li) {
-    const nccl_rank& r = ranks_[li];
-    guard.set(r.device);
-    for (int64_t i = 0; i < num_ops; ++i) {
-      const copy_op& op = ops[static_cast<size_t>(i)];
-      if (staged[li][static_cast<size_t>(i)] < 0 || op.dst_rank != rank_of_local_[li]) continue;
-      detail::launch_strided_copy({staging_of(li, i), address(r, op.dst_space, op.dst_offset),
-                                   op.rows, op.row_bytes, op.row_bytes, op.dst_pitch},
-                                  r.stream);
-    }
-    if (has_local[li]) MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(r.stream, join_[li], 0));
-  }
-}
-
-void nccl_transport::enqueue_phases(const plan& p, int64_t first, int64_t last) {
-  const int64_t num_phases = static_cast<int64_t>(p.phases.size());
-  MOEBIUS_CHECK(0 <= first && first <= last && last <= num_phases, errc::out_of_range,
-                "phase range [", first, ", ", last, ") is outside the plan's [0, ", num_phases,
-                ")");
-  for (int64_t k = first; k < last; ++k) enqueue_phase(p.phases[static_cast<size_t>(k)], -1);
-}
-
-void nccl_transport::synchronize() {
-  device_guard guard;
-  for (const nccl_rank& r : ranks_) {
-    guard.set(r.device);
-    MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(r.stream));
+  std::vector<rank_memory> memory;
+  for (const impl::local_rank& r : impl_->ranks) memory.push_back(r.memory);
+  validate_plan_fits(p, num_ranks_, memory);
+  for (const impl::local_rank& r : impl_->ranks) {
+    const int64_t need = workspace_bytes(p, r.rank);
+    MOEBIUS_CHECK(r.comm.workspace_bytes >= need, errc::invalid_argument, "rank ", r.rank,
+                  " staging workspace holds ", r.comm.workspace_bytes,
+                  " bytes but the plan needs workspace_bytes(plan, ", r.rank, ") = ", need);
   }
 }
 
 std::vector<int> nccl_transport::local_ranks() const {
-  std::vector<int> local(rank_of_local_);
-  std::sort(local.begin(), local.end());
+  std::vector<int> local;
+  for (const impl::local_rank& r : impl_->ranks) local.push_back(r.rank);
   return local;
 }
 
-void nccl_transport::enqueue(const plan& p, std::span<const stream_handle> streams) {
-  MOEBIUS_CHECK(!outstanding_, errc::invalid_argument,
-                "nccl_transport::enqueue: a plan is still outstanding; call wait() first");
-  MOEBIUS_CHECK(streams.empty(), errc::invalid_argument,
-                "nccl_transport::enqueue: caller streams are not supported yet");
+cudaStream_t nccl_transport::stream_of(int rank) const {
+  MOEBIUS_CHECK(rank >= 0 && rank < num_ranks_ && impl_->local_of_rank[static_cast<size_t>(rank)] >= 0,
+                errc::invalid_argument, "rank ", rank, " is not driven by this process");
+  return impl_->ranks[static_cast<size_t>(impl_->local_of_rank[static_cast<size_t>(rank)])]
+      .stream.get();
+}
+
+int nccl_transport::device_of(int rank) const {
+  MOEBIUS_CHECK(rank >= 0 && rank < num_ranks_ && impl_->local_of_rank[static_cast<size_t>(rank)] >= 0,
+                errc::invalid_argument, "rank ", rank, " is not driven by this process");
+  return impl_->ranks[static_cast<size_t>(impl_->local_of_rank[static_cast<size_t>(rank)])]
+      .device();
+}
+
+void nccl_transport::clear_plan_cache() { impl_->cache.clear(); }
+
+void nccl_transport::prepare(const plan& p) {
   validate(p);
-  outstanding_ = true;
-  failure_ = nullptr;
-  try {
-    run_blocking(p);
-  } catch (...) {
-    failure_ = std::current_exception();
+  (void)impl_->lookup_or_prepare(p);
+}
+
+void nccl_transport::enqueue(const plan& p, std::span<const stream_handle> streams) {
+  impl& st = *impl_;
+  MOEBIUS_CHECK(!st.outstanding, errc::invalid_argument,
+                "nccl_transport::enqueue: a plan is still outstanding; call wait() first");
+  MOEBIUS_CHECK(streams.empty() || streams.size() == st.ranks.size(), errc::invalid_argument,
+                "nccl_transport::enqueue: got ", streams.size(), " streams for ",
+                st.ranks.size(), " local ranks (pass none, or one per local rank)");
+  validate(p);
+  // An armed fault applies to this plan only, and fires only if the plan reaches it
+  // (transport.hpp): a phase or op index past the end is dropped. A faulted plan runs the
+  // prefix before the fault: phases [0, k) and ops [0, op) of phase k, prepared apart from
+  // the cache.
+  const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);
+  const auto num_phases = static_cast<int64_t>(p.phases.size());
+  st.fault_fires = fault && fault->phase >= 0 && fault->phase < num_phases && fault->op >= 0 &&
+                   fault->op < static_cast<int64_t>(p.phases[static_cast<size_t>(fault->phase)].ops.size());
+  std::shared_ptr<const prepared_plan> pp;
+  if (st.fault_fires) {
+    plan prefix;
+    prefix.num_ranks = p.num_ranks;
+    prefix.phases.assign(p.phases.begin(), p.phases.begin() + fault->phase + 1);
+    std::vector<copy_op>& ops = prefix.phases.back().ops;
+    ops.resize(static_cast<size_t>(fault->op));
+    pp = st.prepare(prefix);
+    st.completed_on_success = fault->phase;
+    st.fault_message = "injected fault before op " + std::to_string(fault->op) + " of phase " +
+                       std::to_string(fault->phase) + " ('" +
+                       p.phases[static_cast<size_t>(fault->phase)].label + "')";
+  } else {
+    pp = st.lookup_or_prepare(p);
+    st.completed_on_success = num_phases;
   }
+
+  st.active.resize(st.ranks.size());
+  for (size_t li = 0; li < st.ranks.size(); ++li) {
+    const stream_handle s = streams.empty() ? nullptr : streams[li];
+    st.active[li] = s != nullptr ? static_cast<cudaStream_t>(s) : st.ranks[li].stream.get();
+  }
+  completed_phases_ = 0;
+  st.outstanding = true;
+  st.failure = nullptr;
+  st.current = pp;
+  st.enqueued_phases = 0;
+  try {
+    for (int64_t k = 0; k < pp->num_phases; ++k) {
+      st.enqueue_phase(*pp, static_cast<size_t>(k));
+      st.enqueued_phases = k + 1;
+    }
+    st.enqueued_phases = pp->num_phases;
+    device_guard guard;
+    for (size_t li = 0; li < st.ranks.size(); ++li) {
+      guard.set(st.ranks[li].device());
+      MOEBIUS_CUDA_CHECK(cudaEventRecord(st.ranks[li].done.get(), st.active[li]));
+    }
+  } catch (...) {
+    st.failure = std::current_exception();
+  }
+}
+
+bool nccl_transport::poll() {
+  const impl& st = *impl_;
+  if (!st.outstanding || st.failure) return true;
+  for (const impl::local_rank& r : st.ranks) {
+    if (cudaEventQuery(r.done.get()) == cudaErrorNotReady) return false;
+  }
+  return true;
 }
 
 void nccl_transport::wait() {
-  outstanding_ = false;
-  if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
-}
-
-void nccl_transport::run_blocking(const plan& p) {
-  // An armed fault applies to this execute() only, and fires only if the plan reaches it
-  // (transport.hpp): a phase or op index past the end is dropped.
-  const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);
-  completed_phases_ = 0;
-  validate(p);
-  // Waits for whatever was enqueued, ignoring errors: used only on the way out of a failure.
-  const auto drain = [this] {
-    int saved = 0;
-    (void)cudaGetDevice(&saved);
-    for (size_t li = 0; li < ranks_.size(); ++li) {
-      (void)cudaSetDevice(ranks_[li].device);
-      (void)cudaStreamSynchronize(side_[li]);
-      (void)cudaStreamSynchronize(ranks_[li].stream);
-    }
-    (void)cudaSetDevice(saved);
-  };
-  const int64_t num_phases = static_cast<int64_t>(p.phases.size());
-  for (int64_t k = 0; k < num_phases; ++k) {
-    const plan_phase& phase = p.phases[static_cast<size_t>(k)];
-    const bool fault_here = fault && fault->phase == k && fault->op >= 0 &&
-                            fault->op < static_cast<int64_t>(phase.ops.size());
-    const int64_t limit = fault_here ? fault->op : -1;
-    try {
-      enqueue_phase(phase, limit);
-    } catch (...) {
-      drain();
-      completed_phases_ = k;
-      throw;
-    }
-    if (fault_here) {
-      const int64_t op = fault->op;
-      drain();
-      completed_phases_ = k;
-      MOEBIUS_FAIL(errc::injected_fault, "injected fault before op ", op, " of phase ", k, " ('",
-                   phase.label, "')");
-    }
+  impl& st = *impl_;
+  if (!st.outstanding) return;
+  st.outstanding = false;
+  const std::shared_ptr<const prepared_plan> pp = std::move(st.current);
+  if (st.failure) {
+    // Enqueueing phase k failed: what was enqueued before it runs to the end.
+    st.drain();
+    completed_phases_ = std::min(st.enqueued_phases, st.completed_on_success);
+    std::rethrow_exception(std::exchange(st.failure, nullptr));
   }
-  synchronize();  // on failure completed_phases_ stays 0: a sticky CUDA error hides the rest
-  completed_phases_ = num_phases;
+  cudaError_t first = cudaSuccess;
+  for (const impl::local_rank& r : st.ranks) {
+    const cudaError_t e = cudaEventSynchronize(r.done.get());
+    if (first == cudaSuccess) first = e;
+  }
+  if (first != cudaSuccess) {
+    st.drain();
+    completed_phases_ = 0;  // a sticky CUDA error hides the rest
+    MOEBIUS_CUDA_CHECK(first);
+  }
+  completed_phases_ = st.completed_on_success;
+  if (st.fault_fires) MOEBIUS_FAIL(errc::injected_fault, st.fault_message);
 }
 
 }  // namespace moebius

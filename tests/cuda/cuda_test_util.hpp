@@ -133,15 +133,13 @@ struct rank_buffers {
   std::vector<device_buffer> arena;
   std::vector<device_buffer> kv;
 
-  std::vector<cuda_rank_memory> memory(const std::vector<int>& devices) const {
-    std::vector<cuda_rank_memory> m(arena.size());
+  std::vector<rank_memory> memory(const std::vector<int>& devices) const {
+    std::vector<rank_memory> m(arena.size());
     for (size_t r = 0; r < arena.size(); ++r) {
       m[r].device = devices[r];
-      m[r].base[0] = arena[r].data();
-      m[r].bytes[0] = static_cast<int64_t>(arena[r].size());
+      m[r].space(memory_space::arena) = {arena[r].data(), static_cast<int64_t>(arena[r].size())};
       if (r < kv.size()) {
-        m[r].base[1] = kv[r].data();
-        m[r].bytes[1] = static_cast<int64_t>(kv[r].size());
+        m[r].space(memory_space::kv_pool) = {kv[r].data(), static_cast<int64_t>(kv[r].size())};
       }
     }
     return m;

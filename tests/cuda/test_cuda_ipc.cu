@@ -217,12 +217,8 @@ TEST_CASE("ipc child", "[.][ipc_child]") {
   MOEBIUS_CUDA_CHECK(cudaMemcpy(arena, images[static_cast<size_t>(rank)].data(), arena_bytes,
                                 cudaMemcpyHostToDevice));
   MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());  // in place before any peer may read it
-  cuda_rank_memory local;
-  local.device = device;
-  local.base[0] = arena;
-  local.bytes[0] = static_cast<int64_t>(arena_bytes);
-  local.base[1] = arena + arena_bytes;
-  local.bytes[1] = 8192;
+  const rank_memory local = rank_memory::on_device(
+      device, arena, static_cast<int64_t>(arena_bytes), arena + arena_bytes, 8192);
 
   cuda_peer_config config;
   config.engine = rank % 2 == 0 ? engine_policy::sm_kernel : engine_policy::copy_engine;

@@ -220,7 +220,7 @@ TEST_CASE("prepared plans are cached and report their engines", "[cuda_peer][cac
       CHECK(sm == 0);  // weight plans never re-read a source row
       CHECK(pp->max_sm_kernel_blocks() == 0);
     }
-    t.execute(*pp);
+    t.execute(pp);
     REQUIRE(mt::compare_to_reference(w, g, arena_cursor{shape.num_layers}, download(buffers)) ==
             "");
     CHECK(t.last_execute_stats().graph_launches == (pp->uses_cuda_graphs() ? P : 0));
@@ -373,9 +373,8 @@ TEST_CASE("bad arguments are rejected before anything moves", "[cuda_peer][error
   for (int r = 0; r < P; ++r) buffers.arena.emplace_back(devices[static_cast<size_t>(r)], 4096);
 
   SECTION("overlapping ranks") {
-    std::vector<cuda_rank_memory> m = buffers.memory(devices);
-    m[1].base[0] = buffers.arena[0].data() + 100;
-    m[1].bytes[0] = 100;
+    std::vector<rank_memory> m = buffers.memory(devices);
+    m[1].spaces[0] = memory_span(buffers.arena[0].data() + 100, 100);
     REQUIRE_THROWS_AS(cuda_peer_transport::single_process(m), moebius::error);
   }
   SECTION("bad config") {
@@ -389,7 +388,7 @@ TEST_CASE("bad arguments are rejected before anything moves", "[cuda_peer][error
                       moebius::error);
   }
   SECTION("bad device") {
-    std::vector<cuda_rank_memory> m = buffers.memory(devices);
+    std::vector<rank_memory> m = buffers.memory(devices);
     m[0].device = mt::device_count();
     REQUIRE_THROWS_AS(cuda_peer_transport::single_process(m), moebius::error);
   }
@@ -447,11 +446,11 @@ TEST_CASE("a Qwen3-sized plan (94 layers, E=128, P=8: 12k ops) on miniature tens
     cuda_peer_transport t = cuda_peer_transport::single_process(buffers.memory(devices), e.config);
     const std::shared_ptr<const cuda_prepared_plan> fwd = t.prepare_plan(to_tp);
     const std::shared_ptr<const cuda_prepared_plan> back = t.prepare_plan(to_ep);
-    t.execute(*fwd);
+    t.execute(fwd);
     const double enqueue_fwd = t.last_execute_stats().enqueue_seconds;
     REQUIRE(mt::compare_to_reference(w, g, arena_cursor{shape.num_layers}, download(buffers)) ==
             "");
-    t.execute(*back);
+    t.execute(back);
     REQUIRE(mt::compare_to_reference(w, g, arena_cursor{0}, download(buffers)) == "");
     std::printf("qwen3-ops %s: %lld ops, %lld phases, enqueue EP->TP %.3f ms, TP->EP %.3f ms, "
                 "graphs %d, ce ops %lld, sm ops %lld, max blocks %d, descriptors %lld B\n",

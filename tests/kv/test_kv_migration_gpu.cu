@@ -154,14 +154,12 @@ struct device_images {
     }
     return m;
   }
-  std::vector<cuda_rank_memory> memory() const {
-    std::vector<cuda_rank_memory> out(kv.size());
+  std::vector<rank_memory> memory() const {
+    std::vector<rank_memory> out(kv.size());
     for (size_t r = 0; r < kv.size(); ++r) {
-      out[r].device = kv[r].device();
-      out[r].base[static_cast<int>(memory_space::kv_pool)] = kv[r].data();
-      out[r].bytes[static_cast<int>(memory_space::kv_pool)] = static_cast<int64_t>(kv[r].size());
-      out[r].base[static_cast<int>(memory_space::arena)] = arena[r].data();
-      out[r].bytes[static_cast<int>(memory_space::arena)] = static_cast<int64_t>(arena[r].size());
+      out[r] = rank_memory::on_device(kv[r].device(), arena[r].data(),
+                                      static_cast<int64_t>(arena[r].size()), kv[r].data(),
+                                      static_cast<int64_t>(kv[r].size()));
     }
     return out;
   }
@@ -240,26 +238,15 @@ void run_nccl(const gpu_case& gc) {
   for (int r = 0; r < P; ++r) devices[static_cast<size_t>(r)] = r;
   device_images dev(gc, devices);
   std::vector<device_buffer> workspaces;
-  std::vector<nccl_rank> ranks;
-  const std::vector<cuda_rank_memory> mem = dev.memory();
+  std::vector<nccl_rank_comm> comms;
   for (int r = 0; r < P; ++r) {
     int64_t ws = 0;
     for (const kv_migration& m : gc.steps)
       ws = std::max(ws, nccl_transport::workspace_bytes(m.copies, r));
     workspaces.emplace_back(r, static_cast<size_t>(ws));
-    nccl_rank nr;
-    nr.comm = w.comms[static_cast<size_t>(r)];
-    nr.device = r;
-    nr.stream = w.streams[static_cast<size_t>(r)];
-    for (int s = 0; s < num_memory_spaces; ++s) {
-      nr.space_base[s] = mem[static_cast<size_t>(r)].base[s];
-      nr.space_bytes[s] = mem[static_cast<size_t>(r)].bytes[s];
-    }
-    nr.workspace = workspaces.back().data();
-    nr.workspace_bytes = ws;
-    ranks.push_back(nr);
+    comms.push_back({w.comms[static_cast<size_t>(r)], workspaces.back().data(), ws});
   }
-  nccl_transport tr(std::move(ranks));
+  nccl_transport tr(dev.memory(), std::move(comms));
   run_and_check(gc, dev, [&](const plan& p) {
     tr.execute(p);
     REQUIRE(tr.completed_phases() == static_cast<int64_t>(p.phases.size()));

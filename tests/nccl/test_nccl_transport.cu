@@ -105,27 +105,24 @@ struct rig {
   // space_bytes[s] per rank; workspace_bytes per rank.
   rig(const int64_t (&space_bytes)[num_memory_spaces], const std::vector<int64_t>& ws_bytes) {
     nccl_world& w = world();
-    std::vector<nccl_rank> ranks;
+    std::vector<rank_memory> memory;
+    std::vector<nccl_rank_comm> comms;
     for (int r = 0; r < w.num_ranks; ++r) {
-      nccl_rank nr;
-      nr.comm = w.comms[static_cast<size_t>(r)];
-      nr.device = r;
-      nr.stream = w.streams[static_cast<size_t>(r)];
+      rank_memory m;
+      m.device = r;
       for (int s = 0; s < num_memory_spaces; ++s) {
         spaces[s].push_back(
             std::make_unique<device_buffer>(r, static_cast<size_t>(space_bytes[s])));
         REQUIRE((space_bytes[s] == 0 || spaces[s].back()->ptr != nullptr));
-        nr.space_base[s] = spaces[s].back()->ptr;
-        nr.space_bytes[s] = space_bytes[s];
+        m.spaces[s] = memory_span(spaces[s].back()->ptr, space_bytes[s]);
       }
+      memory.push_back(m);
       const int64_t ws = ws_bytes[static_cast<size_t>(r)];
       workspaces.push_back(std::make_unique<device_buffer>(r, static_cast<size_t>(ws)));
       REQUIRE((ws == 0 || workspaces.back()->ptr != nullptr));
-      nr.workspace = workspaces.back()->ptr;
-      nr.workspace_bytes = ws;
-      ranks.push_back(nr);
+      comms.push_back({w.comms[static_cast<size_t>(r)], workspaces.back()->ptr, ws});
     }
-    transport = std::make_unique<nccl_transport>(std::move(ranks));
+    transport = std::make_unique<nccl_transport>(std::move(memory), std::move(comms));
   }
 
   void upload(memory_space s, const rank_images& images) {

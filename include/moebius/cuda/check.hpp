@@ -25,6 +25,18 @@ namespace moebius::detail {
   throw_error(errc::cuda, file, line, call, " failed: CUresult ", static_cast<int>(status));
 }
 
+// The one launch-error idiom of every kernel launcher: right after `kernel<<<...>>>(...)`,
+//   detail::check_launch("peer_copy");
+// throws errc::cuda naming the kernel when the launch failed (bad configuration, no kernel
+// image for this GPU, a sticky error from earlier work).
+inline void check_launch(const char* kernel) {
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) [[unlikely]] {
+    throw_error(errc::cuda, __FILE__, __LINE__, "launching kernel ", kernel, " failed: ",
+                cudaGetErrorName(status), " (", cudaGetErrorString(status), ")");
+  }
+}
+
 }  // namespace moebius::detail
 
 // MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(...)): throws errc::cuda unless the runtime call

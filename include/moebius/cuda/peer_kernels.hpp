@@ -65,13 +65,14 @@ struct peer_copy_args {
   const barrier_status* status = nullptr; // skip all work when status->error != 0 (may be null)
 };
 
-// Launches the fused copy kernel: warps take chunks round-robin. Returns the launch status.
 // Largest block the fused copy kernel launches with: it keeps several 16-byte loads in flight
 // per thread (about 96 registers), so 1024-thread blocks would not fit the register file.
 inline constexpr int peer_copy_max_threads = 512;
 
-cudaError_t launch_peer_copy(const peer_copy_args& args, int blocks, int threads,
-                             cudaStream_t stream);
+// Launches the fused copy kernel: warps take chunks round-robin. A no-op without chunks or
+// blocks. Throws errc::invalid_argument for a bad thread count, errc::cuda when the launch
+// fails (every launcher here: detail::check_launch).
+void launch_peer_copy(const peer_copy_args& args, int blocks, int threads, cudaStream_t stream);
 
 struct barrier_args {
   uint64_t* const* peer_flags = nullptr;  // [num_ranks] device array: rank j's flag array
@@ -87,10 +88,9 @@ struct barrier_args {
 // into peer_flags[j][rank] for every j (system-scope release), then waits until
 // my_flags[j] >= target for every j (acquire) or until timeout_ns passed (then
 // status->error = 1). Does nothing when status->error != 0.
-cudaError_t launch_barrier(const barrier_args& args, cudaStream_t stream);
+void launch_barrier(const barrier_args& args, cudaStream_t stream);
 
 // Launches one thread that starts an execute(): status = {error 0, passed 0, epoch_base}.
-cudaError_t launch_barrier_begin(barrier_status* status, uint64_t epoch_base,
-                                 cudaStream_t stream);
+void launch_barrier_begin(barrier_status* status, uint64_t epoch_base, cudaStream_t stream);
 
 }  // namespace moebius

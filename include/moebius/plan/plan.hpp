@@ -5,7 +5,9 @@
 // phase overlaps another destination or any source of the same phase. Plans are data: the
 // same plan runs on every transport, and can be printed, compared, cached and fuzzed.
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <string>
 #include <vector>
@@ -50,6 +52,12 @@ struct plan_traffic {
 // when a byte count does not fit in 64 bits.
 plan_traffic traffic_of(const plan& p);
 
+// A 64-bit hash of everything operator== compares (ranks, and each phase's label, ops and
+// restores), so transports can key caches of prepared plans by contents: equal plans hash
+// equal; plans that differ anywhere almost surely do not. O(ops), no allocation.
+//   a cache lookup: hash_of(p) picks the bucket, operator== confirms the hit.
+uint64_t hash_of(const plan& p);
+
 // Throws errc::invalid_argument or errc::out_of_range unless every op of `p` names ranks in
 // [0, num_ranks) and memory spaces that exist, has rows >= 1, row_bytes >= 1, and when
 // rows > 1 dst_pitch >= row_bytes and src_pitch >= 0 (source rows may overlap: a row read
@@ -69,3 +77,10 @@ void print(std::ostream& os, const plan& p, bool print_ops = false);
 std::ostream& operator<<(std::ostream& os, const plan& p);
 
 }  // namespace moebius
+
+template <>
+struct std::hash<moebius::plan> {
+  size_t operator()(const moebius::plan& p) const noexcept {
+    return static_cast<size_t>(moebius::hash_of(p));
+  }
+};

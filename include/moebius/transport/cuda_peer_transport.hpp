@@ -14,7 +14,15 @@
 // Phases are ordered across ranks by a one-block barrier kernel on each rank's stream: it
 // writes the rank's arrival into every peer's flag array (system-scope release) and spins on
 // its own flags (acquire) until every peer has arrived, or until the configured timeout, which
-// becomes errc::timeout on the host. The whole plan is enqueued up front; execute() then waits.
+// becomes errc::timeout on the host (read back by wait()).
+//
+// enqueue() starts the whole plan on each local rank's stream (a caller's stream, or the
+// transport's own) and returns: a prepared plan is one CUDA graph launch per rank (or direct
+// launches when graphs are off or a fault is armed). Side streams the transport forks work onto
+// join back into that stream, so work the caller enqueues after the plan runs after it. The
+// last step of a rank's work copies its barrier status to pinned host memory and records a
+// completion event: poll() queries those events, wait() synchronizes them and decodes the
+// status (timeout naming rank and phase, injected fault) into completed_phases().
 //
 // Three ways to place ranks:
 //   * single_process, ranks on different devices of this process (peer access is enabled);
@@ -28,13 +36,13 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <span>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "moebius/memory/rank_memory.hpp"
 #include "moebius/plan/plan.hpp"
 #include "moebius/transport/transport.hpp"
 
@@ -48,20 +56,6 @@ enum class engine_policy : uint8_t {
 };
 
 const char* to_string(engine_policy policy);
-
-// One rank's memory: a device and one device allocation (or a range inside one) per
-// memory_space. An absent space has base == nullptr and bytes == 0.
-struct cuda_rank_memory {
-  int device = 0;                             // CUDA ordinal in this process
-  void* base[num_memory_spaces] = {};         // device pointer of each space
-  int64_t bytes[num_memory_spaces] = {};      // size of each space in bytes
-  // Stream the rank's work runs on; nullptr: the transport creates a non-blocking stream on
-  // `device`. A caller stream must belong to `device`.
-  cudaStream_t stream = nullptr;
-
-  void* space(memory_space s) const { return base[static_cast<int>(s)]; }
-  int64_t space_bytes(memory_space s) const { return bytes[static_cast<int>(s)]; }
-};
 
 // Settings; every field has a working default.
 struct cuda_peer_config {
@@ -84,11 +78,11 @@ struct cuda_peer_config {
   // A barrier wait longer than this is errc::timeout (a dead or stalled peer).
   int64_t barrier_timeout_ns = int64_t{10'000'000'000};
 
-  // Prepared plans kept by execute(const plan&), keyed by plan contents (least recently used
-  // is dropped first). 0 disables the cache (every execute uploads descriptors again).
+  // Prepared plans kept by enqueue(const plan&), keyed by hash_of(plan) and confirmed by ==
+  // (least recently used is dropped first). 0 disables the cache (every enqueue prepares).
   int max_cached_plans = 8;
 
-  // prepare() captures each local rank's whole plan into a CUDA graph, so execute() costs one
+  // prepare() captures each local rank's whole plan into a CUDA graph, so enqueue() costs one
   // graph launch per rank instead of one call per op and barrier (a 12k-op Qwen3 switch:
   // ~1.6k calls per rank). Runs with an armed fault, or whose capture fails, fall back to
   // direct enqueue.
@@ -109,7 +103,7 @@ void request_hardware_queues_for_virtual_ranks();
 // Bytes per rank that multi_process() passes to the all-gather (IPC handles, offsets, sizes).
 inline constexpr size_t cuda_ipc_rank_info_bytes = 512;
 
-// What execute() did, for benchmarks and tests.
+// What the last enqueue() did, for benchmarks and tests.
 struct cuda_execute_stats {
   double enqueue_seconds = 0;      // host time spent enqueuing the whole plan (after prepare)
   double prepare_seconds = 0;      // host time of prepare() (0 when the plan came from the cache)
@@ -123,7 +117,7 @@ struct cuda_execute_stats {
 };
 
 // A plan turned into per-rank, per-phase work: engine choice, device-resident op descriptors,
-// grid sizes. Made by cuda_peer_transport::prepare(); valid only with the transport that made
+// grid sizes. Made by cuda_peer_transport::prepare_plan(); valid only with the transport that made
 // it, and while that transport lives.
 class cuda_prepared_plan {
  public:
@@ -140,7 +134,7 @@ class cuda_prepared_plan {
   int sm_kernel_blocks(int rank, int64_t phase) const;
   int max_sm_kernel_blocks() const;         // over all ranks and phases
   int64_t device_descriptor_bytes() const;  // device memory the descriptors occupy
-  // Every local rank's work was captured into a CUDA graph (execute() launches those).
+  // Every local rank's work was captured into a CUDA graph (enqueue() launches those).
   bool uses_cuda_graphs() const;
 
   struct impl;
@@ -159,21 +153,24 @@ class cuda_peer_transport final : public transport {
   using all_gather_fn =
       std::function<void(const void* send, void* recv_all, size_t bytes_per_rank)>;
 
-  // All ranks in this process: ranks[r] is rank r. Ranks may share a device (virtual ranks) or
-  // sit on different devices (peer access is enabled between every pair). Throws
-  // errc::invalid_argument when `ranks` is empty, a device ordinal is invalid, two ranks'
-  // spaces overlap or a config field is out of range; errc::cuda naming both devices when two
-  // devices cannot access each other.
-  static cuda_peer_transport single_process(std::vector<cuda_rank_memory> ranks,
+  // All ranks in this process: ranks[r] is rank r (device memory: rank_memory::on_device).
+  // Ranks may share a device (virtual ranks) or sit on different devices (peer access is
+  // enabled between every pair while the transport lives). Throws errc::invalid_argument when
+  // validate_rank_memory(ranks, require_device) does (empty, null/size, overlap), a device
+  // ordinal is invalid or a config field is out of range; errc::cuda naming both devices when
+  // two devices cannot access each other.
+  static cuda_peer_transport single_process(std::vector<rank_memory> ranks,
                                             const cuda_peer_config& config = {});
 
   // This process drives rank `rank` of `num_ranks`; `local` is its memory. Every rank's process
   // must call this collectively (same num_ranks and config). Exports CUDA IPC handles of the
   // local spaces and barrier flags, all-gathers them (cuda_ipc_rank_info_bytes per rank) and
-  // opens the peers' handles. The spaces must be cudaMalloc memory (IPC-exportable). Throws
-  // errc::invalid_argument for a bad rank/num_ranks, errc::cuda when a handle cannot be
-  // exported or opened.
-  static cuda_peer_transport multi_process(int rank, int num_ranks, const cuda_rank_memory& local,
+  // opens the peers' handles, then runs validate_rank_memory over every rank's spaces as
+  // mapped here (so two ranks exporting the same allocation are refused). The spaces must be
+  // cudaMalloc memory (IPC-exportable). Throws errc::invalid_argument for a bad rank/num_ranks,
+  // bad local memory or overlapping ranks, errc::cuda when a handle cannot be exported or
+  // opened.
+  static cuda_peer_transport multi_process(int rank, int num_ranks, const rank_memory& local,
                                            const all_gather_fn& all_gather,
                                            const cuda_peer_config& config = {});
 
@@ -185,37 +182,42 @@ class cuda_peer_transport final : public transport {
   // Every op must fit the smallest rank's size of its memory space.
   void validate(const plan& p) const override;
   std::vector<int> local_ranks() const override;
-  // Prepares `p` (or finds it in the cache), enqueues the whole plan on every local rank's
-  // stream and (for now) waits for those streams; wait() reports the failure. Failures:
+  // Prepares `p` (or finds it in the cache) and enqueues the whole plan on every local rank's
+  // stream (`streams[i]` for local_ranks()[i]; a caller stream must belong to that rank's
+  // device; nullptr or empty: stream_of(rank)); does not wait. wait() reports failures:
   // errc::timeout naming the rank and phase when a barrier times out, errc::injected_fault for
   // an armed fault, errc::cuda for a CUDA failure. Multi-process: this process runs its own
-  // rank's ops; a final barrier makes every rank's writes complete and visible before wait()
-  // returns on any rank. Only empty `streams` are supported so far.
+  // rank's ops; the barrier closing the last phase makes every rank's writes complete and
+  // visible before wait() returns on any rank.
   void enqueue(const plan& p, std::span<const stream_handle> streams = {}) override;
-  bool poll() override { return true; }
+  // Enqueues a plan prepared by this transport (as enqueue(const plan&) after a cache hit).
+  void enqueue(std::shared_ptr<const cuda_prepared_plan> prepared,
+               std::span<const stream_handle> streams = {});
+  // cudaEventQuery on every local rank's completion event.
+  bool poll() override;
   void wait() override;
   // Phases that completed on every rank. Multi-process: what this rank can prove (it passed
   // the barrier after them); another rank may report one more.
   int64_t completed_phases() const override;
-  // Next execute() enqueues nothing from op `at.op` of phase `at.phase` on (in this process),
-  // waits for what it enqueued, and throws errc::injected_fault with completed_phases() ==
-  // at.phase. (This transport enqueues no op of that phase; ops before at.op "may" have run.)
+  // The next enqueue() enqueues nothing from phase `at.phase` on (in this process; ops before
+  // at.op "may" have run, none did) and its wait() throws errc::injected_fault with
+  // completed_phases() == at.phase.
   void inject_fault(std::optional<fault_point> at) override;
 
   // Validates `p` and builds its device work (engine choice, descriptors uploaded to every
-  // local rank's device). Host cost is O(ops); execute(prepared) then costs only launches.
+  // local rank's device). Host cost is O(ops); enqueue(prepared) then costs only launches.
   std::shared_ptr<const cuda_prepared_plan> prepare_plan(const plan& p);
   // prepare_plan(p) into the plan cache.
   void prepare(const plan& p) override;
   using transport::execute;
-  // Runs a plan prepared by this transport (see execute(const plan&)).
-  void execute(const cuda_prepared_plan& prepared);
+  // enqueue(prepared) then wait().
+  void execute(std::shared_ptr<const cuda_prepared_plan> prepared);
 
   // The rank this process drives in multi_process mode; -1 in single_process mode.
   int process_rank() const;
   bool is_local(int rank) const;
   int device_of(int rank) const;            // CUDA ordinal of a local rank
-  cudaStream_t stream_of(int rank) const;   // stream of a local rank
+  cudaStream_t stream_of(int rank) const;   // the transport's own stream of a local rank
   const cuda_peer_config& config() const;
   const cuda_execute_stats& last_execute_stats() const;
   // Drops every cached prepared plan (frees their device descriptors).
@@ -226,8 +228,6 @@ class cuda_peer_transport final : public transport {
  private:
   explicit cuda_peer_transport(std::unique_ptr<impl> state);
   std::unique_ptr<impl> impl_;
-  bool outstanding_ = false;
-  std::exception_ptr failure_;
 };
 
 }  // namespace moebius

@@ -3,7 +3,7 @@
 // Executes plans over NCCL point-to-point calls (DESIGN.md §2, layer 3): the baseline every
 // faster transport is measured against, and the path between hosts.
 //
-// Per phase, on every local rank's stream:
+// Per phase, on every local rank's stream (the caller's, or the transport's own):
 //   1. ops whose source rows are strided are packed into the rank's staging workspace;
 //   2. one ncclGroupStart/ncclGroupEnd holds every ncclSend/ncclRecv of the phase, of every
 //      local rank (a process that drives several ranks must group them, or NCCL deadlocks);
@@ -13,39 +13,47 @@
 //   0. local ops (src_rank == dst_rank) are device copies on a side stream of the rank, forked
 //      from its stream at the start of the phase and joined back at the end, so they overlap
 //      the transfers.
+// Pack, unpack and local copies are the fused copy kernel of cuda_peer_transport
+// (kernels/peer_copy.cu): descriptors of every step are uploaded once per prepared plan, and
+// each step is one launch per rank per phase, however many ops it has.
 // Each rank only ever touches its own memory (NCCL moves the bytes in between), so stream
 // order on each rank (with the side stream joined) is the whole phase barrier: no host round
-// trip between phases.
+// trip between phases. enqueue() returns once everything is enqueued; a completion event per
+// local rank backs poll() and wait().
 //
-// The caller owns everything: communicators, streams, memory spaces and staging workspaces.
-// One process may drive all ranks (ncclCommInitAll over its devices) or one rank each (every
-// process constructs a transport with its own rank and runs the same plan).
+// The caller owns communicators, memory spaces and staging workspaces. One process may drive
+// all ranks (ncclCommInitAll over its devices) or one rank each (every process constructs a
+// transport with its own rank and runs the same plan).
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <exception>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
 
+#include "moebius/memory/rank_memory.hpp"
 #include "moebius/plan/plan.hpp"
 #include "moebius/transport/transport.hpp"
 
 namespace moebius {
 
-// One rank driven by this process.
-struct nccl_rank {
-  ncclComm_t comm = nullptr;              // member of a communicator of P ranks; its NCCL rank is
-                                          // the plan's rank index (ncclCommUserRank)
-  int device = 0;                         // CUDA device of `comm` (ncclCommCuDevice must agree)
-  cudaStream_t stream = nullptr;          // every copy and NCCL call of this rank goes here
-  void* space_base[num_memory_spaces]{};  // device base pointer per memory_space
-  int64_t space_bytes[num_memory_spaces]{};  // bytes per memory_space (0: absent)
+// What a local rank needs besides its memory: its NCCL communicator and its staging workspace.
+struct nccl_rank_comm {
+  ncclComm_t comm = nullptr;    // member of a communicator of P ranks; its NCCL rank is the
+                                // plan's rank index (ncclCommUserRank), its device the rank's
   void* workspace = nullptr;    // device staging buffer, >= workspace_bytes(plan, rank)
   int64_t workspace_bytes = 0;  // its size in bytes
+};
+
+// Settings; every field has a working default.
+struct nccl_config {
+  // Prepared plans (device descriptors of their copy steps) kept, keyed by hash_of(plan);
+  // least recently used dropped first. 0: none (every enqueue prepares).
+  int max_cached_plans = 8;
 };
 
 class nccl_transport final : public transport {
@@ -63,63 +71,55 @@ class nccl_transport final : public transport {
   //   Qwen3-235B at P=2: 1,207,959,552 B (the 805 MB w13 piece plus the 403 MB w2 piece).
   static int64_t workspace_bytes(const plan& p, int rank);
 
-  // `local_ranks`: the ranks this process drives, each with its own communicator (all of
-  // the same size P). Throws errc::invalid_argument when it is empty, when communicators
-  // disagree on P, when two entries are the same NCCL rank, when a device does not match
-  // its communicator's, or when a memory space has a null base but a non-zero size;
-  // errc::nccl when NCCL cannot be queried. Takes no ownership of the caller's objects; creates
-  // one side stream and two events per local rank (errc::cuda when that fails).
-  explicit nccl_transport(std::vector<nccl_rank> local_ranks);
+  // The ranks this process drives: memory[i] and comms[i] belong to the same rank (its NCCL
+  // rank, from comms[i].comm); both lists have one entry per local rank, in any order. Runs
+  // validate_rank_memory(memory, require_device). Throws errc::invalid_argument when the lists
+  // are empty or differ in length, when communicators disagree on P, when two entries are the
+  // same NCCL rank, when a rank's device is not its communicator's, or when a workspace has a
+  // null pointer but a non-zero size; errc::nccl when NCCL cannot be queried. Takes no
+  // ownership of the caller's objects; creates two streams and three events per local rank.
+  nccl_transport(std::vector<rank_memory> memory, std::vector<nccl_rank_comm> comms,
+                 const nccl_config& config = {});
   ~nccl_transport() override;
   nccl_transport(const nccl_transport&) = delete;
   nccl_transport& operator=(const nccl_transport&) = delete;
 
   int num_ranks() const override { return num_ranks_; }
-  // The plan must be for P ranks; every op must fit the smallest local rank's memory space
-  // (all ranks of a deployment have equal spaces), and every local rank's workspace must
-  // hold workspace_bytes(p, rank).
+  // validate_plan_fits over the local ranks' memory (all ranks of a deployment have equal
+  // spaces), and every local rank's workspace must hold workspace_bytes(p, rank).
   void validate(const plan& p) const override;
   std::vector<int> local_ranks() const override;
-  // Enqueues every phase on the local ranks' streams and (for now) synchronizes them; wait()
-  // reports the failure. In a multi-process deployment every process must run the same plan
-  // (with the same fault armed, in tests), or the NCCL calls do not match. When enqueueing
-  // phase k fails, the streams are drained and completed_phases() is k; when synchronizing
-  // fails it is 0 (CUDA errors are sticky: nothing finer can be learnt). Only empty `streams`
-  // are supported so far.
+  // Validates and prepares `p` (descriptors of its pack, unpack and local steps, uploaded once
+  // and cached by hash_of(p)).
+  void prepare(const plan& p) override;
+  // Enqueues every phase on the local ranks' streams (`streams[i]` for local_ranks()[i], on
+  // that rank's device; nullptr or empty: stream_of(rank)) and returns. In a multi-process
+  // deployment every process must run the same plan (with the same fault armed, in tests),
+  // or the NCCL calls do not match. wait() reports failures: when enqueueing phase k failed,
+  // the streams are drained and completed_phases() is k; when the device work fails it is 0
+  // (CUDA errors are sticky: nothing finer can be learnt).
   void enqueue(const plan& p, std::span<const stream_handle> streams = {}) override;
-  bool poll() override { return true; }
+  bool poll() override;
   void wait() override;
   int64_t completed_phases() const override { return completed_phases_; }
-  // The fault fires after ops [0, at.op) of phase at.phase ran on every local rank (both the
-  // sending and the receiving side of each, so NCCL calls still pair up).
+  // The fault enqueues ops [0, at.op) of phase at.phase on every local rank (both the sending
+  // and the receiving side of each, so NCCL calls still pair up) and nothing after; wait()
+  // then throws errc::injected_fault with completed_phases() == at.phase.
   void inject_fault(std::optional<fault_point> at) override { fault_ = at; }
 
-  // Enqueues phases [first, last) of `p` without waiting: for benchmarks and for callers
-  // that overlap a switch with other work on the same streams. validate(p) first.
-  void enqueue_phases(const plan& p, int64_t first, int64_t last);
-  // Waits for every local stream.
-  void synchronize();
+  // The transport's own stream of a local rank.
+  cudaStream_t stream_of(int rank) const;
+  int device_of(int rank) const;  // CUDA device of a local rank
+  // Drops every cached prepared plan (frees their device descriptors).
+  void clear_plan_cache();
 
-  const std::vector<nccl_rank>& local_rank_info() const { return ranks_; }
+  struct impl;
 
  private:
-  // Enqueues ops [0, num_ops) of phase `phase_idx` (all of them for num_ops = -1).
-  void enqueue_phase(const plan_phase& phase, int64_t num_ops);
-  const nccl_rank* find_local(int rank) const;
-  void release_streams() noexcept;
-  void run_blocking(const plan& p);
-
-  std::vector<nccl_rank> ranks_;
-  std::vector<int> local_of_rank_;  // index into ranks_ per global rank, or -1
-  std::vector<int> rank_of_local_;  // global (NCCL) rank of each entry of ranks_
-  std::vector<cudaStream_t> side_;  // per local rank: where its local ops run
-  std::vector<cudaEvent_t> fork_;   // per local rank: phase start on the main stream
-  std::vector<cudaEvent_t> join_;   // per local rank: local ops of the phase done
+  std::unique_ptr<impl> impl_;
   int num_ranks_ = 0;
   std::optional<fault_point> fault_;
   int64_t completed_phases_ = 0;
-  bool outstanding_ = false;
-  std::exception_ptr failure_;
 };
 
 }  // namespace moebius

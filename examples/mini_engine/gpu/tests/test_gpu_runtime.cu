@@ -228,17 +228,7 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
   gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
   const int64_t captured = rt.captures();
   REQUIRE(captured == (rt.graphs_enabled() ? 8 : 0));
-  std::vector<moebius::cuda_rank_memory> mem;
-  for (const moebius::rank_memory& m : rt.memory()) {
-    moebius::cuda_rank_memory cm;
-    cm.device = m.device;
-    for (int s = 0; s < moebius::num_memory_spaces; ++s) {
-      cm.base[s] = m.spaces[s].base;
-      cm.bytes[s] = m.spaces[s].bytes;
-    }
-    mem.push_back(cm);
-  }
-  moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(mem);
+  moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(rt.memory());
   moebius::switcher sw(rt.arena(), rt.kv(), tr, empty_kv_state(rt.kv(), parallel_mode::ep), {0});
   // EP prefill, TP from decode step 3, EP again from 6, TP from 8.
   const std::map<int, parallel_mode> plan = {
