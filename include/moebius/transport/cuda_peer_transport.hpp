@@ -51,7 +51,8 @@ namespace moebius {
 // Which engine moves an op.
 enum class engine_policy : uint8_t {
   automatic,    // copy engine for large ops when a rank has few of them in a phase, else SM kernel
-  copy_engine,  // every op on the copy engine (cudaMemcpy2DAsync)
+  copy_engine,  // every op on the copy engines (cudaMemcpy2DAsync), no SMs: a rank's local
+                // ops run on a second stream beside its remote ones
   sm_kernel,    // every op in the fused SM kernel
 };
 

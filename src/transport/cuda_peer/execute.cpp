@@ -3,9 +3,10 @@
 //
 // Stream order per local rank r on its stream S (the caller's, or the transport's own):
 //   barrier_begin(status, epoch)        resets the rank's status for this plan
-//   graph launch | direct phases        phase k: fused kernel (forked onto the side stream
-//                                       and joined back into S when copy engines also have
-//                                       work), copy-engine copies, barrier closing k
+//   graph launch | direct phases        phase k: fused kernel and local copy-engine copies
+//                                       (on the side stream, joined back into S, when
+//                                       remote copies are queued too), remote copy-engine
+//                                       copies, barrier closing k
 //   status -> pinned host               (inside the graph, or after the direct phases)
 //   record done_event                   poll() queries it, wait() synchronizes it
 // Everything the transport forks joins back into S before the barrier of the phase, so work
@@ -28,9 +29,26 @@ void cuda_peer_transport::impl::enqueue_rank_phase(const prepared_rank& pr, int6
                                                    cuda_execute_stats& counts) const {
   const rank_state& rs = ranks[static_cast<size_t>(pr.rank)];
   const cuda_peer::phase_work& w = pr.phases[static_cast<size_t>(k)];
-  // Both engines have work: fork the kernel onto the side stream, join before the barrier.
-  const bool fork = rs.alone_on_device && w.num_chunks > 0 && w.ce_end > w.ce_begin;
-  cudaStream_t kernel_stream = fork ? rs.side_stream.get() : stream;
+  // The side stream takes the SM kernel and the local copy-engine ops, the rank's stream the
+  // remote copy-engine ops; when both have work they overlap (the local share of a weight
+  // switch is 1/P of its bytes: after the remote slabs on one stream it would cost as much
+  // again), and the side stream joins back before the barrier. Ranks that share a device
+  // have no hardware queue to spare and run everything on their stream.
+  auto enqueue_ce = [&](size_t begin, size_t end, cudaStream_t on) {
+    for (size_t i = begin; i < end; ++i) {
+      const cuda_peer::ce_op& c = pr.ce_ops[i];
+      if (c.height == 1) {
+        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDefault, on));
+      } else {
+        MOEBIUS_CUDA_CHECK(cudaMemcpy2DAsync(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width,
+                                             c.height, cudaMemcpyDefault, on));
+      }
+      ++counts.copy_engine_calls;
+    }
+  };
+  const bool side_work = w.num_chunks > 0 || w.ce_end > w.ce_local;
+  const bool fork = rs.alone_on_device && side_work && w.ce_local > w.ce_begin;
+  cudaStream_t side = fork ? rs.side_stream.get() : stream;
   if (fork) {
     MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.fork_event.get(), stream));
     MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(rs.side_stream.get(), rs.fork_event.get(), 0));
@@ -42,20 +60,12 @@ void cuda_peer_transport::impl::enqueue_rank_phase(const prepared_rank& pr, int6
     a.num_chunks = w.num_chunks;
     a.chunk_bytes = config.sm_chunk_bytes;
     a.status = rs.status;
-    launch_peer_copy(a, w.blocks, config.sm_kernel_threads, kernel_stream);
+    launch_peer_copy(a, w.blocks, config.sm_kernel_threads, side);
     ++counts.kernel_launches;
   }
+  enqueue_ce(w.ce_local, w.ce_end, side);
   if (fork) MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.join_event.get(), rs.side_stream.get()));
-  for (size_t i = w.ce_begin; i < w.ce_end; ++i) {
-    const cuda_peer::ce_op& c = pr.ce_ops[i];
-    if (c.height == 1) {
-      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.width, cudaMemcpyDefault, stream));
-    } else {
-      MOEBIUS_CUDA_CHECK(cudaMemcpy2DAsync(c.dst, c.dst_pitch, c.src, c.src_pitch, c.width,
-                                           c.height, cudaMemcpyDefault, stream));
-    }
-    ++counts.copy_engine_calls;
-  }
+  enqueue_ce(w.ce_begin, w.ce_local, stream);
   if (fork) MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(stream, rs.join_event.get(), 0));
   counts.copy_engine_ops += static_cast<int64_t>(w.ce_end - w.ce_begin);
   counts.sm_kernel_ops += w.num_descs;

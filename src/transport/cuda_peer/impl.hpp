@@ -56,7 +56,8 @@ struct ce_op {
 
 // Work of one rank in one phase.
 struct phase_work {
-  size_t ce_begin = 0;   // range in prepared_rank::ce_ops
+  size_t ce_begin = 0;   // range in prepared_rank::ce_ops: remote ops first,
+  size_t ce_local = 0;   // then, from here, ops within the rank's own memory
   size_t ce_end = 0;
   int64_t desc_offset = 0;  // first descriptor in the rank's device array
   int64_t num_descs = 0;

@@ -107,17 +107,27 @@ std::shared_ptr<const cuda_prepared_plan> cuda_peer_transport::impl::prepare(con
       phase_work w;
       w.ce_begin = pr.ce_ops.size();
       w.desc_offset = static_cast<int64_t>(descs.size());
+      // Copy-engine ops: the remote ones, then the local ones (execute.cpp runs the local
+      // ones on the side stream, on another copy engine, when both kinds are present).
+      for (const bool local_pass : {false, true}) {
+        if (local_pass) w.ce_local = pr.ce_ops.size();
+        for (size_t i = 0; i < mine.size(); ++i) {
+          const copy_op& op = *mine[i];
+          if (!ce[i] || op.is_local() != local_pass) continue;
+          pr.ce_ops.push_back(ce_op{pointer(op.dst_rank, op.dst_space, op.dst_offset),
+                                    static_cast<size_t>(op.rows == 1 ? op.row_bytes : op.dst_pitch),
+                                    pointer(op.src_rank, op.src_space, op.src_offset),
+                                    static_cast<size_t>(op.rows == 1 ? op.row_bytes : op.src_pitch),
+                                    static_cast<size_t>(op.row_bytes),
+                                    static_cast<size_t>(op.rows)});
+          ++pr.ce_count;
+        }
+      }
       for (size_t i = 0; i < mine.size(); ++i) {
         const copy_op& op = *mine[i];
         const std::byte* src = pointer(op.src_rank, op.src_space, op.src_offset);
         std::byte* dst = pointer(op.dst_rank, op.dst_space, op.dst_offset);
-        if (ce[i]) {
-          pr.ce_ops.push_back(ce_op{dst, static_cast<size_t>(op.rows == 1 ? op.row_bytes : op.dst_pitch),
-                                    src, static_cast<size_t>(op.rows == 1 ? op.row_bytes : op.src_pitch),
-                                    static_cast<size_t>(op.row_bytes),
-                                    static_cast<size_t>(op.rows)});
-          ++pr.ce_count;
-        } else {
+        if (!ce[i]) {
           peer_copy_desc d;
           d.src = src;
           d.dst = dst;
