@@ -1,7 +1,8 @@
 """A torch-held Moebius arena for a tiny Qwen3-MoE-style stack, switched EP -> TP -> EP.
 
-    python examples/python/qwen3_moe_switch.py [--gpus N] [--layers L] [--experts E]
-                                               [--hidden H] [--intermediate I] [--iters K]
+    python examples/python/qwen3_moe_switch.py [--gpus N | --virtual-ranks P] [--layers L]
+                                               [--experts E] [--hidden H] [--intermediate I]
+                                               [--iters K]
 
 1. Writes a safetensors checkpoint with Hugging Face names
    (model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight) and loads it the vLLM way:
@@ -14,7 +15,9 @@
    packing plus torch.distributed.all_to_all_single.
 
 Needs torch with CUDA and a CUDA build of moebius; exits 0 with a message otherwise. With one
-GPU it checks the switch on two virtual ranks of that GPU and skips the timing.
+GPU (or --virtual-ranks P) it runs P ranks in one process on GPU 0 (virtual ranks), checks the
+switch the same way and times it as copies inside that GPU (no torch baseline: NCCL refuses
+two ranks on one GPU).
 """
 
 import argparse
@@ -38,6 +41,11 @@ try:
 except ImportError:
     skip("torch is not installed")
 import moebius  # noqa: E402
+
+# Virtual ranks spin in barriers on one device, each on a hardware queue of its own: ask for
+# enough queues before torch creates a CUDA context (harmless with one rank per GPU).
+if moebius.with_cuda:
+    moebius.request_hardware_queues_for_virtual_ranks()
 
 EP, TP = moebius.Mode.EP, moebius.Mode.TP
 W13, W2 = moebius.WeightTensor.w13, moebius.WeightTensor.w2
@@ -220,8 +228,9 @@ def rank_main(rank, P, args, path, port):
 
 
 def virtual_ranks(args, path):
-    """One GPU: two virtual ranks in this process, correctness only."""
-    P = 2
+    """P ranks in this process on GPU 0 (virtual ranks): the same checks, and the switch timed
+    as copies inside one GPU, on the engine's own streams."""
+    P = args.virtual_ranks or 2
     shape = shape_of(args)
     arena = moebius.make_arena_geometry(shape, P)
     layers = load_experts(args, path)
@@ -233,18 +242,38 @@ def virtual_ranks(args, path):
                 torch.from_dlpack(mem.weight_view(arena, l, EP, t)).copy_(ep_shard(w, r, P))
     torch.cuda.synchronize()
     transport = moebius.CudaPeerTransport.single_process(ranks)
-    transport.execute(moebius.plan_weight_switch(arena, 0, shape.num_layers))
+    streams = [torch.cuda.Stream() for _ in range(P)]  # the engine's streams, one per rank
+    handles = [s.cuda_stream for s in streams]
+    to_tp = moebius.plan_weight_switch(arena, 0, shape.num_layers)
+    to_ep = moebius.plan_weight_switch(arena, shape.num_layers, 0)
+    transport.enqueue(to_tp, handles)
+    transport.wait()
     for r, mem in enumerate(ranks):
         check(mem, arena, layers, r, TP)
-    transport.execute(moebius.plan_weight_switch(arena, shape.num_layers, 0))
+    transport.enqueue(to_ep, handles)
+    transport.wait()
     for r, mem in enumerate(ranks):
         check(mem, arena, layers, r, EP)
-    print("qwen3_moe_switch: ok on 2 virtual ranks of one GPU (timing needs 2 GPUs: skipped)")
+
+    def switch(plan):
+        transport.enqueue(plan, handles)
+        transport.wait()
+
+    sent = to_tp.traffic()["max_bytes_sent"]
+    t = timed(lambda: (switch(to_tp), switch(to_ep)), args.iters) / 2
+    print(f"EP->TP of {shape.num_layers} layers on {P} virtual ranks of one GPU, "
+          f"{sent / 2**20:.1f} MiB sent per rank:")
+    print(f"  moebius CudaPeerTransport        {t * 1e3:8.3f} ms  "
+          f"{sent / t / 1e9:7.1f} GB/s per rank (copies inside one GPU)")
+    print(f"qwen3_moe_switch: ok on {P} virtual ranks of one GPU")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: all, >= 2)")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="GPUs to use, one process each (default: all; one GPU: virtual ranks)")
+    parser.add_argument("--virtual-ranks", type=int, default=0, metavar="P",
+                        help="P ranks in one process on GPU 0 instead (default with one GPU: 2)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -256,10 +285,12 @@ def main():
     if not torch.cuda.is_available():
         skip("no CUDA device")
     gpus = args.gpus or torch.cuda.device_count()
+    if gpus > torch.cuda.device_count():
+        sys.exit(f"qwen3_moe_switch: --gpus {gpus} but {torch.cuda.device_count()} GPUs are visible")
     with tempfile.TemporaryDirectory() as tmpdir:
         path = os.path.join(tmpdir, "model.safetensors")
         write_checkpoint(args, path)
-        if gpus < 2:
+        if args.virtual_ranks or gpus < 2:
             return virtual_ranks(args, path)
         import socket
         with socket.socket() as s:

@@ -15,6 +15,8 @@
 #include <future>
 #include <thread>
 
+#include "moebius/transport/cuda_peer_transport.hpp"
+
 namespace moebius::python {
 
 namespace {

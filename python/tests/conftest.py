@@ -8,6 +8,13 @@ import pytest
 
 import moebius
 
+# The GPU tests put up to 4 virtual ranks on one device, each on a caller's stream: every such
+# stream needs a hardware queue of its own (cuda_peer_transport.hpp). This must run before
+# anything (torch) creates a CUDA context in this process, so it runs when pytest loads this
+# file, before the test modules import torch.
+if moebius.with_cuda:
+    moebius.request_hardware_queues_for_virtual_ranks()
+
 POISON = 0xAB
 
 

@@ -1,17 +1,22 @@
 """GPU tests with torch: the CUDA peer transport in one process (ranks on devices, or virtual
-ranks sharing one device) and across processes (IPC handles as bytes, gathered by the caller).
+ranks sharing one device) and across processes (IPC handles as bytes, gathered by the caller
+or through a torch.distributed group), the progressive switcher on caller streams. With one
+GPU every test runs: P ranks share it (virtual ranks in one process, or one process each).
 Marked `gpu`; skipped without torch, CUDA devices or a CUDA build of moebius.
 
 Run on the device: python -m pytest -q -m gpu python/tests
 """
 
+import datetime
 import multiprocessing as mp
+import os
+import queue
 
 import numpy as np
 import pytest
 
 import moebius
-from conftest import tp_slice
+from conftest import ep_slice, host_memory, raw_view, tp_slice
 from test_kv import logical_kv, random_ep_state
 
 torch = pytest.importorskip("torch")
@@ -28,7 +33,7 @@ W13, W2 = moebius.WeightTensor.w13, moebius.WeightTensor.w2
 
 def devices(P):
     n = torch.cuda.device_count()
-    return [r % n for r in range(P)]  # one device: virtual ranks
+    return [r % n for r in range(P)]  # fewer devices than ranks: virtual ranks
 
 
 def make_weights(shape, seed):
@@ -45,47 +50,108 @@ def load_ep(mem, arena, full, rank):
             torch.from_dlpack(mem.weight_view(arena, layer, EP, t)).copy_(w[rank * n:(rank + 1) * n])
 
 
-def check_tp(mem, arena, full, rank):
+def tp_reference(w, t, rank, P):
+    """vLLM's TP shard of the full bf16 tensor `w`, by numpy slicing (conftest.tp_slice)."""
+    return torch.from_numpy(tp_slice(w.view(torch.int16).numpy(), t, rank, P)).view(torch.bfloat16)
+
+
+def check_tp(mem, arena, full, rank, layers=None):
     for layer, tensors in enumerate(full):
+        if layers is not None and layer not in layers:
+            continue
         for t, w in tensors.items():
             got = torch.from_dlpack(mem.weight_view(arena, layer, TP, t)).cpu()
-            want = torch.from_numpy(tp_slice(w.view(torch.int16).numpy(), t, rank,
-                                              arena.num_ranks)).view(torch.bfloat16)
-            assert torch.equal(got, want), f"layer {layer} {t} rank {rank}"
+            assert torch.equal(got, tp_reference(w, t, rank, arena.num_ranks)), \
+                f"layer {layer} {t} rank {rank}"
 
 
-@pytest.mark.parametrize("P", [2, 4])
-def test_single_process_weight_switch(P):
-    shape = moebius.ExpertShape(num_layers=3, num_experts=8, hidden=256, intermediate=128)
+def check_ep(mem, arena, full, rank):
+    for layer, tensors in enumerate(full):
+        for t, w in tensors.items():
+            n = w.shape[0] // arena.num_ranks
+            got = torch.from_dlpack(mem.weight_view(arena, layer, EP, t)).cpu()
+            assert torch.equal(got, w[rank * n:(rank + 1) * n]), f"layer {layer} {t} rank {rank}"
+
+
+def weight_deployment(P, num_layers=3, seed=1):
+    """P ranks (poisoned arenas, EP shards loaded) on devices(P)."""
+    shape = moebius.ExpertShape(num_layers=num_layers, num_experts=8, hidden=256, intermediate=128)
     arena = moebius.make_arena_geometry(shape, P)
-    full = make_weights(shape, 1)
+    full = make_weights(shape, seed)
     tensors = [torch.full((arena.total_bytes,), 0xAB, dtype=torch.uint8, device=f"cuda:{d}")
                for d in devices(P)]
     ranks = [moebius.RankMemory(t) for t in tensors]
     for r, mem in enumerate(ranks):
         assert mem.device == tensors[r].device.index
         load_ep(mem, arena, full, r)
+    torch.cuda.synchronize()
+    return shape, arena, full, tensors, ranks
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_single_process_weight_switch(P):
+    shape, arena, full, tensors, ranks = weight_deployment(P)
     view = torch.from_dlpack(ranks[0].weight_view(arena, 1, TP, W13))
     assert view.dtype == torch.bfloat16 and view.is_cuda
     assert view.data_ptr() == tensors[0].data_ptr() + arena.tensor_base(TP, 1, W13)
     streams = [torch.cuda.Stream(device=d) for d in devices(P)]
     transport = moebius.CudaPeerTransport.single_process(ranks)
-    assert transport.stream_of(0) != 0
-    torch.cuda.synchronize()
-    # On the caller's streams: the plan runs after what was queued there before it.
+    assert transport.num_ranks() == P and transport.local_ranks() == list(range(P))
+    assert transport.process_rank == -1 and transport.stream_of(0) != 0
+    assert [transport.device_of(r) for r in range(P)] == devices(P)
+    # On the caller's streams: the plan runs after what was queued there before it, and what
+    # the caller queues after enqueue() returns runs after the plan (here: a copy of each
+    # rank's last TP layer, taken before wait()).
     transport.enqueue(moebius.plan_weight_switch(arena, 0, shape.num_layers),
                       [s.cuda_stream for s in streams])
+    copies = []
+    for r, (mem, s) in enumerate(zip(ranks, streams)):
+        with torch.cuda.stream(s):
+            copies.append(torch.from_dlpack(
+                mem.weight_view(arena, shape.num_layers - 1, TP, W2)).clone())
+    while not transport.poll():
+        pass
     transport.wait()
+    assert transport.completed_phases() == shape.num_layers
+    torch.cuda.synchronize()
     for r, mem in enumerate(ranks):
         check_tp(mem, arena, full, r)
-    assert transport.last_execute_stats["copy_engine_ops"] + \
-        transport.last_execute_stats["sm_kernel_ops"] > 0
+        assert torch.equal(copies[r].cpu(), tp_reference(full[-1][W2], W2, r, P)), f"rank {r}"
+    stats = transport.last_execute_stats
+    assert stats["copy_engine_ops"] + stats["sm_kernel_ops"] > 0
+    # Back to EP on the transport's own streams.
     transport.execute(moebius.plan_weight_switch(arena, shape.num_layers, 0))
     for r, mem in enumerate(ranks):
-        for layer in range(shape.num_layers):
-            n = shape.num_experts // P
-            got = torch.from_dlpack(mem.weight_view(arena, layer, EP, W2)).cpu()
-            assert torch.equal(got, full[layer][W2][r * n:(r + 1) * n])
+        check_ep(mem, arena, full, r)
+    # The same plan again comes from the plan cache.
+    transport.execute(moebius.plan_weight_switch(arena, 0, shape.num_layers))
+    assert transport.last_execute_stats["from_cache"]
+    for r, mem in enumerate(ranks):
+        check_tp(mem, arena, full, r)
+
+
+@pytest.mark.parametrize("engine", ["copy_engine", "sm_kernel"])
+def test_injected_fault_then_resume(engine):
+    """A plan that fails at phase 1 leaves layer 0 in TP and the rest in EP; the switch then
+    resumes from cursor 1. Both engines, so each moves whole layers."""
+    P = 2
+    shape, arena, full, tensors, ranks = weight_deployment(P, num_layers=4, seed=2)
+    config = moebius.CudaPeerConfig()
+    config.engine = getattr(moebius.EnginePolicy, engine)
+    transport = moebius.CudaPeerTransport.single_process(ranks, config)
+    transport.inject_fault(1)
+    with pytest.raises(moebius.Error) as e:
+        transport.execute(moebius.plan_weight_switch(arena, 0, shape.num_layers))
+    assert e.value.code == "injected_fault"
+    assert transport.completed_phases() == 1
+    for r, mem in enumerate(ranks):
+        check_tp(mem, arena, full, r, layers=[0])
+    transport.execute(moebius.plan_weight_switch(arena, 1, shape.num_layers))  # one-shot
+    stats = transport.last_execute_stats
+    assert stats[f"{engine}_ops"] > 0 and stats["copy_engine_ops" if engine == "sm_kernel"
+                                                    else "sm_kernel_ops"] == 0
+    for r, mem in enumerate(ranks):
+        check_tp(mem, arena, full, r)
 
 
 def test_kv_migration_on_gpu():
@@ -97,18 +163,145 @@ def test_kv_migration_on_gpu():
     pools = [torch.from_numpy(h).to(f"cuda:{d}") for h, d in zip(host, devices(P))]
     arenas = [torch.zeros(4096, dtype=torch.uint8, device=p.device) for p in pools]
     ranks = [moebius.RankMemory(a, p) for a, p in zip(arenas, pools)]
-    before = logical_kv(kv, state, [moebius.RankMemory(np.zeros(64, np.uint8), h) for h in host])
+
+    def on_host(tensors):
+        return [moebius.RankMemory(host_memory(64), t.cpu().numpy()) for t in tensors]
+
+    before = logical_kv(kv, state, on_host(pools))
     transport = moebius.CudaPeerTransport.single_process(ranks)
-    migration = moebius.plan_kv_migration(kv, state, TP)
-    transport.execute(migration.copies)
-    after_host = [p.cpu().numpy() for p in pools]
-    after = logical_kv(kv, migration.new_state,
-                       [moebius.RankMemory(np.zeros(64, np.uint8), h) for h in after_host])
+    to_tp = moebius.plan_kv_migration(kv, state, TP)
+    transport.execute(to_tp.copies)
+    after = logical_kv(kv, to_tp.new_state, on_host(pools))
+    assert after.keys() == before.keys()
     for seq_id, data in before.items():
-        np.testing.assert_array_equal(after[seq_id], data)
+        np.testing.assert_array_equal(after[seq_id], data, err_msg=f"sequence {seq_id} in TP")
+    to_ep = moebius.plan_kv_migration(kv, to_tp.new_state, EP)
+    transport.execute(to_ep.copies)
+    back = logical_kv(kv, to_ep.new_state, on_host(pools))
+    for seq_id, data in before.items():
+        np.testing.assert_array_equal(back[seq_id], data, err_msg=f"sequence {seq_id} in EP")
+
+
+def switcher_deployment(rng, P, L):
+    """Host memory of a weights + KV deployment (as test_switcher.deployment, L layers)."""
+    shape = moebius.ExpertShape(num_layers=L, num_experts=4, hidden=64, intermediate=32)
+    arena = moebius.make_arena_geometry(shape, P, 256, 4096)
+    kv = moebius.make_kv_geometry(L, 4, 16, 4, 16, P)
+    full = [{t: rng.integers(0, 2**16, moebius.weight_view_shape(shape, 1, EP, t),
+                             dtype=np.uint16) for t in (W13, W2)} for _ in range(L)]
+    arenas = [host_memory(arena.total_bytes) for _ in range(P)]
+    pools = [rng.integers(0, 256, kv.pool_bytes, dtype=np.uint8) for _ in range(P)]
+    for r in range(P):
+        mem = moebius.RankMemory(arenas[r], pools[r])
+        for layer in range(L):
+            for t in (W13, W2):
+                raw_view(mem, arena, layer, EP, t)[...] = ep_slice(full[layer][t], t, r, P)
+    return arena, kv, full, arenas, pools, random_ep_state(rng, kv, 0.4)
+
+
+def test_progressive_switch_on_caller_streams():
+    """The switcher over CudaPeerTransport, one layer per "decode step" on the engine's
+    streams; each step's reads queued behind advance() see the moved layer. Every byte of
+    every rank ends as the host transport's run of the same switch leaves it, and weights and
+    KV match numpy slicing."""
+    P, L = 2, 3
+    rng = np.random.default_rng(5)
+    arena, kv, full, arenas, pools, state = switcher_deployment(rng, P, L)
+    before = logical_kv(kv, state, [moebius.RankMemory(a, p) for a, p in zip(arenas, pools)])
+
+    # The reference: the same progressive switch on the host transport.
+    host_arenas, host_pools = [a.copy() for a in arenas], [p.copy() for p in pools]
+    host_ranks = [moebius.RankMemory(a, p) for a, p in zip(host_arenas, host_pools)]
+    host = moebius.Switcher(arena, kv, moebius.HostTransport(host_ranks), state)
+    assert host.begin(TP)["outcome"] == "in_progress"
+    for _ in range(L):
+        host.advance(1)
+        while not host.poll():
+            pass
+    assert host.finish()["outcome"] == "committed"
+
+    gpu_arenas = [torch.from_numpy(a).to(f"cuda:{d}") for a, d in zip(arenas, devices(P))]
+    gpu_pools = [torch.from_numpy(p).to(f"cuda:{d}") for p, d in zip(pools, devices(P))]
+    ranks = [moebius.RankMemory(a, p) for a, p in zip(gpu_arenas, gpu_pools)]
+    streams = [torch.cuda.Stream(device=d) for d in devices(P)]
+    flips = []
+    sw = moebius.Switcher(arena, kv, moebius.CudaPeerTransport.single_process(ranks), state,
+                          on_commit=flips.append)
+    assert sw.check(TP)["fits"]
+    torch.cuda.synchronize()
+    assert sw.begin(TP)["outcome"] == "in_progress" and sw.layers_remaining == L
+    for layer in range(L):
+        assert sw.advance(1, [s.cuda_stream for s in streams]) == 1
+        reads = []
+        for mem, s in zip(ranks, streams):  # the engine's next step reads the layer in TP
+            with torch.cuda.stream(s):
+                reads.append(torch.from_dlpack(mem.weight_view(arena, layer, TP, W13)).clone())
+        while not sw.poll():
+            pass
+        assert sw.cursor == layer + 1 and sw.layer_mode(layer) == TP
+        torch.cuda.synchronize()
+        for r, got in enumerate(reads):
+            np.testing.assert_array_equal(got.view(torch.int16).cpu().numpy().view(np.uint16),
+                                          tp_slice(full[layer][W13], W13, r, P),
+                                          err_msg=f"layer {layer} rank {r}")
+    report = sw.finish()
+    assert report["outcome"] == "committed", report["error"]
+    assert flips == [TP] and sw.mode == TP and not sw.in_progress
+
+    def same_bytes_as_host(when):
+        for r in range(P):
+            np.testing.assert_array_equal(gpu_arenas[r].cpu().numpy(), host_arenas[r],
+                                          err_msg=f"arena of rank {r} {when}")
+            np.testing.assert_array_equal(gpu_pools[r].cpu().numpy(), host_pools[r],
+                                          err_msg=f"KV pool of rank {r} {when}")
+
+    same_bytes_as_host("in TP")
+    on_host = [moebius.RankMemory(a.cpu().numpy(), p.cpu().numpy())
+               for a, p in zip(gpu_arenas, gpu_pools)]
+    for r, mem in enumerate(on_host):
+        for layer in range(L):
+            for t in (W13, W2):
+                np.testing.assert_array_equal(raw_view(mem, arena, layer, TP, t),
+                                              tp_slice(full[layer][t], t, r, P))
+    after = logical_kv(kv, sw.kv_tables, on_host)
+    assert after.keys() == before.keys()
+    for seq_id, data in before.items():
+        np.testing.assert_array_equal(after[seq_id], data, err_msg=f"sequence {seq_id}")
+
+    back = sw.switch_to(EP)
+    assert back["outcome"] == "committed", back["error"]
+    assert flips == [TP, EP] and sw.cursor == 0
+    assert host.switch_to(EP)["outcome"] == "committed"
+    same_bytes_as_host("back in EP")
+
+
+# --- across processes: one rank per process, on device rank % devices ---------------------------
+def run_ranks(target, P, *args, timeout=180):
+    """Runs target(rank, P, *args, results) in P spawned processes; returns {rank: outcome}.
+    Children that have not reported by `timeout` are killed, never left behind."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, P, *args, results)) for r in range(P)]
+    for p in procs:
+        p.start()
+    outcome = {}
+    try:
+        for _ in range(P):
+            rank, what = results.get(timeout=timeout)
+            outcome[rank] = what
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return outcome
 
 
 def _ipc_rank(rank, P, to_parent, from_parent, results):
+    sent = False
     try:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         shape = moebius.ExpertShape(num_layers=2, num_experts=4, hidden=128, intermediate=64)
@@ -120,13 +313,32 @@ def _ipc_rank(rank, P, to_parent, from_parent, results):
         torch.cuda.synchronize()
         exchange = moebius.CudaPeerTransport.export_ipc(mem, rank, P)
         to_parent.put((rank, exchange.local_info()))  # the engine's process group does this
-        transport = exchange.open(from_parent.get(timeout=120))
+        sent = True
+        infos = from_parent.get(timeout=120)
+        if infos is None:
+            raise RuntimeError("another rank failed before the exchange")
+        transport = exchange.open(infos)
         assert transport.process_rank == rank and transport.local_ranks() == [rank]
         transport.execute(moebius.plan_weight_switch(arena, 0, 2))
         check_tp(mem, arena, full, rank)
+        transport.execute(moebius.plan_weight_switch(arena, 2, 0))
+        check_ep(mem, arena, full, rank)
         results.put((rank, "ok"))
-    except Exception as e:  # report, never hang the parent
+    except BaseException as e:  # report, never hang the parent
+        if not sent:
+            to_parent.put((rank, None))
         results.put((rank, repr(e)))
+
+
+def _relay(P, to_parent, from_parent):
+    """The parent's part of the IPC exchange: gathers every rank's bytes, sends them all back
+    (None to every rank when one failed before it sent its bytes)."""
+    infos = dict(to_parent.get(timeout=120) for _ in range(P))
+    ok = all(b is not None for b in infos.values())
+    if ok:
+        assert all(len(b) == moebius.cuda_ipc_rank_info_bytes for b in infos.values())
+    for q in from_parent:
+        q.put([infos[r] for r in range(P)] if ok else None)
 
 
 def test_multi_process_ipc_exchange():
@@ -138,11 +350,59 @@ def test_multi_process_ipc_exchange():
              for r in range(P)]
     for p in procs:
         p.start()
-    infos = dict(to_parent.get(timeout=120) for _ in range(P))
-    assert all(len(b) == moebius.cuda_ipc_rank_info_bytes for b in infos.values())
-    for q in from_parent:
-        q.put([infos[r] for r in range(P)])
-    outcome = dict(results.get(timeout=120) for _ in range(P))
-    for p in procs:
-        p.join(timeout=60)
+    outcome = {}
+    try:
+        _relay(P, to_parent, from_parent)
+        outcome = dict(results.get(timeout=180) for _ in range(P))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert outcome == {r: "ok" for r in range(P)}
+
+
+def _gloo_rank(rank, P, init_file, results):
+    try:
+        import socket
+
+        import torch.distributed as dist
+        if "lo" in (name for _, name in socket.if_nameindex()):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no network but the loopback
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=P, timeout=datetime.timedelta(seconds=60))
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        shape = moebius.ExpertShape(num_layers=3, num_experts=4, hidden=128, intermediate=64)
+        arena = moebius.make_arena_geometry(shape, P)
+        full = make_weights(shape, 4)
+        buffer = torch.full((arena.total_bytes,), 0xAB, dtype=torch.uint8, device="cuda")
+        mem = moebius.RankMemory(buffer)
+        load_ep(mem, arena, full, rank)
+        torch.cuda.synchronize()
+
+        def all_gather(local):
+            gathered = [None] * P
+            dist.all_gather_object(gathered, local)
+            return gathered
+
+        transport = moebius.CudaPeerTransport.multi_process(mem, rank, P, all_gather)
+        assert transport.process_rank == rank and transport.local_ranks() == [rank]
+        stream = torch.cuda.Stream()
+        transport.enqueue(moebius.plan_weight_switch(arena, 0, 3), [stream.cuda_stream])
+        transport.wait()
+        check_tp(mem, arena, full, rank)
+        transport.execute(moebius.plan_weight_switch(arena, 3, 0))
+        check_ep(mem, arena, full, rank)
+        dist.barrier()  # no rank unmaps its peers' memory while one still writes into it
+        del transport
+        dist.destroy_process_group()
+        results.put((rank, "ok"))
+    except BaseException as e:
+        results.put((rank, repr(e)))
+
+
+def test_multi_process_all_gather_through_torch_distributed(tmp_path):
+    P = 2
+    outcome = run_ranks(_gloo_rank, P, str(tmp_path / "gloo_init"))
     assert outcome == {r: "ok" for r in range(P)}
