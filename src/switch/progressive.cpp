@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -83,22 +84,9 @@ switch_report switcher::begin(parallel_mode target) {
                 ", MoE layers ", weights_.shape.num_layers, ")");
   const auto t0 = clock_type::now();
   switch_report& rep = progress_report_;
-  rep = switch_report{};
-  rep.from = mode();
-  rep.to = target;
-  rep.cursor = cursor_;
-  if (!consistent_) {
-    rep.outcome = switch_outcome::inconsistent;
-    rep.error = "refused: the switcher is inconsistent since an earlier failure (" +
-                inconsistency_ + "); reload the experts and the KV pool first";
-    return rep;
-  }
-  validate(kv_geometry_, kv_);
-  const arena_cursor goal{target == parallel_mode::tp ? weights_.shape.num_layers : 0};
-  if (kv_.mode == target && cursor_ == goal) {
-    rep.outcome = switch_outcome::already_there;
-    return rep;
-  }
+  const std::optional<arena_cursor> opened = open_report(rep, target);
+  if (!opened) return rep;
+  const arena_cursor goal = *opened;
 
   // Capacity and plans: the KV of one layer (every layer migrates alike), staged in the free
   // slot; the planner refuses (errc::capacity) when the target cannot hold the live KV.

@@ -109,6 +109,27 @@ std::string switcher::run(const plan& p, switch_fault::stage stage, int64_t& com
   return failure;
 }
 
+std::optional<arena_cursor> switcher::open_report(switch_report& rep,
+                                                  parallel_mode target) const {
+  rep = switch_report{};
+  rep.from = mode();
+  rep.to = target;
+  rep.cursor = cursor_;
+  if (!consistent_) {
+    rep.outcome = switch_outcome::inconsistent;
+    rep.error = "refused: the switcher is inconsistent since an earlier failure (" +
+                inconsistency_ + "); reload the experts and the KV pool first";
+    return std::nullopt;
+  }
+  validate(kv_geometry_, kv_);
+  const arena_cursor goal = resting_cursor(weights_, target);
+  if (kv_.mode == target && cursor_ == goal) {
+    rep.outcome = switch_outcome::already_there;
+    return std::nullopt;
+  }
+  return goal;
+}
+
 switch_report switcher::switch_to(parallel_mode target) {
   // Armed faults are for this call only, reached or not.
   struct disarm_on_exit {
@@ -121,23 +142,13 @@ switch_report switcher::switch_to(parallel_mode target) {
   const auto t0 = clock_type::now();
   const detail::nvtx_range switch_range("moebius/switch");
   switch_report rep;
-  rep.from = mode();
-  rep.to = target;
-  rep.cursor = cursor_;
-  if (!consistent_) {
-    rep.outcome = switch_outcome::inconsistent;
-    rep.error = "refused: the switcher is inconsistent since an earlier failure (" +
-                inconsistency_ + "); reload the experts and the KV pool first";
-    return rep;
-  }
-  validate(kv_geometry_, kv_);
-  const arena_cursor start = cursor_;
-  const arena_cursor goal = resting_cursor(weights_, target);
-  if (kv_.mode == target && cursor_ == goal) {
-    rep.outcome = switch_outcome::already_there;
+  const std::optional<arena_cursor> opened = open_report(rep, target);
+  if (!opened) {
     rep.total_ms = ms_between(t0, clock_type::now());
     return rep;
   }
+  const arena_cursor start = cursor_;
+  const arena_cursor goal = *opened;
 
   // 1. Capacity and plans, before any byte moves. The KV planner is the capacity check (it
   // builds nothing and throws errc::capacity when the target cannot hold the live KV), so a

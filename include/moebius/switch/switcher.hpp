@@ -202,6 +202,10 @@ class switcher {
                   bool& state_unknown);
 
   kv_migration_options kv_options(arena_cursor weights_at) const;
+  // Opens `rep` for a switch to `target` (from, to, cursor) and returns the resting cursor of
+  // `target`, or nothing when the report is already final: refused because the switcher is
+  // inconsistent, or already_there. switch_to() and begin() start alike.
+  std::optional<arena_cursor> open_report(switch_report& rep, parallel_mode target) const;
   // Arms the first armed fault whose stage `matches` on the transport, and drops it.
   void arm_fault(const std::function<bool(switch_fault::stage)>& matches);
 
