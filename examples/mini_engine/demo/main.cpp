@@ -14,10 +14,10 @@
 // on the modelled H200 clock; in a CUDA + NCCL build on a machine with GPUs (`--runtime gpu`,
 // or auto) the GPU runtime (gpu/gpu_runtime.hpp) serves the same small() model and weights on
 // P = min(GPUs, 2) ranks, one per device, each step timed with CUDA events (measured clock),
-// the switches over cuda_peer_transport. One GPU has no TP/EP crossover to find (both modes
-// run the same work on one device), so when calibration finds none the switching runs switch
-// at fixed steps instead (forced), which still moves every weight and KV page and replays
-// the graphs after each switch.
+// the switches over cuda_peer_transport. At GPU step times the trace keeps few sequences
+// running, below the calibrated thresholds (and one GPU has no crossover), so on GPUs the
+// switching runs switch every 100 steps (forced), which still moves every weight and KV page
+// and serves across each switch (graphs replayed after it, hybrid steps during progressive).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -511,7 +511,23 @@ int run_demo(const demo::options& o) {
   };
 
   engine_options switching_opts = base;
-  if (cal.has_thresholds) {
+  if (w.on_gpu) {
+    // At GPU step times the demo's trace keeps few sequences running (each step takes a
+    // fraction of a millisecond), below any threshold the calibration finds, and one GPU has
+    // no crossover at all: the switching runs switch every 100 steps instead (forced), which
+    // moves every weight and KV page over cuda_peer_transport and serves across each switch
+    // (graphs replayed after it, hybrid steps during the progressive ones).
+    switching_opts.how = switching::forced;
+    switching_opts.start_mode = parallel_mode::tp;
+    for (int64_t s = 100; s <= 100'000; s += 100) switching_opts.forced_steps.push_back(s);
+    std::printf("  on the GPU the switching runs switch every 100 steps (forced; the "
+                "calibrated policy, for reference, below)\n");
+    if (cal.has_thresholds) {
+      std::ostringstream d;
+      d << moebius::apply_calibration(cal, moebius::interactive_config(cal.t_high));
+      std::printf("  policy: %s\n", d.str().c_str());
+    }
+  } else if (cal.has_thresholds) {
     switching_opts.how = switching::policy;
     switching_opts.policy = moebius::apply_calibration(cal, moebius::interactive_config(cal.t_high));
     switching_opts.policy.cooldown_s = 0.02;  // the trace is compressed: bursts of 0.1 s
@@ -521,16 +537,6 @@ int run_demo(const demo::options& o) {
     std::ostringstream d;
     d << switching_opts.policy;
     std::printf("  policy: %s\n", d.str().c_str());
-  } else if (w.on_gpu) {
-    // No crossover to switch at (one GPU runs the same work in both modes): switch every
-    // 100 steps instead, so that the switching runs still move the weights and KV over
-    // cuda_peer_transport and serve across switches (graphs replayed after each).
-    switching_opts.how = switching::forced;
-    switching_opts.start_mode = parallel_mode::tp;
-    for (int64_t s = 100; s <= 100'000; s += 100) switching_opts.forced_steps.push_back(s);
-    std::printf("  no crossover in the measured range (%s): the switching runs switch every 100 "
-                "steps instead (forced)\n",
-                moebius::to_string(cal.cross.status));
   } else {
     switching_opts.start_mode = cal.cross.status == moebius::crossover_status::ep_always_faster
                                     ? parallel_mode::ep

@@ -75,17 +75,21 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
   out.logits.resize(3);
   out.positions.resize(3);
   std::vector<int64_t> done(3, 0);  // tokens of each sequence already in the KV cache
+  // Tokens reserved per sequence so far (a progressive switch reserves ahead; the tables
+  // never shrink a sequence below what it holds).
+  std::vector<int64_t> reserved(3, 0);
   const int total_steps = 2 + decode_steps;
   for (int s = 0; s < total_steps; ++s) {
     if (auto it = switch_at.find(s); it != switch_at.end()) {
       REQUIRE(sw != nullptr);
       REQUIRE(!sw->in_progress());
       if (progressive_layers > 0) {
-        for (int q = 0; q < 3; ++q)  // the longest any sequence gets: prompt + one per step
-          reserve_tokens(rt.kv(), sw->mutable_kv_tables(), q,
-                         static_cast<int64_t>(prompts[static_cast<size_t>(q)].size()) +
-                             total_steps,
+        for (int q = 0; q < 3; ++q) {  // the longest any sequence gets: prompt + one per step
+          reserved[static_cast<size_t>(q)] =
+              static_cast<int64_t>(prompts[static_cast<size_t>(q)].size()) + total_steps;
+          reserve_tokens(rt.kv(), sw->mutable_kv_tables(), q, reserved[static_cast<size_t>(q)],
                          q % P);
+        }
         const moebius::switch_report rep = sw->begin(it->second);
         INFO(rep);
         REQUIRE(rep.outcome == moebius::switch_outcome::in_progress);
@@ -114,7 +118,10 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
       if (s == 1 && q != 0) continue;  // seqs 1, 2 wait for seq 0's second chunk
       if (from >= to) continue;
       chunk_store[static_cast<size_t>(q)].assign(toks.begin() + from, toks.begin() + to);
-      if (!hybrid) reserve_tokens(rt.kv(), kv, q, to, q % P);
+      if (!hybrid) {
+        reserved[static_cast<size_t>(q)] = std::max(reserved[static_cast<size_t>(q)], to);
+        reserve_tokens(rt.kv(), kv, q, reserved[static_cast<size_t>(q)], q % P);
+      }
       step_item it;
       it.seq_id = q;
       it.tokens = chunk_store[static_cast<size_t>(q)];
