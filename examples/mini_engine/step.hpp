@@ -74,6 +74,11 @@ class runtime {
   // receives, per sampled item in order, the vocab-sized row of logits.
   virtual std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                                     std::vector<std::vector<float>>* logits = nullptr) = 0;
+
+  // Seconds the last step() took as the runtime measured it itself (the GPU runtime: CUDA
+  // events around the step on every rank's stream, the longest rank), or < 0 when it does
+  // not measure: the serving loop then times step() on the host.
+  virtual double measured_step_s() const { return -1; }
 };
 
 }  // namespace mini_engine

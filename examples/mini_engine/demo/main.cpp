@@ -10,9 +10,14 @@
 //   stage 3  the four runs, with progress; both switching runs must produce the static
 //            runs' greedy tokens, request for request.
 //
-// Runtimes: the host runtime (P virtual ranks in this process) on the small() model; on a
-// machine with GPUs `--runtime gpu` is where the GPU runtime plugs in (make_world below); until
-// it exists the demo says so and runs the host runtime.
+// Runtimes: the host runtime (P virtual ranks in this process) on the small() model, priced
+// on the modelled H200 clock; in a CUDA + NCCL build on a machine with GPUs (`--runtime gpu`,
+// or auto) the GPU runtime (gpu/gpu_runtime.hpp) serves the same small() model and weights on
+// P = min(GPUs, 2) ranks, one per device, each step timed with CUDA events (measured clock),
+// the switches over cuda_peer_transport. At GPU step times the trace keeps few sequences
+// running, below the calibrated thresholds (and one GPU has no crossover), so on GPUs the
+// switching runs switch every 100 steps (forced), which still moves every weight and KV page
+// and serves across each switch (graphs replayed after it, hybrid steps during progressive).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,6 +25,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <new>
 #include <sstream>
@@ -35,6 +41,11 @@
 #include <moebius/transport/host_transport.hpp>
 #if MOEBIUS_WITH_CUDA
 #include <cuda_runtime_api.h>
+#endif
+#if MINI_ENGINE_DEMO_GPU
+#include <moebius/transport/cuda_peer_transport.hpp>
+
+#include "gpu_runtime.hpp"
 #endif
 
 #include "engine.hpp"
@@ -78,7 +89,29 @@ struct world {
   moebius::kv_geometry kv;
   int32_t vocab = 0;
   std::string description;
+  bool on_gpu = false;
+  std::function<std::unique_ptr<moebius::transport>()> make_transport;
 };
+
+// Each rank's arena as host bytes (device memory is copied back first).
+std::vector<std::vector<std::byte>> arena_bytes(const world& w) {
+  std::vector<std::vector<std::byte>> out;
+  for (const moebius::rank_memory& m : w.memory) {
+    const moebius::memory_span& s = m.space(moebius::memory_space::arena);
+    std::vector<std::byte> b(static_cast<size_t>(s.bytes));
+    if (m.device == moebius::host_memory_device) {
+      std::copy(s.data(), s.data() + s.bytes, b.begin());
+    } else {
+#if MOEBIUS_WITH_CUDA
+      if (cudaSetDevice(m.device) != cudaSuccess ||
+          cudaMemcpy(b.data(), s.data(), b.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+        throw std::runtime_error("cannot read device " + std::to_string(m.device) + "'s arena");
+#endif
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
 
 int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
   return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
@@ -173,8 +206,54 @@ world make_world(const demo::options& o, const host_plan& p) {
                   std::to_string(o.ranks) + " virtual ranks";
   w.rt = std::move(rt);
 #endif
+  w.make_transport = [mem = w.memory] { return std::make_unique<moebius::host_transport>(mem); };
   return w;
 }
+
+#if MINI_ENGINE_DEMO_GPU && MINI_ENGINE_DEMO_HOST_RUNTIME
+// The GPU world: the small() model with the host demo's weights (same seed) on P GPUs, fp32
+// throughout (so TP and EP compute the same sums on one GPU), graphs per mode and bucket up to
+// the step's token budget, page tables as long as the trace's longest request.
+world make_gpu_world(const demo::options& o, int P, const std::vector<request>& trace) {
+  const model_config c = small();
+  validate(c, P);
+  int64_t longest = 1;
+  for (const request& r : trace)
+    longest = std::max(longest, static_cast<int64_t>(r.prompt.size()) + r.output_tokens);
+  gpu::gpu_runtime_options go;
+  go.num_ranks = P;
+  go.num_ep_pages = o.kv_pages;
+  go.max_pages_per_seq = (longest + c.page_size - 1) / c.page_size + 1;
+  go.max_tokens = std::max(o.step_tokens, o.max_batch);
+  go.buckets.clear();
+  for (int64_t b = 1; b < go.max_tokens; b *= 2) go.buckets.push_back(b);
+  go.buckets.push_back(go.max_tokens);
+  go.dense_dtype = moebius::dtype::fp32;
+  go.cursor = moebius::arena_cursor{0};
+  go.tensor_alignment = 256;
+  go.slot_alignment = 4096;
+  const model_weights weights = make_weights(c, o.seed);
+  auto rt = std::make_unique<gpu::gpu_runtime>(gpu::config_from(c), gpu::weights_view_of(weights),
+                                               go);
+  world w;
+  w.on_gpu = true;
+  w.memory = rt->memory();
+  w.arena = rt->arena();
+  w.kv = rt->kv();
+  w.vocab = static_cast<int32_t>(c.vocab);
+  std::ostringstream d;
+  d << "GPU runtime, small model (" << c << ", fp32), " << P << " GPU rank" << (P > 1 ? "s" : "")
+    << ", " << rt->captures() << " CUDA graphs (2 modes x " << go.buckets.size()
+    << " buckets up to " << go.max_tokens << " tokens)";
+  w.description = d.str();
+  w.rt = std::move(rt);
+  w.make_transport = [mem = w.memory] {
+    return std::make_unique<moebius::cuda_peer_transport>(
+        moebius::cuda_peer_transport::single_process(mem));
+  };
+  return w;
+}
+#endif
 
 std::vector<request> make_trace(const demo::options& o, int32_t vocab) {
   switch (o.trace) {
@@ -216,14 +295,12 @@ std::vector<request> make_trace(const demo::options& o, int32_t vocab) {
 // every layer read back from the ranks before and after each switch (the switcher undoes a
 // switch whose checksums differ).
 bool verified_reshard(world& w) {
-  moebius::host_transport t(w.memory);
+  const std::unique_ptr<moebius::transport> t = w.make_transport();
   moebius::switcher_options so;
   so.verify = [&](moebius::arena_cursor c, const moebius::kv_state&) {
+    const std::vector<std::vector<std::byte>> bytes = arena_bytes(w);
     std::vector<std::span<const std::byte>> arenas;
-    for (const moebius::rank_memory& m : w.memory) {
-      const moebius::memory_span& s = m.space(moebius::memory_space::arena);
-      arenas.emplace_back(s.data(), static_cast<size_t>(s.bytes));
-    }
+    for (const auto& b : bytes) arenas.emplace_back(b.data(), b.size());
     uint64_t sum = 0;
     for (int64_t l = 0; l < w.arena.shape.num_layers; ++l) {
       sum = sum * 1000003 + moebius::weight_checksum(w.arena, c, l, arenas);
@@ -236,7 +313,7 @@ bool verified_reshard(world& w) {
   for (auto& r : empty.ranks) {
     for (int64_t p = 0; p < w.kv.num_ep_pages; ++p) r.free_pages.push_back(p);
   }
-  moebius::switcher sw(w.arena, w.kv, t, empty, moebius::arena_cursor{0}, so);
+  moebius::switcher sw(w.arena, w.kv, *t, empty, moebius::arena_cursor{0}, so);
   bool ok = true;
   for (const parallel_mode target : {parallel_mode::tp, parallel_mode::ep}) {
     const moebius::switch_report r = sw.switch_to(target);
@@ -335,20 +412,29 @@ int run_demo(const demo::options& o) {
   const auto t_start = wall::now();
   std::printf("moebius demo: a mini-engine serving while Moebius switches it between TP and EP\n");
   const int gpus = count_gpus();
+  bool use_gpu = false;
   if (o.runtime == demo::runtime_kind::gpu ||
       (o.runtime == demo::runtime_kind::automatic && gpus > 0)) {
-    // The GPU runtime's hook: build its world here (memory on the devices, a
-    // cuda_peer_transport, measured clock) once examples/mini_engine has it.
-    std::printf("  note: %d GPU(s) found, but the GPU runtime is not part of this build yet; "
-                "running the host runtime\n",
+#if MINI_ENGINE_DEMO_GPU && MINI_ENGINE_DEMO_HOST_RUNTIME
+    use_gpu = gpus > 0;
+    if (!use_gpu) std::printf("  note: no GPU found; running the host runtime\n");
+#else
+    std::printf("  note: %d GPU(s) found, but this build has no GPU runtime (it needs CUDA and "
+                "NCCL); running the host runtime\n",
                 gpus);
+#endif
   }
+  const int P = use_gpu ? std::min(gpus, 2) : o.ranks;
   const host_plan plan = plan_host(o);
-  check_memory(plan, o.ranks);
+  if (!use_gpu) check_memory(plan, o.ranks);
   std::vector<request> trace = make_trace(o, plan.vocab);
   if (trace.empty()) throw demo::usage_error("--trace: the trace has no requests");
 
+#if MINI_ENGINE_DEMO_GPU && MINI_ENGINE_DEMO_HOST_RUNTIME
+  world w = use_gpu ? make_gpu_world(o, P, trace) : make_world(o, plan);
+#else
   world w = make_world(o, plan);
+#endif
   std::printf("  runtime: %s\n", w.description.c_str());
   int64_t prompt_tokens = 0, output_tokens = 0;
   for (const request& r : trace) {
@@ -370,24 +456,29 @@ int run_demo(const demo::options& o) {
 
   // The clock.
   std::unique_ptr<step_clock> clock;
-  const bool use_model = o.clock != demo::clock_kind::measured;
+  const bool use_model = o.clock == demo::clock_kind::model ||
+                         (o.clock == demo::clock_kind::automatic && !w.on_gpu);
   if (use_model) {
     priced_model m;
     m.num_kv_heads = w.kv.num_kv_heads;
     m.context_scale = o.context_scale;
-    clock = std::make_unique<h200_step_model>(m, h200_params{}, o.ranks, kv_bytes_per_token(w.kv));
+    clock = std::make_unique<h200_step_model>(m, h200_params{}, P, kv_bytes_per_token(w.kv));
     std::ostringstream d;
     d << m;
     std::printf("\n  clock: modelled H200 x%d (DESIGN.md §6-7 rates), each step priced as the "
                 "model %s; the host's own time is in the CSV (measured_ms)\n",
-                o.ranks, d.str().c_str());
+                P, d.str().c_str());
   } else {
     clock = std::make_unique<measured_clock>();
-    std::printf("\n  clock: measured (on the host all ranks run on one core: no GPU crossover)\n");
+    if (w.on_gpu)
+      std::printf("\n  clock: measured on the GPUs (each step's CUDA events, the longest rank; "
+                  "switches and copies: their measured time)\n");
+    else
+      std::printf("\n  clock: measured (on the host all ranks run on one core: no GPU crossover)\n");
   }
 
-  moebius::host_transport transport(w.memory);
-  engine e(*w.rt, transport, w.arena, w.kv, *clock, moebius::arena_cursor{0});
+  const std::unique_ptr<moebius::transport> transport = w.make_transport();
+  engine e(*w.rt, *transport, w.arena, w.kv, *clock, moebius::arena_cursor{0});
 
   std::printf("\nstage 2: calibration (decode step of both modes, batch 1..%lld)\n",
               static_cast<long long>(o.max_batch));
@@ -420,7 +511,23 @@ int run_demo(const demo::options& o) {
   };
 
   engine_options switching_opts = base;
-  if (cal.has_thresholds) {
+  if (w.on_gpu) {
+    // At GPU step times the demo's trace keeps few sequences running (each step takes a
+    // fraction of a millisecond), below any threshold the calibration finds, and one GPU has
+    // no crossover at all: the switching runs switch every 100 steps instead (forced), which
+    // moves every weight and KV page over cuda_peer_transport and serves across each switch
+    // (graphs replayed after it, hybrid steps during the progressive ones).
+    switching_opts.how = switching::forced;
+    switching_opts.start_mode = parallel_mode::tp;
+    for (int64_t s = 100; s <= 100'000; s += 100) switching_opts.forced_steps.push_back(s);
+    std::printf("  on the GPU the switching runs switch every 100 steps (forced; the "
+                "calibrated policy, for reference, below)\n");
+    if (cal.has_thresholds) {
+      std::ostringstream d;
+      d << moebius::apply_calibration(cal, moebius::interactive_config(cal.t_high));
+      std::printf("  policy: %s\n", d.str().c_str());
+    }
+  } else if (cal.has_thresholds) {
     switching_opts.how = switching::policy;
     switching_opts.policy = moebius::apply_calibration(cal, moebius::interactive_config(cal.t_high));
     switching_opts.policy.cooldown_s = 0.02;  // the trace is compressed: bursts of 0.1 s
@@ -470,7 +577,33 @@ int run_demo(const demo::options& o) {
               differ == 0 ? "identical in all four runs" : "DIFFER", trace.size(),
               results[2].switches.size(), static_cast<long long>(mid_prefill),
               results[3].switches.size(), static_cast<long long>(prog_tokens));
-  ok = ok && differ == 0;
+  if (differ != 0) {
+    // The first divergence: which request, run and token.
+    for (size_t i = 0; i < trace.size(); ++i) {
+      const auto& a = results[0].requests[i].generated;
+      for (size_t k = 1; k < results.size(); ++k) {
+        const auto& b = results[k].requests[i].generated;
+        if (b == a) continue;
+        size_t t = 0;
+        while (t < a.size() && t < b.size() && a[t] == b[t]) ++t;
+        std::printf("  first divergence: request %zu, run '%s', generated token %zu (%d vs %d) "
+                    "of %lld requests that differ\n",
+                    i, results[k].name.c_str(), t, t < a.size() ? a[t] : -1,
+                    t < b.size() ? b[t] : -1, static_cast<long long>(differ));
+        i = trace.size();
+        break;
+      }
+    }
+  }
+  // On P > 1 GPUs TP and EP add the ranks' partial sums in other orders (all-reduce against
+  // one rank's whole GEMM), so an fp32 near-tie can flip a greedy token: reported, not failed
+  // (the GPU tests check each mode's logits against a float64 reference).
+  const bool exact = !w.on_gpu || P == 1;
+  if (differ != 0 && !exact)
+    std::printf("  (on %d GPUs TP and EP round their sums differently: a near-tie can flip a "
+                "greedy token; not counted as a failure)\n",
+                P);
+  ok = ok && (differ == 0 || !exact);
 
   std::filesystem::create_directories(o.out_dir);
   const std::string csv_path = o.out_dir + "/steps.csv", svg_path = o.out_dir + "/timeline.svg";

@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# Runs the mini-engine GPU runtime's tests and its decode-step benchmark on a GPU machine,
-# from binaries built elsewhere and carried (docs/GPU.md, "Building on a CPU machine"):
+# Runs, in one call on a GPU machine, from binaries built elsewhere and carried (docs/GPU.md,
+# "Building on a CPU machine"): the mini-engine GPU runtime's tests, its decode-step benchmark,
+# the hybrid-step benchmark and the demo on the GPU runtime (moebius_demo --runtime gpu).
 #
-#   here:  cmake -S . -B build-carry -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90
-#          cmake --build build-carry --target test_mini_engine_gpu_kernels \
-#                test_mini_engine_gpu_runtime test_mini_engine_gpu_model bench_mini_engine_step
-#          mkdir -p .carry/bin .carry/lib
-#          cp build-carry/examples/mini_engine/gpu/{test_mini_engine_gpu_kernels,test_mini_engine_gpu_runtime,test_mini_engine_gpu_model,bench_mini_engine_step} .carry/bin/
-#          cp -L /usr/lib/x86_64-linux-gnu/libbenchmark.so.1debian .carry/lib/
+#   here:  scripts/carry-build test_mini_engine_gpu_kernels test_mini_engine_gpu_runtime \
+#                test_mini_engine_gpu_model bench_mini_engine_step \
+#                bench_mini_engine_hybrid_step moebius_demo
+#          (copies them into .carry/bin, libbenchmark into .carry/lib; or by hand from
+#          build-carry/examples/mini_engine/{gpu,demo}/)
 #   there: examples/mini_engine/gpu/gpu-check.sh          (carry .carry; OUT is set there)
 #
-# Usage: gpu-check.sh [--bin DIR] [--tests-only | --bench-only]
+# Usage: gpu-check.sh [--bin DIR] [--tests-only | --bench-only | --demo-only]
 #   --bin DIR   where the binaries are (default: .carry/bin, else the build folders)
 # Environment: OUT (results; default ./gpu-check-out), MOEBIUS_BENCH_CONTEXT (1024),
 #   MINI_ENGINE_SIMPLE_ATTENTION=1 (the simple attention kernel in the runtime),
 #   MINI_ENGINE_NO_GRAPHS=1 (no CUDA graphs: every step eager),
 #   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED.
-# Writes into $OUT (5 files): tests.txt (the three test binaries' output), bench_mini_engine_step.json
-# (Google Benchmark JSON), bench_mini_engine_step.txt (console table + crossover summary),
-# bench_step_summary.jsonl (per batch TP/EP ms and the crossover), nvidia-smi.txt.
-# Exit status: 0 when every test passed (or was skipped) and the benchmark ran.
+# Writes into $OUT (8 files): tests.txt (nvidia-smi, then the three test binaries' output),
+# bench_mini_engine_step.json and bench_mini_engine_hybrid_step.json (Google Benchmark JSON),
+# bench.txt (both benchmarks' console tables and summaries), bench_summary.jsonl (per batch
+# TP/EP ms and the crossover; per batch and cursor hybrid vs graph ms), demo.txt (the demo's
+# output: stages, table), demo/steps.csv and demo/timeline.svg.
+# Each piece runs under a time limit so that the whole script fits one 10-minute device call.
+# Exit status: 0 when every test passed (or was skipped), both benchmarks ran and the demo
+# said "demo: ok".
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/../../.." && pwd)"
@@ -33,7 +37,8 @@ while (($#)); do
     --bin) bin="$2"; shift ;;
     --tests-only) mode=tests ;;
     --bench-only) mode=bench ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --demo-only) mode=demo ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -47,19 +52,21 @@ fi
 
 # NVLink SHARP multicast can take a shared host's GPUs out of service: keep it off.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LD_LIBRARY_PATH="$root/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 && nvidia-smi topo -m >> "$OUT/nvidia-smi.txt" 2>&1
+export LD_LIBRARY_PATH="$root/.carry/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+# NCCL from python3's nvidia-nccl wheel, last, where the system has none.
+nccl_lib="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)" &&
+  [[ -d "$nccl_lib" ]] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nccl_lib"
+{ nvidia-smi && nvidia-smi topo -m; } > "$OUT/tests.txt" 2>&1
 
 status=0
-if [[ $mode != bench ]]; then
-  : > "$OUT/tests.txt"
+if [[ $mode == all || $mode == tests ]]; then
   for t in test_mini_engine_gpu_kernels test_mini_engine_gpu_runtime test_mini_engine_gpu_model; do
     [[ -x "$bin/$t" ]] || { echo "=== $t: not built" | tee -a "$OUT/tests.txt"; status=1; continue; }
     echo "=== $t" | tee -a "$OUT/tests.txt"
     start=$(date +%s)
     # Limits keep the whole script inside one 10-minute device call even if something hangs
-    # (at most 90 + 120+60 + 90+60 + 150 s).
-    case $t in *runtime) limit=120 ;; *) limit=90 ;; esac
+    # (60 + 100 + 60 s, the benchmarks 120 + 90 s, the demo 150 s).
+    case $t in *runtime) limit=100 ;; *) limit=60 ;; esac
     timeout $limit "$bin/$t" --durations yes 2>&1 | tee -a "$OUT/tests.txt"
     rc=${PIPESTATUS[0]}
     echo "=== $t: exit $rc in $(( $(date +%s) - start )) s (77 = skipped: no GPU)" | tee -a "$OUT/tests.txt"
@@ -67,17 +74,37 @@ if [[ $mode != bench ]]; then
     if [[ $rc != 0 && $rc != 77 && $t != *kernels ]]; then
       # Once more without CUDA graphs: tells a capture/replay problem from a numerics one.
       echo "=== $t again with MINI_ENGINE_NO_GRAPHS=1" | tee -a "$OUT/tests.txt"
-      MINI_ENGINE_NO_GRAPHS=1 timeout 60 "$bin/$t" 2>&1 | tail -40 | tee -a "$OUT/tests.txt"
+      MINI_ENGINE_NO_GRAPHS=1 timeout 40 "$bin/$t" 2>&1 | tail -40 | tee -a "$OUT/tests.txt"
       echo "=== $t without graphs: exit ${PIPESTATUS[0]}" | tee -a "$OUT/tests.txt"
     fi
   done
 fi
-if [[ $mode != tests ]]; then
-  MOEBIUS_BENCH_SUMMARY="$OUT/bench_step_summary.jsonl" timeout 150 "$bin/bench_mini_engine_step" \
+if [[ $mode == all || $mode == bench ]]; then
+  : > "$OUT/bench.txt"
+  MOEBIUS_BENCH_SUMMARY="$OUT/bench_summary.jsonl" timeout 120 "$bin/bench_mini_engine_step" \
     --benchmark_out="$OUT/bench_mini_engine_step.json" --benchmark_out_format=json \
-    2>&1 | tee "$OUT/bench_mini_engine_step.txt"
+    2>&1 | tee -a "$OUT/bench.txt"
   rc=${PIPESTATUS[0]}
-  echo "=== bench_mini_engine_step: exit $rc"
+  echo "=== bench_mini_engine_step: exit $rc" | tee -a "$OUT/bench.txt"
+  [[ $rc == 0 ]] || status=1
+  hybrid_summary="$(mktemp)"
+  MOEBIUS_BENCH_SUMMARY="$hybrid_summary" timeout 90 "$bin/bench_mini_engine_hybrid_step" \
+    --benchmark_out="$OUT/bench_mini_engine_hybrid_step.json" --benchmark_out_format=json \
+    2>&1 | tee -a "$OUT/bench.txt"
+  rc=${PIPESTATUS[0]}
+  cat "$hybrid_summary" >> "$OUT/bench_summary.jsonl" 2>/dev/null
+  rm -f "$hybrid_summary"
+  echo "=== bench_mini_engine_hybrid_step: exit $rc" | tee -a "$OUT/bench.txt"
+  [[ $rc == 0 ]] || status=1
+fi
+if [[ $mode == all || $mode == demo ]]; then
+  # The demo's four runs on the GPU runtime (P = min(GPUs, 2)), measured clock; its table goes
+  # to demo.txt, its CSV and SVG to demo/.
+  demo="$bin/moebius_demo"
+  [[ -x "$demo" ]] || demo="$bin/../demo/moebius_demo"  # a build folder: demo/ beside gpu/
+  timeout 150 "$demo" --runtime gpu --out "$OUT/demo" 2>&1 | tee "$OUT/demo.txt"
+  rc=${PIPESTATUS[0]}
+  echo "=== moebius_demo --runtime gpu: exit $rc" | tee -a "$OUT/demo.txt"
   [[ $rc == 0 ]] || status=1
 fi
 exit $status

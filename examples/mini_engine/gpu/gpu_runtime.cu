@@ -119,10 +119,14 @@ struct rank_state {
   float* logits = nullptr;         // [T, vocab slice]: TP V/P columns of its slice, EP all V
   int32_t* next = nullptr;         // [T] argmax within the slice
   float* next_value = nullptr;     // [T] its logit
-  // Inputs, one block: ids [T], pos [T], seq [T], num_tokens [1], tables [T][max_pages].
-  int32_t* inputs = nullptr;
-  int32_t* pinned = nullptr;  // host mirror of `inputs`
+  // Inputs, one block per attention mode (index: mode_index): ids [T], pos [T], seq [T],
+  // num_tokens [1] (+3 padding), map [T] (the hand-off's source row of each token, hybrid
+  // steps), tables [T][max_pages]. Graphs of mode m read block m.
+  int32_t* inputs[2] = {nullptr, nullptr};
+  int32_t* pinned[2] = {nullptr, nullptr};  // host mirrors of `inputs`
   int64_t input_count = 0;
+  // CUDA events around the last step (measured_step_s).
+  cudaEvent_t step_begin = nullptr, step_end = nullptr;
   // Expert workspace, sized for the largest bucket of either mode.
   moe_plan moe;  // pointers only; shapes are filled per step
 };
@@ -141,7 +145,8 @@ struct gpu_runtime::impl {
     std::vector<cudaGraphExec_t> exec;  // per rank
   };
   std::map<std::pair<int, int64_t>, graph_set> graphs;  // (mode, bucket)
-  int64_t captures = 0, replays = 0, eager = 0, reruns = 0;
+  int64_t captures = 0, replays = 0, eager = 0, reruns = 0, hybrid_steps = 0;
+  double last_step_s = -1;  // device time of the last step (CUDA events)
   // MINI_ENGINE_SIMPLE_ATTENTION=1: the simple attention kernel (a fallback to compare with).
   bool simple_attention = [] {
     const char* v = std::getenv("MINI_ENGINE_SIMPLE_ATTENTION");
@@ -149,11 +154,29 @@ struct gpu_runtime::impl {
   }();
 
   // ---- shape helpers ----------------------------------------------------------------------
-  int32_t* in_ids(rank_state& r) const { return r.inputs; }
-  int32_t* in_pos(rank_state& r) const { return r.inputs + T_max; }
-  int32_t* in_seq(rank_state& r) const { return r.inputs + 2 * T_max; }
-  int32_t* in_num(rank_state& r) const { return r.inputs + 3 * T_max; }
-  int32_t* in_tables(rank_state& r) const { return r.inputs + 3 * T_max + 4; }
+  static int mode_index(parallel_mode m) { return m == parallel_mode::tp ? 1 : 0; }
+  // Offsets of the input block's parts (rank_state::inputs).
+  int64_t off_pos() const { return T_max; }
+  int64_t off_seq() const { return 2 * T_max; }
+  int64_t off_num() const { return 3 * T_max; }
+  int64_t off_map() const { return 3 * T_max + 4; }
+  int64_t off_tables() const { return 4 * T_max + 4; }
+  int32_t* in_ids(rank_state& r, parallel_mode m) const { return r.inputs[mode_index(m)]; }
+  int32_t* in_pos(rank_state& r, parallel_mode m) const {
+    return r.inputs[mode_index(m)] + off_pos();
+  }
+  int32_t* in_seq(rank_state& r, parallel_mode m) const {
+    return r.inputs[mode_index(m)] + off_seq();
+  }
+  int32_t* in_num(rank_state& r, parallel_mode m) const {
+    return r.inputs[mode_index(m)] + off_num();
+  }
+  int32_t* in_map(rank_state& r, parallel_mode m) const {
+    return r.inputs[mode_index(m)] + off_map();
+  }
+  int32_t* in_tables(rank_state& r, parallel_mode m) const {
+    return r.inputs[mode_index(m)] + off_tables();
+  }
 
   // The LM head's vocab slice of rank r: TP splits the vocabulary (when P | V), each rank
   // computing V/P logits of every token and its best candidate; EP computes all V for its
@@ -300,9 +323,14 @@ struct gpu_runtime::impl {
       rs.logits = device_alloc<float>(T_max * c.vocab, rs.owned);
       rs.next = device_alloc<int32_t>(T_max, rs.owned);
       rs.next_value = device_alloc<float>(T_max, rs.owned);
-      rs.input_count = 3 * T_max + 4 + T_max * max_pages;
-      rs.inputs = device_alloc<int32_t>(rs.input_count, rs.owned);
-      MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned, static_cast<size_t>(rs.input_count) * 4));
+      rs.input_count = off_tables() + T_max * max_pages;
+      for (int m = 0; m < 2; ++m) {
+        rs.inputs[m] = device_alloc<int32_t>(rs.input_count, rs.owned);
+        MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned[m], static_cast<size_t>(rs.input_count) * 4));
+        std::memset(rs.pinned[m], 0, static_cast<size_t>(rs.input_count) * 4);
+      }
+      MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_begin));
+      MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_end));
 
       moe_plan& p = rs.moe;
       p.keys = device_alloc<int32_t>(max_pairs, rs.owned);
@@ -477,17 +505,70 @@ struct gpu_runtime::impl {
     MOEBIUS_NCCL_CHECK(ncclGroupEnd());
   }
 
+  // One forward pass: layer l's attention (and, in a hybrid step, its MoE) in attn[l], over
+  // that mode's input block with rows[mode_index(mode)] rows per rank; experts per the cursor.
+  struct pass {
+    std::vector<parallel_mode> attn;  // per layer
+    moebius::arena_cursor cursor;
+    int64_t rows[2] = {0, 0};  // rows per rank of each mode's token layout (mode_index)
+  };
+
+  // A pure pass: every layer's attention in `attn`, T rows per rank (graphs, static steps).
   void forward(parallel_mode attn, moebius::arena_cursor cursor, int64_t T, bool optimistic) {
+    pass p;
+    p.attn.assign(static_cast<size_t>(c.num_layers), attn);
+    p.cursor = cursor;
+    p.rows[mode_index(attn)] = T;
+    forward(p, optimistic);
+  }
+
+  // The activation hand-off between two layers of different attention modes (hybrid steps):
+  // the residual stream h goes from `from`'s token layout to `to`'s, through the map of
+  // `to`'s input block (step() fills it).
+  //   TP -> EP: every rank holds every token; it keeps its own sequences' rows.
+  //   EP -> TP: every owner's rows are all-gathered ([P, T_ep] blocks in recv), then each
+  //             token's row is picked out in item order.
+  void hand_off(parallel_mode from, parallel_mode to, const pass& p) {
+    const int64_t H = c.hidden, T_to = p.rows[mode_index(to)];
+    const bool gather = from == parallel_mode::ep && P > 1;
+    if (gather) {
+      const size_t n = static_cast<size_t>(p.rows[mode_index(from)] * H);
+      MOEBIUS_NCCL_CHECK(ncclGroupStart());
+      for (rank_state& rs : ranks)
+        MOEBIUS_NCCL_CHECK(ncclAllGather(rs.h, rs.recv, n, ncclFloat, rs.comm, rs.stream));
+      MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+    }
+    each_rank([&](int, rank_state& rs) {
+      launch_gather_rows({gather ? rs.recv : rs.h, in_map(rs, to), in_num(rs, to), rs.xn, T_to, H},
+                         rs.stream);
+      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.h, rs.xn, static_cast<size_t>(T_to * H) * 4,
+                                         cudaMemcpyDeviceToDevice, rs.stream));
+    });
+  }
+
+  void forward(const pass& ps, bool optimistic) {
     const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, K = c.top_k;
-    const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
     const int64_t es = moebius::dtype_bytes(c.expert_dtype),
                   ds = moebius::dtype_bytes(o.dense_dtype);
     const dtype dd = o.dense_dtype;
     const float eps = static_cast<float>(c.rms_eps);
-    each_rank([&](int, rank_state& rs) {
-      launch_embedding({rs.embed, dd, c.vocab, H, in_ids(rs), T, in_num(rs), rs.h}, rs.stream);
-    });
+    MOEBIUS_CHECK(static_cast<int64_t>(ps.attn.size()) == c.num_layers, errc::internal,
+                  "gpu_runtime: a pass of ", ps.attn.size(), " layers");
+    {
+      const parallel_mode m0 = ps.attn.front();
+      const int64_t T = ps.rows[mode_index(m0)];
+      each_rank([&](int, rank_state& rs) {
+        launch_embedding({rs.embed, dd, c.vocab, H, in_ids(rs, m0), T, in_num(rs, m0), rs.h},
+                         rs.stream);
+      });
+    }
     for (int64_t li = 0; li < c.num_layers; ++li) {
+      const parallel_mode attn = ps.attn[static_cast<size_t>(li)];
+      if (li > 0 && attn != ps.attn[static_cast<size_t>(li - 1)])
+        hand_off(ps.attn[static_cast<size_t>(li - 1)], attn, ps);
+      const int64_t T = ps.rows[mode_index(attn)];
+      const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
+      const moebius::arena_cursor cursor = ps.cursor;
       // ---- attention
       each_rank([&](int r, rank_state& rs) {
         const auto& l = rs.layers[static_cast<size_t>(li)];
@@ -523,9 +604,12 @@ struct gpu_runtime::impl {
         float* v = rs.qkv + (hq + hkv) * D;
         launch_rmsnorm({q, qkv_ld, q, qkv_ld, l.q_norm, T * hq, D, hq, D, eps}, rs.stream);
         launch_rmsnorm({k, qkv_ld, k, qkv_ld, l.k_norm, T * hkv, D, hkv, D, eps}, rs.stream);
-        launch_rope({q, qkv_ld, T, hq, D, in_pos(rs), in_num(rs), c.rope_theta}, rs.stream);
-        launch_rope({k, qkv_ld, T, hkv, D, in_pos(rs), in_num(rs), c.rope_theta}, rs.stream);
-        const paged_tokens tok{in_seq(rs), in_pos(rs), in_tables(rs), max_pages, T, in_num(rs)};
+        launch_rope({q, qkv_ld, T, hq, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta},
+                    rs.stream);
+        launch_rope({k, qkv_ld, T, hkv, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta},
+                    rs.stream);
+        const paged_tokens tok{in_seq(rs, attn), in_pos(rs, attn), in_tables(rs, attn),
+                               max_pages,          T,                 in_num(rs, attn)};
         kv_append_args ka;
         ka.k = k;
         ka.v = v;
@@ -586,7 +670,7 @@ struct gpu_runtime::impl {
         a.in_features = H;
         a.type = dtype::fp32;
         linear(rs.blas, a, rs.stream);
-        launch_router_topk({rs.router_logits, T, E, K, in_num(rs), rs.topk_ids, rs.topk_w},
+        launch_router_topk({rs.router_logits, T, E, K, in_num(rs, attn), rs.topk_ids, rs.topk_w},
                            rs.stream);
         moe_pack_args pk;
         pk.x = rs.xn;
@@ -663,6 +747,9 @@ struct gpu_runtime::impl {
         });
       }
     }
+    // ---- LM head, in the last layer's mode
+    const parallel_mode attn = ps.attn.back();
+    const int64_t T = ps.rows[mode_index(attn)];
     each_rank([&](int r, rank_state& rs) {
       const auto [v0, vn] = vocab_slice(attn, r);
       launch_rmsnorm({rs.h, H, rs.xn, H, rs.final_norm, T, H, 1, 0, eps}, rs.stream);
@@ -709,32 +796,34 @@ struct gpu_runtime::impl {
   }
 
   // ---- step ---------------------------------------------------------------------------------
-  struct local_token {
-    int64_t item;
-    bool last;  // the item's last token (its sample row)
+  // One mode's token layout of a step: per rank, the first row of each item (-1: not there)
+  // and the rows used. TP: every rank holds every item, in item order; EP: each rank its own
+  // sequences (their EP owner), in item order.
+  struct token_layout {
+    std::vector<std::vector<int64_t>> first;  // [rank][item]
+    std::vector<int64_t> count;               // [rank]
   };
 
-  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits_out) {
-    MOEBIUS_CHECK(layout.tables != nullptr, errc::invalid_argument,
-                  "gpu_runtime::step: no page tables");
-    const moebius::kv_state& tables = *layout.tables;
-    MOEBIUS_CHECK(static_cast<int>(tables.ranks.size()) == P, errc::invalid_argument,
-                  "gpu_runtime::step: tables for ", tables.ranks.size(), " ranks, runtime has ", P);
-    moebius::validate(arena, layout.cursor);
-    const parallel_mode attn = tables.mode;
-    // Per rank: its tokens (item order) and page-table rows.
-    std::vector<std::vector<local_token>> toks(static_cast<size_t>(P));
-    std::vector<int64_t> rows(static_cast<size_t>(P), 0);
-    std::vector<std::pair<int, int64_t>> sample_at(items.size(), {-1, -1});  // (rank, token)
-    bool decode = true;
+  // Writes mode m's pinned input block of every rank from `tables` (ids, positions, rows,
+  // page tables; num_tokens, map and padding are the caller's) and returns the layout.
+  token_layout build_inputs(parallel_mode m, const moebius::kv_state& tables,
+                            std::span<const step_item> items) {
+    MOEBIUS_CHECK(tables.mode == m && static_cast<int>(tables.ranks.size()) == P,
+                  errc::invalid_argument, "gpu_runtime::step: ", moebius::to_string(m),
+                  " tables for ", P, " ranks expected, got ", moebius::to_string(tables.mode),
+                  " tables for ", tables.ranks.size());
+    token_layout lay;
+    lay.first.assign(static_cast<size_t>(P), std::vector<int64_t>(items.size(), -1));
+    lay.count.assign(static_cast<size_t>(P), 0);
+    const int mi = mode_index(m);
     for (int r = 0; r < P; ++r) {
       rank_state& rs = ranks[static_cast<size_t>(r)];
-      int32_t* ids = rs.pinned;
-      int32_t* pos = rs.pinned + T_max;
-      int32_t* seq = rs.pinned + 2 * T_max;
-      int32_t* tab = rs.pinned + 3 * T_max + 4;
+      int32_t* ids = rs.pinned[mi];
+      int32_t* pos = rs.pinned[mi] + off_pos();
+      int32_t* seq = rs.pinned[mi] + off_seq();
+      int32_t* tab = rs.pinned[mi] + off_tables();
       const auto& seqs = tables.ranks[static_cast<size_t>(r)].sequences;
+      int64_t row = 0, t = 0;
       for (size_t i = 0; i < items.size(); ++i) {
         const step_item& it = items[i];
         auto found = std::lower_bound(
@@ -742,62 +831,139 @@ struct gpu_runtime::impl {
             [](const moebius::kv_sequence& s, int64_t id) { return s.seq_id < id; });
         if (found == seqs.end() || found->seq_id != it.seq_id) continue;  // not on this rank
         const auto n = static_cast<int64_t>(it.tokens.size());
-        MOEBIUS_CHECK(n >= 1, errc::invalid_argument, "gpu_runtime::step: item ", i,
-                      " has no tokens");
-        if (n != 1) decode = false;
         MOEBIUS_CHECK(found->num_tokens >= it.start_position + n, errc::invalid_argument,
                       "gpu_runtime::step: sequence ", it.seq_id, " holds ", found->num_tokens,
-                      " tokens, the step needs ", it.start_position + n);
+                      " tokens in the ", moebius::to_string(m), " tables, the step needs ",
+                      it.start_position + n);
         MOEBIUS_CHECK(found->num_pages() <= max_pages, errc::capacity,
                       "gpu_runtime::step: sequence ", it.seq_id, " has ", found->num_pages(),
                       " pages, max_pages_per_seq is ", max_pages);
-        auto& tl = toks[static_cast<size_t>(r)];
-        MOEBIUS_CHECK(static_cast<int64_t>(tl.size()) + n <= T_max, errc::capacity,
-                      "gpu_runtime::step: more than max_tokens=", T_max, " tokens on rank ", r);
-        const int64_t row = rows[static_cast<size_t>(r)]++;
+        MOEBIUS_CHECK(t + n <= T_max, errc::capacity, "gpu_runtime::step: more than max_tokens=",
+                      T_max, " tokens on rank ", r, " in ", moebius::to_string(m));
         for (int64_t p = 0; p < found->num_pages(); ++p)
           tab[row * max_pages + p] = static_cast<int32_t>(found->pages[static_cast<size_t>(p)]);
-        for (int64_t j = 0; j < n; ++j) {
-          const auto t = static_cast<int64_t>(tl.size());
+        lay.first[static_cast<size_t>(r)][i] = t;
+        for (int64_t j = 0; j < n; ++j, ++t) {
           ids[t] = it.tokens[static_cast<size_t>(j)];
           pos[t] = static_cast<int32_t>(it.start_position + j);
           seq[t] = static_cast<int32_t>(row);
-          tl.push_back({static_cast<int64_t>(i), j == n - 1});
-          if (j == n - 1 && (attn == parallel_mode::ep || r == 0)) sample_at[i] = {r, t};
         }
+        ++row;
       }
+      lay.count[static_cast<size_t>(r)] = t;
     }
-    for (size_t i = 0; i < items.size(); ++i)
-      MOEBIUS_CHECK(sample_at[i].first >= 0, errc::invalid_argument, "gpu_runtime::step: sequence ",
-                    items[i].seq_id, " is in no page table");
-    int64_t need = 1;
-    for (const auto& tl : toks) need = std::max(need, static_cast<int64_t>(tl.size()));
-    const bool pure = (attn == parallel_mode::tp && layout.cursor.tp_layers == c.num_layers) ||
-                      (attn == parallel_mode::ep && layout.cursor.tp_layers == 0);
-    int64_t T = need;
+    for (size_t i = 0; i < items.size(); ++i) {
+      int64_t holders = 0;
+      for (int r = 0; r < P; ++r) holders += lay.first[static_cast<size_t>(r)][i] >= 0;
+      MOEBIUS_CHECK(m == parallel_mode::tp ? holders == P : holders == 1, errc::invalid_argument,
+                    "gpu_runtime::step: sequence ", items[i].seq_id, " is on ", holders,
+                    " ranks of the ", moebius::to_string(m), " tables");
+    }
+    return lay;
+  }
+
+  // The EP owner of item i (its one rank in the EP layout).
+  static int owner_of(const token_layout& ep, size_t i) {
+    for (size_t r = 0; r < ep.first.size(); ++r)
+      if (ep.first[r][i] >= 0) return static_cast<int>(r);
+    return -1;
+  }
+
+  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
+                            std::vector<std::vector<float>>* logits_out) {
+    const bool hybrid = layout.hybrid();
+    MOEBIUS_CHECK(hybrid || layout.tables != nullptr, errc::invalid_argument,
+                  "gpu_runtime::step: no page tables");
+    moebius::validate(arena, layout.cursor);
+    bool decode = true;
+    for (size_t i = 0; i < items.size(); ++i) {
+      MOEBIUS_CHECK(!items[i].tokens.empty(), errc::invalid_argument, "gpu_runtime::step: item ",
+                    i, " has no tokens");
+      decode = decode && items[i].tokens.size() == 1;
+    }
+    // The mode of every layer (static: the tables' mode; hybrid: TP below the cursor).
+    pass ps;
+    ps.cursor = layout.cursor;
+    for (int64_t l = 0; l < c.num_layers; ++l) ps.attn.push_back(layout.attention_mode(l));
+    bool used[2] = {false, false};
+    token_layout lay[2];
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const parallel_mode m = ps.attn[static_cast<size_t>(l)];
+      if (used[mode_index(m)]) continue;
+      used[mode_index(m)] = true;
+      lay[mode_index(m)] = build_inputs(m, layout.tables_of_layer(l), items);
+      int64_t need = 1;
+      for (int64_t n : lay[mode_index(m)].count) need = std::max(need, n);
+      ps.rows[mode_index(m)] = need;
+    }
+    const parallel_mode first = ps.attn.front(), last = ps.attn.back();
+    const bool pure =
+        !hybrid && ((first == parallel_mode::tp && layout.cursor.tp_layers == c.num_layers) ||
+                    (first == parallel_mode::ep && layout.cursor.tp_layers == 0));
     const graph_set* gs = nullptr;
     if (decode && pure && o.capture_graphs) {
+      const int64_t need = ps.rows[mode_index(first)];
+      int64_t T = need;
       for (int64_t b : o.buckets)
         if (b >= need && (gs == nullptr || b < T)) {
-          auto it = graphs.find({static_cast<int>(attn), b});
+          auto it = graphs.find({static_cast<int>(first), b});
           if (it != graphs.end()) {
             gs = &it->second;
             T = b;
           }
         }
+      ps.rows[mode_index(first)] = T;
     }
-    // Inputs: padding rows get token 0, position 0, row 0 (num_tokens makes kernels skip them).
-    each_rank([&](int r, rank_state& rs) {
-      const auto n = static_cast<int64_t>(toks[static_cast<size_t>(r)].size());
-      for (int64_t t = n; t < T; ++t) {
-        rs.pinned[t] = 0;
-        rs.pinned[T_max + t] = 0;
-        rs.pinned[2 * T_max + t] = 0;
+    // Hand-off maps (both modes in one step): the EP block's map gives each EP row its row in
+    // the TP layout (TP -> EP: a rank keeps its own rows); the TP block's map gives each TP
+    // row its row in the all-gathered EP blocks, owner * rows_ep + its EP row (EP -> TP).
+    if (used[0] && used[1]) {
+      const token_layout& ep = lay[mode_index(parallel_mode::ep)];
+      const token_layout& tp = lay[mode_index(parallel_mode::tp)];
+      const int64_t rows_ep = ps.rows[mode_index(parallel_mode::ep)];
+      for (int r = 0; r < P; ++r) {
+        rank_state& rs = ranks[static_cast<size_t>(r)];
+        int32_t* map_ep = rs.pinned[mode_index(parallel_mode::ep)] + off_map();
+        int32_t* map_tp = rs.pinned[mode_index(parallel_mode::tp)] + off_map();
+        for (size_t i = 0; i < items.size(); ++i) {
+          const auto n = static_cast<int64_t>(items[i].tokens.size());
+          const int owner = owner_of(ep, i);
+          const int64_t e0 = ep.first[static_cast<size_t>(owner)][i];
+          const int64_t t0 = tp.first[static_cast<size_t>(r)][i];
+          for (int64_t j = 0; j < n; ++j) {
+            if (owner == r) map_ep[e0 + j] = static_cast<int32_t>(t0 + j);
+            map_tp[t0 + j] = static_cast<int32_t>(owner * rows_ep + e0 + j);
+          }
+        }
       }
-      rs.pinned[3 * T_max] = static_cast<int32_t>(n);
-      MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.inputs, rs.pinned,
-                                         static_cast<size_t>(rs.input_count) * 4,
-                                         cudaMemcpyHostToDevice, rs.stream));
+    }
+    // The row each sampled item's logits come from, in the last layer's layout: (rank, row).
+    std::vector<std::pair<int, int64_t>> sample_at(items.size(), {-1, -1});
+    for (size_t i = 0; i < items.size(); ++i) {
+      const token_layout& ll = lay[mode_index(last)];
+      const int r = last == parallel_mode::ep ? owner_of(ll, i) : 0;
+      sample_at[i] = {r, ll.first[static_cast<size_t>(r)][i] +
+                             static_cast<int64_t>(items[i].tokens.size()) - 1};
+    }
+    // Inputs: padding rows get token 0, position 0, row 0, map 0 (num_tokens makes kernels
+    // skip them).
+    each_rank([&](int r, rank_state& rs) {
+      MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_begin, rs.stream));
+      for (int mi = 0; mi < 2; ++mi) {
+        if (!used[mi]) continue;
+        int32_t* in = rs.pinned[mi];
+        const int64_t n = lay[mi].count[static_cast<size_t>(r)];
+        for (int64_t t = n; t < ps.rows[mi]; ++t) {
+          in[t] = 0;
+          in[off_pos() + t] = 0;
+          in[off_seq() + t] = 0;
+          in[off_map() + t] = 0;
+        }
+        in[off_num()] = static_cast<int32_t>(n);
+        MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.inputs[mi], in,
+                                           static_cast<size_t>(rs.input_count) * 4,
+                                           cudaMemcpyHostToDevice, rs.stream));
+      }
     });
     if (gs != nullptr) {
       // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
@@ -818,14 +984,16 @@ struct gpu_runtime::impl {
       // layer's K/V of the step's positions again (the first pass's values after the
       // overflow were wrong), and reads nothing else the first pass wrote.
       if (std::any_of(overflow.begin(), overflow.end(), [](int32_t f) { return f != 0; })) {
-        forward(attn, layout.cursor, T, false);
+        forward(ps, false);
         ++reruns;
       }
     } else {
-      forward(attn, layout.cursor, T, false);
+      forward(ps, false);
       ++eager;
+      if (hybrid) ++hybrid_steps;
     }
     // Results (every rank's work is enqueued: waiting on one rank at a time is safe now).
+    const int64_t T = ps.rows[mode_index(last)];
     std::vector<std::vector<int32_t>> next(static_cast<size_t>(P));
     std::vector<std::vector<float>> next_value(static_cast<size_t>(P));
     each_rank([&](int r, rank_state& rs) {
@@ -837,32 +1005,40 @@ struct gpu_runtime::impl {
       MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next_value[static_cast<size_t>(r)].data(), rs.next_value,
                                          static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost,
                                          rs.stream));
+      MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_end, rs.stream));
     });
     each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
+    // The step's device time: the longest rank, from its first upload to its last download.
+    last_step_s = 0;
+    each_rank([&](int, rank_state& rs) {
+      float ms = 0;
+      MOEBIUS_CUDA_CHECK(cudaEventElapsedTime(&ms, rs.step_begin, rs.step_end));
+      last_step_s = std::max(last_step_s, static_cast<double>(ms) * 1e-3);
+    });
     std::vector<int32_t> out(items.size(), -1);
     if (logits_out != nullptr) logits_out->clear();
-    const bool split_vocab = vocab_slice(attn, 0).second != c.vocab;
+    const bool split_vocab = vocab_slice(last, 0).second != c.vocab;
     for (size_t i = 0; i < items.size(); ++i) {
       if (!items[i].sample) continue;
       const auto [owner, t] = sample_at[i];
       // TP with a split vocabulary: every rank's candidate for token t; the largest logit
       // wins, ties to the lower vocab id (slices ascend with the rank).
-      const int first = split_vocab ? 0 : owner, last = split_vocab ? P - 1 : owner;
+      const int lo = split_vocab ? 0 : owner, hi = split_vocab ? P - 1 : owner;
       float best = 0.0f;
-      for (int r = first; r <= last; ++r) {
+      for (int r = lo; r <= hi; ++r) {
         const float v = next_value[static_cast<size_t>(r)][static_cast<size_t>(t)];
-        const int32_t id = static_cast<int32_t>(vocab_slice(attn, r).first) +
+        const int32_t id = static_cast<int32_t>(vocab_slice(last, r).first) +
                            next[static_cast<size_t>(r)][static_cast<size_t>(t)];
-        if (r == first || v > best) {
+        if (r == lo || v > best) {
           best = v;
           out[i] = id;
         }
       }
       if (logits_out != nullptr) {
         std::vector<float> row(static_cast<size_t>(c.vocab));
-        for (int r = first; r <= last; ++r) {
+        for (int r = lo; r <= hi; ++r) {
           rank_state& rs = ranks[static_cast<size_t>(r)];
-          const auto [v0, vn] = vocab_slice(attn, r);
+          const auto [v0, vn] = vocab_slice(last, r);
           set_device(rs);
           MOEBIUS_CUDA_CHECK(cudaMemcpy(row.data() + v0, rs.logits + t * vn,
                                         static_cast<size_t>(vn) * 4, cudaMemcpyDeviceToHost));
@@ -880,7 +1056,10 @@ struct gpu_runtime::impl {
       cudaSetDevice(rs.device);
       if (rs.comm != nullptr) ncclCommDestroy(rs.comm);
       if (rs.blas != nullptr) cublasDestroy(rs.blas);
-      if (rs.pinned != nullptr) cudaFreeHost(rs.pinned);
+      for (int32_t* p : rs.pinned)
+        if (p != nullptr) cudaFreeHost(p);
+      if (rs.step_begin != nullptr) cudaEventDestroy(rs.step_begin);
+      if (rs.step_end != nullptr) cudaEventDestroy(rs.step_end);
       for (void* p : rs.owned) cudaFree(p);
       if (rs.stream != nullptr) cudaStreamDestroy(rs.stream);
     }
@@ -940,6 +1119,12 @@ int64_t gpu_runtime::eager_steps() const {
 }
 int64_t gpu_runtime::overflow_reruns() const {
   return impl_->reruns;
+}
+int64_t gpu_runtime::hybrid_steps() const {
+  return impl_->hybrid_steps;
+}
+double gpu_runtime::measured_step_s() const {
+  return impl_->last_step_s;
 }
 
 void gpu_runtime::fill_kv_random(uint64_t seed) {

@@ -33,7 +33,23 @@
 // >= its tokens per rank, uploads the step's inputs (token ids, positions, page tables: fixed
 // device addresses) and replays; nothing is ever re-captured, because the weights (arena
 // slots), the KV pool and every buffer keep their addresses across switches. Prefill steps,
-// hybrid cursors and batches beyond the largest bucket run the same code eagerly.
+// cursors strictly between 0 and L, hybrid steps and batches beyond the largest bucket run
+// the same code eagerly.
+//
+// Hybrid steps (step_layout::hybrid(): a progressive switch in progress). Layer l runs wholly
+// in attention_mode(l) (TP below the cursor) with tables_of_layer(l): the step builds one
+// input block per mode (token ids, positions, page-table rows of that mode's token layout:
+// TP every token on every rank, EP each rank its own sequences) and runs the layers in
+// order; where the mode changes the residual stream is handed off (hand_off): TP -> EP each
+// rank keeps its own sequences' rows of the full batch (a local row gather); EP -> TP the
+// owners' rows are all-gathered and every token's row picked out (with layer l TP iff
+// l < cursor a forward pass only meets TP -> EP; both directions are implemented). The LM
+// head runs in the last layer's mode. Hybrid steps run eagerly, without graphs: a switch
+// lasts a few steps (L / layers per step) and each cursor is seen once or twice, so a
+// whole-step graph per cursor would be captured for about one replay, and per-layer graphs
+// (2 modes x buckets x L layers, replayed one after another) cost a capture of every layer
+// and bucket up front for steps that are a few per switch; bench_hybrid_step.cu measures
+// what eager hybrid steps cost against whole-model graph replays of the same batch.
 //
 // Expert capacity. Eager steps size the expert tiles for the worst case (every token's
 // choices among one rank's experts). A graph would then pay that worst case every step (EP at
@@ -149,6 +165,9 @@ class gpu_runtime : public runtime {
 
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                             std::vector<std::vector<float>>* logits = nullptr) override;
+  // Device time of the last step (CUDA events from its first upload to its last download on
+  // every rank's stream; the longest rank), -1 before the first.
+  double measured_step_s() const override;
 
   // Rank r's arena and KV pool on device r (moebius transports).
   std::vector<moebius::rank_memory> memory() const;
@@ -165,6 +184,8 @@ class gpu_runtime : public runtime {
   // Graph steps whose routing overflowed the graph's expert capacity (1.25x the expected
   // pairs per rank) and were rerun eagerly with the worst-case capacity.
   int64_t overflow_reruns() const;
+  // Hybrid steps run (a progressive switch in progress: step_layout::hybrid()); all eager.
+  int64_t hybrid_steps() const;
 
   // Fills every rank's KV pool with random values (benchmarks: a context to attend over).
   void fill_kv_random(uint64_t seed);

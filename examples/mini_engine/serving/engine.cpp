@@ -275,6 +275,8 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       const auto t0 = host_clock::now();
       tokens = runtime_.step(layout, b.items);
       measured = seconds_since(t0);
+      // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
+      if (runtime_.measured_step_s() >= 0) measured = runtime_.measured_step_s();
       step_cost cost;
       cost.mode = tables.mode;
       if (frozen && switcher_.cursor().tp_layers * 2 >= arena_.shape.num_layers)
@@ -368,7 +370,8 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
   }
   const auto t0 = host_clock::now();
   runtime_.step(step_layout{&tables, switcher_.cursor()}, items);
-  const double measured = seconds_since(t0);
+  const double measured =
+      runtime_.measured_step_s() >= 0 ? runtime_.measured_step_s() : seconds_since(t0);
   for (int64_t i = 0; i < batch; ++i) release_sequence(tables, first_id + i);
   return clock_.step_s(cost, measured);
 }

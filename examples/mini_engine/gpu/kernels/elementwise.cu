@@ -96,6 +96,20 @@ void launch_residual_add(const residual_add_args& a, cudaStream_t stream) {
   check_launch("residual_add");
 }
 
+__global__ void gather_rows_kernel(const __grid_constant__ gather_rows_args a) {
+  const int64_t t = blockIdx.x;
+  const bool real = t < detail::real_rows(a.num_tokens, a.rows);
+  const float* src = real ? a.in + int64_t{a.map[t]} * a.hidden : nullptr;
+  for (int64_t c = threadIdx.x; c < a.hidden; c += blockDim.x)
+    a.out[t * a.hidden + c] = real ? src[c] : 0.0f;
+}
+
+void launch_gather_rows(const gather_rows_args& a, cudaStream_t stream) {
+  if (a.rows == 0) return;
+  gather_rows_kernel<<<static_cast<unsigned>(a.rows), 256, 0, stream>>>(a);
+  check_launch("gather_rows");
+}
+
 __global__ void fill_random_kernel(const __grid_constant__ fill_random_args a) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.n;
        i += int64_t{gridDim.x} * blockDim.x) {

@@ -284,6 +284,21 @@ struct residual_add_args {
 };
 void launch_residual_add(const residual_add_args& a, cudaStream_t stream);
 
+// out[t, :] = in[map[t], :] for t < *num_tokens (rows of `hidden` floats), zeros for the
+// padding rows t in [*num_tokens, rows). The activation hand-off of a hybrid step
+// (gpu_runtime.hpp): TP -> EP keeps a rank's own sequences' rows of the full batch; EP -> TP
+// picks every token's row out of the all-gathered [P, T_ep] blocks.
+//   map = {2, 0}, num = 2, rows = 3: out = [in[2]; in[0]; 0].
+struct gather_rows_args {
+  const float* in = nullptr;
+  const int32_t* map = nullptr;  // [rows]
+  const int32_t* num_tokens = nullptr;
+  float* out = nullptr;  // [rows, hidden]; must not overlap `in`
+  int64_t rows = 0;
+  int64_t hidden = 0;
+};
+void launch_gather_rows(const gather_rows_args& a, cudaStream_t stream);
+
 // Fills n elements of `type` with uniform values in [-scale, scale) from (seed, index)
 // (benchmarks: weights whose values do not matter, drawn on the device).
 struct fill_random_args {

@@ -61,10 +61,13 @@ struct serve_result {
 
 // Three sequences: seq 0's prompt in two chunks over steps 0 and 1, seqs 1 and 2 whole at step
 // 0, then `decode_steps` decode steps of all three. `switch_at[s]` = mode to switch to before
-// step s (through the switcher; needs a switcher).
+// step s (through the switcher; needs a switcher). `progressive_layers` > 0: each switch is
+// progressive instead (switcher begin at step s, then advance(progressive_layers) + poll before
+// each step, hybrid steps meanwhile, finish after the step that reaches the last layer); every
+// sequence's pages for the whole run are reserved before begin (the tables are frozen).
 serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cursor cursor,
                    int decode_steps, const std::map<int, parallel_mode>& switch_at,
-                   moebius::switcher* sw) {
+                   moebius::switcher* sw, int64_t progressive_layers = 0) {
   const std::vector<std::vector<int32_t>> prompts = {{5, 17, 200, 3, 9, 77, 1}, {42, 8, 13}, {99}};
   const int P = rt.num_ranks();
   serve_result out;
@@ -72,13 +75,36 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
   out.logits.resize(3);
   out.positions.resize(3);
   std::vector<int64_t> done(3, 0);  // tokens of each sequence already in the KV cache
+  // Tokens reserved per sequence so far (a progressive switch reserves ahead; the tables
+  // never shrink a sequence below what it holds).
+  std::vector<int64_t> reserved(3, 0);
   const int total_steps = 2 + decode_steps;
   for (int s = 0; s < total_steps; ++s) {
     if (auto it = switch_at.find(s); it != switch_at.end()) {
       REQUIRE(sw != nullptr);
-      const moebius::switch_report rep = sw->switch_to(it->second);
-      INFO(rep);
-      REQUIRE(rep.outcome == moebius::switch_outcome::committed);
+      REQUIRE(!sw->in_progress());
+      if (progressive_layers > 0) {
+        for (int q = 0; q < 3; ++q) {  // the longest any sequence gets: prompt + one per step
+          reserved[static_cast<size_t>(q)] =
+              static_cast<int64_t>(prompts[static_cast<size_t>(q)].size()) + total_steps;
+          reserve_tokens(rt.kv(), sw->mutable_kv_tables(), q, reserved[static_cast<size_t>(q)],
+                         q % P);
+        }
+        const moebius::switch_report rep = sw->begin(it->second);
+        INFO(rep);
+        REQUIRE(rep.outcome == moebius::switch_outcome::in_progress);
+      } else {
+        const moebius::switch_report rep = sw->switch_to(it->second);
+        INFO(rep);
+        REQUIRE(rep.outcome == moebius::switch_outcome::committed);
+      }
+    }
+    const bool hybrid = sw != nullptr && sw->in_progress();
+    if (hybrid) {
+      sw->advance(progressive_layers);
+      while (!sw->poll()) {
+      }
+      REQUIRE(sw->in_progress());  // the advance committed its layers
     }
     moebius::kv_state& kv = sw != nullptr ? sw->mutable_kv_tables() : tables;
     const moebius::arena_cursor cur = sw != nullptr ? sw->cursor() : cursor;
@@ -92,7 +118,10 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
       if (s == 1 && q != 0) continue;  // seqs 1, 2 wait for seq 0's second chunk
       if (from >= to) continue;
       chunk_store[static_cast<size_t>(q)].assign(toks.begin() + from, toks.begin() + to);
-      reserve_tokens(rt.kv(), kv, q, to, q % P);
+      if (!hybrid) {
+        reserved[static_cast<size_t>(q)] = std::max(reserved[static_cast<size_t>(q)], to);
+        reserve_tokens(rt.kv(), kv, q, reserved[static_cast<size_t>(q)], q % P);
+      }
       step_item it;
       it.seq_id = q;
       it.tokens = chunk_store[static_cast<size_t>(q)];
@@ -103,7 +132,11 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
     }
     moebius::validate(rt.kv(), kv);
     std::vector<std::vector<float>> logits;
-    const std::vector<int32_t> next = rt.step({&kv, cur}, items, &logits);
+    const step_layout layout =
+        hybrid ? step_layout::hybrid_of(sw->tables_for(parallel_mode::tp),
+                                        sw->tables_for(parallel_mode::ep), cur)
+               : step_layout{&kv, cur};
+    const std::vector<int32_t> next = rt.step(layout, items, &logits);
     size_t li = 0;
     for (size_t i = 0; i < items.size(); ++i) {
       const int q = item_seq[i];
@@ -118,7 +151,13 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
       out.seqs[static_cast<size_t>(q)].push_back(next[i]);
     }
     REQUIRE(li == logits.size());
+    if (hybrid && sw->layers_remaining() == 0) {
+      const moebius::switch_report rep = sw->finish();
+      INFO(rep);
+      REQUIRE(rep.outcome == moebius::switch_outcome::committed);
+    }
   }
+  if (sw != nullptr) REQUIRE(!sw->in_progress());
   return out;
 }
 
@@ -248,6 +287,49 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
           << la[static_cast<size_t>(base.seqs[q][i])] << "), switched " << switched.seqs[q][i]
           << " (logit " << lb[static_cast<size_t>(switched.seqs[q][i])] << ")";
       FAIL(why.str());
+    }
+  }
+}
+
+TEST_CASE("gpu_runtime: progressive switches (hybrid steps) keep the greedy tokens and never "
+          "re-capture",
+          "[gpu][runtime]") {
+  const int P = test_ranks();
+  const gpu_model_config c = tiny_config(moebius::dtype::fp32);  // L = 3
+  const test_weights w = make_test_weights(c, seed(24), false);
+  gpu_runtime static_rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+  const auto base =
+      serve(static_rt, empty_kv_state(static_rt.kv(), parallel_mode::ep), {0}, 10, {}, nullptr);
+
+  for (const int64_t layers : {int64_t{1}, int64_t{2}}) {
+    INFO("layers per step " << layers);
+    gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+    const int64_t captured = rt.captures();
+    moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(rt.memory());
+    moebius::switcher sw(rt.arena(), rt.kv(), tr, empty_kv_state(rt.kv(), parallel_mode::ep),
+                         {0});
+    // EP -> TP from step 1 (seq 0's second prefill chunk runs hybrid: multi-token rows through
+    // the TP -> EP hand-off), TP -> EP from step 6, both a few layers per step.
+    const std::map<int, parallel_mode> plan = {{1, parallel_mode::tp}, {6, parallel_mode::ep}};
+    const auto prog = serve(rt, {}, {0}, 10, plan, &sw, layers);
+    REQUIRE(rt.captures() == captured);
+    REQUIRE(rt.hybrid_steps() >= 2);
+    REQUIRE((rt.graph_replays() > 0 || !rt.graphs_enabled()));
+    REQUIRE(sw.mode() == parallel_mode::ep);
+    // The hybrid steps' logits against the float64 model, then token for token the static run.
+    check_against_reference(c, w, prog, false);
+    for (size_t q = 0; q < base.seqs.size(); ++q) {
+      for (size_t i = 0; i < base.seqs[q].size(); ++i) {
+        if (base.seqs[q][i] == prog.seqs[q][i]) continue;
+        std::ostringstream why;
+        const size_t k = i - (base.seqs[q].size() - base.logits[q].size());
+        const auto& la = base.logits[q][k];
+        const auto& lb = prog.logits[q][k];
+        why << "sequence " << q << " token " << i << ": static " << base.seqs[q][i] << " (logit "
+            << la[static_cast<size_t>(base.seqs[q][i])] << "), progressive " << prog.seqs[q][i]
+            << " (logit " << lb[static_cast<size_t>(prog.seqs[q][i])] << ")";
+        FAIL(why.str());
+      }
     }
   }
 }

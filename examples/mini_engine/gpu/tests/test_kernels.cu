@@ -610,7 +610,7 @@ TEST_CASE("dense linear (cuBLAS) with a leading dimension matches the host", "[g
   cublasDestroy(handle);
 }
 
-TEST_CASE("convert, embedding, argmax and residual_add match the host", "[gpu][kernels]") {
+TEST_CASE("convert, embedding, argmax, residual_add and gather_rows match the host", "[gpu][kernels]") {
   std::mt19937_64 rng(seed(18));
   for (int round = 0; round < 10; ++round) {
     // embedding (bf16 or fp32 table), ids out of range and past num_tokens give zeros
@@ -683,5 +683,26 @@ TEST_CASE("convert, embedding, argmax and residual_add match the host", "[gpu][k
     std::vector<double> bw;
     for (float v : f) bw.push_back(round_bf16(v));
     REQUIRE(mismatches(back, bw, 0, 0, "convert") == 0);
+
+    // gather_rows: random map (repeats allowed), rows past num_tokens zeroed over the poison
+    const int64_t src_rows = uniform(rng, 1, 40), out_rows = uniform(rng, 1, 40);
+    const int64_t gnum = uniform(rng, 0, out_rows), gh = uniform(rng, 1, 300);
+    auto gin = random_floats(rng, static_cast<size_t>(src_rows * gh));
+    std::vector<int32_t> gmap(static_cast<size_t>(out_rows));
+    for (auto& m : gmap) m = static_cast<int32_t>(uniform(rng, 0, src_rows - 1));
+    auto dgin = to_device(gin);
+    auto dgmap = to_device(gmap);
+    auto dgn = to_device(std::vector<int32_t>{static_cast<int32_t>(gnum)});
+    device_buffer dgout(out_rows * gh * 4);
+    launch_gather_rows({dgin.as<float>(), dgmap.as<int32_t>(), dgn.as<int32_t>(),
+                        dgout.as<float>(), out_rows, gh},
+                       nullptr);
+    auto gout = download<float>(dgout, static_cast<size_t>(out_rows * gh));
+    std::vector<double> gw;
+    for (int64_t t = 0; t < out_rows; ++t)
+      for (int64_t c = 0; c < gh; ++c)
+        gw.push_back(t < gnum ? gin[static_cast<size_t>(gmap[static_cast<size_t>(t)] * gh + c)]
+                              : 0.0);
+    REQUIRE(mismatches(gout, gw, 0, 0, "gather_rows") == 0);
   }
 }

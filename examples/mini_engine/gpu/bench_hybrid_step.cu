@@ -1,0 +1,222 @@
+// What a hybrid step costs: decode-step latency of the GPU runtime during a progressive switch
+// (step_layout::hybrid(): layers below the cursor TP, the rest EP, the activation hand-off at
+// the boundary, run eagerly) against whole-model CUDA graph replays of the same batch in
+// either pure mode. Qwen3-30B-A3B shapes (bf16), P = min(devices, 2), random weights and KV.
+//
+// Names: <kind>/P<P>/ctx<C>/B<B>[/cursor<c>], one step = B sequences decoding one token at
+// position C:
+//   graph/tp, graph/ep      a static layout (TP tables and cursor L, or EP and 0): a replay
+//   hybrid/cursor<c>        a hybrid layout (TP and EP tables) at cursor c, eager; cursor 0
+//                           and L are eager whole-model steps in one mode (no hand-off), the
+//                           ones between pay the hand-off too.
+// Counters: ms_per_step (device time, CUDA events, gpu_runtime::measured_step_s), wall_ms
+// (host wall clock of step()), eager_steps / graph_replays (which path ran). The TP and EP
+// tables of a hybrid step share the KV pool's bytes here (the values are random, only the
+// time matters). A summary prints, per batch, each variant's ms and its ratio to the faster
+// graph; MOEBIUS_BENCH_SUMMARY names a file for it as JSON lines.
+//
+// Environment: MOEBIUS_BENCH_CONTEXT (1024), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_BENCH_SUMMARY.
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <moebius/kv/page_table.hpp>
+#include <string>
+#include <vector>
+
+#include "gpu_runtime.hpp"
+
+using namespace mini_engine;
+using namespace mini_engine::gpu;
+using moebius::parallel_mode;
+
+namespace {
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return (v == nullptr || *v == '\0') ? fallback : std::strtoll(v, nullptr, 10);
+}
+
+const std::vector<int64_t> batches = {1, 8, 64, 256};
+
+struct bench_state {
+  gpu_model_config config;
+  int P = 1;
+  int64_t context = 1024;
+  std::unique_ptr<gpu_runtime> rt;
+  std::map<std::pair<int64_t, std::string>, double> ms;  // (batch, variant) -> device ms
+};
+
+bench_state& state() {
+  static bench_state s;
+  return s;
+}
+
+// B sequences of `tokens` tokens: EP round-robin owners, TP every rank; pages in order.
+moebius::kv_state make_tables(const moebius::kv_geometry& g, parallel_mode m, int64_t B,
+                              int64_t tokens) {
+  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(g.num_ranks));
+  std::vector<int64_t> next_page(static_cast<size_t>(g.num_ranks), 0);
+  const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int r = 0; r < g.num_ranks; ++r) {
+      if (m == parallel_mode::ep && b % g.num_ranks != r) continue;
+      moebius::kv_sequence s;
+      s.seq_id = b;
+      s.num_tokens = tokens;
+      s.last_page_len = tokens - (pages - 1) * g.page_size;
+      for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
+      per_rank[static_cast<size_t>(r)].push_back(std::move(s));
+    }
+  }
+  return moebius::make_kv_state(g, m, std::move(per_rank));
+}
+
+// cursor < 0: a static layout in `mode` (graph replay); else a hybrid layout at that cursor.
+void bm_step(benchmark::State& st, int64_t B, parallel_mode mode, int64_t cursor,
+             const std::string& variant) {
+  bench_state& s = state();
+  const int64_t L = s.config.num_layers;
+  const moebius::kv_state tp = make_tables(s.rt->kv(), parallel_mode::tp, B, s.context + 1);
+  const moebius::kv_state ep = make_tables(s.rt->kv(), parallel_mode::ep, B, s.context + 1);
+  std::vector<int32_t> tokens(static_cast<size_t>(B));
+  std::vector<step_item> items(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    tokens[static_cast<size_t>(b)] = static_cast<int32_t>((b * 7919) % s.config.vocab);
+    items[static_cast<size_t>(b)] = {b, {&tokens[static_cast<size_t>(b)], 1}, s.context, true};
+  }
+  const step_layout layout =
+      cursor < 0 ? step_layout{mode == parallel_mode::tp ? &tp : &ep,
+                               moebius::arena_cursor{mode == parallel_mode::tp ? L : 0}}
+                 : step_layout::hybrid_of(tp, ep, moebius::arena_cursor{cursor});
+  for (int w = 0; w < 3; ++w) s.rt->step(layout, items);  // warm-up
+  const int64_t replays0 = s.rt->graph_replays(), eager0 = s.rt->eager_steps();
+  double device = 0, wall = 0;
+  for (auto _ : st) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto next = s.rt->step(layout, items);
+    benchmark::DoNotOptimize(next.data());
+    wall += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double d = s.rt->measured_step_s();
+    st.SetIterationTime(d);
+    device += d;
+  }
+  const double n = static_cast<double>(st.iterations());
+  const double ms = 1e3 * device / n;
+  s.ms[{B, variant}] = ms;
+  st.counters["ms_per_step"] = ms;
+  st.counters["wall_ms"] = 1e3 * wall / n;
+  st.counters["batch"] = static_cast<double>(B);
+  st.counters["cursor"] = static_cast<double>(cursor < 0 ? (mode == parallel_mode::tp ? L : 0)
+                                                         : cursor);
+  st.counters["hybrid"] = cursor < 0 ? 0 : 1;
+  st.counters["P"] = s.P;
+  st.counters["layers"] = static_cast<double>(L);
+  st.counters["context"] = static_cast<double>(s.context);
+  st.counters["graph_replays"] = static_cast<double>(s.rt->graph_replays() - replays0);
+  st.counters["eager_steps"] = static_cast<double>(s.rt->eager_steps() - eager0);
+}
+
+std::vector<int64_t> cursors(int64_t L) {
+  std::vector<int64_t> c = {0, L / 4, L / 2, 3 * L / 4, L};
+  c.erase(std::unique(c.begin(), c.end()), c.end());
+  return c;
+}
+
+void print_summary() {
+  bench_state& s = state();
+  std::FILE* json = nullptr;
+  if (const char* path = std::getenv("MOEBIUS_BENCH_SUMMARY"); path != nullptr && *path != '\0')
+    json = std::fopen(path, "w");
+  std::printf("\nHybrid (eager) vs whole-model graph steps, Qwen3-30B-A3B shapes (L=%lld), P=%d, "
+              "context %lld: device ms per step (x: over the faster graph)\n",
+              static_cast<long long>(s.config.num_layers), s.P, static_cast<long long>(s.context));
+  for (int64_t B : batches) {
+    auto tp = s.ms.find({B, "graph/tp"}), ep = s.ms.find({B, "graph/ep"});
+    if (tp == s.ms.end() || ep == s.ms.end()) continue;
+    const double best = std::min(tp->second, ep->second);
+    std::printf("B=%-4lld graph TP %.3f, graph EP %.3f", static_cast<long long>(B), tp->second,
+                ep->second);
+    for (int64_t c : cursors(s.config.num_layers)) {
+      auto h = s.ms.find({B, "hybrid/cursor" + std::to_string(c)});
+      if (h == s.ms.end()) continue;
+      std::printf(" | cursor %lld: %.3f (x%.2f)", static_cast<long long>(c), h->second,
+                  h->second / best);
+      if (json != nullptr)
+        std::fprintf(json,
+                     "{\"batch\": %lld, \"cursor\": %lld, \"hybrid_ms\": %.6f, \"graph_tp_ms\": "
+                     "%.6f, \"graph_ep_ms\": %.6f, \"P\": %d, \"layers\": %lld, \"context\": "
+                     "%lld}\n",
+                     static_cast<long long>(B), static_cast<long long>(c), h->second, tp->second,
+                     ep->second, s.P, static_cast<long long>(s.config.num_layers),
+                     static_cast<long long>(s.context));
+    }
+    std::printf("\n");
+  }
+  if (json != nullptr) std::fclose(json);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  benchmark::Initialize(&argc, argv);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: nothing to measure\n");
+    return 0;
+  }
+  bench_state& s = state();
+  s.config = qwen3_30b_a3b_config();
+  s.config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", s.config.num_layers);
+  s.P = std::min(devices, 2);
+  s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
+  const int64_t max_batch = batches.back();
+  gpu_runtime_options o;
+  o.num_ranks = s.P;
+  o.dense_dtype = moebius::dtype::bf16;
+  o.max_tokens = max_batch;
+  o.buckets = batches;  // graphs for exactly the batches measured
+  const int64_t pages_per_seq = moebius::pages_for_tokens(s.context + 1, s.config.page_size);
+  o.max_pages_per_seq = pages_per_seq;
+  const int64_t split = std::min<int64_t>(s.config.num_kv_heads, s.P);
+  o.num_ep_pages = std::max((max_batch + s.P - 1) / s.P * pages_per_seq,
+                            (max_batch * pages_per_seq + split - 1) / split);
+  try {
+    s.rt = std::make_unique<gpu_runtime>(s.config, uint64_t{12345}, o);
+    s.rt->fill_kv_random(777);
+  } catch (const std::exception& e) {
+    std::printf("could not build the runtime: %s\n", e.what());
+    return 1;
+  }
+  std::printf("P=%d, %lld layers, captured %lld graphs\n", s.P,
+              static_cast<long long>(s.config.num_layers), static_cast<long long>(s.rt->captures()));
+  const std::string tail = "/P" + std::to_string(s.P) + "/ctx" + std::to_string(s.context);
+  for (int64_t B : batches) {
+    auto add = [&](const std::string& variant, parallel_mode m, int64_t cursor) {
+      const std::string name = variant + tail + "/B" + std::to_string(B);
+      benchmark::RegisterBenchmark(name.c_str(),
+                                   [B, m, cursor, variant](benchmark::State& st) {
+                                     bm_step(st, B, m, cursor, variant);
+                                   })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(0.1);
+    };
+    add("graph/tp", parallel_mode::tp, -1);
+    add("graph/ep", parallel_mode::ep, -1);
+    for (int64_t c : cursors(s.config.num_layers))
+      add("hybrid/cursor" + std::to_string(c), parallel_mode::ep, c);
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  print_summary();
+  benchmark::Shutdown();
+  s.rt.reset();
+  return 0;
+}
