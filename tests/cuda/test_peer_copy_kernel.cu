@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "cuda_test_util.hpp"
+#include "support/cuda_test_util.hpp"
 #include "moebius/cuda/peer_kernels.hpp"
 #include "support/catch.hpp"
 #include "support/reference.hpp"

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "../cuda/cuda_test_util.hpp"
+#include "support/cuda_test_util.hpp"
 #include "kv_cases.hpp"
 #include "kv_reference.hpp"
 #include "moebius/config.hpp"

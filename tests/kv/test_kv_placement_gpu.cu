@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "../cuda/cuda_test_util.hpp"
+#include "support/cuda_test_util.hpp"
 #include "kv_reference.hpp"
 #include "moebius/kv/placement.hpp"
 #include "moebius/kv/placement_device.hpp"

@@ -1,7 +1,7 @@
 // The device owner (label gpu; skipped without a device): per rank one arena and one KV pool
 // on the rank's device, filled as asked, with views at the same offsets as the host owner's,
 // memory the transports accept, and IPC handles for every space. (Opening a handle needs a
-// second process: tests/cuda/test_cuda_ipc.cu covers that path through the transport.)
+// second process: tests/transport/test_cuda_ipc.cu covers that path through the transport.)
 #include <cuda_runtime_api.h>
 
 #include <cstdint>

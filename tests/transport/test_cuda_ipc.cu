@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda_test_util.hpp"
+#include "support/cuda_test_util.hpp"
 #include "moebius/error.hpp"
 #include "moebius/plan/weight_plan.hpp"
 #include "moebius/transport/cuda_peer_transport.hpp"

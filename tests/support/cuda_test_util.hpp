@@ -1,7 +1,7 @@
 #pragma once
 
-// Helpers shared by the GPU tests: RAII device buffers, image upload/download, random plans
-// with a host_transport twin, and the engine configurations every transport test runs.
+// Helpers shared by the GPU tests: RAII device buffers, image upload/download, rank placement
+// on devices, and the engine configurations of cuda_peer_transport.
 
 #include <cuda_runtime_api.h>
 
@@ -18,6 +18,7 @@
 #include "moebius/plan/plan.hpp"
 #include "moebius/transport/cuda_peer_transport.hpp"
 #include "support/random.hpp"
+#include "support/random_plan.hpp"  // random_bytes
 
 namespace moebius::testing {
 
@@ -76,15 +77,6 @@ inline int device_count() {
   int n = 0;
   MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&n));
   return n;
-}
-
-inline std::vector<std::byte> random_bytes(std::mt19937_64& rng, size_t n) {
-  std::vector<std::byte> v(n);
-  for (size_t i = 0; i < n; i += 8) {
-    const uint64_t x = rng();
-    std::memcpy(v.data() + i, &x, std::min<size_t>(8, n - i));
-  }
-  return v;
 }
 
 // A named transport configuration the transport tests run each case with.
@@ -152,63 +144,6 @@ inline std::vector<int> rank_devices(int num_ranks, bool spread) {
   std::vector<int> d(static_cast<size_t>(num_ranks));
   for (int r = 0; r < num_ranks; ++r) d[static_cast<size_t>(r)] = r % n;
   return d;
-}
-
-// A random valid plan over P ranks and both memory spaces of `space_bytes` each. Phase k
-// writes only the half (k % 2) of each space and reads only the other half, so no destination
-// overlaps a source or another destination of its phase. Ops: 1 byte .. max_op_bytes, random
-// unaligned offsets and pitches (source pitch may be < row_bytes, even 0: re-reading a row).
-inline plan random_plan(std::mt19937_64& rng, int num_ranks, int64_t space_bytes,
-                        int num_phases, int max_ops_per_phase, int64_t max_op_bytes) {
-  plan p;
-  p.num_ranks = num_ranks;
-  const int64_t half = space_bytes / 2;
-  for (int k = 0; k < num_phases; ++k) {
-    plan_phase ph;
-    ph.label = "random phase " + std::to_string(k);
-    // Bump allocators over the written half of each (rank, space).
-    std::vector<int64_t> next(static_cast<size_t>(num_ranks * num_memory_spaces), 0);
-    const int64_t write_base = (k % 2) * half;
-    const int64_t read_base = ((k + 1) % 2) * half;
-    const int num_ops = static_cast<int>(uniform(rng, 0, max_ops_per_phase));
-    for (int i = 0; i < num_ops; ++i) {
-      copy_op op;
-      op.src_rank = static_cast<int32_t>(uniform(rng, 0, num_ranks - 1));
-      op.dst_rank = static_cast<int32_t>(uniform(rng, 0, num_ranks - 1));
-      op.src_space = coin(rng) ? memory_space::arena : memory_space::kv_pool;
-      op.dst_space = coin(rng) ? memory_space::arena : memory_space::kv_pool;
-      int64_t& used = next[static_cast<size_t>(op.dst_rank * num_memory_spaces +
-                                               static_cast<int>(op.dst_space))];
-      const int64_t room = half - used;
-      if (room < 64) continue;
-      const int64_t budget = std::min(room - 32, max_op_bytes);
-      // Shape: plain copy, few big rows or many small rows.
-      const int kind = static_cast<int>(uniform(rng, 0, 2));
-      if (kind == 0) {
-        op.rows = 1;
-        op.row_bytes = uniform(rng, 1, budget);
-        op.src_pitch = op.dst_pitch = op.row_bytes;
-      } else {
-        op.row_bytes = uniform(rng, 1, kind == 1 ? budget : std::min<int64_t>(budget, 300));
-        const int64_t gap = uniform(rng, 0, 37);
-        op.dst_pitch = op.row_bytes + gap;
-        op.rows = uniform(rng, 1, std::max<int64_t>(1, (budget - op.row_bytes) / op.dst_pitch + 1));
-        const int64_t sp_kind = uniform(rng, 0, 5);
-        op.src_pitch = sp_kind == 0 ? 0 : sp_kind == 1 ? uniform(rng, 1, op.row_bytes)
-                                                       : op.row_bytes + uniform(rng, 0, 41);
-      }
-      const int64_t dst_extent = (op.rows - 1) * op.dst_pitch + op.row_bytes;
-      const int64_t src_extent = (op.rows - 1) * op.src_pitch + op.row_bytes;
-      if (dst_extent > room - 16 || src_extent > half) continue;
-      const int64_t skip = uniform(rng, 0, std::min<int64_t>(15, room - 16 - dst_extent));
-      op.dst_offset = write_base + used + skip;
-      used += skip + dst_extent;
-      op.src_offset = read_base + uniform(rng, 0, half - src_extent);
-      ph.ops.push_back(op);
-    }
-    p.phases.push_back(std::move(ph));
-  }
-  return p;
 }
 
 inline std::string first_difference(const std::vector<std::byte>& want,
