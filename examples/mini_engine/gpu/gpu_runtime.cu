@@ -170,6 +170,15 @@ struct gpu_runtime::impl {
     return v != nullptr ? std::max<int64_t>(0, std::strtoll(v, nullptr, 10)) : int64_t{0};
   }();
 
+  // MINI_ENGINE_MOE_TILE_SCALE=n (a power of two, default 1): expert tiles of n x the rows
+  // moe_tile_rows() picks (an experiment: larger tiles re-read an expert's weights in fewer
+  // batch entries at large batches, at the price of more padded rows).
+  int64_t moe_tile_scale = [] {
+    const char* v = std::getenv("MINI_ENGINE_MOE_TILE_SCALE");
+    const int64_t n = v != nullptr ? std::strtoll(v, nullptr, 10) : 1;
+    return n >= 1 && n <= 64 && (n & (n - 1)) == 0 ? n : int64_t{1};
+  }();
+
   // ---- stage profile (MINI_ENGINE_PROFILE=1) ----------------------------------------------
   // Steps run eagerly and every rank's stream records a CUDA event at each stage boundary;
   // the intervals are summed per stage over the step (the longest rank per stage). Off, the
@@ -287,7 +296,7 @@ struct gpu_runtime::impl {
     }
     const int64_t pairs =
         moe_pair_capacity(src_tokens, c.top_k, c.num_experts, s.num_local, optimistic);
-    s.tile_rows = moe_tile_rows(pairs, s.num_local);
+    s.tile_rows = std::min<int64_t>(moe_tile_rows(pairs, s.num_local) * moe_tile_scale, 1024);
     s.max_tiles = moe_max_tiles(pairs, s.num_local, s.tile_rows);
     return s;
   }
