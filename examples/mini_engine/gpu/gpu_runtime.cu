@@ -333,6 +333,7 @@ struct gpu_runtime::impl {
     o = options;
     if (const char* v = std::getenv("MINI_ENGINE_NO_GRAPHS"); v != nullptr && *v == '1')
       o.capture_graphs = false;
+    if (profile) o.capture_graphs = false;  // profiled steps run eagerly: nothing to replay
     P = o.num_ranks;
     MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16,
                   errc::invalid_argument, "gpu_runtime: experts must be fp32 or bf16, not ",

@@ -178,7 +178,8 @@ class gpu_runtime : public runtime {
   int num_ranks() const;
 
   // Whether decode steps replay graphs: options.capture_graphs, unless the environment sets
-  // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one).
+  // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one) or
+  // MINI_ENGINE_PROFILE=1 (the stage profile, below).
   bool graphs_enabled() const;
   int64_t captures() const;       // graphs captured (mode x bucket), all at construction
   int64_t graph_replays() const;  // steps that replayed a graph
@@ -190,7 +191,8 @@ class gpu_runtime : public runtime {
   int64_t hybrid_steps() const;
 
   // Stage profile: with MINI_ENGINE_PROFILE=1 in the environment (read at construction)
-  // every step runs eagerly (graphs are still captured, never replayed) and each rank's stream
+  // every step runs eagerly (as with MINI_ENGINE_NO_GRAPHS=1: nothing is captured,
+  // graphs_enabled() is false, so the runtime tests hold as they are) and each rank's stream
   // records a CUDA event at every stage boundary of every layer; stage_times() gives the last
   // step's device time per stage summed over the layers (the longest rank per stage), in
   // seconds, in step order: upload, embed, qkv (input norm, q/k/v GEMMs, q/k norms, RoPE, KV
