@@ -12,7 +12,10 @@
 //
 // Environment: MOEBIUS_BENCH_CONTEXT (default 1024), MOEBIUS_BENCH_MAX_BATCH (512),
 // MOEBIUS_BENCH_LAYERS (48: fewer for a quick run), MOEBIUS_BENCH_SUMMARY (a file for the
-// summary as JSON lines).
+// summary as JSON lines). MINI_ENGINE_PROFILE=1: steps run eagerly with CUDA events between
+// the stages, and each benchmark reports stage_<stage>_ms counters (device time per step of
+// each stage summed over the layers: gpu_runtime::stage_times()); device_ms is always the
+// step's device time (gpu_runtime::measured_step_s()).
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
@@ -89,7 +92,9 @@ void bm_decode(benchmark::State& st, parallel_mode mode, int64_t B) {
   for (int w = 0; w < 3; ++w) s.rt->step(layout, items);  // warm-up (first replay uploads)
   const int64_t replays0 = s.rt->graph_replays(), eager0 = s.rt->eager_steps();
   const int64_t reruns0 = s.rt->overflow_reruns();
-  double total = 0;
+  double total = 0, device_total = 0;
+  std::map<std::string, double> stage_total;  // MINI_ENGINE_PROFILE=1: seconds per stage
+  std::vector<std::string> stage_order;
   for (auto _ : st) {
     const auto t0 = std::chrono::steady_clock::now();
     auto next = s.rt->step(layout, items);
@@ -97,8 +102,18 @@ void bm_decode(benchmark::State& st, parallel_mode mode, int64_t B) {
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     st.SetIterationTime(sec);
     total += sec;
+    device_total += s.rt->measured_step_s();
+    for (const auto& [name, sec_stage] : s.rt->stage_times()) {
+      if (stage_total.find(name) == stage_total.end()) stage_order.push_back(name);
+      stage_total[name] += sec_stage;
+    }
   }
-  const double ms = 1e3 * total / static_cast<double>(st.iterations());
+  const double iters = static_cast<double>(st.iterations());
+  const double ms = 1e3 * total / iters;
+  st.counters["device_ms"] = 1e3 * device_total / iters;
+  st.counters["profiled"] = s.rt->profiling() ? 1 : 0;
+  for (const std::string& name : stage_order)
+    st.counters["stage_" + name + "_ms"] = 1e3 * stage_total[name] / iters;
   s.ms[{static_cast<int>(mode), B}] = ms;
   st.counters["ms_per_step"] = ms;
   st.counters["tokens_per_s"] = static_cast<double>(B) / (ms * 1e-3);

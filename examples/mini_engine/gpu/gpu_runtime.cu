@@ -127,6 +127,13 @@ struct rank_state {
   int64_t input_count = 0;
   // CUDA events around the last step (measured_step_s).
   cudaEvent_t step_begin = nullptr, step_end = nullptr;
+  // MINI_ENGINE_PROFILE=1: events at the stage boundaries of a step (created as needed) and
+  // the stage of the interval each one ends (-1: the start).
+  std::vector<cudaEvent_t> prof_events;
+  std::vector<int> prof_stage;
+  size_t prof_used = 0;
+  // Split-context attention: partial softmax states (paged_attention_workspace_floats).
+  float* attn_work = nullptr;
   // Expert workspace, sized for the largest bucket of either mode.
   moe_plan moe;  // pointers only; shapes are filled per step
 };
@@ -147,11 +154,88 @@ struct gpu_runtime::impl {
   std::map<std::pair<int, int64_t>, graph_set> graphs;  // (mode, bucket)
   int64_t captures = 0, replays = 0, eager = 0, reruns = 0, hybrid_steps = 0;
   double last_step_s = -1;  // device time of the last step (CUDA events)
-  // MINI_ENGINE_SIMPLE_ATTENTION=1: the simple attention kernel (a fallback to compare with).
-  bool simple_attention = [] {
-    const char* v = std::getenv("MINI_ENGINE_SIMPLE_ATTENTION");
-    return v != nullptr && *v == '1';
+  // MINI_ENGINE_SIMPLE_ATTENTION=1 or MINI_ENGINE_ATTENTION=simple: the simple attention
+  // kernel; MINI_ENGINE_ATTENTION=whole: the GQA kernel with one block per (token, KV head)
+  // over the whole context (the kernel before the split one); default (split): the
+  // split-context GQA kernel, MINI_ENGINE_ATTENTION_SPLITS=n forcing n ranges.
+  static bool env_is(const char* name, const char* value) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::strcmp(v, value) == 0;
+  }
+  bool simple_attention =
+      env_is("MINI_ENGINE_SIMPLE_ATTENTION", "1") || env_is("MINI_ENGINE_ATTENTION", "simple");
+  bool whole_context_attention = env_is("MINI_ENGINE_ATTENTION", "whole");
+  int64_t attention_splits = [] {
+    const char* v = std::getenv("MINI_ENGINE_ATTENTION_SPLITS");
+    return v != nullptr ? std::max<int64_t>(0, std::strtoll(v, nullptr, 10)) : int64_t{0};
   }();
+
+  // MINI_ENGINE_MOE_TILE_SCALE=n (a power of two, default 1): expert tiles of n x the rows
+  // moe_tile_rows() picks (an experiment: larger tiles re-read an expert's weights in fewer
+  // batch entries at large batches, at the price of more padded rows).
+  int64_t moe_tile_scale = [] {
+    const char* v = std::getenv("MINI_ENGINE_MOE_TILE_SCALE");
+    const int64_t n = v != nullptr ? std::strtoll(v, nullptr, 10) : 1;
+    return n >= 1 && n <= 64 && (n & (n - 1)) == 0 ? n : int64_t{1};
+  }();
+
+  // ---- stage profile (MINI_ENGINE_PROFILE=1) ----------------------------------------------
+  // Steps run eagerly and every rank's stream records a CUDA event at each stage boundary;
+  // the intervals are summed per stage over the step (the longest rank per stage). Off, the
+  // marks return at once and graphs replay as usual (nothing is captured differently).
+  enum stage : int {
+    st_upload,       // step inputs host -> device
+    st_embed,        // embedding
+    st_qkv,          // input norm, q/k/v GEMMs, q/k norms, RoPE, KV append
+    st_attention,    // paged attention (and the split kernel's merge)
+    st_o_proj,       // o_proj GEMM (and its input conversion)
+    st_router,       // residual add, post-attention norm, router GEMM, top-k, pack
+    st_permute,      // route, sort, tile map, gather
+    st_experts,      // expert GEMMs and SiLU-and-mul
+    st_combine,      // moe_combine, residual adds, local copies
+    st_collectives,  // NCCL: all-reduces, dispatch all-gather, combine send/recv, hand-off
+    st_hand_off,     // hybrid steps: row gathers at a mode change
+    st_lm_head,      // final norm, LM-head GEMM, argmax
+    st_download,     // next tokens device -> host
+    st_count
+  };
+  static constexpr const char* stage_names[st_count] = {
+      "upload",  "embed",   "qkv",         "attention", "o_proj",  "router",  "permute",
+      "experts", "combine", "collectives", "hand_off",  "lm_head", "download"};
+  bool profile = env_is("MINI_ENGINE_PROFILE", "1");
+  bool prof_on = false;  // inside a profiled step
+  std::vector<double> stage_s;  // last profiled step, seconds per stage
+
+  // Ends the current interval of rank rs's stream as `st` (-1: starts the step).
+  void mark(rank_state& rs, int st) {
+    if (!prof_on) return;
+    if (rs.prof_used == rs.prof_events.size()) {
+      cudaEvent_t e = nullptr;
+      MOEBIUS_CUDA_CHECK(cudaEventCreate(&e));
+      rs.prof_events.push_back(e);
+      rs.prof_stage.push_back(-1);
+    }
+    MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.prof_events[rs.prof_used], rs.stream));
+    rs.prof_stage[rs.prof_used++] = st;
+  }
+  void mark_all(int st) {
+    if (!prof_on) return;
+    each_rank([&](int, rank_state& rs) { mark(rs, st); });
+  }
+  // After the step's streams are synchronised: the intervals summed per stage.
+  void collect_profile() {
+    stage_s.assign(st_count, 0.0);
+    for (rank_state& rs : ranks) {
+      std::vector<double> mine(st_count, 0.0);
+      for (size_t i = 1; i < rs.prof_used; ++i) {
+        float ms = 0;
+        MOEBIUS_CUDA_CHECK(cudaEventElapsedTime(&ms, rs.prof_events[i - 1], rs.prof_events[i]));
+        if (rs.prof_stage[i] >= 0) mine[static_cast<size_t>(rs.prof_stage[i])] += ms * 1e-3;
+      }
+      for (size_t k = 0; k < mine.size(); ++k) stage_s[k] = std::max(stage_s[k], mine[k]);
+      rs.prof_used = 0;
+    }
+  }
 
   // ---- shape helpers ----------------------------------------------------------------------
   static int mode_index(parallel_mode m) { return m == parallel_mode::tp ? 1 : 0; }
@@ -212,12 +296,36 @@ struct gpu_runtime::impl {
     }
     const int64_t pairs =
         moe_pair_capacity(src_tokens, c.top_k, c.num_experts, s.num_local, optimistic);
-    s.tile_rows = moe_tile_rows(pairs, s.num_local);
+    s.tile_rows = std::min<int64_t>(moe_tile_rows(pairs, s.num_local) * moe_tile_scale, 1024);
     s.max_tiles = moe_max_tiles(pairs, s.num_local, s.tile_rows);
     return s;
   }
 
   void set_device(const rank_state& r) const { MOEBIUS_CUDA_CHECK(cudaSetDevice(r.device)); }
+
+  // The paged attention of layer li in mode m over T rows of rank rs (q rows in qkv).
+  paged_attention_args attention_args(rank_state& rs, parallel_mode m, int64_t li, int64_t T,
+                                      const float* q, float* out) const {
+    const int64_t D = c.head_dim, hq = q_heads_local(m);
+    paged_attention_args pa;
+    pa.q = q;
+    pa.q_stride = qkv_ld;
+    pa.q_heads = hq;
+    pa.group = c.num_q_heads / c.num_kv_heads;
+    pa.out = out;
+    pa.out_stride = hq * D;
+    pa.pool = rs.kv_pool;
+    pa.geometry = kv;
+    pa.mode = m;
+    pa.layer = li;
+    pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    pa.tok = {in_seq(rs, m), in_pos(rs, m), in_tables(rs, m), max_pages, T, in_num(rs, m)};
+    pa.simple = simple_attention;
+    pa.whole_context = whole_context_attention;
+    pa.workspace = rs.attn_work;
+    pa.splits = attention_splits;
+    return pa;
+  }
 
   // ---- construction -----------------------------------------------------------------------
   void setup(const gpu_model_config& config, const gpu_runtime_options& options) {
@@ -225,6 +333,7 @@ struct gpu_runtime::impl {
     o = options;
     if (const char* v = std::getenv("MINI_ENGINE_NO_GRAPHS"); v != nullptr && *v == '1')
       o.capture_graphs = false;
+    if (profile) o.capture_graphs = false;  // profiled steps run eagerly: nothing to replay
     P = o.num_ranks;
     MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16,
                   errc::invalid_argument, "gpu_runtime: experts must be fp32 or bf16, not ",
@@ -354,6 +463,13 @@ struct gpu_runtime::impl {
       p.overflow = device_alloc<int32_t>(1, rs.owned);
       p.hidden = H;
       p.type = c.expert_dtype;
+      // Split attention: the largest workspace any token count and mode needs.
+      int64_t attn_floats = 0;
+      for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp})
+        for (int64_t t = 1; t <= T_max; ++t)
+          attn_floats = std::max(attn_floats, paged_attention_workspace_floats(
+                                                  attention_args(rs, m, 0, t, nullptr, nullptr)));
+      rs.attn_work = device_alloc<float>(attn_floats, rs.owned);
     }
     if (P > 1) {
       std::vector<ncclComm_t> comms(static_cast<size_t>(P));
@@ -537,12 +653,14 @@ struct gpu_runtime::impl {
       for (rank_state& rs : ranks)
         MOEBIUS_NCCL_CHECK(ncclAllGather(rs.h, rs.recv, n, ncclFloat, rs.comm, rs.stream));
       MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+      mark_all(st_collectives);
     }
     each_rank([&](int, rank_state& rs) {
       launch_gather_rows({gather ? rs.recv : rs.h, in_map(rs, to), in_num(rs, to), rs.xn, T_to, H},
                          rs.stream);
       MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.h, rs.xn, static_cast<size_t>(T_to * H) * 4,
                                          cudaMemcpyDeviceToDevice, rs.stream));
+      mark(rs, st_hand_off);
     });
   }
 
@@ -560,6 +678,7 @@ struct gpu_runtime::impl {
       each_rank([&](int, rank_state& rs) {
         launch_embedding({rs.embed, dd, c.vocab, H, in_ids(rs, m0), T, in_num(rs, m0), rs.h},
                          rs.stream);
+        mark(rs, st_embed);
       });
     }
     for (int64_t li = 0; li < c.num_layers; ++li) {
@@ -622,21 +741,9 @@ struct gpu_runtime::impl {
         ka.layer = li;
         ka.tok = tok;
         launch_kv_append(ka, rs.stream);
-        paged_attention_args pa;
-        pa.q = q;
-        pa.q_stride = qkv_ld;
-        pa.q_heads = hq;
-        pa.group = c.num_q_heads / c.num_kv_heads;
-        pa.out = rs.attn;
-        pa.out_stride = hq * D;
-        pa.pool = rs.kv_pool;
-        pa.geometry = kv;
-        pa.mode = attn;
-        pa.layer = li;
-        pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-        pa.tok = tok;
-        pa.simple = simple_attention;
-        launch_paged_attention(pa, rs.stream);
+        mark(rs, st_qkv);
+        launch_paged_attention(attention_args(rs, attn, li, T, q, rs.attn), rs.stream);
+        mark(rs, st_attention);
         launch_convert({rs.attn, dtype::fp32, rs.xd, dd, T * hq * D}, rs.stream);
         linear_args a;  // o_proj: this rank's columns (its heads) of the whole weight
         a.x = rs.xd;
@@ -650,8 +757,12 @@ struct gpu_runtime::impl {
         a.in_features = hq * D;
         a.type = dd;
         linear(rs.blas, a, rs.stream);
+        mark(rs, st_o_proj);
       });
-      if (attn == parallel_mode::tp) all_reduce(&rank_state::proj, T * H);
+      if (attn == parallel_mode::tp && P > 1) {
+        all_reduce(&rank_state::proj, T * H);
+        mark_all(st_collectives);
+      }
       // ---- MoE
       const parallel_mode lm = moebius::arena_geometry::mode_of(cursor, li);
       each_rank([&](int, rank_state& rs) {
@@ -682,6 +793,7 @@ struct gpu_runtime::impl {
         pk.hidden = H;
         pk.type = c.expert_dtype;
         launch_moe_pack(pk, rs.stream);
+        mark(rs, st_router);
       });
       const bool dispatch = attn == parallel_mode::ep && P > 1;
       if (dispatch) {  // every rank gets every rank's packed tokens
@@ -691,6 +803,7 @@ struct gpu_runtime::impl {
           MOEBIUS_NCCL_CHECK(
               ncclAllGather(rs.packed, rs.gathered, bytes, ncclUint8, rs.comm, rs.stream));
         MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+        mark_all(st_collectives);
       }
       const int64_t src_tokens = dispatch ? P * T : T;
       each_rank([&](int r, rank_state& rs) {
@@ -707,7 +820,9 @@ struct gpu_runtime::impl {
         p.w13 = rs.arena + arena.tensor_base(lm, li, moebius::weight_tensor::w13);
         p.w2 = rs.arena + arena.tensor_base(lm, li, moebius::weight_tensor::w2);
         launch_moe_permute(p, src, rs.stream);
+        mark(rs, st_permute);
         expert_gemms(rs.blas, p, rs.stream);
+        mark(rs, st_experts);
         moe_combine_args cb;
         cb.y = p.y;
         cb.pair_row = p.pair_row;
@@ -715,16 +830,22 @@ struct gpu_runtime::impl {
         cb.out = rs.moe_out;
         cb.hidden = H;
         launch_moe_combine(cb, rs.stream);
+        mark(rs, st_combine);
         (void)es;
       });
       if (attn == parallel_mode::tp) {
-        all_reduce(&rank_state::moe_out, T * H);
+        if (P > 1) {
+          all_reduce(&rank_state::moe_out, T * H);
+          mark_all(st_collectives);
+        }
         each_rank([&](int, rank_state& rs) {
           launch_residual_add({rs.h, rs.moe_out, 1, 0, T, H}, rs.stream);
+          mark(rs, st_combine);
         });
       } else if (!dispatch) {
         each_rank([&](int, rank_state& rs) {
           launch_residual_add({rs.h, rs.moe_out, 1, 0, T, H}, rs.stream);
+          mark(rs, st_combine);
         });
       } else {  // combine: partial sums back to the tokens' owners, summed in rank order
         const size_t n = static_cast<size_t>(T * H);
@@ -740,10 +861,12 @@ struct gpu_runtime::impl {
           }
         }
         MOEBIUS_NCCL_CHECK(ncclGroupEnd());
+        mark_all(st_collectives);
         each_rank([&](int r, rank_state& rs) {
           MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(rs.recv + r * T * H, rs.moe_out + r * T * H, n * 4,
                                              cudaMemcpyDeviceToDevice, rs.stream));
           launch_residual_add({rs.h, rs.recv, P, T * H, T, H}, rs.stream);
+          mark(rs, st_combine);
         });
       }
     }
@@ -767,6 +890,7 @@ struct gpu_runtime::impl {
       a.type = dd;
       linear(rs.blas, a, rs.stream);
       launch_argmax({rs.logits, T, vn, rs.next, rs.next_value}, rs.stream);
+      mark(rs, st_lm_head);
     });
   }
 
@@ -901,7 +1025,9 @@ struct gpu_runtime::impl {
         !hybrid && ((first == parallel_mode::tp && layout.cursor.tp_layers == c.num_layers) ||
                     (first == parallel_mode::ep && layout.cursor.tp_layers == 0));
     const graph_set* gs = nullptr;
-    if (decode && pure && o.capture_graphs) {
+    prof_on = profile;  // a profiled step runs eagerly (events between the stages)
+    for (rank_state& rs : ranks) rs.prof_used = 0;
+    if (decode && pure && o.capture_graphs && !profile) {
       const int64_t need = ps.rows[mode_index(first)];
       int64_t T = need;
       for (int64_t b : o.buckets)
@@ -949,6 +1075,7 @@ struct gpu_runtime::impl {
     // skip them).
     each_rank([&](int r, rank_state& rs) {
       MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_begin, rs.stream));
+      mark(rs, -1);
       for (int mi = 0; mi < 2; ++mi) {
         if (!used[mi]) continue;
         int32_t* in = rs.pinned[mi];
@@ -964,6 +1091,7 @@ struct gpu_runtime::impl {
                                            static_cast<size_t>(rs.input_count) * 4,
                                            cudaMemcpyHostToDevice, rs.stream));
       }
+      mark(rs, st_upload);
     });
     if (gs != nullptr) {
       // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
@@ -1005,9 +1133,14 @@ struct gpu_runtime::impl {
       MOEBIUS_CUDA_CHECK(cudaMemcpyAsync(next_value[static_cast<size_t>(r)].data(), rs.next_value,
                                          static_cast<size_t>(T) * 4, cudaMemcpyDeviceToHost,
                                          rs.stream));
+      mark(rs, st_download);
       MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_end, rs.stream));
     });
     each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
+    if (prof_on) {
+      collect_profile();
+      prof_on = false;
+    }
     // The step's device time: the longest rank, from its first upload to its last download.
     last_step_s = 0;
     each_rank([&](int, rank_state& rs) {
@@ -1060,6 +1193,7 @@ struct gpu_runtime::impl {
         if (p != nullptr) cudaFreeHost(p);
       if (rs.step_begin != nullptr) cudaEventDestroy(rs.step_begin);
       if (rs.step_end != nullptr) cudaEventDestroy(rs.step_end);
+      for (cudaEvent_t e : rs.prof_events) cudaEventDestroy(e);
       for (void* p : rs.owned) cudaFree(p);
       if (rs.stream != nullptr) cudaStreamDestroy(rs.stream);
     }
@@ -1125,6 +1259,15 @@ int64_t gpu_runtime::hybrid_steps() const {
 }
 double gpu_runtime::measured_step_s() const {
   return impl_->last_step_s;
+}
+bool gpu_runtime::profiling() const {
+  return impl_->profile;
+}
+std::vector<std::pair<std::string, double>> gpu_runtime::stage_times() const {
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t k = 0; k < impl_->stage_s.size(); ++k)
+    out.emplace_back(impl::stage_names[k], impl_->stage_s[k]);
+  return out;
 }
 
 void gpu_runtime::fill_kv_random(uint64_t seed) {

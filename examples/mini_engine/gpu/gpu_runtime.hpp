@@ -64,6 +64,8 @@
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/memory/rank_memory.hpp>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "../step.hpp"
@@ -176,7 +178,8 @@ class gpu_runtime : public runtime {
   int num_ranks() const;
 
   // Whether decode steps replay graphs: options.capture_graphs, unless the environment sets
-  // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one).
+  // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one) or
+  // MINI_ENGINE_PROFILE=1 (the stage profile, below).
   bool graphs_enabled() const;
   int64_t captures() const;       // graphs captured (mode x bucket), all at construction
   int64_t graph_replays() const;  // steps that replayed a graph
@@ -186,6 +189,20 @@ class gpu_runtime : public runtime {
   int64_t overflow_reruns() const;
   // Hybrid steps run (a progressive switch in progress: step_layout::hybrid()); all eager.
   int64_t hybrid_steps() const;
+
+  // Stage profile: with MINI_ENGINE_PROFILE=1 in the environment (read at construction)
+  // every step runs eagerly (as with MINI_ENGINE_NO_GRAPHS=1: nothing is captured,
+  // graphs_enabled() is false, so the runtime tests hold as they are) and each rank's stream
+  // records a CUDA event at every stage boundary of every layer; stage_times() gives the last
+  // step's device time per stage summed over the layers (the longest rank per stage), in
+  // seconds, in step order: upload, embed, qkv (input norm, q/k/v GEMMs, q/k norms, RoPE, KV
+  // append), attention (paged attention), o_proj, router (residual add, norm, router GEMM,
+  // top-k, pack), permute, experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
+  // adds), collectives (NCCL), hand_off, lm_head (final norm, GEMM, argmax), download. Eager
+  // launches: where the GPU outruns the host, an interval also holds the launch gaps.
+  // Without the variable nothing is recorded and stage_times() is empty.
+  bool profiling() const;
+  std::vector<std::pair<std::string, double>> stage_times() const;
 
   // Fills every rank's KV pool with random values (benchmarks: a context to attend over).
   void fill_kv_random(uint64_t seed);

@@ -102,11 +102,33 @@ struct paged_attention_args {
   paged_tokens tok;
   // The simple kernel (one block per q head, one position per warp step) instead of the GQA
   // kernel (one block per KV head and its q heads, 16-byte loads, several positions per warp
-  // step). The GQA kernel needs head_dim in {8, 16, 32, 64, 128, 256}; others use the simple
+  // step). The GQA kernels need head_dim in {8, 16, 32, 64, 128, 256}; others use the simple
   // one anyway.
   bool simple = false;
+  // The split-context GQA kernel (flash-decoding) when `workspace` is set (and !simple,
+  // !whole_context): each (token, KV head) is cut into `splits` ranges of whole pages, one
+  // block each, so a batch-1 decode step fills the GPU instead of running 8 blocks over the
+  // whole context; a second kernel merges the ranges' softmax states. Without a workspace,
+  // or with whole_context, one block per (token, KV head) walks the whole context (the
+  // previous GQA kernel, kept to compare with).
+  float* workspace = nullptr;  // paged_attention_workspace_floats(*this) floats
+  int64_t splits = 0;  // 0: paged_attention_splits() picks; n: n ranges of whole pages
+                       // (fewer when n does not divide table_stride evenly, at most one a page)
+  bool whole_context = false;
 };
 void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream);
+// Context ranges per (token, KV head) the split kernel uses for these args (when it runs: a
+// workspace, not simple, not whole_context): enough blocks for 4 per SM of the current
+// device, at least 32 positions (whole pages) per range; a.splits > 0 forces about that many.
+// Depends only on the shapes
+// (tokens of the bucket, heads, table_stride), never on positions: a graph replays it.
+//   H200 (132 SMs), 1 token, 4 KV heads, group 8 (2 blocks of 4 q heads each), page 16,
+//   table_stride 65: wants 528 / 8 = 66 ranges, at most ceil(65 / 2) = 33 -> 33 ranges of
+//   2 pages (264 blocks). 256 tokens: 1 range.
+int64_t paged_attention_splits(const paged_attention_args& a);
+// Floats of workspace the split kernel needs for these args (tokens * q_heads * splits *
+// (head_dim + 2): each range's unnormalised output, max and sum); 0 when splits is 1.
+int64_t paged_attention_workspace_floats(const paged_attention_args& a);
 
 // ---- activation.cu --------------------------------------------------------------------------
 // out[r, i] = silu(in[r, i]) * in[r, inter + i]: in rows are [gate slice | up slice].

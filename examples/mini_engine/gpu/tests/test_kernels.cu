@@ -243,12 +243,35 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
     pa.layer = layer;
     pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(g.head_dim)));
     pa.tok = tok;
-    launch_paged_attention(pa, nullptr);  // the GQA kernel (D = 40: the simple one)
+    launch_paged_attention(pa, nullptr);  // the GQA kernel, one range (D = 40: the simple one)
     device_buffer dout_simple(tokens * q_heads * g.head_dim * 4);
     paged_attention_args ps = pa;
     ps.simple = true;
     ps.out = dout_simple.as<float>();
     launch_paged_attention(ps, nullptr);
+    // The previous GQA kernel (one block walks the whole context).
+    device_buffer dout_whole(tokens * q_heads * g.head_dim * 4);
+    paged_attention_args pw = pa;
+    pw.whole_context = true;
+    pw.out = dout_whole.as<float>();
+    launch_paged_attention(pw, nullptr);
+    // Split context: the automatic count, and a forced one (1 page per range up to all pages).
+    std::vector<device_buffer> dout_split, dwork;
+    std::vector<int64_t> split_counts;
+    for (int64_t forced : {int64_t{0}, uniform(rng, 1, max_pages)}) {
+      paged_attention_args sa = pa;
+      sa.splits = forced;
+      const int64_t wf = paged_attention_workspace_floats(sa);
+      split_counts.push_back(paged_attention_splits(sa));
+      REQUIRE(wf == (split_counts.back() > 1
+                         ? tokens * q_heads * split_counts.back() * (g.head_dim + 2)
+                         : 0));
+      dwork.emplace_back(std::max<int64_t>(wf, 1) * 4);
+      dout_split.emplace_back(tokens * q_heads * g.head_dim * 4);
+      sa.workspace = dwork.back().as<float>();
+      sa.out = dout_split.back().as<float>();
+      launch_paged_attention(sa, nullptr);
+    }
 
     // Host: append, then attend.
     auto at = [&](int64_t t, int64_t s) {
@@ -310,7 +333,49 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
         for (int64_t d = 0; d < g.head_dim; ++d)
           got_simple.push_back(out_simple[static_cast<size_t>((t * q_heads + h) * g.head_dim + d)]);
     REQUIRE(mismatches(got_simple, want, 2e-5, 2e-4, "attention (simple kernel)") == 0);
+    auto picked = [&](const device_buffer& d) {
+      auto o = download<float>(d, static_cast<size_t>(tokens * q_heads * g.head_dim));
+      std::vector<float> r;
+      for (int64_t t = 0; t < real; ++t)
+        for (int64_t h = 0; h < q_heads; ++h)
+          for (int64_t dd = 0; dd < g.head_dim; ++dd)
+            r.push_back(o[static_cast<size_t>((t * q_heads + h) * g.head_dim + dd)]);
+      return r;
+    };
+    REQUIRE(mismatches(picked(dout_whole), want, 2e-5, 2e-4, "attention (whole context)") == 0);
+    for (size_t i = 0; i < dout_split.size(); ++i) {
+      INFO("splits " << split_counts[i] << " of " << max_pages << " pages");
+      REQUIRE(mismatches(picked(dout_split[i]), want, 2e-5, 2e-4, "attention (split)") == 0);
+    }
   }
+}
+
+// The split count: deterministic from the shapes, more ranges for fewer tokens, at least 32
+// positions per range unless forced, never more ranges than pages.
+TEST_CASE("paged attention split count", "[gpu][kernels]") {
+  paged_attention_args a;
+  a.geometry.head_dim = 128;
+  a.geometry.page_size = 16;
+  a.q_heads = 32;
+  a.group = 8;
+  a.tok.table_stride = 65;
+  int64_t prev = 1 << 30;
+  for (int64_t tokens = 1; tokens <= 512; tokens *= 2) {
+    a.tok.tokens = tokens;
+    const int64_t s = paged_attention_splits(a);
+    REQUIRE(s >= 1);
+    REQUIRE(s <= 33);  // 2 pages (32 positions) per range at least
+    REQUIRE(s <= prev);
+    prev = s;
+  }
+  a.tok.tokens = 1;
+  a.splits = 1000;
+  REQUIRE(paged_attention_splits(a) == 65);
+  a.splits = 7;  // ceil(65 / 7) = 10 pages per range -> 7 ranges
+  REQUIRE(paged_attention_splits(a) == 7);
+  a.splits = 1;
+  REQUIRE(paged_attention_splits(a) == 1);
+  REQUIRE(paged_attention_workspace_floats(a) == 0);
 }
 
 TEST_CASE("silu_and_mul matches the host reference (fp32 and bf16 out)", "[gpu][kernels]") {
@@ -638,8 +703,10 @@ TEST_CASE("convert, embedding, argmax, residual_add and gather_rows match the ho
       }
     REQUIRE(mismatches(emb, want, 0, 0, "embedding") == 0);
 
-    // argmax with ties (lowest index wins)
-    const int64_t rows = uniform(rng, 1, 30), cols = uniform(rng, 1, 5000);
+    // argmax with ties (lowest index wins); every third round a vocabulary-sized row (the
+    // 1024-thread launch)
+    const int64_t rows = uniform(rng, 1, 30);
+    const int64_t cols = round % 3 == 2 ? uniform(rng, 16384, 160000) : uniform(rng, 1, 5000);
     auto x = random_floats(rng, static_cast<size_t>(rows * cols));
     for (int64_t r = 0; r < rows; ++r)
       if (cols > 2 && r % 2 == 0) {
