@@ -146,12 +146,12 @@ void print_summary() {
   if (const char* path = std::getenv("MOEBIUS_BENCH_SUMMARY"); path != nullptr && *path != '\0')
     json = std::fopen(path, "w");
   const gpu_runtime::graph_stats g = s.rt->graph_statistics();
-  std::printf("\nGraphs at start-up: %lld whole-model (%.3f s, %.1f MiB), %lld per-layer "
-              "(%.3f s, %.1f MiB; device memory: cudaMemGetInfo, the largest rank)\n",
-              static_cast<long long>(g.whole_model), g.whole_model_s,
-              static_cast<double>(g.whole_model_bytes) / (1 << 20),
-              static_cast<long long>(g.per_layer), g.per_layer_s,
-              static_cast<double>(g.per_layer_bytes) / (1 << 20));
+  std::printf(
+      "\nGraphs at start-up: %lld whole-model (%.3f s, %.1f MiB), %lld per-layer "
+      "(%.3f s, %.1f MiB; device memory: cudaMemGetInfo, the largest rank)\n",
+      static_cast<long long>(g.whole_model), g.whole_model_s,
+      static_cast<double>(g.whole_model_bytes) / (1 << 20), static_cast<long long>(g.per_layer),
+      g.per_layer_s, static_cast<double>(g.per_layer_bytes) / (1 << 20));
   if (json != nullptr)
     std::fprintf(json,
                  "{\"graphs\": \"hybrid_step\", \"whole_model\": %lld, \"per_layer\": %lld, "
@@ -162,10 +162,11 @@ void print_summary() {
                  g.whole_model_s, g.per_layer_s, static_cast<long long>(g.whole_model_bytes),
                  static_cast<long long>(g.per_layer_bytes), batches.size(), s.P,
                  static_cast<long long>(s.config.num_layers));
-  std::printf("Hybrid steps (per-layer graphs / eager) vs whole-model graph steps, Qwen3-30B-A3B "
-              "shapes (L=%lld), P=%d, context %lld: device ms per step (x: over the faster "
-              "whole-model graph)\n",
-              static_cast<long long>(s.config.num_layers), s.P, static_cast<long long>(s.context));
+  std::printf(
+      "Hybrid steps (per-layer graphs / eager) vs whole-model graph steps, Qwen3-30B-A3B "
+      "shapes (L=%lld), P=%d, context %lld: device ms per step (x: over the faster "
+      "whole-model graph)\n",
+      static_cast<long long>(s.config.num_layers), s.P, static_cast<long long>(s.context));
   for (int64_t B : batches) {
     auto tp = s.ms.find({B, "graph/tp"}), ep = s.ms.find({B, "graph/ep"});
     if (tp == s.ms.end() || ep == s.ms.end()) continue;
@@ -232,8 +233,9 @@ int main(int argc, char** argv) {
               static_cast<long long>(s.rt->graph_statistics().whole_model),
               static_cast<long long>(s.rt->graph_statistics().per_layer));
   if (!s.rt->hybrid_graphs_enabled())
-    std::printf("hybrid graphs are off (MINI_ENGINE_HYBRID_EAGER=1 or no graphs): the "
-                "hybrid_graph variants run eagerly too\n");
+    std::printf(
+        "hybrid graphs are off (MINI_ENGINE_HYBRID_EAGER=1 or no graphs): the "
+        "hybrid_graph variants run eagerly too\n");
   const std::string tail = "/P" + std::to_string(s.P) + "/ctx" + std::to_string(s.context);
   for (int64_t B : batches) {
     auto add = [&](const std::string& variant, parallel_mode m, int64_t cursor, bool eager) {

@@ -703,9 +703,9 @@ struct gpu_runtime::impl {
     const parallel_mode m0 = ps.attn.front();
     const int64_t T = ps.rows[mode_index(m0)];
     each_rank([&](int, rank_state& rs) {
-      launch_embedding({rs.embed, o.dense_dtype, c.vocab, c.hidden, in_ids(rs, m0), T,
-                        in_num(rs, m0), rs.h},
-                       rs.stream);
+      launch_embedding(
+          {rs.embed, o.dense_dtype, c.vocab, c.hidden, in_ids(rs, m0), T, in_num(rs, m0), rs.h},
+          rs.stream);
       mark(rs, st_embed);
     });
   }

@@ -221,8 +221,8 @@ class gpu_runtime : public runtime {
   // disappear while capturing, instantiating and uploading them (the largest rank; the
   // driver allocates in chunks, so a coarse figure).
   struct graph_stats {
-    int64_t whole_model = 0;  // 2 modes x buckets
-    int64_t per_layer = 0;    // 2 modes x buckets x L (0 without hybrid graphs)
+    int64_t whole_model = 0;                    // 2 modes x buckets
+    int64_t per_layer = 0;                      // 2 modes x buckets x L (0 without hybrid graphs)
     double whole_model_s = 0, per_layer_s = 0;  // host wall clock of their capture
     int64_t whole_model_bytes = 0, per_layer_bytes = 0;
   };

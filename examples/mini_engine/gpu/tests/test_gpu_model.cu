@@ -129,8 +129,8 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
         REQUIRE(gpu_rt.graph_statistics().whole_model == (gpu_rt.graphs_enabled() ? 6 : 0));
         REQUIRE(gpu_rt.graph_statistics().per_layer ==
                 (gpu_rt.hybrid_graphs_enabled() ? 6 * c.num_layers : 0));
-        REQUIRE(gpu_rt.captures() == gpu_rt.graph_statistics().whole_model +
-                                         gpu_rt.graph_statistics().per_layer);
+        REQUIRE(gpu_rt.captures() ==
+                gpu_rt.graph_statistics().whole_model + gpu_rt.graph_statistics().per_layer);
         REQUIRE((gpu_rt.graph_replays() > 0 || !gpu_rt.graphs_enabled()));
       }
     }

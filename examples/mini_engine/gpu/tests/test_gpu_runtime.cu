@@ -236,7 +236,8 @@ TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursor
         gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {k}, t));
         REQUIRE(rt.captures() == expected_captures(rt, c));
         REQUIRE(rt.graph_statistics().whole_model == (rt.graphs_enabled() ? 8 : 0));
-        REQUIRE(rt.graph_statistics().per_layer == rt.captures() - rt.graph_statistics().whole_model);
+        REQUIRE(rt.graph_statistics().per_layer ==
+                rt.captures() - rt.graph_statistics().whole_model);
         const auto r = serve(rt, empty_kv_state(rt.kv(), mode), {k}, 6, {}, nullptr);
         check_against_reference(c, w, r, bf16);
         const bool pure = (mode == parallel_mode::ep && k == 0) ||
@@ -366,9 +367,10 @@ TEST_CASE("gpu_runtime: progressive switches (hybrid steps) keep the greedy toke
 // same order. P = 2 (two devices, fp32 only): EP graphs size the expert tiles for 1.25x the
 // expected pairs and eager steps for the worst case, so other tile rows and other GEMM
 // blockings sum in another order: within 1e-4 + 1e-4 |x| (the TP-vs-EP bound).
-TEST_CASE("gpu_runtime: hybrid steps through per-layer graphs give the eager hybrid steps' "
-          "logits",
-          "[gpu][runtime]") {
+TEST_CASE(
+    "gpu_runtime: hybrid steps through per-layer graphs give the eager hybrid steps' "
+    "logits",
+    "[gpu][runtime]") {
   std::vector<int> rank_counts = {1};
   if (test_ranks() == 2) rank_counts.push_back(2);
   for (int P : rank_counts)
