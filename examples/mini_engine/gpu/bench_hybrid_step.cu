@@ -1,19 +1,25 @@
 // What a hybrid step costs: decode-step latency of the GPU runtime during a progressive switch
 // (step_layout::hybrid(): layers below the cursor TP, the rest EP, the activation hand-off at
-// the boundary, run eagerly) against whole-model CUDA graph replays of the same batch in
-// either pure mode. Qwen3-30B-A3B shapes (bf16), P = min(devices, 2), random weights and KV.
+// the boundary), through per-layer CUDA graphs and eagerly, against whole-model CUDA graph
+// replays of the same batch in either pure mode. Qwen3-30B-A3B shapes (bf16),
+// P = min(devices, 2), random weights and KV.
 //
 // Names: <kind>/P<P>/ctx<C>/B<B>[/cursor<c>], one step = B sequences decoding one token at
 // position C:
-//   graph/tp, graph/ep      a static layout (TP tables and cursor L, or EP and 0): a replay
-//   hybrid/cursor<c>        a hybrid layout (TP and EP tables) at cursor c, eager; cursor 0
-//                           and L are eager whole-model steps in one mode (no hand-off), the
-//                           ones between pay the hand-off too.
+//   graph/tp, graph/ep          a static layout (TP tables and cursor L, or EP and 0): one
+//                               whole-model graph replay
+//   hybrid_graph/cursor<c>      a hybrid layout (TP and EP tables) at cursor c through the
+//                               per-layer graphs: L graph launches, the hand-off eager between
+//                               them; cursor 0 and L run every layer in one mode (no hand-off:
+//                               the price of L launches instead of one alone)
+//   hybrid_eager/cursor<c>      the same steps eagerly (gpu_runtime::set_hybrid_eager)
 // Counters: ms_per_step (device time, CUDA events, gpu_runtime::measured_step_s), wall_ms
-// (host wall clock of step()), eager_steps / graph_replays (which path ran). The TP and EP
-// tables of a hybrid step share the KV pool's bytes here (the values are random, only the
-// time matters). A summary prints, per batch, each variant's ms and its ratio to the faster
-// graph; MOEBIUS_BENCH_SUMMARY names a file for it as JSON lines.
+// (host wall clock of step()), eager_steps / graph_replays / hybrid_graph_steps (which path
+// ran), overflow_reruns. The TP and EP tables of a hybrid step share the KV pool's bytes here
+// (the values are random, only the time matters). A summary prints the graphs' count, capture
+// time and memory and, per batch, each variant's ms and its ratio to the faster whole-model
+// graph; MOEBIUS_BENCH_SUMMARY names a file for it as JSON lines (one "graphs" line, then one
+// line per batch and cursor).
 //
 // Environment: MOEBIUS_BENCH_CONTEXT (1024), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_BENCH_SUMMARY.
 
@@ -78,10 +84,12 @@ moebius::kv_state make_tables(const moebius::kv_geometry& g, parallel_mode m, in
   return moebius::make_kv_state(g, m, std::move(per_rank));
 }
 
-// cursor < 0: a static layout in `mode` (graph replay); else a hybrid layout at that cursor.
-void bm_step(benchmark::State& st, int64_t B, parallel_mode mode, int64_t cursor,
+// cursor < 0: a static layout in `mode` (graph replay); else a hybrid layout at that cursor,
+// eagerly or through the per-layer graphs.
+void bm_step(benchmark::State& st, int64_t B, parallel_mode mode, int64_t cursor, bool eager,
              const std::string& variant) {
   bench_state& s = state();
+  s.rt->set_hybrid_eager(eager);
   const int64_t L = s.config.num_layers;
   const moebius::kv_state tp = make_tables(s.rt->kv(), parallel_mode::tp, B, s.context + 1);
   const moebius::kv_state ep = make_tables(s.rt->kv(), parallel_mode::ep, B, s.context + 1);
@@ -96,7 +104,8 @@ void bm_step(benchmark::State& st, int64_t B, parallel_mode mode, int64_t cursor
                                moebius::arena_cursor{mode == parallel_mode::tp ? L : 0}}
                  : step_layout::hybrid_of(tp, ep, moebius::arena_cursor{cursor});
   for (int w = 0; w < 3; ++w) s.rt->step(layout, items);  // warm-up
-  const int64_t replays0 = s.rt->graph_replays(), eager0 = s.rt->eager_steps();
+  const int64_t replays0 = s.rt->graph_replays(), eager0 = s.rt->eager_steps(),
+                hybrid0 = s.rt->hybrid_graph_steps(), reruns0 = s.rt->overflow_reruns();
   double device = 0, wall = 0;
   for (auto _ : st) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -121,6 +130,8 @@ void bm_step(benchmark::State& st, int64_t B, parallel_mode mode, int64_t cursor
   st.counters["context"] = static_cast<double>(s.context);
   st.counters["graph_replays"] = static_cast<double>(s.rt->graph_replays() - replays0);
   st.counters["eager_steps"] = static_cast<double>(s.rt->eager_steps() - eager0);
+  st.counters["hybrid_graph_steps"] = static_cast<double>(s.rt->hybrid_graph_steps() - hybrid0);
+  st.counters["overflow_reruns"] = static_cast<double>(s.rt->overflow_reruns() - reruns0);
 }
 
 std::vector<int64_t> cursors(int64_t L) {
@@ -134,30 +145,52 @@ void print_summary() {
   std::FILE* json = nullptr;
   if (const char* path = std::getenv("MOEBIUS_BENCH_SUMMARY"); path != nullptr && *path != '\0')
     json = std::fopen(path, "w");
-  std::printf("\nHybrid (eager) vs whole-model graph steps, Qwen3-30B-A3B shapes (L=%lld), P=%d, "
-              "context %lld: device ms per step (x: over the faster graph)\n",
-              static_cast<long long>(s.config.num_layers), s.P, static_cast<long long>(s.context));
+  const gpu_runtime::graph_stats g = s.rt->graph_statistics();
+  std::printf(
+      "\nGraphs at start-up: %lld whole-model (%.3f s, %.1f MiB), %lld per-layer "
+      "(%.3f s, %.1f MiB; device memory: cudaMemGetInfo, the largest rank)\n",
+      static_cast<long long>(g.whole_model), g.whole_model_s,
+      static_cast<double>(g.whole_model_bytes) / (1 << 20), static_cast<long long>(g.per_layer),
+      g.per_layer_s, static_cast<double>(g.per_layer_bytes) / (1 << 20));
+  if (json != nullptr)
+    std::fprintf(json,
+                 "{\"graphs\": \"hybrid_step\", \"whole_model\": %lld, \"per_layer\": %lld, "
+                 "\"whole_model_capture_s\": %.6f, \"per_layer_capture_s\": %.6f, "
+                 "\"whole_model_bytes\": %lld, \"per_layer_bytes\": %lld, \"buckets\": %zu, "
+                 "\"P\": %d, \"layers\": %lld}\n",
+                 static_cast<long long>(g.whole_model), static_cast<long long>(g.per_layer),
+                 g.whole_model_s, g.per_layer_s, static_cast<long long>(g.whole_model_bytes),
+                 static_cast<long long>(g.per_layer_bytes), batches.size(), s.P,
+                 static_cast<long long>(s.config.num_layers));
+  std::printf(
+      "Hybrid steps (per-layer graphs / eager) vs whole-model graph steps, Qwen3-30B-A3B "
+      "shapes (L=%lld), P=%d, context %lld: device ms per step (x: over the faster "
+      "whole-model graph)\n",
+      static_cast<long long>(s.config.num_layers), s.P, static_cast<long long>(s.context));
   for (int64_t B : batches) {
     auto tp = s.ms.find({B, "graph/tp"}), ep = s.ms.find({B, "graph/ep"});
     if (tp == s.ms.end() || ep == s.ms.end()) continue;
     const double best = std::min(tp->second, ep->second);
-    std::printf("B=%-4lld graph TP %.3f, graph EP %.3f", static_cast<long long>(B), tp->second,
+    std::printf("B=%-4lld graph TP %.3f, graph EP %.3f\n", static_cast<long long>(B), tp->second,
                 ep->second);
     for (int64_t c : cursors(s.config.num_layers)) {
-      auto h = s.ms.find({B, "hybrid/cursor" + std::to_string(c)});
-      if (h == s.ms.end()) continue;
-      std::printf(" | cursor %lld: %.3f (x%.2f)", static_cast<long long>(c), h->second,
-                  h->second / best);
+      auto hg = s.ms.find({B, "hybrid_graph/cursor" + std::to_string(c)});
+      auto he = s.ms.find({B, "hybrid_eager/cursor" + std::to_string(c)});
+      if (hg == s.ms.end() || he == s.ms.end()) continue;
+      std::printf("       cursor %-3lld graphs %.3f (x%.3f)  eager %.3f (x%.3f)\n",
+                  static_cast<long long>(c), hg->second, hg->second / best, he->second,
+                  he->second / best);
       if (json != nullptr)
         std::fprintf(json,
-                     "{\"batch\": %lld, \"cursor\": %lld, \"hybrid_ms\": %.6f, \"graph_tp_ms\": "
-                     "%.6f, \"graph_ep_ms\": %.6f, \"P\": %d, \"layers\": %lld, \"context\": "
-                     "%lld}\n",
-                     static_cast<long long>(B), static_cast<long long>(c), h->second, tp->second,
-                     ep->second, s.P, static_cast<long long>(s.config.num_layers),
+                     "{\"batch\": %lld, \"cursor\": %lld, \"hybrid_graph_ms\": %.6f, "
+                     "\"hybrid_eager_ms\": %.6f, \"hybrid_ms\": %.6f, \"graph_tp_ms\": %.6f, "
+                     "\"graph_ep_ms\": %.6f, \"hybrid_graph_x\": %.4f, \"hybrid_eager_x\": %.4f, "
+                     "\"P\": %d, \"layers\": %lld, \"context\": %lld}\n",
+                     static_cast<long long>(B), static_cast<long long>(c), hg->second, he->second,
+                     he->second, tp->second, ep->second, hg->second / best, he->second / best, s.P,
+                     static_cast<long long>(s.config.num_layers),
                      static_cast<long long>(s.context));
     }
-    std::printf("\n");
   }
   if (json != nullptr) std::fclose(json);
 }
@@ -195,24 +228,32 @@ int main(int argc, char** argv) {
     std::printf("could not build the runtime: %s\n", e.what());
     return 1;
   }
-  std::printf("P=%d, %lld layers, captured %lld graphs\n", s.P,
-              static_cast<long long>(s.config.num_layers), static_cast<long long>(s.rt->captures()));
+  std::printf("P=%d, %lld layers, captured %lld graphs (%lld whole-model, %lld per-layer)\n", s.P,
+              static_cast<long long>(s.config.num_layers), static_cast<long long>(s.rt->captures()),
+              static_cast<long long>(s.rt->graph_statistics().whole_model),
+              static_cast<long long>(s.rt->graph_statistics().per_layer));
+  if (!s.rt->hybrid_graphs_enabled())
+    std::printf(
+        "hybrid graphs are off (MINI_ENGINE_HYBRID_EAGER=1 or no graphs): the "
+        "hybrid_graph variants run eagerly too\n");
   const std::string tail = "/P" + std::to_string(s.P) + "/ctx" + std::to_string(s.context);
   for (int64_t B : batches) {
-    auto add = [&](const std::string& variant, parallel_mode m, int64_t cursor) {
+    auto add = [&](const std::string& variant, parallel_mode m, int64_t cursor, bool eager) {
       const std::string name = variant + tail + "/B" + std::to_string(B);
       benchmark::RegisterBenchmark(name.c_str(),
-                                   [B, m, cursor, variant](benchmark::State& st) {
-                                     bm_step(st, B, m, cursor, variant);
+                                   [B, m, cursor, eager, variant](benchmark::State& st) {
+                                     bm_step(st, B, m, cursor, eager, variant);
                                    })
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond)
           ->MinTime(0.1);
     };
-    add("graph/tp", parallel_mode::tp, -1);
-    add("graph/ep", parallel_mode::ep, -1);
-    for (int64_t c : cursors(s.config.num_layers))
-      add("hybrid/cursor" + std::to_string(c), parallel_mode::ep, c);
+    add("graph/tp", parallel_mode::tp, -1, false);
+    add("graph/ep", parallel_mode::ep, -1, false);
+    for (int64_t c : cursors(s.config.num_layers)) {
+      add("hybrid_graph/cursor" + std::to_string(c), parallel_mode::ep, c, false);
+      add("hybrid_eager/cursor" + std::to_string(c), parallel_mode::ep, c, true);
+    }
   }
   benchmark::RunSpecifiedBenchmarks();
   print_summary();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -152,7 +153,13 @@ struct gpu_runtime::impl {
     std::vector<cudaGraphExec_t> exec;  // per rank
   };
   std::map<std::pair<int, int64_t>, graph_set> graphs;  // (mode, bucket)
-  int64_t captures = 0, replays = 0, eager = 0, reruns = 0, hybrid_steps = 0;
+  // Per-layer graphs of hybrid steps: (mode, bucket) -> one per layer (capture_all).
+  std::map<std::pair<int, int64_t>, std::vector<graph_set>> layer_graphs;
+  int64_t captures = 0, replays = 0, eager = 0, reruns = 0, hybrid_steps = 0,
+          hybrid_graph_steps = 0;
+  gpu_runtime::graph_stats gstats;
+  // set_hybrid_eager(true): hybrid steps run eagerly although their graphs exist.
+  bool hybrid_eager = false;
   double last_step_s = -1;  // device time of the last step (CUDA events)
   // MINI_ENGINE_SIMPLE_ATTENTION=1 or MINI_ENGINE_ATTENTION=simple: the simple attention
   // kernel; default (split): the
@@ -343,6 +350,8 @@ struct gpu_runtime::impl {
     if (const char* v = std::getenv("MINI_ENGINE_NO_GRAPHS"); v != nullptr && *v == '1')
       o.capture_graphs = false;
     if (profile) o.capture_graphs = false;  // profiled steps run eagerly: nothing to replay
+    if (env_is("MINI_ENGINE_HYBRID_EAGER", "1")) o.hybrid_graphs = false;
+    if (!o.capture_graphs) o.hybrid_graphs = false;
     P = o.num_ranks;
     MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16,
                   errc::invalid_argument, "gpu_runtime: experts must be fp32 or bf16, not ",
@@ -673,27 +682,43 @@ struct gpu_runtime::impl {
     });
   }
 
+  // The whole pass: embedding, the layers with a hand-off wherever the mode changes, LM head.
   void forward(const pass& ps, bool optimistic) {
+    MOEBIUS_CHECK(static_cast<int64_t>(ps.attn.size()) == c.num_layers, errc::internal,
+                  "gpu_runtime: a pass of ", ps.attn.size(), " layers");
+    embed(ps);
+    for (int64_t li = 0; li < c.num_layers; ++li) {
+      if (li > 0 && ps.attn[static_cast<size_t>(li)] != ps.attn[static_cast<size_t>(li - 1)])
+        hand_off(ps.attn[static_cast<size_t>(li - 1)], ps.attn[static_cast<size_t>(li)], ps);
+      layer(ps, li, optimistic);
+    }
+    lm_head(ps);
+  }
+
+  // The embedding, in the first layer's mode (its input block and rows).
+  void embed(const pass& ps) {
+    const parallel_mode m0 = ps.attn.front();
+    const int64_t T = ps.rows[mode_index(m0)];
+    each_rank([&](int, rank_state& rs) {
+      launch_embedding(
+          {rs.embed, o.dense_dtype, c.vocab, c.hidden, in_ids(rs, m0), T, in_num(rs, m0), rs.h},
+          rs.stream);
+      mark(rs, st_embed);
+    });
+  }
+
+  // Layer li: attention in ps.attn[li] over that mode's input block and rows, experts in
+  // ps.cursor's mode of the layer. Reads and writes only buffers fixed at construction (the
+  // residual stream h in the mode's token layout), so a capture replays for any step whose
+  // inputs sit in the same input block.
+  void layer(const pass& ps, int64_t li, bool optimistic) {
     const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, K = c.top_k;
     const int64_t es = moebius::dtype_bytes(c.expert_dtype),
                   ds = moebius::dtype_bytes(o.dense_dtype);
     const dtype dd = o.dense_dtype;
     const float eps = static_cast<float>(c.rms_eps);
-    MOEBIUS_CHECK(static_cast<int64_t>(ps.attn.size()) == c.num_layers, errc::internal,
-                  "gpu_runtime: a pass of ", ps.attn.size(), " layers");
     {
-      const parallel_mode m0 = ps.attn.front();
-      const int64_t T = ps.rows[mode_index(m0)];
-      each_rank([&](int, rank_state& rs) {
-        launch_embedding({rs.embed, dd, c.vocab, H, in_ids(rs, m0), T, in_num(rs, m0), rs.h},
-                         rs.stream);
-        mark(rs, st_embed);
-      });
-    }
-    for (int64_t li = 0; li < c.num_layers; ++li) {
       const parallel_mode attn = ps.attn[static_cast<size_t>(li)];
-      if (li > 0 && attn != ps.attn[static_cast<size_t>(li - 1)])
-        hand_off(ps.attn[static_cast<size_t>(li - 1)], attn, ps);
       const int64_t T = ps.rows[mode_index(attn)];
       const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
       const moebius::arena_cursor cursor = ps.cursor;
@@ -879,7 +904,13 @@ struct gpu_runtime::impl {
         });
       }
     }
-    // ---- LM head, in the last layer's mode
+  }
+
+  // Final norm, LM head and argmax, in the last layer's mode.
+  void lm_head(const pass& ps) {
+    const int64_t H = c.hidden, ds = moebius::dtype_bytes(o.dense_dtype);
+    const dtype dd = o.dense_dtype;
+    const float eps = static_cast<float>(c.rms_eps);
     const parallel_mode attn = ps.attn.back();
     const int64_t T = ps.rows[mode_index(attn)];
     each_rank([&](int r, rank_state& rs) {
@@ -903,29 +934,96 @@ struct gpu_runtime::impl {
     });
   }
 
+  // Captures what `enqueue` puts on every rank's stream as one graph per rank, instantiated
+  // and uploaded.
+  template <class F>
+  graph_set capture(F&& enqueue) {
+    graph_set gs;
+    each_rank([&](int, rank_state& rs) {
+      MOEBIUS_CUDA_CHECK(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeRelaxed));
+    });
+    enqueue();
+    each_rank([&](int, rank_state& rs) {
+      cudaGraph_t g = nullptr;
+      MOEBIUS_CUDA_CHECK(cudaStreamEndCapture(rs.stream, &g));
+      cudaGraphExec_t exec = nullptr;
+      MOEBIUS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      MOEBIUS_CUDA_CHECK(cudaGraphUpload(exec, rs.stream));
+      MOEBIUS_CUDA_CHECK(cudaGraphDestroy(g));
+      gs.exec.push_back(exec);
+    });
+    return gs;
+  }
+
+  // Free device memory per rank (graph_stats: what the captures took).
+  std::vector<size_t> free_bytes() {
+    std::vector<size_t> f(static_cast<size_t>(P), 0);
+    each_rank([&](int r, rank_state& rs) {
+      MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
+      size_t total = 0;
+      MOEBIUS_CUDA_CHECK(cudaMemGetInfo(&f[static_cast<size_t>(r)], &total));
+    });
+    return f;
+  }
+  static int64_t largest_drop(const std::vector<size_t>& before, const std::vector<size_t>& after) {
+    int64_t d = 0;
+    for (size_t r = 0; r < before.size(); ++r)
+      d = std::max(d, static_cast<int64_t>(before[r]) - static_cast<int64_t>(after[r]));
+    return d;
+  }
+
+  // The whole-model graphs (mode x bucket) and, with o.hybrid_graphs, the per-layer graphs
+  // (mode x bucket x layer; gpu_runtime.hpp): layer l of mode m, bucket b is the same code
+  // as layer l of the whole-model graph (m, b), layer 0's with the embedding before it, layer
+  // L-1's with the LM head after it.
   void capture_all() {
+    using clock = std::chrono::steady_clock;
+    std::vector<size_t> free0 = free_bytes();
+    auto t0 = clock::now();
     for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
       const moebius::arena_cursor cursor{m == parallel_mode::tp ? c.num_layers : 0};
       for (int64_t b : o.buckets) {
-        graph_set gs;
-        each_rank([&](int, rank_state& rs) {
-          MOEBIUS_CUDA_CHECK(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeRelaxed));
-        });
-        forward(m, cursor, b, true);
-        each_rank([&](int, rank_state& rs) {
-          cudaGraph_t g = nullptr;
-          MOEBIUS_CUDA_CHECK(cudaStreamEndCapture(rs.stream, &g));
-          cudaGraphExec_t exec = nullptr;
-          MOEBIUS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-          MOEBIUS_CUDA_CHECK(cudaGraphUpload(exec, rs.stream));
-          MOEBIUS_CUDA_CHECK(cudaGraphDestroy(g));
-          gs.exec.push_back(exec);
-        });
-        graphs[{static_cast<int>(m), b}] = std::move(gs);
+        graphs[{static_cast<int>(m), b}] = capture([&] { forward(m, cursor, b, true); });
         ++captures;
+        ++gstats.whole_model;
       }
     }
-    each_rank([&](int, rank_state& rs) { MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream)); });
+    std::vector<size_t> free1 = free_bytes();
+    gstats.whole_model_s = std::chrono::duration<double>(clock::now() - t0).count();
+    gstats.whole_model_bytes = largest_drop(free0, free1);
+    if (!o.hybrid_graphs) return;
+    t0 = clock::now();
+    for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+      pass ps;
+      ps.attn.assign(static_cast<size_t>(c.num_layers), m);
+      ps.cursor = moebius::arena_cursor{m == parallel_mode::tp ? c.num_layers : 0};
+      for (int64_t b : o.buckets) {
+        ps.rows[mode_index(m)] = b;
+        std::vector<graph_set>& per_layer = layer_graphs[{static_cast<int>(m), b}];
+        for (int64_t li = 0; li < c.num_layers; ++li) {
+          per_layer.push_back(capture([&] {
+            if (li == 0) embed(ps);
+            layer(ps, li, true);
+            if (li == c.num_layers - 1) lm_head(ps);
+          }));
+          ++captures;
+          ++gstats.per_layer;
+        }
+      }
+    }
+    const std::vector<size_t> free2 = free_bytes();
+    gstats.per_layer_s = std::chrono::duration<double>(clock::now() - t0).count();
+    gstats.per_layer_bytes = largest_drop(free1, free2);
+  }
+
+  // The smallest bucket >= need with graphs in `table` for mode m (0: none).
+  template <class Table>
+  int64_t bucket_for(const Table& table, parallel_mode m, int64_t need) const {
+    int64_t best = 0;
+    for (int64_t b : o.buckets)
+      if (b >= need && (best == 0 || b < best) && table.count({static_cast<int>(m), b}) != 0)
+        best = b;
+    return best;
   }
 
   // ---- step ---------------------------------------------------------------------------------
@@ -1034,20 +1132,35 @@ struct gpu_runtime::impl {
         !hybrid && ((first == parallel_mode::tp && layout.cursor.tp_layers == c.num_layers) ||
                     (first == parallel_mode::ep && layout.cursor.tp_layers == 0));
     const graph_set* gs = nullptr;
+    // A hybrid decode step through per-layer graphs: layer l's graph, from the graphs of its
+    // mode at that mode's bucket (each mode picks its own: TP holds every token, EP a rank's).
+    std::vector<const graph_set*> layer_gs;
     prof_on = profile;  // a profiled step runs eagerly (events between the stages)
     for (rank_state& rs : ranks) rs.prof_used = 0;
     if (decode && pure && o.capture_graphs && !profile) {
-      const int64_t need = ps.rows[mode_index(first)];
-      int64_t T = need;
-      for (int64_t b : o.buckets)
-        if (b >= need && (gs == nullptr || b < T)) {
-          auto it = graphs.find({static_cast<int>(first), b});
-          if (it != graphs.end()) {
-            gs = &it->second;
-            T = b;
-          }
+      const int64_t T = bucket_for(graphs, first, ps.rows[mode_index(first)]);
+      if (T != 0) {
+        gs = &graphs.at({static_cast<int>(first), T});
+        ps.rows[mode_index(first)] = T;
+      }
+    }
+    if (decode && hybrid && o.hybrid_graphs && !hybrid_eager && !profile) {
+      int64_t T[2] = {0, 0};
+      bool fits = true;
+      for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+        if (!used[mode_index(m)]) continue;
+        T[mode_index(m)] = bucket_for(layer_graphs, m, ps.rows[mode_index(m)]);
+        fits = fits && T[mode_index(m)] != 0;
+      }
+      if (fits) {  // else (a batch beyond the largest bucket) eagerly
+        for (int mi = 0; mi < 2; ++mi)
+          if (used[mi]) ps.rows[mi] = T[mi];
+        for (int64_t l = 0; l < c.num_layers; ++l) {
+          const parallel_mode m = ps.attn[static_cast<size_t>(l)];
+          layer_gs.push_back(
+              &layer_graphs.at({static_cast<int>(m), T[mode_index(m)]})[static_cast<size_t>(l)]);
         }
-      ps.rows[mode_index(first)] = T;
+      }
     }
     // Hand-off maps (both modes in one step): the EP block's map gives each EP row its row in
     // the TP layout (TP -> EP: a rank keeps its own rows); the TP block's map gives each TP
@@ -1102,13 +1215,25 @@ struct gpu_runtime::impl {
       }
       mark(rs, st_upload);
     });
-    if (gs != nullptr) {
+    if (hybrid) ++hybrid_steps;
+    if (gs != nullptr || !layer_gs.empty()) {
       // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
       // all ranks running (a copy to pageable memory would block the host on rank 0 first).
       each_rank([&](int r, rank_state& rs) {
         MOEBIUS_CUDA_CHECK(cudaMemsetAsync(rs.moe.overflow, 0, 4, rs.stream));
-        MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs->exec[static_cast<size_t>(r)], rs.stream));
+        if (gs != nullptr)
+          MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs->exec[static_cast<size_t>(r)], rs.stream));
       });
+      // Hybrid: layer by layer, each layer's graph on every rank before the next layer's (the
+      // order of the NCCL calls inside them is the same on every rank), the hand-off eagerly
+      // where the mode changes (its maps and row counts are this step's: the buckets above).
+      for (size_t l = 0; l < layer_gs.size(); ++l) {
+        if (l > 0 && ps.attn[l] != ps.attn[l - 1]) hand_off(ps.attn[l - 1], ps.attn[l], ps);
+        each_rank([&](int r, rank_state& rs) {
+          MOEBIUS_CUDA_CHECK(cudaGraphLaunch(layer_gs[l]->exec[static_cast<size_t>(r)], rs.stream));
+        });
+      }
+      if (hybrid) ++hybrid_graph_steps;
       std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
       each_rank([&](int r, rank_state& rs) {
         MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
@@ -1127,7 +1252,6 @@ struct gpu_runtime::impl {
     } else {
       forward(ps, false);
       ++eager;
-      if (hybrid) ++hybrid_steps;
     }
     // Results (every rank's work is enqueued: waiting on one rank at a time is safe now).
     const int64_t T = ps.rows[mode_index(last)];
@@ -1194,6 +1318,9 @@ struct gpu_runtime::impl {
   ~impl() {
     for (auto& [key, gs] : graphs)
       for (cudaGraphExec_t e : gs.exec) cudaGraphExecDestroy(e);
+    for (auto& [key, per_layer] : layer_graphs)
+      for (graph_set& gs : per_layer)
+        for (cudaGraphExec_t e : gs.exec) cudaGraphExecDestroy(e);
     for (rank_state& rs : ranks) {
       cudaSetDevice(rs.device);
       if (rs.comm != nullptr) ncclCommDestroy(rs.comm);
@@ -1265,6 +1392,18 @@ int64_t gpu_runtime::overflow_reruns() const {
 }
 int64_t gpu_runtime::hybrid_steps() const {
   return impl_->hybrid_steps;
+}
+int64_t gpu_runtime::hybrid_graph_steps() const {
+  return impl_->hybrid_graph_steps;
+}
+bool gpu_runtime::hybrid_graphs_enabled() const {
+  return impl_->o.hybrid_graphs;
+}
+void gpu_runtime::set_hybrid_eager(bool eager) {
+  impl_->hybrid_eager = eager;
+}
+gpu_runtime::graph_stats gpu_runtime::graph_statistics() const {
+  return impl_->gstats;
 }
 double gpu_runtime::measured_step_s() const {
   return impl_->last_step_s;

@@ -28,13 +28,13 @@
 //
 // CUDA graphs: at construction, for each mode (all-TP: TP tables and cursor L; all-EP: EP
 // tables and cursor 0) and each bucket (default 1, 2, 4, ..., 512 tokens per rank), one decode
-// step is captured on every rank's stream (NCCL calls included) and instantiated: captures()
-// counts them. A decode step (every item one token) in a pure mode picks the smallest bucket
+// step is captured on every rank's stream (NCCL calls included) and instantiated (whole-model
+// graphs). A decode step (every item one token) in a pure mode picks the smallest bucket
 // >= its tokens per rank, uploads the step's inputs (token ids, positions, page tables: fixed
 // device addresses) and replays; nothing is ever re-captured, because the weights (arena
 // slots), the KV pool and every buffer keep their addresses across switches. Prefill steps,
-// cursors strictly between 0 and L, hybrid steps and batches beyond the largest bucket run
-// the same code eagerly.
+// static layouts with cursors strictly between 0 and L and batches beyond the largest bucket
+// run the same code eagerly.
 //
 // Hybrid steps (step_layout::hybrid(): a progressive switch in progress). Layer l runs wholly
 // in attention_mode(l) (TP below the cursor) with tables_of_layer(l): the step builds one
@@ -44,12 +44,26 @@
 // rank keeps its own sequences' rows of the full batch (a local row gather); EP -> TP the
 // owners' rows are all-gathered and every token's row picked out (with layer l TP iff
 // l < cursor a forward pass only meets TP -> EP; both directions are implemented). The LM
-// head runs in the last layer's mode. Hybrid steps run eagerly, without graphs: a switch
-// lasts a few steps (L / layers per step) and each cursor is seen once or twice, so a
-// whole-step graph per cursor would be captured for about one replay, and per-layer graphs
-// (2 modes x buckets x L layers, replayed one after another) cost a capture of every layer
-// and bucket up front for steps that are a few per switch; bench_hybrid_step.cu measures
-// what eager hybrid steps cost against whole-model graph replays of the same batch.
+// head runs in the last layer's mode.
+//
+// Graphs of hybrid steps (per-layer graphs). A switch lasts L / (layers per step) steps and
+// sees each cursor about once, so a whole-step graph per cursor would be captured for about
+// one replay. Instead, at construction, for each mode m and bucket b, layer l's forward pass
+// in mode m (attention over m's input block, experts in m's arena view, b rows) is captured
+// once as its own graph: 2 x buckets x L graphs (Qwen3-30B-A3B, 10 buckets: 960 per rank),
+// the same kernels as the whole-model graphs cut at layer boundaries. Layer 0's graph starts
+// with the embedding (in layer 0's mode: the step's first mode) and layer L-1's ends with the
+// LM head and argmax (the last mode), so no graph exists for them alone. A hybrid decode step
+// = upload both input blocks + layers [0, c) from TP's graphs (TP's bucket) + the hand-off
+// (eager: a row gather and a copy, P > 1 EP -> TP an all-gather) + layers [c, L) from EP's
+// graphs (EP's bucket, chosen on its own) + download: L graph launches where a pure step has
+// one. Why per layer and not per group of layers: a cursor can stop at any layer (advance(n)
+// with any n), and a group straddling the cursor would run eagerly; launches of 48 graphs
+// cost a few microseconds each and overlap the previous layer's kernels. Prefill hybrid steps
+// and hybrid batches beyond the largest bucket run eagerly; MINI_ENGINE_HYBRID_EAGER=1 in the
+// environment (or options.hybrid_graphs = false) captures no per-layer graphs and runs every
+// hybrid step eagerly, set_hybrid_eager(true) runs them eagerly although captured (comparison
+// in one process). bench_hybrid_step.cu measures both against whole-model graph replays.
 //
 // Expert capacity. Eager steps size the expert tiles for the worst case (every token's
 // choices among one rank's experts). A graph would then pay that worst case every step (EP at
@@ -146,6 +160,9 @@ struct gpu_runtime_options {
   int64_t max_tokens = 512;        // tokens per rank per step (decode and prefill)
   std::vector<int64_t> buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};  // graph buckets
   bool capture_graphs = true;
+  // Per-layer graphs of both modes for hybrid steps (with capture_graphs): 2 x buckets x L
+  // more captures at construction. MINI_ENGINE_HYBRID_EAGER=1 in the environment turns it off.
+  bool hybrid_graphs = true;
   moebius::dtype dense_dtype = moebius::dtype::fp32;  // attention/embedding/LM-head weights
   moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
   int64_t tensor_alignment = moebius::default_tensor_alignment;
@@ -181,14 +198,35 @@ class gpu_runtime : public runtime {
   // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one) or
   // MINI_ENGINE_PROFILE=1 (the stage profile, below).
   bool graphs_enabled() const;
-  int64_t captures() const;       // graphs captured (mode x bucket), all at construction
-  int64_t graph_replays() const;  // steps that replayed a graph
+  // Whether hybrid decode steps can replay per-layer graphs: graphs_enabled() and
+  // options.hybrid_graphs, unless MINI_ENGINE_HYBRID_EAGER=1.
+  bool hybrid_graphs_enabled() const;
+  // Runs hybrid steps eagerly although their graphs were captured (true), or replays them
+  // again (false, the default). For benchmarks comparing both in one process (a second
+  // Qwen3-30B-A3B runtime does not fit beside the first on one GPU).
+  void set_hybrid_eager(bool eager);
+  // Graphs captured, all at construction: whole-model (mode x bucket) plus per-layer
+  // (mode x bucket x layer, hybrid steps). Never changes afterwards.
+  int64_t captures() const;
+  int64_t graph_replays() const;  // steps that replayed graphs (whole-model or per-layer)
   int64_t eager_steps() const;    // steps that ran without a graph
   // Graph steps whose routing overflowed the graph's expert capacity (1.25x the expected
   // pairs per rank) and were rerun eagerly with the worst-case capacity.
   int64_t overflow_reruns() const;
-  // Hybrid steps run (a progressive switch in progress: step_layout::hybrid()); all eager.
+  // Hybrid steps run (a progressive switch in progress: step_layout::hybrid()), and those of
+  // them that replayed per-layer graphs (the rest ran eagerly).
   int64_t hybrid_steps() const;
+  int64_t hybrid_graph_steps() const;
+  // What the graphs cost at construction. Bytes: the device memory cudaMemGetInfo saw
+  // disappear while capturing, instantiating and uploading them (the largest rank; the
+  // driver allocates in chunks, so a coarse figure).
+  struct graph_stats {
+    int64_t whole_model = 0;                    // 2 modes x buckets
+    int64_t per_layer = 0;                      // 2 modes x buckets x L (0 without hybrid graphs)
+    double whole_model_s = 0, per_layer_s = 0;  // host wall clock of their capture
+    int64_t whole_model_bytes = 0, per_layer_bytes = 0;
+  };
+  graph_stats graph_statistics() const;
 
   // Stage profile: with MINI_ENGINE_PROFILE=1 in the environment (read at construction)
   // every step runs eagerly (as with MINI_ENGINE_NO_GRAPHS=1: nothing is captured,

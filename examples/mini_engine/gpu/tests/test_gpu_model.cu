@@ -125,7 +125,12 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
           }
         }
         REQUIRE(loose * 4 <= rows);  // bf16: see test_gpu_runtime.cu
-        REQUIRE(gpu_rt.captures() == (gpu_rt.graphs_enabled() ? 6 : 0));
+        // 2 modes x 3 buckets whole-model graphs, plus the per-layer ones of hybrid steps.
+        REQUIRE(gpu_rt.graph_statistics().whole_model == (gpu_rt.graphs_enabled() ? 6 : 0));
+        REQUIRE(gpu_rt.graph_statistics().per_layer ==
+                (gpu_rt.hybrid_graphs_enabled() ? 6 * c.num_layers : 0));
+        REQUIRE(gpu_rt.captures() ==
+                gpu_rt.graph_statistics().whole_model + gpu_rt.graph_statistics().per_layer);
         REQUIRE((gpu_rt.graph_replays() > 0 || !gpu_rt.graphs_enabled()));
       }
     }
