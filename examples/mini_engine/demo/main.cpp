@@ -243,8 +243,10 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   w.vocab = static_cast<int32_t>(c.vocab);
   std::ostringstream d;
   d << "GPU runtime, small model (" << c << ", fp32), " << P << " GPU rank" << (P > 1 ? "s" : "")
-    << ", " << rt->captures() << " CUDA graphs (2 modes x " << go.buckets.size()
-    << " buckets up to " << go.max_tokens << " tokens)";
+    << ", CUDA graphs captured once: " << rt->graph_statistics().whole_model
+    << " whole-model (2 modes x " << go.buckets.size() << " buckets up to " << go.max_tokens
+    << " tokens) and " << rt->graph_statistics().per_layer
+    << " per-layer ones for the hybrid steps of progressive switches";
   w.description = d.str();
   w.rt = std::move(rt);
   w.make_transport = [mem = w.memory] {
