@@ -17,7 +17,8 @@
 #   MINI_ENGINE_ATTENTION=whole (the whole-context GQA kernel instead of the split one),
 #   MINI_ENGINE_PROFILE=1 (eager steps, stage_<stage>_ms counters in the step benchmark),
 #   MINI_ENGINE_NO_GRAPHS=1 (no CUDA graphs: every step eager),
-#   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED.
+#   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED,
+#   MOEBIUS_BENCH_EXPERT_DTYPE=fp8 (the step benchmark with fp8 block-scaled experts).
 # Writes into $OUT (8 files): tests.txt (nvidia-smi, then the three test binaries' output),
 # bench_mini_engine_step.json and bench_mini_engine_hybrid_step.json (Google Benchmark JSON),
 # bench.txt (both benchmarks' console tables and summaries), bench_summary.jsonl (per batch
@@ -40,7 +41,7 @@ while (($#)); do
     --tests-only) mode=tests ;;
     --bench-only) mode=bench ;;
     --demo-only) mode=demo ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift

@@ -210,7 +210,8 @@ class gpu_runtime : public runtime {
   // step's device time per stage summed over the layers (the longest rank per stage), in
   // seconds, in step order: upload, embed, qkv (input norm, q/k/v GEMMs, q/k norms, RoPE, KV
   // append), attention (paged attention), o_proj, router (residual add, norm, router GEMM,
-  // top-k, pack), permute, experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
+  // top-k, pack), permute, dequant (fp8 experts: the touched experts expanded; 0 otherwise),
+  // experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
   // adds), collectives (NCCL), hand_off, lm_head (final norm, GEMM, argmax), download. Eager
   // launches: where the GPU outruns the host, an interval also holds the launch gaps.
   // Without the variable nothing is recorded and stage_times() is empty.

@@ -211,9 +211,10 @@ struct moe_plan {
   int64_t max_tiles = 0;     // batch entries (ceil(pairs / tile_rows) + min(num_local, pairs))
   int64_t hidden = 0;        // H
   int64_t inter = 0;         // I of this rank (EP I, TP I/P)
-  moebius::dtype type = moebius::dtype::bf16;  // expert dtype (fp32 or bf16)
-  const std::byte* w13 = nullptr;              // [num_local, 2 * inter, H] in the arena slot
-  const std::byte* w2 = nullptr;               // [num_local, H, inter]
+  moebius::dtype type = moebius::dtype::bf16;  // GEMM dtype (fp32 or bf16; fp8 experts: the
+                                               // dequantized scratch's)
+  const std::byte* w13 = nullptr;  // [num_local, 2 * inter, H] in the arena slot (fp8: scratch)
+  const std::byte* w2 = nullptr;   // [num_local, H, inter]
   // workspace (device)
   int32_t* keys = nullptr;         // [pairs]
   int32_t* values = nullptr;       // [pairs]
