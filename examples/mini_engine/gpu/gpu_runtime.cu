@@ -191,7 +191,11 @@ struct gpu_runtime::impl {
   // MINI_ENGINE_SIMPLE_ATTENTION=1 or MINI_ENGINE_ATTENTION=simple: the simple attention
   // kernel; MINI_ENGINE_ATTENTION=whole: the GQA kernel with one block per (token, KV head)
   // over the whole context (the kernel before the split one); default (split): the
-  // split-context GQA kernel, MINI_ENGINE_ATTENTION_SPLITS=n forcing n ranges.
+  // split-context GQA kernel, MINI_ENGINE_ATTENTION_SPLITS=n forcing n ranges, on tensor
+  // cores from buckets of 16 tokens (bf16 KV, head_dim 64 or 128):
+  // MINI_ENGINE_ATTENTION=split keeps the CUDA-core split kernel at every bucket,
+  // MINI_ENGINE_ATTENTION=mma takes the tensor-core one at every bucket,
+  // MINI_ENGINE_ATTENTION_MMA_MIN_TOKENS=n from buckets of n tokens.
   static bool env_is(const char* name, const char* value) {
     const char* v = std::getenv(name);
     return v != nullptr && std::strcmp(v, value) == 0;
@@ -199,6 +203,12 @@ struct gpu_runtime::impl {
   bool simple_attention =
       env_is("MINI_ENGINE_SIMPLE_ATTENTION", "1") || env_is("MINI_ENGINE_ATTENTION", "simple");
   bool whole_context_attention = env_is("MINI_ENGINE_ATTENTION", "whole");
+  bool tensor_core_attention = !env_is("MINI_ENGINE_ATTENTION", "split");
+  int64_t tensor_core_min_tokens = [] {
+    if (env_is("MINI_ENGINE_ATTENTION", "mma")) return int64_t{1};
+    const char* v = std::getenv("MINI_ENGINE_ATTENTION_MMA_MIN_TOKENS");
+    return v != nullptr ? std::max<int64_t>(1, std::strtoll(v, nullptr, 10)) : int64_t{16};
+  }();
   int64_t attention_splits = [] {
     const char* v = std::getenv("MINI_ENGINE_ATTENTION_SPLITS");
     return v != nullptr ? std::max<int64_t>(0, std::strtoll(v, nullptr, 10)) : int64_t{0};
@@ -359,6 +369,8 @@ struct gpu_runtime::impl {
     pa.whole_context = whole_context_attention;
     pa.workspace = rs.attn_work;
     pa.splits = attention_splits;
+    pa.tensor_cores = tensor_core_attention;
+    pa.tensor_core_min_tokens = tensor_core_min_tokens;
     return pa;
   }
 

@@ -13,45 +13,19 @@
 #include "host_runtime.hpp"
 #include "kv_pages.hpp"
 #include "model_config.hpp"
+#include "random_model.hpp"
 #include "reference.hpp"
 #include "weights.hpp"
 
 using namespace mini_engine;
 using mini_engine::testing::drive;
+using mini_engine::testing::pick;
+using mini_engine::testing::random_config;
 using mini_engine::testing::static_state;
 using moebius::dtype;
 using moebius::parallel_mode;
 
 namespace {
-
-int64_t pick(std::mt19937_64& rng, std::initializer_list<int64_t> v) {
-  return *(v.begin() + std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng));
-}
-
-// A random small model that splits over `P` ranks.
-model_config random_config(std::mt19937_64& rng, int P, dtype experts, dtype kv) {
-  for (;;) {
-    model_config c;
-    c.num_layers = pick(rng, {1, 2, 3});
-    c.hidden = pick(rng, {16, 32, 48});
-    c.num_q_heads = pick(rng, {4, 8});
-    c.num_kv_heads = pick(rng, {1, 2, 4});
-    c.head_dim = pick(rng, {4, 8, 16});
-    c.num_experts = pick(rng, {4, 8});
-    c.top_k = pick(rng, {1, 2, 3});
-    c.intermediate = pick(rng, {16, 32});
-    c.vocab = pick(rng, {50, 128});
-    c.page_size = pick(rng, {1, 2, 4, 8});
-    c.expert_dtype = experts;
-    c.kv_dtype = kv;
-    c.fp8_block = 4;
-    try {
-      validate(c, P);
-      return c;
-    } catch (const moebius::error&) {
-    }
-  }
-}
 
 double max_abs(const std::vector<double>& v) {
   double m = 0;

@@ -115,16 +115,36 @@ struct paged_attention_args {
   int64_t splits = 0;  // 0: paged_attention_splits() picks; n: n ranges of whole pages
                        // (fewer when n does not divide table_stride evenly, at most one a page)
   bool whole_context = false;
+  // The tensor-core split kernel instead of the CUDA-core one (same ranges, same workspace,
+  // same merge) when the pool is bf16, head_dim is 64 or 128, the device is sm_80 or newer
+  // and the bucket has at least tensor_core_min_tokens tokens (a shape: graphs replay it). One
+  // block per (token, KV head, range) and up to 8 of its q heads: each K/V row is loaded once
+  // for the whole GQA group, QK^T and PV run as bf16 mma with fp32 accumulation, q and the
+  // probabilities as bf16 high + low halves (rows 0..7 and 8..15 of the 16-row tile), so the
+  // result is as accurate as the fp32 kernel's. Why: at batch 512 (Qwen3-30B-A3B, context
+  // 1024) the CUDA-core kernel spends ~30 warp instructions per (position, q head) on 16-lane
+  // dot reductions and a softmax repeated on every lane of a position: 1.5 ms per layer
+  // against 0.27 ms of K/V bytes. Below the threshold (batch 1..8 with the default) the
+  // CUDA-core kernel's 4 q heads per block give twice the blocks for the same context.
+  bool tensor_cores = true;
+  int64_t tensor_core_min_tokens = 16;
 };
 void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream);
+// Whether launch_paged_attention runs the tensor-core kernel for these args (a shape property:
+// dtype, head_dim, tokens of the bucket, the device's compute capability).
+bool paged_attention_uses_tensor_cores(const paged_attention_args& a);
 // Context ranges per (token, KV head) the split kernel uses for these args (when it runs: a
 // workspace, not simple, not whole_context): enough blocks for 4 per SM of the current
-// device, at least 32 positions (whole pages) per range; a.splits > 0 forces about that many.
+// device, at least 32 positions (whole pages) per range (the tensor-core kernel, whose blocks
+// take 8 q heads and 64 positions per step: at least 64); a.splits > 0 forces about that many.
 // Depends only on the shapes
 // (tokens of the bucket, heads, table_stride), never on positions: a graph replays it.
 //   H200 (132 SMs), 1 token, 4 KV heads, group 8 (2 blocks of 4 q heads each), page 16,
 //   table_stride 65: wants 528 / 8 = 66 ranges, at most ceil(65 / 2) = 33 -> 33 ranges of
 //   2 pages (264 blocks). 256 tokens: 1 range.
+//   Tensor-core kernel (bf16 pool), 64 tokens: 4 blocks per token, 256 blocks; wants
+//   ceil(528 / 256) = 3 ranges (at most ceil(65 / 4) = 17) -> ceil(65 / 3) = 22 pages per
+//   range, 3 ranges (768 blocks). 128 tokens: 2 ranges; 256 and 512 tokens: 1 range.
 int64_t paged_attention_splits(const paged_attention_args& a);
 // Floats of workspace the split kernel needs for these args (tokens * q_heads * splits *
 // (head_dim + 2): each range's unnormalised output, max and sum); 0 when splits is 1.

@@ -142,19 +142,22 @@ TEST_CASE("rope matches the host reference, large positions, num_tokens cut", "[
 // kernel; attention checked against double.
 TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kernels]") {
   std::mt19937_64 rng(seed(13));
-  for (int round = 0; round < 40; ++round) {
+  for (int round = 0; round < 70; ++round) {
+    // Rounds 40..69: shapes of the tensor-core kernel (bf16, head_dim 64 or 128), longer
+    // contexts (several tiles per warp, ranges of several pages).
+    const bool tc_round = round >= 40;
     moebius::kv_geometry g;
     const int P = static_cast<int>(uniform(rng, 1, 2)) * (round % 3 == 0 ? 2 : 1);
     const int64_t hkv_choices[] = {1, 2, 4};
     g.num_kv_heads = hkv_choices[uniform(rng, 0, 2)];
     if (g.num_kv_heads < P && P % g.num_kv_heads != 0) g.num_kv_heads = P;
     const int64_t d_choices[] = {16, 64, 128, 256, 40};
-    g.head_dim = d_choices[uniform(rng, 0, 4)];
+    g.head_dim = tc_round ? d_choices[uniform(rng, 1, 2)] : d_choices[uniform(rng, 0, 4)];
     const int64_t ps_choices[] = {1, 4, 16};
     g.page_size = ps_choices[uniform(rng, 0, 2)];
     g.num_layers = uniform(rng, 1, 3);
     g.num_ranks = P;
-    g.type = uniform(rng, 0, 1) ? dtype::bf16 : dtype::fp32;
+    g.type = tc_round || uniform(rng, 0, 1) ? dtype::bf16 : dtype::fp32;
     g.layout = uniform(rng, 0, 1) ? moebius::kv_layout::nhd : moebius::kv_layout::hnd;
     const parallel_mode mode = uniform(rng, 0, 1) ? parallel_mode::tp : parallel_mode::ep;
     const int rank = static_cast<int>(uniform(rng, 0, P - 1));
@@ -172,7 +175,7 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
     std::vector<int64_t> length(static_cast<size_t>(rows));  // tokens per row after the step
     int64_t max_pages = 1, total_pages = 0;
     for (auto& l : length) {
-      l = uniform(rng, chunk, 80);
+      l = uniform(rng, chunk, tc_round ? 400 : 80);
       max_pages = std::max(max_pages, moebius::pages_for_tokens(l, g.page_size));
       total_pages += moebius::pages_for_tokens(l, g.page_size);
     }
@@ -243,6 +246,7 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
     pa.layer = layer;
     pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(g.head_dim)));
     pa.tok = tok;
+    pa.tensor_cores = false;
     launch_paged_attention(pa, nullptr);  // the GQA kernel, one range (D = 40: the simple one)
     device_buffer dout_simple(tokens * q_heads * g.head_dim * 4);
     paged_attention_args ps = pa;
@@ -271,6 +275,30 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
       sa.workspace = dwork.back().as<float>();
       sa.out = dout_split.back().as<float>();
       launch_paged_attention(sa, nullptr);
+    }
+    // The tensor-core kernel (where the shape allows it; the CUDA-core split kernel
+    // otherwise): one range without a workspace, the automatic count, a forced one.
+    const bool tc = [&] {
+      paged_attention_args ta = pa;
+      ta.tensor_cores = true;
+      ta.tensor_core_min_tokens = 1;
+      return paged_attention_uses_tensor_cores(ta);
+    }();
+    if (tc_round) REQUIRE(tc);
+    std::vector<device_buffer> dout_tc, dwork_tc;
+    std::vector<int64_t> tc_counts;
+    for (int64_t forced : {int64_t{-1}, int64_t{0}, uniform(rng, 1, max_pages)}) {
+      paged_attention_args ta = pa;
+      ta.tensor_cores = true;
+      ta.tensor_core_min_tokens = 1;
+      ta.splits = std::max<int64_t>(forced, 0);
+      const int64_t wf = forced < 0 ? 0 : paged_attention_workspace_floats(ta);
+      tc_counts.push_back(forced < 0 ? 1 : paged_attention_splits(ta));
+      dwork_tc.emplace_back(std::max<int64_t>(wf, 1) * 4);
+      dout_tc.emplace_back(tokens * q_heads * g.head_dim * 4);
+      ta.workspace = forced < 0 ? nullptr : dwork_tc.back().as<float>();
+      ta.out = dout_tc.back().as<float>();
+      launch_paged_attention(ta, nullptr);
     }
 
     // Host: append, then attend.
@@ -347,6 +375,11 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
       INFO("splits " << split_counts[i] << " of " << max_pages << " pages");
       REQUIRE(mismatches(picked(dout_split[i]), want, 2e-5, 2e-4, "attention (split)") == 0);
     }
+    for (size_t i = 0; i < dout_tc.size(); ++i) {
+      INFO("tensor cores " << tc << ", splits " << tc_counts[i] << " of " << max_pages
+                           << " pages");
+      REQUIRE(mismatches(picked(dout_tc[i]), want, 2e-5, 2e-4, "attention (tensor cores)") == 0);
+    }
   }
 }
 
@@ -354,6 +387,7 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
 // positions per range unless forced, never more ranges than pages.
 TEST_CASE("paged attention split count", "[gpu][kernels]") {
   paged_attention_args a;
+  a.tensor_cores = false;  // the CUDA-core split kernel first
   a.geometry.head_dim = 128;
   a.geometry.page_size = 16;
   a.q_heads = 32;
@@ -376,6 +410,33 @@ TEST_CASE("paged attention split count", "[gpu][kernels]") {
   a.splits = 1;
   REQUIRE(paged_attention_splits(a) == 1);
   REQUIRE(paged_attention_workspace_floats(a) == 0);
+  // The tensor-core kernel (bf16, D = 128, from 16 tokens): 4 blocks of 8 q heads per token, at
+  // least 64 positions (4 pages) per range, still enough blocks for 4 per SM.
+  a.splits = 0;
+  a.tensor_cores = true;
+  a.geometry.type = dtype::bf16;
+  a.tok.tokens = 8;
+  REQUIRE_FALSE(paged_attention_uses_tensor_cores(a));  // below tensor_core_min_tokens
+  int dev = 0, sms = 0;
+  REQUIRE(cudaGetDevice(&dev) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
+  prev = 1 << 30;
+  for (int64_t tokens = 16; tokens <= 512; tokens *= 2) {
+    a.tok.tokens = tokens;
+    REQUIRE(paged_attention_uses_tensor_cores(a));
+    const int64_t s = paged_attention_splits(a);
+    INFO("tokens " << tokens << " splits " << s);
+    REQUIRE(s >= 1);
+    REQUIRE(s <= 17);  // ceil(65 / 4)
+    REQUIRE(s <= prev);
+    REQUIRE((s == 17 || 2 * tokens * 4 * s >= 4 * sms));  // whole pages per range: >= half
+    REQUIRE(paged_attention_workspace_floats(a) == (s > 1 ? tokens * 32 * s * 130 : 0));
+    prev = s;
+  }
+  a.tok.tokens = 512;
+  REQUIRE(paged_attention_splits(a) == 1);
+  a.tensor_cores = false;
+  REQUIRE_FALSE(paged_attention_uses_tensor_cores(a));
 }
 
 TEST_CASE("silu_and_mul matches the host reference (fp32 and bf16 out)", "[gpu][kernels]") {

@@ -20,6 +20,7 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "small_trace.hpp"
 #include "host_runtime.hpp"
 #include "model_config.hpp"
 #include "weights.hpp"
@@ -29,21 +30,6 @@ using moebius::parallel_mode;
 using moebius::switch_outcome;
 
 namespace {
-
-std::vector<request> small_trace(uint64_t seed, int32_t vocab) {
-  bursty_options t;
-  t.duration_s = 3;
-  t.quiet_s = 1;
-  t.quiet_rate = 4;
-  t.burst_s = 0.5;
-  t.burst_rate = 40;
-  t.prompt_min = 1;
-  t.prompt_max = 14;
-  t.output_min = 1;
-  t.output_max = 12;
-  t.vocab = vocab;
-  return bursty_trace(seed, t);
-}
 
 // 10 ms per step whatever the mode; a link that fits `layers` + 1/2 layers in a step at the
 // engine's copy fraction, so that pacing advances exactly `layers` layers per step.
@@ -105,7 +91,7 @@ void serve_progressive(int P, uint64_t seed, trouble t) {
   const int64_t per_step = std::uniform_int_distribution<int64_t>(1, 3)(rng);
   host_world w = make_host_world(P, seed, L);
   CAPTURE(P, seed, L, per_step);
-  const std::vector<request> reqs = small_trace(seed, static_cast<int32_t>(w.c.vocab));
+  const std::vector<request> reqs = testing::small_trace(seed, static_cast<int32_t>(w.c.vocab), 12);
   REQUIRE(reqs.size() > 12);
   const paced_clock clock(per_step);
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});

@@ -7,27 +7,13 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "small_trace.hpp"
 #include "world.hpp"
 
 using namespace mini_engine;
 using moebius::parallel_mode;
 
 namespace {
-
-std::vector<request> small_trace(uint64_t seed, int32_t vocab) {
-  bursty_options t;
-  t.duration_s = 3;
-  t.quiet_s = 1;
-  t.quiet_rate = 4;
-  t.burst_s = 0.5;
-  t.burst_rate = 40;
-  t.prompt_min = 1;
-  t.prompt_max = 14;
-  t.output_min = 1;
-  t.output_max = 10;
-  t.vocab = vocab;
-  return bursty_trace(seed, t);
-}
 
 // A clock of one unit per step, whatever the mode: step indices are reproducible.
 class unit_clock final : public step_clock {
@@ -45,7 +31,7 @@ TEST_CASE("switching at random steps gives the static run's tokens") {
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       testing::world w = testing::make_world(P, 96, seed);
       CAPTURE(w.name, P, seed);
-      const std::vector<request> reqs = small_trace(seed, w.vocab);
+      const std::vector<request> reqs = testing::small_trace(seed, w.vocab, 10);
       REQUIRE(reqs.size() > 12);
       const unit_clock clock;
       engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
