@@ -34,18 +34,24 @@ __global__ void __launch_bounds__(k_dequant_threads)
     dequant_fp8_kernel(const __grid_constant__ dequant_fp8_args a, int64_t rows_per_block) {
   const int64_t e = blockIdx.y;
   if (a.counts != nullptr && a.counts[e] <= 0) return;
-  const int64_t r0 = blockIdx.x * rows_per_block;
-  const int64_t r1 = r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows;
-  const int64_t scale_cols = a.cols / a.block_k;
+  // Index maths within the block in 32 bits (the launcher checks rows, cols < 2^31 and a
+  // block holds at most k_dequant_elems_per_block elements or one row): 64-bit divisions per
+  // 8 codes would make this kernel compute-bound.
+  const uint32_t r0 = static_cast<uint32_t>(blockIdx.x * rows_per_block);
+  const uint32_t r1 = static_cast<uint32_t>(
+      r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows);
+  const uint32_t cols = static_cast<uint32_t>(a.cols);
+  const uint32_t bn = static_cast<uint32_t>(a.block_n), bk = static_cast<uint32_t>(a.block_k);
+  const uint32_t scale_cols = cols / bk;
   const float* scale = a.scale + e * (a.rows / a.block_n) * scale_cols;
   const int64_t base = e * a.rows * a.cols;
   if constexpr (Vector) {  // 8 codes (one 8-byte load) share one scale: block_k % 8 == 0
-    const int64_t vecs = a.cols / 8;
-    const int64_t n = (r1 - r0) * vecs;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const int64_t r = r0 + i / vecs, c = (i % vecs) * 8;
-      const float s = scale[(r / a.block_n) * scale_cols + c / a.block_k];
-      const int64_t at = base + r * a.cols + c;
+    const uint32_t vecs = cols / 8;
+    const uint32_t n = (r1 - r0) * vecs;
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint32_t r = r0 + i / vecs, c = (i % vecs) * 8;
+      const float s = scale[int64_t{r / bn} * scale_cols + c / bk];
+      const int64_t at = base + int64_t{r} * a.cols + c;
       const uint2 codes = *reinterpret_cast<const uint2*>(a.w + at);
       float v[8];
       const uint32_t words[2] = {codes.x, codes.y};
@@ -72,11 +78,11 @@ __global__ void __launch_bounds__(k_dequant_threads)
       }
     }
   } else {
-    const int64_t n = (r1 - r0) * a.cols;
+    const int64_t n = int64_t{r1 - r0} * cols;  // a single row may exceed 2^32 / 8 elements
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const int64_t r = r0 + i / a.cols, c = i % a.cols;
-      const float s = scale[(r / a.block_n) * scale_cols + c / a.block_k];
-      const int64_t at = base + r * a.cols + c;
+      const uint32_t r = r0 + static_cast<uint32_t>(i / cols), c = static_cast<uint32_t>(i % cols);
+      const float s = scale[int64_t{r / bn} * scale_cols + c / bk];
+      const int64_t at = base + int64_t{r} * a.cols + c;
       const float f = fp8x2_to_float2(static_cast<uint16_t>(a.w[at])).x;
       detail::store_from_float(a.out, a.out_type, at, f * s);
     }
@@ -90,11 +96,12 @@ void launch_dequant_fp8(const dequant_fp8_args& a, cudaStream_t stream) {
                 moebius::errc::invalid_argument, "dequant_fp8: output must be bf16 or fp32, not ",
                 moebius::to_string(a.out_type));
   MOEBIUS_CHECK(a.experts >= 0 && a.experts <= 65535 && a.rows >= 0 && a.cols >= 0 &&
+                    a.rows < (int64_t{1} << 31) && a.cols < (int64_t{1} << 31) &&
                     a.block_n >= 1 && a.block_k >= 1 && a.rows % a.block_n == 0 &&
                     a.cols % a.block_k == 0,
                 moebius::errc::invalid_argument, "dequant_fp8: ", a.experts, " experts of [",
                 a.rows, ", ", a.cols, "] need whole blocks of [", a.block_n, ", ", a.block_k,
-                "] (and at most 65535 experts)");
+                "] (and at most 65535 experts, rows and cols below 2^31)");
   if (a.experts == 0 || a.rows == 0 || a.cols == 0) return;
   const int64_t rows_per_block = dequant_rows_per_block(a.cols);
   const dim3 grid(static_cast<unsigned>((a.rows + rows_per_block - 1) / rows_per_block),

@@ -841,16 +841,30 @@ TEST_CASE("convert, embedding, argmax, residual_add and gather_rows match the ho
 // tolerance); NaN codes must give NaN. Experts with no tokens must keep the poison (0x7b
 // bytes: a finite value no product equals). Shapes: whole blocks of 1..16 x 1..16 (block_k a
 // multiple of 8 and 8 | cols: the 8-code vector path; otherwise, or with a misaligned
-// pointer, the scalar one).
+// pointer, the scalar one); every fourth round large (128-wide blocks, up to 256 x 2048 per
+// expert: several blocks of rows per expert, the last one partial) and a few with rows longer
+// than one block's share (40,000 columns: one row per block).
 TEST_CASE("dequant_fp8 expands exactly the experts with tokens (bf16 and fp32 out)",
           "[gpu][kernels]") {
   std::mt19937_64 rng(seed(31));
-  int64_t vector_rounds = 0, scalar_rounds = 0;
+  int64_t vector_rounds = 0, scalar_rounds = 0, multi_block_rounds = 0;
   for (int round = 0; round < 60; ++round) {
     const int64_t experts = uniform(rng, 1, 6);
-    const int64_t bn = uniform(rng, 1, 16);
-    const int64_t bk = uniform(rng, 0, 1) == 1 ? 8 * uniform(rng, 1, 2) : uniform(rng, 1, 16);
-    const int64_t rows = bn * uniform(rng, 1, 6), cols = bk * uniform(rng, 1, 6);
+    int64_t bn = uniform(rng, 1, 16);
+    int64_t bk = uniform(rng, 0, 1) == 1 ? 8 * uniform(rng, 1, 2) : uniform(rng, 1, 16);
+    int64_t rows = bn * uniform(rng, 1, 6), cols = bk * uniform(rng, 1, 6);
+    if (round % 4 == 3) {  // large: 128-wide blocks, several row ranges per expert
+      bn = uniform(rng, 0, 1) == 1 ? 128 : 32;
+      bk = 128;
+      rows = bn * uniform(rng, 1, 256 / bn);
+      cols = bk * uniform(rng, 4, 16);
+    } else if (round % 20 == 9) {  // a row longer than one block's share
+      bn = 1;
+      bk = 8;
+      rows = uniform(rng, 1, 3);
+      cols = 40000;
+    }
+    if (rows * cols > 32768) ++multi_block_rounds;
     const dtype out_type = uniform(rng, 0, 1) == 1 ? dtype::bf16 : dtype::fp32;
     const bool use_counts = uniform(rng, 0, 3) != 0;
     const int64_t w_offset = uniform(rng, 0, 4) == 0 ? 1 : 0;  // misaligned codes: scalar path
@@ -928,4 +942,5 @@ TEST_CASE("dequant_fp8 expands exactly the experts with tokens (bf16 and fp32 ou
   }
   REQUIRE(vector_rounds > 0);
   REQUIRE(scalar_rounds > 0);
+  REQUIRE(multi_block_rounds > 0);
 }
