@@ -14,7 +14,7 @@
 #   --bin DIR   where the binaries are (default: .carry/bin, else the build folders)
 # Environment: OUT (results; default ./gpu-check-out), MOEBIUS_BENCH_CONTEXT (1024),
 #   MINI_ENGINE_SIMPLE_ATTENTION=1 (the simple attention kernel in the runtime),
-#   MINI_ENGINE_ATTENTION=whole (the whole-context GQA kernel instead of the split one),
+#   MINI_ENGINE_ATTENTION=split|mma (CUDA-core or tensor-core attention at every bucket),
 #   MINI_ENGINE_PROFILE=1 (eager steps, stage_<stage>_ms counters in the step benchmark),
 #   MINI_ENGINE_NO_GRAPHS=1 (no CUDA graphs: every step eager),
 #   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED,

@@ -189,8 +189,7 @@ struct gpu_runtime::impl {
   int64_t captures = 0, replays = 0, eager = 0, reruns = 0, hybrid_steps = 0;
   double last_step_s = -1;  // device time of the last step (CUDA events)
   // MINI_ENGINE_SIMPLE_ATTENTION=1 or MINI_ENGINE_ATTENTION=simple: the simple attention
-  // kernel; MINI_ENGINE_ATTENTION=whole: the GQA kernel with one block per (token, KV head)
-  // over the whole context (the kernel before the split one); default (split): the
+  // kernel; default (split): the
   // split-context GQA kernel, MINI_ENGINE_ATTENTION_SPLITS=n forcing n ranges, on tensor
   // cores from buckets of 16 tokens (bf16 KV, head_dim 64 or 128):
   // MINI_ENGINE_ATTENTION=split keeps the CUDA-core split kernel at every bucket,
@@ -202,7 +201,6 @@ struct gpu_runtime::impl {
   }
   bool simple_attention =
       env_is("MINI_ENGINE_SIMPLE_ATTENTION", "1") || env_is("MINI_ENGINE_ATTENTION", "simple");
-  bool whole_context_attention = env_is("MINI_ENGINE_ATTENTION", "whole");
   bool tensor_core_attention = !env_is("MINI_ENGINE_ATTENTION", "split");
   int64_t tensor_core_min_tokens = [] {
     if (env_is("MINI_ENGINE_ATTENTION", "mma")) return int64_t{1};
@@ -366,7 +364,6 @@ struct gpu_runtime::impl {
     pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
     pa.tok = {in_seq(rs, m), in_pos(rs, m), in_tables(rs, m), max_pages, T, in_num(rs, m)};
     pa.simple = simple_attention;
-    pa.whole_context = whole_context_attention;
     pa.workspace = rs.attn_work;
     pa.splits = attention_splits;
     pa.tensor_cores = tensor_core_attention;

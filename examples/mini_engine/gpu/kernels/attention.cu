@@ -155,118 +155,6 @@ __device__ __forceinline__ void load8(const std::byte* p, moebius::dtype t, floa
 
 }  // namespace
 
-// One block of 4 warps per (token, page head h_kv) and up to 4 of its q heads (a longer group
-// runs as several adjacent blocks, "chunks"). A position's K row is split over D/8 lanes ("a
-// lane group", 8 elements each), so a warp takes 32/(D/8) positions per step; every lane
-// group keeps an online softmax per q head over its positions, and the block merges the
-// 4 * 32/(D/8) partial states in shared memory at the end. K and V are read once per group
-// of q heads.
-__global__ void __launch_bounds__(k_attention_warps * 32, 4)
-    paged_attention_gqa_kernel(const __grid_constant__ paged_attention_args a) {
-  extern __shared__ float smem[];
-  const moebius::kv_geometry& g = a.geometry;
-  const int64_t page_heads = (a.q_heads + a.group - 1) / a.group;
-  const int64_t chunks =
-      ((a.group < a.q_heads ? a.group : a.q_heads) + k_max_group - 1) / k_max_group;
-  // Blocks of one (token, KV head) are adjacent, so the chunks' second reads of K/V hit L2.
-  const int64_t chunk = blockIdx.x % chunks;
-  const int64_t t = blockIdx.x / chunks / page_heads;
-  const int64_t kvh = blockIdx.x / chunks % page_heads;
-  if (t >= detail::real_rows(a.tok.num_tokens, a.tok.tokens)) return;
-  const int64_t h0 = kvh * a.group + chunk * k_max_group;
-  const int64_t h_end = min(min((kvh + 1) * a.group, a.q_heads), h0 + k_max_group);
-  const int G = static_cast<int>(h_end - h0);
-  if (G <= 0) return;
-  const int D = static_cast<int>(g.head_dim);
-  const int lpp = D / k_vec;  // lanes per position
-  const int ppw = 32 / lpp;   // positions per warp step
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane / lpp;           // which position of the step
-  const int d0 = (lane % lpp) * k_vec;  // this lane's first dim
-
-  float q[k_max_group][k_vec], acc[k_max_group][k_vec], m[k_max_group], l[k_max_group];
-#pragma unroll
-  for (int j = 0; j < k_max_group; ++j) {
-    m[j] = -INFINITY;
-    l[j] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < k_vec; ++i) {
-      q[j][i] = j < G ? a.q[t * a.q_stride + (h0 + j) * D + d0 + i] * a.scale : 0.0f;
-      acc[j][i] = 0.0f;
-    }
-  }
-  const int64_t last = a.tok.pos[t];
-  const int64_t step = int64_t{k_attention_warps} * ppw;
-  for (int64_t base = 0; base <= last; base += step) {
-    const int64_t s = base + warp * ppw + sub;
-    const bool valid = s <= last;
-    float kv[k_vec] = {};
-    float score[k_max_group];
-    if (valid) {
-      const int64_t page = page_of(a.tok, t, s, g.page_size);
-      const int64_t slot = s % g.page_size;
-      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, kvh, slot, d0), g.type,
-            kv);
-    }
-#pragma unroll
-    for (int j = 0; j < k_max_group; ++j) {
-      float dot = 0.0f;
-#pragma unroll
-      for (int i = 0; i < k_vec; ++i) dot += q[j][i] * kv[i];
-      for (int o = lpp / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      score[j] = dot;
-    }
-    if (valid) {
-      const int64_t page = page_of(a.tok, t, s, g.page_size);
-      const int64_t slot = s % g.page_size;
-      load8(a.pool + g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, kvh, slot, d0), g.type,
-            kv);
-#pragma unroll
-      for (int j = 0; j < k_max_group; ++j) {
-        if (j >= G) break;
-        const float m_new = fmaxf(m[j], score[j]);
-        const float corr = expf(m[j] - m_new);
-        const float p = expf(score[j] - m_new);
-        l[j] = l[j] * corr + p;
-#pragma unroll
-        for (int i = 0; i < k_vec; ++i) acc[j][i] = acc[j][i] * corr + p * kv[i];
-        m[j] = m_new;
-      }
-    }
-  }
-  // Partial states: [part = warp * ppw + sub][j] of (m, l, acc[D]).
-  const int parts = k_attention_warps * ppw;
-  float* s_m = smem;                         // [parts][G]
-  float* s_l = s_m + parts * k_max_group;    // [parts][G]
-  float* s_acc = s_l + parts * k_max_group;  // [parts][G][D]
-  const int part = warp * ppw + sub;
-#pragma unroll
-  for (int j = 0; j < k_max_group; ++j) {
-    if (j >= G) break;
-    if (lane % lpp == 0) {
-      s_m[part * k_max_group + j] = m[j];
-      s_l[part * k_max_group + j] = l[j];
-    }
-#pragma unroll
-    for (int i = 0; i < k_vec; ++i) s_acc[(part * k_max_group + j) * D + d0 + i] = acc[j][i];
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-    const int j = idx / D, d = idx % D;
-    float mm = -INFINITY;
-    for (int p = 0; p < parts; ++p) mm = fmaxf(mm, s_m[p * k_max_group + j]);
-    float ll = 0.0f, o = 0.0f;
-    for (int p = 0; p < parts; ++p) {
-      const float mp = s_m[p * k_max_group + j];
-      if (mp == -INFINITY) continue;  // a lane group that saw no position
-      const float c = expf(mp - mm);
-      ll += s_l[p * k_max_group + j] * c;
-      o += s_acc[(p * k_max_group + j) * D + d] * c;
-    }
-    a.out[t * a.out_stride + (h0 + j) * D + d] = o / ll;
-  }
-}
-
 namespace {
 
 constexpr int k_split_unroll = 2;       // positions per lane group per loop step (loads in flight)
@@ -329,7 +217,7 @@ split_params split_params_of(const paged_attention_args& a, int64_t splits) {
 
 bool paged_attention_uses_tensor_cores(const paged_attention_args& a) {
   const int64_t D = a.geometry.head_dim;
-  return a.tensor_cores && !a.simple && !a.whole_context &&
+  return a.tensor_cores && !a.simple &&
          a.geometry.type == moebius::dtype::bf16 && (D == 64 || D == 128) && a.tok.tokens > 0 &&
          a.tok.tokens >= a.tensor_core_min_tokens && a.group >= 1 &&
          compute_major_of_current_device() >= 8;
@@ -804,12 +692,6 @@ void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream) 
   const int64_t parts = k_attention_warps * (32 / (D / k_vec));
   const size_t smem = static_cast<size_t>(parts * k_max_group * (2 + D)) * sizeof(float);
   // At most 128 parts * 4 heads * (2 + 8) floats = 20 KiB (D = 8): no opt-in needed.
-  if (a.whole_context) {
-    const auto grid = static_cast<unsigned>(a.tok.tokens * page_heads * chunks);
-    paged_attention_gqa_kernel<<<grid, k_attention_warps * 32, smem, stream>>>(a);
-    check_launch("paged_attention_gqa");
-    return;
-  }
   const split_params sp =
       split_params_of(a, a.workspace == nullptr ? 1 : paged_attention_splits(a));
   if (paged_attention_uses_tensor_cores(a)) {

@@ -105,16 +105,14 @@ struct paged_attention_args {
   // step). The GQA kernels need head_dim in {8, 16, 32, 64, 128, 256}; others use the simple
   // one anyway.
   bool simple = false;
-  // The split-context GQA kernel (flash-decoding) when `workspace` is set (and !simple,
-  // !whole_context): each (token, KV head) is cut into `splits` ranges of whole pages, one
-  // block each, so a batch-1 decode step fills the GPU instead of running 8 blocks over the
-  // whole context; a second kernel merges the ranges' softmax states. Without a workspace,
-  // or with whole_context, one block per (token, KV head) walks the whole context (the
-  // previous GQA kernel, kept to compare with).
+  // The split-context GQA kernel (flash-decoding) unless `simple`: each (token, KV head) is
+  // cut into `splits` ranges of whole pages, one block each, so a batch-1 decode step fills
+  // the GPU instead of running 8 blocks over the whole context; a second kernel merges the
+  // ranges' softmax states. Without a workspace it runs one range: one block per (token, KV
+  // head) walks the whole context.
   float* workspace = nullptr;  // paged_attention_workspace_floats(*this) floats
   int64_t splits = 0;  // 0: paged_attention_splits() picks; n: n ranges of whole pages
                        // (fewer when n does not divide table_stride evenly, at most one a page)
-  bool whole_context = false;
   // The tensor-core split kernel instead of the CUDA-core one (same ranges, same workspace,
   // same merge) when the pool is bf16, head_dim is 64 or 128, the device is sm_80 or newer
   // and the bucket has at least tensor_core_min_tokens tokens (a shape: graphs replay it). One
@@ -134,7 +132,7 @@ void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream);
 // dtype, head_dim, tokens of the bucket, the device's compute capability).
 bool paged_attention_uses_tensor_cores(const paged_attention_args& a);
 // Context ranges per (token, KV head) the split kernel uses for these args (when it runs: a
-// workspace, not simple, not whole_context): enough blocks for 4 per SM of the current
+// workspace, not simple): enough blocks for 4 per SM of the current
 // device, at least 32 positions (whole pages) per range (the tensor-core kernel, whose blocks
 // take 8 q heads and 64 positions per step: at least 64); a.splits > 0 forces about that many.
 // Depends only on the shapes
