@@ -12,7 +12,9 @@
 //
 // Environment: MOEBIUS_BENCH_CONTEXT (default 1024), MOEBIUS_BENCH_MAX_BATCH (512),
 // MOEBIUS_BENCH_LAYERS (48: fewer for a quick run), MOEBIUS_BENCH_SUMMARY (a file for the
-// summary as JSON lines). MINI_ENGINE_PROFILE=1: steps run eagerly with CUDA events between
+// summary as JSON lines), MOEBIUS_BENCH_EXPERT_DTYPE (bf16, or fp8: e4m3 experts with 128 x 128
+// block scales in the arena, dequantized per layer into a bf16 scratch of the touched experts
+// before the GEMMs; names then end in /fp8, and the stage profile has a `dequant` stage). MINI_ENGINE_PROFILE=1: steps run eagerly with CUDA events between
 // the stages, and each benchmark reports stage_<stage>_ms counters (device time per step of
 // each stage summed over the layers: gpu_runtime::stage_times()); device_ms is always the
 // step's device time (gpu_runtime::measured_step_s()).
@@ -131,8 +133,11 @@ void print_summary() {
   std::FILE* json = nullptr;
   if (const char* path = std::getenv("MOEBIUS_BENCH_SUMMARY"); path != nullptr && *path != '\0')
     json = std::fopen(path, "w");
-  std::printf("\nDecode step, Qwen3-30B-A3B shapes (L=%lld), P=%d, context %lld: ms per step\n",
-              static_cast<long long>(s.config.num_layers), s.P, static_cast<long long>(s.context));
+  const char* experts = moebius::to_string(s.config.expert_dtype);
+  std::printf(
+      "\nDecode step, Qwen3-30B-A3B shapes (L=%lld), %s experts, P=%d, context %lld: ms per "
+      "step\n",
+      static_cast<long long>(s.config.num_layers), experts, s.P, static_cast<long long>(s.context));
   std::printf("%8s %10s %10s %8s %s\n", "batch", "TP", "EP", "EP/TP", "faster");
   int last = -1;
   std::string crossovers;
@@ -146,9 +151,10 @@ void print_summary() {
     if (json != nullptr)
       std::fprintf(
           json,
-          "{\"batch\": %lld, \"tp_ms\": %.6f, \"ep_ms\": %.6f, \"P\": %d, \"context\": %lld}\n",
+          "{\"batch\": %lld, \"tp_ms\": %.6f, \"ep_ms\": %.6f, \"P\": %d, \"context\": %lld, "
+          "\"experts\": \"%s\"}\n",
           static_cast<long long>(B), tp->second, ep->second, s.P,
-          static_cast<long long>(s.context));
+          static_cast<long long>(s.context), experts);
     if (last >= 0 && faster != last) {
       // (appends, not operator+: GCC 12 warns falsely on `" " + std::string(...)`)
       crossovers.append(faster ? " TP->EP at batch " : " EP->TP at batch ");
@@ -180,6 +186,16 @@ int main(int argc, char** argv) {
   s.P = std::min(devices, 2);
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
   s.max_batch = env_int("MOEBIUS_BENCH_MAX_BATCH", 512);
+  if (const char* t = std::getenv("MOEBIUS_BENCH_EXPERT_DTYPE"); t != nullptr && *t != '\0') {
+    const std::string name = t;
+    if (name == "fp8") {
+      s.config.expert_dtype = moebius::dtype::fp8_e4m3;
+      s.config.fp8_block = 128;  // Qwen3-30B-A3B-FP8's blocks; I/P = 384 holds 3 of them at P=2
+    } else if (name != "bf16") {
+      std::printf("MOEBIUS_BENCH_EXPERT_DTYPE=%s: expected bf16 or fp8\n", t);
+      return 1;
+    }
+  }
   gpu_runtime_options o;
   o.num_ranks = s.P;
   o.dense_dtype = moebius::dtype::bf16;
@@ -194,8 +210,10 @@ int main(int argc, char** argv) {
   o.num_ep_pages = std::max((s.max_batch + s.P - 1) / s.P * pages_per_seq,
                             (s.max_batch * pages_per_seq + split - 1) / split);
   std::printf(
-      "building the runtime: P=%d, %lld layers, %lld EP pages per rank, %zu buckets x 2 modes\n",
-      s.P, static_cast<long long>(s.config.num_layers), static_cast<long long>(o.num_ep_pages),
+      "building the runtime: P=%d, %lld layers, %s experts, %lld EP pages per rank, %zu buckets "
+      "x 2 modes\n",
+      s.P, static_cast<long long>(s.config.num_layers),
+      moebius::to_string(s.config.expert_dtype), static_cast<long long>(o.num_ep_pages),
       o.buckets.size());
   try {
     s.rt = std::make_unique<gpu_runtime>(s.config, uint64_t{12345}, o);
@@ -212,7 +230,8 @@ int main(int argc, char** argv) {
     for (int64_t B = 1; B <= s.max_batch; B *= 2) {
       const std::string name = std::string("decode/") + moebius::to_string(m) + "/P" +
                                std::to_string(s.P) + "/ctx" + std::to_string(s.context) + "/B" +
-                               std::to_string(B);
+                               std::to_string(B) +
+                               (s.config.expert_dtype == moebius::dtype::fp8_e4m3 ? "/fp8" : "");
       benchmark::RegisterBenchmark(name.c_str(),
                                    [m, B](benchmark::State& st) { bm_decode(st, m, B); })
           ->UseManualTime()

@@ -18,7 +18,10 @@
 // so they compute rows nobody reads. This bounds the padding by one tile per touched expert
 // instead of a worst-case capacity per expert (which would be the whole bucket: 16x the work
 // at 512 tokens, top-8 of 128). Weights are read straight from the arena slot of the layer
-// in its mode: the pointers are fixed because no arena byte ever moves.
+// in its mode: the pointers are fixed because no arena byte ever moves. fp8 block-scaled
+// experts are first expanded into a fixed per-rank scratch (launch_dequant_fp8, only the
+// experts with tokens) and the pointers point there: this batched API takes no scales (the
+// cost and the alternatives: README.md).
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>

@@ -17,7 +17,8 @@
 #   MINI_ENGINE_ATTENTION=split|mma (CUDA-core or tensor-core attention at every bucket),
 #   MINI_ENGINE_PROFILE=1 (eager steps, stage_<stage>_ms counters in the step benchmark),
 #   MINI_ENGINE_NO_GRAPHS=1 (no CUDA graphs: every step eager),
-#   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED.
+#   MOEBIUS_BENCH_MAX_BATCH (512), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_TEST_SEED,
+#   MOEBIUS_BENCH_EXPERT_DTYPE=fp8 (the step benchmark with fp8 block-scaled experts).
 # Writes into $OUT (8 files): tests.txt (nvidia-smi, then the three test binaries' output),
 # bench_mini_engine_step.json and bench_mini_engine_hybrid_step.json (Google Benchmark JSON),
 # bench.txt (both benchmarks' console tables and summaries), bench_summary.jsonl (per batch
@@ -40,7 +41,7 @@ while (($#)); do
     --tests-only) mode=tests ;;
     --bench-only) mode=bench ;;
     --demo-only) mode=demo ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu-check.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -66,9 +67,11 @@ if [[ $mode == all || $mode == tests ]]; then
     [[ -x "$bin/$t" ]] || { echo "=== $t: not built" | tee -a "$OUT/tests.txt"; status=1; continue; }
     echo "=== $t" | tee -a "$OUT/tests.txt"
     start=$(date +%s)
-    # Limits keep the whole script inside one 10-minute device call even if something hangs
-    # (60 + 100 + 60 s, the benchmarks 120 + 90 s, the demo 150 s).
-    case $t in *runtime) limit=100 ;; *) limit=60 ;; esac
+    # Limits keep a hang from eating the device call (60 + 150 + 60 s, the benchmarks
+    # 120 + 90 s, the demo 150 s: 630 s if everything ran to its limit; the runtime test runs
+    # each case with fp32, bf16 and fp8 experts, so --tests-only and --bench-only as two calls
+    # are the safe split).
+    case $t in *runtime) limit=150 ;; *) limit=60 ;; esac
     timeout $limit "$bin/$t" --durations yes 2>&1 | tee -a "$OUT/tests.txt"
     rc=${PIPESTATUS[0]}
     echo "=== $t: exit $rc in $(( $(date +%s) - start )) s (77 = skipped: no GPU)" | tee -a "$OUT/tests.txt"

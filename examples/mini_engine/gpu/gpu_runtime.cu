@@ -14,6 +14,7 @@
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
 
+#include "../numerics.hpp"
 #include "gemm.hpp"
 #include "gpu_runtime.hpp"
 #include "kernels/kernels.hpp"
@@ -62,6 +63,30 @@ std::vector<std::byte> encode(std::span<const float> v, dtype t) {
       std::memcpy(out.data() + 4 * i, &v[i], 4);
     }
   }
+  return out;
+}
+
+// fp8 experts ([experts, rows, cols], each value a code times its block's scale, as
+// round_experts leaves them) as e4m3 codes. Throws errc::invalid_argument naming the tensor
+// and element when a value is not exactly code x scale (the arena could not hold it).
+std::vector<std::byte> encode_fp8(std::span<const float> v, std::span<const float> scale,
+                                  int64_t experts, int64_t rows, int64_t cols, int64_t block,
+                                  const char* what) {
+  std::vector<std::byte> out(v.size());
+  const int64_t sr = rows / block, sc = cols / block;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < cols; ++k) {
+        const int64_t i = (e * rows + r) * cols + k;
+        const float s = scale[static_cast<size_t>((e * sr + r / block) * sc + k / block)];
+        const float x = v[static_cast<size_t>(i)];
+        const uint8_t code = to_fp8_e4m3(x / s);
+        MOEBIUS_CHECK(s > 0 && std::isfinite(s) && from_fp8_e4m3(code) * s == x,
+                      errc::invalid_argument, "gpu_runtime: fp8 ", what, "[", e, ", ", r, ", ",
+                      k, "] = ", x, " is not an e4m3 code times its block scale ", s,
+                      " (round the experts first: round_experts)");
+        out[static_cast<size_t>(i)] = static_cast<std::byte>(code);
+      }
   return out;
 }
 
@@ -137,6 +162,11 @@ struct rank_state {
   float* attn_work = nullptr;
   // Expert workspace, sized for the largest bucket of either mode.
   moe_plan moe;  // pointers only; shapes are filled per step
+  // fp8 experts: the layer's local experts dequantized to the compute dtype, one layer at a
+  // time (the tile map points the GEMMs here instead of at the arena). One rank holds the
+  // same element count in EP ([E/P, 2I, H]) and TP ([E, 2I/P, H]), so one scratch fits both.
+  std::byte* dq_w13 = nullptr;  // [local experts, local 2I, H] compute dtype
+  std::byte* dq_w2 = nullptr;   // [local experts, H, local I]
 };
 
 struct gpu_runtime::impl {
@@ -147,6 +177,10 @@ struct gpu_runtime::impl {
   moebius::kv_geometry kv;
   int64_t T_max = 0, qkv_ld = 0, max_pages = 0;
   moe_tokens row_layout;  // packed row layout (tokens set per use)
+  // Dtype of the expert GEMMs' inputs (packed rows, x_perm, act) and weights: the expert
+  // dtype, or for fp8 experts o.fp8_compute_dtype (the dequantized scratch's).
+  dtype ct = dtype::fp32;
+  bool fp8 = false;
   std::vector<rank_state> ranks;
 
   struct graph_set {
@@ -206,6 +240,7 @@ struct gpu_runtime::impl {
     st_o_proj,       // o_proj GEMM (and its input conversion)
     st_router,       // residual add, post-attention norm, router GEMM, top-k, pack
     st_permute,      // route, sort, tile map, gather
+    st_dequant,      // fp8 experts: the touched experts expanded into the scratch
     st_experts,      // expert GEMMs and SiLU-and-mul
     st_combine,      // moe_combine, residual adds, local copies
     st_collectives,  // NCCL: all-reduces, dispatch all-gather, combine send/recv, hand-off
@@ -215,8 +250,8 @@ struct gpu_runtime::impl {
     st_count
   };
   static constexpr const char* stage_names[st_count] = {
-      "upload",  "embed",   "qkv",         "attention", "o_proj",  "router",  "permute",
-      "experts", "combine", "collectives", "hand_off",  "lm_head", "download"};
+      "upload",  "embed",   "qkv",      "attention",   "o_proj",   "router",  "permute",
+      "dequant", "experts", "combine",  "collectives", "hand_off", "lm_head", "download"};
   bool profile = env_is("MINI_ENGINE_PROFILE", "1");
   bool prof_on = false;  // inside a profiled step
   std::vector<double> stage_s;  // last profiled step, seconds per stage
@@ -353,9 +388,15 @@ struct gpu_runtime::impl {
     if (env_is("MINI_ENGINE_HYBRID_EAGER", "1")) o.hybrid_graphs = false;
     if (!o.capture_graphs) o.hybrid_graphs = false;
     P = o.num_ranks;
-    MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16,
-                  errc::invalid_argument, "gpu_runtime: experts must be fp32 or bf16, not ",
+    MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16 ||
+                      c.expert_dtype == dtype::fp8_e4m3,
+                  errc::invalid_argument, "gpu_runtime: experts must be fp32, bf16 or fp8_e4m3, not ",
                   moebius::to_string(c.expert_dtype));
+    MOEBIUS_CHECK(o.fp8_compute_dtype == dtype::fp32 || o.fp8_compute_dtype == dtype::bf16,
+                  errc::invalid_argument, "gpu_runtime: fp8 experts compute in fp32 or bf16, not ",
+                  moebius::to_string(o.fp8_compute_dtype));
+    fp8 = c.expert_dtype == dtype::fp8_e4m3;
+    ct = fp8 ? o.fp8_compute_dtype : c.expert_dtype;
     MOEBIUS_CHECK(c.kv_dtype == dtype::fp32 || c.kv_dtype == dtype::bf16, errc::invalid_argument,
                   "gpu_runtime: KV must be fp32 or bf16");
     MOEBIUS_CHECK(o.dense_dtype == dtype::fp32 || o.dense_dtype == dtype::bf16,
@@ -378,6 +419,12 @@ struct gpu_runtime::impl {
     shape.hidden = c.hidden;
     shape.intermediate = c.intermediate;
     shape.weight_dtype = c.expert_dtype;
+    if (fp8) {  // expert_shape's validation (below) requires whole blocks in every TP slice
+      shape.block_scales = true;
+      shape.scale_block_n = c.fp8_block;
+      shape.scale_block_k = c.fp8_block;
+      shape.scale_dtype = dtype::fp32;
+    }
     arena = moebius::make_arena_geometry(shape, P, o.tensor_alignment, o.slot_alignment);
     moebius::validate(arena, o.cursor);
     kv = moebius::make_kv_geometry(c.num_layers, c.num_kv_heads, c.head_dim, c.page_size,
@@ -388,7 +435,7 @@ struct gpu_runtime::impl {
                     " outside [1, max_tokens=", T_max, "]");
     max_pages = o.max_pages_per_seq;
     qkv_ld = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
-    row_layout = moe_token_layout(0, c.hidden, c.top_k, c.expert_dtype);
+    row_layout = moe_token_layout(0, c.hidden, c.top_k, ct);
 
     // The expert workspace must hold the largest shape any token count up to T_max needs,
     // in either attention mode and either layer mode (tile rows change with the count).
@@ -401,7 +448,7 @@ struct gpu_runtime::impl {
           max_rows = std::max(max_rows, s.max_tiles * s.tile_rows);
         }
     const int64_t G = P * T_max, max_pairs = G * c.top_k;
-    const int64_t H = c.hidden, es = moebius::dtype_bytes(c.expert_dtype);
+    const int64_t H = c.hidden, es = moebius::dtype_bytes(ct);
     const int64_t ds = moebius::dtype_bytes(o.dense_dtype);
     const int64_t max_inter = c.intermediate;  // EP: I (TP: I/P)
 
@@ -480,7 +527,13 @@ struct gpu_runtime::impl {
       p.sort_temp = device_alloc<std::byte>(static_cast<int64_t>(p.sort_temp_bytes), rs.owned);
       p.overflow = device_alloc<int32_t>(1, rs.owned);
       p.hidden = H;
-      p.type = c.expert_dtype;
+      p.type = ct;
+      if (fp8) {  // one fp8 byte per element in the arena: tensor_bytes elements per rank
+        rs.dq_w13 = device_alloc<std::byte>(
+            arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w13)] * es, rs.owned);
+        rs.dq_w2 = device_alloc<std::byte>(
+            arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w2)] * es, rs.owned);
+      }
       // Split attention: the largest workspace any token count and mode needs.
       int64_t attn_floats = 0;
       for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp})
@@ -556,16 +609,34 @@ struct gpu_runtime::impl {
         put_f(dl.q_norm, l.q_norm);
         put_f(dl.k_norm, l.k_norm);
       }
-      // Experts: every element to its home in the layer's mode (weight_view.locate).
+      // Experts: every element to its home in the layer's mode (weight_view.locate); fp8:
+      // each weight as its code under its block's scale, the scales beside them.
       const parallel_mode m = moebius::arena_geometry::mode_of(o.cursor, li);
-      const int64_t es = moebius::dtype_bytes(c.expert_dtype);
-      for (moebius::weight_tensor t : {moebius::weight_tensor::w13, moebius::weight_tensor::w2}) {
-        const auto& src = t == moebius::weight_tensor::w13 ? l.w13 : l.w2;
+      if (fp8) {
+        const int64_t b = c.fp8_block;
+        need(l.w13_scale, E * (2 * I / b) * (H / b), "w13_scale");
+        need(l.w2_scale, E * (H / b) * (I / b), "w2_scale");
+      }
+      for (moebius::weight_tensor t : moebius::all_weight_tensors) {
+        const bool is_scale =
+            t == moebius::weight_tensor::w13_scale || t == moebius::weight_tensor::w2_scale;
+        if (is_scale && !fp8) continue;
+        const std::span<const float> src = t == moebius::weight_tensor::w13   ? l.w13
+                                           : t == moebius::weight_tensor::w2  ? l.w2
+                                           : t == moebius::weight_tensor::w13_scale ? l.w13_scale
+                                                                                    : l.w2_scale;
         const auto g = moebius::geometry_of(arena.shape, t);
+        const dtype td = is_scale ? dtype::fp32 : c.expert_dtype;
+        const int64_t es = moebius::dtype_bytes(td);
         const int64_t bytes = arena.tensor_bytes[static_cast<int>(t)];
         std::vector<std::vector<std::byte>> img(static_cast<size_t>(P),
                                                 std::vector<std::byte>(static_cast<size_t>(bytes)));
-        const auto encoded = encode(src, c.expert_dtype);
+        const auto encoded =
+            td == dtype::fp8_e4m3
+                ? encode_fp8(src,
+                             t == moebius::weight_tensor::w13 ? l.w13_scale : l.w2_scale,
+                             g.num_experts, g.rows, g.cols, c.fp8_block, moebius::to_string(t))
+                : encode(src, td);
         const auto ep = moebius::make_view<parallel_mode::ep>(arena.shape, t, P);
         const auto tp = moebius::make_view<parallel_mode::tp>(arena.shape, t, P);
         int64_t idx = 0;
@@ -608,9 +679,26 @@ struct gpu_runtime::impl {
         fill(rs, l.q_norm, dtype::fp32, D, 0.1f, 1.0f);
         fill(rs, l.k_norm, dtype::fp32, D, 0.1f, 1.0f);
       }
-      // The whole arena: every slot holds plausible weights in either view.
-      fill(rs, rs.arena, c.expert_dtype, arena.total_bytes() / moebius::dtype_bytes(c.expert_dtype),
-           std::sqrt(3.0f / static_cast<float>(H)));
+      // The whole arena: every slot holds plausible weights in either view. fp8: codes
+      // uniform over [-448, 448) and every scale one power of two near sqrt(3/H) / 448, so the
+      // weights have the usual size.
+      if (fp8) {
+        fill(rs, rs.arena, dtype::fp8_e4m3, arena.total_bytes(), 448.0f);
+        const float sc = std::exp2(
+            std::round(std::log2(std::sqrt(3.0f / static_cast<float>(H)) / fp8_e4m3_max)));
+        for (int64_t slot = 0; slot < arena.num_slots(); ++slot)
+          for (moebius::weight_tensor t :
+               {moebius::weight_tensor::w13_scale, moebius::weight_tensor::w2_scale}) {
+            const int ti = static_cast<int>(t);
+            launch_fill_random({rs.arena + arena.slot_offset(slot) + arena.tensor_offset[ti],
+                                dtype::fp32, arena.tensor_bytes[ti] / 4, 0, 0.0f, sc},
+                               rs.stream);
+          }
+      } else {
+        fill(rs, rs.arena, c.expert_dtype,
+             arena.total_bytes() / moebius::dtype_bytes(c.expert_dtype),
+             std::sqrt(3.0f / static_cast<float>(H)));
+      }
       MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
     }
   }
@@ -713,7 +801,7 @@ struct gpu_runtime::impl {
   // inputs sit in the same input block.
   void layer(const pass& ps, int64_t li, bool optimistic) {
     const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, K = c.top_k;
-    const int64_t es = moebius::dtype_bytes(c.expert_dtype),
+    const int64_t es = moebius::dtype_bytes(ct),
                   ds = moebius::dtype_bytes(o.dense_dtype);
     const dtype dd = o.dense_dtype;
     const float eps = static_cast<float>(c.rms_eps);
@@ -825,7 +913,7 @@ struct gpu_runtime::impl {
         pk.dst.tokens = T;
         pk.rows = rs.packed;
         pk.hidden = H;
-        pk.type = c.expert_dtype;
+        pk.type = ct;
         launch_moe_pack(pk, rs.stream);
         mark(rs, st_router);
       });
@@ -851,10 +939,36 @@ struct gpu_runtime::impl {
         p.tile_rows = s.tile_rows;
         p.max_tiles = s.max_tiles;
         p.inter = s.inter;
-        p.w13 = rs.arena + arena.tensor_base(lm, li, moebius::weight_tensor::w13);
-        p.w2 = rs.arena + arena.tensor_base(lm, li, moebius::weight_tensor::w2);
+        auto arena_at = [&](moebius::weight_tensor t) {
+          return rs.arena + arena.tensor_base(lm, li, t);
+        };
+        // fp8: the tile map points the GEMMs at the scratch, which the dequantization fills
+        // (after the permutation has counted each expert's tokens) for the touched experts.
+        p.w13 = fp8 ? rs.dq_w13 : arena_at(moebius::weight_tensor::w13);
+        p.w2 = fp8 ? rs.dq_w2 : arena_at(moebius::weight_tensor::w2);
         launch_moe_permute(p, src, rs.stream);
         mark(rs, st_permute);
+        if (fp8) {
+          dequant_fp8_args dq;
+          dq.out_type = ct;
+          dq.experts = s.num_local;
+          dq.block_n = c.fp8_block;
+          dq.block_k = c.fp8_block;
+          dq.counts = p.expert_info + p.num_local;  // moe_tile_map's per-expert counts
+          dq.w = reinterpret_cast<const uint8_t*>(arena_at(moebius::weight_tensor::w13));
+          dq.scale = reinterpret_cast<const float*>(arena_at(moebius::weight_tensor::w13_scale));
+          dq.out = rs.dq_w13;
+          dq.rows = 2 * s.inter;
+          dq.cols = H;
+          launch_dequant_fp8(dq, rs.stream);
+          dq.w = reinterpret_cast<const uint8_t*>(arena_at(moebius::weight_tensor::w2));
+          dq.scale = reinterpret_cast<const float*>(arena_at(moebius::weight_tensor::w2_scale));
+          dq.out = rs.dq_w2;
+          dq.rows = H;
+          dq.cols = s.inter;
+          launch_dequant_fp8(dq, rs.stream);
+          mark(rs, st_dequant);
+        }
         expert_gemms(rs.blas, p, rs.stream);
         mark(rs, st_experts);
         moe_combine_args cb;

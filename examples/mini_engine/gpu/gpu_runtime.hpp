@@ -100,8 +100,13 @@ struct gpu_model_config {
   int64_t vocab = 256;
   double rope_theta = 1e6;
   double rms_eps = 1e-6;
-  moebius::dtype expert_dtype = moebius::dtype::fp32;  // fp32 or bf16 (fp8 is not supported here)
-  moebius::dtype kv_dtype = moebius::dtype::fp32;      // fp32 or bf16
+  // Experts in the arena: fp32, bf16, or fp8_e4m3 with one fp32 scale per (fp8_block x
+  // fp8_block) block of each expert matrix (Moebius's block scales, beside the weights in
+  // every slot). fp8 experts are expanded per step into a scratch of the compute dtype
+  // (gpu_runtime_options::fp8_compute_dtype) before the GEMMs: see gemm.hpp.
+  moebius::dtype expert_dtype = moebius::dtype::fp32;
+  int64_t fp8_block = 128;
+  moebius::dtype kv_dtype = moebius::dtype::fp32;  // fp32 or bf16
   int64_t page_size = 16;
 };
 
@@ -121,6 +126,7 @@ gpu_model_config config_from(const Config& c) {
   g.rope_theta = c.rope_theta;
   g.rms_eps = c.rms_eps;
   g.expert_dtype = c.expert_dtype;
+  g.fp8_block = c.fp8_block;
   g.kv_dtype = c.kv_dtype;
   g.page_size = c.page_size;
   return g;
@@ -132,10 +138,12 @@ gpu_model_config qwen3_30b_a3b_config();
 
 // The model's logical weights as float spans (Hugging Face shapes, row-major; experts fused
 // w13 = [gate; up] [E, 2I, H] and w2 [E, H, I]). weights_view_of() maps a
-// mini_engine::model_weights.
+// mini_engine::model_weights. fp8 experts: w13 / w2 hold what the arena stores (each value a
+// code times its block's power-of-two scale, as round_experts leaves them) and w13_scale
+// [E, 2I/b, H/b] / w2_scale [E, H/b, I/b] the scales (b = fp8_block); empty otherwise.
 struct host_layer_view {
   std::span<const float> input_layernorm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
-      post_attention_layernorm, router, w13, w2;
+      post_attention_layernorm, router, w13, w2, w13_scale, w2_scale;
 };
 struct host_weights_view {
   std::span<const float> embed, norm, lm_head;
@@ -149,7 +157,8 @@ host_weights_view weights_view_of(const Weights& w) {
   v.lm_head = w.lm_head;
   for (const auto& l : w.layers)
     v.layers.push_back({l.input_layernorm, l.q_proj, l.k_proj, l.v_proj, l.o_proj, l.q_norm,
-                        l.k_norm, l.post_attention_layernorm, l.router, l.w13, l.w2});
+                        l.k_norm, l.post_attention_layernorm, l.router, l.w13, l.w2,
+                        l.w13_scale, l.w2_scale});
   return v;
 }
 
@@ -164,6 +173,10 @@ struct gpu_runtime_options {
   // more captures at construction. MINI_ENGINE_HYBRID_EAGER=1 in the environment turns it off.
   bool hybrid_graphs = true;
   moebius::dtype dense_dtype = moebius::dtype::fp32;  // attention/embedding/LM-head weights
+  // fp8 experts are dequantized to this before the expert GEMMs: bf16 (the GEMMs then run as
+  // with bf16 experts: bf16 inputs, fp32 accumulate) or fp32 (activations stay fp32: exact
+  // against a float64 model up to the fp32 GEMMs' rounding; tests).
+  moebius::dtype fp8_compute_dtype = moebius::dtype::bf16;
   moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
   int64_t tensor_alignment = moebius::default_tensor_alignment;
   int64_t slot_alignment = moebius::default_slot_alignment;
@@ -235,7 +248,8 @@ class gpu_runtime : public runtime {
   // step's device time per stage summed over the layers (the longest rank per stage), in
   // seconds, in step order: upload, embed, qkv (input norm, q/k/v GEMMs, q/k norms, RoPE, KV
   // append), attention (paged attention), o_proj, router (residual add, norm, router GEMM,
-  // top-k, pack), permute, experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
+  // top-k, pack), permute, dequant (fp8 experts: the touched experts expanded; 0 otherwise),
+  // experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
   // adds), collectives (NCCL), hand_off, lm_head (final norm, GEMM, argmax), download. Eager
   // launches: where the GPU outruns the host, an interval also holds the launch gaps.
   // Without the variable nothing is recorded and stage_times() is empty.

@@ -1,3 +1,5 @@
+#include <cuda_fp8.h>
+
 #include "common.cuh"
 #include "kernels.hpp"
 
@@ -122,7 +124,11 @@ __global__ void fill_random_kernel(const __grid_constant__ fill_random_args a) {
     z ^= z >> 31;
     const float u = static_cast<float>(static_cast<int64_t>(z >> 40) - (int64_t{1} << 23)) *
                     (1.0f / static_cast<float>(int64_t{1} << 23));
-    detail::store_from_float(a.out, a.type, i, u * a.scale + a.offset);
+    if (a.type == moebius::dtype::fp8_e4m3)
+      static_cast<uint8_t*>(a.out)[i] =
+          __nv_cvt_float_to_fp8(u * a.scale + a.offset, __NV_SATFINITE, __NV_E4M3);
+    else
+      detail::store_from_float(a.out, a.type, i, u * a.scale + a.offset);
   }
 }
 

@@ -159,6 +159,29 @@ struct silu_and_mul_args {
 };
 void launch_silu_and_mul(const silu_and_mul_args& a, cudaStream_t stream);
 
+// ---- dequant.cu -----------------------------------------------------------------------------
+// fp8 block-scaled experts (why a dequantize step: gemm.hpp). For each local expert e with
+// counts[e] > 0 (counts nullptr: every expert):
+//   out[e, r, c] = e4m3(w[e, r, c]) * scale[e, r / block_n, c / block_k]   in out_type,
+// exact whenever the product is a normal bf16 / fp32 (4 significant bits times a power of two;
+// round_experts' scales keep it so), NaN codes (0x7f, 0xff) give NaN. Experts without tokens are
+// not touched (their blocks exit at once), so the cost follows the experts a step routes to.
+// The same args serve EP (w [E/P, 2I, H] of the arena, scales [E/P, 2I/b, H/b]) and TP (the
+// rank's I/P slice: [E, 2I/P, H] with [E, 2I/(P b), H/b]: whole blocks per slice).
+//   experts 2, rows 4, cols 8, blocks 2 x 4: scale [2, 2, 2]; out[1, 3, 5] =
+//   e4m3(w[1*32 + 3*8 + 5]) * scale[1*4 + 1*2 + 1].
+struct dequant_fp8_args {
+  const uint8_t* w = nullptr;      // [experts, rows, cols] e4m3 codes
+  const float* scale = nullptr;    // [experts, rows / block_n, cols / block_k]
+  void* out = nullptr;             // [experts, rows, cols] of out_type (bf16 or fp32)
+  moebius::dtype out_type = moebius::dtype::bf16;
+  int64_t experts = 0;             // <= 65535
+  int64_t rows = 0, cols = 0;      // whole blocks: block_n | rows, block_k | cols
+  int64_t block_n = 128, block_k = 128;
+  const int32_t* counts = nullptr;  // [experts] tokens per expert this step, or nullptr
+};
+void launch_dequant_fp8(const dequant_fp8_args& a, cudaStream_t stream);
+
 // ---- router.cu ------------------------------------------------------------------------------
 // Softmax over each token's expert logits, the top_k largest (ties: lower index first),
 // weights renormalised to sum to 1. Tokens at or past *num_tokens get ids -1, weights 0.
@@ -206,9 +229,10 @@ struct moe_plan {
   int64_t max_tiles = 0;     // batch entries (ceil(pairs / tile_rows) + min(num_local, pairs))
   int64_t hidden = 0;        // H
   int64_t inter = 0;         // I of this rank (EP I, TP I/P)
-  moebius::dtype type = moebius::dtype::bf16;  // expert dtype (fp32 or bf16)
-  const std::byte* w13 = nullptr;              // [num_local, 2 * inter, H] in the arena slot
-  const std::byte* w2 = nullptr;               // [num_local, H, inter]
+  moebius::dtype type = moebius::dtype::bf16;  // GEMM dtype (fp32 or bf16; fp8 experts: the
+                                               // dequantized scratch's)
+  const std::byte* w13 = nullptr;  // [num_local, 2 * inter, H] in the arena slot (fp8: scratch)
+  const std::byte* w2 = nullptr;   // [num_local, H, inter]
   // workspace (device)
   int32_t* keys = nullptr;         // [pairs]
   int32_t* values = nullptr;       // [pairs]
@@ -339,8 +363,9 @@ struct gather_rows_args {
 };
 void launch_gather_rows(const gather_rows_args& a, cudaStream_t stream);
 
-// Fills n elements of `type` with uniform values in [-scale, scale) from (seed, index)
-// (benchmarks: weights whose values do not matter, drawn on the device).
+// Fills n elements of `type` (fp32, bf16, or fp8_e4m3: saturated to +-448) with uniform values
+// in [-scale, scale) from (seed, index) (benchmarks: weights whose values do not matter, drawn
+// on the device).
 struct fill_random_args {
   void* out = nullptr;
   moebius::dtype type = moebius::dtype::bf16;

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -67,6 +68,18 @@ inline float from_bf16(uint16_t b) {
 }
 inline float round_bf16(float f) {
   return from_bf16(to_bf16(f));
+}
+
+// OCP FP8 E4M3 ("fn") code -> value, from the bit fields (no table shared with the code under
+// test): 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; subnormals m * 2^-9; 0x7f and 0xff
+// are NaN (no infinities).
+//   0x38 -> 1, 0x7e -> 448, 0x01 -> 2^-9, 0xb8 -> -1
+inline double fp8_e4m3_value(uint8_t v) {
+  const int sign = v >> 7, exp = (v >> 3) & 0xf, man = v & 7;
+  if (exp == 0xf && man == 7) return std::nan("");
+  const double mag = exp == 0 ? std::ldexp(static_cast<double>(man), -9)
+                              : std::ldexp(static_cast<double>(8 + man), exp - 10);
+  return sign ? -mag : mag;
 }
 
 inline std::vector<float> random_floats(std::mt19937_64& rng, size_t n, float lo = -1.0f,

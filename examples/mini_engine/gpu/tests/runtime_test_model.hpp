@@ -21,14 +21,54 @@ namespace mini_engine::gpu::testing {
 struct test_layer {
   std::vector<float> input_layernorm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
       post_attention_layernorm, router, w13, w2;
+  std::vector<float> w13_scale, w2_scale;  // fp8 experts: [E, 2I/b, H/b], [E, H/b, I/b]
 };
 struct test_weights {
   std::vector<float> embed, norm, lm_head;
   std::vector<test_layer> layers;
 };
 
+// fp8 block quantization of [E, rows, cols] (b x b blocks): per block the smallest power-of-two
+// scale with amax / scale <= 448 (1 for an all-zero block), each value replaced by the nearest
+// e4m3 value (fp8_e4m3_value, by search) times the scale, so the weights are exactly what an
+// fp8 arena holds and the float64 reference uses them as they are.
+inline void quantize_fp8(std::vector<float>& w, std::vector<float>& scale, int64_t E,
+                         int64_t rows, int64_t cols, int64_t b) {
+  std::vector<double> codes;  // every finite e4m3 value, ascending
+  for (int v = 0; v < 256; ++v)
+    if (!std::isnan(fp8_e4m3_value(static_cast<uint8_t>(v))))
+      codes.push_back(fp8_e4m3_value(static_cast<uint8_t>(v)));
+  std::sort(codes.begin(), codes.end());
+  const int64_t br = rows / b, bc = cols / b;
+  scale.assign(static_cast<size_t>(E * br * bc), 1.0f);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < br; ++i)
+      for (int64_t j = 0; j < bc; ++j) {
+        auto at = [&](int64_t r, int64_t k) -> float& {
+          return w[static_cast<size_t>((e * rows + i * b + r) * cols + j * b + k)];
+        };
+        double amax = 0;
+        for (int64_t r = 0; r < b; ++r)
+          for (int64_t k = 0; k < b; ++k) amax = std::max(amax, std::fabs(double{at(r, k)}));
+        double s = 1;
+        if (amax > 0) s = std::ldexp(1.0, static_cast<int>(std::ceil(std::log2(amax / 448.0))));
+        if (amax / s > 448.0) s *= 2;  // log2 rounding at an exact power of two
+        scale[static_cast<size_t>((e * br + i) * bc + j)] = static_cast<float>(s);
+        for (int64_t r = 0; r < b; ++r)
+          for (int64_t k = 0; k < b; ++k) {
+            const double x = at(r, k) / s;
+            auto it = std::lower_bound(codes.begin(), codes.end(), x);
+            double best = it == codes.end() ? codes.back() : *it;
+            if (it != codes.begin() && std::fabs(*(it - 1) - x) < std::fabs(best - x))
+              best = *(it - 1);
+            at(r, k) = static_cast<float>(best * s);
+          }
+      }
+}
+
 // Uniform weights scaled by sqrt(3 / fan_in), norms 1 +- 0.1, LM head 2x. `round`: every
-// tensor rounded to bf16 (so bf16 storage on the device is exact).
+// tensor rounded to bf16 (so bf16 storage on the device is exact). fp8 experts
+// (c.expert_dtype): w13 and w2 quantized with c.fp8_block blocks (quantize_fp8).
 inline test_weights make_test_weights(const gpu_model_config& c, uint64_t seed, bool round) {
   std::mt19937_64 rng(seed);
   auto gen = [&](int64_t n, double scale, double offset = 0.0) {
@@ -57,6 +97,10 @@ inline test_weights make_test_weights(const gpu_model_config& c, uint64_t seed, 
     t.router = gen(E * H, sh);
     t.w13 = gen(E * 2 * I * H, sh);
     t.w2 = gen(E * H * I, std::sqrt(3.0 / static_cast<double>(I)));
+    if (c.expert_dtype == moebius::dtype::fp8_e4m3) {
+      quantize_fp8(t.w13, t.w13_scale, E, 2 * I, H, c.fp8_block);
+      quantize_fp8(t.w2, t.w2_scale, E, H, I, c.fp8_block);
+    }
     w.layers.push_back(std::move(t));
   }
   w.norm = gen(H, 0.1, 1.0);

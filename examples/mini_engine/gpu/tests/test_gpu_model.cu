@@ -1,7 +1,8 @@
 // The GPU runtime on the model helper's model (model_config, make_weights, reference_logits,
 // host_runtime): the same steps (chunked prefill, then decode, one set of page tables grown
 // with kv_pages) go to the GPU runtime and to the host runtime; every sampled row is checked
-// against the float64 reference and against the host runtime, in EP and in TP.
+// against the float64 reference and against the host runtime, in EP and in TP, with fp32,
+// bf16 and fp8 block-scaled experts.
 
 #include <cuda_runtime_api.h>
 
@@ -43,10 +44,12 @@ double rel_rms(const std::vector<float>& got, const std::vector<double>& want) {
 TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits and host_runtime",
           "[gpu][runtime]") {
   const int P = device_ranks();
-  for (moebius::dtype t : {moebius::dtype::fp32, moebius::dtype::bf16}) {
+  // fp8: make_weights' block-scaled e4m3 experts (blocks of 8), dequantized on the GPU to fp32
+  // (exact), so they are held to the fp32 bounds; KV fp32.
+  for (moebius::dtype t : {moebius::dtype::fp32, moebius::dtype::bf16, moebius::dtype::fp8_e4m3}) {
     model_config c = tiny();
     c.expert_dtype = t;
-    c.kv_dtype = t;
+    c.kv_dtype = t == moebius::dtype::bf16 ? t : moebius::dtype::fp32;
     const model_weights w = make_weights(c, 20261201);
     for (parallel_mode mode : {parallel_mode::ep, parallel_mode::tp}) {
       DYNAMIC_SECTION(moebius::to_string(t) << " " << moebius::to_string(mode)) {
@@ -59,6 +62,7 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
         o.buckets = {1, 2, 4};
         o.cursor = cursor;
         o.slot_alignment = 4096;
+        o.fp8_compute_dtype = moebius::dtype::fp32;
         gpu::gpu_runtime gpu_rt(gpu::config_from(c), gpu::weights_view_of(w), o);
         host_runtime_options ho;
         ho.num_ranks = P;
@@ -107,7 +111,7 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
             INFO("step " << step << " sequence " << i << " relative RMS error vs reference "
                          << e_ref << ", vs host runtime " << e_host);
             ++rows;
-            if (t == moebius::dtype::fp32) {
+            if (t != moebius::dtype::bf16) {
               for (size_t v = 0; v < gl[k].size(); ++v) {
                 REQUIRE(std::fabs(gl[k][v] - want_ref[v]) <= 2e-3 + 2e-3 * std::fabs(want_ref[v]));
                 REQUIRE(std::fabs(gl[k][v] - hl[k][v]) <= 2e-3 + 2e-3 * std::fabs(hl[k][v]));

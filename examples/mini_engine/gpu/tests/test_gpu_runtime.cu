@@ -44,6 +44,20 @@ gpu_model_config tiny_config(moebius::dtype t) {
   return c;
 }
 
+// fp8 experts (blocks of 8: whole blocks in every TP slice at P <= 2, I/P = 16) dequantized to
+// `compute`; KV in `compute` too.
+gpu_model_config tiny_fp8_config(moebius::dtype compute) {
+  gpu_model_config c = tiny_config(compute);
+  c.expert_dtype = moebius::dtype::fp8_e4m3;
+  c.fp8_block = 8;
+  return c;
+}
+
+// The dtype the expert GEMMs run in: the expert dtype, or for fp8 the KV's (tiny_fp8_config).
+moebius::dtype compute_dtype(const gpu_model_config& c) {
+  return c.expert_dtype == moebius::dtype::fp8_e4m3 ? c.kv_dtype : c.expert_dtype;
+}
+
 gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moebius::dtype dense) {
   gpu_runtime_options o;
   o.num_ranks = P;
@@ -53,6 +67,7 @@ gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moebius::d
   o.buckets = {1, 2, 4, 8};
   o.cursor = cursor;
   o.dense_dtype = dense;
+  o.fp8_compute_dtype = dense;
   o.slot_alignment = 4096;
   return o;
 }
@@ -220,8 +235,13 @@ void check_against_reference(const gpu_model_config& c, const test_weights& w,
 TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursors",
           "[gpu][runtime]") {
   const int P = test_ranks();
-  for (moebius::dtype t : {moebius::dtype::fp32, moebius::dtype::bf16}) {
-    const gpu_model_config c = tiny_config(t);
+  // fp8 experts: dequantized exactly, so fp8 with fp32 compute is held to the fp32 bound and
+  // fp8 with bf16 compute to the bf16 one.
+  const gpu_model_config configs[] = {
+      tiny_config(moebius::dtype::fp32), tiny_config(moebius::dtype::bf16),
+      tiny_fp8_config(moebius::dtype::fp32), tiny_fp8_config(moebius::dtype::bf16)};
+  for (const gpu_model_config& c : configs) {
+    const moebius::dtype t = compute_dtype(c);
     const bool bf16 = t == moebius::dtype::bf16;
     const test_weights w = make_test_weights(c, seed(21), bf16);
     std::map<std::string, serve_result> results;
@@ -231,7 +251,8 @@ TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursor
                                                        {parallel_mode::ep, 1},
                                                        {parallel_mode::tp, 2}};
     for (auto [mode, k] : cases) {
-      DYNAMIC_SECTION("dtype " << moebius::to_string(t) << " attention " << moebius::to_string(mode)
+      DYNAMIC_SECTION("experts " << moebius::to_string(c.expert_dtype) << " compute "
+                                 << moebius::to_string(t) << " attention " << moebius::to_string(mode)
                                << " cursor " << k) {
         gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {k}, t));
         REQUIRE(rt.captures() == expected_captures(rt, c));
@@ -255,7 +276,11 @@ TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursor
 
 TEST_CASE("gpu_runtime: TP and EP logits agree", "[gpu][runtime]") {
   const int P = test_ranks();
-  const gpu_model_config c = tiny_config(moebius::dtype::fp32);
+  // fp32 experts, and fp8 experts dequantized to fp32 (TP reads each rank's I/P slice of the
+  // codes with its scales, EP whole experts: the same weights either way).
+  const gpu_model_config c = GENERATE(tiny_config(moebius::dtype::fp32),
+                                      tiny_fp8_config(moebius::dtype::fp32));
+  INFO("experts " << moebius::to_string(c.expert_dtype));
   const test_weights w = make_test_weights(c, seed(22), false);
   gpu_runtime ep(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
   gpu_runtime tp(c, weights_view_of(w), tiny_options(P, {c.num_layers}, moebius::dtype::fp32));
@@ -273,7 +298,10 @@ TEST_CASE("gpu_runtime: TP and EP logits agree", "[gpu][runtime]") {
 TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never re-capture",
           "[gpu][runtime]") {
   const int P = test_ranks();
-  const gpu_model_config c = tiny_config(moebius::dtype::fp32);
+  // fp8: the switcher moves the codes and their block scales (the arena's w13_scale / w2_scale).
+  const gpu_model_config c = GENERATE(tiny_config(moebius::dtype::fp32),
+                                      tiny_fp8_config(moebius::dtype::fp32));
+  INFO("experts " << moebius::to_string(c.expert_dtype));
   const test_weights w = make_test_weights(c, seed(23), false);
   gpu_runtime static_rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
   const auto base =
@@ -310,7 +338,9 @@ TEST_CASE("gpu_runtime: progressive switches (hybrid steps) keep the greedy toke
           "re-capture",
           "[gpu][runtime]") {
   const int P = test_ranks();
-  const gpu_model_config c = tiny_config(moebius::dtype::fp32);  // L = 3
+  const gpu_model_config c = GENERATE(tiny_config(moebius::dtype::fp32),  // L = 3
+                                      tiny_fp8_config(moebius::dtype::fp32));
+  INFO("experts " << moebius::to_string(c.expert_dtype));
   const test_weights w = make_test_weights(c, seed(24), false);
   gpu_runtime static_rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
   const auto base =

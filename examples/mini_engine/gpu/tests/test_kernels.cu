@@ -827,3 +827,113 @@ TEST_CASE("convert, embedding, argmax, residual_add and gather_rows match the ho
     REQUIRE(mismatches(gout, gw, 0, 0, "gather_rows") == 0);
   }
 }
+
+// Random codes (NaN codes included) and power-of-two scales in [2^-20, 2^20]: every product
+// code x scale has at most 4 significant bits and an exponent far inside bf16's normal range,
+// so the expected bf16 / fp32 is exact and every element must match bit for bit (no
+// tolerance); NaN codes must give NaN. Experts with no tokens must keep the poison (0x7b
+// bytes: a finite value no product equals). Shapes: whole blocks of 1..16 x 1..16 (block_k a
+// multiple of 8 and 8 | cols: the 8-code vector path; otherwise, or with a misaligned
+// pointer, the scalar one); every fourth round large (128-wide blocks, up to 256 x 2048 per
+// expert: several blocks of rows per expert, the last one partial) and a few with rows longer
+// than one block's share (40,000 columns: one row per block).
+TEST_CASE("dequant_fp8 expands exactly the experts with tokens (bf16 and fp32 out)",
+          "[gpu][kernels]") {
+  std::mt19937_64 rng(seed(31));
+  int64_t vector_rounds = 0, scalar_rounds = 0, multi_block_rounds = 0;
+  for (int round = 0; round < 60; ++round) {
+    const int64_t experts = uniform(rng, 1, 6);
+    int64_t bn = uniform(rng, 1, 16);
+    int64_t bk = uniform(rng, 0, 1) == 1 ? 8 * uniform(rng, 1, 2) : uniform(rng, 1, 16);
+    int64_t rows = bn * uniform(rng, 1, 6), cols = bk * uniform(rng, 1, 6);
+    if (round % 4 == 3) {  // large: 128-wide blocks, several row ranges per expert
+      bn = uniform(rng, 0, 1) == 1 ? 128 : 32;
+      bk = 128;
+      rows = bn * uniform(rng, 1, 256 / bn);
+      cols = bk * uniform(rng, 4, 16);
+    } else if (round % 20 == 9) {  // a row longer than one block's share
+      bn = 1;
+      bk = 8;
+      rows = uniform(rng, 1, 3);
+      cols = 40000;
+    }
+    if (rows * cols > 32768) ++multi_block_rounds;
+    const dtype out_type = uniform(rng, 0, 1) == 1 ? dtype::bf16 : dtype::fp32;
+    const bool use_counts = uniform(rng, 0, 3) != 0;
+    const int64_t w_offset = uniform(rng, 0, 4) == 0 ? 1 : 0;  // misaligned codes: scalar path
+    const bool vector = cols % 8 == 0 && bk % 8 == 0 && w_offset == 0;
+    (vector ? vector_rounds : scalar_rounds) += 1;
+    INFO("round " << round << ": " << experts << " experts of [" << rows << ", " << cols
+                  << "], blocks " << bn << " x " << bk << ", out " << moebius::to_string(out_type)
+                  << (use_counts ? ", counts" : "") << (vector ? ", vector" : ", scalar"));
+    const int64_t n = experts * rows * cols, ns = experts * (rows / bn) * (cols / bk);
+    std::vector<uint8_t> codes(static_cast<size_t>(n + w_offset));
+    for (auto& c : codes) c = static_cast<uint8_t>(uniform(rng, 0, 255));
+    std::vector<float> scale(static_cast<size_t>(ns));
+    for (float& s : scale) s = std::ldexp(1.0f, static_cast<int>(uniform(rng, -20, 20)));
+    std::vector<int32_t> counts(static_cast<size_t>(experts));
+    for (auto& c : counts) c = uniform(rng, 0, 2) == 0 ? 0 : static_cast<int32_t>(uniform(rng, 1, 9));
+    auto dw = to_device(codes);
+    auto ds = to_device(scale);
+    auto dc = to_device(counts);
+    const int64_t ob = moebius::dtype_bytes(out_type);
+    device_buffer dout(n * ob);
+    MOEBIUS_CUDA_CHECK(cudaMemset(dout.ptr, 0x7b, static_cast<size_t>(n * ob)));
+    dequant_fp8_args a;
+    a.w = dw.as<uint8_t>() + w_offset;
+    a.scale = ds.as<float>();
+    a.out = dout.ptr;
+    a.out_type = out_type;
+    a.experts = experts;
+    a.rows = rows;
+    a.cols = cols;
+    a.block_n = bn;
+    a.block_k = bk;
+    a.counts = use_counts ? dc.as<int32_t>() : nullptr;
+    launch_dequant_fp8(a, nullptr);
+    const auto got = download<std::byte>(dout, static_cast<size_t>(n * ob));
+    int64_t bad = 0;
+    for (int64_t e = 0; e < experts; ++e)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t i = (e * rows + r) * cols + c;
+          const std::byte* g = got.data() + i * ob;
+          uint32_t got_bits = 0;
+          std::memcpy(&got_bits, g, static_cast<size_t>(ob));
+          const bool skipped = use_counts && counts[static_cast<size_t>(e)] == 0;
+          bool ok;
+          double want = 0;
+          if (skipped) {
+            ok = got_bits == (ob == 2 ? 0x7b7bu : 0x7b7b7b7bu);
+          } else {
+            const double v = fp8_e4m3_value(codes[static_cast<size_t>(i + w_offset)]);
+            want = v * scale[static_cast<size_t>((e * (rows / bn) + r / bn) * (cols / bk) +
+                                                 c / bk)];
+            const float got_f = out_type == dtype::bf16
+                                    ? from_bf16(static_cast<uint16_t>(got_bits))
+                                    : std::bit_cast<float>(got_bits);
+            if (std::isnan(want)) {
+              ok = std::isnan(got_f);
+            } else {
+              // exactly representable (checked), so the bits are those of the value
+              REQUIRE(static_cast<double>(round_bf16(static_cast<float>(want))) == want);
+              ok = static_cast<double>(got_f) == want &&
+                   (out_type == dtype::bf16
+                        ? got_bits == to_bf16(static_cast<float>(want))
+                        : got_bits == std::bit_cast<uint32_t>(static_cast<float>(want)));
+            }
+          }
+          if (!ok) {
+            if (bad < 5)
+              UNSCOPED_INFO("out[" << e << ", " << r << ", " << c << "]: bits 0x" << std::hex
+                                   << got_bits << std::dec << ", want " << want
+                                   << (skipped ? " (untouched: expert has no tokens)" : ""));
+            ++bad;
+          }
+        }
+    REQUIRE(bad == 0);
+  }
+  REQUIRE(vector_rounds > 0);
+  REQUIRE(scalar_rounds > 0);
+  REQUIRE(multi_block_rounds > 0);
+}
