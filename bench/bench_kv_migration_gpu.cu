@@ -22,6 +22,22 @@
 // MOEBIUS_BENCH_KV_PS1_POOL_GIB (4, page size 1 NHD: its 512-byte pieces are one op each, so
 // 4 GiB is already 4-15 M ops), MOEBIUS_BENCH_KV_NCCL_MAX_OPS (1,000,000: nccl_transport
 // issues one ncclSend/ncclRecv per op, so larger plans skip NCCL with an error message).
+//
+// Diagnostics of cuda_peer (after the timed loop, so `ms` is not affected):
+// MOEBIUS_BENCH_KV_DIAG_ITERS (default 3; 0: off) more runs, averaged, that split the wall time
+// of execute(p) into host and device parts:
+//   diag_enqueue_ms   host time of enqueue(p): the plan-cache lookup plus the launches
+//   diag_lookup_ms    of which the lookup (cuda_execute_stats::lookup_seconds)
+//   diag_launch_ms    of which the launches (cuda_execute_stats::enqueue_seconds)
+//   diag_wait_ms      host time of wait() after that enqueue
+//   diag_device_ms    CUDA events on each rank's stream around enqueue(prepared) of a plan
+//                     prepared once (no lookup): the plan's device time, the largest of the ranks
+//   diag_prepared_ms  wall time of that enqueue(prepared) + wait(): execute without the lookup
+//   hash_of_ms, plan_eq_ms   host time of hash_of(p) and of p == (a copy of p) on this CPU
+//   from_cache, graphs, graph_launches, kernel_launches, copy_engine_calls, max_sm_kernel_blocks
+//                     cuda_execute_stats of the last enqueue(p) (graphs: the prepared plan
+//                     was captured into CUDA graphs)
+// MOEBIUS_BENCH_KV_GRAPHS=0 turns cuda_peer_config::use_cuda_graphs off (direct launches).
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
@@ -160,6 +176,7 @@ struct context {
     cuda_peer_config cfg;
     cfg.engine = engine_policy::automatic;
     cfg.max_cached_plans = 1;  // one benchmark's plan at a time (millions of descriptors)
+    cfg.use_cuda_graphs = env_int("MOEBIUS_BENCH_KV_GRAPHS", 1) != 0;
     peer = std::make_unique<cuda_peer_transport>(cuda_peer_transport::single_process(mem, cfg));
     memory = mem;
     page_size = lc.page_size;
@@ -239,6 +256,85 @@ context& use(const layout_config& lc) {
   return c;
 }
 
+// The diagnostic runs of cuda_peer (see the top of the file): counters prefixed diag_, the
+// host cost of hash_of and plan equality, and the last enqueue's stats.
+void diagnose_peer(benchmark::State& st, cuda_peer_transport& peer, const plan& p) {
+  const int64_t iters = env_int("MOEBIUS_BENCH_KV_DIAG_ITERS", 3);
+  if (iters <= 0) return;
+  bench::gpu_world& w = world();
+  const std::vector<int> ranks = peer.local_ranks();
+  double enqueue_s = 0, lookup_s = 0, launch_s = 0, wait_s = 0, device_ms = 0, prepared_s = 0;
+  for (int64_t i = 0; i < iters; ++i) {
+    sync_all();
+    const double e = seconds_of([&] { peer.enqueue(p); });
+    const cuda_execute_stats stats = peer.last_execute_stats();
+    wait_s += seconds_of([&] { peer.wait(); });
+    enqueue_s += e;
+    lookup_s += stats.lookup_seconds;
+    launch_s += stats.enqueue_seconds;
+  }
+  const cuda_execute_stats last = peer.last_execute_stats();
+
+  // Device time: the same plan prepared once more (a second set of descriptors and graphs),
+  // enqueued without a lookup between timing events on each rank's stream.
+  const std::shared_ptr<const cuda_prepared_plan> prepared = peer.prepare_plan(p);
+  std::vector<cudaEvent_t> start(ranks.size()), stop(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(peer.device_of(ranks[i])));
+    MOEBIUS_CUDA_CHECK(cudaEventCreate(&start[i]));
+    MOEBIUS_CUDA_CHECK(cudaEventCreate(&stop[i]));
+  }
+  for (int64_t it = 0; it < iters; ++it) {
+    sync_all();
+    prepared_s += seconds_of([&] {
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        MOEBIUS_CUDA_CHECK(cudaEventRecord(start[i], peer.stream_of(ranks[i])));
+      }
+      peer.enqueue(prepared);
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        MOEBIUS_CUDA_CHECK(cudaEventRecord(stop[i], peer.stream_of(ranks[i])));
+      }
+      peer.wait();
+    });
+    float worst = 0;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      float ms = 0;
+      MOEBIUS_CUDA_CHECK(cudaEventElapsedTime(&ms, start[i], stop[i]));
+      worst = std::max(worst, ms);
+    }
+    device_ms += worst;
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    (void)cudaEventDestroy(start[i]);
+    (void)cudaEventDestroy(stop[i]);
+  }
+  MOEBIUS_CUDA_CHECK(cudaSetDevice(w.device_of[0]));
+
+  const plan copy = p;
+  volatile uint64_t hash_sink = 0;
+  volatile bool equal_sink = false;
+  const double hash_s = seconds_of([&] { hash_sink = hash_of(p); });
+  const double eq_s = seconds_of([&] { equal_sink = (copy == p); });
+  (void)hash_sink;
+  (void)equal_sink;
+
+  const double n = static_cast<double>(iters);
+  st.counters["diag_enqueue_ms"] = enqueue_s / n * 1e3;
+  st.counters["diag_lookup_ms"] = lookup_s / n * 1e3;
+  st.counters["diag_launch_ms"] = launch_s / n * 1e3;
+  st.counters["diag_wait_ms"] = wait_s / n * 1e3;
+  st.counters["diag_device_ms"] = device_ms / n;
+  st.counters["diag_prepared_ms"] = prepared_s / n * 1e3;
+  st.counters["hash_of_ms"] = hash_s * 1e3;
+  st.counters["plan_eq_ms"] = eq_s * 1e3;
+  st.counters["from_cache"] = last.from_cache ? 1 : 0;
+  st.counters["graphs"] = prepared->uses_cuda_graphs() ? 1 : 0;
+  st.counters["graph_launches"] = static_cast<double>(last.graph_launches);
+  st.counters["kernel_launches"] = static_cast<double>(last.kernel_launches);
+  st.counters["copy_engine_calls"] = static_cast<double>(last.copy_engine_calls);
+  st.counters["max_sm_kernel_blocks"] = last.max_sm_kernel_blocks;
+}
+
 enum class method { peer_automatic, nccl };
 
 const char* to_string(method m) { return m == method::nccl ? "nccl" : "cuda_peer_automatic"; }
@@ -288,6 +384,7 @@ void bench_kv(benchmark::State& st, layout_config lc, int occ_pct, int dir, meth
     st.counters["rounds"] = static_cast<double>(e.mig.stats.rounds);
     st.counters["num_ops"] = static_cast<double>(p.num_ops());
     st.counters["plan_ms"] = e.plan_ms;
+    if (m == method::peer_automatic) diagnose_peer(st, *c.peer, p);
   } catch (const std::exception& ex) {
     st.SkipWithError(ex.what());
     for (auto _ : st) {

@@ -300,3 +300,95 @@ TEST_CASE("a Qwen3-sized plan (94 layers, E=128, P=8: 12k ops) on miniature tens
                 static_cast<long long>(fwd->device_descriptor_bytes()));
   }
 }
+
+TEST_CASE("the plan cache tells plans apart by every op, and a hit is one graph launch per rank",
+          "[cuda_peer][cache]") {
+  const uint64_t seed = mt::test_seed();
+  std::mt19937_64 rng(seed);
+  const int P = 2;
+  const int64_t space = int64_t{1} << 16;
+  const int64_t piece = 256;
+  const std::vector<int> devices = mt::rank_devices(P, false);
+  // Plan `a`: 64 pieces, kv_pool slot i of one rank -> arena slot i of the other (ranks 0's ops
+  // first). Plan `b` equals `a` but for op 1, which writes arena slot 100 instead: a cache that
+  // keyed plans on a sample of their ops (16 spread evenly over 64 skip op 1) and trusted the
+  // key would run `a` for `b`, and slot 100 would keep its old bytes.
+  plan a;
+  a.num_ranks = P;
+  a.phases.resize(1);
+  a.phases[0].label = "pieces";
+  for (int64_t i = 0; i < 64; ++i) {
+    copy_op op;
+    op.src_rank = i < 32 ? 0 : 1;
+    op.dst_rank = 1 - op.src_rank;
+    op.src_space = memory_space::kv_pool;
+    op.dst_space = memory_space::arena;
+    op.src_offset = i * piece;
+    op.dst_offset = i * piece;
+    op.row_bytes = op.src_pitch = op.dst_pitch = piece;
+    a.phases[0].ops.push_back(op);
+  }
+  plan b = a;
+  b.phases[0].ops[1].dst_offset = 100 * piece;
+  const plan a_copy = a;
+
+  for (const mt::engine_case& e : mt::engine_cases()) {
+    CAPTURE(seed, e.name);
+    mt::rank_buffers buffers;
+    std::vector<std::vector<std::byte>> host(static_cast<size_t>(2 * P));
+    std::vector<rank_memory> host_ranks(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      buffers.arena.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
+      buffers.kv.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
+      for (int s = 0; s < 2; ++s) {
+        std::vector<std::byte>& h = host[static_cast<size_t>(2 * r + s)];
+        h = mt::random_bytes(rng, static_cast<size_t>(space));
+        (s == 0 ? buffers.arena : buffers.kv)[static_cast<size_t>(r)].upload(h);
+        host_ranks[static_cast<size_t>(r)].spaces[s] = std::span<std::byte>(h);
+      }
+    }
+    host_transport reference(host_ranks);
+    cuda_peer_transport t = cuda_peer_transport::single_process(buffers.memory(devices), e.config);
+    auto check_bytes = [&](const char* after) {
+      CAPTURE(after);
+      for (int r = 0; r < P; ++r) {
+        for (int s = 0; s < 2; ++s) {
+          const mt::device_buffer& d = (s == 0 ? buffers.arena : buffers.kv)[static_cast<size_t>(r)];
+          REQUIRE(mt::first_difference(host[static_cast<size_t>(2 * r + s)], d.download(),
+                                       "rank " + std::to_string(r)) == "");
+        }
+      }
+    };
+
+    t.execute(a);
+    reference.execute(a);
+    CHECK_FALSE(t.last_execute_stats().from_cache);
+    check_bytes("a");
+
+    // An equal plan (another object) is a hit: one graph launch per rank and no kernel launch
+    // from the host when graphs are on, and no lookup slower than a look at every op.
+    t.execute(a_copy);
+    reference.execute(a_copy);
+    const cuda_execute_stats hit = t.last_execute_stats();
+    CHECK(hit.from_cache);
+    CHECK(hit.prepare_seconds == 0);
+    CHECK(hit.lookup_seconds >= 0);
+    CHECK(hit.graph_launches == (e.config.use_cuda_graphs ? P : 0));
+    if (e.config.use_cuda_graphs) CHECK(hit.kernel_launches == 0);
+    CHECK(hit.copy_engine_ops + hit.sm_kernel_ops == a.num_ops());
+    check_bytes("a again");
+
+    t.execute(b);
+    reference.execute(b);
+    CHECK_FALSE(t.last_execute_stats().from_cache);
+    check_bytes("b (equal to a but for op 1)");
+
+    t.execute(a);  // both are cached now (max_cached_plans = 8)
+    reference.execute(a);
+    CHECK(t.last_execute_stats().from_cache);
+    t.execute(b);
+    reference.execute(b);
+    CHECK(t.last_execute_stats().from_cache);
+    check_bytes("a, then b, from the cache");
+  }
+}

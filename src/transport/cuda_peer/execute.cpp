@@ -98,7 +98,7 @@ void cuda_peer_transport::impl::check_can_enqueue(std::span<const stream_handle>
 
 void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> prepared,
                                       std::span<const stream_handle> streams, bool from_cache,
-                                      double prepare_seconds) {
+                                      double prepare_seconds, double lookup_seconds) {
   const cuda_prepared_plan::impl& st = prepared->state();
   MOEBIUS_CHECK(st.owner == this, errc::invalid_argument,
                 "the prepared plan was made by another cuda_peer_transport");
@@ -106,6 +106,7 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
   stats = cuda_execute_stats{};
   stats.from_cache = from_cache;
   stats.prepare_seconds = prepare_seconds;
+  stats.lookup_seconds = lookup_seconds;
   stats.max_sm_kernel_blocks = st.max_blocks;
 
   active_streams.resize(local.size());
@@ -283,9 +284,10 @@ void cuda_peer_transport::enqueue(const plan& p, std::span<const stream_handle> 
   // every enqueue cost more host time than the copies themselves.
   bool from_cache = false;
   double prepare_seconds = 0;
+  double lookup_seconds = 0;
   std::shared_ptr<const cuda_prepared_plan> prepared =
-      impl_->lookup_or_prepare(p, from_cache, prepare_seconds);
-  impl_->start(std::move(prepared), streams, from_cache, prepare_seconds);
+      impl_->lookup_or_prepare(p, from_cache, prepare_seconds, lookup_seconds);
+  impl_->start(std::move(prepared), streams, from_cache, prepare_seconds, lookup_seconds);
 }
 
 void cuda_peer_transport::enqueue(std::shared_ptr<const cuda_prepared_plan> prepared,
@@ -293,7 +295,7 @@ void cuda_peer_transport::enqueue(std::shared_ptr<const cuda_prepared_plan> prep
   MOEBIUS_CHECK(prepared != nullptr, errc::invalid_argument,
                 "cuda_peer_transport::enqueue: null prepared plan");
   impl_->check_can_enqueue(streams);
-  impl_->start(std::move(prepared), streams, false, 0);
+  impl_->start(std::move(prepared), streams, false, 0, 0);
 }
 
 void cuda_peer_transport::execute(std::shared_ptr<const cuda_prepared_plan> prepared) {

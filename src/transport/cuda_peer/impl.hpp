@@ -5,7 +5,7 @@
 //   setup.cpp       config checks, single_process(), local rank state, accessors
 //   ipc.cpp         multi_process(): CUDA IPC export, all-gather, open, checks
 //   prepare.cpp     engine choice, descriptors, CUDA graph capture (prepare_plan)
-//   plan_cache.cpp  prepared plans keyed by hash_of(plan)
+//   plan_cache.cpp  prepared plans keyed by sampled_plan_key(plan), confirmed by ==
 //   execute.cpp     enqueue on caller streams, barriers, poll/wait and failure decoding
 
 #include <cuda_runtime_api.h>
@@ -35,6 +35,12 @@ inline double seconds_since(clock_type::time_point t0) {
 
 // Hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) each device of this process has.
 int hardware_queues();
+
+// The plan cache's key: equal plans give equal keys; it reads the rank count, the phase count
+// and, per phase, the label's length, the op and restore counts and up to 16 ops and restores
+// spread evenly (first and last included). O(phases), so a lookup does not cost O(ops) twice
+// (hash, then ==); plans with equal keys are told apart by ==.
+uint64_t sampled_plan_key(const plan& p);
 
 // Each barrier allocation: flags[num_ranks] (written by peers), then the rank's status.
 inline size_t status_offset(int num_ranks) {
@@ -126,8 +132,8 @@ struct cuda_prepared_plan::impl {
 
 struct cuda_peer_transport::impl {
   struct cache_entry {
-    uint64_t hash;
-    plan key;
+    uint64_t key;    // sampled_plan_key(plan_copy)
+    plan plan_copy;
     std::shared_ptr<const cuda_prepared_plan> prepared;
   };
 
@@ -173,7 +179,8 @@ struct cuda_peer_transport::impl {
 
   // plan_cache.cpp
   std::shared_ptr<const cuda_prepared_plan> lookup_or_prepare(const plan& p, bool& from_cache,
-                                                              double& prepare_seconds);
+                                                              double& prepare_seconds,
+                                                              double& lookup_seconds);
 
   // execute.cpp
   void enqueue_rank_phase(const cuda_peer::prepared_rank& pr, int64_t k, cudaStream_t stream,
@@ -181,7 +188,8 @@ struct cuda_peer_transport::impl {
   void enqueue_status_readback(size_t local_index, cudaStream_t stream) const;
   void check_can_enqueue(std::span<const stream_handle> streams) const;
   void start(std::shared_ptr<const cuda_prepared_plan> prepared,
-             std::span<const stream_handle> streams, bool from_cache, double prepare_seconds);
+             std::span<const stream_handle> streams, bool from_cache, double prepare_seconds,
+             double lookup_seconds);
   bool poll();
   void wait();
   void drain() noexcept;  // waits for the outstanding plan's streams, ignoring errors
