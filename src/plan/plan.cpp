@@ -47,7 +47,31 @@ uint64_t mix_op(uint64_t h, const copy_op& op) {
   return mix(h, (static_cast<uint64_t>(op.src_space) << 8) | static_cast<uint64_t>(op.dst_space));
 }
 
+// Mixes up to 16 ops of `ops` spread evenly, the first and the last included.
+uint64_t mix_sampled(uint64_t h, const std::vector<copy_op>& ops) {
+  constexpr size_t k_samples = 16;
+  const size_t n = ops.size();
+  h = mix(h, n);
+  if (n == 0) return h;
+  const size_t count = std::min(n, k_samples);
+  for (size_t i = 0; i < count; ++i) {
+    h = mix_op(h, ops[count == 1 ? 0 : i * (n - 1) / (count - 1)]);
+  }
+  return h;
+}
+
 }  // namespace
+
+uint64_t fingerprint_of(const plan& p) {
+  uint64_t h = mix(0, static_cast<uint64_t>(static_cast<uint32_t>(p.num_ranks)));
+  h = mix(h, p.phases.size());
+  for (const plan_phase& ph : p.phases) {
+    h = mix(h, ph.label.size());
+    h = mix_sampled(h, ph.ops);
+    h = mix_sampled(h, ph.restores);
+  }
+  return h;
+}
 
 uint64_t hash_of(const plan& p) {
   uint64_t h = mix(0, static_cast<uint64_t>(static_cast<uint32_t>(p.num_ranks)));

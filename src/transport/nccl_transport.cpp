@@ -225,7 +225,7 @@ struct nccl_transport::impl {
   }
 
   std::shared_ptr<const prepared_plan> lookup_or_prepare(const plan& p) {
-    const uint64_t h = hash_of(p);
+    const uint64_t h = fingerprint_of(p);  // O(phases); == confirms a hit (plan.hpp)
     for (auto it = cache.begin(); it != cache.end(); ++it) {
       if (it->hash == h && it->key == p) {
         cache.splice(cache.begin(), cache, it);

@@ -111,3 +111,32 @@ TEST_CASE("hash_of: distinct random plans do not collide") {
   for (int i = 0; i < 5000; ++i) seen.insert(hash_of(random_plan(rng)));
   REQUIRE(seen.size() == 5000);
 }
+
+// fingerprint_of reads sizes and up to 16 ops per phase: equal plans give equal fingerprints;
+// a change in a sampled op or in any size changes it; a change in an unsampled op may not
+// (the cache's == confirms), which is what makes it O(phases).
+TEST_CASE("fingerprint_of: equal plans agree, sampled fields and sizes are seen") {
+  std::mt19937_64 rng(0x5eed5678);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const plan p = random_plan(rng);  // at most 20 ops a phase: op 0 and the last always sampled
+    const plan copy = p;  // NOLINT(performance-unnecessary-copy-initialization): the point
+    REQUIRE(fingerprint_of(copy) == fingerprint_of(p));
+    INFO("trial " << trial);
+    plan changed = p;
+    changed.phases.back().ops.back().src_offset += 1 + static_cast<int64_t>(rng() % 4096);
+    REQUIRE(fingerprint_of(changed) != fingerprint_of(p));
+    changed = p;
+    changed.phases.front().ops.push_back(changed.phases.front().ops.front());
+    REQUIRE(fingerprint_of(changed) != fingerprint_of(p));
+  }
+  // 1000 ops: op 1 is not among the 16 sampled (0, 66, 133, ...), so its change goes unseen.
+  plan big = random_plan(rng);
+  big.phases.resize(1);
+  while (big.phases[0].ops.size() < 1000) big.phases[0].ops.push_back(big.phases[0].ops.front());
+  plan unseen = big;
+  unseen.phases[0].ops[1].dst_offset += 64;
+  REQUIRE(unseen != big);
+  REQUIRE(fingerprint_of(unseen) == fingerprint_of(big));
+  unseen.phases[0].ops[66].dst_offset += 64;
+  REQUIRE(fingerprint_of(unseen) != fingerprint_of(big));
+}

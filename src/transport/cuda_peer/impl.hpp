@@ -5,7 +5,7 @@
 //   setup.cpp       config checks, single_process(), local rank state, accessors
 //   ipc.cpp         multi_process(): CUDA IPC export, all-gather, open, checks
 //   prepare.cpp     engine choice, descriptors, CUDA graph capture (prepare_plan)
-//   plan_cache.cpp  prepared plans keyed by sampled_plan_key(plan), confirmed by ==
+//   plan_cache.cpp  prepared plans keyed by fingerprint_of(plan), confirmed by ==
 //   execute.cpp     enqueue on caller streams, barriers, poll/wait and failure decoding
 
 #include <cuda_runtime_api.h>
@@ -35,12 +35,6 @@ inline double seconds_since(clock_type::time_point t0) {
 
 // Hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) each device of this process has.
 int hardware_queues();
-
-// The plan cache's key: equal plans give equal keys; it reads the rank count, the phase count
-// and, per phase, the label's length, the op and restore counts and up to 16 ops and restores
-// spread evenly (first and last included). O(phases), so a lookup does not cost O(ops) twice
-// (hash, then ==); plans with equal keys are told apart by ==.
-uint64_t sampled_plan_key(const plan& p);
 
 // Each barrier allocation: flags[num_ranks] (written by peers), then the rank's status.
 inline size_t status_offset(int num_ranks) {
@@ -132,7 +126,7 @@ struct cuda_prepared_plan::impl {
 
 struct cuda_peer_transport::impl {
   struct cache_entry {
-    uint64_t key;    // sampled_plan_key(plan_copy)
+    uint64_t key;    // fingerprint_of(plan_copy)
     plan plan_copy;
     std::shared_ptr<const cuda_prepared_plan> prepared;
   };
