@@ -32,18 +32,16 @@
 #include <string>
 #include <vector>
 
+#include "bench_decode_batch.hpp"
 #include "gpu_runtime.hpp"
 
 using namespace mini_engine;
 using namespace mini_engine::gpu;
 using moebius::parallel_mode;
+using mini_engine::gpu::bench::env_int;
+using mini_engine::gpu::bench::make_tables;
 
 namespace {
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return (v == nullptr || *v == '\0') ? fallback : std::strtoll(v, nullptr, 10);
-}
 
 struct bench_state {
   gpu_model_config config;
@@ -58,38 +56,13 @@ bench_state& state() {
   return s;
 }
 
-// B sequences of `context` + 1 tokens (the decode token's slot included): EP round-robin
-// owners with EP pages, TP every rank with its TP pages; pages handed out in order.
-moebius::kv_state make_tables(const moebius::kv_geometry& g, parallel_mode m, int64_t B,
-                              int64_t tokens) {
-  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(g.num_ranks));
-  std::vector<int64_t> next_page(static_cast<size_t>(g.num_ranks), 0);
-  const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int r = 0; r < g.num_ranks; ++r) {
-      if (m == parallel_mode::ep && b % g.num_ranks != r) continue;
-      moebius::kv_sequence s;
-      s.seq_id = b;
-      s.num_tokens = tokens;
-      s.last_page_len = tokens - (pages - 1) * g.page_size;
-      for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
-      per_rank[static_cast<size_t>(r)].push_back(std::move(s));
-    }
-  }
-  return moebius::make_kv_state(g, m, std::move(per_rank));
-}
-
 void bm_decode(benchmark::State& st, parallel_mode mode, int64_t B) {
   bench_state& s = state();
   const int64_t L = s.config.num_layers;
   const moebius::kv_state tables = make_tables(s.rt->kv(), mode, B, s.context + 1);
   const moebius::arena_cursor cursor{mode == parallel_mode::tp ? L : 0};
-  std::vector<int32_t> tokens(static_cast<size_t>(B));
-  std::vector<step_item> items(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    tokens[static_cast<size_t>(b)] = static_cast<int32_t>((b * 7919) % s.config.vocab);
-    items[static_cast<size_t>(b)] = {b, {&tokens[static_cast<size_t>(b)], 1}, s.context, true};
-  }
+  std::vector<int32_t> tokens;
+  const std::vector<step_item> items = bench::decode_items(B, s.context, s.config.vocab, tokens);
   const step_layout layout{&tables, cursor};
   for (int w = 0; w < 3; ++w) s.rt->step(layout, items);  // warm-up (first replay uploads)
   const int64_t replays0 = s.rt->graph_replays(), eager0 = s.rt->eager_steps();

@@ -1,0 +1,55 @@
+#pragma once
+
+// What the decode-step benchmarks (bench_step.cu, bench_hybrid_step.cu) feed the runtime: B
+// sequences that each hold `context` tokens of KV and decode one more, with page tables for
+// either mode, and the environment knobs they read.
+
+#include <cstdint>
+#include <cstdlib>
+#include <moebius/kv/page_table.hpp>
+#include <vector>
+
+#include "../step.hpp"
+
+namespace mini_engine::gpu::bench {
+
+inline int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return (v == nullptr || *v == '\0') ? fallback : std::strtoll(v, nullptr, 10);
+}
+
+// B sequences of `tokens` tokens (the decode token's slot included): in EP round-robin owners
+// with EP pages, in TP every rank with its TP pages; pages handed out in order.
+inline moebius::kv_state make_tables(const moebius::kv_geometry& g, moebius::parallel_mode m,
+                                     int64_t B, int64_t tokens) {
+  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(g.num_ranks));
+  std::vector<int64_t> next_page(static_cast<size_t>(g.num_ranks), 0);
+  const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int r = 0; r < g.num_ranks; ++r) {
+      if (m == moebius::parallel_mode::ep && b % g.num_ranks != r) continue;
+      moebius::kv_sequence s;
+      s.seq_id = b;
+      s.num_tokens = tokens;
+      s.last_page_len = tokens - (pages - 1) * g.page_size;
+      for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
+      per_rank[static_cast<size_t>(r)].push_back(std::move(s));
+    }
+  }
+  return moebius::make_kv_state(g, m, std::move(per_rank));
+}
+
+// One decode token per sequence 0..B-1 at position `context`; `tokens` holds them and must
+// outlive the items.
+inline std::vector<step_item> decode_items(int64_t B, int64_t context, int64_t vocab,
+                                           std::vector<int32_t>& tokens) {
+  tokens.assign(static_cast<size_t>(B), 0);
+  std::vector<step_item> items(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    tokens[static_cast<size_t>(b)] = static_cast<int32_t>((b * 7919) % vocab);
+    items[static_cast<size_t>(b)] = {b, {&tokens[static_cast<size_t>(b)], 1}, context, true};
+  }
+  return items;
+}
+
+}  // namespace mini_engine::gpu::bench
