@@ -89,6 +89,33 @@ mt::rank_images download(const mt::rank_buffers& b) {
   return images;
 }
 
+// Both memory spaces of every rank filled with the same random bytes on the device and in
+// host memory (for host_transport, the reference). host_ranks point into `host`.
+struct mirrored_ranks {
+  mt::rank_buffers device;
+  std::vector<std::vector<std::byte>> host;  // [2 * rank + space]
+  std::vector<rank_memory> host_ranks;
+};
+
+mirrored_ranks mirrored_random_ranks(std::mt19937_64& rng, const std::vector<int>& devices,
+                                     int64_t space) {
+  const size_t P = devices.size();
+  mirrored_ranks m;
+  m.host.resize(2 * P);
+  m.host_ranks.resize(P);
+  for (size_t r = 0; r < P; ++r) {
+    m.device.arena.emplace_back(devices[r], static_cast<size_t>(space));
+    m.device.kv.emplace_back(devices[r], static_cast<size_t>(space));
+    for (int s = 0; s < 2; ++s) {
+      std::vector<std::byte>& h = m.host[2 * r + static_cast<size_t>(s)];
+      h = mt::random_bytes(rng, static_cast<size_t>(space));
+      (s == 0 ? m.device.arena : m.device.kv)[r].upload(h);
+      m.host_ranks[r].spaces[s] = std::span<std::byte>(h);
+    }
+  }
+  return m;
+}
+
 }  // namespace
 
 MOEBIUS_TRANSPORT_CONFORMANCE("cuda_peer_transport", "[cuda_peer]", cuda_peer_fixtures)
@@ -166,19 +193,9 @@ TEST_CASE("a peer that never arrives is a timeout, not a hang", "[cuda_peer][tim
       const int absent = P - 1;
       const int64_t space = int64_t{1} << 16;
       const std::vector<int> devices = mt::rank_devices(P, false);
-      mt::rank_buffers buffers;
-      std::vector<std::vector<std::byte>> host(static_cast<size_t>(2 * P));
-      std::vector<rank_memory> host_ranks(static_cast<size_t>(P));
-      for (int r = 0; r < P; ++r) {
-        buffers.arena.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
-        buffers.kv.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
-        for (int s = 0; s < 2; ++s) {
-          std::vector<std::byte>& h = host[static_cast<size_t>(2 * r + s)];
-          h = mt::random_bytes(rng, static_cast<size_t>(space));
-          (s == 0 ? buffers.arena : buffers.kv)[static_cast<size_t>(r)].upload(h);
-          host_ranks[static_cast<size_t>(r)].spaces[s] = std::span<std::byte>(h);
-        }
-      }
+      mirrored_ranks m = mirrored_random_ranks(rng, devices, space);
+      mt::rank_buffers& buffers = m.device;
+      std::vector<rank_memory>& host_ranks = m.host_ranks;
       cuda_peer_config config = e.config;
       config.barrier_timeout_ns = 200'000'000;  // 200 ms
       config.debug_absent_rank = absent;
@@ -219,7 +236,7 @@ TEST_CASE("a peer that never arrives is a timeout, not a hang", "[cuda_peer][tim
           for (int s = 0; s < 2; ++s) {
             const mt::device_buffer& d =
                 (s == 0 ? buffers.arena : buffers.kv)[static_cast<size_t>(r)];
-            REQUIRE(mt::first_difference(host[static_cast<size_t>(2 * r + s)], d.download(),
+            REQUIRE(mt::first_difference(m.host[static_cast<size_t>(2 * r + s)], d.download(),
                                          "rank " + std::to_string(r)) == "");
           }
         }
@@ -334,19 +351,9 @@ TEST_CASE("the plan cache tells plans apart by every op, and a hit is one graph 
 
   for (const mt::engine_case& e : mt::engine_cases()) {
     CAPTURE(seed, e.name);
-    mt::rank_buffers buffers;
-    std::vector<std::vector<std::byte>> host(static_cast<size_t>(2 * P));
-    std::vector<rank_memory> host_ranks(static_cast<size_t>(P));
-    for (int r = 0; r < P; ++r) {
-      buffers.arena.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
-      buffers.kv.emplace_back(devices[static_cast<size_t>(r)], static_cast<size_t>(space));
-      for (int s = 0; s < 2; ++s) {
-        std::vector<std::byte>& h = host[static_cast<size_t>(2 * r + s)];
-        h = mt::random_bytes(rng, static_cast<size_t>(space));
-        (s == 0 ? buffers.arena : buffers.kv)[static_cast<size_t>(r)].upload(h);
-        host_ranks[static_cast<size_t>(r)].spaces[s] = std::span<std::byte>(h);
-      }
-    }
+    mirrored_ranks m = mirrored_random_ranks(rng, devices, space);
+    mt::rank_buffers& buffers = m.device;
+    std::vector<rank_memory>& host_ranks = m.host_ranks;
     host_transport reference(host_ranks);
     cuda_peer_transport t = cuda_peer_transport::single_process(buffers.memory(devices), e.config);
     auto check_bytes = [&](const char* after) {
@@ -354,7 +361,7 @@ TEST_CASE("the plan cache tells plans apart by every op, and a hit is one graph 
       for (int r = 0; r < P; ++r) {
         for (int s = 0; s < 2; ++s) {
           const mt::device_buffer& d = (s == 0 ? buffers.arena : buffers.kv)[static_cast<size_t>(r)];
-          REQUIRE(mt::first_difference(host[static_cast<size_t>(2 * r + s)], d.download(),
+          REQUIRE(mt::first_difference(m.host[static_cast<size_t>(2 * r + s)], d.download(),
                                        "rank " + std::to_string(r)) == "");
         }
       }
