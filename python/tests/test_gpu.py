@@ -300,17 +300,24 @@ def run_ranks(target, P, *args, timeout=180):
     return outcome
 
 
+def _rank_in_ep(rank, P, num_layers, seed):
+    """A child process's rank: its GPU, a small arena in a torch buffer (poisoned with 0xAB),
+    holding its EP experts of weights drawn from `seed`."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    shape = moebius.ExpertShape(num_layers=num_layers, num_experts=4, hidden=128, intermediate=64)
+    arena = moebius.make_arena_geometry(shape, P)
+    full = make_weights(shape, seed)
+    buffer = torch.full((arena.total_bytes,), 0xAB, dtype=torch.uint8, device="cuda")
+    mem = moebius.RankMemory(buffer)
+    load_ep(mem, arena, full, rank)
+    torch.cuda.synchronize()
+    return shape, arena, full, buffer, mem
+
+
 def _ipc_rank(rank, P, to_parent, from_parent, results):
     sent = False
     try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        shape = moebius.ExpertShape(num_layers=2, num_experts=4, hidden=128, intermediate=64)
-        arena = moebius.make_arena_geometry(shape, P)
-        full = make_weights(shape, 3)
-        buffer = torch.full((arena.total_bytes,), 0xAB, dtype=torch.uint8, device="cuda")
-        mem = moebius.RankMemory(buffer)
-        load_ep(mem, arena, full, rank)
-        torch.cuda.synchronize()
+        shape, arena, full, buffer, mem = _rank_in_ep(rank, P, num_layers=2, seed=3)
         exchange = moebius.CudaPeerTransport.export_ipc(mem, rank, P)
         to_parent.put((rank, exchange.local_info()))  # the engine's process group does this
         sent = True
@@ -372,14 +379,7 @@ def _gloo_rank(rank, P, init_file, results):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # no network but the loopback
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=P, timeout=datetime.timedelta(seconds=60))
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        shape = moebius.ExpertShape(num_layers=3, num_experts=4, hidden=128, intermediate=64)
-        arena = moebius.make_arena_geometry(shape, P)
-        full = make_weights(shape, 4)
-        buffer = torch.full((arena.total_bytes,), 0xAB, dtype=torch.uint8, device="cuda")
-        mem = moebius.RankMemory(buffer)
-        load_ep(mem, arena, full, rank)
-        torch.cuda.synchronize()
+        shape, arena, full, buffer, mem = _rank_in_ep(rank, P, num_layers=3, seed=4)
 
         def all_gather(local):
             gathered = [None] * P
