@@ -6,7 +6,6 @@
 #include <array>
 #include <cstddef>
 #include <exception>
-#include <list>
 #include <string>
 #include <utility>
 
@@ -15,6 +14,7 @@
 #include "moebius/cuda/nccl_check.hpp"
 #include "moebius/cuda/peer_kernels.hpp"
 #include "moebius/error.hpp"
+#include "plan_cache.hpp"
 
 namespace moebius {
 namespace {
@@ -97,16 +97,10 @@ struct nccl_transport::impl {
     cuda_event done;
     int device() const { return memory.device; }
   };
-  struct cache_entry {
-    uint64_t hash;
-    plan key;
-    std::shared_ptr<const prepared_plan> prepared;
-  };
-
   nccl_config config;
   std::vector<local_rank> ranks;   // sorted by rank
   std::vector<int> local_of_rank;  // index into ranks per plan rank, or -1
-  std::list<cache_entry> cache;    // most recently used first
+  detail::plan_cache<prepared_plan> cache;
 
   bool outstanding = false;
   std::shared_ptr<const prepared_plan> current;
@@ -225,18 +219,9 @@ struct nccl_transport::impl {
   }
 
   std::shared_ptr<const prepared_plan> lookup_or_prepare(const plan& p) {
-    const uint64_t h = fingerprint_of(p);  // O(phases); == confirms a hit (plan.hpp)
-    for (auto it = cache.begin(); it != cache.end(); ++it) {
-      if (it->hash == h && it->key == p) {
-        cache.splice(cache.begin(), cache, it);
-        return cache.front().prepared;
-      }
-    }
+    if (std::shared_ptr<const prepared_plan> hit = cache.find(p)) return hit;
     std::shared_ptr<const prepared_plan> pp = prepare(p);
-    if (config.max_cached_plans > 0) {
-      cache.push_front(cache_entry{h, p, pp});
-      while (cache.size() > static_cast<size_t>(config.max_cached_plans)) cache.pop_back();
-    }
+    cache.insert(p, pp, config.max_cached_plans);
     return pp;
   }
 

@@ -1,6 +1,7 @@
-// hash_of(plan): equal plans hash equal, and changing any one field of a random plan changes
-// the hash (a cache keyed by it would otherwise run a stale prepared plan... or, with the
-// operator== confirmation, only lose hits; either way a collision here is a bug).
+// hash_of(plan) and fingerprint_of(plan). hash_of: equal plans hash equal, and changing any
+// one field of a random plan changes the hash (a cache keyed by it would otherwise run a stale
+// prepared plan... or, with the operator== confirmation, only lose hits; either way a
+// collision here is a bug).
 
 #include <cstdint>
 #include <functional>

@@ -14,7 +14,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
-#include <list>
 #include <memory>
 #include <optional>
 #include <span>
@@ -24,6 +23,7 @@
 #include "moebius/cuda/peer_kernels.hpp"
 #include "moebius/memory/rank_memory.hpp"
 #include "moebius/transport/cuda_peer_transport.hpp"
+#include "../plan_cache.hpp"
 
 namespace moebius::cuda_peer {
 
@@ -125,12 +125,6 @@ struct cuda_prepared_plan::impl {
 };
 
 struct cuda_peer_transport::impl {
-  struct cache_entry {
-    uint64_t key;    // fingerprint_of(plan_copy)
-    plan plan_copy;
-    std::shared_ptr<const cuda_prepared_plan> prepared;
-  };
-
   // Declaration order is release order, reversed: cached plans (graphs, descriptors) go first,
   // then rank state (streams synchronize on destruction), IPC mappings, peer access.
   std::vector<peer_access_guard> peer_access;
@@ -145,7 +139,7 @@ struct cuda_peer_transport::impl {
   uint64_t epoch = 0;  // barrier arrivals used so far (all enqueues)
   std::optional<fault_point> fault;
   cuda_execute_stats stats;
-  std::list<cache_entry> cache;  // most recently used first
+  detail::plan_cache<cuda_prepared_plan> cache;
 
   // The outstanding plan (enqueue .. wait).
   bool outstanding = false;
