@@ -1,12 +1,13 @@
 #pragma once
 
 // The short bursty trace the serving tests replay: 3 s, a quiet second at 4 requests/s, then
-// bursts of 40/s; prompts of 1-14 tokens (longer than the tests' 8-token step budget, so some
-// prefill in chunks) and 1-`output_max` output tokens.
+// bursts of 40/s; prompts of 1-14 tokens and 1-`output_max` output tokens; and the options it
+// is served with (an 8-token step budget, so longer prompts prefill in chunks).
 
 #include <cstdint>
 #include <vector>
 
+#include "engine.hpp"
 #include "trace.hpp"
 
 namespace mini_engine::testing {
@@ -24,6 +25,15 @@ inline std::vector<request> small_trace(uint64_t seed, int32_t vocab, int64_t ou
   t.output_max = output_max;
   t.vocab = vocab;
   return bursty_trace(seed, t);
+}
+
+// Static EP from step 0, at most 6 sequences running, tables validated after every step.
+inline engine_options small_trace_options() {
+  engine_options o;
+  o.scheduler.max_step_tokens = 8;  // prompts up to 14 tokens: chunked prefill
+  o.scheduler.max_running = 6;
+  o.validate_every_step = true;
+  return o;
 }
 
 }  // namespace mini_engine::testing

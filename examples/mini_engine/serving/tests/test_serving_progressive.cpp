@@ -96,10 +96,7 @@ void serve_progressive(int P, uint64_t seed, trouble t) {
   const paced_clock clock(per_step);
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
 
-  engine_options o;
-  o.scheduler.max_step_tokens = 8;  // prompts up to 14 tokens: chunked prefill
-  o.scheduler.max_running = 6;
-  o.validate_every_step = true;
+  engine_options o = testing::small_trace_options();
   const run_result ep = e.run(reqs, o, "static EP");
   o.start_mode = parallel_mode::tp;
   const run_result tp = e.run(reqs, o, "static TP");

@@ -36,10 +36,7 @@ TEST_CASE("switching at random steps gives the static run's tokens") {
       const unit_clock clock;
       engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
 
-      engine_options o;
-      o.scheduler.max_step_tokens = 8;  // prompts up to 14 tokens: chunked prefill
-      o.scheduler.max_running = 6;
-      o.validate_every_step = true;
+      engine_options o = testing::small_trace_options();
       const run_result ep = e.run(reqs, o, "static EP");
       o.start_mode = parallel_mode::tp;
       const run_result tp = e.run(reqs, o, "static TP");
