@@ -123,23 +123,21 @@ std::shared_ptr<const cuda_prepared_plan> cuda_peer_transport::impl::prepare(con
           ++pr.ce_count;
         }
       }
+      // The rest: the fused kernel's descriptors.
       for (size_t i = 0; i < mine.size(); ++i) {
+        if (ce[i]) continue;
         const copy_op& op = *mine[i];
-        const std::byte* src = pointer(op.src_rank, op.src_space, op.src_offset);
-        std::byte* dst = pointer(op.dst_rank, op.dst_space, op.dst_offset);
-        if (!ce[i]) {
-          peer_copy_desc d;
-          d.src = src;
-          d.dst = dst;
-          d.rows = op.rows;
-          d.row_bytes = op.row_bytes;
-          d.src_pitch = op.rows == 1 ? 0 : op.src_pitch;
-          d.dst_pitch = op.rows == 1 ? 0 : op.dst_pitch;
-          d.first_chunk = w.num_chunks;
-          w.num_chunks += split_into_chunks(d, config.sm_chunk_bytes);
-          descs.push_back(d);
-          ++pr.sm_count;
-        }
+        peer_copy_desc d;
+        d.src = pointer(op.src_rank, op.src_space, op.src_offset);
+        d.dst = pointer(op.dst_rank, op.dst_space, op.dst_offset);
+        d.rows = op.rows;
+        d.row_bytes = op.row_bytes;
+        d.src_pitch = op.rows == 1 ? 0 : op.src_pitch;
+        d.dst_pitch = op.rows == 1 ? 0 : op.dst_pitch;
+        d.first_chunk = w.num_chunks;
+        w.num_chunks += split_into_chunks(d, config.sm_chunk_bytes);
+        descs.push_back(d);
+        ++pr.sm_count;
       }
       w.ce_end = pr.ce_ops.size();
       w.num_descs = static_cast<int64_t>(descs.size()) - w.desc_offset;
