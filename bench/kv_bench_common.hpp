@@ -1,7 +1,7 @@
 #pragma once
 
 // KV states for the KV benchmarks, shared by the host bench (bench_kv_migration.cpp) and the
-// GPU variant the lead adds later: a Qwen3-235B-shaped pool (4 KV heads, head_dim 128, bf16,
+// GPU one (bench_kv_migration_gpu.cu): a Qwen3-235B-shaped pool (4 KV heads, head_dim 128, bf16,
 // one layer) at a given occupancy, and the migration plan of it.
 
 #include <algorithm>

@@ -167,9 +167,8 @@ TEST_CASE("an out-of-range parallel_mode is refused at every entry that takes on
   }
 }
 
-// The KV planners take `target` directly; src/kv/kv_migration.cpp is being restructured in
-// parallel work, so their own check lands there (see the report to the lead). Hidden until
-// then: an out-of-range target reaches the TP->EP planner with an EP state.
+// The KV planners take `target` directly and check it themselves: an out-of-range target must
+// not reach the TP->EP planner with an EP state (a fuzzer finding).
 TEST_CASE("KV planners refuse an out-of-range target", "[error][kv]") {
   const kv_geometry g = small_kv();
   const kv_state s = small_ep_state(g);

@@ -1,6 +1,6 @@
 #pragma once
 
-// A small model for the GPU runtime's tests, independent of the model helper's files: seeded
+// A small model for the GPU runtime's tests, independent of the host model's files: seeded
 // weights with model_weights' field names (so weights_view_of maps them), a textbook float64
 // forward, and a page allocator over moebius::kv_state.
 

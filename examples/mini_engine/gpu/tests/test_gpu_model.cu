@@ -1,4 +1,4 @@
-// The GPU runtime on the model helper's model (model_config, make_weights, reference_logits,
+// The GPU runtime on the host model (model_config, make_weights, reference_logits,
 // host_runtime): the same steps (chunked prefill, then decode, one set of page tables grown
 // with kv_pages) go to the GPU runtime and to the host runtime; every sampled row is checked
 // against the float64 reference and against the host runtime, in EP and in TP, with fp32,

@@ -2,7 +2,7 @@
 // steps (many switches, both directions, some while a prompt is half prefilled) produces
 // exactly the same greedy tokens per request as a static run, with no request lost,
 // duplicated or restarted and no KV page leaked. Runs on `runtime&` (tests/world.hpp: the
-// model helper's host_runtime when it is in the build, else the token-hash fake).
+// model's host_runtime when it is in the build, else the token-hash fake).
 #include <random>
 
 #include "catch.hpp"

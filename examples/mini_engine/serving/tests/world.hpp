@@ -1,6 +1,6 @@
 #pragma once
 
-// The runtime the serving tests run on, behind `runtime&`. With the model helper's
+// The runtime the serving tests run on, behind `runtime&`. With the model's
 // host_runtime in the build (examples/mini_engine/host_runtime.hpp) the tests use it, on the
 // tiny() model; otherwise the token-hash fake_runtime with the same KV shape. To force the
 // fake, define MINI_ENGINE_SERVING_FAKE_RUNTIME (the one line to change).
