@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "moebius/error.hpp"
+#include "phase_marks.hpp"
 
 namespace moebius {
 
@@ -32,8 +33,12 @@ void host_transport::enqueue(const plan& p, std::span<const stream_handle> strea
   }
   // An armed fault applies to this plan only, reached or not.
   const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);
+  detail::phase_marks marks;
+  marks.set(std::exchange(pending_marks_, {}), "host_transport");
   completed_phases_ = 0;
+  num_marks_ = 0;
   validate(p);
+  num_marks_ = marks.take(static_cast<int64_t>(p.phases.size())).size();
   outstanding_ = true;
   failure_ = nullptr;
   try {
@@ -44,6 +49,17 @@ void host_transport::enqueue(const plan& p, std::span<const stream_handle> strea
   } catch (...) {
     failure_ = std::current_exception();
   }
+}
+
+void host_transport::mark_phases(std::span<const int64_t> after_phases) {
+  detail::phase_marks check;
+  check.set(after_phases, "host_transport");
+  pending_marks_.assign(after_phases.begin(), after_phases.end());
+}
+
+event_handle host_transport::phase_event(size_t mark, size_t local_index) const {
+  detail::check_phase_event(mark, num_marks_, local_index, ranks_.size(), "host_transport");
+  return nullptr;
 }
 
 void host_transport::wait() {

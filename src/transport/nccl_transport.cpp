@@ -14,6 +14,7 @@
 #include "moebius/cuda/nccl_check.hpp"
 #include "moebius/cuda/peer_kernels.hpp"
 #include "moebius/error.hpp"
+#include "phase_marks.hpp"
 #include "plan_cache.hpp"
 
 namespace moebius {
@@ -95,6 +96,7 @@ struct nccl_transport::impl {
     cuda_event fork;
     cuda_event join;
     cuda_event done;
+    std::vector<cuda_event> mark_events;  // phase marks, grown on demand
     int device() const { return memory.device; }
   };
   nccl_config config;
@@ -110,6 +112,23 @@ struct nccl_transport::impl {
   int64_t enqueued_phases = 0;      // phases fully enqueued (for a failure part-way)
   bool fault_fires = false;
   std::string fault_message;
+  detail::phase_marks pending_marks;  // for the next enqueue
+  std::vector<int64_t> marks;         // of the outstanding (or last) plan, those it reaches
+
+  // Records the events of marks [first, last) on every local rank's active stream.
+  void record_marks(size_t first, size_t last) {
+    device_guard guard;
+    for (size_t li = 0; li < ranks.size(); ++li) {
+      local_rank& r = ranks[li];
+      guard.set(r.device());
+      while (r.mark_events.size() < marks.size()) {
+        r.mark_events.push_back(cuda_event::create(r.device()));
+      }
+      for (size_t j = first; j < last; ++j) {
+        MOEBIUS_CUDA_CHECK(cudaEventRecord(r.mark_events[j].get(), active[li]));
+      }
+    }
+  }
 
   ~impl() {
     if (outstanding) drain();
@@ -450,12 +469,20 @@ void nccl_transport::enqueue(const plan& p, std::span<const stream_handle> strea
   st.failure = nullptr;
   st.current = pp;
   st.enqueued_phases = 0;
+  st.marks = st.pending_marks.take(num_phases);
   try {
+    size_t next_mark = 0;  // marks below it are recorded
     for (int64_t k = 0; k < pp->num_phases; ++k) {
       st.enqueue_phase(*pp, static_cast<size_t>(k));
       st.enqueued_phases = k + 1;
+      if (next_mark < st.marks.size() && st.marks[next_mark] == k) {
+        st.record_marks(next_mark, next_mark + 1);
+        ++next_mark;
+      }
     }
     st.enqueued_phases = pp->num_phases;
+    // Marks a fault kept from running fire here, so that no waiter hangs (transport.hpp).
+    st.record_marks(next_mark, st.marks.size());
     device_guard guard;
     for (size_t li = 0; li < st.ranks.size(); ++li) {
       guard.set(st.ranks[li].device());
@@ -464,6 +491,18 @@ void nccl_transport::enqueue(const plan& p, std::span<const stream_handle> strea
   } catch (...) {
     st.failure = std::current_exception();
   }
+}
+
+void nccl_transport::mark_phases(std::span<const int64_t> after_phases) {
+  impl_->pending_marks.set(after_phases, "nccl_transport");
+}
+
+event_handle nccl_transport::phase_event(size_t mark, size_t local_index) const {
+  const impl& st = *impl_;
+  detail::check_phase_event(mark, st.marks.size(), local_index, st.ranks.size(),
+                            "nccl_transport");
+  const impl::local_rank& r = st.ranks[local_index];
+  return mark < r.mark_events.size() ? r.mark_events[mark].get() : nullptr;
 }
 
 bool nccl_transport::poll() {

@@ -6,6 +6,8 @@
 #include <map>
 #include <random>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "moebius/kv/kv_geometry.hpp"
@@ -41,14 +43,14 @@ std::string diff(const world& w, const switcher& sw, const snapshot& s) {
 
 // Runs a progressive switch to `target` with advances of random sizes; returns the report.
 switch_report progress_to(switcher& sw, parallel_mode target, std::mt19937_64& rng) {
-  const switch_report begun = sw.begin(target);
-  if (begun.outcome != switch_outcome::in_progress) return begun;
-  while (sw.layers_remaining() > 0) {
-    sw.advance(std::uniform_int_distribution<int64_t>(1, 3)(rng));
-    REQUIRE(sw.poll());
+  progressive_switch s = sw.begin(target);
+  if (!s.open()) return s.report();
+  while (s.layers_remaining() > 0) {
+    s.advance(std::uniform_int_distribution<int64_t>(1, 3)(rng));
+    REQUIRE(s.poll() == progress_state::ready);
     REQUIRE(sw.in_progress());
   }
-  return sw.finish();
+  return s.finish();
 }
 
 }  // namespace
@@ -112,7 +114,8 @@ TEST_CASE("tokens written between advances land in the layout of their layer",
     INFO("seed " << seed << " iter " << iter << " " << w.shape << " " << w.kv);
     host_transport t(w.memory);
     switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
-    if (sw.begin(parallel_mode::tp).outcome != switch_outcome::in_progress) continue;
+    progressive_switch session = sw.begin(parallel_mode::tp);
+    if (!session.open()) continue;
     ++switches;
     const kv_geometry& g = w.kv;
     // The last token of every sequence is "decoded" again at a random moment of the switch:
@@ -133,11 +136,12 @@ TEST_CASE("tokens written between advances land in the layout of their layer",
     };
     auto decode_step = [&] {
       ++step;
+      const switch_step_view view = session.view();
       for (const kv_rank_state& rank : sw.kv_tables().ranks) {
         for (const kv_sequence& seq : rank.sequences) {
           for (int64_t layer = 0; layer < g.num_layers; ++layer) {
-            const parallel_mode m = sw.layer_mode(layer);
-            const kv_state& tables = sw.tables_for(m);
+            const parallel_mode m = view.mode_of(layer);
+            const kv_state& tables = view.tables_of_layer(layer);
             const int64_t pos = seq.num_tokens - 1;
             for (int r = 0; r < g.num_ranks; ++r) {
               for (const kv_sequence& s : tables.ranks[static_cast<size_t>(r)].sequences) {
@@ -167,12 +171,12 @@ TEST_CASE("tokens written between advances land in the layout of their layer",
       }
     };
     decode_step();
-    while (sw.layers_remaining() > 0) {
-      sw.advance(std::uniform_int_distribution<int64_t>(1, 2)(rng));
-      REQUIRE(sw.poll());
+    while (session.layers_remaining() > 0) {
+      session.advance(std::uniform_int_distribution<int64_t>(1, 2)(rng));
+      REQUIRE(session.poll() == progress_state::ready);
       decode_step();
     }
-    REQUIRE(sw.finish().outcome == switch_outcome::committed);
+    REQUIRE(session.finish().outcome == switch_outcome::committed);
     // Every write survives in the TP layout: the last write of each (seq, layer, tensor, head,
     // dim) is what every TP replica of that head holds now.
     std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, std::byte> last;
@@ -224,12 +228,13 @@ TEST_CASE("abort at every cursor restores the start exactly", "[switch][progress
       const int flips_before = flips;
       const snapshot before = take(w, sw);
       for (int64_t k = 0; k <= w.shape.num_layers; ++k) {
-        if (sw.begin(target).outcome != switch_outcome::in_progress) break;
+        progressive_switch s = sw.begin(target);
+        if (!s.open()) break;
         for (int64_t i = 0; i < k; ++i) {
-          sw.advance(1);
-          REQUIRE(sw.poll());
+          s.advance(1);
+          REQUIRE(s.poll() == progress_state::ready);
         }
-        const switch_report rep = sw.abort();
+        const switch_report rep = s.abort();
         INFO("abort after " << k << " layers: " << rep);
         REQUIRE(rep.outcome == switch_outcome::rolled_back);
         CHECK_FALSE(sw.in_progress());
@@ -254,23 +259,27 @@ TEST_CASE("a fault at any phase of an advance rolls everything back", "[switch][
     switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
     const snapshot before = take(w, sw);
     for (int attempt = 0; attempt < 6; ++attempt) {
-      const switch_report begun = sw.begin(parallel_mode::tp);
-      if (begun.outcome != switch_outcome::in_progress) break;
+      progressive_switch s = sw.begin(parallel_mode::tp);
+      const switch_report begun = s.report();
+      if (!s.open()) break;
       const int64_t per_layer = 1 + begun.kv_rounds / std::max<int64_t>(begun.weight_phases, 1);
       // Advance a random number of layers cleanly, then fault one advance at a random phase.
       const int64_t clean = std::uniform_int_distribution<int64_t>(0, w.shape.num_layers - 1)(rng);
       for (int64_t i = 0; i < clean; ++i) {
-        sw.advance(1);
-        REQUIRE(sw.poll());
+        s.advance(1);
+        REQUIRE(s.poll() == progress_state::ready);
       }
       const int64_t n = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-      const int64_t layers = std::min(n, sw.layers_remaining());
+      const int64_t layers = std::min(n, s.layers_remaining());
       const int64_t phase =
           std::uniform_int_distribution<int64_t>(0, layers * per_layer - 1)(rng);
       sw.inject_fault(switch_fault{switch_fault::stage::weights, fault_point{phase, 0}});
-      sw.advance(n);
-      REQUIRE(sw.poll());
-      const switch_report& rep = sw.progress_report();
+      s.advance(n);
+      // poll() tells a failed (and rolled back) advance from a finished one.
+      REQUIRE(s.poll() == progress_state::ended);
+      CHECK_FALSE(s.open());
+      const switch_report& rep = s.report();
+      CHECK(sw.last_report().outcome == rep.outcome);
       INFO("fault at phase " << phase << " after " << clean << " layers: " << rep);
       REQUIRE(rep.outcome == switch_outcome::rolled_back);
       CHECK_FALSE(sw.in_progress());
@@ -278,14 +287,14 @@ TEST_CASE("a fault at any phase of an advance rolls everything back", "[switch][
       ++faults;
     }
     // A fault in the undo of an abort leaves the switcher inconsistent, and it says so.
-    if (sw.begin(parallel_mode::tp).outcome == switch_outcome::in_progress) {
-      sw.advance(1);
-      REQUIRE(sw.poll());
+    if (progressive_switch s = sw.begin(parallel_mode::tp); s.open()) {
+      s.advance(1);
+      REQUIRE(s.poll() == progress_state::ready);
       sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{0, 0}});
-      const switch_report rep = sw.abort();
+      const switch_report rep = s.abort();
       CHECK(rep.outcome == switch_outcome::inconsistent);
       CHECK_FALSE(sw.consistent());
-      CHECK(sw.begin(parallel_mode::tp).outcome == switch_outcome::inconsistent);
+      CHECK(sw.begin(parallel_mode::tp).report().outcome == switch_outcome::inconsistent);
     }
   }
   CHECK(faults > 0);
@@ -305,20 +314,44 @@ TEST_CASE("progressive switch misuse is refused and moves nothing", "[switch][pr
     }
     return errc::internal;
   };
-  CHECK(code_of([&] { sw.advance(1); }) == errc::invalid_argument);
-  CHECK(code_of([&] { sw.finish(); }) == errc::invalid_argument);
-  CHECK(code_of([&] { sw.abort(); }) == errc::invalid_argument);
-  CHECK(sw.poll());
-  CHECK(sw.begin(parallel_mode::ep).outcome == switch_outcome::already_there);
-  REQUIRE(sw.begin(parallel_mode::tp).outcome == switch_outcome::in_progress);
+  {
+    // A session that did not open (already there) refuses everything but its report.
+    progressive_switch none = sw.begin(parallel_mode::ep);
+    CHECK(none.report().outcome == switch_outcome::already_there);
+    CHECK_FALSE(none.open());
+    CHECK(none.layers_remaining() == 0);
+    CHECK(code_of([&] { none.advance(1); }) == errc::invalid_argument);
+    CHECK(code_of([&] { none.view(); }) == errc::invalid_argument);
+    CHECK(code_of([&] { none.bytes_per_layer(); }) == errc::invalid_argument);
+    CHECK(none.poll() == progress_state::ended);
+    CHECK(none.finish().outcome == switch_outcome::already_there);
+    CHECK_FALSE(sw.in_progress());
+  }
+  progressive_switch s = sw.begin(parallel_mode::tp);
+  REQUIRE(s.open());
+  CHECK(s.report().outcome == switch_outcome::in_progress);
   CHECK(code_of([&] { sw.begin(parallel_mode::tp); }) == errc::invalid_argument);
   CHECK(code_of([&] { sw.switch_to(parallel_mode::tp); }) == errc::invalid_argument);
-  CHECK(code_of([&] { sw.advance(0); }) == errc::invalid_argument);
-  CHECK(sw.advance(1) == 1);
-  CHECK(code_of([&] { sw.advance(1); }) == errc::invalid_argument);  // outstanding: poll first
-  REQUIRE(sw.poll());
-  CHECK(sw.abort().outcome == switch_outcome::rolled_back);
+  // The tables are frozen while the session is open: read-only through its view.
+  CHECK(code_of([&] { sw.mutable_kv_tables(); }) == errc::invalid_argument);
+  static_assert(std::is_const_v<std::remove_reference_t<
+                    decltype(std::declval<switch_step_view>().tables(parallel_mode::tp))>>);
+  CHECK(code_of([&] { s.advance(0); }) == errc::invalid_argument);
+  const layer_completion& c = s.advance(1);
+  CHECK(std::vector<int64_t>(c.layers().begin(), c.layers().end()) == std::vector<int64_t>{0});
+  CHECK(c.event(0, 0) == nullptr);  // the host transport has finished inside enqueue
+  CHECK(code_of([&] { c.event(1, 0); }) == errc::out_of_range);
+  CHECK(code_of([&] { c.event(0, 2); }) == errc::out_of_range);
+  CHECK(code_of([&] { s.advance(1); }) == errc::invalid_argument);  // outstanding: poll first
+  REQUIRE(s.poll() == progress_state::ready);
+  CHECK(s.view().cursor().tp_layers == 1);
+  CHECK(s.abort().outcome == switch_outcome::rolled_back);
+  CHECK_FALSE(s.open());
+  CHECK(s.poll() == progress_state::ended);
+  CHECK(code_of([&] { s.advance(1); }) == errc::invalid_argument);
+  CHECK(s.abort().outcome == switch_outcome::rolled_back);  // ended: its report again
   CHECK(diff(w, sw, before) == "");
+  CHECK_NOTHROW(sw.mutable_kv_tables());
 
   // KV layers must pair with MoE layers.
   world odd = make_world(rng, 2, 0.2);
@@ -326,4 +359,95 @@ TEST_CASE("progressive switch misuse is refused and moves nothing", "[switch][pr
   host_transport ot(odd.memory);
   switcher osw(odd.weights, odd.kv, ot, odd.tables, arena_cursor{0});
   CHECK(code_of([&] { osw.begin(parallel_mode::tp); }) == errc::invalid_argument);
+}
+
+TEST_CASE("a session that goes out of scope open puts everything back", "[switch][progressive]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int iter = 0; iter < 4; ++iter) {
+    world w = make_world(rng, 2 + 2 * (iter % 2), 0.3, true);
+    INFO("seed " << seed << " iter " << iter << " " << w.shape << " " << w.kv);
+    host_transport t(w.memory);
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
+    const snapshot before = take(w, sw);
+    {
+      progressive_switch s = sw.begin(parallel_mode::tp);
+      if (!s.open()) continue;
+      s.advance(std::uniform_int_distribution<int64_t>(1, w.shape.num_layers)(rng));
+      progressive_switch moved = std::move(s);  // the session moves; the switch stays open
+      CHECK_FALSE(s.open());
+      CHECK(moved.open());
+      CHECK(sw.in_progress());
+    }
+    CHECK_FALSE(sw.in_progress());
+    CHECK(sw.last_report().outcome == switch_outcome::rolled_back);
+    CHECK(diff(w, sw, before) == "");
+  }
+}
+
+TEST_CASE("an advance marks one event per layer, in the order the layers move",
+          "[switch][progressive]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int iter = 0; iter < 6; ++iter) {
+    world w = make_world(rng, 2, 0.2, true);
+    INFO("seed " << seed << " iter " << iter << " " << w.shape);
+    host_transport t(w.memory);
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
+    REQUIRE(sw.switch_to(parallel_mode::tp).outcome == switch_outcome::committed);
+    progressive_switch s = sw.begin(parallel_mode::ep);  // TP->EP: descending
+    REQUIRE(s.open());
+    const int64_t L = w.shape.num_layers;
+    int64_t expected = L - 1;
+    while (s.layers_remaining() > 0) {
+      const int64_t n = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+      const layer_completion& c = s.advance(n);
+      REQUIRE(static_cast<int64_t>(c.layers().size()) == std::min(n, expected + 1));
+      for (const int64_t layer : c.layers()) {
+        CHECK(layer == expected--);
+        CHECK(c.contains(layer));
+        for (size_t r = 0; r < 2; ++r) CHECK(c.event(layer, r) == nullptr);
+      }
+      REQUIRE(s.poll() == progress_state::ready);
+      // The settled cursor: every layer at or above it runs EP now.
+      CHECK(s.view().cursor().tp_layers == expected + 1);
+      for (int64_t l = 0; l < L; ++l) {
+        CHECK(s.view().mode_of(l) == (l <= expected ? parallel_mode::tp : parallel_mode::ep));
+      }
+    }
+    CHECK(s.finish().outcome == switch_outcome::committed);
+  }
+}
+
+TEST_CASE("the pacing input is planned with the switcher's own options",
+          "[switch][progressive]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  int checked = 0;
+  for (int iter = 0; iter < 12; ++iter) {
+    world w = make_world(rng, 2 + 2 * (iter % 2), 0.5 + 0.04 * iter, true);
+    INFO("seed " << seed << " iter " << iter << " " << w.shape << " " << w.kv);
+    host_transport t(w.memory);
+    switcher_options opt;
+    opt.stage_kv_in_free_slot = iter % 3 != 0;  // with and without staging
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
+    progressive_switch s = sw.begin(parallel_mode::tp);
+    if (!s.open()) {
+      CHECK_THROWS_AS(sw.layer_bytes_of(parallel_mode::tp), moebius::error);
+      continue;
+    }
+    const layer_bytes before = sw.layer_bytes_of(parallel_mode::tp);
+    const layer_bytes& during = s.bytes_per_layer();
+    CHECK(before.weight_bytes_sent == during.weight_bytes_sent);
+    CHECK(before.kv_bytes_sent == during.kv_bytes_sent);
+    // Every layer moves alike: L layers of it are what the report says the switch moves.
+    const int64_t L = w.shape.num_layers;
+    for (size_t r = 0; r < during.weight_bytes_sent.size(); ++r) {
+      CHECK(during.weight_bytes_sent[r] * L == s.report().weight_bytes_sent[r]);
+      CHECK(during.kv_bytes_sent[r] * L == s.report().kv_bytes_sent[r]);
+    }
+    CHECK(s.finish().outcome == switch_outcome::committed);
+    ++checked;
+  }
+  CHECK(checked > 0);
 }

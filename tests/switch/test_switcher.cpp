@@ -308,6 +308,12 @@ class timing_out_transport final : public transport {
   }
   int64_t completed_phases() const override { return inner_.completed_phases(); }
   void inject_fault(std::optional<fault_point>) override {}
+  void mark_phases(std::span<const int64_t> after_phases) override {
+    inner_.mark_phases(after_phases);
+  }
+  event_handle phase_event(size_t mark, size_t local_index) const override {
+    return inner_.phase_event(mark, local_index);
+  }
   int executes() const { return executes_; }
 
  private:

@@ -206,6 +206,11 @@ class cuda_peer_transport final : public transport {
   // at.op "may" have run, none did) and its wait() throws errc::injected_fault with
   // completed_phases() == at.phase.
   void inject_fault(std::optional<fault_point> at) override;
+  // Each mark is a CUDA event recorded on the rank's stream after the barrier that closes the
+  // marked phase (so every rank has finished it). A plan with marks is launched phase by phase,
+  // not as its CUDA graph, so that the events sit between its phases.
+  void mark_phases(std::span<const int64_t> after_phases) override;
+  event_handle phase_event(size_t mark, size_t local_index) const override;
 
   // Validates `p` and builds its device work (engine choice, descriptors uploaded to every
   // local rank's device). Host cost is O(ops); enqueue(prepared) then costs only launches.

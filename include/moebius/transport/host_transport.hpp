@@ -35,6 +35,9 @@ class host_transport final : public transport {
   void wait() override;
   int64_t completed_phases() const override { return completed_phases_; }
   void inject_fault(std::optional<fault_point> at) override { fault_ = at; }
+  // The plan has run when enqueue() returns: every event is nullptr.
+  void mark_phases(std::span<const int64_t> after_phases) override;
+  event_handle phase_event(size_t mark, size_t local_index) const override;
 
   const std::vector<rank_memory>& ranks() const { return ranks_; }
 
@@ -43,6 +46,8 @@ class host_transport final : public transport {
 
   std::vector<rank_memory> ranks_;
   std::optional<fault_point> fault_;
+  std::vector<int64_t> pending_marks_;
+  size_t num_marks_ = 0;  // marks the last plan reached
   int64_t completed_phases_ = 0;
   bool outstanding_ = false;
   std::exception_ptr failure_;

@@ -106,6 +106,10 @@ class nccl_transport final : public transport {
   // and the receiving side of each, so NCCL calls still pair up) and nothing after; wait()
   // then throws errc::injected_fault with completed_phases() == at.phase.
   void inject_fault(std::optional<fault_point> at) override { fault_ = at; }
+  // Each mark is a CUDA event recorded on the rank's stream once the marked phase's receives,
+  // unpack and local copies are done there.
+  void mark_phases(std::span<const int64_t> after_phases) override;
+  event_handle phase_event(size_t mark, size_t local_index) const override;
 
   // The transport's own stream of a local rank.
   cudaStream_t stream_of(int rank) const;

@@ -26,6 +26,20 @@
 //
 // A host-memory transport does its copies inside enqueue() (the CPU is its device) and keeps a
 // failure for wait(); device transports only enqueue.
+//
+// Phase events. A caller that orders its own work after part of a plan (a decode step that
+// reads layer j while later layers still move) asks for events before it enqueues:
+//
+//   mark_phases({k0, k1, ...})   ascending phase indices of the next plan
+//   enqueue(p, s)
+//   phase_event(j, i)            fires on local rank i's stream once rank i's memory holds the
+//                                bytes of phases [0, k_j]; a stream that waits on it (a
+//                                cudaStreamWaitEvent) runs after them
+//
+// The events are the transport's, valid until the next enqueue(). nullptr means nothing to wait
+// for: the host transport has finished its plan inside enqueue(). After a failure an event may
+// fire although its phases never ran (so that no waiter hangs): only poll()/wait() say whether
+// the bytes are there.
 
 #include <cstdint>
 #include <optional>
@@ -39,6 +53,9 @@ namespace moebius {
 // A CUDA stream (cudaStream_t) as an opaque handle, so that host-only code needs no CUDA
 // header. nullptr stands for the transport's own stream of that rank.
 using stream_handle = void*;
+
+// A CUDA event (cudaEvent_t) as an opaque handle; nullptr: nothing to wait for.
+using event_handle = void*;
 
 // Where an injected fault fires: before op `op` of phase `phase` (ops before it in that phase
 // may have run, phases before it are complete on every rank).
@@ -89,6 +106,15 @@ class transport {
   // Phases of the last plan that completed on every rank (all of them after a successful
   // wait(); meaningful once wait() has returned or thrown).
   virtual int64_t completed_phases() const = 0;
+
+  // Phase events for the next enqueued plan only (see "Phase events" above): `after_phases`
+  // ascending, each >= 0. Marks past the plan's last phase are dropped at enqueue(). Throws
+  // errc::invalid_argument for negative or unsorted marks.
+  virtual void mark_phases(std::span<const int64_t> after_phases) = 0;
+  // The event of mark `mark` (an index into the last mark_phases() list that the last enqueued
+  // plan reached) on local rank `local_index`; nullptr when there is nothing to wait for.
+  // Throws errc::out_of_range for a mark or rank that does not exist.
+  virtual event_handle phase_event(size_t mark, size_t local_index) const = 0;
 
   // Arms a fault for the next enqueued plan only: it fails with errc::injected_fault before op
   // `at.op` of phase `at.phase`, and completed_phases() is then `at.phase`. A fault the plan

@@ -88,6 +88,17 @@ void cuda_peer_transport::impl::enqueue_status_readback(size_t local_index,
                                      sizeof(barrier_status), cudaMemcpyDeviceToHost, stream));
 }
 
+void cuda_peer_transport::impl::record_marks(size_t local_index, size_t first, size_t last,
+                                             cudaStream_t stream) {
+  rank_state& rs = ranks[static_cast<size_t>(local[local_index])];
+  while (rs.mark_events.size() < marks.size()) {
+    rs.mark_events.push_back(cuda_event::create(rs.device()));
+  }
+  for (size_t j = first; j < last; ++j) {
+    MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.mark_events[j].get(), stream));
+  }
+}
+
 void cuda_peer_transport::impl::check_can_enqueue(std::span<const stream_handle> streams) const {
   MOEBIUS_CHECK(!outstanding, errc::invalid_argument,
                 "cuda_peer_transport::enqueue: a plan is still outstanding; call wait() first");
@@ -121,6 +132,7 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
   const uint64_t base = epoch;
   epoch += static_cast<uint64_t>(st.num_phases);
 
+  marks = pending_marks.take(st.num_phases);
   limit = st.num_phases;
   fault_fires = false;
   if (fault) {
@@ -140,7 +152,8 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
   const auto t0 = cuda_peer::clock_type::now();
   try {
     // st.ranks and `local` list the same ranks in the same (ascending) order.
-    const bool use_graphs = st.graphs && !fault_fires;
+    // Marks sit between phases: such a plan goes phase by phase.
+    const bool use_graphs = st.graphs && !fault_fires && marks.empty();
     for (size_t i = 0; i < st.ranks.size(); ++i) {
       const prepared_rank& pr = st.ranks[i];
       if (pr.rank == config.debug_absent_rank) continue;
@@ -157,17 +170,26 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
     // Direct enqueue goes phase by phase over the ranks, never one rank's whole plan first:
     // a full launch queue would block the host on a rank whose barrier waits for a rank
     // not yet enqueued.
+    size_t next_mark = 0;  // marks below it are recorded
     for (int64_t k = 0; !use_graphs && k < limit; ++k) {
+      const size_t marks_end = next_mark < marks.size() && marks[next_mark] == k ? next_mark + 1
+                                                                                 : next_mark;
       for (size_t i = 0; i < st.ranks.size(); ++i) {
         const prepared_rank& pr = st.ranks[i];
         if (pr.rank == config.debug_absent_rank) continue;
         guard.set(pr.device);
         enqueue_rank_phase(pr, k, active_streams[i], stats);
+        record_marks(i, next_mark, marks_end, active_streams[i]);
       }
+      next_mark = marks_end;
     }
     for (size_t i = 0; i < st.ranks.size(); ++i) {
       const prepared_rank& pr = st.ranks[i];
       guard.set(pr.device);
+      // Marks a fault kept from running fire here, so that no waiter hangs (transport.hpp).
+      if (pr.rank != config.debug_absent_rank) {
+        record_marks(i, next_mark, marks.size(), active_streams[i]);
+      }
       if (!use_graphs && pr.rank != config.debug_absent_rank) {
         enqueue_status_readback(i, active_streams[i]);
       }
@@ -301,6 +323,19 @@ void cuda_peer_transport::enqueue(std::shared_ptr<const cuda_prepared_plan> prep
 void cuda_peer_transport::execute(std::shared_ptr<const cuda_prepared_plan> prepared) {
   enqueue(std::move(prepared));
   wait();
+}
+
+void cuda_peer_transport::mark_phases(std::span<const int64_t> after_phases) {
+  impl_->pending_marks.set(after_phases, "cuda_peer_transport");
+}
+
+event_handle cuda_peer_transport::phase_event(size_t mark, size_t local_index) const {
+  const impl& st = *impl_;
+  detail::check_phase_event(mark, st.marks.size(), local_index, st.local.size(),
+                            "cuda_peer_transport");
+  const cuda_peer::rank_state& rs = st.ranks[static_cast<size_t>(st.local[local_index])];
+  // A rank that enqueued nothing (the absent-rank test hook) recorded no events.
+  return mark < rs.mark_events.size() ? rs.mark_events[mark].get() : nullptr;
 }
 
 bool cuda_peer_transport::poll() { return impl_->poll(); }

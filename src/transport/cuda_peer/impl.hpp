@@ -23,6 +23,7 @@
 #include "moebius/cuda/peer_kernels.hpp"
 #include "moebius/memory/rank_memory.hpp"
 #include "moebius/transport/cuda_peer_transport.hpp"
+#include "../phase_marks.hpp"
 #include "../plan_cache.hpp"
 
 namespace moebius::cuda_peer {
@@ -96,6 +97,7 @@ struct rank_state {
   cuda_event fork_event;
   cuda_event join_event;
   cuda_event done_event;    // recorded after the rank's last work of an enqueue
+  std::vector<cuda_event> mark_events;  // phase marks (transport::mark_phases), grown on demand
   device_buffer barrier_alloc;      // flags + status
   uint64_t* flags = nullptr;        // this rank's flags as mapped in this process
   barrier_status* status = nullptr; // local ranks, device memory
@@ -138,6 +140,8 @@ struct cuda_peer_transport::impl {
   int64_t min_bytes[num_memory_spaces] = {};
   uint64_t epoch = 0;  // barrier arrivals used so far (all enqueues)
   std::optional<fault_point> fault;
+  detail::phase_marks pending_marks;  // for the next enqueue
+  std::vector<int64_t> marks;         // of the outstanding (or last) plan, those it reaches
   cuda_execute_stats stats;
   detail::plan_cache<cuda_prepared_plan> cache;
 
@@ -174,6 +178,8 @@ struct cuda_peer_transport::impl {
   void enqueue_rank_phase(const cuda_peer::prepared_rank& pr, int64_t k, cudaStream_t stream,
                           cuda_execute_stats& counts) const;
   void enqueue_status_readback(size_t local_index, cudaStream_t stream) const;
+  // Records the events of the marks in [first, last) on local rank `local_index`'s stream.
+  void record_marks(size_t local_index, size_t first, size_t last, cudaStream_t stream);
   void check_can_enqueue(std::span<const stream_handle> streams) const;
   void start(std::shared_ptr<const cuda_prepared_plan> prepared,
              std::span<const stream_handle> streams, bool from_cache, double prepare_seconds,

@@ -1,0 +1,48 @@
+#pragma once
+
+// The phase marks of transport::mark_phases(), as every transport keeps them: set() checks and
+// stores the list for the next plan, take() hands the enqueue the marks its plan reaches.
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "moebius/error.hpp"
+
+namespace moebius::detail {
+
+class phase_marks {
+ public:
+  // Throws errc::invalid_argument for a negative mark or marks that are not ascending; the
+  // marks set before stay as they were then.
+  void set(std::span<const int64_t> after_phases, const char* transport_name) {
+    for (size_t j = 0; j < after_phases.size(); ++j) {
+      MOEBIUS_CHECK(after_phases[j] >= 0 && (j == 0 || after_phases[j] > after_phases[j - 1]),
+                    errc::invalid_argument, transport_name, "::mark_phases: marks must be >= 0 ",
+                    "and strictly ascending (mark ", j, " is ", after_phases[j], ")");
+    }
+    pending_.assign(after_phases.begin(), after_phases.end());
+  }
+
+  // The marks below `num_phases`, for the plan being enqueued; clears the list (marks are for
+  // one plan only).
+  std::vector<int64_t> take(int64_t num_phases) {
+    std::vector<int64_t> reached = std::exchange(pending_, {});
+    while (!reached.empty() && reached.back() >= num_phases) reached.pop_back();
+    return reached;
+  }
+
+ private:
+  std::vector<int64_t> pending_;
+};
+
+// Throws errc::out_of_range unless `mark` < num_marks and `local_index` < num_local.
+inline void check_phase_event(size_t mark, size_t num_marks, size_t local_index, size_t num_local,
+                              const char* transport_name) {
+  MOEBIUS_CHECK(mark < num_marks && local_index < num_local, errc::out_of_range, transport_name,
+                "::phase_event(", mark, ", ", local_index, "): the last plan has ", num_marks,
+                " marks and the transport ", num_local, " local ranks");
+}
+
+}  // namespace moebius::detail
