@@ -172,20 +172,20 @@ void BM_switch(benchmark::State& state, double occupancy, parallel_mode directio
   }
   double predicted_ms = 0;
   for (auto _ : state) {
-    predicted_ms = w.model.predict(workload_of(last)).total_ms();
+    predicted_ms = w.model.predict(last.workload).total_ms();
     last = sw.switch_to(direction_to);
     if (last.outcome != switch_outcome::committed) {
       state.SkipWithError((std::string(to_string(last.outcome)) + ": " + last.error).c_str());
       return;
     }
     state.SetIterationTime((last.weights_ms + last.kv_ms) / 1e3);
-    w.model.update({workload_of(last), last.weights_ms + last.kv_ms});
+    w.model.update({last.workload, last.weights_ms + last.kv_ms});
     if (sw.switch_to(back).outcome != switch_outcome::committed) {
       state.SkipWithError("switch back failed");
       return;
     }
   }
-  const switch_workload wl = workload_of(last);
+  const switch_workload wl = last.workload;
   state.counters["ms"] = last.weights_ms + last.kv_ms;
   state.counters["total_ms"] = last.total_ms;
   state.counters["weights_ms"] = last.weights_ms;

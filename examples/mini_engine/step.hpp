@@ -11,6 +11,7 @@
 
 #include <moebius/kv/page_table.hpp>
 #include <moebius/layout/arena_geometry.hpp>
+#include <moebius/switch/progressive.hpp>
 
 namespace mini_engine {
 
@@ -29,8 +30,8 @@ struct step_item {
 // deployment has cursor 0 (EP) or L (TP) with tables of the same mode.
 //
 // Hybrid (tp_tables and ep_tables both set; `tables` ignored): a progressive switch is in
-// progress (moebius::switcher::begin/advance). Layer l runs wholly in one mode, TP iff
-// l < cursor: its attention with that mode's tables (switcher::tables_for(mode)) and head
+// progress (moebius::progressive_switch, built from its view() by during()). Layer l runs
+// wholly in one mode, TP iff l < cursor: its attention with that mode's tables and head
 // split, its MoE with that mode's arena view. Where the mode changes between two layers the
 // activations are handed off: TP -> EP (data-parallel attention) each rank keeps its own
 // sequences' rows (the EP owner in ep_tables); EP -> TP an all-gather of every owner's rows.
@@ -50,16 +51,22 @@ struct step_layout {
     l.ep_tables = &ep;
     return l;
   }
+  // A hybrid step during a progressive switch: the session's view (both sets of tables, the
+  // cursor). The view's tables live in the switcher and stay put until the switch ends.
+  static step_layout during(const moebius::switch_step_view& v) {
+    return hybrid_of(v.tables(moebius::parallel_mode::tp), v.tables(moebius::parallel_mode::ep),
+                     v.cursor());
+  }
   bool hybrid() const { return tp_tables != nullptr && ep_tables != nullptr; }
   // The mode of layer `layer`'s attention (hybrid: also of its MoE).
   moebius::parallel_mode attention_mode(int64_t layer) const {
     if (!hybrid()) return tables->mode;
-    return layer < cursor.tp_layers ? moebius::parallel_mode::tp : moebius::parallel_mode::ep;
+    return moebius::arena_geometry::mode_of(cursor, layer);
   }
   // The tables layer `layer`'s attention reads.
   const moebius::kv_state& tables_of_layer(int64_t layer) const {
     if (!hybrid()) return *tables;
-    return layer < cursor.tp_layers ? *tp_tables : *ep_tables;
+    return attention_mode(layer) == moebius::parallel_mode::tp ? *tp_tables : *ep_tables;
   }
 };
 

@@ -90,21 +90,30 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
                   return o;
                 }()) {}
 
-void engine::end_progressive(progressive_state& p, run_result& out, scheduler& sched, double now,
-                             const std::string& name) {
-  const moebius::switch_report& r = switcher_.progress_report();
-  switch_record& s = out.switches[p.record];
-  s.outcome = r.outcome;
-  s.error = r.error;
-  s.measured_ms = r.total_ms;
-  s.clock_ms = (now - s.start_s) * 1e3;
-  s.tokens = tokens_produced(sched) - p.tokens_before;
-  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                "engine::run '", name, "': the progressive switch left the engine inconsistent: ",
-                r.error);
-  sched.release_deferred(switcher_.mutable_kv_tables());
-  p.active = false;
-}
+// What one run() carries from step to step.
+struct engine::run_state {
+  run_state(const moebius::kv_geometry& kv, std::vector<request> requests,
+            const engine_options& o, const std::string& run_name)
+      : options(o), name(run_name), sched(kv, std::move(requests), o.scheduler) {}
+
+  const engine_options& options;
+  const std::string& name;
+  scheduler sched;
+  capacity_context capacity{nullptr, nullptr};
+  std::optional<moebius::switch_policy> policy;
+  run_result out;
+  double now = 0;
+  size_t next_forced = 0;
+  double last_step_s = 0;  // the last normal step on the serving clock (pacing)
+  int64_t total = 0;
+
+  // The progressive switch in flight, if any.
+  std::optional<moebius::progressive_switch> session;
+  size_t switch_idx = 0;       // its switch_record
+  int64_t layers = 1;          // paced layers per step
+  moebius::pacing_params pacing;
+  int64_t tokens_before = 0;   // tokens produced when it began
+};
 
 void engine::switch_untimed(parallel_mode target) {
   if (switcher_.mode() == target) return;
@@ -112,6 +121,213 @@ void engine::switch_untimed(parallel_mode target) {
   MOEBIUS_CHECK(r.outcome == moebius::switch_outcome::committed, errc::internal,
                 "engine: switch to ", moebius::to_string(target), " with no live sequence failed: ",
                 moebius::to_string(r.outcome), " ", r.error);
+}
+
+std::optional<parallel_mode> engine::decide(run_state& st, int64_t step) {
+  const engine_options& o = st.options;
+  if (st.session) return std::nullopt;
+  if (o.how == switching::policy) {
+    const int64_t load = std::min(st.sched.num_running() + st.sched.num_waiting(st.now),
+                                  o.scheduler.max_running);
+    const moebius::switch_decision d = st.policy->step(load, switcher_.mode(), st.now);
+    if (d.do_switch && d.target != switcher_.mode()) return d.target;
+  } else if (o.how == switching::forced) {
+    while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
+      ++st.next_forced;
+    }
+    if (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] == step) {
+      return other(switcher_.mode());
+    }
+  }
+  return std::nullopt;
+}
+
+void engine::start_switch(run_state& st, parallel_mode target, step_record& rec) {
+  switch_record s;
+  s.step = rec.step;
+  s.start_s = st.now;
+  s.running = st.sched.num_running();
+  s.prefilling = st.sched.num_prefilling();
+  s.from = switcher_.mode();
+  s.to = target;
+  const bool progressive = st.options.style == switch_style::progressive &&
+                           begin_progressive(st, target, s);
+  if (!progressive) stop_the_world(st, target, s, rec);
+  st.out.switches.push_back(std::move(s));
+}
+
+bool engine::begin_progressive(run_state& st, parallel_mode target, switch_record& s) {
+  // Pacing from the last step's time, the clock's link and the bytes per layer the switcher
+  // will move (planned with its own options).
+  std::optional<moebius::layer_bytes> bytes;
+  try {
+    bytes = switcher_.layer_bytes_of(target);
+  } catch (const moebius::error& e) {
+    if (e.code() != errc::capacity) throw;
+    return false;
+  }
+  const int64_t L = arena_.shape.num_layers;
+  st.pacing.step_s = st.last_step_s > 0 ? st.last_step_s : 0.01;
+  st.pacing.link_bytes_per_s = clock_.link_bytes_per_s();
+  st.pacing.link_fraction = st.options.copy_link_fraction;
+  st.pacing.bytes_per_layer = clock_.layer_bytes(*bytes, L);
+  st.layers = moebius::layers_per_step(st.pacing, L);
+  try {
+    st.sched.reserve_for_switch(switcher_.mutable_kv_tables(), (L + st.layers - 1) / st.layers);
+  } catch (const moebius::error& e) {
+    if (e.code() != errc::capacity) throw;
+    return false;  // the pages are not there: stop the world instead
+  }
+  moebius::progressive_switch session = switcher_.begin(target);
+  if (!session.open()) {
+    const moebius::switch_report& r = session.report();
+    MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
+                  "engine::run '", st.name, "': begin left the engine inconsistent: ", r.error);
+    s.outcome = r.outcome;
+    s.error = r.error;
+    s.measured_ms = r.total_ms;
+    return true;  // decided progressive, and it did not start: no stop-the-world retry
+  }
+  s.progressive = true;
+  s.layers_per_step = st.layers;
+  st.session.emplace(std::move(session));
+  st.switch_idx = st.out.switches.size();
+  st.tokens_before = tokens_produced(st.sched);
+  return true;
+}
+
+void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& s,
+                            step_record& rec) {
+  const moebius::switch_report r = switcher_.switch_to(target);
+  s.from = r.from;
+  s.to = r.to;
+  s.outcome = r.outcome;
+  s.error = r.error;
+  s.measured_ms = r.total_ms;
+  s.clock_ms = clock_.switch_s(r) * 1e3;
+  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
+                "engine::run '", st.name, "': switch left the engine inconsistent: ", r.error);
+  st.now += s.clock_ms * 1e-3;
+  if (r.outcome == moebius::switch_outcome::committed) {
+    rec.switched = true;
+    rec.switch_ms = s.clock_ms;
+  }
+}
+
+double engine::advance_progressive(run_state& st, step_record& rec) {
+  // On the host the copies complete inside advance(); on a GPU they run on the transport's
+  // streams and the step starts once they are done (poll until ready): the copy time is
+  // priced beside the step (step_ms = max(step, copies)), not measured overlapping it.
+  const engine_options& o = st.options;
+  if (o.before_advance) o.before_advance(switcher_, *st.session, rec.step);
+  const auto ta = host_clock::now();
+  rec.layers = static_cast<int64_t>(st.session->advance(st.layers).layers().size());
+  moebius::progress_state state = st.session->poll();
+  while (state == moebius::progress_state::in_flight) state = st.session->poll();
+  const double measured_copy = seconds_since(ta);
+  const double copy_s = clock_.needs_measurement() ? measured_copy
+                                                   : moebius::copy_seconds(st.pacing, rec.layers);
+  if (state == moebius::progress_state::ended) {  // the advance failed: rolled back
+    end_progressive(st);
+  } else if (o.abort_after_advance && o.abort_after_advance(*st.session, rec.step)) {
+    st.session->abort();
+    end_progressive(st);
+  }
+  return copy_s;
+}
+
+void engine::end_progressive(run_state& st) {
+  const moebius::switch_report r = st.session->report();
+  st.session.reset();
+  switch_record& s = st.out.switches[st.switch_idx];
+  s.outcome = r.outcome;
+  s.error = r.error;
+  s.measured_ms = r.total_ms;
+  s.clock_ms = (st.now - s.start_s) * 1e3;
+  s.tokens = tokens_produced(st.sched) - st.tokens_before;
+  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
+                "engine::run '", st.name,
+                "': the progressive switch left the engine inconsistent: ", r.error);
+  st.sched.release_deferred(switcher_.mutable_kv_tables());
+}
+
+bool engine::serve_step(run_state& st, step_record& rec, double copy_s) {
+  // During a progressive switch the tables are frozen: the step reads both sets through the
+  // session's view and takes no page.
+  const bool frozen = st.session.has_value();
+  std::optional<moebius::switch_step_view> view;
+  if (frozen) view = st.session->view();
+  const kv_state& tables = frozen ? view->tables(view->source()) : switcher_.kv_tables();
+  rec.start_s = st.now;
+  const step_batch b = frozen ? st.sched.next_step_frozen(tables)
+                              : st.sched.next_step(switcher_.mutable_kv_tables(), st.now);
+  if (b.empty() && !frozen) return false;
+  const step_layout layout =
+      frozen ? step_layout::during(*view) : step_layout{&tables, switcher_.cursor()};
+  rec.in_switch = frozen;
+  rec.cursor = switcher_.cursor().tp_layers;
+  std::vector<int32_t> tokens;
+  double dt = 0, measured = 0;
+  if (!b.empty()) {
+    const auto t0 = host_clock::now();
+    tokens = runtime_.step(layout, b.items);
+    measured = seconds_since(t0);
+    // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
+    if (runtime_.measured_step_s() >= 0) measured = runtime_.measured_step_s();
+    step_cost cost;
+    cost.mode = tables.mode;
+    if (frozen && switcher_.cursor().tp_layers * 2 >= arena_.shape.num_layers)
+      cost.mode = parallel_mode::tp;  // a hybrid step: priced as its majority mode
+    cost.num_ranks = kv_.num_ranks;
+    cost.num_sequences = b.num_sequences;
+    cost.new_tokens = b.decode_tokens + b.prefill_tokens;
+    cost.context_tokens = b.context_tokens;
+    dt = clock_.step_s(cost, measured);
+    if (!frozen) st.last_step_s = dt;
+  }
+  // The copies are priced beside the step: the step lasts the longer of the two.
+  rec.copy_ms = copy_s * 1e3;
+  dt = std::max(dt, copy_s);
+  rec.mode = tables.mode;
+  rec.sequences = b.num_sequences;
+  rec.decode_tokens = b.decode_tokens;
+  rec.prefill_tokens = b.prefill_tokens;
+  rec.context_tokens = b.context_tokens;
+  rec.running = st.sched.num_running();
+  rec.waiting = st.sched.num_waiting(st.now);
+  rec.stalled = b.stalled;
+  rec.kv_used_pages = used_pages_all(kv_, tables);
+  rec.step_ms = dt * 1e3;
+  rec.measured_ms = measured * 1e3;
+  st.out.stalls += b.stalled;
+  st.now += dt;
+  if (!b.empty()) {
+    if (frozen) st.sched.finish_step_frozen(b, tokens, st.now);
+    else st.sched.finish_step(b, tokens, switcher_.mutable_kv_tables(), st.now);
+  }
+  if (frozen) {
+    ++st.out.switches[st.switch_idx].steps;
+    if (st.session->layers_remaining() == 0) {
+      st.session->finish();
+      end_progressive(st);
+    }
+  }
+  return true;
+}
+
+void engine::report_progress(const run_state& st, int64_t step) const {
+  const engine_options& o = st.options;
+  if (!o.on_progress || o.progress_every_steps <= 0 || step % o.progress_every_steps != 0) return;
+  progress_info p;
+  p.run = &st.out.name;
+  p.step = step;
+  p.now_s = st.now;
+  p.running = st.sched.num_running();
+  p.finished = st.sched.num_finished();
+  p.total = st.total;
+  p.mode = switcher_.mode();
+  p.switches = static_cast<int64_t>(st.out.switches.size());
+  o.on_progress(p);
 }
 
 run_result engine::run(std::vector<request> requests, const engine_options& o,
@@ -123,221 +339,44 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   verify_ = o.verify;
   switch_untimed(o.start_mode);
 
-  scheduler sched(kv_, std::move(requests), o.scheduler);
-  capacity_context cap{&switcher_, &sched};
-  std::optional<moebius::switch_policy> policy;
-  if (o.how == switching::policy) policy.emplace(o.policy, moebius::capacity_check{&fits, &cap});
-
-  run_result out;
-  out.name = name;
-  out.clock = clock_.name();
-  double now = 0;
-  size_t next_forced = 0;
-  progressive_state prog;
-  double last_step_s = 0;  // the last normal step on the serving clock (pacing)
-  const int64_t total = static_cast<int64_t>(sched.results().size());
-  for (int64_t step = 0; !sched.done(); ++step) {
+  run_state st(kv_, std::move(requests), o, name);
+  st.capacity = capacity_context{&switcher_, &st.sched};
+  if (o.how == switching::policy) {
+    st.policy.emplace(o.policy, moebius::capacity_check{&fits, &st.capacity});
+  }
+  st.out.name = name;
+  st.out.clock = clock_.name();
+  st.total = static_cast<int64_t>(st.sched.results().size());
+  for (int64_t step = 0; !st.sched.done(); ++step) {
     MOEBIUS_CHECK(step < o.max_steps, errc::internal, "engine::run '", name, "': more than ",
-                  o.max_steps, " steps (", sched.num_finished(), " of ", total, " finished)");
+                  o.max_steps, " steps (", st.sched.num_finished(), " of ", st.total,
+                  " finished)");
     // Idle: nothing runs, jump the clock to the next arrival.
-    if (sched.num_running() == 0 && sched.next_arrival_s() > now) now = sched.next_arrival_s();
-
+    if (st.sched.num_running() == 0 && st.sched.next_arrival_s() > st.now) {
+      st.now = st.sched.next_arrival_s();
+    }
     step_record rec;
     rec.step = step;
-    // Between two steps: decide and switch (not while a progressive switch runs).
-    bool want = false;
-    parallel_mode target = switcher_.mode();
-    if (prog.active) {
-    } else if (o.how == switching::policy) {
-      const int64_t load = std::min(sched.num_running() + sched.num_waiting(now),
-                                    o.scheduler.max_running);
-      const moebius::switch_decision d = policy->step(load, switcher_.mode(), now);
-      want = d.do_switch;
-      target = d.target;
-    } else if (o.how == switching::forced) {
-      while (next_forced < o.forced_steps.size() && o.forced_steps[next_forced] < step) ++next_forced;
-      if (next_forced < o.forced_steps.size() && o.forced_steps[next_forced] == step) {
-        want = true;
-        target = other(switcher_.mode());
-      }
+    if (const std::optional<parallel_mode> target = decide(st, step)) {
+      start_switch(st, *target, rec);
     }
-    if (want && target != switcher_.mode()) {
-      switch_record s;
-      s.step = step;
-      s.start_s = now;
-      s.running = sched.num_running();
-      s.prefilling = sched.num_prefilling();
-      s.from = switcher_.mode();
-      s.to = target;
-      bool stop_the_world = o.style == switch_style::stop_the_world;
-      if (!stop_the_world) {
-        // Pacing from the last step's time, the clock's link and bytes per layer.
-        const int64_t L = arena_.shape.num_layers;
-        moebius::kv_migration_options kvo;  // as the switcher plans it (switcher_options)
-        kvo.staging.space = moebius::memory_space::arena;
-        kvo.staging.offset = 0;
-        kvo.staging.bytes = arena_.slot_bytes;
-        std::optional<moebius::layer_bytes> lb;
-        try {
-          lb = moebius::switch_layer_bytes(arena_, kv_, switcher_.kv_tables(), target, kvo);
-        } catch (const moebius::error& e) {
-          if (e.code() != errc::capacity) throw;
-        }
-        if (lb) {
-          prog.pacing.step_s = last_step_s > 0 ? last_step_s : 0.01;
-          prog.pacing.link_bytes_per_s = clock_.link_bytes_per_s();
-          prog.pacing.link_fraction = o.copy_link_fraction;
-          prog.pacing.bytes_per_layer = clock_.layer_bytes(*lb, L);
-          prog.layers = moebius::layers_per_step(prog.pacing, L);
-          const int64_t steps = (L + prog.layers - 1) / prog.layers;
-          try {
-            sched.reserve_for_switch(switcher_.mutable_kv_tables(), steps);
-          } catch (const moebius::error& e) {
-            if (e.code() != errc::capacity) throw;
-            lb.reset();  // the pages are not there: stop the world instead
-          }
-        }
-        if (!lb) {
-          stop_the_world = true;
-        } else {
-          const moebius::switch_report r = switcher_.begin(target);
-          if (r.outcome == moebius::switch_outcome::in_progress) {
-            s.progressive = true;
-            s.layers_per_step = prog.layers;
-            prog.active = true;
-            prog.record = out.switches.size();
-            prog.tokens_before = tokens_produced(sched);
-          } else {
-            MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                          "engine::run '", name, "': begin left the engine inconsistent: ",
-                          r.error);
-            s.outcome = r.outcome;
-            s.error = r.error;
-            s.measured_ms = r.total_ms;
-          }
-        }
-      }
-      if (stop_the_world) {
-        const moebius::switch_report r = switcher_.switch_to(target);
-        s.from = r.from;
-        s.to = r.to;
-        s.outcome = r.outcome;
-        s.error = r.error;
-        s.measured_ms = r.total_ms;
-        s.clock_ms = clock_.switch_s(r) * 1e3;
-        MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                      "engine::run '", name, "': switch left the engine inconsistent: ", r.error);
-        now += s.clock_ms * 1e-3;
-        if (r.outcome == moebius::switch_outcome::committed) {
-          rec.switched = true;
-          rec.switch_ms = s.clock_ms;
-        }
-      }
-      out.switches.push_back(std::move(s));
-    }
-
-    // Progressive: the next layers move before the step (on the host the copies complete
-    // inside advance(); on a GPU they would run on the copy streams beside the step, the
-    // step ordered after the layers it reads: see step.hpp).
-    double copy_s = 0;
-    if (prog.active) {
-      if (o.before_advance) o.before_advance(switcher_, step);
-      const auto ta = host_clock::now();
-      rec.layers = switcher_.advance(prog.layers);
-      while (!switcher_.poll()) {
-      }
-      const double measured_copy = seconds_since(ta);
-      copy_s = clock_.needs_measurement() ? measured_copy
-                                          : moebius::copy_seconds(prog.pacing, rec.layers);
-      if (!switcher_.in_progress()) {  // the advance failed: rolled back to the start
-        end_progressive(prog, out, sched, now, name);
-      } else if (o.abort_after_advance && o.abort_after_advance(switcher_, step)) {
-        switcher_.abort();
-        end_progressive(prog, out, sched, now, name);
-      }
-    }
-
-    const bool frozen = prog.active;
-    kv_state& tables = switcher_.mutable_kv_tables();
-    rec.start_s = now;
-    const step_batch b = frozen ? sched.next_step_frozen(tables) : sched.next_step(tables, now);
-    if (b.empty() && !frozen) continue;  // arrivals only in the future: the idle jump above
-    const step_layout layout =
-        frozen ? step_layout::hybrid_of(switcher_.tables_for(parallel_mode::tp),
-                                        switcher_.tables_for(parallel_mode::ep),
-                                        switcher_.cursor())
-               : step_layout{&tables, switcher_.cursor()};
-    rec.in_switch = frozen;
-    rec.cursor = switcher_.cursor().tp_layers;
-    std::vector<int32_t> tokens;
-    double dt = 0, measured = 0;
-    if (!b.empty()) {
-      const auto t0 = host_clock::now();
-      tokens = runtime_.step(layout, b.items);
-      measured = seconds_since(t0);
-      // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
-      if (runtime_.measured_step_s() >= 0) measured = runtime_.measured_step_s();
-      step_cost cost;
-      cost.mode = tables.mode;
-      if (frozen && switcher_.cursor().tp_layers * 2 >= arena_.shape.num_layers)
-        cost.mode = parallel_mode::tp;  // a hybrid step: priced as its majority mode
-      cost.num_ranks = kv_.num_ranks;
-      cost.num_sequences = b.num_sequences;
-      cost.new_tokens = b.decode_tokens + b.prefill_tokens;
-      cost.context_tokens = b.context_tokens;
-      dt = clock_.step_s(cost, measured);
-      if (!frozen) last_step_s = dt;
-    }
-    // The copies overlap the step: the step lasts the longer of the two.
-    rec.copy_ms = copy_s * 1e3;
-    dt = std::max(dt, copy_s);
-    rec.mode = tables.mode;
-    rec.sequences = b.num_sequences;
-    rec.decode_tokens = b.decode_tokens;
-    rec.prefill_tokens = b.prefill_tokens;
-    rec.context_tokens = b.context_tokens;
-    rec.running = sched.num_running();
-    rec.waiting = sched.num_waiting(now);
-    rec.stalled = b.stalled;
-    rec.kv_used_pages = used_pages_all(kv_, tables);
-    rec.step_ms = dt * 1e3;
-    rec.measured_ms = measured * 1e3;
-    out.stalls += b.stalled;
-    now += dt;
-    if (!b.empty()) sched.finish_step(b, tokens, tables, now, frozen);
-    if (frozen) {
-      ++out.switches[prog.record].steps;
-      if (switcher_.layers_remaining() == 0) {
-        switcher_.finish();
-        end_progressive(prog, out, sched, now, name);
-      }
-    }
+    const double copy_s = st.session ? advance_progressive(st, rec) : 0;
+    if (!serve_step(st, rec, copy_s)) continue;
     if (o.validate_every_step) moebius::validate(kv_, switcher_.kv_tables());
-    out.steps.push_back(rec);
-    if (o.on_progress && o.progress_every_steps > 0 && step % o.progress_every_steps == 0) {
-      progress_info p;
-      p.run = &out.name;
-      p.step = step;
-      p.now_s = now;
-      p.running = sched.num_running();
-      p.finished = sched.num_finished();
-      p.total = total;
-      p.mode = switcher_.mode();
-      p.switches = static_cast<int64_t>(out.switches.size());
-      o.on_progress(p);
-    }
+    st.out.steps.push_back(rec);
+    report_progress(st, step);
   }
-  if (prog.active) {  // every request finished during the switch: move the rest, commit
-    switcher_.finish();
-    end_progressive(prog, out, sched, now, name);
+  if (st.session) {  // every request finished during the switch: move the rest, commit
+    st.session->finish();
+    end_progressive(st);
   }
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::internal, "engine::run '", name,
                 "': pages still in use after every request finished (a leak)");
   moebius::validate(kv_, switcher_.kv_tables());
-  out.requests = sched.results();
-  out.end_s = now;
+  st.out.requests = st.sched.results();
+  st.out.end_s = st.now;
   verify_ = nullptr;
-  return out;
+  return std::move(st.out);
 }
 
 double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context) {

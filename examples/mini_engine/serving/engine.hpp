@@ -6,8 +6,9 @@
 // each switch advances the serving clock by what a step_clock says it took.
 //
 //   loop: [policy.step(load, mode, now) -> switcher.switch_to(target)]  (or a forced switch)
-//         [progressive: begin(target) once, then advance(paced) + poll() each step, hybrid
-//          steps, finish() after the last layer; switch_style below]
+//         [progressive: session = switcher.begin(target) once, then session.advance(paced)
+//          + poll() each step, hybrid steps on session.view(), finish() after the last
+//          layer; switch_style below]
 //         batch = scheduler.next_step(tables, now)      (admit, grow page tables)
 //         tokens = runtime.step({tables, cursor}, batch) (timed)
 //         now += clock.step_s(cost, measured); scheduler.finish_step(batch, tokens, now)
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -78,8 +80,9 @@ struct engine_options {
   double copy_link_fraction = 0.55;
   // Progressive, tests: called before each advance (inject a fault here), and after it
   // (return true to abort the switch at the cursor reached).
-  std::function<void(moebius::switcher&, int64_t step)> before_advance;
-  std::function<bool(const moebius::switcher&, int64_t step)> abort_after_advance;
+  std::function<void(moebius::switcher&, const moebius::progressive_switch&, int64_t step)>
+      before_advance;
+  std::function<bool(const moebius::progressive_switch&, int64_t step)> abort_after_advance;
   // Passed to the switcher (switcher_options::verify): a layout-independent checksum.
   std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify;
 };
@@ -163,16 +166,25 @@ class engine {
   const step_clock& clock() const { return clock_; }
 
  private:
+  struct run_state;  // what one run() carries from step to step (engine.cpp)
+
   void switch_untimed(moebius::parallel_mode target);
-  struct progressive_state {
-    bool active = false;
-    size_t record = 0;               // its switch_record
-    int64_t layers = 1;              // paced layers per step
-    moebius::pacing_params pacing;
-    int64_t tokens_before = 0;
-  };
-  void end_progressive(progressive_state& p, run_result& out, scheduler& sched, double now,
-                       const std::string& name);
+  // The mode to switch to before this step, if any (never while a progressive switch runs).
+  std::optional<moebius::parallel_mode> decide(run_state& st, int64_t step);
+  // Runs (stop the world) or begins (progressive) the switch to `target`; records it.
+  void start_switch(run_state& st, moebius::parallel_mode target, step_record& rec);
+  // Paces, reserves the frozen tables' pages and opens the session; false when the switch
+  // must run stop-the-world instead (the target cannot hold the KV, or the pages are not there).
+  bool begin_progressive(run_state& st, moebius::parallel_mode target, switch_record& s);
+  void stop_the_world(run_state& st, moebius::parallel_mode target, switch_record& s,
+                      step_record& rec);
+  // Moves the next paced layers before the step; returns their copy time on the serving clock.
+  double advance_progressive(run_state& st, step_record& rec);
+  // Runs one step (hybrid during a progressive switch) and records it; false when nothing
+  // could run (only future arrivals: the idle jump takes over).
+  bool serve_step(run_state& st, step_record& rec, double copy_s);
+  void end_progressive(run_state& st);
+  void report_progress(const run_state& st, int64_t step) const;
 
   runtime& runtime_;
   moebius::arena_geometry arena_;

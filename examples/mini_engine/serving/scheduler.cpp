@@ -257,9 +257,21 @@ void scheduler::release_deferred(kv_state& kv) {
 }
 
 void scheduler::finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
-                            kv_state& kv, double now_s, bool frozen) {
+                            kv_state& kv, double now_s) {
+  for (const int64_t id : record_step(b, next_tokens, now_s)) release_sequence(kv, id);
+}
+
+void scheduler::finish_step_frozen(const step_batch& b, std::span<const int32_t> next_tokens,
+                                   double now_s) {
+  const std::vector<int64_t> finished = record_step(b, next_tokens, now_s);
+  deferred_release_.insert(deferred_release_.end(), finished.begin(), finished.end());
+}
+
+std::vector<int64_t> scheduler::record_step(const step_batch& b,
+                                            std::span<const int32_t> next_tokens, double now_s) {
   MOEBIUS_CHECK(next_tokens.size() == b.items.size(), errc::invalid_argument,
                 "finish_step: ", next_tokens.size(), " tokens for ", b.items.size(), " items");
+  std::vector<int64_t> finished;
   std::vector<bool> retire(running_.size(), false);
   for (size_t i = 0; i < b.items.size(); ++i) {
     running_seq& s = running_[static_cast<size_t>(b.running_idx[i])];
@@ -278,8 +290,7 @@ void scheduler::finish_step(const step_batch& b, std::span<const int32_t> next_t
       res.finish_s = now_s;
       ++num_finished_;
       retire[static_cast<size_t>(b.running_idx[i])] = true;
-      if (frozen) deferred_release_.push_back(res.id);
-      else release_sequence(kv, res.id);
+      finished.push_back(res.id);
     } else {
       s.tokens.push_back(next_tokens[i]);  // within the capacity reserved at admission
     }
@@ -292,6 +303,7 @@ void scheduler::finish_step(const step_batch& b, std::span<const int32_t> next_t
     }
   }
   running_.resize(out);
+  return finished;
 }
 
 }  // namespace mini_engine

@@ -103,16 +103,19 @@ class scheduler {
   void reserve_for_switch(moebius::kv_state& kv, int64_t steps);
   // next_step_frozen: a batch that writes only tokens the frozen tables already hold: no
   // admission, no page taken; a sequence whose held tokens are used up waits (counted as a
-  // stall). May be empty while sequences run. finish_step with `frozen` set defers the
-  // release of finished sequences' pages; release_deferred() returns them once the switch
-  // has finished or rolled back (on the tables then current).
+  // stall). May be empty while sequences run. finish_step_frozen records such a step and
+  // defers the release of finished sequences' pages (it gets no tables to release them from);
+  // release_deferred() returns them once the switch has finished or rolled back (on the
+  // tables then current).
   step_batch next_step_frozen(const moebius::kv_state& kv);
+  void finish_step_frozen(const step_batch& b, std::span<const int32_t> next_tokens,
+                          double now_s);
   void release_deferred(moebius::kv_state& kv);
 
   // Records a step that ended at `now_s`: the runtime's tokens for `b` (one per item, -1
   // where no sample), then retires finished requests and releases their pages.
   void finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
-                   moebius::kv_state& kv, double now_s, bool frozen = false);
+                   moebius::kv_state& kv, double now_s);
 
   bool done() const { return num_finished_ == static_cast<int64_t>(results_.size()); }
   // Arrival of the first request not yet admitted (+inf when none waits).
@@ -145,6 +148,9 @@ class scheduler {
 
   // Pages left per rank after the running sequences' reservations, in kv.mode.
   std::vector<int64_t> unreserved(const moebius::kv_state& kv) const;
+  // Records a step's tokens, retires finished requests; returns their ids (pages to release).
+  std::vector<int64_t> record_step(const step_batch& b, std::span<const int32_t> next_tokens,
+                                   double now_s);
 
   moebius::kv_geometry g_;
   scheduler_options options_;

@@ -105,6 +105,7 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
   // never shrink a sequence below what it holds).
   std::vector<int64_t> reserved(3, 0);
   const int total_steps = 2 + decode_steps;
+  std::optional<moebius::progressive_switch> session;
   for (int s = 0; s < total_steps; ++s) {
     if (auto it = switch_at.find(s); it != switch_at.end()) {
       REQUIRE(sw != nullptr);
@@ -116,23 +117,26 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
           reserve_tokens(rt.kv(), sw->mutable_kv_tables(), q, reserved[static_cast<size_t>(q)],
                          q % P);
         }
-        const moebius::switch_report rep = sw->begin(it->second);
-        INFO(rep);
-        REQUIRE(rep.outcome == moebius::switch_outcome::in_progress);
+        session.emplace(sw->begin(it->second));
+        INFO(session->report());
+        REQUIRE(session->open());
       } else {
         const moebius::switch_report rep = sw->switch_to(it->second);
         INFO(rep);
         REQUIRE(rep.outcome == moebius::switch_outcome::committed);
       }
     }
-    const bool hybrid = sw != nullptr && sw->in_progress();
+    const bool hybrid = session.has_value();
     if (hybrid) {
-      sw->advance(progressive_layers);
-      while (!sw->poll()) {
-      }
-      REQUIRE(sw->in_progress());  // the advance committed its layers
+      session->advance(progressive_layers);
+      moebius::progress_state state = session->poll();
+      while (state == moebius::progress_state::in_flight) state = session->poll();
+      REQUIRE(state == moebius::progress_state::ready);  // the advance committed its layers
     }
-    moebius::kv_state& kv = sw != nullptr ? sw->mutable_kv_tables() : tables;
+    // Frozen tables during a progressive switch: read-only, through the session's view.
+    const moebius::kv_state& kv = hybrid ? session->view().tables(session->view().source())
+                                  : sw != nullptr ? sw->mutable_kv_tables()
+                                                  : tables;
     const moebius::arena_cursor cur = sw != nullptr ? sw->cursor() : cursor;
     std::vector<step_item> items;
     std::vector<std::vector<int32_t>> chunk_store(3);
@@ -146,7 +150,8 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
       chunk_store[static_cast<size_t>(q)].assign(toks.begin() + from, toks.begin() + to);
       if (!hybrid) {
         reserved[static_cast<size_t>(q)] = std::max(reserved[static_cast<size_t>(q)], to);
-        reserve_tokens(rt.kv(), kv, q, reserved[static_cast<size_t>(q)], q % P);
+        reserve_tokens(rt.kv(), sw != nullptr ? sw->mutable_kv_tables() : tables, q,
+                       reserved[static_cast<size_t>(q)], q % P);
       }
       step_item it;
       it.seq_id = q;
@@ -158,10 +163,7 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
     }
     moebius::validate(rt.kv(), kv);
     std::vector<std::vector<float>> logits;
-    const step_layout layout =
-        hybrid ? step_layout::hybrid_of(sw->tables_for(parallel_mode::tp),
-                                        sw->tables_for(parallel_mode::ep), cur)
-               : step_layout{&kv, cur};
+    const step_layout layout = hybrid ? step_layout::during(session->view()) : step_layout{&kv, cur};
     const std::vector<int32_t> next = rt.step(layout, items, &logits);
     size_t li = 0;
     for (size_t i = 0; i < items.size(); ++i) {
@@ -177,8 +179,9 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
       out.seqs[static_cast<size_t>(q)].push_back(next[i]);
     }
     REQUIRE(li == logits.size());
-    if (hybrid && sw->layers_remaining() == 0) {
-      const moebius::switch_report rep = sw->finish();
+    if (hybrid && session->layers_remaining() == 0) {
+      const moebius::switch_report rep = session->finish();
+      session.reset();
       INFO(rep);
       REQUIRE(rep.outcome == moebius::switch_outcome::committed);
     }

@@ -109,15 +109,16 @@ void serve_progressive(int P, uint64_t seed, trouble t) {
   o.start_mode = seed % 2 ? parallel_mode::ep : parallel_mode::tp;
   int64_t injected = 0;
   if (t == trouble::abort) {
-    o.abort_after_advance = [&](const moebius::switcher&, int64_t) {
+    o.abort_after_advance = [&](const moebius::progressive_switch&, int64_t) {
       return std::bernoulli_distribution(0.3)(rng);
     };
   } else if (t == trouble::fault) {
-    o.before_advance = [&](moebius::switcher& sw, int64_t) {
+    o.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& session,
+                           int64_t) {
       if (!std::bernoulli_distribution(0.3)(rng)) return;
-      const moebius::switch_report& r = sw.progress_report();
+      const moebius::switch_report& r = session.report();
       const int64_t per_layer = 1 + r.kv_rounds / std::max<int64_t>(1, r.weight_phases);
-      const int64_t phases = per_layer * std::min(per_step, sw.layers_remaining());
+      const int64_t phases = per_layer * std::min(per_step, session.layers_remaining());
       const int64_t phase = std::uniform_int_distribution<int64_t>(0, phases - 1)(rng);
       sw.inject_fault(moebius::switch_fault{moebius::switch_fault::stage::weights,
                                             moebius::fault_point{phase, 0}});
