@@ -1,4 +1,4 @@
-// The switcher (switch/switcher.hpp) and the layout-independent checksums (switch/checksum.hpp).
+// The switcher (switch/switcher.hpp), its progressive-switch session (switch/progressive.hpp) and the layout-independent checksums (switch/checksum.hpp).
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -12,6 +12,27 @@
 #include "common.hpp"
 
 namespace moebius::python {
+namespace {
+
+nb::dict to_dict(const switch_workload& w) {
+  nb::dict d;
+  d["num_ranks"] = w.num_ranks;
+  d["weight_bytes_per_rank"] = w.weight_bytes_per_rank;
+  d["kv_bytes_per_rank"] = w.kv_bytes_per_rank;
+  d["weight_phases"] = w.weight_phases;
+  d["kv_rounds"] = w.kv_rounds;
+  return d;
+}
+
+nb::dict to_dict(const layer_bytes& b) {
+  nb::dict d;
+  d["weight_bytes_sent"] = nb::cast(b.weight_bytes_sent);
+  d["kv_bytes_sent"] = nb::cast(b.kv_bytes_sent);
+  d["busiest"] = b.busiest();
+  return d;
+}
+
+}  // namespace
 
 nb::dict to_dict(const switch_report& r) {
   nb::dict d;
@@ -26,6 +47,7 @@ nb::dict to_dict(const switch_report& r) {
   d["kv_rounds_completed"] = r.kv_rounds_completed;
   d["weight_bytes_sent"] = nb::cast(r.weight_bytes_sent);
   d["kv_bytes_sent"] = nb::cast(r.kv_bytes_sent);
+  d["workload"] = to_dict(r.workload);
   d["kv_stats"] = to_dict(r.kv_stats);
   d["capacity"] = to_dict(r.capacity);
   d["capacity_ms"] = r.capacity_ms;
@@ -102,6 +124,79 @@ void bind_switch(nb::module_& m) {
       .value("kv", switch_fault::stage::kv)
       .value("undo", switch_fault::stage::undo);
 
+  nb::class_<progressive_switch>(
+      m, "ProgressiveSwitch",
+      "A progressive switch in flight (Switcher.begin): advance() a few layers per decode\n"
+      "step on the caller's streams, serve hybrid steps (layer l in TP iff l < cursor, with\n"
+      "tables(mode) of its mode), poll() until 'ready', finish() or abort(). Leaving a\n"
+      "`with` block (or dropping the last reference) while it is open aborts it.")
+      .def_prop_ro("open", &progressive_switch::open)
+      .def_prop_ro("report", [](const progressive_switch& p) { return to_dict(p.report()); })
+      .def_prop_ro("layers_remaining", &progressive_switch::layers_remaining)
+      .def_prop_ro("bytes_per_layer",
+                   [](const progressive_switch& p) { return to_dict(p.bytes_per_layer()); })
+      .def_prop_ro("cursor", [](const progressive_switch& p) { return p.view().cursor().tp_layers; },
+                   "Layers below it run TP (their copies are complete), the rest EP.")
+      .def("mode_of", [](const progressive_switch& p, int64_t layer) { return p.view().mode_of(layer); },
+           nb::arg("layer"))
+      .def("tables", [](const progressive_switch& p, parallel_mode m) { return p.view().tables(m); },
+           nb::arg("mode"), "The (frozen) page tables layers of `mode` read, as a copy.")
+      .def(
+          "advance",
+          [](progressive_switch& p, int64_t layers, const std::vector<uintptr_t>& streams) {
+            std::vector<stream_handle> handles;
+            for (uintptr_t h : streams) handles.push_back(stream_of_int(h));
+            const layer_completion* c = nullptr;
+            {
+              nb::gil_scoped_release release;
+              c = &p.advance(layers, handles);
+            }
+            return std::vector<int64_t>(c->layers().begin(), c->layers().end());
+          },
+          nb::arg("layers"), nb::arg("streams") = std::vector<uintptr_t>{},
+          "Enqueues the next `layers` layers (weights, then that layer's KV) on `streams` (one\n"
+          "cudaStream_t as int per local rank, or empty) and returns the layers enqueued, in\n"
+          "the order they move. Never waits.")
+      .def(
+          "poll",
+          [](progressive_switch& p) {
+            nb::gil_scoped_release release;
+            return std::string(to_string(p.poll()));
+          },
+          "'in_flight' (copies running), 'ready' (the cursor moved past the advance's layers)\n"
+          "or 'ended' (the advance failed and was rolled back, or left the switcher\n"
+          "inconsistent: see report).")
+      .def(
+          "finish",
+          [](progressive_switch& p) {
+            switch_report report;
+            {
+              nb::gil_scoped_release release;
+              report = p.finish();
+            }
+            return to_dict(report);
+          },
+          "Advances every remaining layer, waits, verifies and commits (or rolls back).")
+      .def(
+          "abort",
+          [](progressive_switch& p) {
+            switch_report report;
+            {
+              nb::gil_scoped_release release;
+              report = p.abort();
+            }
+            return to_dict(report);
+          },
+          "Waits for an outstanding advance, then puts every moved layer back.")
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def(
+          "__exit__",
+          [](progressive_switch& p, nb::args) {
+            if (!p.open()) return;
+            nb::gil_scoped_release release;
+            p.abort();
+          });
+
   nb::class_<switcher>(
       m, "Switcher",
       "Runs a switch end to end between two decode steps: capacity check, expert weights\n"
@@ -163,63 +258,28 @@ void bind_switch(nb::module_& m) {
           "'already_there', 'refused_capacity', 'rolled_back', 'inconsistent'), error, cursor,\n"
           "phases and rounds, bytes sent per rank, kv_stats, capacity, *_ms timings, verified,\n"
           "summary (the C++ operator<< text). Failures end in the report, not in an exception.")
-      // Progressive switch: a few layers per decode step.
+      // Progressive switch: a session that moves a few layers per decode step.
       .def(
           "begin",
           [](switcher& s, parallel_mode target) {
-            switch_report report;
-            {
-              nb::gil_scoped_release release;
-              report = s.begin(target);
-            }
-            return to_dict(report);
-          },
-          nb::arg("target"),
-          "Starts a progressive switch: capacity check and plans, nothing moves. The report's\n"
-          "outcome is 'in_progress', or 'already_there' / 'refused_capacity' / 'inconsistent'.")
-      .def(
-          "advance",
-          [](switcher& s, int64_t layers, const std::vector<uintptr_t>& streams) {
-            std::vector<stream_handle> handles;
-            for (uintptr_t h : streams) handles.push_back(stream_of_int(h));
             nb::gil_scoped_release release;
-            return s.advance(layers, handles);
+            return s.begin(target);
           },
-          nb::arg("layers"), nb::arg("streams") = std::vector<uintptr_t>{},
-          "Enqueues the next `layers` layers (weights, then that layer's KV) on `streams` (one\n"
-          "cudaStream_t as int per local rank, or empty); returns how many were enqueued.")
-      .def("poll", &switcher::poll, nb::call_guard<nb::gil_scoped_release>(),
-           "True when no advance is outstanding; the cursor then moves past its layers.")
-      .def(
-          "finish",
-          [](switcher& s) {
-            switch_report report;
-            {
-              nb::gil_scoped_release release;
-              report = s.finish();
-            }
-            return to_dict(report);
-          },
-          "Advances every remaining layer, waits and commits (or rolls back); the report.")
-      .def(
-          "abort",
-          [](switcher& s) {
-            switch_report report;
-            {
-              nb::gil_scoped_release release;
-              report = s.abort();
-            }
-            return to_dict(report);
-          },
-          "Waits for an outstanding advance, then puts every moved layer back.")
+          nb::arg("target"), nb::keep_alive<0, 1>(),
+          "Opens a progressive switch (a ProgressiveSwitch; it keeps the switcher alive):\n"
+          "capacity check and plans, nothing moves. It is open when report['outcome'] is\n"
+          "'in_progress'; otherwise the report says why not ('already_there',\n"
+          "'refused_capacity', 'inconsistent', or 'rolled_back' when verify failed).")
       .def_prop_ro("in_progress", &switcher::in_progress)
-      .def_prop_ro("layers_remaining", &switcher::layers_remaining)
-      .def_prop_ro("progress_report",
-                   [](const switcher& s) { return to_dict(s.progress_report()); })
-      .def("tables_for", &switcher::tables_for, nb::arg("mode"),
-           "The page tables layers in `mode` read (both modes during a progressive switch).")
-      .def("layer_mode", &switcher::layer_mode, nb::arg("layer"),
-           "The mode `layer` runs in now: TP iff layer < cursor.")
+      .def_prop_ro("last_report", [](const switcher& s) { return to_dict(s.last_report()); },
+                   "The report of the last switch that ended (either style).")
+      .def(
+          "layer_bytes_of",
+          [](const switcher& s, parallel_mode target) { return to_dict(s.layer_bytes_of(target)); },
+          nb::arg("target"),
+          "What each layer of a progressive switch to `target` sends per rank (the pacing\n"
+          "input, planned with this switcher's options): {'weight_bytes_sent', 'kv_bytes_sent',\n"
+          "'busiest'}.")
       .def(
           "inject_fault",
           [](switcher& s, std::optional<switch_fault::stage> stage, int64_t phase, int64_t op) {

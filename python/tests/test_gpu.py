@@ -213,12 +213,12 @@ def test_progressive_switch_on_caller_streams():
     host_arenas, host_pools = [a.copy() for a in arenas], [p.copy() for p in pools]
     host_ranks = [moebius.RankMemory(a, p) for a, p in zip(host_arenas, host_pools)]
     host = moebius.Switcher(arena, kv, moebius.HostTransport(host_ranks), state)
-    assert host.begin(TP)["outcome"] == "in_progress"
+    host_session = host.begin(TP)
+    assert host_session.open
     for _ in range(L):
-        host.advance(1)
-        while not host.poll():
-            pass
-    assert host.finish()["outcome"] == "committed"
+        host_session.advance(1)
+        assert host_session.poll() == "ready"
+    assert host_session.finish()["outcome"] == "committed"
 
     gpu_arenas = [torch.from_numpy(a).to(f"cuda:{d}") for a, d in zip(arenas, devices(P))]
     gpu_pools = [torch.from_numpy(p).to(f"cuda:{d}") for p, d in zip(pools, devices(P))]
@@ -229,22 +229,24 @@ def test_progressive_switch_on_caller_streams():
                           on_commit=flips.append)
     assert sw.check(TP)["fits"]
     torch.cuda.synchronize()
-    assert sw.begin(TP)["outcome"] == "in_progress" and sw.layers_remaining == L
+    session = sw.begin(TP)
+    assert session.open and session.layers_remaining == L
     for layer in range(L):
-        assert sw.advance(1, [s.cuda_stream for s in streams]) == 1
+        assert session.advance(1, [s.cuda_stream for s in streams]) == [layer]
         reads = []
         for mem, s in zip(ranks, streams):  # the engine's next step reads the layer in TP
             with torch.cuda.stream(s):
                 reads.append(torch.from_dlpack(mem.weight_view(arena, layer, TP, W13)).clone())
-        while not sw.poll():
+        while (state_now := session.poll()) == "in_flight":
             pass
-        assert sw.cursor == layer + 1 and sw.layer_mode(layer) == TP
+        assert state_now == "ready"
+        assert session.cursor == layer + 1 and session.mode_of(layer) == TP
         torch.cuda.synchronize()
         for r, got in enumerate(reads):
             np.testing.assert_array_equal(got.view(torch.int16).cpu().numpy().view(np.uint16),
                                           tp_slice(full[layer][W13], W13, r, P),
                                           err_msg=f"layer {layer} rank {r}")
-    report = sw.finish()
+    report = session.finish()
     assert report["outcome"] == "committed", report["error"]
     assert flips == [TP] and sw.mode == TP and not sw.in_progress
 

@@ -73,24 +73,32 @@ def test_progressive_switch(rng):
     flips = []
     sw = moebius.Switcher(arena, kv, moebius.HostTransport(ranks), state, on_commit=flips.append)
     before = logical_kv(kv, state, ranks)
-    assert sw.begin(TP)["outcome"] == "in_progress" and sw.in_progress
-    assert sw.layers_remaining == 2
-    assert sw.advance(1) == 1
-    while not sw.poll():
+    expected_bytes = sw.layer_bytes_of(TP)
+    session = sw.begin(TP)
+    assert session.open and session.report["outcome"] == "in_progress" and sw.in_progress
+    assert session.layers_remaining == 2
+    assert session.bytes_per_layer == expected_bytes
+    assert session.advance(1) == [0]
+    while (state_now := session.poll()) == "in_flight":
         pass
-    assert sw.cursor == 1 and sw.layer_mode(0) == TP and sw.layer_mode(1) == EP
+    assert state_now == "ready"
+    assert session.cursor == 1 and session.mode_of(0) == TP and session.mode_of(1) == EP
     for r, mem in enumerate(ranks):  # layer 0 is TP already, layer 1 still EP
         np.testing.assert_array_equal(raw_view(mem, arena, 0, TP, W13),
                                       tp_slice(full[0][W13], W13, r, 2))
         np.testing.assert_array_equal(raw_view(mem, arena, 1, EP, W13),
                                       ep_slice(full[1][W13], W13, r, 2))
-    report = sw.finish()
+    report = session.finish()
     assert report["outcome"] == "committed" and flips == [TP] and not sw.in_progress
-    for seq_id, data in logical_kv(kv, sw.tables_for(TP), ranks).items():
+    assert not session.open and sw.last_report["outcome"] == "committed"
+    for seq_id, data in logical_kv(kv, sw.kv_tables, ranks).items():
         np.testing.assert_array_equal(data, before[seq_id])
-    assert sw.begin(EP)["outcome"] == "in_progress"
-    sw.advance(1)
-    assert sw.abort()["outcome"] == "rolled_back" and sw.mode == TP and sw.cursor == 2
+    with sw.begin(EP) as back:
+        assert back.advance(1) == [1]  # TP->EP moves the last layer first
+        assert back.poll() == "ready" and back.cursor == 1
+    # Leaving the block aborted the open switch.
+    assert sw.last_report["outcome"] == "rolled_back" and sw.mode == TP and sw.cursor == 2
+    assert sw.begin(TP).report["outcome"] == "already_there"
 
 
 @pytest.mark.parametrize("stage", [moebius.SwitchStage.weights, moebius.SwitchStage.kv])
