@@ -30,6 +30,10 @@
 #include "moebius/transport/transport.hpp"
 
 #include "moebius/switch/checksum.hpp"
+#include "moebius/switch/overlap.hpp"
+#include "moebius/switch/pacing.hpp"
+#include "moebius/switch/progressive.hpp"
+#include "moebius/switch/switch_report.hpp"
 #include "moebius/switch/switch_stats.hpp"
 #include "moebius/switch/switcher.hpp"
 
