@@ -35,6 +35,28 @@ event_handle layer_completion::event(int64_t layer, size_t local_index) const {
   return events_[j * num_local_ + local_index];
 }
 
+step_layer_events::step_layer_events(int64_t num_layers, size_t num_local)
+    : num_layers_(num_layers), num_local_(num_local) {
+  MOEBIUS_CHECK(num_layers >= 1 && num_local >= 1, errc::invalid_argument,
+                "step_layer_events: need >= 1 layer and >= 1 local rank (got ", num_layers, ", ",
+                num_local, ")");
+  events_.assign(static_cast<size_t>(num_layers) * num_local, nullptr);
+}
+
+void step_layer_events::set(int64_t layer, size_t local_index, event_handle e) {
+  MOEBIUS_CHECK(layer >= 0 && layer < num_layers_ && local_index < num_local_, errc::out_of_range,
+                "step_layer_events::set(", layer, ", ", local_index, "): ", num_layers_,
+                " layers, ", num_local_, " local ranks");
+  events_[static_cast<size_t>(layer) * num_local_ + local_index] = e;
+}
+
+event_handle step_layer_events::get(int64_t layer, size_t local_index) const {
+  MOEBIUS_CHECK(layer >= 0 && layer < num_layers_ && local_index < num_local_, errc::out_of_range,
+                "step_layer_events::get(", layer, ", ", local_index, "): ", num_layers_,
+                " layers, ", num_local_, " local ranks");
+  return events_[static_cast<size_t>(layer) * num_local_ + local_index];
+}
+
 progressive_switch::progressive_switch(switcher& owner,
                                        std::unique_ptr<detail::switch_transaction> txn,
                                        switch_report report)
@@ -96,14 +118,15 @@ switch_step_view progressive_switch::view() const {
 }
 
 const layer_completion& progressive_switch::advance(int64_t layers,
-                                                    std::span<const stream_handle> streams) {
+                                                    std::span<const stream_handle> streams,
+                                                    const step_layer_events* beside) {
   MOEBIUS_CHECK(open(), errc::invalid_argument, "advance: the progressive switch is not open (",
                 to_string(report_.outcome), ")");
   MOEBIUS_CHECK(!txn_->outstanding(), errc::invalid_argument,
                 "advance: the previous advance is still in flight; poll() until it is ready");
   MOEBIUS_CHECK(layers >= 1, errc::invalid_argument, "advance: layers must be >= 1 (got ",
                 layers, ")");
-  return txn_->enqueue(layers, streams);
+  return txn_->enqueue(layers, streams, beside);
 }
 
 progress_state progressive_switch::poll() {

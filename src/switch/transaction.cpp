@@ -9,6 +9,7 @@
 #include "moebius/error.hpp"
 #include "moebius/plan/rollback.hpp"
 #include "moebius/plan/weight_plan.hpp"
+#include "moebius/switch/overlap.hpp"
 
 namespace moebius::detail {
 namespace {
@@ -229,8 +230,18 @@ void switch_transaction::arm(switch_fault::stage stage) {
 }
 
 const layer_completion& switch_transaction::enqueue(int64_t units,
-                                                    std::span<const stream_handle> streams) {
+                                                    std::span<const stream_handle> streams,
+                                                    const step_layer_events* beside) {
   const int64_t n = std::min(units, units_remaining());
+  const size_t num_local = sw_.transport_.local_ranks().size();
+  if (beside != nullptr) {
+    MOEBIUS_CHECK(how_ == style::per_layer && beside->num_layers() == sw_.weights_.shape.num_layers &&
+                      beside->num_local() == num_local,
+                  errc::invalid_argument, "advance: the step's layer events cover ",
+                  beside->num_layers(), " layers and ", beside->num_local(),
+                  " local ranks; the switch has ", sw_.weights_.shape.num_layers, " layers and ",
+                  num_local, " local ranks");
+  }
   streams_.assign(streams.begin(), streams.end());
   completion_ = layer_completion{};
   if (n == 0) return completion_;
@@ -238,33 +249,45 @@ const layer_completion& switch_transaction::enqueue(int64_t units,
   if (how_ == style::whole) {
     // Weights first, then KV: two plans, each timed as its stage.
     segment w{weight_plan_of(units_[first]), switch_fault::stage::weights, true,
-              units_[first].first_phase, {}};
+              units_[first].first_phase, {}, {}};
     segment k{kv_plan_of(first), switch_fault::stage::kv, true,
-              units_[first].first_phase + units_[first].weight_phases(), {}};
+              units_[first].first_phase + units_[first].weight_phases(), {}, {}};
     units_enqueued_ += 1;
     queued_.push_back(std::move(k));
     start(std::move(w), /*rethrow=*/false);
     return completion_;
   }
   // One plan for the n layers, a phase mark after each layer's last phase.
-  segment s{plan{}, switch_fault::stage::weights, false, units_[first].first_phase, {}};
+  segment s{plan{}, switch_fault::stage::weights, false, units_[first].first_phase, {}, {}};
   s.work.num_ranks = sw_.weights_.num_ranks;
   std::vector<int64_t> mark_of_layer;  // index into s.marks, -1: nothing to wait for
+  std::vector<int64_t> layers;
+  for (size_t u = first; u < first + static_cast<size_t>(n); ++u) {
+    const unit& un = units_[u];
+    layers.push_back(un.to.tp_layers > un.from.tp_layers ? un.from.tp_layers : un.to.tp_layers);
+  }
+  // Beside a step: each layer's copies start once that step is past what they overwrite.
+  const std::vector<int64_t> waits =
+      beside ? copy_waits(sw_.weights_.shape.num_layers, sw_.cursor_, layers)
+             : std::vector<int64_t>(layers.size(), -1);
   for (size_t u = first; u < first + static_cast<size_t>(n); ++u) {
     const size_t before = s.work.phases.size();
+    if (const int64_t w = waits[u - first]; w >= 0) {
+      transport::phase_wait pw;
+      pw.phase = static_cast<int64_t>(before);
+      for (size_t i = 0; i < num_local; ++i) pw.events.push_back(beside->get(w, i));
+      s.waits.push_back(std::move(pw));
+    }
     append(s.work, weight_plan_of(units_[u]));
     append(s.work, kv_plan_of(u));
     if (s.work.phases.size() > before) s.marks.push_back(static_cast<int64_t>(s.work.phases.size()) - 1);
     mark_of_layer.push_back(static_cast<int64_t>(s.marks.size()) - 1);
-    completion_.layers_.push_back(units_[u].to.tp_layers > units_[u].from.tp_layers
-                                      ? units_[u].from.tp_layers
-                                      : units_[u].to.tp_layers);
   }
+  completion_.layers_ = layers;
   // A plan the transport rejects throws out of here, and nothing was enqueued.
   start(std::move(s), /*rethrow=*/true);
   units_enqueued_ += n;
   // One event per layer and local rank: the mark after the layer's last phase.
-  const size_t num_local = sw_.transport_.local_ranks().size();
   completion_.num_local_ = num_local;
   for (const int64_t m : mark_of_layer) {
     for (size_t i = 0; i < num_local; ++i) {
@@ -282,6 +305,7 @@ void switch_transaction::start(segment s, bool rethrow) {
   start_failure_ = nullptr;
   try {
     sw_.transport_.mark_phases(current_->marks);
+    sw_.transport_.wait_before_phases(current_->waits);
     sw_.transport_.enqueue(current_->work, streams_);
   } catch (...) {
     // transport::enqueue throws only before anything started (a rejected plan, a bad stream

@@ -65,7 +65,9 @@ class switch_transaction {
   // Enqueues the next min(units, units_remaining()) units (the caller checked units >= 1 and
   // that nothing is outstanding) and returns their completion (per_layer: one event per unit
   // and local rank).
-  const layer_completion& enqueue(int64_t units, std::span<const stream_handle> streams);
+  // `beside`: the layer events of a step overlapping these copies (per_layer only; checked).
+  const layer_completion& enqueue(int64_t units, std::span<const stream_handle> streams,
+                                  const step_layer_events* beside = nullptr);
   bool outstanding() const { return current_ != nullptr || !queued_.empty(); }
   // Never blocks: collects a finished plan, starts the next queued one; a failure undoes the
   // switch and ends the transaction.
@@ -94,6 +96,7 @@ class switch_transaction {
     bool timed = false;         // whole style: its time is the stage's (weights_ms, kv_ms)
     int64_t first_phase = 0;
     std::vector<int64_t> marks;  // phase marks within `work` (transport::mark_phases)
+    std::vector<transport::phase_wait> waits;  // within `work` (wait_before_phases)
   };
 
   switch_transaction(switcher& sw, parallel_mode target, arena_cursor goal, style how,

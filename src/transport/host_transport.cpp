@@ -57,6 +57,18 @@ void host_transport::mark_phases(std::span<const int64_t> after_phases) {
   pending_marks_.assign(after_phases.begin(), after_phases.end());
 }
 
+void host_transport::wait_before_phases(std::span<const phase_wait> waits) {
+  detail::phase_waits check;
+  check.set(waits, ranks_.size(), "host_transport");
+  for (const phase_wait& w : waits) {
+    for (const event_handle e : w.events) {
+      MOEBIUS_CHECK(e == nullptr, errc::invalid_argument,
+                    "host_transport::wait_before_phases: host memory has no streams to wait on; "
+                    "pass nullptr events (phase ", w.phase, ")");
+    }
+  }
+}
+
 event_handle host_transport::phase_event(size_t mark, size_t local_index) const {
   detail::check_phase_event(mark, num_marks_, local_index, ranks_.size(), "host_transport");
   return nullptr;

@@ -114,6 +114,8 @@ struct nccl_transport::impl {
   std::string fault_message;
   detail::phase_marks pending_marks;  // for the next enqueue
   std::vector<int64_t> marks;         // of the outstanding (or last) plan, those it reaches
+  detail::phase_waits pending_waits;  // for the next enqueue
+  std::vector<transport::phase_wait> waits;  // of the outstanding plan
 
   // Records the events of marks [first, last) on every local rank's active stream.
   void record_marks(size_t first, size_t last) {
@@ -470,9 +472,21 @@ void nccl_transport::enqueue(const plan& p, std::span<const stream_handle> strea
   st.current = pp;
   st.enqueued_phases = 0;
   st.marks = st.pending_marks.take(num_phases);
+  st.waits = st.pending_waits.take(num_phases);
   try {
     size_t next_mark = 0;  // marks below it are recorded
+    size_t next_wait = 0;  // waits below it are enqueued
     for (int64_t k = 0; k < pp->num_phases; ++k) {
+      if (next_wait < st.waits.size() && st.waits[next_wait].phase == k) {
+        const transport::phase_wait& w = st.waits[next_wait++];
+        device_guard guard;
+        for (size_t li = 0; li < st.ranks.size(); ++li) {
+          if (w.events[li] == nullptr) continue;
+          guard.set(st.ranks[li].device());
+          MOEBIUS_CUDA_CHECK(
+              cudaStreamWaitEvent(st.active[li], static_cast<cudaEvent_t>(w.events[li]), 0));
+        }
+      }
       st.enqueue_phase(*pp, static_cast<size_t>(k));
       st.enqueued_phases = k + 1;
       if (next_mark < st.marks.size() && st.marks[next_mark] == k) {
@@ -495,6 +509,10 @@ void nccl_transport::enqueue(const plan& p, std::span<const stream_handle> strea
 
 void nccl_transport::mark_phases(std::span<const int64_t> after_phases) {
   impl_->pending_marks.set(after_phases, "nccl_transport");
+}
+
+void nccl_transport::wait_before_phases(std::span<const phase_wait> waits) {
+  impl_->pending_waits.set(waits, impl_->ranks.size(), "nccl_transport");
 }
 
 event_handle nccl_transport::phase_event(size_t mark, size_t local_index) const {

@@ -1,7 +1,8 @@
 #pragma once
 
-// The phase marks of transport::mark_phases(), as every transport keeps them: set() checks and
-// stores the list for the next plan, take() hands the enqueue the marks its plan reaches.
+// The phase marks of transport::mark_phases() and the waits of wait_before_phases(), as every
+// transport keeps them: set() checks and stores them for the next plan, take() hands the
+// enqueue those its plan reaches.
 
 #include <cstdint>
 #include <span>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "moebius/error.hpp"
+#include "moebius/transport/transport.hpp"
 
 namespace moebius::detail {
 
@@ -35,6 +37,33 @@ class phase_marks {
 
  private:
   std::vector<int64_t> pending_;
+};
+
+// Checks transport::wait_before_phases() arguments (see transport.hpp) and keeps them for the
+// next plan; take() returns those the plan reaches.
+class phase_waits {
+ public:
+  void set(std::span<const transport::phase_wait> waits, size_t num_local,
+           const char* transport_name) {
+    for (size_t j = 0; j < waits.size(); ++j) {
+      MOEBIUS_CHECK(waits[j].phase >= 0 && (j == 0 || waits[j].phase > waits[j - 1].phase),
+                    errc::invalid_argument, transport_name,
+                    "::wait_before_phases: phases must be >= 0 and strictly ascending (wait ", j,
+                    " is before phase ", waits[j].phase, ")");
+      MOEBIUS_CHECK(waits[j].events.size() == num_local, errc::invalid_argument, transport_name,
+                    "::wait_before_phases: wait ", j, " has ", waits[j].events.size(),
+                    " events for ", num_local, " local ranks");
+    }
+    pending_.assign(waits.begin(), waits.end());
+  }
+  std::vector<transport::phase_wait> take(int64_t num_phases) {
+    std::vector<transport::phase_wait> reached = std::exchange(pending_, {});
+    while (!reached.empty() && reached.back().phase >= num_phases) reached.pop_back();
+    return reached;
+  }
+
+ private:
+  std::vector<transport::phase_wait> pending_;
 };
 
 // Throws errc::out_of_range unless `mark` < num_marks and `local_index` < num_local.

@@ -399,9 +399,15 @@ TEST_CASE("an advance marks one event per layer, in the order the layers move",
     REQUIRE(s.open());
     const int64_t L = w.shape.num_layers;
     int64_t expected = L - 1;
+    // A step beside the copies (host: its events are nullptr, nothing to wait for); layer
+    // events that do not cover the model are refused before anything is enqueued.
+    const step_layer_events beside(L, 2);
+    const step_layer_events short_by_one(L + 1, 2);
+    CHECK_THROWS_AS(s.advance(1, {}, &short_by_one), moebius::error);
+    CHECK(s.layers_remaining() == L);
     while (s.layers_remaining() > 0) {
       const int64_t n = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-      const layer_completion& c = s.advance(n);
+      const layer_completion& c = s.advance(n, {}, rng() % 2 ? &beside : nullptr);
       REQUIRE(static_cast<int64_t>(c.layers().size()) == std::min(n, expected + 1));
       for (const int64_t layer : c.layers()) {
         CHECK(layer == expected--);
@@ -416,6 +422,7 @@ TEST_CASE("an advance marks one event per layer, in the order the layers move",
       }
     }
     CHECK(s.finish().outcome == switch_outcome::committed);
+    CHECK(testing::compare_to_reference(w.logical, w.weights, arena_cursor{0}, w.arenas) == "");
   }
 }
 

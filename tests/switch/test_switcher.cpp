@@ -314,6 +314,9 @@ class timing_out_transport final : public transport {
   event_handle phase_event(size_t mark, size_t local_index) const override {
     return inner_.phase_event(mark, local_index);
   }
+  void wait_before_phases(std::span<const phase_wait> waits) override {
+    inner_.wait_before_phases(waits);
+  }
   int executes() const { return executes_; }
 
  private:

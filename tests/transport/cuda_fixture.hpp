@@ -129,6 +129,7 @@ class cuda_held_streams final : public held_streams {
       (void)cudaStreamSynchronize(streams_[i]);
       (void)cudaStreamDestroy(streams_[i]);
     }
+    for (const cudaEvent_t e : events_) (void)cudaEventDestroy(e);
     (void)cudaFreeHost(flags_);
   }
 
@@ -160,6 +161,24 @@ class cuda_held_streams final : public held_streams {
     }
     return false;
   }
+  std::vector<event_handle> record_events() override {
+    std::vector<event_handle> out;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      MOEBIUS_CUDA_CHECK(cudaSetDevice(ranks_[i].device));
+      cudaEvent_t e = nullptr;
+      MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      events_.push_back(e);
+      MOEBIUS_CUDA_CHECK(cudaEventRecord(e, streams_[i]));
+      out.push_back(e);
+    }
+    return out;
+  }
+  bool fired(event_handle e) const override {
+    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(e));
+    if (q == cudaErrorNotReady) return false;
+    MOEBIUS_CUDA_CHECK(q);
+    return true;
+  }
   std::vector<std::byte> probe(int local_idx) const override {
     std::vector<std::byte> all = probes_[static_cast<size_t>(local_idx)].download();
     all.resize(static_cast<size_t>(ranks_[static_cast<size_t>(local_idx)].space(probed_).bytes));
@@ -170,6 +189,7 @@ class cuda_held_streams final : public held_streams {
   std::vector<rank_memory> ranks_;
   std::vector<device_buffer> probes_;
   std::vector<cudaStream_t> streams_;
+  std::vector<cudaEvent_t> events_;  // record_events()
   int* flags_ = nullptr;  // [0]: release; [1 + i]: stream i's block expired
   memory_space probed_ = memory_space::arena;
 };

@@ -30,9 +30,14 @@
 //               errc::invalid_argument / errc::out_of_range before anything moves.
 //   prepare     prepare() then enqueue, a plan run again (cache hit), and a plan that differs
 //               from a cached one by one offset give host_transport's bytes.
+//   events      phase marks and phase waits (transport.hpp): bad arguments are refused; a plan
+//               with marks and waits gives host_transport's bytes; where streams can be held, a
+//               plan that waits before phase 0 for events on held streams has not run (its
+//               marks have not fired) until they are released, and every mark fires after.
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -43,6 +48,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -93,6 +99,11 @@ class held_streams {
   virtual bool expired() const = 0;
   // The probe of local rank `local_idx` (after synchronize()).
   virtual std::vector<std::byte> probe(int local_idx) const = 0;
+  // Records an event on each held stream (behind its block and what was enqueued so far), one
+  // per local rank; the events live as long as this object.
+  virtual std::vector<event_handle> record_events() = 0;
+  // Whether `e` (one of record_events(), or a transport's phase_event()) has fired.
+  virtual bool fired(event_handle e) const = 0;
 };
 
 // One transport configuration the suite runs against.
@@ -695,6 +706,94 @@ inline void prepare_and_cache(transport_fixture& f) {
   }
 }
 
+inline void phase_events(transport_fixture& f) {
+  std::mt19937_64 rng(test_seed());
+  const int P = f.num_ranks();
+  for (int round = 0; round < f.rounds(); ++round) {
+    random_plan_options o = random_options(rng);
+    o.min_phases = 2;
+    o.max_phases = 4;  // held streams queue every launch at once (see caller_streams)
+    o.max_ops_per_phase = std::min(o.max_ops_per_phase, 40);
+    const plan p = random_hazard_free_plan(rng, P, o);
+    const auto num_phases = static_cast<int64_t>(p.phases.size());
+    CAPTURE(round, num_phases, p.num_ops());
+    const std::unique_ptr<fixture_memory> m = f.allocate(sizes_of(o));
+    const memory_state start = random_state(rng, P, sizes_of(o));
+    upload_all(*m, start);
+    host_twin twin(P, start);
+    const std::unique_ptr<transport> t = f.make(*m, std::span<const plan>(&p, 1));
+    const size_t num_local = t->local_ranks().size();
+    using wait = transport::phase_wait;
+    const std::vector<event_handle> none(num_local, nullptr);
+
+    // Bad arguments are refused (and leave nothing armed: the next plan runs plainly).
+    expect_error([&] { t->mark_phases(std::vector<int64_t>{-1}); }, errc::invalid_argument);
+    expect_error([&] { t->mark_phases(std::vector<int64_t>{1, 1}); }, errc::invalid_argument);
+    expect_error([&] { t->wait_before_phases(std::vector<wait>{{1, none}, {0, none}}); },
+                 errc::invalid_argument);
+    expect_error([&] { t->wait_before_phases(std::vector<wait>{{-1, none}}); },
+                 errc::invalid_argument);
+    expect_error(
+        [&] { t->wait_before_phases(std::vector<wait>{{0, std::vector<event_handle>(num_local + 1)}}); },
+        errc::invalid_argument);
+    run_and_compare(*t, *m, twin, p);
+    expect_error([&] { (void)t->phase_event(0, 0); }, errc::out_of_range);  // no marks asked
+
+    // Marks after every phase (and one past the end, dropped), waits with nothing to wait for.
+    std::vector<int64_t> marks(static_cast<size_t>(num_phases));
+    for (int64_t k = 0; k < num_phases; ++k) marks[static_cast<size_t>(k)] = k;
+    marks.push_back(num_phases + 3);
+    t->mark_phases(marks);
+    t->wait_before_phases(std::vector<wait>{{0, none}, {num_phases - 1, none}, {num_phases + 1, none}});
+    run_and_compare(*t, *m, twin, p);
+    for (size_t j = 0; j < static_cast<size_t>(num_phases); ++j) {
+      for (size_t i = 0; i < num_local; ++i) (void)t->phase_event(j, i);
+    }
+    expect_error([&] { (void)t->phase_event(static_cast<size_t>(num_phases), 0); },
+                 errc::out_of_range);
+    expect_error([&] { (void)t->phase_event(0, num_local); }, errc::out_of_range);
+
+    const std::unique_ptr<held_streams> held = f.hold_streams(*m);
+    if (held == nullptr) {
+      // The host transport has run its plan inside enqueue(): nothing to wait for.
+      for (size_t i = 0; i < num_local; ++i) CHECK(t->phase_event(0, i) == nullptr);
+      const std::vector<event_handle> some(num_local, reinterpret_cast<event_handle>(0x1));
+      expect_error([&] { t->wait_before_phases(std::vector<wait>{{0, some}}); },
+                   errc::invalid_argument);
+      continue;
+    }
+    // Phase 0 waits for events behind the held streams; the plan runs on the transport's own
+    // streams, so only the wait holds it back. Fresh bytes, so that the plan changes them.
+    const memory_state fresh = random_state(rng, P, sizes_of(o));
+    upload_all(*m, fresh);
+    host_twin gated(P, fresh);
+    t->prepare(p);
+    const std::vector<event_handle> gate = held->record_events();
+    REQUIRE(gate.size() == num_local);
+    t->mark_phases(marks);
+    t->wait_before_phases(std::vector<wait>{{0, gate}});
+    t->enqueue(p);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK_FALSE(t->poll());
+    for (size_t j = 0; j < static_cast<size_t>(num_phases); ++j) {
+      for (size_t i = 0; i < num_local; ++i) {
+        CAPTURE(j, i);
+        CHECK_FALSE(held->fired(t->phase_event(j, i)));
+      }
+    }
+    REQUIRE(diff(download_all(*m, P), fresh) == "");  // nothing moved yet
+    held->release();
+    t->wait();
+    held->synchronize();
+    CHECK_FALSE(held->expired());
+    for (size_t j = 0; j < static_cast<size_t>(num_phases); ++j) {
+      for (size_t i = 0; i < num_local; ++i) CHECK(held->fired(t->phase_event(j, i)));
+    }
+    gated.execute(p);
+    REQUIRE(diff(download_all(*m, P), gated.state()) == "");
+  }
+}
+
 // Runs `property` on every fixture of `make_fixtures()`, each in a section named after it.
 inline void run_on_fixtures(const std::function<fixture_list()>& make_fixtures,
                             void (*property)(transport_fixture&)) {
@@ -741,4 +840,9 @@ inline void run_on_fixtures(const std::function<fixture_list()>& make_fixtures,
             tags "[conformance][cache]") {                                                       \
     ::moebius::testing::conformance::run_on_fixtures(                                            \
         make_fixtures, &::moebius::testing::conformance::prepare_and_cache);                     \
+  }                                                                                              \
+  TEST_CASE(prefix ": phase marks fire after their phases, phase waits hold them back",          \
+            tags "[conformance][events]") {                                                      \
+    ::moebius::testing::conformance::run_on_fixtures(                                            \
+        make_fixtures, &::moebius::testing::conformance::phase_events);                          \
   }

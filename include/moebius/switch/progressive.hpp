@@ -59,6 +59,24 @@ class layer_completion {
   size_t num_local_ = 0;
 };
 
+// The events a decode step recorded after each of its layers on each local rank (the S_l of
+// switch/overlap.hpp). An advance enqueued beside that step waits for them where copy_waits()
+// says, so its copies start while the step still computes and overwrite nothing it reads.
+class step_layer_events {
+ public:
+  step_layer_events(int64_t num_layers, size_t num_local);
+  int64_t num_layers() const { return num_layers_; }
+  size_t num_local() const { return num_local_; }
+  // Throws errc::out_of_range for a layer or local rank outside the set.
+  void set(int64_t layer, size_t local_index, event_handle e);
+  event_handle get(int64_t layer, size_t local_index) const;
+
+ private:
+  int64_t num_layers_ = 0;
+  size_t num_local_ = 0;
+  std::vector<event_handle> events_;  // [layer * num_local_ + local rank]
+};
+
 // What a step reads during the switch: the mode of each layer, both sets of page tables and
 // the cursor (layers whose copies are known complete: the cursor moves in poll()).
 class switch_step_view {
@@ -113,10 +131,14 @@ class progressive_switch {
   switch_step_view view() const;
 
   // Enqueues the next min(layers, layers_remaining()) layers on `streams` (one per local rank
-  // of the transport, or empty: see transport::enqueue) and returns without waiting. Throws
+  // of the transport, or empty: see transport::enqueue) and returns without waiting. `beside`:
+  // the layer events of a step that runs at view().cursor() while these copies run (the
+  // copies wait for them, switch/overlap.hpp); null when no step overlaps. Throws
   // errc::invalid_argument when the session has ended, an advance is still in flight (poll()
-  // until ready first), or layers < 1; nothing was enqueued then.
-  const layer_completion& advance(int64_t layers, std::span<const stream_handle> streams = {});
+  // until ready first), layers < 1, or `beside` does not have one event per layer and local
+  // rank; nothing was enqueued then.
+  const layer_completion& advance(int64_t layers, std::span<const stream_handle> streams = {},
+                                  const step_layer_events* beside = nullptr);
   // Never blocks. When the outstanding advance has just finished, the cursor moves past its
   // layers (ready); when it failed, the switch is undone and the session ends (ended).
   progress_state poll();

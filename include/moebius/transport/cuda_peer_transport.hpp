@@ -211,6 +211,11 @@ class cuda_peer_transport final : public transport {
   // not as its CUDA graph, so that the events sit between its phases.
   void mark_phases(std::span<const int64_t> after_phases) override;
   event_handle phase_event(size_t mark, size_t local_index) const override;
+  // Every local rank's stream waits for every local rank's event before the phase (so no rank
+  // writes a peer before the peer's event fired); such a plan also goes phase by phase.
+  // single_process only: events of other processes cannot be waited on (errc::invalid_argument
+  // in multi_process mode).
+  void wait_before_phases(std::span<const phase_wait> waits) override;
 
   // Validates `p` and builds its device work (engine choice, descriptors uploaded to every
   // local rank's device). Host cost is O(ops); enqueue(prepared) then costs only launches.

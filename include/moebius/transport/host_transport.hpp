@@ -37,6 +37,8 @@ class host_transport final : public transport {
   void inject_fault(std::optional<fault_point> at) override { fault_ = at; }
   // The plan has run when enqueue() returns: every event is nullptr.
   void mark_phases(std::span<const int64_t> after_phases) override;
+  // Host memory has no streams to wait on: every event must be nullptr.
+  void wait_before_phases(std::span<const phase_wait> waits) override;
   event_handle phase_event(size_t mark, size_t local_index) const override;
 
   const std::vector<rank_memory>& ranks() const { return ranks_; }

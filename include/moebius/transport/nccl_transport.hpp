@@ -110,6 +110,10 @@ class nccl_transport final : public transport {
   // unpack and local copies are done there.
   void mark_phases(std::span<const int64_t> after_phases) override;
   event_handle phase_event(size_t mark, size_t local_index) const override;
+  // Each local rank's stream waits for its own event before the phase: only a rank's own
+  // stream writes its memory (its receives, unpack and local copies), so that is every wait
+  // the contract asks for.
+  void wait_before_phases(std::span<const phase_wait> waits) override;
 
   // The transport's own stream of a local rank.
   cudaStream_t stream_of(int rank) const;

@@ -40,6 +40,17 @@
 // for: the host transport has finished its plan inside enqueue(). After a failure an event may
 // fire although its phases never ran (so that no waiter hangs): only poll()/wait() say whether
 // the bytes are there.
+//
+// Phase waits, the other way: a caller whose own work must finish before part of a plan runs
+// (a decode step still reading a slot that a later layer's copy overwrites) gives events to wait
+// for before it enqueues:
+//
+//   wait_before_phases({{k, {e_0, e_1, ...}}, ...})   one event per local rank
+//   enqueue(p, s)
+//
+// Phase k then writes no rank's memory before every rank's event has fired: a phase writes
+// peers' memory, so the wait is every rank's, not only the writer's. Phases before k run as
+// soon as they can: the plan's earlier layers overlap the caller's work.
 
 #include <cstdint>
 #include <optional>
@@ -106,6 +117,17 @@ class transport {
   // Phases of the last plan that completed on every rank (all of them after a successful
   // wait(); meaningful once wait() has returned or thrown).
   virtual int64_t completed_phases() const = 0;
+
+  // What a phase of the next plan waits for (see "Phase waits" above).
+  struct phase_wait {
+    int64_t phase = 0;
+    std::vector<event_handle> events;  // one per local rank (nullptr: nothing to wait for)
+  };
+  // Waits for the next enqueued plan only: `waits` ascending by phase, one event per local rank
+  // each; waits past the plan's last phase are dropped at enqueue(). Throws
+  // errc::invalid_argument for negative or unsorted phases or a wrong number of events, and
+  // where the transport cannot wait (the host transport: events must be nullptr).
+  virtual void wait_before_phases(std::span<const phase_wait> waits) = 0;
 
   // Phase events for the next enqueued plan only (see "Phase events" above): `after_phases`
   // ascending, each >= 0. Marks past the plan's last phase are dropped at enqueue(). Throws

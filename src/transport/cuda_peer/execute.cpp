@@ -133,6 +133,7 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
   epoch += static_cast<uint64_t>(st.num_phases);
 
   marks = pending_marks.take(st.num_phases);
+  waits = pending_waits.take(st.num_phases);
   limit = st.num_phases;
   fault_fires = false;
   if (fault) {
@@ -152,8 +153,8 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
   const auto t0 = cuda_peer::clock_type::now();
   try {
     // st.ranks and `local` list the same ranks in the same (ascending) order.
-    // Marks sit between phases: such a plan goes phase by phase.
-    const bool use_graphs = st.graphs && !fault_fires && marks.empty();
+    // Marks and waits sit between phases: such a plan goes phase by phase.
+    const bool use_graphs = st.graphs && !fault_fires && marks.empty() && waits.empty();
     for (size_t i = 0; i < st.ranks.size(); ++i) {
       const prepared_rank& pr = st.ranks[i];
       if (pr.rank == config.debug_absent_rank) continue;
@@ -171,13 +172,22 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
     // a full launch queue would block the host on a rank whose barrier waits for a rank
     // not yet enqueued.
     size_t next_mark = 0;  // marks below it are recorded
+    size_t next_wait = 0;  // waits below it are enqueued
     for (int64_t k = 0; !use_graphs && k < limit; ++k) {
       const size_t marks_end = next_mark < marks.size() && marks[next_mark] == k ? next_mark + 1
                                                                                  : next_mark;
+      const transport::phase_wait* wait =
+          next_wait < waits.size() && waits[next_wait].phase == k ? &waits[next_wait++] : nullptr;
       for (size_t i = 0; i < st.ranks.size(); ++i) {
         const prepared_rank& pr = st.ranks[i];
         if (pr.rank == config.debug_absent_rank) continue;
         guard.set(pr.device);
+        // Every rank's event on every rank's stream: phase k writes peers (transport.hpp).
+        for (const event_handle e : wait ? wait->events : std::vector<event_handle>{}) {
+          if (e != nullptr) {
+            MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(active_streams[i], static_cast<cudaEvent_t>(e), 0));
+          }
+        }
         enqueue_rank_phase(pr, k, active_streams[i], stats);
         record_marks(i, next_mark, marks_end, active_streams[i]);
       }
@@ -327,6 +337,13 @@ void cuda_peer_transport::execute(std::shared_ptr<const cuda_prepared_plan> prep
 
 void cuda_peer_transport::mark_phases(std::span<const int64_t> after_phases) {
   impl_->pending_marks.set(after_phases, "cuda_peer_transport");
+}
+
+void cuda_peer_transport::wait_before_phases(std::span<const phase_wait> waits) {
+  MOEBIUS_CHECK(waits.empty() || impl_->process_rank < 0, errc::invalid_argument,
+                "cuda_peer_transport::wait_before_phases: multi_process ranks cannot wait on "
+                "another process's events; wait on the host (or use single_process)");
+  impl_->pending_waits.set(waits, impl_->local.size(), "cuda_peer_transport");
 }
 
 event_handle cuda_peer_transport::phase_event(size_t mark, size_t local_index) const {

@@ -142,6 +142,8 @@ struct cuda_peer_transport::impl {
   std::optional<fault_point> fault;
   detail::phase_marks pending_marks;  // for the next enqueue
   std::vector<int64_t> marks;         // of the outstanding (or last) plan, those it reaches
+  detail::phase_waits pending_waits;  // for the next enqueue
+  std::vector<transport::phase_wait> waits;  // of the outstanding plan
   cuda_execute_stats stats;
   detail::plan_cache<cuda_prepared_plan> cache;
 
