@@ -13,6 +13,7 @@
 #include "moebius/layout/dtype.hpp"
 #include "moebius/layout/expert_shape.hpp"
 #include "moebius/layout/layout3.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 #include "moebius/layout/weight_view.hpp"
 
 #include "moebius/plan/copy_op.hpp"

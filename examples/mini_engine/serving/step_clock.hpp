@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <iosfwd>
 
-#include <moebius/layout/expert_shape.hpp>
+#include <moebius/layout/parallel_mode.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
 

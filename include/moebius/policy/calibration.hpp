@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "moebius/detail/enum_check.hpp"
-#include "moebius/layout/expert_shape.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 #include "moebius/policy/switch_policy.hpp"
 
 namespace moebius {

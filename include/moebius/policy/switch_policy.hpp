@@ -29,7 +29,7 @@
 #include <cstdint>
 #include <iosfwd>
 
-#include "moebius/layout/expert_shape.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 
 namespace moebius {
 
