@@ -17,6 +17,7 @@
 #include "moebius/layout/weight_view.hpp"
 
 #include "moebius/plan/copy_op.hpp"
+#include "moebius/plan/memory_space.hpp"
 #include "moebius/plan/plan.hpp"
 #include "moebius/plan/rollback.hpp"
 #include "moebius/plan/weight_plan.hpp"
