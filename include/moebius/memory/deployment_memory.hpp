@@ -11,8 +11,9 @@
 //   - the arena cursor the layers rest at (set by the engine from switch_report::cursor).
 //
 // deployment_memory holds what every owner shares; host_deployment_memory allocates host memory
-// (CPU tests, CI, a host-side engine); device_deployment_memory (memory/device_arena.hpp,
-// Moebius::cuda) allocates device memory and exports CUDA IPC handles.
+// (CPU tests, CI, a host-side engine); device_deployment_memory
+// (memory/device_deployment_memory.hpp, Moebius::cuda) allocates device memory and exports
+// CUDA IPC handles.
 //
 //   Two host ranks of a small model, the engine reading layer 2's w2 in TP:
 //     host_deployment_memory mem(arena, kv, 2);

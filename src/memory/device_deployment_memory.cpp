@@ -1,4 +1,4 @@
-#include "moebius/memory/device_arena.hpp"
+#include "moebius/memory/device_deployment_memory.hpp"
 
 #include <cuda_runtime_api.h>
 
@@ -6,26 +6,12 @@
 #include <utility>
 
 #include "moebius/cuda/check.hpp"
+#include "moebius/cuda/handles.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
 
-static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(device_ipc_range::handle),
-              "device_ipc_range::handle must hold a cudaIpcMemHandle_t");
-
 namespace {
-
-// Restores the calling thread's current device (the owner sets each rank's device in turn).
-class device_guard {
- public:
-  device_guard() { MOEBIUS_CUDA_CHECK(cudaGetDevice(&saved_)); }
-  device_guard(const device_guard&) = delete;
-  device_guard& operator=(const device_guard&) = delete;
-  ~device_guard() { (void)cudaSetDevice(saved_); }
-
- private:
-  int saved_ = 0;
-};
 
 std::vector<int> default_ranks(std::vector<int> local_ranks, size_t num_devices) {
   if (!local_ranks.empty()) return local_ranks;
@@ -63,10 +49,10 @@ device_deployment_memory::device_deployment_memory(const arena_geometry& arena,
     MOEBIUS_CHECK(d >= 0, errc::invalid_argument, "device deployment memory: device ", d,
                   " is not a CUDA ordinal");
   }
-  device_guard guard;
+  device_guard guard;  // the owner sets each rank's device in turn; the caller's is restored
   try {
     for (size_t i = 0; i < devices.size(); ++i) {
-      MOEBIUS_CUDA_CHECK(cudaSetDevice(devices[i]));
+      guard.set(devices[i]);
       rank_memory m;
       m.device = devices[i];
       ranks_.push_back(m);  // published first so that release() frees a partial rank too
@@ -108,46 +94,6 @@ device_rank_ipc device_deployment_memory::export_ipc(int i) const {
     h.spaces[s].bytes = sp.bytes;
   }
   return h;
-}
-
-imported_rank_memory::imported_rank_memory(const device_rank_ipc& handle, int device)
-    : rank_(handle.rank) {
-  const device_ipc_range& arena = handle.spaces[static_cast<int>(memory_space::arena)];
-  MOEBIUS_CHECK(handle.rank >= 0 && arena.bytes > 0, errc::invalid_argument,
-                "imported rank memory: the handle has no arena (rank ", handle.rank, ", ",
-                arena.bytes, " bytes): was it exported?");
-  MOEBIUS_CHECK(device >= 0, errc::invalid_argument, "imported rank memory: device ", device,
-                " is not a CUDA ordinal");
-  for (const device_ipc_range& r : handle.spaces) {
-    MOEBIUS_CHECK(r.offset >= 0 && r.bytes >= 0, errc::invalid_argument,
-                  "imported rank memory: negative offset or size (offset ", r.offset, ", ",
-                  r.bytes, " bytes)");
-  }
-  device_guard guard;
-  MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
-  memory_.device = device;
-  try {
-    for (int s = 0; s < num_memory_spaces; ++s) {
-      const device_ipc_range& r = handle.spaces[s];
-      if (r.bytes == 0) continue;
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, r.handle.data(), sizeof(h));
-      MOEBIUS_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped_[s], h, cudaIpcMemLazyEnablePeerAccess));
-      memory_.spaces[s] = {static_cast<std::byte*>(mapped_[s]) + r.offset, r.bytes};
-    }
-  } catch (...) {
-    for (void*& p : mapped_) {
-      if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
-      p = nullptr;
-    }
-    throw;
-  }
-}
-
-imported_rank_memory::~imported_rank_memory() {
-  for (void* p : mapped_) {
-    if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
-  }
 }
 
 }  // namespace moebius
