@@ -3,8 +3,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <string>
 #include <utility>
 
+#include "../cuda/ipc_memory.hpp"
 #include "moebius/cuda/check.hpp"
 #include "moebius/cuda/handles.hpp"
 #include "moebius/error.hpp"
@@ -87,10 +89,13 @@ device_rank_ipc device_deployment_memory::export_ipc(int i) const {
   for (int s = 0; s < num_memory_spaces; ++s) {
     const memory_span& sp = m.spaces[s];
     if (sp.bytes == 0) continue;
-    cudaIpcMemHandle_t handle;
-    MOEBIUS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, sp.base));
-    std::memcpy(h.spaces[s].handle.data(), &handle, sizeof(handle));
-    h.spaces[s].offset = 0;  // each space is an allocation of its own
+    // Each space is an allocation of its own: its base is the allocation's, offset 0.
+    const detail::ipc_export e = detail::export_ipc_allocation(
+        sp.base, "rank " + std::to_string(h.rank) + "'s " +
+                     to_string(static_cast<memory_space>(s)) + " (device " +
+                     std::to_string(m.device) + ")");
+    std::memcpy(h.spaces[s].handle.data(), &e.handle, sizeof(e.handle));
+    h.spaces[s].offset = e.offset;
     h.spaces[s].bytes = sp.bytes;
   }
   return h;

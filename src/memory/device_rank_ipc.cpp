@@ -3,8 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <string>
 
-#include "moebius/cuda/check.hpp"
+#include "../cuda/ipc_memory.hpp"
 #include "moebius/cuda/handles.hpp"
 #include "moebius/error.hpp"
 
@@ -34,7 +35,9 @@ imported_rank_memory::imported_rank_memory(const device_rank_ipc& handle, int de
       if (r.bytes == 0) continue;
       cudaIpcMemHandle_t h;
       std::memcpy(&h, r.handle.data(), sizeof(h));
-      MOEBIUS_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped_[s], h, cudaIpcMemLazyEnablePeerAccess));
+      mapped_[s] = detail::open_ipc_memory(
+          h, "rank " + std::to_string(handle.rank) + "'s " +
+                 to_string(static_cast<memory_space>(s)) + " on device " + std::to_string(device));
       memory_.spaces[s] = {static_cast<std::byte*>(mapped_[s]) + r.offset, r.bytes};
     }
   } catch (...) {
