@@ -47,11 +47,6 @@ void validate(const switch_workload& w);
 // Throws errc::invalid_argument unless 0 <= num_layers <= L.
 switch_workload weight_switch_workload(const arena_geometry& geometry, int64_t num_layers);
 
-// The workload of a built plan: max over ranks of bytes sent to other ranks, split by
-// destination memory space (arena -> weights, kv_pool -> KV); phases whose ops write the
-// KV pool count as KV rounds, the others as weight phases.
-switch_workload workload_of(const plan& p);
-
 struct switch_cost {
   double weight_ms = 0;
   double kv_ms = 0;
