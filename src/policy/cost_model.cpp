@@ -13,9 +13,9 @@ namespace {
 
 bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0; }
 
-// ms to move `bytes` at `gbps` (1e9 B/s): bytes / (gbps · 1e6).
-double transfer_ms(int64_t bytes, double gbps) {
-  return static_cast<double>(bytes) / (gbps * 1e6);
+// ms to move `bytes` at `rate`.
+double transfer_ms(int64_t bytes, link_rate rate) {
+  return static_cast<double>(bytes) * 1e3 / rate.bytes_per_s;
 }
 
 // In double: both counts are user inputs, and their int64 sum may wrap.
@@ -26,12 +26,12 @@ double sync_points(const switch_workload& w) {
 }  // namespace
 
 void validate(const link_params& l) {
-  MOEBIUS_CHECK(std::isfinite(l.bandwidth_gbps) && l.bandwidth_gbps > 0, errc::invalid_argument,
-                "link bandwidth must be finite and > 0 GB/s (bandwidth_gbps=", l.bandwidth_gbps,
-                ")");
-  MOEBIUS_CHECK(finite_nonneg(l.kv_bandwidth_gbps), errc::invalid_argument,
+  MOEBIUS_CHECK(std::isfinite(l.bandwidth.bytes_per_s) && l.bandwidth.bytes_per_s > 0,
+                errc::invalid_argument, "link bandwidth must be finite and > 0 GB/s (bandwidth=",
+                l.bandwidth.gb_per_s(), " GB/s)");
+  MOEBIUS_CHECK(finite_nonneg(l.kv_bandwidth.bytes_per_s), errc::invalid_argument,
                 "kv bandwidth must be finite and >= 0 GB/s, 0 meaning the weight rate "
-                "(kv_bandwidth_gbps=", l.kv_bandwidth_gbps, ")");
+                "(kv_bandwidth=", l.kv_bandwidth.gb_per_s(), " GB/s)");
   MOEBIUS_CHECK(finite_nonneg(l.barrier_us) && finite_nonneg(l.launch_us) &&
                     finite_nonneg(l.fixed_ms),
                 errc::invalid_argument,
@@ -78,7 +78,8 @@ std::ostream& operator<<(std::ostream& os, const switch_cost& c) {
 }
 
 std::ostream& operator<<(std::ostream& os, const link_params& l) {
-  return os << "link{" << l.bandwidth_gbps << " GB/s, kv " << l.effective_kv_gbps()
+  return os << "link{" << l.bandwidth.gb_per_s() << " GB/s, kv "
+            << l.effective_kv_bandwidth().gb_per_s()
             << " GB/s, barrier " << l.barrier_us << " us, launch " << l.launch_us
             << " us, fixed " << l.fixed_ms << " ms}";
 }
@@ -88,8 +89,8 @@ cost_model::cost_model(const link_params& link) : link_(link) { validate(link_);
 switch_cost cost_model::predict(const switch_workload& w) const {
   validate(w);
   switch_cost c;
-  c.weight_ms = transfer_ms(w.weight_bytes_per_rank, link_.bandwidth_gbps);
-  c.kv_ms = transfer_ms(w.kv_bytes_per_rank, link_.effective_kv_gbps());
+  c.weight_ms = transfer_ms(w.weight_bytes_per_rank, link_.bandwidth);
+  c.kv_ms = transfer_ms(w.kv_bytes_per_rank, link_.effective_kv_bandwidth());
   const double n = static_cast<double>(sync_points(w));
   c.barrier_ms = n * link_.barrier_us * 1e-3;
   c.launch_ms = n * link_.launch_us * 1e-3;
@@ -123,8 +124,9 @@ cost_fit_result cost_model::refit() {
     r.why = "no measurements";
     return r;
   }
-  // y = x / (bw·1e6) + fixed, x = weight_bytes + kv_bytes · bw / kv_bw.
-  const double kv_ratio = link_.bandwidth_gbps / link_.effective_kv_gbps();
+  // y = x · 1e3 / bw + fixed (ms, bw in B/s), x = weight_bytes + kv_bytes · bw / kv_bw.
+  const double kv_ratio =
+      link_.bandwidth.bytes_per_s / link_.effective_kv_bandwidth().bytes_per_s;
   const double per_sync_ms = (link_.barrier_us + link_.launch_us) * 1e-3;
   std::vector<double> xs, ys;
   for (const switch_measurement& m : measurements_) {
@@ -164,8 +166,10 @@ cost_fit_result cost_model::refit() {
     return r;
   }
   link_params next = link_;
-  next.bandwidth_gbps = 1.0 / (slope * 1e6);
-  if (link_.kv_bandwidth_gbps > 0) next.kv_bandwidth_gbps = next.bandwidth_gbps / kv_ratio;
+  next.bandwidth = link_rate{1e3 / slope};
+  if (link_.kv_bandwidth.bytes_per_s > 0) {
+    next.kv_bandwidth = link_rate{next.bandwidth.bytes_per_s / kv_ratio};
+  }
   next.fixed_ms = fixed;
   link_ = next;
   r.ok = true;

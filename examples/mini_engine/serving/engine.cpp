@@ -185,7 +185,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
         }
         if (lb) {
           prog.pacing.step_s = last_step_s > 0 ? last_step_s : 0.01;
-          prog.pacing.link_bytes_per_s = clock_.link_bytes_per_s();
+          prog.pacing.link = clock_.link();
           prog.pacing.link_fraction = o.copy_link_fraction;
           prog.pacing.bytes_per_layer = clock_.layer_bytes(*lb, L);
           prog.layers = moebius::layers_per_step(prog.pacing, L);
