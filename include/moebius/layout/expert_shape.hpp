@@ -47,7 +47,7 @@ struct expert_shape {
   dtype scale_dtype = dtype::fp32;
 };
 
-// Qwen3-235B-A22B: L=94, E=128, H=4096, I=1536, bf16 (DESIGN.md correction 2).
+// Qwen3-235B-A22B: L=94, E=128, H=4096, I=1536, bf16 (H=7168, I=2048 are DeepSeek-V3's).
 constexpr expert_shape qwen3_235b_a22b() {
   expert_shape s;
   s.num_layers = 94;

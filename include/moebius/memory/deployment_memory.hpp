@@ -15,8 +15,9 @@
 // (memory/device_deployment_memory.hpp, Moebius::cuda) allocates device memory and exports
 // CUDA IPC handles.
 //
-//   Two host ranks of a small model, the engine reading layer 2's w2 in TP:
-//     host_deployment_memory mem(arena, kv, 2);
+//   Two host ranks of a small model (arena and kv made for P = 2), the engine reading layer
+//   2's w2 in TP:
+//     host_deployment_memory mem(arena, kv);  // P comes from the geometries; zero-filled
 //     tensor_slab w2 = mem.weights(0, 2, parallel_mode::tp)[weight_tensor::w2];
 //     // w2.data == mem.memory(0).space(memory_space::arena).data() + w2.offset,
 //     // w2.offset == arena.tensor_base(parallel_mode::tp, 2, weight_tensor::w2)

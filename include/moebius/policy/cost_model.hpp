@@ -1,7 +1,7 @@
 #pragma once
 
-// Predicts how long a switch takes (paper notes W2 asks for an analytic model in P, model
-// size and link bandwidth), and refines itself from measured switches.
+// Predicts how long a switch takes, analytically in P, model size and link bandwidth, and
+// refines itself from measured switches.
 //
 //   total = weight_bytes / bw + kv_bytes / kv_bw                 (bytes leaving each rank)
 //         + (weight_phases + kv_rounds) · (barrier + launch)     (one barrier per phase)
