@@ -1,4 +1,4 @@
-// Longest-first placement on the GPU (include/moebius/kv/placement_device.hpp): key kernels,
+// Longest-first placement on the GPU (include/moebius/cuda/kv_placement.hpp): key kernels,
 // two stable CUB radix sorts, then one block of one warp placing the demands in order.
 
 #include <cuda_runtime.h>
@@ -8,8 +8,8 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "moebius/cuda/check.hpp"
+#include "moebius/cuda/kv_placement.hpp"
 #include "moebius/error.hpp"
-#include "moebius/kv/placement_device.hpp"
 
 namespace moebius {
 namespace {

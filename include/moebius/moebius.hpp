@@ -2,9 +2,10 @@
 
 // Everything a host-side user of Moebius needs, in one include: the Moebius::moebius component,
 // which compiles and links without the CUDA Toolkit. The CUDA and NCCL components have headers
-// of their own (they include the CUDA runtime's): moebius/transport/cuda_peer_transport.hpp,
-// moebius/memory/device_arena.hpp (Moebius::cuda), moebius/transport/nccl_transport.hpp
-// (Moebius::nccl); device-only declarations live in moebius/cuda/.
+// of their own: moebius/transport/cuda_peer_transport.hpp,
+// moebius/memory/device_deployment_memory.hpp, moebius/memory/device_rank_ipc.hpp
+// (Moebius::cuda), moebius/transport/nccl_transport.hpp (Moebius::nccl); device-only
+// declarations live in moebius/cuda/.
 
 #include "moebius/config.hpp"
 #include "moebius/error.hpp"
@@ -13,9 +14,11 @@
 #include "moebius/layout/dtype.hpp"
 #include "moebius/layout/expert_shape.hpp"
 #include "moebius/layout/layout3.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 #include "moebius/layout/weight_view.hpp"
 
 #include "moebius/plan/copy_op.hpp"
+#include "moebius/plan/memory_space.hpp"
 #include "moebius/plan/plan.hpp"
 #include "moebius/plan/rollback.hpp"
 #include "moebius/plan/weight_plan.hpp"

@@ -5,7 +5,6 @@
 #include <ostream>
 
 #include "moebius/detail/checked_math.hpp"
-#include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -14,9 +13,9 @@ namespace {
 
 bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0; }
 
-// ms to move `bytes` at `gbps` (1e9 B/s): bytes / (gbps · 1e6).
-double transfer_ms(int64_t bytes, double gbps) {
-  return static_cast<double>(bytes) / (gbps * 1e6);
+// ms to move `bytes` at `rate`.
+double transfer_ms(int64_t bytes, link_rate rate) {
+  return static_cast<double>(bytes) * 1e3 / rate.bytes_per_s;
 }
 
 // In double: both counts are user inputs, and their int64 sum may wrap.
@@ -27,12 +26,12 @@ double sync_points(const switch_workload& w) {
 }  // namespace
 
 void validate(const link_params& l) {
-  MOEBIUS_CHECK(std::isfinite(l.bandwidth_gbps) && l.bandwidth_gbps > 0, errc::invalid_argument,
-                "link bandwidth must be finite and > 0 GB/s (bandwidth_gbps=", l.bandwidth_gbps,
-                ")");
-  MOEBIUS_CHECK(finite_nonneg(l.kv_bandwidth_gbps), errc::invalid_argument,
+  MOEBIUS_CHECK(std::isfinite(l.bandwidth.bytes_per_s) && l.bandwidth.bytes_per_s > 0,
+                errc::invalid_argument, "link bandwidth must be finite and > 0 GB/s (bandwidth=",
+                l.bandwidth.gb_per_s(), " GB/s)");
+  MOEBIUS_CHECK(finite_nonneg(l.kv_bandwidth.bytes_per_s), errc::invalid_argument,
                 "kv bandwidth must be finite and >= 0 GB/s, 0 meaning the weight rate "
-                "(kv_bandwidth_gbps=", l.kv_bandwidth_gbps, ")");
+                "(kv_bandwidth=", l.kv_bandwidth.gb_per_s(), " GB/s)");
   MOEBIUS_CHECK(finite_nonneg(l.barrier_us) && finite_nonneg(l.launch_us) &&
                     finite_nonneg(l.fixed_ms),
                 errc::invalid_argument,
@@ -72,34 +71,6 @@ switch_workload weight_switch_workload(const arena_geometry& g, int64_t num_laye
   return w;
 }
 
-switch_workload workload_of(const plan& p) {
-  MOEBIUS_CHECK(p.num_ranks >= 1, errc::invalid_argument,
-                "plan needs num_ranks >= 1 (num_ranks=", p.num_ranks, ")");
-  const size_t P = static_cast<size_t>(p.num_ranks);
-  std::vector<int64_t> weight(P, 0), kv(P, 0);
-  switch_workload w;
-  w.num_ranks = p.num_ranks;
-  for (const plan_phase& phase : p.phases) {
-    bool writes_kv = false;
-    for (const copy_op& op : phase.ops) {
-      MOEBIUS_CHECK(op.src_rank >= 0 && static_cast<size_t>(op.src_rank) < P,
-                    errc::invalid_argument, "plan op source rank out of range (src_rank=",
-                    op.src_rank, ", P=", p.num_ranks, ")");
-      detail::check_enum(op.dst_space, "workload_of op dst_space (memory_space)");
-      writes_kv = writes_kv || op.dst_space == memory_space::kv_pool;
-      if (op.is_local()) continue;
-      std::vector<int64_t>& v = op.dst_space == memory_space::kv_pool ? kv : weight;
-      v[static_cast<size_t>(op.src_rank)] = detail::checked_add(
-          v[static_cast<size_t>(op.src_rank)],
-          detail::checked_mul(op.rows, op.row_bytes, "bytes of a plan op"), "bytes leaving a rank");
-    }
-    ++(writes_kv ? w.kv_rounds : w.weight_phases);
-  }
-  w.weight_bytes_per_rank = *std::max_element(weight.begin(), weight.end());
-  w.kv_bytes_per_rank = *std::max_element(kv.begin(), kv.end());
-  return w;
-}
-
 std::ostream& operator<<(std::ostream& os, const switch_cost& c) {
   return os << "total " << c.total_ms() << " ms = weights " << c.weight_ms << " + kv "
             << c.kv_ms << " + barriers " << c.barrier_ms << " + launches " << c.launch_ms
@@ -107,7 +78,8 @@ std::ostream& operator<<(std::ostream& os, const switch_cost& c) {
 }
 
 std::ostream& operator<<(std::ostream& os, const link_params& l) {
-  return os << "link{" << l.bandwidth_gbps << " GB/s, kv " << l.effective_kv_gbps()
+  return os << "link{" << l.bandwidth.gb_per_s() << " GB/s, kv "
+            << l.effective_kv_bandwidth().gb_per_s()
             << " GB/s, barrier " << l.barrier_us << " us, launch " << l.launch_us
             << " us, fixed " << l.fixed_ms << " ms}";
 }
@@ -117,8 +89,8 @@ cost_model::cost_model(const link_params& link) : link_(link) { validate(link_);
 switch_cost cost_model::predict(const switch_workload& w) const {
   validate(w);
   switch_cost c;
-  c.weight_ms = transfer_ms(w.weight_bytes_per_rank, link_.bandwidth_gbps);
-  c.kv_ms = transfer_ms(w.kv_bytes_per_rank, link_.effective_kv_gbps());
+  c.weight_ms = transfer_ms(w.weight_bytes_per_rank, link_.bandwidth);
+  c.kv_ms = transfer_ms(w.kv_bytes_per_rank, link_.effective_kv_bandwidth());
   const double n = static_cast<double>(sync_points(w));
   c.barrier_ms = n * link_.barrier_us * 1e-3;
   c.launch_ms = n * link_.launch_us * 1e-3;
@@ -152,8 +124,9 @@ cost_fit_result cost_model::refit() {
     r.why = "no measurements";
     return r;
   }
-  // y = x / (bw·1e6) + fixed, x = weight_bytes + kv_bytes · bw / kv_bw.
-  const double kv_ratio = link_.bandwidth_gbps / link_.effective_kv_gbps();
+  // y = x · 1e3 / bw + fixed (ms, bw in B/s), x = weight_bytes + kv_bytes · bw / kv_bw.
+  const double kv_ratio =
+      link_.bandwidth.bytes_per_s / link_.effective_kv_bandwidth().bytes_per_s;
   const double per_sync_ms = (link_.barrier_us + link_.launch_us) * 1e-3;
   std::vector<double> xs, ys;
   for (const switch_measurement& m : measurements_) {
@@ -193,8 +166,10 @@ cost_fit_result cost_model::refit() {
     return r;
   }
   link_params next = link_;
-  next.bandwidth_gbps = 1.0 / (slope * 1e6);
-  if (link_.kv_bandwidth_gbps > 0) next.kv_bandwidth_gbps = next.bandwidth_gbps / kv_ratio;
+  next.bandwidth = link_rate{1e3 / slope};
+  if (link_.kv_bandwidth.bytes_per_s > 0) {
+    next.kv_bandwidth = link_rate{next.bandwidth.bytes_per_s / kv_ratio};
+  }
   next.fixed_ms = fixed;
   link_ = next;
   r.ok = true;

@@ -13,9 +13,9 @@ namespace {
 void check(const pacing_params& p) {
   MOEBIUS_CHECK(p.step_s > 0 && std::isfinite(p.step_s), errc::invalid_argument,
                 "pacing: step_s must be > 0 (got ", p.step_s, ")");
-  MOEBIUS_CHECK(p.link_bytes_per_s > 0 && std::isfinite(p.link_bytes_per_s),
-                errc::invalid_argument, "pacing: link_bytes_per_s must be > 0 (got ",
-                p.link_bytes_per_s, ")");
+  MOEBIUS_CHECK(p.link.bytes_per_s > 0 && std::isfinite(p.link.bytes_per_s),
+                errc::invalid_argument, "pacing: the link rate must be > 0 B/s (got ",
+                p.link.bytes_per_s, " B/s)");
   MOEBIUS_CHECK(p.link_fraction > 0 && p.link_fraction <= 1, errc::invalid_argument,
                 "pacing: link_fraction must be in (0, 1] (got ", p.link_fraction, ")");
   MOEBIUS_CHECK(p.bytes_per_layer >= 0, errc::invalid_argument,
@@ -29,7 +29,7 @@ int64_t layers_per_step(const pacing_params& p, int64_t max_layers) {
   MOEBIUS_CHECK(max_layers >= 1, errc::invalid_argument, "pacing: max_layers must be >= 1 (got ",
                 max_layers, ")");
   if (p.bytes_per_layer == 0) return max_layers;
-  const double budget = p.step_s * p.link_bytes_per_s * p.link_fraction;
+  const double budget = p.step_s * p.link.bytes_per_s * p.link_fraction;
   const double n = std::floor(budget / static_cast<double>(p.bytes_per_layer));
   if (!(n < static_cast<double>(max_layers))) return max_layers;  // also catches inf
   return std::max<int64_t>(1, static_cast<int64_t>(n));
@@ -40,7 +40,7 @@ double copy_seconds(const pacing_params& p, int64_t layers) {
   MOEBIUS_CHECK(layers >= 0, errc::invalid_argument, "pacing: layers must be >= 0 (got ", layers,
                 ")");
   return static_cast<double>(layers) * static_cast<double>(p.bytes_per_layer) /
-         (p.link_bytes_per_s * p.link_fraction);
+         (p.link.bytes_per_s * p.link_fraction);
 }
 
 int64_t layer_bytes::busiest() const {

@@ -762,7 +762,7 @@ TEST_CASE("E66 cost_model (constructor), validate(link_params): bandwidth 0 GB/s
       66,
       [] {
         link_params l;
-        l.bandwidth_gbps = 0;
+        l.bandwidth = link_rate{0};
         (void)(cost_model{l});
       },
       errc::invalid_argument, "link bandwidth must be finite and > 0 GB/s");

@@ -361,7 +361,7 @@ TEST_CASE("non-finite times, costs and parameters are refused with the field's n
     REQUIRE_MOEBIUS_ERROR(latency_curve::fit(batches, curve_fit::least_squares_line),
                           errc::invalid_argument, "finite batch");
     link_params l;
-    l.bandwidth_gbps = bad;
+    l.bandwidth = link_rate{bad};
     REQUIRE_MOEBIUS_ERROR(cost_model(l), errc::invalid_argument, "bandwidth");
     l = {};
     l.barrier_us = bad;

@@ -12,8 +12,8 @@
 
 #include "support/cuda_test_util.hpp"
 #include "kv_reference.hpp"
+#include "moebius/cuda/kv_placement.hpp"
 #include "moebius/kv/placement.hpp"
-#include "moebius/kv/placement_device.hpp"
 #include "support/catch.hpp"
 
 using namespace moebius;

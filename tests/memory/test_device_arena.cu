@@ -9,7 +9,8 @@
 
 #include "moebius/cuda/check.hpp"
 #include "moebius/error.hpp"
-#include "moebius/memory/device_arena.hpp"
+#include "moebius/memory/device_deployment_memory.hpp"
+#include "moebius/memory/device_rank_ipc.hpp"
 #include "support/catch.hpp"
 
 using namespace moebius;

@@ -31,10 +31,6 @@ foreach(area detail layout plan kv memory transport switch policy)
       else()
         continue()  # moebius/error.hpp, moebius/config.hpp: allowed everywhere
       endif()
-      # memory_budget.hpp is host arithmetic of the policy (it sizes nothing the owner holds).
-      if(area STREQUAL "policy" AND target STREQUAL "memory/memory_budget.hpp")
-        continue()
-      endif()
       if(NOT to IN_LIST allowed_${area})
         file(RELATIVE_PATH rel "${SOURCE_DIR}" "${f}")
         string(APPEND failures "  ${rel} includes moebius/${target}: ${area}/ may include only "

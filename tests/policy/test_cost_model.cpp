@@ -18,7 +18,7 @@ using moebius::testing::policy_test_seed;
 
 TEST_CASE("cost_model: paper anchor, 50 GB at 330 GB/s", "[cost_model]") {
   link_params l;
-  l.bandwidth_gbps = 330;
+  l.bandwidth = link_rate::gb_per_s(330);
   l.barrier_us = 0;
   l.launch_us = 0;
   const cost_model m(l);
@@ -80,8 +80,8 @@ TEST_CASE("cost_model: workload of a built plan equals the analytic one", "[cost
 
 TEST_CASE("cost_model: hand-computed breakdown", "[cost_model]") {
   link_params l;
-  l.bandwidth_gbps = 400;
-  l.kv_bandwidth_gbps = 200;
+  l.bandwidth = link_rate::gb_per_s(400);
+  l.kv_bandwidth = link_rate::gb_per_s(200);
   l.barrier_us = 10;
   l.launch_us = 5;
   l.fixed_ms = 2;
@@ -109,17 +109,19 @@ TEST_CASE("cost_model: fit recovers a synthetic bandwidth and fixed overhead", "
   std::uniform_real_distribution<double> u(0.0, 1.0);
   for (int trial = 0; trial < 20; ++trial) {
     link_params truth;
-    truth.bandwidth_gbps = 100 + 300 * u(rng);
-    truth.kv_bandwidth_gbps = trial % 2 ? 0.0 : truth.bandwidth_gbps * (0.5 + 0.5 * u(rng));
+    truth.bandwidth = link_rate::gb_per_s(100 + 300 * u(rng));
+    truth.kv_bandwidth =
+        link_rate{trial % 2 ? 0.0 : truth.bandwidth.bytes_per_s * (0.5 + 0.5 * u(rng))};
     truth.barrier_us = 10;
     truth.launch_us = 5;
     truth.fixed_ms = 0.1 + 5 * u(rng);
     const cost_model oracle(truth);
 
     link_params start = truth;  // known barrier/launch and bw ratio, wrong bw and fixed
-    start.bandwidth_gbps = 330;
-    if (truth.kv_bandwidth_gbps > 0) {
-      start.kv_bandwidth_gbps = 330 * truth.kv_bandwidth_gbps / truth.bandwidth_gbps;
+    start.bandwidth = link_rate::gb_per_s(330);
+    if (truth.kv_bandwidth.bytes_per_s > 0) {
+      start.kv_bandwidth = link_rate::gb_per_s(330 * truth.kv_bandwidth.bytes_per_s /
+                                               truth.bandwidth.bytes_per_s);
     }
     start.fixed_ms = 0;
     cost_model exact(start), noisy(start);
@@ -136,13 +138,16 @@ TEST_CASE("cost_model: fit recovers a synthetic bandwidth and fixed overhead", "
       noisy.update({w, t * (1 + noise(rng))});
     }
     INFO("truth " << truth << ", fitted " << exact.link());
-    CHECK(exact.link().bandwidth_gbps == Catch::Approx(truth.bandwidth_gbps).epsilon(1e-6));
-    CHECK(exact.link().effective_kv_gbps() == Catch::Approx(truth.effective_kv_gbps()).epsilon(1e-6));
+    CHECK(exact.link().bandwidth.gb_per_s() ==
+          Catch::Approx(truth.bandwidth.gb_per_s()).epsilon(1e-6));
+    CHECK(exact.link().effective_kv_bandwidth().gb_per_s() ==
+          Catch::Approx(truth.effective_kv_bandwidth().gb_per_s()).epsilon(1e-6));
     CHECK(exact.link().fixed_ms == Catch::Approx(truth.fixed_ms).margin(1e-6));
     const cost_fit_result fr = noisy.refit();
     INFO("noisy fit " << noisy.link());
     if (fr.ok) {
-      CHECK(noisy.link().bandwidth_gbps == Catch::Approx(truth.bandwidth_gbps).epsilon(0.03));
+      CHECK(noisy.link().bandwidth.gb_per_s() ==
+            Catch::Approx(truth.bandwidth.gb_per_s()).epsilon(0.03));
     } else {
       CHECK(std::string(fr.why).find("negative fixed") != std::string::npos);  // fixed ~ 0
     }
@@ -160,19 +165,19 @@ TEST_CASE("cost_model: degenerate fits keep the link", "[cost_model]") {
   big.weight_bytes_per_rank = 10'000'000'000;
   // One byte count: bandwidth only (fixed 0 kept): 1 GB in 5 ms -> 200 GB/s.
   REQUIRE(m.update({small, 5.0}).ok);
-  CHECK(m.link().bandwidth_gbps == Catch::Approx(200.0));
+  CHECK(m.link().bandwidth.gb_per_s() == Catch::Approx(200.0));
   CHECK(m.link().fixed_ms == 0.0);
   // More bytes in less time: no positive bandwidth fits; the link stays.
   const cost_fit_result r = m.update({big, 1.0});
   CHECK_FALSE(r.ok);
   CHECK_THAT(std::string(r.why), Catch::Contains("non-positive bandwidth"));
-  CHECK(m.link().bandwidth_gbps == Catch::Approx(200.0));
+  CHECK(m.link().bandwidth.gb_per_s() == Catch::Approx(200.0));
   std::ostringstream os;
   m.report(os);
   CHECK_THAT(os.str(), Catch::Contains("10000000000"));
   CHECK_THROWS_AS(m.update({big, -1.0}), moebius::error);
   link_params bad;
-  bad.bandwidth_gbps = 0;
+  bad.bandwidth = link_rate{0};
   CHECK_THROWS_AS(cost_model(bad), moebius::error);
   switch_workload neg;
   neg.kv_rounds = -1;

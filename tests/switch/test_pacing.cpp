@@ -39,7 +39,7 @@ TEST_CASE("pacing: the worked example (Qwen3-30B-A3B, P=2, 389 GB/s x 55%, 10 ms
     CHECK(b.busiest() == 301'989'888);
     pacing_params p;
     p.step_s = 0.010;
-    p.link_bytes_per_s = 389e9;
+    p.link = link_rate::gb_per_s(389);
     p.link_fraction = 0.55;
     p.bytes_per_layer = b.busiest();
     CHECK(layers_per_step(p) == 7);
@@ -54,12 +54,12 @@ TEST_CASE("pacing: layers_per_step is the most layers whose bytes fit the step, 
   for (int trial = 0; trial < 2000; ++trial) {
     pacing_params p;
     p.step_s = std::uniform_real_distribution<double>(1e-4, 0.05)(rng);
-    p.link_bytes_per_s = std::uniform_real_distribution<double>(1e9, 900e9)(rng);
+    p.link = link_rate{std::uniform_real_distribution<double>(1e9, 900e9)(rng)};
     p.link_fraction = std::uniform_real_distribution<double>(0.01, 1.0)(rng);
     p.bytes_per_layer = std::uniform_int_distribution<int64_t>(1, int64_t{2} << 30)(rng);
     const int64_t cap = std::uniform_int_distribution<int64_t>(1, 200)(rng);
     // Brute force: count layers while the next one still fits in the budget.
-    const double budget = p.step_s * p.link_bytes_per_s * p.link_fraction;
+    const double budget = p.step_s * p.link.bytes_per_s * p.link_fraction;
     int64_t n = 0;
     while (n < cap && static_cast<double>(n + 1) * static_cast<double>(p.bytes_per_layer) <= budget)
       ++n;
@@ -70,12 +70,12 @@ TEST_CASE("pacing: layers_per_step is the most layers whose bytes fit the step, 
     if (static_cast<double>(p.bytes_per_layer) <= budget)
       REQUIRE(copy_seconds(p, n) <= p.step_s * (1 + 1e-12));
   }
-  pacing_params zero{0.01, 389e9, 0.5, 0};
+  pacing_params zero{0.01, link_rate::gb_per_s(389), 0.5, 0};
   CHECK(layers_per_step(zero, 48) == 48);
 }
 
 TEST_CASE("pacing: bad parameters throw invalid_argument", "[cpu]") {
-  const pacing_params good{0.01, 389e9, 0.55, 1000};
+  const pacing_params good{0.01, link_rate::gb_per_s(389), 0.55, 1000};
   auto throws = [](pacing_params p, int64_t cap = 10) {
     try {
       layers_per_step(p, cap);
@@ -89,7 +89,7 @@ TEST_CASE("pacing: bad parameters throw invalid_argument", "[cpu]") {
   p.step_s = 0;
   CHECK(throws(p));
   p = good;
-  p.link_bytes_per_s = -1;
+  p.link = link_rate{-1};
   CHECK(throws(p));
   p = good;
   p.link_fraction = 0;

@@ -168,7 +168,7 @@ bool engine::begin_progressive(run_state& st, parallel_mode target, switch_recor
   }
   const int64_t L = arena_.shape.num_layers;
   st.pacing.step_s = st.last_step_s > 0 ? st.last_step_s : 0.01;
-  st.pacing.link_bytes_per_s = clock_.link_bytes_per_s();
+  st.pacing.link = clock_.link();
   st.pacing.link_fraction = st.options.copy_link_fraction;
   st.pacing.bytes_per_layer = clock_.layer_bytes(*bytes, L);
   st.layers = moebius::layers_per_step(st.pacing, L);

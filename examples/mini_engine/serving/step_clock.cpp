@@ -17,8 +17,8 @@ h200_step_model::h200_step_model(priced_model m, h200_params hw, int num_ranks,
     : m_(m), hw_(hw), num_ranks_(num_ranks), run_kv_bytes_per_token_(run_kv_bytes_per_token) {
   MOEBIUS_CHECK(num_ranks >= 1 && m.num_experts % num_ranks == 0 && m.top_k >= 1 &&
                     m.top_k <= m.num_experts && m.num_kv_heads >= 1 && m.context_scale > 0 &&
-                    hw.hbm_gbps > 0 && hw.nvlink_gbps > 0 && hw.switch_gbps > 0 &&
-                    run_kv_bytes_per_token > 0,
+                    hw.hbm.bytes_per_s > 0 && hw.nvlink.bytes_per_s > 0 &&
+                    hw.switch_rate.bytes_per_s > 0 && run_kv_bytes_per_token > 0,
                 errc::invalid_argument,
                 "h200_step_model: need P | E, 1 <= top_k <= E, H_kv >= 1, positive rates and "
                 "scales (P=", num_ranks, ", E=", m.num_experts, ", top_k=", m.top_k, ")");
@@ -34,7 +34,7 @@ double h200_step_model::time_s(parallel_mode mode, double sequences, double toke
   const double wb = static_cast<double>(m_.weight_bytes), kvb = static_cast<double>(m_.kv_bytes);
   const double expert_bytes = 3 * H * I * wb;
   const double ctx = context_tokens * m_.context_scale;
-  const double link = hw_.nvlink_gbps * 1e9, hbm = hw_.hbm_gbps * 1e9;
+  const double link = hw_.nvlink.bytes_per_s, hbm = hw_.hbm.bytes_per_s;
   const double latency = hw_.collective_us * 1e-6;
   const double untouched = std::pow(1 - k / E, tokens);
   double bytes = 0, collectives = 0;
@@ -71,7 +71,7 @@ double h200_step_model::decode_step_s(parallel_mode mode, int64_t batch, double 
 double h200_step_model::switch_s(const moebius::switch_report& r) const {
   if (r.outcome != moebius::switch_outcome::committed) return r.total_ms * 1e-3;
   moebius::link_params link;
-  link.bandwidth_gbps = hw_.switch_gbps;
+  link.bandwidth = hw_.switch_rate;
   const moebius::cost_model cost(link);
   moebius::switch_workload w;
   w.num_ranks = num_ranks_;

@@ -9,9 +9,10 @@
 #include <cstdint>
 #include <iosfwd>
 
-#include <moebius/layout/expert_shape.hpp>
+#include <moebius/layout/parallel_mode.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
+#include <moebius/transport/link_rate.hpp>
 
 namespace mini_engine {
 
@@ -45,7 +46,7 @@ class step_clock {
   virtual int64_t layer_bytes(const moebius::layer_bytes& run, int64_t /*run_layers*/) const {
     return run.busiest();
   }
-  virtual double link_bytes_per_s() const { return 389e9; }
+  virtual moebius::link_rate link() const { return moebius::link_rate::gb_per_s(389); }
 };
 
 // The measured time itself (GPU runtimes; the host when its time is what you want).
@@ -69,11 +70,14 @@ struct priced_model {
 
 // The hardware, from DESIGN.md §6-7 (2x H200, NV18).
 struct h200_params {
-  double hbm_gbps = 4000;          // HBM read rate a decode step's GEMMs and attention reach
-  double nvlink_gbps = 389;        // per GPU per direction (copy-engine ceiling, §7)
-  double collective_us = 10;       // latency of one all-reduce or all-to-all
-  double step_overhead_us = 50;    // graph launch, sampling, scheduling per step
-  double switch_gbps = 330;        // whole-switch rate (paper: ~330 GB/s per GPU)
+  // HBM read rate a decode step's GEMMs and attention reach.
+  moebius::link_rate hbm = moebius::link_rate::gb_per_s(4000);
+  // Per GPU per direction (copy-engine ceiling, §7).
+  moebius::link_rate nvlink = moebius::link_rate::gb_per_s(389);
+  double collective_us = 10;     // latency of one all-reduce or all-to-all
+  double step_overhead_us = 50;  // graph launch, sampling, scheduling per step
+  // Whole-switch rate (paper: ~330 GB/s per GPU).
+  moebius::link_rate switch_rate = moebius::link_rate::gb_per_s(330);
 };
 
 // A roofline-style decode/prefill step on P H200s, per rank (the busiest), in seconds:
@@ -90,7 +94,7 @@ struct h200_params {
 //   touched experts of T tokens: E (1 - (1 - k/E)^T).
 // So TP wins at small batch (it streams 1/P of every weight), and EP at large batch and long
 // contexts when H_kv < P (TP reads and stores replicated KV heads): DESIGN.md §7's regime.
-// A switch is priced with moebius::cost_model at switch_gbps: the priced model's expert bytes
+// A switch is priced with moebius::cost_model at switch_rate: the priced model's expert bytes
 // leaving each rank, plus the report's KV bytes scaled by priced/run KV bytes per token.
 class h200_step_model final : public step_clock {
  public:
@@ -105,9 +109,9 @@ class h200_step_model final : public step_clock {
   // Bytes per layer of the run: the priced switch (expert bytes leaving the busiest rank,
   // (P-1)/P of its share, every priced layer: Qwen3-30B-A3B bf16, P=2: 48 x 301,989,888 B;
   // plus the run's KV scaled as in switch_s()) divided by the run's layers, so a run of 4
-  // layers advances in 4 moves of 12 priced layers each; the link at nvlink_gbps.
+  // layers advances in 4 moves of 12 priced layers each; the link at nvlink.
   int64_t layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const override;
-  double link_bytes_per_s() const override { return hw_.nvlink_gbps * 1e9; }
+  moebius::link_rate link() const override { return hw_.nvlink; }
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
   double decode_step_s(moebius::parallel_mode mode, int64_t batch, double context) const;

@@ -38,7 +38,7 @@
 #include "moebius/detail/host_device.hpp"
 #include "moebius/error.hpp"
 #include "moebius/layout/dtype.hpp"
-#include "moebius/layout/expert_shape.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 
 namespace moebius {
 

@@ -7,6 +7,7 @@
 #include <iosfwd>
 
 #include "moebius/layout/dtype.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 
 namespace moebius {
 
@@ -23,22 +24,6 @@ constexpr const char* to_string(gate_up_order o) {
   switch (o) {
     case gate_up_order::gate_first: return "gate_first";
     case gate_up_order::up_first: return "up_first";
-  }
-  return "unknown";
-}
-
-// Parallel mode of a layer: experts whole on E/P ranks each (EP), or every expert sliced
-// along its intermediate dimension across all P ranks (TP).
-enum class parallel_mode : uint8_t { ep, tp };
-
-constexpr bool is_valid(parallel_mode m) {
-  return m == parallel_mode::ep || m == parallel_mode::tp;
-}
-
-constexpr const char* to_string(parallel_mode m) {
-  switch (m) {
-    case parallel_mode::ep: return "EP";
-    case parallel_mode::tp: return "TP";
   }
   return "unknown";
 }
@@ -62,7 +47,7 @@ struct expert_shape {
   dtype scale_dtype = dtype::fp32;
 };
 
-// Qwen3-235B-A22B: L=94, E=128, H=4096, I=1536, bf16 (DESIGN.md correction 2).
+// Qwen3-235B-A22B: L=94, E=128, H=4096, I=1536, bf16 (H=7168, I=2048 are DeepSeek-V3's).
 constexpr expert_shape qwen3_235b_a22b() {
   expert_shape s;
   s.num_layers = 94;

@@ -12,7 +12,8 @@
 //
 // EP rank r holds experts [r*E/P, (r+1)*E/P) whole: [E/P, rows, cols].
 // TP rank r holds every expert; along the split axis, each segment contributes its r-th
-// slice of segment_len/P, in the view's gate/up order (DESIGN.md correction 1):
+// slice of segment_len/P, in the view's gate/up order (slicing w13's 2I rows as one range
+// would give a TP rank two gate slices and no up slice):
 //   w13 gate_first, TP rank r: gate rows [r*I/P, (r+1)*I/P) then up rows [I + r*I/P, ...)
 // Both views hold the same bytes per rank (volume invariance), so one slot fits either.
 

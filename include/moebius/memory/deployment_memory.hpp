@@ -11,11 +11,13 @@
 //   - the arena cursor the layers rest at (set by the engine from switch_report::cursor).
 //
 // deployment_memory holds what every owner shares; host_deployment_memory allocates host memory
-// (CPU tests, CI, a host-side engine); device_deployment_memory (memory/device_arena.hpp,
-// Moebius::cuda) allocates device memory and exports CUDA IPC handles.
+// (CPU tests, CI, a host-side engine); device_deployment_memory
+// (memory/device_deployment_memory.hpp, Moebius::cuda) allocates device memory and exports
+// CUDA IPC handles.
 //
-//   Two host ranks of a small model, the engine reading layer 2's w2 in TP:
-//     host_deployment_memory mem(arena, kv, 2);
+//   Two host ranks of a small model (arena and kv made for P = 2), the engine reading layer
+//   2's w2 in TP:
+//     host_deployment_memory mem(arena, kv);  // P comes from the geometries; zero-filled
 //     tensor_slab w2 = mem.weights(0, 2, parallel_mode::tp)[weight_tensor::w2];
 //     // w2.data == mem.memory(0).space(memory_space::arena).data() + w2.offset,
 //     // w2.offset == arena.tensor_base(parallel_mode::tp, 2, weight_tensor::w2)

@@ -1,7 +1,7 @@
 #pragma once
 
-// Per-rank memory budget of a Moebius deployment (paper notes W4 asks for exactly this
-// table), and what it costs beyond a static-EP and a static-TP deployment.
+// Per-rank memory budget of a Moebius deployment, and what it costs beyond a static-EP and a
+// static-TP deployment.
 //
 // What is counted, per rank, in bytes:
 //   expert weights       L · layer bytes (the same in EP, TP and Moebius: volume invariance)

@@ -6,28 +6,9 @@
 #include <iosfwd>
 
 #include "moebius/detail/host_device.hpp"
+#include "moebius/plan/memory_space.hpp"
 
 namespace moebius {
-
-// Which per-rank allocation an offset refers to.
-enum class memory_space : uint8_t {
-  arena,    // the expert-weight arena (arena_geometry)
-  kv_pool,  // the paged KV cache pool
-};
-
-inline constexpr int num_memory_spaces = 2;
-
-constexpr bool is_valid(memory_space s) {
-  return s == memory_space::arena || s == memory_space::kv_pool;
-}
-
-constexpr const char* to_string(memory_space s) {
-  switch (s) {
-    case memory_space::arena: return "arena";
-    case memory_space::kv_pool: return "kv_pool";
-  }
-  return "unknown";
-}
 
 // Copies `rows` rows of `row_bytes` bytes: row j goes from
 //   src_rank's src_space + src_offset + j * src_pitch

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "moebius/plan/plan.hpp"
+
 namespace moebius {
 
 struct switch_workload {
@@ -21,5 +23,13 @@ struct switch_workload {
 
   friend bool operator==(const switch_workload&, const switch_workload&) = default;
 };
+
+// The workload of a built plan: max over ranks of bytes sent to other ranks, split by
+// destination memory space (arena -> weights, kv_pool -> KV); phases whose ops write the
+// KV pool count as KV rounds, the others as weight phases. Throws errc::invalid_argument for
+// a plan without ranks, an op whose source rank is out of range or whose dst_space names no
+// space; errc::overflow when a rank's byte count does not fit 64 bits.
+//   workload_of(plan_weight_switch(qwen3 at P=8, {0}, {94})) -> the example above
+switch_workload workload_of(const plan& p);
 
 }  // namespace moebius

@@ -1,7 +1,7 @@
 #pragma once
 
-// Threshold calibration (paper notes W1: T_h and T_l were hand-tuned for one model on one
-// machine). At start-up the engine measures the decode-step latency of each mode at a few
+// Threshold calibration: T_h and T_l, otherwise hand-tuned for one model on one machine, are
+// derived from measurements. At start-up the engine measures the decode-step latency of each mode at a few
 // batch sizes; this fits one latency curve per mode, finds the crossover B* where TP stops
 // being faster than EP, and derives T_h / T_l from it, so no hand tuning is needed.
 //
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "moebius/detail/enum_check.hpp"
-#include "moebius/layout/expert_shape.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 #include "moebius/policy/switch_policy.hpp"
 
 namespace moebius {

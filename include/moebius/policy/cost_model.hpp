@@ -1,7 +1,7 @@
 #pragma once
 
-// Predicts how long a switch takes (paper notes W2 asks for an analytic model in P, model
-// size and link bandwidth), and refines itself from measured switches.
+// Predicts how long a switch takes, analytically in P, model size and link bandwidth, and
+// refines itself from measured switches.
 //
 //   total = weight_bytes / bw + kv_bytes / kv_bw                 (bytes leaving each rank)
 //         + (weight_phases + kv_rounds) · (barrier + launch)     (one barrier per phase)
@@ -9,7 +9,7 @@
 //
 // Bytes are what leaves the busiest rank: a switch is an all-to-all, each rank sends and
 // receives concurrently, the link's one direction is the bottleneck. Bandwidths are
-// effective GB/s (1e9 B/s) per GPU per direction.
+// effective rates (link_rate) per GPU per direction.
 // Anchor (DESIGN.md §6, paper): 50 GB leaving each GPU at 330 GB/s -> 151.5 ms.
 
 #include <cstdint>
@@ -19,18 +19,19 @@
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/plan/plan.hpp"
 #include "moebius/plan/switch_workload.hpp"
+#include "moebius/transport/link_rate.hpp"
 
 namespace moebius {
 
 struct link_params {
-  double bandwidth_gbps = 330.0;   // effective weight-copy rate per GPU per direction
-  double kv_bandwidth_gbps = 0.0;  // effective KV-page rate; 0: same as bandwidth_gbps
-  double barrier_us = 10.0;        // one cross-rank barrier (device flags)
-  double launch_us = 5.0;          // launching one phase (kernel or graph node)
-  double fixed_ms = 0.0;           // per switch, independent of bytes and phases
+  link_rate bandwidth = link_rate::gb_per_s(330);  // effective weight-copy rate, per GPU
+  link_rate kv_bandwidth{};  // effective KV-page rate; 0: same as bandwidth
+  double barrier_us = 10.0;  // one cross-rank barrier (device flags)
+  double launch_us = 5.0;    // launching one phase (kernel or graph node)
+  double fixed_ms = 0.0;     // per switch, independent of bytes and phases
 
-  double effective_kv_gbps() const {
-    return kv_bandwidth_gbps > 0 ? kv_bandwidth_gbps : bandwidth_gbps;
+  link_rate effective_kv_bandwidth() const {
+    return kv_bandwidth.bytes_per_s > 0 ? kv_bandwidth : bandwidth;
   }
 };
 
@@ -46,11 +47,6 @@ void validate(const switch_workload& w);
 //   Qwen3-235B, P=8, 94 layers: 94 · 7/8 · 603,979,776 = 49,677,336,576 B, 94 phases.
 // Throws errc::invalid_argument unless 0 <= num_layers <= L.
 switch_workload weight_switch_workload(const arena_geometry& geometry, int64_t num_layers);
-
-// The workload of a built plan: max over ranks of bytes sent to other ranks, split by
-// destination memory space (arena -> weights, kv_pool -> KV); phases whose ops write the
-// KV pool count as KV rounds, the others as weight phases.
-switch_workload workload_of(const plan& p);
 
 struct switch_cost {
   double weight_ms = 0;

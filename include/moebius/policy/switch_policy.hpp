@@ -1,6 +1,6 @@
 #pragma once
 
-// The switch policy (DESIGN.md §2 layer 5; paper notes §7): asymmetric hysteresis on the
+// The switch policy (the layer above the switcher, DESIGN.md §2): asymmetric hysteresis on the
 // engine's load signal with a cooldown, a capacity check and an optional cost gate.
 //
 // Load signal: the number of active sequences (the decode batch) at each engine step, in the
@@ -29,7 +29,7 @@
 #include <cstdint>
 #include <iosfwd>
 
-#include "moebius/layout/expert_shape.hpp"
+#include "moebius/layout/parallel_mode.hpp"
 
 namespace moebius {
 

@@ -1,7 +1,7 @@
 #pragma once
 
-// Layout-independent checksums of what a switch must preserve (the review's W5: the paper
-// has no fault protocol). Each element contributes hash(logical coordinate, value), summed
+// Layout-independent checksums of what a switch must preserve, so that a switch can be
+// verified and rolled back when it corrupted something. Each element contributes hash(logical coordinate, value), summed
 // modulo 2^64: the sum does not depend on which rank or view holds an element, but moving an
 // element to the wrong coordinate, or losing it, changes it. Compare before and after a
 // switch. These read host memory (host_transport ranks, or device memory copied back).

@@ -6,7 +6,7 @@
 // next advance would have to wait for them (poll() before advance()) and the step would
 // stretch. So per step
 //
-//   layers = max(1, floor(step_s * link_bytes_per_s * link_fraction / bytes_per_layer))
+//   layers = max(1, floor(step_s * link.bytes_per_s * link_fraction / bytes_per_layer))
 //
 // where bytes_per_layer is what the busiest rank sends for one layer (its expert weights and
 // that layer's KV pages; every layer of a model moves alike) and link_fraction the share of
@@ -29,18 +29,19 @@
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
+#include "moebius/transport/link_rate.hpp"
 
 namespace moebius {
 
 struct pacing_params {
   double step_s = 0;            // measured time of a decode step, seconds (> 0)
-  double link_bytes_per_s = 0;  // per GPU per direction, bytes/s (> 0), e.g. 389e9
+  link_rate link{};             // per GPU per direction (> 0), e.g. link_rate::gb_per_s(389)
   double link_fraction = 1.0;   // (0, 1]: the share of the link the copies may use
   int64_t bytes_per_layer = 0;  // busiest rank's bytes sent per layer (>= 0; 0: nothing moves)
 };
 
 // Layers to advance per step (>= 1; see the formula above). Throws errc::invalid_argument for
-// step_s <= 0, link_bytes_per_s <= 0, link_fraction outside (0, 1] or bytes_per_layer < 0.
+// step_s <= 0, link.bytes_per_s <= 0, link_fraction outside (0, 1] or bytes_per_layer < 0.
 // bytes_per_layer == 0 gives `max_layers`' default: everything in one step.
 int64_t layers_per_step(const pacing_params& p, int64_t max_layers = INT64_MAX);
 

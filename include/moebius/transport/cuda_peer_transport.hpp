@@ -79,8 +79,9 @@ struct cuda_peer_config {
   // A barrier wait longer than this is errc::timeout (a dead or stalled peer).
   int64_t barrier_timeout_ns = int64_t{10'000'000'000};
 
-  // Prepared plans kept by enqueue(const plan&), keyed by sizes and a few sampled ops and
-  // confirmed by == (least recently used is dropped first). 0 disables the cache (every enqueue prepares).
+  // Prepared plans kept by enqueue(const plan&), keyed by fingerprint_of(plan) (sizes and a
+  // few sampled ops) and confirmed by == (least recently used is dropped first). 0 disables
+  // the cache (every enqueue prepares).
   int max_cached_plans = 8;
 
   // prepare() captures each local rank's whole plan into a CUDA graph, so enqueue() costs one

@@ -51,8 +51,8 @@ struct nccl_rank_comm {
 
 // Settings; every field has a working default.
 struct nccl_config {
-  // Prepared plans (device descriptors of their copy steps) kept, keyed by hash_of(plan);
-  // least recently used dropped first. 0: none (every enqueue prepares).
+  // Prepared plans (device descriptors of their copy steps) kept, keyed by fingerprint_of(plan)
+  // and confirmed by ==; least recently used dropped first. 0: none (every enqueue prepares).
   int max_cached_plans = 8;
 };
 
@@ -90,7 +90,7 @@ class nccl_transport final : public transport {
   void validate(const plan& p) const override;
   std::vector<int> local_ranks() const override;
   // Validates and prepares `p` (descriptors of its pack, unpack and local steps, uploaded once
-  // and cached by hash_of(p)).
+  // and cached by fingerprint_of(p), confirmed by ==).
   void prepare(const plan& p) override;
   // Enqueues every phase on the local ranks' streams (`streams[i]` for local_ranks()[i], on
   // that rank's device; nullptr or empty: stream_of(rank)) and returns. In a multi-process

@@ -1,12 +1,13 @@
 // cuda_peer_transport::multi_process(): this process drives one rank; ranks export CUDA IPC
 // handles of their memory spaces and barrier flags, all-gather them and open the peers'.
 
-#include <cuda.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <string>
 #include <utility>
 
+#include "../../cuda/ipc_memory.hpp"
 #include "impl.hpp"
 #include "moebius/cuda/check.hpp"
 #include "moebius/error.hpp"
@@ -30,31 +31,6 @@ struct ipc_rank_info {
 };
 static_assert(sizeof(ipc_rank_info) <= cuda_ipc_rank_info_bytes,
               "ipc_rank_info must fit the advertised all-gather size");
-
-// cuMemGetAddressRange, found through the runtime: linking libcuda would stop every Moebius
-// binary from loading on a machine without a GPU driver (CI, build hosts).
-CUresult mem_get_address_range(CUdeviceptr* base, size_t* size, CUdeviceptr p) {
-  using fn_t = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static const fn_t fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    MOEBIUS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000,
-                                                        cudaEnableDefault, &found));
-    MOEBIUS_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr, errc::cuda,
-                  "the CUDA driver has no cuMemGetAddressRange");
-    return reinterpret_cast<fn_t>(f);
-  }();
-  return fn(base, size, p);
-}
-
-// Handle and offset of `p` inside its cudaMalloc allocation (IPC exports whole allocations).
-void export_pointer(void* p, cudaIpcMemHandle_t& handle, int64_t& offset) {
-  CUdeviceptr alloc_base = 0;
-  size_t alloc_size = 0;
-  MOEBIUS_CU_CHECK(mem_get_address_range(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(p)));
-  offset = static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(p) - alloc_base);
-  MOEBIUS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(alloc_base)));
-}
 
 }  // namespace
 
@@ -95,13 +71,19 @@ cuda_peer_transport cuda_peer_transport::multi_process(int rank, int num_ranks,
     info.num_ranks = num_ranks;
     info.device = local.device;
     info.pid = static_cast<int32_t>(getpid());
+    auto publish = [&](int h, void* p, const char* what) {
+      const detail::ipc_export e =
+          detail::export_ipc_pointer(p, "rank " + std::to_string(rank) + "'s " + what);
+      info.handle[h] = e.handle;
+      info.offset[h] = e.offset;
+    };
     for (int s = 0; s < num_memory_spaces; ++s) {
       if (local.spaces[s].bytes == 0) continue;
-      export_pointer(local.spaces[s].base, info.handle[s], info.offset[s]);
+      publish(s, local.spaces[s].base, to_string(static_cast<memory_space>(s)));
       info.bytes[s] = local.spaces[s].bytes;
       info.present |= 1u << s;
     }
-    export_pointer(me.flags, info.handle[num_memory_spaces], info.offset[num_memory_spaces]);
+    publish(num_memory_spaces, me.flags, "barrier flags");
     info.bytes[num_memory_spaces] = static_cast<int64_t>(cuda_peer::barrier_alloc_bytes(num_ranks));
     info.present |= 1u << num_memory_spaces;
     std::memcpy(send.data(), &info, sizeof(info));
@@ -147,13 +129,12 @@ cuda_peer_transport cuda_peer_transport::multi_process(int rank, int num_ranks,
         }
       }
       if (opened[h] == nullptr) {
-        const cudaError_t e =
-            cudaIpcOpenMemHandle(&opened[h], info.handle[h], cudaIpcMemLazyEnablePeerAccess);
-        MOEBIUS_CHECK(e == cudaSuccess, errc::cuda, "rank ", rank, " (device ", local.device,
-                      ") cannot open the CUDA IPC handle of rank ", j, " (pid ", info.pid,
-                      ", device ", info.device, ") for ",
-                      h < num_memory_spaces ? to_string(static_cast<memory_space>(h)) : "barrier flags",
-                      ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+        const std::string what =
+            "rank " + std::to_string(j) + " (pid " + std::to_string(info.pid) + ", device " +
+            std::to_string(info.device) + ") for " +
+            (h < num_memory_spaces ? to_string(static_cast<memory_space>(h)) : "barrier flags") +
+            " on rank " + std::to_string(rank) + " (device " + std::to_string(local.device) + ")";
+        opened[h] = detail::open_ipc_memory(info.handle[h], what);
         st->ipc_mappings.emplace_back(opened[h], local.device);
       }
       std::byte* p = static_cast<std::byte*>(opened[h]) + info.offset[h];

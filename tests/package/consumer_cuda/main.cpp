@@ -3,7 +3,7 @@
 #include <cstdio>
 
 #include <moebius/error.hpp>
-#include <moebius/memory/device_arena.hpp>
+#include <moebius/memory/device_rank_ipc.hpp>
 
 int main() {
   // A handle that was never exported is refused before any CUDA call (no device needed).

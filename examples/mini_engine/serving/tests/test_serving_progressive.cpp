@@ -41,8 +41,8 @@ class paced_clock final : public step_clock {
   const char* name() const override { return "paced"; }
   bool needs_measurement() const override { return false; }
   int64_t layer_bytes(const moebius::layer_bytes&, int64_t) const override { return 1'000'000; }
-  double link_bytes_per_s() const override {
-    return (static_cast<double>(layers_) + 0.5) * 1e6 / (0.01 * 0.55);
+  moebius::link_rate link() const override {
+    return moebius::link_rate{(static_cast<double>(layers_) + 0.5) * 1e6 / (0.01 * 0.55)};
   }
 
  private:

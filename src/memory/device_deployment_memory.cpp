@@ -1,31 +1,19 @@
-#include "moebius/memory/device_arena.hpp"
+#include "moebius/memory/device_deployment_memory.hpp"
 
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <string>
 #include <utility>
 
+#include "../cuda/ipc_memory.hpp"
 #include "moebius/cuda/check.hpp"
+#include "moebius/cuda/handles.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
 
-static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(device_ipc_range::handle),
-              "device_ipc_range::handle must hold a cudaIpcMemHandle_t");
-
 namespace {
-
-// Restores the calling thread's current device (the owner sets each rank's device in turn).
-class device_guard {
- public:
-  device_guard() { MOEBIUS_CUDA_CHECK(cudaGetDevice(&saved_)); }
-  device_guard(const device_guard&) = delete;
-  device_guard& operator=(const device_guard&) = delete;
-  ~device_guard() { (void)cudaSetDevice(saved_); }
-
- private:
-  int saved_ = 0;
-};
 
 std::vector<int> default_ranks(std::vector<int> local_ranks, size_t num_devices) {
   if (!local_ranks.empty()) return local_ranks;
@@ -63,10 +51,10 @@ device_deployment_memory::device_deployment_memory(const arena_geometry& arena,
     MOEBIUS_CHECK(d >= 0, errc::invalid_argument, "device deployment memory: device ", d,
                   " is not a CUDA ordinal");
   }
-  device_guard guard;
+  device_guard guard;  // the owner sets each rank's device in turn; the caller's is restored
   try {
     for (size_t i = 0; i < devices.size(); ++i) {
-      MOEBIUS_CUDA_CHECK(cudaSetDevice(devices[i]));
+      guard.set(devices[i]);
       rank_memory m;
       m.device = devices[i];
       ranks_.push_back(m);  // published first so that release() frees a partial rank too
@@ -101,53 +89,16 @@ device_rank_ipc device_deployment_memory::export_ipc(int i) const {
   for (int s = 0; s < num_memory_spaces; ++s) {
     const memory_span& sp = m.spaces[s];
     if (sp.bytes == 0) continue;
-    cudaIpcMemHandle_t handle;
-    MOEBIUS_CUDA_CHECK(cudaIpcGetMemHandle(&handle, sp.base));
-    std::memcpy(h.spaces[s].handle.data(), &handle, sizeof(handle));
-    h.spaces[s].offset = 0;  // each space is an allocation of its own
+    // Each space is an allocation of its own: its base is the allocation's, offset 0.
+    const detail::ipc_export e = detail::export_ipc_allocation(
+        sp.base, "rank " + std::to_string(h.rank) + "'s " +
+                     to_string(static_cast<memory_space>(s)) + " (device " +
+                     std::to_string(m.device) + ")");
+    std::memcpy(h.spaces[s].handle.data(), &e.handle, sizeof(e.handle));
+    h.spaces[s].offset = e.offset;
     h.spaces[s].bytes = sp.bytes;
   }
   return h;
-}
-
-imported_rank_memory::imported_rank_memory(const device_rank_ipc& handle, int device)
-    : rank_(handle.rank) {
-  const device_ipc_range& arena = handle.spaces[static_cast<int>(memory_space::arena)];
-  MOEBIUS_CHECK(handle.rank >= 0 && arena.bytes > 0, errc::invalid_argument,
-                "imported rank memory: the handle has no arena (rank ", handle.rank, ", ",
-                arena.bytes, " bytes): was it exported?");
-  MOEBIUS_CHECK(device >= 0, errc::invalid_argument, "imported rank memory: device ", device,
-                " is not a CUDA ordinal");
-  for (const device_ipc_range& r : handle.spaces) {
-    MOEBIUS_CHECK(r.offset >= 0 && r.bytes >= 0, errc::invalid_argument,
-                  "imported rank memory: negative offset or size (offset ", r.offset, ", ",
-                  r.bytes, " bytes)");
-  }
-  device_guard guard;
-  MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
-  memory_.device = device;
-  try {
-    for (int s = 0; s < num_memory_spaces; ++s) {
-      const device_ipc_range& r = handle.spaces[s];
-      if (r.bytes == 0) continue;
-      cudaIpcMemHandle_t h;
-      std::memcpy(&h, r.handle.data(), sizeof(h));
-      MOEBIUS_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped_[s], h, cudaIpcMemLazyEnablePeerAccess));
-      memory_.spaces[s] = {static_cast<std::byte*>(mapped_[s]) + r.offset, r.bytes};
-    }
-  } catch (...) {
-    for (void*& p : mapped_) {
-      if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
-      p = nullptr;
-    }
-    throw;
-  }
-}
-
-imported_rank_memory::~imported_rank_memory() {
-  for (void* p : mapped_) {
-    if (p != nullptr) (void)cudaIpcCloseMemHandle(p);
-  }
 }
 
 }  // namespace moebius

@@ -1,6 +1,7 @@
 #pragma once
-// Longest-first placement on the GPU (placement.hpp), for demand arrays that already live in
-// device memory: the same assignment as place_longest_first for demands WITHOUT share groups.
+// Longest-first placement on the GPU (moebius/kv/placement.hpp), for demand arrays that
+// already live in device memory: the same assignment as place_longest_first for demands
+// WITHOUT share groups.
 //
 // Two stable CUB radix sorts give the host order (pages descending, then seq id ascending):
 // first by seq id, then stably by pages. One block then walks the sorted demands and gives
