@@ -214,26 +214,26 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
   }
 }
 
-double engine::advance_progressive(run_state& st, step_record& rec) {
+switch_copies engine::advance_progressive(run_state& st, step_record& rec) {
   // On the host the copies complete inside advance(); on a GPU they run on the transport's
-  // streams and the step starts once they are done (poll until ready): the copy time is
-  // priced beside the step (step_ms = max(step, copies)), not measured overlapping it.
+  // streams. Either way the loop waits for them before the step (poll until ready), and the
+  // clock charges the wait and the step one after the other (step_clock::switch_step_s).
   const engine_options& o = st.options;
   if (o.before_advance) o.before_advance(switcher_, *st.session, rec.step);
   const auto ta = host_clock::now();
   rec.layers = static_cast<int64_t>(st.session->advance(st.layers).layers().size());
   moebius::progress_state state = st.session->poll();
   while (state == moebius::progress_state::in_flight) state = st.session->poll();
-  const double measured_copy = seconds_since(ta);
-  const double copy_s = clock_.needs_measurement() ? measured_copy
-                                                   : moebius::copy_seconds(st.pacing, rec.layers);
+  switch_copies copies;
+  copies.measured_s = seconds_since(ta);
+  copies.bytes = st.pacing.bytes_per_layer * rec.layers;
   if (state == moebius::progress_state::ended) {  // the advance failed: rolled back
     end_progressive(st);
   } else if (o.abort_after_advance && o.abort_after_advance(*st.session, rec.step)) {
     st.session->abort();
     end_progressive(st);
   }
-  return copy_s;
+  return copies;
 }
 
 void engine::end_progressive(run_state& st) {
@@ -251,7 +251,7 @@ void engine::end_progressive(run_state& st) {
   st.sched.release_deferred(switcher_.mutable_kv_tables());
 }
 
-bool engine::serve_step(run_state& st, step_record& rec, double copy_s) {
+bool engine::serve_step(run_state& st, step_record& rec, const switch_copies& copies) {
   // During a progressive switch the tables are frozen: the step reads both sets through the
   // session's view and takes no page.
   const bool frozen = st.session.has_value();
@@ -268,13 +268,13 @@ bool engine::serve_step(run_state& st, step_record& rec, double copy_s) {
   rec.cursor = switcher_.cursor().tp_layers;
   std::vector<int32_t> tokens;
   double dt = 0, measured = 0;
+  step_cost cost;
   if (!b.empty()) {
     const auto t0 = host_clock::now();
     tokens = runtime_.step(layout, b.items);
     measured = seconds_since(t0);
     // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
     if (runtime_.measured_step_s() >= 0) measured = runtime_.measured_step_s();
-    step_cost cost;
     cost.mode = tables.mode;
     if (frozen && switcher_.cursor().tp_layers * 2 >= arena_.shape.num_layers)
       cost.mode = parallel_mode::tp;  // a hybrid step: priced as its majority mode
@@ -282,12 +282,16 @@ bool engine::serve_step(run_state& st, step_record& rec, double copy_s) {
     cost.num_sequences = b.num_sequences;
     cost.new_tokens = b.decode_tokens + b.prefill_tokens;
     cost.context_tokens = b.context_tokens;
+  }
+  const bool copied = copies.bytes > 0 || copies.measured_s > 0;
+  if (copied) {
+    // The advance's copies ran before this step: the clock charges both, in that order.
+    rec.copy_ms = clock_.copies_s(copies) * 1e3;
+    dt = b.empty() ? clock_.copies_s(copies) : clock_.switch_step_s(cost, measured, copies);
+  } else if (!b.empty()) {
     dt = clock_.step_s(cost, measured);
     if (!frozen) st.last_step_s = dt;
   }
-  // The copies are priced beside the step: the step lasts the longer of the two.
-  rec.copy_ms = copy_s * 1e3;
-  dt = std::max(dt, copy_s);
   rec.mode = tables.mode;
   rec.sequences = b.num_sequences;
   rec.decode_tokens = b.decode_tokens;
@@ -360,8 +364,8 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     if (const std::optional<parallel_mode> target = decide(st, step)) {
       start_switch(st, *target, rec);
     }
-    const double copy_s = st.session ? advance_progressive(st, rec) : 0;
-    if (!serve_step(st, rec, copy_s)) continue;
+    const switch_copies copies = st.session ? advance_progressive(st, rec) : switch_copies{};
+    if (!serve_step(st, rec, copies)) continue;
     if (o.validate_every_step) moebius::validate(kv_, switcher_.kv_tables());
     st.out.steps.push_back(rec);
     report_progress(st, step);

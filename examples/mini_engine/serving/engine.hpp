@@ -100,7 +100,8 @@ struct step_record {
   bool switched = false;                // a switch ran before this step
   double switch_ms = 0;                 // its time on the serving clock
   // Progressive: the step ran during a switch (hybrid), after advancing `layers` layers
-  // whose copies took copy_ms on the serving clock (step_ms = max(its compute, copy_ms)).
+  // whose copies took copy_ms on the serving clock before it (step_ms = copy_ms + its compute:
+  // the loop waits for each advance, so no overlap is charged; step_clock::switch_step_s).
   bool in_switch = false;
   int64_t layers = 0;
   int64_t cursor = 0;                   // arena cursor (TP layers) the step ran at
@@ -178,11 +179,11 @@ class engine {
   bool begin_progressive(run_state& st, moebius::parallel_mode target, switch_record& s);
   void stop_the_world(run_state& st, moebius::parallel_mode target, switch_record& s,
                       step_record& rec);
-  // Moves the next paced layers before the step; returns their copy time on the serving clock.
-  double advance_progressive(run_state& st, step_record& rec);
-  // Runs one step (hybrid during a progressive switch) and records it; false when nothing
-  // could run (only future arrivals: the idle jump takes over).
-  bool serve_step(run_state& st, step_record& rec, double copy_s);
+  // Moves the next paced layers before the step and waits for them; returns what they cost.
+  switch_copies advance_progressive(run_state& st, step_record& rec);
+  // Runs one step (hybrid during a progressive switch, after `copies`) and records it; false
+  // when nothing could run (only future arrivals: the idle jump takes over).
+  bool serve_step(run_state& st, step_record& rec, const switch_copies& copies);
   void end_progressive(run_state& st);
   void report_progress(const run_state& st, int64_t step) const;
 

@@ -63,6 +63,10 @@ double h200_step_model::step_s(const step_cost& c, double) const {
                 static_cast<double>(c.context_tokens));
 }
 
+double h200_step_model::copies_s(const switch_copies& copies) const {
+  return static_cast<double>(copies.bytes) / hw_.nvlink.bytes_per_s;
+}
+
 double h200_step_model::decode_step_s(parallel_mode mode, int64_t batch, double context) const {
   const double b = static_cast<double>(batch);
   return time_s(mode, b, b, b * context);

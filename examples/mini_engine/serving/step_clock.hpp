@@ -25,6 +25,13 @@ struct step_cost {
   int64_t context_tokens = 0;  // sum over items of the tokens attended (start + new)
 };
 
+// The copies of one progressive-switch advance, as the serving loop ran them: it waits for each
+// advance before the step that follows (the copies do not yet run beside the step).
+struct switch_copies {
+  double measured_s = 0;  // host (or GPU) seconds the loop waited for them
+  int64_t bytes = 0;      // the busiest rank's bytes as the clock prices them (layer_bytes x layers)
+};
+
 class step_clock {
  public:
   virtual ~step_clock() = default;
@@ -47,6 +54,17 @@ class step_clock {
     return run.busiest();
   }
   virtual moebius::link_rate link() const { return moebius::link_rate::gb_per_s(389); }
+
+  // A step during a progressive switch, after the copies of its advance. Never more overlap
+  // than ran: by default what was measured, the wait for the copies included (they ran before
+  // the step). A priced clock prices both, one after the other, unless it holds a measured
+  // curve of the step's slowdown beside copies (and says so in name()).
+  virtual double switch_step_s(const step_cost& cost, double measured_step_s,
+                               const switch_copies& copies) const {
+    return copies_s(copies) + step_s(cost, measured_step_s);
+  }
+  // The copies alone (a step with nothing to run): by default the measured wait.
+  virtual double copies_s(const switch_copies& copies) const { return copies.measured_s; }
 };
 
 // The measured time itself (GPU runtimes; the host when its time is what you want).
@@ -112,6 +130,9 @@ class h200_step_model final : public step_clock {
   // layers advances in 4 moves of 12 priced layers each; the link at nvlink.
   int64_t layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const override;
   moebius::link_rate link() const override { return hw_.nvlink; }
+  // The copies at the link rate, before the priced step (switch_step_s adds the two, as the
+  // serving loop runs them: no overlap is priced without a measured slowdown curve).
+  double copies_s(const switch_copies& copies) const override;
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
   double decode_step_s(moebius::parallel_mode mode, int64_t batch, double context) const;
