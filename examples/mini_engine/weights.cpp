@@ -194,6 +194,12 @@ void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64
           default: {  // fp8: the value is code * scale exactly (round_experts)
             const float s = scales[static_cast<size_t>((e * br + r / b) * bc + q / b)];
             const uint8_t u = to_fp8_e4m3(v / s);
+            // Weights that were not rounded would be stored as some other value: refuse them.
+            MOEBIUS_CHECK(s > 0 && std::isfinite(s) && from_fp8_e4m3(u) * s == v,
+                          errc::invalid_argument, "place_layer_experts: fp8 ",
+                          moebius::to_string(t), "[", e, ", ", r, ", ", q, "] of layer ", layer,
+                          " = ", v, " is not an e4m3 code times its block scale ", s,
+                          " (round the experts first: round_experts)");
             std::memcpy(p, &u, 1);
             break;
           }

@@ -233,8 +233,7 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   go.tensor_alignment = 256;
   go.slot_alignment = 4096;
   const model_weights weights = make_weights(c, o.seed);
-  auto rt = std::make_unique<gpu::gpu_runtime>(gpu::config_from(c), gpu::weights_view_of(weights),
-                                               go);
+  auto rt = std::make_unique<gpu::gpu_runtime>(weights, go);
   world w;
   w.on_gpu = true;
   w.memory = rt->memory();

@@ -14,10 +14,14 @@
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
 
-#include "../numerics.hpp"
 #include "gemm.hpp"
 #include "gpu_runtime.hpp"
 #include "kernels/kernels.hpp"
+#include "layer_schedule.hpp"
+#include "rank_buffers.hpp"
+#include "model_config.hpp"
+#include "numerics.hpp"
+#include "weights.hpp"
 
 namespace mini_engine::gpu {
 
@@ -25,68 +29,19 @@ using moebius::dtype;
 using moebius::errc;
 using moebius::parallel_mode;
 
-gpu_model_config qwen3_30b_a3b_config() {
-  gpu_model_config c;
-  c.num_layers = 48;
-  c.hidden = 2048;
-  c.num_q_heads = 32;
-  c.num_kv_heads = 4;
-  c.head_dim = 128;
-  c.num_experts = 128;
-  c.top_k = 8;
-  c.intermediate = 768;
-  c.vocab = 151936;
-  c.rope_theta = 1e6;
-  c.rms_eps = 1e-6;
-  c.expert_dtype = dtype::bf16;
-  c.kv_dtype = dtype::bf16;
-  c.page_size = 16;
-  return c;
-}
-
 namespace {
-
-uint16_t host_to_bf16(float f) {
-  const uint32_t u = std::bit_cast<uint32_t>(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // Host floats as `t` bytes.
 std::vector<std::byte> encode(std::span<const float> v, dtype t) {
   std::vector<std::byte> out(v.size() * static_cast<size_t>(moebius::dtype_bytes(t)));
   for (size_t i = 0; i < v.size(); ++i) {
     if (t == dtype::bf16) {
-      const uint16_t b = host_to_bf16(v[i]);
+      const uint16_t b = to_bf16(v[i]);
       std::memcpy(out.data() + 2 * i, &b, 2);
     } else {
       std::memcpy(out.data() + 4 * i, &v[i], 4);
     }
   }
-  return out;
-}
-
-// fp8 experts ([experts, rows, cols], each value a code times its block's scale, as
-// round_experts leaves them) as e4m3 codes. Throws errc::invalid_argument naming the tensor
-// and element when a value is not exactly code x scale (the arena could not hold it).
-std::vector<std::byte> encode_fp8(std::span<const float> v, std::span<const float> scale,
-                                  int64_t experts, int64_t rows, int64_t cols, int64_t block,
-                                  const char* what) {
-  std::vector<std::byte> out(v.size());
-  const int64_t sr = rows / block, sc = cols / block;
-  for (int64_t e = 0; e < experts; ++e)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < cols; ++k) {
-        const int64_t i = (e * rows + r) * cols + k;
-        const float s = scale[static_cast<size_t>((e * sr + r / block) * sc + k / block)];
-        const float x = v[static_cast<size_t>(i)];
-        const uint8_t code = to_fp8_e4m3(x / s);
-        MOEBIUS_CHECK(s > 0 && std::isfinite(s) && from_fp8_e4m3(code) * s == x,
-                      errc::invalid_argument, "gpu_runtime: fp8 ", what, "[", e, ", ", r, ", ",
-                      k, "] = ", x, " is not an e4m3 code times its block scale ", s,
-                      " (round the experts first: round_experts)");
-        out[static_cast<size_t>(i)] = static_cast<std::byte>(code);
-      }
   return out;
 }
 
@@ -108,8 +63,10 @@ struct rank_state {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
   ncclComm_t comm = nullptr;
-  std::vector<void*> owned;
+  std::vector<void*> owned;  // cudaMalloc'd: the buffers, the arena, the KV pool
 
+  std::byte* buffers = nullptr;           // every buffer below but the arena and KV pool
+  std::byte* cublas_workspace = nullptr;  // cublas_workspace_bytes
   std::byte* arena = nullptr;
   std::byte* kv_pool = nullptr;
 
@@ -170,7 +127,7 @@ struct rank_state {
 };
 
 struct gpu_runtime::impl {
-  gpu_model_config c;
+  model_config c;
   gpu_runtime_options o;
   int P = 1;
   moebius::arena_geometry arena;
@@ -182,6 +139,8 @@ struct gpu_runtime::impl {
   dtype ct = dtype::fp32;
   bool fp8 = false;
   std::vector<rank_state> ranks;
+  rank_buffer_sizes buffer_sizes;  // what they hold
+  rank_buffer_layout buffers;      // where each rank's buffers lie in rank_state::buffers
 
   struct graph_set {
     std::vector<cudaGraphExec_t> exec;  // per rank
@@ -353,33 +312,41 @@ struct gpu_runtime::impl {
 
   void set_device(const rank_state& r) const { MOEBIUS_CUDA_CHECK(cudaSetDevice(r.device)); }
 
-  // The paged attention of layer li in mode m over T rows of rank rs (q rows in qkv).
-  paged_attention_args attention_args(rank_state& rs, parallel_mode m, int64_t li, int64_t T,
-                                      const float* q, float* out) const {
+  // The shape of the paged attention of layer li in mode m over T rows (no pointers: what
+  // the workspace size depends on).
+  paged_attention_args attention_shape(parallel_mode m, int64_t li, int64_t T) const {
     const int64_t D = c.head_dim, hq = q_heads_local(m);
     paged_attention_args pa;
-    pa.q = q;
     pa.q_stride = qkv_ld;
     pa.q_heads = hq;
     pa.group = c.num_q_heads / c.num_kv_heads;
-    pa.out = out;
     pa.out_stride = hq * D;
-    pa.pool = rs.kv_pool;
     pa.geometry = kv;
     pa.mode = m;
     pa.layer = li;
     pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    pa.tok = {in_seq(rs, m), in_pos(rs, m), in_tables(rs, m), max_pages, T, in_num(rs, m)};
+    pa.tok.table_stride = max_pages;
+    pa.tok.tokens = T;
     pa.simple = simple_attention;
-    pa.workspace = rs.attn_work;
     pa.splits = attention_splits;
     pa.tensor_cores = tensor_core_attention;
     pa.tensor_core_min_tokens = tensor_core_min_tokens;
     return pa;
   }
+  // The paged attention of layer li in mode m over T rows of rank rs (q rows in qkv).
+  paged_attention_args attention_args(rank_state& rs, parallel_mode m, int64_t li, int64_t T,
+                                      const float* q, float* out) const {
+    paged_attention_args pa = attention_shape(m, li, T);
+    pa.q = q;
+    pa.out = out;
+    pa.pool = rs.kv_pool;
+    pa.tok = {in_seq(rs, m), in_pos(rs, m), in_tables(rs, m), max_pages, T, in_num(rs, m)};
+    pa.workspace = rs.attn_work;
+    return pa;
+  }
 
   // ---- construction -----------------------------------------------------------------------
-  void setup(const gpu_model_config& config, const gpu_runtime_options& options) {
+  void setup(const model_config& config, const gpu_runtime_options& options) {
     c = config;
     o = options;
     if (const char* v = std::getenv("MINI_ENGINE_NO_GRAPHS"); v != nullptr && *v == '1')
@@ -413,22 +380,12 @@ struct gpu_runtime::impl {
                   " devices, found ", devices,
                   " (one rank per device: NCCL allows no two ranks of a "
                   "communicator on one device)");
-    moebius::expert_shape shape;
-    shape.num_layers = c.num_layers;
-    shape.num_experts = c.num_experts;
-    shape.hidden = c.hidden;
-    shape.intermediate = c.intermediate;
-    shape.weight_dtype = c.expert_dtype;
-    if (fp8) {  // expert_shape's validation (below) requires whole blocks in every TP slice
-      shape.block_scales = true;
-      shape.scale_block_n = c.fp8_block;
-      shape.scale_block_k = c.fp8_block;
-      shape.scale_dtype = dtype::fp32;
-    }
-    arena = moebius::make_arena_geometry(shape, P, o.tensor_alignment, o.slot_alignment);
+    // The model's arena and KV pool, as the host runtime lays them out (model_config.hpp);
+    // expert_shape's validation requires whole fp8 blocks in every TP slice.
+    arena = moebius::make_arena_geometry(expert_shape_of(c), P, o.tensor_alignment,
+                                         o.slot_alignment);
     moebius::validate(arena, o.cursor);
-    kv = moebius::make_kv_geometry(c.num_layers, c.num_kv_heads, c.head_dim, c.page_size,
-                                   o.num_ep_pages, P, c.kv_dtype, moebius::kv_layout::hnd);
+    kv = kv_geometry_of(c, P, o.num_ep_pages);
     T_max = o.max_tokens;
     for (int64_t b : o.buckets)
       MOEBIUS_CHECK(b >= 1 && b <= T_max, errc::invalid_argument, "gpu_runtime: bucket ", b,
@@ -452,6 +409,40 @@ struct gpu_runtime::impl {
     const int64_t ds = moebius::dtype_bytes(o.dense_dtype);
     const int64_t max_inter = c.intermediate;  // EP: I (TP: I/P)
 
+    // Every per-rank buffer in one allocation (rank_buffers.hpp), the same on every rank.
+    rank_buffer_sizes bs;
+    bs.num_layers = c.num_layers;
+    bs.hidden = H;
+    bs.head_dim = c.head_dim;
+    bs.q_dim = c.num_q_heads * c.head_dim;
+    bs.qkv_rows = qkv_ld;
+    bs.num_experts = c.num_experts;
+    bs.top_k = c.top_k;
+    bs.vocab = c.vocab;
+    bs.dense_bytes = ds;
+    bs.expert_bytes = es;
+    bs.max_tokens = T_max;
+    bs.gathered_rows = G;
+    bs.packed_row_bytes = row_layout.row_bytes;
+    bs.input_count = off_tables() + T_max * max_pages;
+    bs.max_pairs = max_pairs;
+    bs.max_rows = max_rows;
+    bs.max_tiles = max_tiles;
+    bs.max_inter = max_inter;
+    bs.sort_temp_bytes = static_cast<int64_t>(moe_sort_temp_bytes(max_pairs));
+    // Split attention: the largest workspace any token count and mode needs.
+    for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp})
+      for (int64_t t = 1; t <= T_max; ++t)
+        bs.attention_floats = std::max(bs.attention_floats,
+                                       paged_attention_workspace_floats(attention_shape(m, 0, t)));
+    if (fp8) {  // one fp8 byte per element in the arena: tensor_bytes elements per rank
+      bs.dequant_w13_bytes = arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w13)] * es;
+      bs.dequant_w2_bytes = arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w2)] * es;
+    }
+    bs.cublas_workspace_bytes = cublas_workspace_bytes;
+    buffer_sizes = bs;
+    buffers = make_rank_buffer_layout(bs);
+
     ranks.resize(static_cast<size_t>(P));
     std::vector<int> devs(static_cast<size_t>(P));
     for (int r = 0; r < P; ++r) {
@@ -461,86 +452,20 @@ struct gpu_runtime::impl {
       set_device(rs);
       MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
       MINI_ENGINE_CUBLAS_CHECK(cublasCreate(&rs.blas));
-      void* ws = device_alloc<std::byte>(cublas_workspace_bytes, rs.owned);
-      MINI_ENGINE_CUBLAS_CHECK(cublasSetWorkspace(rs.blas, ws, cublas_workspace_bytes));
+      rs.buffers = device_alloc<std::byte>(buffers.num_bytes(), rs.owned);
+      carve(rs);
+      MINI_ENGINE_CUBLAS_CHECK(cublasSetWorkspace(rs.blas, rs.cublas_workspace,
+                                                  cublas_workspace_bytes));
       MINI_ENGINE_CUBLAS_CHECK(cublasSetStream(rs.blas, rs.stream));
       rs.arena = device_alloc<std::byte>(arena.total_bytes(), rs.owned);
       rs.kv_pool = device_alloc<std::byte>(kv.pool_bytes(), rs.owned);
-      rs.layers.resize(static_cast<size_t>(c.num_layers));
-      const int64_t D = c.head_dim, qd = c.num_q_heads * D;
-      for (auto& l : rs.layers) {
-        l.qkv = device_alloc<std::byte>(qkv_ld * H * ds, rs.owned);
-        l.o = device_alloc<std::byte>(H * qd * ds, rs.owned);
-        l.router = device_alloc<float>(c.num_experts * H, rs.owned);
-        l.ln1 = device_alloc<float>(H, rs.owned);
-        l.ln2 = device_alloc<float>(H, rs.owned);
-        l.q_norm = device_alloc<float>(D, rs.owned);
-        l.k_norm = device_alloc<float>(D, rs.owned);
-      }
-      rs.embed = device_alloc<std::byte>(c.vocab * H * ds, rs.owned);
-      rs.final_norm = device_alloc<float>(H, rs.owned);
-      rs.lm_head = device_alloc<std::byte>(c.vocab * H * ds, rs.owned);
-
-      rs.h = device_alloc<float>(T_max * H, rs.owned);
-      rs.xn = device_alloc<float>(T_max * H, rs.owned);
-      rs.xd = device_alloc<std::byte>(T_max * std::max(H, qd) * ds, rs.owned);
-      rs.qkv = device_alloc<float>(T_max * qkv_ld, rs.owned);
-      rs.attn = device_alloc<float>(T_max * qd, rs.owned);
-      rs.proj = device_alloc<float>(T_max * H, rs.owned);
-      rs.router_logits = device_alloc<float>(T_max * c.num_experts, rs.owned);
-      rs.topk_ids = device_alloc<int32_t>(T_max * c.top_k, rs.owned);
-      rs.topk_w = device_alloc<float>(T_max * c.top_k, rs.owned);
-      rs.packed = device_alloc<std::byte>(T_max * row_layout.row_bytes, rs.owned);
-      rs.gathered = device_alloc<std::byte>(G * row_layout.row_bytes, rs.owned);
-      rs.moe_out = device_alloc<float>(G * H, rs.owned);
-      rs.recv = device_alloc<float>(G * H, rs.owned);
-      rs.logits = device_alloc<float>(T_max * c.vocab, rs.owned);
-      rs.next = device_alloc<int32_t>(T_max, rs.owned);
-      rs.next_value = device_alloc<float>(T_max, rs.owned);
-      rs.input_count = off_tables() + T_max * max_pages;
+      rs.input_count = bs.input_count;
       for (int m = 0; m < 2; ++m) {
-        rs.inputs[m] = device_alloc<int32_t>(rs.input_count, rs.owned);
         MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned[m], static_cast<size_t>(rs.input_count) * 4));
         std::memset(rs.pinned[m], 0, static_cast<size_t>(rs.input_count) * 4);
       }
       MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_begin));
       MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_end));
-
-      moe_plan& p = rs.moe;
-      p.keys = device_alloc<int32_t>(max_pairs, rs.owned);
-      p.values = device_alloc<int32_t>(max_pairs, rs.owned);
-      p.keys_sorted = device_alloc<int32_t>(max_pairs, rs.owned);
-      p.values_sorted = device_alloc<int32_t>(max_pairs, rs.owned);
-      p.expert_info = device_alloc<int32_t>(3 * c.num_experts + 1, rs.owned);
-      p.pair_row = device_alloc<int32_t>(max_pairs, rs.owned);
-      p.x_perm = device_alloc<std::byte>(max_rows * H * es, rs.owned);
-      p.gu = device_alloc<float>(max_rows * 2 * max_inter, rs.owned);
-      p.act = device_alloc<std::byte>(max_rows * max_inter * es, rs.owned);
-      p.y = device_alloc<float>(max_rows * H, rs.owned);
-      p.ptr_w13 = device_alloc<const void*>(max_tiles, rs.owned);
-      p.ptr_x = device_alloc<const void*>(max_tiles, rs.owned);
-      p.ptr_gu = device_alloc<void*>(max_tiles, rs.owned);
-      p.ptr_w2 = device_alloc<const void*>(max_tiles, rs.owned);
-      p.ptr_act = device_alloc<const void*>(max_tiles, rs.owned);
-      p.ptr_y = device_alloc<void*>(max_tiles, rs.owned);
-      p.sort_temp_bytes = moe_sort_temp_bytes(max_pairs);
-      p.sort_temp = device_alloc<std::byte>(static_cast<int64_t>(p.sort_temp_bytes), rs.owned);
-      p.overflow = device_alloc<int32_t>(1, rs.owned);
-      p.hidden = H;
-      p.type = ct;
-      if (fp8) {  // one fp8 byte per element in the arena: tensor_bytes elements per rank
-        rs.dq_w13 = device_alloc<std::byte>(
-            arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w13)] * es, rs.owned);
-        rs.dq_w2 = device_alloc<std::byte>(
-            arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w2)] * es, rs.owned);
-      }
-      // Split attention: the largest workspace any token count and mode needs.
-      int64_t attn_floats = 0;
-      for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp})
-        for (int64_t t = 1; t <= T_max; ++t)
-          attn_floats = std::max(attn_floats, paged_attention_workspace_floats(
-                                                  attention_args(rs, m, 0, t, nullptr, nullptr)));
-      rs.attn_work = device_alloc<float>(attn_floats, rs.owned);
     }
     if (P > 1) {
       std::vector<ncclComm_t> comms(static_cast<size_t>(P));
@@ -555,18 +480,81 @@ struct gpu_runtime::impl {
     }
   }
 
-  void upload_weights(const host_weights_view& w) {
-    const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, I = c.intermediate;
-    MOEBIUS_CHECK(static_cast<int64_t>(w.layers.size()) == c.num_layers, errc::invalid_argument,
-                  "gpu_runtime: ", w.layers.size(), " layers of weights for a model of ",
-                  c.num_layers);
-    auto need = [](std::span<const float> s, int64_t n, const char* what) {
-      MOEBIUS_CHECK(static_cast<int64_t>(s.size()) == n, errc::invalid_argument,
-                    "gpu_runtime: ", what, " has ", s.size(), " elements, expected ", n);
-    };
-    need(w.embed, c.vocab * H, "embed");
-    need(w.norm, H, "norm");
-    need(w.lm_head, c.vocab * H, "lm_head");
+  // Points every buffer of rank rs at its region of rs.buffers (rank_buffers.hpp).
+  void carve(rank_state& rs) const {
+    std::byte* base = rs.buffers;
+    const rank_buffer_layout& b = buffers;
+    rs.cublas_workspace = b.cublas_workspace.in<std::byte>(base);
+    rs.layers.resize(static_cast<size_t>(c.num_layers));
+    for (size_t li = 0; li < rs.layers.size(); ++li) {
+      const rank_buffer_layout::layer_regions& from = b.layers[li];
+      rank_state::layer& l = rs.layers[li];
+      l.qkv = from.qkv.in<std::byte>(base);
+      l.o = from.o.in<std::byte>(base);
+      l.router = from.router.in<float>(base);
+      l.ln1 = from.ln1.in<float>(base);
+      l.ln2 = from.ln2.in<float>(base);
+      l.q_norm = from.q_norm.in<float>(base);
+      l.k_norm = from.k_norm.in<float>(base);
+    }
+    rs.embed = b.embed.in<std::byte>(base);
+    rs.final_norm = b.final_norm.in<float>(base);
+    rs.lm_head = b.lm_head.in<std::byte>(base);
+    rs.h = b.h.in<float>(base);
+    rs.xn = b.xn.in<float>(base);
+    rs.xd = b.xd.in<std::byte>(base);
+    rs.qkv = b.qkv.in<float>(base);
+    rs.attn = b.attn.in<float>(base);
+    rs.proj = b.proj.in<float>(base);
+    rs.router_logits = b.router_logits.in<float>(base);
+    rs.topk_ids = b.topk_ids.in<int32_t>(base);
+    rs.topk_w = b.topk_w.in<float>(base);
+    rs.packed = b.packed.in<std::byte>(base);
+    rs.gathered = b.gathered.in<std::byte>(base);
+    rs.moe_out = b.moe_out.in<float>(base);
+    rs.recv = b.recv.in<float>(base);
+    rs.logits = b.logits.in<float>(base);
+    rs.next = b.next.in<int32_t>(base);
+    rs.next_value = b.next_value.in<float>(base);
+    for (int m = 0; m < 2; ++m) rs.inputs[m] = b.inputs[m].in<int32_t>(base);
+    moe_plan& p = rs.moe;
+    p.keys = b.keys.in<int32_t>(base);
+    p.values = b.values.in<int32_t>(base);
+    p.keys_sorted = b.keys_sorted.in<int32_t>(base);
+    p.values_sorted = b.values_sorted.in<int32_t>(base);
+    p.expert_info = b.expert_info.in<int32_t>(base);
+    p.pair_row = b.pair_row.in<int32_t>(base);
+    p.x_perm = b.x_perm.in<std::byte>(base);
+    p.gu = b.gu.in<float>(base);
+    p.act = b.act.in<std::byte>(base);
+    p.y = b.y.in<float>(base);
+    p.ptr_w13 = b.ptr_w13.in<const void*>(base);
+    p.ptr_x = b.ptr_x.in<const void*>(base);
+    p.ptr_gu = b.ptr_gu.in<void*>(base);
+    p.ptr_w2 = b.ptr_w2.in<const void*>(base);
+    p.ptr_act = b.ptr_act.in<const void*>(base);
+    p.ptr_y = b.ptr_y.in<void*>(base);
+    p.sort_temp_bytes = static_cast<size_t>(buffer_sizes.sort_temp_bytes);
+    p.sort_temp = b.sort_temp.in<std::byte>(base);
+    p.overflow = b.overflow.in<int32_t>(base);
+    p.hidden = c.hidden;
+    p.type = ct;
+    if (fp8) {
+      rs.dq_w13 = b.dequant_w13.in<std::byte>(base);
+      rs.dq_w2 = b.dequant_w2.in<std::byte>(base);
+    }
+    rs.attn_work = b.attention_workspace.in<float>(base);
+  }
+
+  // Dense weights replicated on every rank in the dense dtype; experts placed by the core
+  // library (place_experts: every element to its home in its layer's mode at o.cursor, fp8
+  // as codes under their block scales with the scales beside them) into a host image of each
+  // rank's arena, then copied whole (what placement leaves unwritten is zero, as cudaMalloc'd
+  // and cleared).
+  void upload_weights(const model_weights& w) {
+    validate(w);
+    MOEBIUS_CHECK(w.config.num_layers == c.num_layers, errc::invalid_argument, "gpu_runtime: ",
+                  w.config.num_layers, " layers of weights for a model of ", c.num_layers);
     const dtype dd = o.dense_dtype;
     auto put = [](void* dst, const std::vector<std::byte>& b) {
       MOEBIUS_CUDA_CHECK(cudaMemcpy(dst, b.data(), b.size(), cudaMemcpyHostToDevice));
@@ -582,18 +570,7 @@ struct gpu_runtime::impl {
       put_f(rs.final_norm, w.norm);
     }
     for (int64_t li = 0; li < c.num_layers; ++li) {
-      const host_layer_view& l = w.layers[static_cast<size_t>(li)];
-      need(l.q_proj, c.num_q_heads * D * H, "q_proj");
-      need(l.k_proj, c.num_kv_heads * D * H, "k_proj");
-      need(l.v_proj, c.num_kv_heads * D * H, "v_proj");
-      need(l.o_proj, H * c.num_q_heads * D, "o_proj");
-      need(l.router, E * H, "router");
-      need(l.w13, E * 2 * I * H, "w13");
-      need(l.w2, E * H * I, "w2");
-      need(l.input_layernorm, H, "input_layernorm");
-      need(l.post_attention_layernorm, H, "post_attention_layernorm");
-      need(l.q_norm, D, "q_norm");
-      need(l.k_norm, D, "k_norm");
+      const layer_weights& l = w.layers[static_cast<size_t>(li)];
       std::vector<float> qkv(l.q_proj.begin(), l.q_proj.end());
       qkv.insert(qkv.end(), l.k_proj.begin(), l.k_proj.end());
       qkv.insert(qkv.end(), l.v_proj.begin(), l.v_proj.end());
@@ -609,51 +586,15 @@ struct gpu_runtime::impl {
         put_f(dl.q_norm, l.q_norm);
         put_f(dl.k_norm, l.k_norm);
       }
-      // Experts: every element to its home in the layer's mode (weight_view.locate); fp8:
-      // each weight as its code under its block's scale, the scales beside them.
-      const parallel_mode m = moebius::arena_geometry::mode_of(o.cursor, li);
-      if (fp8) {
-        const int64_t b = c.fp8_block;
-        need(l.w13_scale, E * (2 * I / b) * (H / b), "w13_scale");
-        need(l.w2_scale, E * (H / b) * (I / b), "w2_scale");
-      }
-      for (moebius::weight_tensor t : moebius::all_weight_tensors) {
-        const bool is_scale =
-            t == moebius::weight_tensor::w13_scale || t == moebius::weight_tensor::w2_scale;
-        if (is_scale && !fp8) continue;
-        const std::span<const float> src = t == moebius::weight_tensor::w13   ? l.w13
-                                           : t == moebius::weight_tensor::w2  ? l.w2
-                                           : t == moebius::weight_tensor::w13_scale ? l.w13_scale
-                                                                                    : l.w2_scale;
-        const auto g = moebius::geometry_of(arena.shape, t);
-        const dtype td = is_scale ? dtype::fp32 : c.expert_dtype;
-        const int64_t es = moebius::dtype_bytes(td);
-        const int64_t bytes = arena.tensor_bytes[static_cast<int>(t)];
-        std::vector<std::vector<std::byte>> img(static_cast<size_t>(P),
-                                                std::vector<std::byte>(static_cast<size_t>(bytes)));
-        const auto encoded =
-            td == dtype::fp8_e4m3
-                ? encode_fp8(src,
-                             t == moebius::weight_tensor::w13 ? l.w13_scale : l.w2_scale,
-                             g.num_experts, g.rows, g.cols, c.fp8_block, moebius::to_string(t))
-                : encode(src, td);
-        const auto ep = moebius::make_view<parallel_mode::ep>(arena.shape, t, P);
-        const auto tp = moebius::make_view<parallel_mode::tp>(arena.shape, t, P);
-        int64_t idx = 0;
-        for (int64_t e = 0; e < g.num_experts; ++e)
-          for (int64_t row = 0; row < g.rows; ++row)
-            for (int64_t col = 0; col < g.cols; ++col, ++idx) {
-              const moebius::element_location at =
-                  m == parallel_mode::ep ? ep.locate(e, row, col) : tp.locate(e, row, col);
-              std::memcpy(img[static_cast<size_t>(at.rank)].data() + at.offset * es,
-                          encoded.data() + idx * es, static_cast<size_t>(es));
-            }
-        for (int r = 0; r < P; ++r) {
-          rank_state& rs = ranks[static_cast<size_t>(r)];
-          set_device(rs);
-          put(rs.arena + arena.tensor_base(m, li, t), img[static_cast<size_t>(r)]);
-        }
-      }
+    }
+    std::vector<std::vector<std::byte>> images(
+        static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(arena.total_bytes())));
+    std::vector<std::span<std::byte>> spans(images.begin(), images.end());
+    place_experts(w, arena, o.cursor, spans);
+    for (int r = 0; r < P; ++r) {
+      rank_state& rs = ranks[static_cast<size_t>(r)];
+      set_device(rs);
+      put(rs.arena, images[static_cast<size_t>(r)]);
     }
   }
 
@@ -1141,25 +1082,17 @@ struct gpu_runtime::impl {
   }
 
   // ---- step ---------------------------------------------------------------------------------
-  // One mode's token layout of a step: per rank, the first row of each item (-1: not there)
-  // and the rows used. TP: every rank holds every item, in item order; EP: each rank its own
-  // sequences (their EP owner), in item order.
-  struct token_layout {
-    std::vector<std::vector<int64_t>> first;  // [rank][item]
-    std::vector<int64_t> count;               // [rank]
-  };
-
   // Writes mode m's pinned input block of every rank from `tables` (ids, positions, rows,
-  // page tables; num_tokens, map and padding are the caller's) and returns the layout.
+  // page tables; num_tokens, map and padding are the caller's) and returns its token layout
+  // (layer_schedule.hpp: TP every item on every rank, EP each rank its own sequences, in item
+  // order).
   token_layout build_inputs(parallel_mode m, const moebius::kv_state& tables,
                             std::span<const step_item> items) {
     MOEBIUS_CHECK(tables.mode == m && static_cast<int>(tables.ranks.size()) == P,
                   errc::invalid_argument, "gpu_runtime::step: ", moebius::to_string(m),
                   " tables for ", P, " ranks expected, got ", moebius::to_string(tables.mode),
                   " tables for ", tables.ranks.size());
-    token_layout lay;
-    lay.first.assign(static_cast<size_t>(P), std::vector<int64_t>(items.size(), -1));
-    lay.count.assign(static_cast<size_t>(P), 0);
+    const token_layout lay = token_layout_of(tables, P, items);
     const int mi = mode_index(m);
     for (int r = 0; r < P; ++r) {
       rank_state& rs = ranks[static_cast<size_t>(r)];
@@ -1167,51 +1100,29 @@ struct gpu_runtime::impl {
       int32_t* pos = rs.pinned[mi] + off_pos();
       int32_t* seq = rs.pinned[mi] + off_seq();
       int32_t* tab = rs.pinned[mi] + off_tables();
-      const auto& seqs = tables.ranks[static_cast<size_t>(r)].sequences;
-      int64_t row = 0, t = 0;
+      MOEBIUS_CHECK(lay.count[static_cast<size_t>(r)] <= T_max, errc::capacity,
+                    "gpu_runtime::step: more than max_tokens=", T_max, " tokens on rank ", r,
+                    " in ", moebius::to_string(m));
+      int64_t row = 0;  // the item's page-table row on this rank
       for (size_t i = 0; i < items.size(); ++i) {
+        const moebius::kv_sequence* found = lay.sequence[static_cast<size_t>(r)][i];
+        if (found == nullptr) continue;  // not on this rank
         const step_item& it = items[i];
-        auto found = std::lower_bound(
-            seqs.begin(), seqs.end(), it.seq_id,
-            [](const moebius::kv_sequence& s, int64_t id) { return s.seq_id < id; });
-        if (found == seqs.end() || found->seq_id != it.seq_id) continue;  // not on this rank
-        const auto n = static_cast<int64_t>(it.tokens.size());
-        MOEBIUS_CHECK(found->num_tokens >= it.start_position + n, errc::invalid_argument,
-                      "gpu_runtime::step: sequence ", it.seq_id, " holds ", found->num_tokens,
-                      " tokens in the ", moebius::to_string(m), " tables, the step needs ",
-                      it.start_position + n);
         MOEBIUS_CHECK(found->num_pages() <= max_pages, errc::capacity,
                       "gpu_runtime::step: sequence ", it.seq_id, " has ", found->num_pages(),
                       " pages, max_pages_per_seq is ", max_pages);
-        MOEBIUS_CHECK(t + n <= T_max, errc::capacity, "gpu_runtime::step: more than max_tokens=",
-                      T_max, " tokens on rank ", r, " in ", moebius::to_string(m));
         for (int64_t p = 0; p < found->num_pages(); ++p)
           tab[row * max_pages + p] = static_cast<int32_t>(found->pages[static_cast<size_t>(p)]);
-        lay.first[static_cast<size_t>(r)][i] = t;
-        for (int64_t j = 0; j < n; ++j, ++t) {
+        int64_t t = lay.first[static_cast<size_t>(r)][i];
+        for (int64_t j = 0; j < static_cast<int64_t>(it.tokens.size()); ++j, ++t) {
           ids[t] = it.tokens[static_cast<size_t>(j)];
           pos[t] = static_cast<int32_t>(it.start_position + j);
           seq[t] = static_cast<int32_t>(row);
         }
         ++row;
       }
-      lay.count[static_cast<size_t>(r)] = t;
-    }
-    for (size_t i = 0; i < items.size(); ++i) {
-      int64_t holders = 0;
-      for (int r = 0; r < P; ++r) holders += lay.first[static_cast<size_t>(r)][i] >= 0;
-      MOEBIUS_CHECK(m == parallel_mode::tp ? holders == P : holders == 1, errc::invalid_argument,
-                    "gpu_runtime::step: sequence ", items[i].seq_id, " is on ", holders,
-                    " ranks of the ", moebius::to_string(m), " tables");
     }
     return lay;
-  }
-
-  // The EP owner of item i (its one rank in the EP layout).
-  static int owner_of(const token_layout& ep, size_t i) {
-    for (size_t r = 0; r < ep.first.size(); ++r)
-      if (ep.first[r][i] >= 0) return static_cast<int>(r);
-    return -1;
   }
 
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
@@ -1229,7 +1140,7 @@ struct gpu_runtime::impl {
     // The mode of every layer (static: the tables' mode; hybrid: TP below the cursor).
     pass ps;
     ps.cursor = layout.cursor;
-    for (int64_t l = 0; l < c.num_layers; ++l) ps.attn.push_back(layout.attention_mode(l));
+    ps.attn = layer_modes(layout, c.num_layers);
     bool used[2] = {false, false};
     token_layout lay[2];
     for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -1237,9 +1148,7 @@ struct gpu_runtime::impl {
       if (used[mode_index(m)]) continue;
       used[mode_index(m)] = true;
       lay[mode_index(m)] = build_inputs(m, layout.tables_of_layer(l), items);
-      int64_t need = 1;
-      for (int64_t n : lay[mode_index(m)].count) need = std::max(need, n);
-      ps.rows[mode_index(m)] = need;
+      ps.rows[mode_index(m)] = lay[mode_index(m)].max_count();
     }
     const parallel_mode first = ps.attn.front(), last = ps.attn.back();
     const bool pure =
@@ -1276,37 +1185,25 @@ struct gpu_runtime::impl {
         }
       }
     }
-    // Hand-off maps (both modes in one step): the EP block's map gives each EP row its row in
-    // the TP layout (TP -> EP: a rank keeps its own rows); the TP block's map gives each TP
-    // row its row in the all-gathered EP blocks, owner * rows_ep + its EP row (EP -> TP).
+    // Hand-off maps (both modes in one step; layer_schedule.hpp): the EP block's map gives
+    // each EP row its row in the TP layout (TP -> EP: a rank keeps its own rows); the TP
+    // block's map gives each TP row its row in the all-gathered EP blocks, owner * rows_ep +
+    // its EP row (EP -> TP), rows_ep being the EP rows per rank this step runs (its bucket).
     if (used[0] && used[1]) {
-      const token_layout& ep = lay[mode_index(parallel_mode::ep)];
-      const token_layout& tp = lay[mode_index(parallel_mode::tp)];
-      const int64_t rows_ep = ps.rows[mode_index(parallel_mode::ep)];
+      const hand_off_maps maps =
+          hand_off_maps_of(lay[mode_index(parallel_mode::tp)], lay[mode_index(parallel_mode::ep)],
+                           items, ps.rows[mode_index(parallel_mode::ep)]);
       for (int r = 0; r < P; ++r) {
         rank_state& rs = ranks[static_cast<size_t>(r)];
-        int32_t* map_ep = rs.pinned[mode_index(parallel_mode::ep)] + off_map();
-        int32_t* map_tp = rs.pinned[mode_index(parallel_mode::tp)] + off_map();
-        for (size_t i = 0; i < items.size(); ++i) {
-          const auto n = static_cast<int64_t>(items[i].tokens.size());
-          const int owner = owner_of(ep, i);
-          const int64_t e0 = ep.first[static_cast<size_t>(owner)][i];
-          const int64_t t0 = tp.first[static_cast<size_t>(r)][i];
-          for (int64_t j = 0; j < n; ++j) {
-            if (owner == r) map_ep[e0 + j] = static_cast<int32_t>(t0 + j);
-            map_tp[t0 + j] = static_cast<int32_t>(owner * rows_ep + e0 + j);
-          }
-        }
+        const auto& to_ep = maps.to_ep[static_cast<size_t>(r)];
+        const auto& to_tp = maps.to_tp[static_cast<size_t>(r)];
+        std::copy(to_ep.begin(), to_ep.end(), rs.pinned[mode_index(parallel_mode::ep)] + off_map());
+        std::copy(to_tp.begin(), to_tp.end(), rs.pinned[mode_index(parallel_mode::tp)] + off_map());
       }
     }
     // The row each sampled item's logits come from, in the last layer's layout: (rank, row).
-    std::vector<std::pair<int, int64_t>> sample_at(items.size(), {-1, -1});
-    for (size_t i = 0; i < items.size(); ++i) {
-      const token_layout& ll = lay[mode_index(last)];
-      const int r = last == parallel_mode::ep ? owner_of(ll, i) : 0;
-      sample_at[i] = {r, ll.first[static_cast<size_t>(r)][i] +
-                             static_cast<int64_t>(items[i].tokens.size()) - 1};
-    }
+    const std::vector<std::pair<int, int64_t>> sample_at =
+        last_token_rows(lay[mode_index(last)], items);
     // Inputs: padding rows get token 0, position 0, row 0, map 0 (num_tokens makes kernels
     // skip them).
     each_rank([&](int r, rank_state& rs) {
@@ -1450,15 +1347,14 @@ struct gpu_runtime::impl {
   }
 };
 
-gpu_runtime::gpu_runtime(const gpu_model_config& config, const host_weights_view& weights,
-                         const gpu_runtime_options& options)
+gpu_runtime::gpu_runtime(const model_weights& weights, const gpu_runtime_options& options)
     : impl_(std::make_unique<impl>()) {
-  impl_->setup(config, options);
+  impl_->setup(weights.config, options);
   impl_->upload_weights(weights);
   if (impl_->o.capture_graphs) impl_->capture_all();
 }
 
-gpu_runtime::gpu_runtime(const gpu_model_config& config, uint64_t seed,
+gpu_runtime::gpu_runtime(const model_config& config, uint64_t seed,
                          const gpu_runtime_options& options)
     : impl_(std::make_unique<impl>()) {
   impl_->setup(config, options);

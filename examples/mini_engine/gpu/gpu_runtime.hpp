@@ -82,85 +82,11 @@
 #include <utility>
 #include <vector>
 
-#include "../step.hpp"
+#include "model_config.hpp"
+#include "step.hpp"
+#include "weights.hpp"
 
 namespace mini_engine::gpu {
-
-// The model's shape (the fields of mini_engine::model_config that the GPU runtime reads;
-// config_from() maps one).
-struct gpu_model_config {
-  int64_t num_layers = 2;
-  int64_t hidden = 64;
-  int64_t num_q_heads = 4;
-  int64_t num_kv_heads = 2;
-  int64_t head_dim = 16;
-  int64_t num_experts = 8;
-  int64_t top_k = 2;
-  int64_t intermediate = 32;
-  int64_t vocab = 256;
-  double rope_theta = 1e6;
-  double rms_eps = 1e-6;
-  // Experts in the arena: fp32, bf16, or fp8_e4m3 with one fp32 scale per (fp8_block x
-  // fp8_block) block of each expert matrix (Moebius's block scales, beside the weights in
-  // every slot). fp8 experts are expanded per step into a scratch of the compute dtype
-  // (gpu_runtime_options::fp8_compute_dtype) before the GEMMs: see gemm.hpp.
-  moebius::dtype expert_dtype = moebius::dtype::fp32;
-  int64_t fp8_block = 128;
-  moebius::dtype kv_dtype = moebius::dtype::fp32;  // fp32 or bf16
-  int64_t page_size = 16;
-};
-
-// Any config with model_config's field names (mini_engine::model_config).
-template <class Config>
-gpu_model_config config_from(const Config& c) {
-  gpu_model_config g;
-  g.num_layers = c.num_layers;
-  g.hidden = c.hidden;
-  g.num_q_heads = c.num_q_heads;
-  g.num_kv_heads = c.num_kv_heads;
-  g.head_dim = c.head_dim;
-  g.num_experts = c.num_experts;
-  g.top_k = c.top_k;
-  g.intermediate = c.intermediate;
-  g.vocab = c.vocab;
-  g.rope_theta = c.rope_theta;
-  g.rms_eps = c.rms_eps;
-  g.expert_dtype = c.expert_dtype;
-  g.fp8_block = c.fp8_block;
-  g.kv_dtype = c.kv_dtype;
-  g.page_size = c.page_size;
-  return g;
-}
-
-// Qwen3-30B-A3B: L=48, H=2048, 32 q / 4 KV heads of 128, E=128, top-8, I=768, V=151936,
-// bf16 experts and KV, page 16.
-gpu_model_config qwen3_30b_a3b_config();
-
-// The model's logical weights as float spans (Hugging Face shapes, row-major; experts fused
-// w13 = [gate; up] [E, 2I, H] and w2 [E, H, I]). weights_view_of() maps a
-// mini_engine::model_weights. fp8 experts: w13 / w2 hold what the arena stores (each value a
-// code times its block's power-of-two scale, as round_experts leaves them) and w13_scale
-// [E, 2I/b, H/b] / w2_scale [E, H/b, I/b] the scales (b = fp8_block); empty otherwise.
-struct host_layer_view {
-  std::span<const float> input_layernorm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
-      post_attention_layernorm, router, w13, w2, w13_scale, w2_scale;
-};
-struct host_weights_view {
-  std::span<const float> embed, norm, lm_head;
-  std::vector<host_layer_view> layers;
-};
-template <class Weights>
-host_weights_view weights_view_of(const Weights& w) {
-  host_weights_view v;
-  v.embed = w.embed;
-  v.norm = w.norm;
-  v.lm_head = w.lm_head;
-  for (const auto& l : w.layers)
-    v.layers.push_back({l.input_layernorm, l.q_proj, l.k_proj, l.v_proj, l.o_proj, l.q_norm,
-                        l.k_norm, l.post_attention_layernorm, l.router, l.w13, l.w2,
-                        l.w13_scale, l.w2_scale});
-  return v;
-}
 
 struct gpu_runtime_options {
   int num_ranks = 1;               // ranks on devices 0 .. P-1 (one per device)
@@ -184,13 +110,14 @@ struct gpu_runtime_options {
 
 class gpu_runtime : public runtime {
  public:
-  // Uploads `weights` (experts into the arena at options.cursor, the rest per rank) and
-  // captures the graphs. Throws moebius::error for a model it cannot run (dtype, P not
-  // dividing heads/experts, more ranks than devices).
-  gpu_runtime(const gpu_model_config& config, const host_weights_view& weights,
-              const gpu_runtime_options& options);
-  // The same with weights drawn on the device from `seed` (benchmarks: values do not matter).
-  gpu_runtime(const gpu_model_config& config, uint64_t seed, const gpu_runtime_options& options);
+  // Uploads `weights` (the model: weights.config; experts placed into the arena at
+  // options.cursor by place_experts, the rest per rank) and captures the graphs. Throws
+  // moebius::error for a model it cannot run (dtype, P not dividing heads/experts, more ranks
+  // than devices) or weights of the wrong shapes.
+  gpu_runtime(const model_weights& weights, const gpu_runtime_options& options);
+  // The model `config` with weights drawn on the device from `seed` (benchmarks: values do
+  // not matter).
+  gpu_runtime(const model_config& config, uint64_t seed, const gpu_runtime_options& options);
   ~gpu_runtime() override;
   gpu_runtime(const gpu_runtime&) = delete;
   gpu_runtime& operator=(const gpu_runtime&) = delete;

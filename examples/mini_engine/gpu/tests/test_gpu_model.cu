@@ -63,7 +63,7 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
         o.cursor = cursor;
         o.slot_alignment = 4096;
         o.fp8_compute_dtype = moebius::dtype::fp32;
-        gpu::gpu_runtime gpu_rt(gpu::config_from(c), gpu::weights_view_of(w), o);
+        gpu::gpu_runtime gpu_rt(w, o);
         host_runtime_options ho;
         ho.num_ranks = P;
         ho.num_ep_pages = 64;
