@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
   s.P = std::min(devices, 2);
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
   const int64_t max_batch = batches.back();
-  gpu_runtime_options o;
+  gpu_runtime_options o = options_from_env();
   o.num_ranks = s.P;
   o.dense_dtype = moebius::dtype::bf16;
   o.max_tokens = max_batch;

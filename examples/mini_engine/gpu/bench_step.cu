@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  gpu_runtime_options o;
+  gpu_runtime_options o = options_from_env();
   o.num_ranks = s.P;
   o.dense_dtype = moebius::dtype::bf16;
   o.max_tokens = s.max_batch;

@@ -96,7 +96,7 @@ struct gpu_runtime_options {
   std::vector<int64_t> buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};  // graph buckets
   bool capture_graphs = true;
   // Per-layer graphs of both modes for hybrid steps (with capture_graphs): 2 x buckets x L
-  // more captures at construction. MINI_ENGINE_HYBRID_EAGER=1 in the environment turns it off.
+  // more captures at construction.
   bool hybrid_graphs = true;
   moebius::dtype dense_dtype = moebius::dtype::fp32;  // attention/embedding/LM-head weights
   // fp8 experts are dequantized to this before the expert GEMMs: bf16 (the GEMMs then run as
@@ -106,7 +106,39 @@ struct gpu_runtime_options {
   moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
   int64_t tensor_alignment = moebius::default_tensor_alignment;
   int64_t slot_alignment = moebius::default_slot_alignment;
+
+  // Kernel choices and diagnostics; options_from_env() sets them from the environment.
+  // Decode attention: the split-context GQA kernel on CUDA cores, on tensor cores from buckets
+  // of tensor_core_min_tokens (bf16 KV, head_dim 64 or 128), or the simple kernel.
+  bool simple_attention = false;
+  bool tensor_core_attention = true;
+  int64_t tensor_core_min_tokens = 16;
+  int64_t attention_splits = 0;  // > 0: that many context ranges (0: from the shape)
+  // Expert tiles of n x the rows moe_tile_rows() picks (a power of two, 1..64; experiment:
+  // larger tiles re-read an expert's weights in fewer batch entries at large batches, at the
+  // price of more padded rows).
+  int64_t moe_tile_scale = 1;
+  // The stage profile: every step eagerly (no graphs are captured) with CUDA events at each
+  // stage boundary (gpu_runtime::stage_times()).
+  bool profile = false;
 };
+
+// The defaults above with the environment's settings, the one place the runtime's
+// environment variables are read (the tests, benchmarks and demo construct their options
+// from it, so the variables act on every runtime they start):
+//   MINI_ENGINE_NO_GRAPHS=1          capture_graphs = false (every step eager: tells a graph
+//                                    problem from a numerics one)
+//   MINI_ENGINE_HYBRID_EAGER=1       hybrid_graphs = false (hybrid steps eager)
+//   MINI_ENGINE_PROFILE=1            profile = true (implies no graphs)
+//   MINI_ENGINE_SIMPLE_ATTENTION=1   simple_attention = true
+//   MINI_ENGINE_ATTENTION=simple     simple_attention = true
+//                        =split      tensor_core_attention = false (CUDA-core split kernel at
+//                                    every bucket)
+//                        =mma        tensor_core_min_tokens = 1 (tensor cores at every bucket)
+//   MINI_ENGINE_ATTENTION_MMA_MIN_TOKENS=n   tensor_core_min_tokens = max(1, n) (unless mma)
+//   MINI_ENGINE_ATTENTION_SPLITS=n   attention_splits = max(0, n)
+//   MINI_ENGINE_MOE_TILE_SCALE=n     moe_tile_scale = n when n is a power of two in [1, 64]
+gpu_runtime_options options_from_env();
 
 class gpu_runtime : public runtime {
  public:
@@ -134,12 +166,10 @@ class gpu_runtime : public runtime {
   const moebius::kv_geometry& kv() const;
   int num_ranks() const;
 
-  // Whether decode steps replay graphs: options.capture_graphs, unless the environment sets
-  // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one) or
-  // MINI_ENGINE_PROFILE=1 (the stage profile, below).
+  // Whether decode steps replay graphs: options.capture_graphs and not options.profile.
   bool graphs_enabled() const;
   // Whether hybrid decode steps can replay per-layer graphs: graphs_enabled() and
-  // options.hybrid_graphs, unless MINI_ENGINE_HYBRID_EAGER=1.
+  // options.hybrid_graphs.
   bool hybrid_graphs_enabled() const;
   // Runs hybrid steps eagerly although their graphs were captured (true), or replays them
   // again (false, the default). For benchmarks comparing both in one process (a second
@@ -168,7 +198,7 @@ class gpu_runtime : public runtime {
   };
   graph_stats graph_statistics() const;
 
-  // Stage profile: with MINI_ENGINE_PROFILE=1 in the environment (read at construction)
+  // Stage profile: with options.profile (MINI_ENGINE_PROFILE=1 through options_from_env())
   // every step runs eagerly (as with MINI_ENGINE_NO_GRAPHS=1: nothing is captured,
   // graphs_enabled() is false, so the runtime tests hold as they are) and each rank's stream
   // records a CUDA event at every stage boundary of every layer; stage_times() gives the last
@@ -179,7 +209,7 @@ class gpu_runtime : public runtime {
   // experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
   // adds), collectives (NCCL), hand_off, lm_head (final norm, GEMM, argmax), download. Eager
   // launches: where the GPU outruns the host, an interval also holds the launch gaps.
-  // Without the variable nothing is recorded and stage_times() is empty.
+  // Without it nothing is recorded and stage_times() is empty.
   bool profiling() const;
   std::vector<std::pair<std::string, double>> stage_times() const;
 

@@ -70,8 +70,7 @@ TEST_CASE("layer_schedule: the worked example of the header", "[layer_schedule]"
   const std::vector<step_item> items = {{7, a, 0, true}, {8, bt, 0, true}, {9, c, 0, true}};
   for (size_t i = 0; i < items.size(); ++i) {
     reserve_tokens(g, tp, items[i].seq_id, static_cast<int64_t>(items[i].tokens.size()), 0);
-    reserve_tokens(g, ep, items[i].seq_id, static_cast<int64_t>(items[i].tokens.size()),
-                   owners[i]);
+    reserve_tokens(g, ep, items[i].seq_id, static_cast<int64_t>(items[i].tokens.size()), owners[i]);
   }
   const token_layout lt = token_layout_of(tp, 2, items), le = token_layout_of(ep, 2, items);
   CHECK(lt.first[0] == std::vector<int64_t>{0, 2, 3});
@@ -85,10 +84,8 @@ TEST_CASE("layer_schedule: the worked example of the header", "[layer_schedule]"
   CHECK(m.to_ep[0] == std::vector<int32_t>{2});
   CHECK(m.to_tp[0] == std::vector<int32_t>{5, 6, 0, 7, 8, 9});
   CHECK(m.to_tp[1] == m.to_tp[0]);
-  CHECK(last_token_rows(le, items) ==
-        std::vector<std::pair<int, int64_t>>{{1, 1}, {0, 0}, {1, 4}});
-  CHECK(last_token_rows(lt, items) ==
-        std::vector<std::pair<int, int64_t>>{{0, 1}, {0, 2}, {0, 5}});
+  CHECK(last_token_rows(le, items) == std::vector<std::pair<int, int64_t>>{{1, 1}, {0, 0}, {1, 4}});
+  CHECK(last_token_rows(lt, items) == std::vector<std::pair<int, int64_t>>{{0, 1}, {0, 2}, {0, 5}});
   const step_layout hybrid = step_layout::hybrid_of(tp, ep, moebius::arena_cursor{1});
   CHECK(layer_modes(hybrid, 4) == std::vector<parallel_mode>{parallel_mode::tp, parallel_mode::ep,
                                                              parallel_mode::ep, parallel_mode::ep});
@@ -113,8 +110,10 @@ TEST_CASE("layer_schedule: layouts and hand-off maps match a brute-force model o
     int64_t longest = 1;
     for (int r = 0; r < P; ++r) {
       CHECK(lt.count[static_cast<size_t>(r)] == T);
-      CHECK(le.count[static_cast<size_t>(r)] == static_cast<int64_t>(own[static_cast<size_t>(r)].size()));
-      longest = std::max<int64_t>(longest, static_cast<int64_t>(own[static_cast<size_t>(r)].size()));
+      CHECK(le.count[static_cast<size_t>(r)] ==
+            static_cast<int64_t>(own[static_cast<size_t>(r)].size()));
+      longest =
+          std::max<int64_t>(longest, static_cast<int64_t>(own[static_cast<size_t>(r)].size()));
     }
     CHECK(le.max_count() == longest);
     for (size_t i = 0; i < b.items.size(); ++i) CHECK(le.owner(i) == b.owner[i]);

@@ -54,7 +54,7 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
     for (parallel_mode mode : {parallel_mode::ep, parallel_mode::tp}) {
       DYNAMIC_SECTION(moebius::to_string(t) << " " << moebius::to_string(mode)) {
         const moebius::arena_cursor cursor{mode == parallel_mode::tp ? c.num_layers : 0};
-        gpu::gpu_runtime_options o;
+        gpu::gpu_runtime_options o = gpu::options_from_env();
         o.num_ranks = P;
         o.num_ep_pages = 64;
         o.max_pages_per_seq = 16;

@@ -59,7 +59,7 @@ moebius::dtype compute_dtype(const model_config& c) {
 }
 
 gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moebius::dtype dense) {
-  gpu_runtime_options o;
+  gpu_runtime_options o = options_from_env();
   o.num_ranks = P;
   o.num_ep_pages = 64;
   o.max_pages_per_seq = 16;

@@ -1,0 +1,137 @@
+// A layer's attention block (gpu_runtime.hpp): TP computes this rank's q heads and KV head
+// slice from row slices of the whole fused q/k/v weight and a column slice of o_proj (no
+// second copy), then all-reduces; EP (data-parallel) runs each rank's own sequences with all
+// heads. The paged decode kernels and their choice: kernels/attention.cu.
+
+#include <cmath>
+
+#include "runtime_impl.hpp"
+
+namespace mini_engine::gpu {
+
+using moebius::dtype;
+using moebius::errc;
+using moebius::parallel_mode;
+
+// The shape of the paged attention of layer li in mode m over T rows (no pointers: what
+// the workspace size depends on).
+paged_attention_args gpu_runtime::impl::attention_shape(parallel_mode m, int64_t li,
+                                                        int64_t T) const {
+  const int64_t D = c.head_dim, hq = q_heads_local(m);
+  paged_attention_args pa;
+  pa.q_stride = qkv_ld;
+  pa.q_heads = hq;
+  pa.group = c.num_q_heads / c.num_kv_heads;
+  pa.out_stride = hq * D;
+  pa.geometry = kv;
+  pa.mode = m;
+  pa.layer = li;
+  pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  pa.tok.table_stride = max_pages;
+  pa.tok.tokens = T;
+  pa.simple = o.simple_attention;
+  pa.splits = o.attention_splits;
+  pa.tensor_cores = o.tensor_core_attention;
+  pa.tensor_core_min_tokens = o.tensor_core_min_tokens;
+  return pa;
+}
+
+// The paged attention of layer li in mode m over T rows of rank rs (q rows in qkv).
+paged_attention_args gpu_runtime::impl::attention_args(rank_state& rs, parallel_mode m, int64_t li,
+                                                       int64_t T, const float* q,
+                                                       float* out) const {
+  paged_attention_args pa = attention_shape(m, li, T);
+  pa.q = q;
+  pa.out = out;
+  pa.pool = rs.kv_pool;
+  pa.tok = {in_seq(rs, m), in_pos(rs, m), in_tables(rs, m), max_pages, T, in_num(rs, m)};
+  pa.workspace = rs.attn_work;
+  return pa;
+}
+
+// Layer li's attention in ps.attn[li] over that mode's input block and rows: input norm,
+// q/k/v of this rank's heads, q/k norms, RoPE, K/V into the paged pool, paged attention,
+// o_proj; TP sums the ranks' o_proj partials (all-reduce). Leaves the block's output in proj.
+void gpu_runtime::impl::attention(const pass& ps, int64_t li) {
+  const int64_t H = c.hidden, D = c.head_dim;
+  const int64_t ds = moebius::dtype_bytes(o.dense_dtype);
+  const dtype dd = o.dense_dtype;
+  const float eps = static_cast<float>(c.rms_eps);
+  const parallel_mode attn = ps.attn[static_cast<size_t>(li)];
+  const int64_t T = ps.rows[mode_index(attn)];
+  const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
+  each_rank([&](int r, rank_state& rs) {
+    const auto& l = rs.layers[static_cast<size_t>(li)];
+    rmsnorm_args n{rs.h, H, rs.xn, H, l.ln1, T, H, 1, 0, eps};
+    launch_rmsnorm(n, rs.stream);
+    launch_convert({rs.xn, dtype::fp32, rs.xd, dd, T * H}, rs.stream);
+    // q, k, v of this rank's heads: row slices of the whole fused weight.
+    const int64_t q0 = attn == parallel_mode::ep ? 0 : r * hq;
+    const int64_t kv0 = attn == parallel_mode::ep ? 0 : kv.tp_slice_of_rank(r) * hkv;
+    struct part {
+      int64_t w_row, rows, out_col;
+    };
+    const part parts[3] = {{q0 * D, hq * D, 0},
+                           {(c.num_q_heads + kv0) * D, hkv * D, hq * D},
+                           {(c.num_q_heads + c.num_kv_heads + kv0) * D, hkv * D, (hq + hkv) * D}};
+    for (const part& pt : parts) {
+      linear_args a;
+      a.x = rs.xd;
+      a.ldx = H;
+      a.w = l.qkv + pt.w_row * H * ds;
+      a.ldw = H;
+      a.y = rs.qkv + pt.out_col;
+      a.ldy = qkv_ld;
+      a.tokens = T;
+      a.out_features = pt.rows;
+      a.in_features = H;
+      a.type = dd;
+      linear(rs.blas, a, rs.stream);
+    }
+    float* q = rs.qkv;
+    float* k = rs.qkv + hq * D;
+    float* v = rs.qkv + (hq + hkv) * D;
+    launch_rmsnorm({q, qkv_ld, q, qkv_ld, l.q_norm, T * hq, D, hq, D, eps}, rs.stream);
+    launch_rmsnorm({k, qkv_ld, k, qkv_ld, l.k_norm, T * hkv, D, hkv, D, eps}, rs.stream);
+    launch_rope({q, qkv_ld, T, hq, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta}, rs.stream);
+    launch_rope({k, qkv_ld, T, hkv, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta},
+                rs.stream);
+    const paged_tokens tok{in_seq(rs, attn), in_pos(rs, attn), in_tables(rs, attn), max_pages, T,
+                           in_num(rs, attn)};
+    kv_append_args ka;
+    ka.k = k;
+    ka.v = v;
+    ka.stride = qkv_ld;
+    ka.heads = hkv;
+    ka.head0 = 0;
+    ka.pool = rs.kv_pool;
+    ka.geometry = kv;
+    ka.mode = attn;
+    ka.layer = li;
+    ka.tok = tok;
+    launch_kv_append(ka, rs.stream);
+    mark(rs, st_qkv);
+    launch_paged_attention(attention_args(rs, attn, li, T, q, rs.attn), rs.stream);
+    mark(rs, st_attention);
+    launch_convert({rs.attn, dtype::fp32, rs.xd, dd, T * hq * D}, rs.stream);
+    linear_args a;  // o_proj: this rank's columns (its heads) of the whole weight
+    a.x = rs.xd;
+    a.ldx = hq * D;
+    a.w = l.o + q0 * D * ds;
+    a.ldw = c.num_q_heads * D;
+    a.y = rs.proj;
+    a.ldy = H;
+    a.tokens = T;
+    a.out_features = H;
+    a.in_features = hq * D;
+    a.type = dd;
+    linear(rs.blas, a, rs.stream);
+    mark(rs, st_o_proj);
+  });
+  if (attn == parallel_mode::tp && P > 1) {
+    all_reduce(&rank_state::proj, T * H);
+    mark_all(st_collectives);
+  }
+}
+
+}  // namespace mini_engine::gpu
