@@ -15,7 +15,7 @@
 #include "kv_pages.hpp"
 #include "model_config.hpp"
 #include "reference.hpp"
-#include "support/catch.hpp"
+#include "tests/catch.hpp"
 #include "weights.hpp"
 
 using namespace mini_engine;

@@ -20,7 +20,7 @@
 
 #include "gpu_runtime.hpp"
 #include "runtime_test_model.hpp"
-#include "support/catch.hpp"
+#include "tests/catch.hpp"
 
 using namespace mini_engine;
 using namespace mini_engine::gpu;
