@@ -2,6 +2,28 @@
 // slice from row slices of the whole fused q/k/v weight and a column slice of o_proj (no
 // second copy), then all-reduces; EP (data-parallel) runs each rank's own sequences with all
 // heads. The paged decode kernels and their choice: kernels/attention.cu.
+//
+// Per layer (DESIGN.md §7):
+//   attention, in the mode of the page tables passed to step():
+//     TP: every rank holds every token; rank r computes q heads [r*Hq/P, (r+1)*Hq/P) and its
+//         KV head slice (tp_slice_of_rank; replicated when Hkv < P) over its TP pages, from
+//         row slices of the whole q/k/v weights and a column slice of o_proj (pointers with a
+//         leading dimension: no second copy); NCCL all-reduce of the o_proj partial sums.
+//     EP: data-parallel: each rank runs its own sequences (their EP owner) with all heads.
+//   MoE, in the mode of the layer in the arena (layers below the cursor TP, the rest EP):
+//     the router runs where the token is; tokens are packed with their top-k (moe_pack);
+//     EP attention: the packed rows are all-gathered (dispatch: every rank sees every token,
+//         fixed size per bucket, so a graph can hold it; with top-8 of 128 experts on 2 ranks a
+//         token misses a rank with probability 0.4%, so this is what a deduplicated dispatch
+//         sends anyway), each rank runs its experts on the pairs routed to them, and the
+//         partial outputs go back to the tokens' owners (grouped ncclSend/ncclRecv, fixed
+//         [bucket, H] blocks) and are summed there in rank order (combine);
+//     TP attention: each rank runs its slice of every expert (or, for an EP layer in a hybrid
+//         state, its whole experts) on every token, then all-reduce.
+//   Expert GEMMs: gemm.hpp (tiles of one expert per batch entry, pointers at fixed addresses).
+//   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
+//   every token and its best candidate (id, logit); the host picks the best of the P
+//   candidates (no collective). EP computes all V logits for its own tokens.
 
 #include <cmath>
 

@@ -2,75 +2,15 @@
 
 // The mini-engine's GPU runtime: one process drives P GPUs (rank r on device r), each with an
 // expert arena and a KV pool allocated once (cudaMalloc, never moved), the non-expert weights
-// beside them, one stream, one cuBLAS handle and (P > 1) one NCCL communicator.
+// and every other buffer beside them (one allocation, rank_buffers.hpp), one stream, one
+// cuBLAS handle and (P > 1) one NCCL communicator. It runs the model of model_config.hpp with
+// the weights of weights.hpp, in TP, EP, any arena cursor between them, and the hybrid steps
+// of a progressive switch (step.hpp), with CUDA graphs captured once at construction.
 //
-// Per layer (DESIGN.md §7):
-//   attention, in the mode of the page tables passed to step():
-//     TP: every rank holds every token; rank r computes q heads [r*Hq/P, (r+1)*Hq/P) and its
-//         KV head slice (tp_slice_of_rank; replicated when Hkv < P) over its TP pages, from
-//         row slices of the whole q/k/v weights and a column slice of o_proj (pointers with a
-//         leading dimension: no second copy); NCCL all-reduce of the o_proj partial sums.
-//     EP: data-parallel: each rank runs its own sequences (their EP owner) with all heads.
-//   MoE, in the mode of the layer in the arena (layers below the cursor TP, the rest EP):
-//     the router runs where the token is; tokens are packed with their top-k (moe_pack);
-//     EP attention: the packed rows are all-gathered (dispatch: every rank sees every token,
-//         fixed size per bucket, so a graph can hold it; with top-8 of 128 experts on 2 ranks a
-//         token misses a rank with probability 0.4%, so this is what a deduplicated dispatch
-//         sends anyway), each rank runs its experts on the pairs routed to them, and the
-//         partial outputs go back to the tokens' owners (grouped ncclSend/ncclRecv, fixed
-//         [bucket, H] blocks) and are summed there in rank order (combine);
-//     TP attention: each rank runs its slice of every expert (or, for an EP layer in a hybrid
-//         state, its whole experts) on every token, then all-reduce.
-//   Expert GEMMs: gemm.hpp (tiles of one expert per batch entry, pointers at fixed addresses).
-//   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
-//   every token and its best candidate (id, logit); the host picks the best of the P
-//   candidates (no collective). EP computes all V logits for its own tokens.
-//
-// CUDA graphs: at construction, for each mode (all-TP: TP tables and cursor L; all-EP: EP
-// tables and cursor 0) and each bucket (default 1, 2, 4, ..., 512 tokens per rank), one decode
-// step is captured on every rank's stream (NCCL calls included) and instantiated (whole-model
-// graphs). A decode step (every item one token) in a pure mode picks the smallest bucket
-// >= its tokens per rank, uploads the step's inputs (token ids, positions, page tables: fixed
-// device addresses) and replays; nothing is ever re-captured, because the weights (arena
-// slots), the KV pool and every buffer keep their addresses across switches. Prefill steps,
-// static layouts with cursors strictly between 0 and L and batches beyond the largest bucket
-// run the same code eagerly.
-//
-// Hybrid steps (step_layout::hybrid(): a progressive switch in progress). Layer l runs wholly
-// in attention_mode(l) (TP below the cursor) with tables_of_layer(l): the step builds one
-// input block per mode (token ids, positions, page-table rows of that mode's token layout:
-// TP every token on every rank, EP each rank its own sequences) and runs the layers in
-// order; where the mode changes the residual stream is handed off (hand_off): TP -> EP each
-// rank keeps its own sequences' rows of the full batch (a local row gather); EP -> TP the
-// owners' rows are all-gathered and every token's row picked out (with layer l TP iff
-// l < cursor a forward pass only meets TP -> EP; both directions are implemented). The LM
-// head runs in the last layer's mode.
-//
-// Graphs of hybrid steps (per-layer graphs). A switch lasts L / (layers per step) steps and
-// sees each cursor about once, so a whole-step graph per cursor would be captured for about
-// one replay. Instead, at construction, for each mode m and bucket b, layer l's forward pass
-// in mode m (attention over m's input block, experts in m's arena view, b rows) is captured
-// once as its own graph: 2 x buckets x L graphs (Qwen3-30B-A3B, 10 buckets: 960 per rank),
-// the same kernels as the whole-model graphs cut at layer boundaries. Layer 0's graph starts
-// with the embedding (in layer 0's mode: the step's first mode) and layer L-1's ends with the
-// LM head and argmax (the last mode), so no graph exists for them alone. A hybrid decode step
-// = upload both input blocks + layers [0, c) from TP's graphs (TP's bucket) + the hand-off
-// (eager: a row gather and a copy, P > 1 EP -> TP an all-gather) + layers [c, L) from EP's
-// graphs (EP's bucket, chosen on its own) + download: L graph launches where a pure step has
-// one. Why per layer and not per group of layers: a cursor can stop at any layer (advance(n)
-// with any n), and a group straddling the cursor would run eagerly; launches of 48 graphs
-// cost a few microseconds each and overlap the previous layer's kernels. Prefill hybrid steps
-// and hybrid batches beyond the largest bucket run eagerly; MINI_ENGINE_HYBRID_EAGER=1 in the
-// environment (or options.hybrid_graphs = false) captures no per-layer graphs and runs every
-// hybrid step eagerly, set_hybrid_eager(true) runs them eagerly although captured (comparison
-// in one process). bench_hybrid_step.cu measures both against whole-model graph replays.
-//
-// Expert capacity. Eager steps size the expert tiles for the worst case (every token's
-// choices among one rank's experts). A graph would then pay that worst case every step (EP at
-// 512 tokens, top-8 of 128 on 2 ranks: 4x the rows it needs), so graphs are sized for 1.25x
-// the expected pairs per rank; a step whose routing needs more raises a device flag, and the
-// step is rerun eagerly (same inputs, same K/V written again): correct always, fast when the
-// routing is balanced. overflow_reruns() counts those.
+// Where the design is written down (gpu/README.md has the overview):
+//   the layer's work in each mode   attention_block.cu, moe_block.cu (DESIGN.md §7)
+//   CUDA graphs (whole-model and per-layer), expert capacity   graph_cache.hpp, moe_block.cu
+//   hybrid steps and their hand-off                          step_inputs.cu, layer_schedule.hpp
 
 #include <cstdint>
 #include <memory>

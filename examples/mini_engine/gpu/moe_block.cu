@@ -2,6 +2,13 @@
 // attention: the packed rows all-gathered), each rank's experts over the pairs routed to them
 // (permutation, fp8 dequantization, batched GEMMs over fixed-size tiles: gemm.hpp), and the
 // combine (TP: all-reduce; EP: partial sums back to the tokens' owners).
+//
+// Expert capacity. Eager steps size the expert tiles for the worst case (every token's
+// choices among one rank's experts). A graph would then pay that worst case every step (EP at
+// 512 tokens, top-8 of 128 on 2 ranks: 4x the rows it needs), so graphs are sized for 1.25x
+// the expected pairs per rank; a step whose routing needs more raises a device flag, and the
+// step is rerun eagerly (same inputs, same K/V written again): correct always, fast when the
+// routing is balanced. overflow_reruns() counts those.
 
 #include <algorithm>
 

@@ -2,6 +2,16 @@
 // per rank at a fixed address (token ids, positions, page-table rows, page tables, the real
 // token count, the hand-off map), written into its pinned mirror and uploaded on the rank's
 // stream. Which rows, in which order: layer_schedule.hpp, shared with the host runtime.
+//
+// Hybrid steps (step_layout::hybrid(): a progressive switch in progress). Layer l runs wholly
+// in attention_mode(l) (TP below the cursor) with tables_of_layer(l): the step builds one
+// input block per mode (token ids, positions, page-table rows of that mode's token layout:
+// TP every token on every rank, EP each rank its own sequences) and runs the layers in
+// order; where the mode changes the residual stream is handed off (hand_off): TP -> EP each
+// rank keeps its own sequences' rows of the full batch (a local row gather); EP -> TP the
+// owners' rows are all-gathered and every token's row picked out (with layer l TP iff
+// l < cursor a forward pass only meets TP -> EP; both directions are implemented). The LM
+// head runs in the last layer's mode.
 
 #include <algorithm>
 #include <moebius/error.hpp>
