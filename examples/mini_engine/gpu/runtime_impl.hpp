@@ -142,6 +142,10 @@ struct gpu_runtime::impl {
 
   // ---- setup.cu ----------------------------------------------------------------------------
   void setup(const model_config& config, const gpu_runtime_options& options);
+  void check_supported() const;
+  void lay_out_buffers();
+  void init_rank(int r);
+  void init_nccl();
   void carve(rank_state& rs) const;
   ~impl();
 

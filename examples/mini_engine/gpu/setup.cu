@@ -39,10 +39,33 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   MOEBIUS_CHECK(o.moe_tile_scale >= 1 && o.moe_tile_scale <= 64 &&
                     (o.moe_tile_scale & (o.moe_tile_scale - 1)) == 0,
                 errc::invalid_argument,
-                "gpu_runtime: moe_tile_scale must be a power of two in "
-                "[1, 64], not ",
+                "gpu_runtime: moe_tile_scale must be a power of two in [1, 64], not ",
                 o.moe_tile_scale);
   P = o.num_ranks;
+  fp8 = c.expert_dtype == dtype::fp8_e4m3;
+  ct = fp8 ? o.fp8_compute_dtype : c.expert_dtype;
+  check_supported();
+  // The model's arena and KV pool, as the host runtime lays them out (model_config.hpp);
+  // expert_shape's validation requires whole fp8 blocks in every TP slice.
+  arena = moebius::make_arena_geometry(expert_shape_of(c), P, o.tensor_alignment, o.slot_alignment);
+  moebius::validate(arena, o.cursor);
+  kv = kv_geometry_of(c, P, o.num_ep_pages);
+  T_max = o.max_tokens;
+  for (int64_t b : o.buckets)
+    MOEBIUS_CHECK(b >= 1 && b <= T_max, errc::invalid_argument, "gpu_runtime: bucket ", b,
+                  " outside [1, max_tokens=", T_max, "]");
+  max_pages = o.max_pages_per_seq;
+  qkv_ld = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
+  row_layout = moe_token_layout(0, c.hidden, c.top_k, ct);
+  lay_out_buffers();
+  ranks.resize(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) init_rank(r);
+  if (P > 1) init_nccl();
+}
+
+// Throws errc::invalid_argument for a model or options this runtime cannot run: dtypes, P
+// not dividing the heads, more ranks than devices.
+void gpu_runtime::impl::check_supported() const {
   MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16 ||
                     c.expert_dtype == dtype::fp8_e4m3,
                 errc::invalid_argument, "gpu_runtime: experts must be fp32, bf16 or fp8_e4m3, not ",
@@ -50,8 +73,6 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   MOEBIUS_CHECK(o.fp8_compute_dtype == dtype::fp32 || o.fp8_compute_dtype == dtype::bf16,
                 errc::invalid_argument, "gpu_runtime: fp8 experts compute in fp32 or bf16, not ",
                 moebius::to_string(o.fp8_compute_dtype));
-  fp8 = c.expert_dtype == dtype::fp8_e4m3;
-  ct = fp8 ? o.fp8_compute_dtype : c.expert_dtype;
   MOEBIUS_CHECK(c.kv_dtype == dtype::fp32 || c.kv_dtype == dtype::bf16, errc::invalid_argument,
                 "gpu_runtime: KV must be fp32 or bf16");
   MOEBIUS_CHECK(o.dense_dtype == dtype::fp32 || o.dense_dtype == dtype::bf16,
@@ -68,19 +89,11 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
                 " devices, found ", devices,
                 " (one rank per device: NCCL allows no two ranks of a "
                 "communicator on one device)");
-  // The model's arena and KV pool, as the host runtime lays them out (model_config.hpp);
-  // expert_shape's validation requires whole fp8 blocks in every TP slice.
-  arena = moebius::make_arena_geometry(expert_shape_of(c), P, o.tensor_alignment, o.slot_alignment);
-  moebius::validate(arena, o.cursor);
-  kv = kv_geometry_of(c, P, o.num_ep_pages);
-  T_max = o.max_tokens;
-  for (int64_t b : o.buckets)
-    MOEBIUS_CHECK(b >= 1 && b <= T_max, errc::invalid_argument, "gpu_runtime: bucket ", b,
-                  " outside [1, max_tokens=", T_max, "]");
-  max_pages = o.max_pages_per_seq;
-  qkv_ld = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
-  row_layout = moe_token_layout(0, c.hidden, c.top_k, ct);
+}
 
+// The sizes of every per-rank buffer and their layout in one allocation (rank_buffers.hpp),
+// the same on every rank, large enough for every bucket and mode.
+void gpu_runtime::impl::lay_out_buffers() {
   // The expert workspace must hold the largest shape any token count up to T_max needs,
   // in either attention mode and either layer mode (tile rows change with the count).
   int64_t max_rows = 0, max_tiles = 0;
@@ -129,41 +142,44 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   bs.cublas_workspace_bytes = cublas_workspace_bytes;
   buffer_sizes = bs;
   buffers = make_rank_buffer_layout(bs);
+}
 
-  ranks.resize(static_cast<size_t>(P));
-  std::vector<int> devs(static_cast<size_t>(P));
-  for (int r = 0; r < P; ++r) {
-    rank_state& rs = ranks[static_cast<size_t>(r)];
-    rs.device = r;
-    devs[static_cast<size_t>(r)] = r;
-    set_device(rs);
-    MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
-    MINI_ENGINE_CUBLAS_CHECK(cublasCreate(&rs.blas));
-    rs.buffers = device_alloc<std::byte>(buffers.num_bytes(), rs.owned);
-    carve(rs);
-    MINI_ENGINE_CUBLAS_CHECK(
-        cublasSetWorkspace(rs.blas, rs.cublas_workspace, cublas_workspace_bytes));
-    MINI_ENGINE_CUBLAS_CHECK(cublasSetStream(rs.blas, rs.stream));
-    rs.arena = device_alloc<std::byte>(arena.total_bytes(), rs.owned);
-    rs.kv_pool = device_alloc<std::byte>(kv.pool_bytes(), rs.owned);
-    rs.input_count = bs.input_count;
-    for (int m = 0; m < 2; ++m) {
-      MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned[m], static_cast<size_t>(rs.input_count) * 4));
-      std::memset(rs.pinned[m], 0, static_cast<size_t>(rs.input_count) * 4);
-    }
-    MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_begin));
-    MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_end));
+// Rank r on device r: its stream, cuBLAS handle (workspace and stream set), buffers, arena,
+// KV pool, pinned input mirrors and step events.
+void gpu_runtime::impl::init_rank(int r) {
+  rank_state& rs = ranks[static_cast<size_t>(r)];
+  rs.device = r;
+  set_device(rs);
+  MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
+  MINI_ENGINE_CUBLAS_CHECK(cublasCreate(&rs.blas));
+  rs.buffers = device_alloc<std::byte>(buffers.num_bytes(), rs.owned);
+  carve(rs);
+  MINI_ENGINE_CUBLAS_CHECK(
+      cublasSetWorkspace(rs.blas, rs.cublas_workspace, cublas_workspace_bytes));
+  MINI_ENGINE_CUBLAS_CHECK(cublasSetStream(rs.blas, rs.stream));
+  rs.arena = device_alloc<std::byte>(arena.total_bytes(), rs.owned);
+  rs.kv_pool = device_alloc<std::byte>(kv.pool_bytes(), rs.owned);
+  rs.input_count = buffer_sizes.input_count;
+  for (int m = 0; m < 2; ++m) {
+    MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned[m], static_cast<size_t>(rs.input_count) * 4));
+    std::memset(rs.pinned[m], 0, static_cast<size_t>(rs.input_count) * 4);
   }
-  if (P > 1) {
-    std::vector<ncclComm_t> comms(static_cast<size_t>(P));
-    MOEBIUS_NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
-    for (int r = 0; r < P; ++r) {
-      ranks[static_cast<size_t>(r)].comm = comms[static_cast<size_t>(r)];
-      // A non-sticky error NCCL may leave behind (peer access already enabled) would be
-      // taken for our first kernel launch's failure by check_launch().
-      set_device(ranks[static_cast<size_t>(r)]);
-      (void)cudaGetLastError();
-    }
+  MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_begin));
+  MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_end));
+}
+
+// One NCCL communicator per rank (P > 1), all created at once by this one process.
+void gpu_runtime::impl::init_nccl() {
+  std::vector<int> devs(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) devs[static_cast<size_t>(r)] = r;
+  std::vector<ncclComm_t> comms(static_cast<size_t>(P));
+  MOEBIUS_NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
+  for (int r = 0; r < P; ++r) {
+    ranks[static_cast<size_t>(r)].comm = comms[static_cast<size_t>(r)];
+    // A non-sticky error NCCL may leave behind (peer access already enabled) would be
+    // taken for our first kernel launch's failure by check_launch().
+    set_device(ranks[static_cast<size_t>(r)]);
+    (void)cudaGetLastError();
   }
 }
 
