@@ -156,11 +156,19 @@ std::vector<int32_t> gpu_runtime::impl::read_results(
     const pass& ps, std::span<const step_item> items,
     const std::vector<std::pair<int, int64_t>>& sample_at,
     std::vector<std::vector<float>>* logits_out) {
+  std::vector<std::vector<int32_t>> next(static_cast<size_t>(P));
+  std::vector<std::vector<float>> next_value(static_cast<size_t>(P));
+  download(ps, next, next_value);
+  return pick_tokens(ps, items, sample_at, next, next_value, logits_out);
+}
+
+// Every rank's candidates (next[r][t], next_value[r][t]: the argmax of row t in rank r's vocab
+// slice, and its logit) to the host; waits for the step; its device time and stage profile.
+void gpu_runtime::impl::download(const pass& ps, std::vector<std::vector<int32_t>>& next,
+                                 std::vector<std::vector<float>>& next_value) {
   const parallel_mode last = ps.attn.back();
   // Results (every rank's work is enqueued: waiting on one rank at a time is safe now).
   const int64_t T = ps.rows[mode_index(last)];
-  std::vector<std::vector<int32_t>> next(static_cast<size_t>(P));
-  std::vector<std::vector<float>> next_value(static_cast<size_t>(P));
   each_rank([&](int r, rank_state& rs) {
     next[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
     next_value[static_cast<size_t>(r)].resize(static_cast<size_t>(T));
@@ -185,6 +193,17 @@ std::vector<int32_t> gpu_runtime::impl::read_results(
     MOEBIUS_CUDA_CHECK(cudaEventElapsedTime(&ms, rs.step_begin, rs.step_end));
     last_step_s = std::max(last_step_s, static_cast<double>(ms) * 1e-3);
   });
+}
+
+// Each sampled item's greedy token from the ranks' candidates (and its logits row, copied
+// from the ranks' slices, when logits_out is given); -1 for the others.
+std::vector<int32_t> gpu_runtime::impl::pick_tokens(
+    const pass& ps, std::span<const step_item> items,
+    const std::vector<std::pair<int, int64_t>>& sample_at,
+    const std::vector<std::vector<int32_t>>& next,
+    const std::vector<std::vector<float>>& next_value,
+    std::vector<std::vector<float>>* logits_out) {
+  const parallel_mode last = ps.attn.back();
   std::vector<int32_t> out(items.size(), -1);
   if (logits_out != nullptr) logits_out->clear();
   const bool split_vocab = vocab_slice(last, 0).second != c.vocab;

@@ -12,7 +12,9 @@
 //                       hand-off all-gather), each grouped over every rank
 //   graph_cache.cu      capturing the whole-model and per-layer graphs
 //   step_inputs.cu      the device-side maps of a step (input blocks, hand-off maps)
-//   gpu_runtime.cu      step(): choosing graphs or eager, launching, reading results
+//   gpu_runtime.cu      step(): choosing graphs or eager, launching, reading results; the
+//                       public methods
+//   options.cpp         options_from_env(): the environment, read once
 // rank_buffers.hpp (where every buffer lies) and profiler.hpp (the stage profile) are
 // self-contained.
 
@@ -280,6 +282,13 @@ struct gpu_runtime::impl {
   std::vector<int32_t> read_results(const pass& ps, std::span<const step_item> items,
                                     const std::vector<std::pair<int, int64_t>>& sample_at,
                                     std::vector<std::vector<float>>* logits_out);
+  void download(const pass& ps, std::vector<std::vector<int32_t>>& next,
+                std::vector<std::vector<float>>& next_value);
+  std::vector<int32_t> pick_tokens(const pass& ps, std::span<const step_item> items,
+                                   const std::vector<std::pair<int, int64_t>>& sample_at,
+                                   const std::vector<std::vector<int32_t>>& next,
+                                   const std::vector<std::vector<float>>& next_value,
+                                   std::vector<std::vector<float>>* logits_out);
 };
 
 }  // namespace mini_engine::gpu
