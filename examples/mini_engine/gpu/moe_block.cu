@@ -42,18 +42,30 @@ gpu_runtime::impl::moe_shape gpu_runtime::impl::moe_shape_of(parallel_mode layer
   return s;
 }
 
-// Layer li's MoE, its experts in ps.cursor's mode of the layer: residual add, post-attention
-// norm, router, top-k, pack; EP attention with P > 1 all-gathers the packed rows (dispatch);
-// permutation, fp8 dequantization, expert GEMMs, combine; TP all-reduces, EP sends the
-// partial sums back to the tokens' owners; residual add. `optimistic` (graphs): expert tiles
-// for 1.25x the expected pairs (moe_shape_of).
+// Layer li's MoE, its experts in ps.cursor's mode of the layer: the router where the tokens
+// are, the dispatch (EP attention with P > 1: every rank gets every rank's packed tokens),
+// this rank's experts, the combine. `optimistic` (graphs): expert tiles for 1.25x the
+// expected pairs (moe_shape_of).
 void gpu_runtime::impl::moe(const pass& ps, int64_t li, bool optimistic) {
-  const int64_t H = c.hidden, E = c.num_experts, K = c.top_k;
-  const float eps = static_cast<float>(c.rms_eps);
   const parallel_mode attn = ps.attn[static_cast<size_t>(li)];
   const int64_t T = ps.rows[mode_index(attn)];
-  const moebius::arena_cursor cursor = ps.cursor;
-  const parallel_mode lm = moebius::arena_geometry::mode_of(cursor, li);
+  const parallel_mode lm = moebius::arena_geometry::mode_of(ps.cursor, li);
+  route(li, attn, T);
+  const bool dispatch = attn == parallel_mode::ep && P > 1;
+  if (dispatch) {  // every rank gets every rank's packed tokens
+    dispatch_all_gather(T);
+    mark_all(st_collectives);
+  }
+  run_experts(li, lm, dispatch, dispatch ? P * T : T, optimistic);
+  combine(attn, dispatch, T);
+}
+
+// The attention block's output joins the residual stream; post-attention norm, router GEMM
+// (fp32: the same choices as the reference), top-k, and each token packed with its top-k
+// (moe_pack) into `packed`.
+void gpu_runtime::impl::route(int64_t li, parallel_mode attn, int64_t T) {
+  const int64_t H = c.hidden, E = c.num_experts, K = c.top_k;
+  const float eps = static_cast<float>(c.rms_eps);
   each_rank([&](int, rank_state& rs) {
     const auto& l = rs.layers[static_cast<size_t>(li)];
     launch_residual_add({rs.h, rs.proj, 1, 0, T, H}, rs.stream);
@@ -84,12 +96,15 @@ void gpu_runtime::impl::moe(const pass& ps, int64_t li, bool optimistic) {
     launch_moe_pack(pk, rs.stream);
     mark(rs, st_router);
   });
-  const bool dispatch = attn == parallel_mode::ep && P > 1;
-  if (dispatch) {  // every rank gets every rank's packed tokens
-    dispatch_all_gather(T);
-    mark_all(st_collectives);
-  }
-  const int64_t src_tokens = dispatch ? P * T : T;
+}
+
+// This rank's experts of layer li (in the arena's `lm` view) over the src_tokens packed rows
+// (`gathered` after a dispatch, else `packed`): permutation into expert tiles, fp8
+// dequantization of the touched experts, the batched GEMMs, and each token's weighted sum
+// (moe_combine) into moe_out.
+void gpu_runtime::impl::run_experts(int64_t li, parallel_mode lm, bool dispatch, int64_t src_tokens,
+                                    bool optimistic) {
+  const int64_t H = c.hidden;
   each_rank([&](int r, rank_state& rs) {
     moe_tokens src = row_layout;
     src.rows = dispatch ? rs.gathered : rs.packed;
@@ -142,6 +157,13 @@ void gpu_runtime::impl::moe(const pass& ps, int64_t li, bool optimistic) {
     launch_moe_combine(cb, rs.stream);
     mark(rs, st_combine);
   });
+}
+
+// The partial sums back to where the tokens are, added to the residual stream: TP
+// all-reduces; EP without a dispatch (P = 1) has them all; EP with one sends each owner its
+// tokens' partial sums and sums them there in rank order.
+void gpu_runtime::impl::combine(parallel_mode attn, bool dispatch, int64_t T) {
+  const int64_t H = c.hidden;
   if (attn == parallel_mode::tp) {
     if (P > 1) {
       all_reduce(&rank_state::moe_out, T * H);

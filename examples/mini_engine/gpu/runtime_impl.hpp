@@ -244,6 +244,9 @@ struct gpu_runtime::impl {
   paged_attention_args attention_args(rank_state& rs, moebius::parallel_mode m, int64_t li,
                                       int64_t T, const float* q, float* out) const;
   void attention(const pass& ps, int64_t li);
+  std::pair<int64_t, int64_t> head_slice(moebius::parallel_mode attn, int r) const;
+  void project_qkv(rank_state& rs, int r, moebius::parallel_mode attn, int64_t li, int64_t T);
+  void project_o(rank_state& rs, int r, moebius::parallel_mode attn, int64_t li, int64_t T);
 
   // ---- moe_block.cu ------------------------------------------------------------------------
   struct moe_shape {
@@ -252,6 +255,10 @@ struct gpu_runtime::impl {
   moe_shape moe_shape_of(moebius::parallel_mode layer_mode, int rank, int64_t src_tokens,
                          bool optimistic) const;
   void moe(const pass& ps, int64_t li, bool optimistic);
+  void route(int64_t li, moebius::parallel_mode attn, int64_t T);
+  void run_experts(int64_t li, moebius::parallel_mode lm, bool dispatch, int64_t src_tokens,
+                   bool optimistic);
+  void combine(moebius::parallel_mode attn, bool dispatch, int64_t T);
 
   // ---- collectives.cu ----------------------------------------------------------------------
   void all_reduce(float* rank_state::*buf, int64_t count);
