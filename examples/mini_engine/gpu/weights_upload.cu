@@ -34,10 +34,10 @@ std::vector<std::byte> encode(std::span<const float> v, dtype t) {
 }  // namespace
 
 // Dense weights replicated on every rank in the dense dtype; experts placed by the core
-// library (place_experts: every element to its home in its layer's mode at o.cursor, fp8
-// as codes under their block scales with the scales beside them) into a host image of each
-// rank's arena, then copied whole (what placement leaves unwritten is zero, as cudaMalloc'd
-// and cleared).
+// library (place_layer_experts_in_slot: every element to its home in its layer's mode at
+// o.cursor, fp8 as codes under their block scales with the scales beside them) into a host
+// image of the layer's slot on each rank, then copied (what placement leaves unwritten is
+// zero, as the cudaMalloc'd and cleared arena is).
 void gpu_runtime::impl::upload_weights(const model_weights& w) {
   validate(w);
   MOEBIUS_CHECK(w.config.num_layers == c.num_layers, errc::invalid_argument,
@@ -75,14 +75,22 @@ void gpu_runtime::impl::upload_weights(const model_weights& w) {
       put_f(dl.k_norm, l.k_norm);
     }
   }
+  // Experts, layer by layer through one slot-sized image per rank: every layer fills the same
+  // byte ranges of its slot (the tensors' offsets), so the images are reused without clearing
+  // and their padding stays zero, as the device arena is.
+  moebius::validate(arena, o.cursor);
   std::vector<std::vector<std::byte>> images(
-      static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(arena.total_bytes())));
+      static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(arena.slot_bytes)));
   std::vector<std::span<std::byte>> spans(images.begin(), images.end());
-  place_experts(w, arena, o.cursor, spans);
-  for (int r = 0; r < P; ++r) {
-    rank_state& rs = ranks[static_cast<size_t>(r)];
-    set_device(rs);
-    put(rs.arena, images[static_cast<size_t>(r)]);
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    const parallel_mode m = moebius::arena_geometry::mode_of(o.cursor, li);
+    place_layer_experts_in_slot(w, arena, li, m, spans);
+    const int64_t at = arena.slot_offset(moebius::arena_geometry::slot_of(m, li));
+    for (int r = 0; r < P; ++r) {
+      rank_state& rs = ranks[static_cast<size_t>(r)];
+      set_device(rs);
+      put(rs.arena + at, images[static_cast<size_t>(r)]);
+    }
   }
 }
 
