@@ -2,6 +2,7 @@
 // the dense dtype, the experts where the core library's placement puts them; or, for
 // benchmarks, random weights drawn on the device.
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <moebius/error.hpp>
@@ -75,15 +76,17 @@ void gpu_runtime::impl::upload_weights(const model_weights& w) {
       put_f(dl.k_norm, l.k_norm);
     }
   }
-  // Experts, layer by layer through one slot-sized image per rank: every layer fills the same
-  // byte ranges of its slot (the tensors' offsets), so the images are reused without clearing
-  // and their padding stays zero, as the device arena is.
+  // Experts, layer by layer through one slot-sized image per rank: the layers of one mode
+  // fill the same bytes of their slots, so the images are reused without clearing, and
+  // cleared where the mode changes; what no layer writes stays zero, as on the device.
   moebius::validate(arena, o.cursor);
   std::vector<std::vector<std::byte>> images(
       static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(arena.slot_bytes)));
   std::vector<std::span<std::byte>> spans(images.begin(), images.end());
   for (int64_t li = 0; li < c.num_layers; ++li) {
     const parallel_mode m = moebius::arena_geometry::mode_of(o.cursor, li);
+    if (li > 0 && m != moebius::arena_geometry::mode_of(o.cursor, li - 1))
+      for (auto& image : images) std::fill(image.begin(), image.end(), std::byte{0});
     place_layer_experts_in_slot(w, arena, li, m, spans);
     const int64_t at = arena.slot_offset(moebius::arena_geometry::slot_of(m, li));
     for (int r = 0; r < P; ++r) {
