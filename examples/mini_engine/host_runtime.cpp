@@ -250,6 +250,18 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<con
                     " is not in the ", moebius::to_string(s->mode), " tables");
     }
   }
+  // A hybrid step whose mode changes between two layers hands the activations off
+  // (layer_schedule.hpp); its layouts and maps are built here, before anything is written.
+  token_layout ep_layout;
+  hand_off_maps maps;
+  bool changes = false;
+  for (int64_t l = 1; l < c.num_layers; ++l)
+    changes = changes || layout.attention_mode(l) != layout.attention_mode(l - 1);
+  if (layout.hybrid() && changes) {
+    const token_layout tp_layout = token_layout_of(*layout.tp_tables, num_ranks(), items);
+    ep_layout = token_layout_of(*layout.ep_tables, num_ranks(), items);
+    maps = hand_off_maps_of(tp_layout, ep_layout, items, ep_layout.max_count());
+  }
   const int64_t T = static_cast<int64_t>(tokens_.size());
   const int64_t K = c.top_k;
   grow(h_, T * H);
@@ -285,7 +297,7 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<con
     const layer_weights& lw = weights_.layers[static_cast<size_t>(layer)];
     if (layout.hybrid() && layer > 0 &&
         layout.attention_mode(layer) != layout.attention_mode(layer - 1))
-      hand_off(layout.attention_mode(layer), *layout.ep_tables, items);
+      hand_off(layout.attention_mode(layer), ep_layout, maps);
     for (int64_t t = 0; t < T; ++t)
       rmsnorm(&h_[static_cast<size_t>(t * H)], lw.input_layernorm.data(), H, c.rms_eps,
               &x_[static_cast<size_t>(t * H)]);
@@ -331,45 +343,41 @@ std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<con
 // The activation hand-off at a mode boundary of a hybrid step, simulated with one buffer
 // per rank. Before a TP layer every rank holds every row of h (replicated, as the all-reduce
 // leaves it); before an EP layer (data-parallel attention) a rank holds the rows of its own
-// sequences.
+// sequences. Which rows, in which order: layer_schedule.hpp (the GPU runtime uploads the same
+// maps).
 //   to EP: each rank keeps its own sequences' rows of the replicated h and drops the rest.
 //   to TP: all-gather: every rank receives each owner's rows (gathered in rank order).
 // The rows are copied, never recomputed, so the hand-off is exact; h_ ends up as the
-// gathered (to TP) or owner-held (to EP) rows, and a token whose sequence has no EP owner
-// would be lost (an internal error, checked).
-void host_runtime::hand_off(parallel_mode to, const moebius::kv_state& ep_tables,
-                            std::span<const step_item> items) {
+// gathered (to TP) or owner-held (to EP) rows.
+void host_runtime::hand_off(parallel_mode to, const token_layout& ep, const hand_off_maps& maps) {
   const int P = num_ranks();
   const int64_t H = weights_.config.hidden, T = static_cast<int64_t>(tokens_.size());
-  grow(rank_rows_, T * H);
-  grow(row_owner_, T);
-  for (size_t i = 0; i < items.size(); ++i) {
-    const int owner = owner_of(ep_tables, items[i].seq_id);
-    MOEBIUS_CHECK(owner >= 0 && owner < P, errc::internal, "hand-off: sequence ", items[i].seq_id,
-                  " has no EP owner");
-    for (int64_t t = item_first_[i]; t < item_first_[i + 1]; ++t)
-      row_owner_[static_cast<size_t>(t)] = owner;
+  const int64_t stride = ep.max_count();
+  int64_t owned = 0;
+  for (int64_t n : ep.count) owned += n;
+  MOEBIUS_CHECK(owned == T, errc::internal, "hand-off: ", owned, " of ", T, " rows owned");
+  grow(rank_rows_, P * stride * H);
+  const auto row = [&](std::vector<float>& v, int64_t r) { return &v[static_cast<size_t>(r * H)]; };
+  const size_t row_bytes = static_cast<size_t>(H) * sizeof(float);
+  // Each rank's buffer (`stride` rows): the rows it holds after the hand-off (to EP) or
+  // contributes to the all-gather (to TP): in both directions its own sequences' rows, in its
+  // EP layout's order. h_ is in batch order, which is the TP layout's.
+  for (int r = 0; r < P; ++r)
+    for (int64_t e = 0; e < ep.count[static_cast<size_t>(r)]; ++e)
+      std::memcpy(row(rank_rows_, r * stride + e),
+                  row(h_, maps.to_ep[static_cast<size_t>(r)][static_cast<size_t>(e)]), row_bytes);
+  // Unpack: to TP every rank receives every buffer (all-gather) and picks each batch row out of
+  // its owner's (to_tp, the same on every rank); to EP each rank reads back only its own. h_
+  // stands for every rank's stream in batch order, so in both row t comes back to position t.
+  if (to == parallel_mode::tp) {
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(row(h_, t), row(rank_rows_, maps.to_tp[0][static_cast<size_t>(t)]), row_bytes);
+  } else {
+    for (int r = 0; r < P; ++r)
+      for (int64_t e = 0; e < ep.count[static_cast<size_t>(r)]; ++e)
+        std::memcpy(row(h_, maps.to_ep[static_cast<size_t>(r)][static_cast<size_t>(e)]),
+                    row(rank_rows_, r * stride + e), row_bytes);
   }
-  // Each rank's buffer: the rows it holds after the hand-off (to EP) or contributes to the
-  // all-gather (to TP): in both directions the owner's rows. rank_rows_ is the concatenation
-  // of the P buffers, rank by rank, each in batch order.
-  int64_t filled = 0;
-  for (int r = 0; r < P; ++r)
-    for (int64_t t = 0; t < T; ++t)
-      if (row_owner_[static_cast<size_t>(t)] == r)
-        std::memcpy(&rank_rows_[static_cast<size_t>((filled++) * H)],
-                    &h_[static_cast<size_t>(t * H)], static_cast<size_t>(H) * sizeof(float));
-  MOEBIUS_CHECK(filled == T, errc::internal, "hand-off: ", filled, " of ", T, " rows owned");
-  // Unpack: to TP every rank receives every buffer (all-gather); to EP each rank reads only
-  // its own. In both, row t comes back from its owner's buffer to its batch position.
-  filled = 0;
-  for (int r = 0; r < P; ++r)
-    for (int64_t t = 0; t < T; ++t)
-      if (row_owner_[static_cast<size_t>(t)] == r)
-        std::memcpy(&h_[static_cast<size_t>(t * H)],
-                    &rank_rows_[static_cast<size_t>((filled++) * H)],
-                    static_cast<size_t>(H) * sizeof(float));
-  (void)to;
 }
 
 // h = float(h + float(acc)): the block's output (acc_, summed in double) joins the stream.

@@ -45,6 +45,7 @@
 #include <span>
 #include <vector>
 
+#include "layer_schedule.hpp"
 #include "model_config.hpp"
 #include "step.hpp"
 #include "weights.hpp"
@@ -97,8 +98,7 @@ class host_runtime : public runtime {
   void attend(int64_t layer, int rank, moebius::parallel_mode mode, const moebius::kv_sequence& seq,
               int64_t item_index, const step_item& item, int64_t q0, int64_t q1, int64_t kv0,
               int64_t kv1);
-  void hand_off(moebius::parallel_mode to, const moebius::kv_state& ep_tables,
-                std::span<const step_item> items);
+  void hand_off(moebius::parallel_mode to, const token_layout& ep, const hand_off_maps& maps);
   void route(int64_t layer, int64_t T);
   void run_expert(int64_t layer, moebius::parallel_mode mode, int rank, int64_t e, int64_t i0,
                   int64_t i1);
@@ -127,8 +127,7 @@ class host_runtime : public runtime {
   std::vector<int64_t> item_first_;   // [items+1] first batch token of each item
   std::vector<double> cos_, sin_;     // [T, D/2] RoPE of each token's position
   std::vector<float> h_;              // [T, H] residual stream
-  std::vector<float> rank_rows_;      // [T, H] hand-off buffers of the P ranks, concatenated
-  std::vector<int> row_owner_;        // [T] EP owner of each batch token (hand-off)
+  std::vector<float> rank_rows_;      // [P * rows, H] hand-off buffers of the P ranks
   std::vector<double> x_;             // [T, H] normed input of the current block (floats)
   std::vector<double> o_;             // [T, Hq*D] attention output per head (floats)
   std::vector<double> acc_;           // [T, H] block output: all-reduce / combine

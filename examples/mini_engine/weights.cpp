@@ -165,12 +165,15 @@ void validate(const model_weights& w) {
 namespace {
 
 // Writes one [E, rows, cols] float tensor (and its fp8 scales) into the view `Mode`.
+// `origin`: the arena byte that arenas[r].data() holds (0: whole arenas; a slot's offset:
+// images of that slot).
 template <parallel_mode Mode>
 void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64_t layer,
                   weight_tensor t, const std::vector<float>& values,
-                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas) {
+                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas,
+                  int64_t origin) {
   const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
-  const int64_t base = g.tensor_base(Mode, layer, t);
+  const int64_t base = g.tensor_base(Mode, layer, t) - origin;
   const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
   const int64_t b = c.fp8_block;
   const int64_t bc = c.fp8_experts() ? cols / b : 0;
@@ -194,6 +197,12 @@ void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64
           default: {  // fp8: the value is code * scale exactly (round_experts)
             const float s = scales[static_cast<size_t>((e * br + r / b) * bc + q / b)];
             const uint8_t u = to_fp8_e4m3(v / s);
+            // Weights that were not rounded would be stored as some other value: refuse them.
+            MOEBIUS_CHECK(s > 0 && std::isfinite(s) && from_fp8_e4m3(u) * s == v,
+                          errc::invalid_argument, "place_layer_experts: fp8 ",
+                          moebius::to_string(t), "[", e, ", ", r, ", ", q, "] of layer ", layer,
+                          " = ", v, " is not an e4m3 code times its block scale ", s,
+                          " (round the experts first: round_experts)");
             std::memcpy(p, &u, 1);
             break;
           }
@@ -203,9 +212,10 @@ void place_tensor(const model_config& c, const moebius::arena_geometry& g, int64
 
 template <parallel_mode Mode>
 void place_scales(const moebius::arena_geometry& g, int64_t layer, weight_tensor t,
-                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas) {
+                  const std::vector<float>& scales, std::span<const std::span<std::byte>> arenas,
+                  int64_t origin) {
   const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
-  const int64_t base = g.tensor_base(Mode, layer, t);
+  const int64_t base = g.tensor_base(Mode, layer, t) - origin;
   const int64_t E = view.tensor.num_experts, rows = view.tensor.rows, cols = view.tensor.cols;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = 0; r < rows; ++r)
@@ -218,32 +228,47 @@ void place_scales(const moebius::arena_geometry& g, int64_t layer, weight_tensor
 
 template <parallel_mode Mode>
 void place_layer(const model_weights& w, const moebius::arena_geometry& g, int64_t layer,
-                 std::span<const std::span<std::byte>> arenas) {
+                 std::span<const std::span<std::byte>> arenas, int64_t origin) {
   const layer_weights& l = w.layers[static_cast<size_t>(layer)];
-  place_tensor<Mode>(w.config, g, layer, weight_tensor::w13, l.w13, l.w13_scale, arenas);
-  place_tensor<Mode>(w.config, g, layer, weight_tensor::w2, l.w2, l.w2_scale, arenas);
+  place_tensor<Mode>(w.config, g, layer, weight_tensor::w13, l.w13, l.w13_scale, arenas, origin);
+  place_tensor<Mode>(w.config, g, layer, weight_tensor::w2, l.w2, l.w2_scale, arenas, origin);
   if (w.config.fp8_experts()) {
-    place_scales<Mode>(g, layer, weight_tensor::w13_scale, l.w13_scale, arenas);
-    place_scales<Mode>(g, layer, weight_tensor::w2_scale, l.w2_scale, arenas);
+    place_scales<Mode>(g, layer, weight_tensor::w13_scale, l.w13_scale, arenas, origin);
+    place_scales<Mode>(g, layer, weight_tensor::w2_scale, l.w2_scale, arenas, origin);
   }
+}
+
+// Checks the arguments of a placement into images of `bytes` each, then places.
+void place_layer_at(const model_weights& w, const moebius::arena_geometry& g, int64_t layer,
+                    parallel_mode mode, std::span<const std::span<std::byte>> arenas,
+                    int64_t origin, int64_t bytes, const char* who) {
+  MOEBIUS_CHECK(static_cast<int>(arenas.size()) == g.num_ranks, errc::invalid_argument, who, ": ",
+                arenas.size(), " arenas for ", g.num_ranks, " ranks");
+  for (const auto& a : arenas)
+    MOEBIUS_CHECK(static_cast<int64_t>(a.size()) >= bytes, errc::invalid_argument, who,
+                  origin == 0 ? ": an arena of " : ": a slot image of ", a.size(),
+                  " bytes, the geometry needs ", bytes);
+  MOEBIUS_CHECK(layer >= 0 && layer < w.config.num_layers, errc::invalid_argument, who,
+                ": layer ", layer, " of ", w.config.num_layers);
+  if (mode == parallel_mode::ep)
+    place_layer<parallel_mode::ep>(w, g, layer, arenas, origin);
+  else
+    place_layer<parallel_mode::tp>(w, g, layer, arenas, origin);
 }
 
 }  // namespace
 
 void place_layer_experts(const model_weights& w, const moebius::arena_geometry& g, int64_t layer,
                          parallel_mode mode, std::span<const std::span<std::byte>> arenas) {
-  MOEBIUS_CHECK(static_cast<int>(arenas.size()) == g.num_ranks, errc::invalid_argument,
-                "place_layer_experts: ", arenas.size(), " arenas for ", g.num_ranks, " ranks");
-  for (const auto& a : arenas)
-    MOEBIUS_CHECK(static_cast<int64_t>(a.size()) >= g.total_bytes(), errc::invalid_argument,
-                  "place_layer_experts: an arena of ", a.size(), " bytes, the geometry needs ",
-                  g.total_bytes());
-  MOEBIUS_CHECK(layer >= 0 && layer < w.config.num_layers, errc::invalid_argument,
-                "place_layer_experts: layer ", layer, " of ", w.config.num_layers);
-  if (mode == parallel_mode::ep)
-    place_layer<parallel_mode::ep>(w, g, layer, arenas);
-  else
-    place_layer<parallel_mode::tp>(w, g, layer, arenas);
+  place_layer_at(w, g, layer, mode, arenas, 0, g.total_bytes(), "place_layer_experts");
+}
+
+void place_layer_experts_in_slot(const model_weights& w, const moebius::arena_geometry& g,
+                                 int64_t layer, parallel_mode mode,
+                                 std::span<const std::span<std::byte>> slots) {
+  place_layer_at(w, g, layer, mode, slots,
+                 g.slot_offset(moebius::arena_geometry::slot_of(mode, layer)), g.slot_bytes,
+                 "place_layer_experts_in_slot");
 }
 
 void place_experts(const model_weights& w, const moebius::arena_geometry& g,

@@ -67,6 +67,12 @@ void validate(const model_weights& w);
 void place_layer_experts(const model_weights& w, const moebius::arena_geometry& geometry,
                          int64_t layer, moebius::parallel_mode mode,
                          std::span<const std::span<std::byte>> arenas);
+// The same into one slot: `slots[r]` holds rank r's bytes of the layer's slot in `mode`
+// (geometry.slot_bytes from arena byte slot_offset(slot_of(mode, layer))), so a device
+// runtime uploads a layer through P slot-sized host images instead of P whole arenas.
+void place_layer_experts_in_slot(const model_weights& w, const moebius::arena_geometry& geometry,
+                                 int64_t layer, moebius::parallel_mode mode,
+                                 std::span<const std::span<std::byte>> slots);
 // Every layer where `cursor` puts it: layers < cursor in TP, the rest in EP.
 void place_experts(const model_weights& w, const moebius::arena_geometry& geometry,
                    moebius::arena_cursor cursor, std::span<const std::span<std::byte>> arenas);

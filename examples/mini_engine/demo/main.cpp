@@ -220,7 +220,7 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   int64_t longest = 1;
   for (const request& r : trace)
     longest = std::max(longest, static_cast<int64_t>(r.prompt.size()) + r.output_tokens);
-  gpu::gpu_runtime_options go;
+  gpu::gpu_runtime_options go = gpu::options_from_env();
   go.num_ranks = P;
   go.num_ep_pages = o.kv_pages;
   go.max_pages_per_seq = (longest + c.page_size - 1) / c.page_size + 1;
@@ -233,8 +233,7 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   go.tensor_alignment = 256;
   go.slot_alignment = 4096;
   const model_weights weights = make_weights(c, o.seed);
-  auto rt = std::make_unique<gpu::gpu_runtime>(gpu::config_from(c), gpu::weights_view_of(weights),
-                                               go);
+  auto rt = std::make_unique<gpu::gpu_runtime>(weights, go);
   world w;
   w.on_gpu = true;
   w.memory = rt->memory();

@@ -9,7 +9,7 @@
 #include <moebius/kv/page_table.hpp>
 #include <vector>
 
-#include "../step.hpp"
+#include "step.hpp"
 
 namespace mini_engine::gpu::bench {
 

@@ -50,7 +50,7 @@ namespace {
 const std::vector<int64_t> batches = {1, 8, 64, 256};
 
 struct bench_state {
-  gpu_model_config config;
+  model_config config;
   int P = 1;
   int64_t context = 1024;
   std::unique_ptr<gpu_runtime> rt;
@@ -180,12 +180,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   bench_state& s = state();
-  s.config = qwen3_30b_a3b_config();
+  s.config = qwen3_30b_a3b();
   s.config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", s.config.num_layers);
   s.P = std::min(devices, 2);
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
   const int64_t max_batch = batches.back();
-  gpu_runtime_options o;
+  gpu_runtime_options o = options_from_env();
   o.num_ranks = s.P;
   o.dense_dtype = moebius::dtype::bf16;
   o.max_tokens = max_batch;

@@ -44,7 +44,7 @@ using mini_engine::gpu::bench::make_tables;
 namespace {
 
 struct bench_state {
-  gpu_model_config config;
+  model_config config;
   int P = 1;
   int64_t context = 1024, max_batch = 512;
   std::unique_ptr<gpu_runtime> rt;
@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   bench_state& s = state();
-  s.config = qwen3_30b_a3b_config();
+  s.config = qwen3_30b_a3b();
   s.config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", s.config.num_layers);
   s.P = std::min(devices, 2);
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  gpu_runtime_options o;
+  gpu_runtime_options o = options_from_env();
   o.num_ranks = s.P;
   o.dense_dtype = moebius::dtype::bf16;
   o.max_tokens = s.max_batch;

@@ -2,75 +2,15 @@
 
 // The mini-engine's GPU runtime: one process drives P GPUs (rank r on device r), each with an
 // expert arena and a KV pool allocated once (cudaMalloc, never moved), the non-expert weights
-// beside them, one stream, one cuBLAS handle and (P > 1) one NCCL communicator.
+// and every other buffer beside them (one allocation, rank_buffers.hpp), one stream, one
+// cuBLAS handle and (P > 1) one NCCL communicator. It runs the model of model_config.hpp with
+// the weights of weights.hpp, in TP, EP, any arena cursor between them, and the hybrid steps
+// of a progressive switch (step.hpp), with CUDA graphs captured once at construction.
 //
-// Per layer (DESIGN.md §7):
-//   attention, in the mode of the page tables passed to step():
-//     TP: every rank holds every token; rank r computes q heads [r*Hq/P, (r+1)*Hq/P) and its
-//         KV head slice (tp_slice_of_rank; replicated when Hkv < P) over its TP pages, from
-//         row slices of the whole q/k/v weights and a column slice of o_proj (pointers with a
-//         leading dimension: no second copy); NCCL all-reduce of the o_proj partial sums.
-//     EP: data-parallel: each rank runs its own sequences (their EP owner) with all heads.
-//   MoE, in the mode of the layer in the arena (layers below the cursor TP, the rest EP):
-//     the router runs where the token is; tokens are packed with their top-k (moe_pack);
-//     EP attention: the packed rows are all-gathered (dispatch: every rank sees every token,
-//         fixed size per bucket, so a graph can hold it; with top-8 of 128 experts on 2 ranks a
-//         token misses a rank with probability 0.4%, so this is what a deduplicated dispatch
-//         sends anyway), each rank runs its experts on the pairs routed to them, and the
-//         partial outputs go back to the tokens' owners (grouped ncclSend/ncclRecv, fixed
-//         [bucket, H] blocks) and are summed there in rank order (combine);
-//     TP attention: each rank runs its slice of every expert (or, for an EP layer in a hybrid
-//         state, its whole experts) on every token, then all-reduce.
-//   Expert GEMMs: gemm.hpp (tiles of one expert per batch entry, pointers at fixed addresses).
-//   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
-//   every token and its best candidate (id, logit); the host picks the best of the P
-//   candidates (no collective). EP computes all V logits for its own tokens.
-//
-// CUDA graphs: at construction, for each mode (all-TP: TP tables and cursor L; all-EP: EP
-// tables and cursor 0) and each bucket (default 1, 2, 4, ..., 512 tokens per rank), one decode
-// step is captured on every rank's stream (NCCL calls included) and instantiated (whole-model
-// graphs). A decode step (every item one token) in a pure mode picks the smallest bucket
-// >= its tokens per rank, uploads the step's inputs (token ids, positions, page tables: fixed
-// device addresses) and replays; nothing is ever re-captured, because the weights (arena
-// slots), the KV pool and every buffer keep their addresses across switches. Prefill steps,
-// static layouts with cursors strictly between 0 and L and batches beyond the largest bucket
-// run the same code eagerly.
-//
-// Hybrid steps (step_layout::hybrid(): a progressive switch in progress). Layer l runs wholly
-// in attention_mode(l) (TP below the cursor) with tables_of_layer(l): the step builds one
-// input block per mode (token ids, positions, page-table rows of that mode's token layout:
-// TP every token on every rank, EP each rank its own sequences) and runs the layers in
-// order; where the mode changes the residual stream is handed off (hand_off): TP -> EP each
-// rank keeps its own sequences' rows of the full batch (a local row gather); EP -> TP the
-// owners' rows are all-gathered and every token's row picked out (with layer l TP iff
-// l < cursor a forward pass only meets TP -> EP; both directions are implemented). The LM
-// head runs in the last layer's mode.
-//
-// Graphs of hybrid steps (per-layer graphs). A switch lasts L / (layers per step) steps and
-// sees each cursor about once, so a whole-step graph per cursor would be captured for about
-// one replay. Instead, at construction, for each mode m and bucket b, layer l's forward pass
-// in mode m (attention over m's input block, experts in m's arena view, b rows) is captured
-// once as its own graph: 2 x buckets x L graphs (Qwen3-30B-A3B, 10 buckets: 960 per rank),
-// the same kernels as the whole-model graphs cut at layer boundaries. Layer 0's graph starts
-// with the embedding (in layer 0's mode: the step's first mode) and layer L-1's ends with the
-// LM head and argmax (the last mode), so no graph exists for them alone. A hybrid decode step
-// = upload both input blocks + layers [0, c) from TP's graphs (TP's bucket) + the hand-off
-// (eager: a row gather and a copy, P > 1 EP -> TP an all-gather) + layers [c, L) from EP's
-// graphs (EP's bucket, chosen on its own) + download: L graph launches where a pure step has
-// one. Why per layer and not per group of layers: a cursor can stop at any layer (advance(n)
-// with any n), and a group straddling the cursor would run eagerly; launches of 48 graphs
-// cost a few microseconds each and overlap the previous layer's kernels. Prefill hybrid steps
-// and hybrid batches beyond the largest bucket run eagerly; MINI_ENGINE_HYBRID_EAGER=1 in the
-// environment (or options.hybrid_graphs = false) captures no per-layer graphs and runs every
-// hybrid step eagerly, set_hybrid_eager(true) runs them eagerly although captured (comparison
-// in one process). bench_hybrid_step.cu measures both against whole-model graph replays.
-//
-// Expert capacity. Eager steps size the expert tiles for the worst case (every token's
-// choices among one rank's experts). A graph would then pay that worst case every step (EP at
-// 512 tokens, top-8 of 128 on 2 ranks: 4x the rows it needs), so graphs are sized for 1.25x
-// the expected pairs per rank; a step whose routing needs more raises a device flag, and the
-// step is rerun eagerly (same inputs, same K/V written again): correct always, fast when the
-// routing is balanced. overflow_reruns() counts those.
+// Where the design is written down (gpu/README.md has the overview):
+//   the layer's work in each mode   attention_block.cu, moe_block.cu (DESIGN.md §7)
+//   CUDA graphs (whole-model and per-layer), expert capacity   graph_cache.hpp, moe_block.cu
+//   hybrid steps and their hand-off                          step_inputs.cu, layer_schedule.hpp
 
 #include <cstdint>
 #include <memory>
@@ -82,85 +22,11 @@
 #include <utility>
 #include <vector>
 
-#include "../step.hpp"
+#include "model_config.hpp"
+#include "step.hpp"
+#include "weights.hpp"
 
 namespace mini_engine::gpu {
-
-// The model's shape (the fields of mini_engine::model_config that the GPU runtime reads;
-// config_from() maps one).
-struct gpu_model_config {
-  int64_t num_layers = 2;
-  int64_t hidden = 64;
-  int64_t num_q_heads = 4;
-  int64_t num_kv_heads = 2;
-  int64_t head_dim = 16;
-  int64_t num_experts = 8;
-  int64_t top_k = 2;
-  int64_t intermediate = 32;
-  int64_t vocab = 256;
-  double rope_theta = 1e6;
-  double rms_eps = 1e-6;
-  // Experts in the arena: fp32, bf16, or fp8_e4m3 with one fp32 scale per (fp8_block x
-  // fp8_block) block of each expert matrix (Moebius's block scales, beside the weights in
-  // every slot). fp8 experts are expanded per step into a scratch of the compute dtype
-  // (gpu_runtime_options::fp8_compute_dtype) before the GEMMs: see gemm.hpp.
-  moebius::dtype expert_dtype = moebius::dtype::fp32;
-  int64_t fp8_block = 128;
-  moebius::dtype kv_dtype = moebius::dtype::fp32;  // fp32 or bf16
-  int64_t page_size = 16;
-};
-
-// Any config with model_config's field names (mini_engine::model_config).
-template <class Config>
-gpu_model_config config_from(const Config& c) {
-  gpu_model_config g;
-  g.num_layers = c.num_layers;
-  g.hidden = c.hidden;
-  g.num_q_heads = c.num_q_heads;
-  g.num_kv_heads = c.num_kv_heads;
-  g.head_dim = c.head_dim;
-  g.num_experts = c.num_experts;
-  g.top_k = c.top_k;
-  g.intermediate = c.intermediate;
-  g.vocab = c.vocab;
-  g.rope_theta = c.rope_theta;
-  g.rms_eps = c.rms_eps;
-  g.expert_dtype = c.expert_dtype;
-  g.fp8_block = c.fp8_block;
-  g.kv_dtype = c.kv_dtype;
-  g.page_size = c.page_size;
-  return g;
-}
-
-// Qwen3-30B-A3B: L=48, H=2048, 32 q / 4 KV heads of 128, E=128, top-8, I=768, V=151936,
-// bf16 experts and KV, page 16.
-gpu_model_config qwen3_30b_a3b_config();
-
-// The model's logical weights as float spans (Hugging Face shapes, row-major; experts fused
-// w13 = [gate; up] [E, 2I, H] and w2 [E, H, I]). weights_view_of() maps a
-// mini_engine::model_weights. fp8 experts: w13 / w2 hold what the arena stores (each value a
-// code times its block's power-of-two scale, as round_experts leaves them) and w13_scale
-// [E, 2I/b, H/b] / w2_scale [E, H/b, I/b] the scales (b = fp8_block); empty otherwise.
-struct host_layer_view {
-  std::span<const float> input_layernorm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
-      post_attention_layernorm, router, w13, w2, w13_scale, w2_scale;
-};
-struct host_weights_view {
-  std::span<const float> embed, norm, lm_head;
-  std::vector<host_layer_view> layers;
-};
-template <class Weights>
-host_weights_view weights_view_of(const Weights& w) {
-  host_weights_view v;
-  v.embed = w.embed;
-  v.norm = w.norm;
-  v.lm_head = w.lm_head;
-  for (const auto& l : w.layers)
-    v.layers.push_back({l.input_layernorm, l.q_proj, l.k_proj, l.v_proj, l.o_proj, l.q_norm,
-                        l.k_norm, l.post_attention_layernorm, l.router, l.w13, l.w2,
-                        l.w13_scale, l.w2_scale});
-  return v;
-}
 
 struct gpu_runtime_options {
   int num_ranks = 1;               // ranks on devices 0 .. P-1 (one per device)
@@ -170,7 +36,7 @@ struct gpu_runtime_options {
   std::vector<int64_t> buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};  // graph buckets
   bool capture_graphs = true;
   // Per-layer graphs of both modes for hybrid steps (with capture_graphs): 2 x buckets x L
-  // more captures at construction. MINI_ENGINE_HYBRID_EAGER=1 in the environment turns it off.
+  // more captures at construction.
   bool hybrid_graphs = true;
   moebius::dtype dense_dtype = moebius::dtype::fp32;  // attention/embedding/LM-head weights
   // fp8 experts are dequantized to this before the expert GEMMs: bf16 (the GEMMs then run as
@@ -180,17 +46,50 @@ struct gpu_runtime_options {
   moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
   int64_t tensor_alignment = moebius::default_tensor_alignment;
   int64_t slot_alignment = moebius::default_slot_alignment;
+
+  // Kernel choices and diagnostics; options_from_env() sets them from the environment.
+  // Decode attention: the split-context GQA kernel on CUDA cores, on tensor cores from buckets
+  // of tensor_core_min_tokens (bf16 KV, head_dim 64 or 128), or the simple kernel.
+  bool simple_attention = false;
+  bool tensor_core_attention = true;
+  int64_t tensor_core_min_tokens = 16;
+  int64_t attention_splits = 0;  // > 0: that many context ranges (0: from the shape)
+  // Expert tiles of n x the rows moe_tile_rows() picks (a power of two, 1..64; experiment:
+  // larger tiles re-read an expert's weights in fewer batch entries at large batches, at the
+  // price of more padded rows).
+  int64_t moe_tile_scale = 1;
+  // The stage profile: every step eagerly (no graphs are captured) with CUDA events at each
+  // stage boundary (gpu_runtime::stage_times()).
+  bool profile = false;
 };
+
+// The defaults above with the environment's settings, the one place the runtime's
+// environment variables are read (the tests, benchmarks and demo construct their options
+// from it, so the variables act on every runtime they start):
+//   MINI_ENGINE_NO_GRAPHS=1          capture_graphs = false (every step eager: tells a graph
+//                                    problem from a numerics one)
+//   MINI_ENGINE_HYBRID_EAGER=1       hybrid_graphs = false (hybrid steps eager)
+//   MINI_ENGINE_PROFILE=1            profile = true (implies no graphs)
+//   MINI_ENGINE_SIMPLE_ATTENTION=1   simple_attention = true
+//   MINI_ENGINE_ATTENTION=simple     simple_attention = true
+//                        =split      tensor_core_attention = false (CUDA-core split kernel at
+//                                    every bucket)
+//                        =mma        tensor_core_min_tokens = 1 (tensor cores at every bucket)
+//   MINI_ENGINE_ATTENTION_MMA_MIN_TOKENS=n   tensor_core_min_tokens = max(1, n) (unless mma)
+//   MINI_ENGINE_ATTENTION_SPLITS=n   attention_splits = max(0, n)
+//   MINI_ENGINE_MOE_TILE_SCALE=n     moe_tile_scale = n when n is a power of two in [1, 64]
+gpu_runtime_options options_from_env();
 
 class gpu_runtime : public runtime {
  public:
-  // Uploads `weights` (experts into the arena at options.cursor, the rest per rank) and
-  // captures the graphs. Throws moebius::error for a model it cannot run (dtype, P not
-  // dividing heads/experts, more ranks than devices).
-  gpu_runtime(const gpu_model_config& config, const host_weights_view& weights,
-              const gpu_runtime_options& options);
-  // The same with weights drawn on the device from `seed` (benchmarks: values do not matter).
-  gpu_runtime(const gpu_model_config& config, uint64_t seed, const gpu_runtime_options& options);
+  // Uploads `weights` (the model: weights.config; experts placed into the arena at
+  // options.cursor by place_experts, the rest per rank) and captures the graphs. Throws
+  // moebius::error for a model it cannot run (dtype, P not dividing heads/experts, more ranks
+  // than devices) or weights of the wrong shapes.
+  gpu_runtime(const model_weights& weights, const gpu_runtime_options& options);
+  // The model `config` with weights drawn on the device from `seed` (benchmarks: values do
+  // not matter).
+  gpu_runtime(const model_config& config, uint64_t seed, const gpu_runtime_options& options);
   ~gpu_runtime() override;
   gpu_runtime(const gpu_runtime&) = delete;
   gpu_runtime& operator=(const gpu_runtime&) = delete;
@@ -207,12 +106,10 @@ class gpu_runtime : public runtime {
   const moebius::kv_geometry& kv() const;
   int num_ranks() const;
 
-  // Whether decode steps replay graphs: options.capture_graphs, unless the environment sets
-  // MINI_ENGINE_NO_GRAPHS=1 (everything eager: tells a graph problem from a numerics one) or
-  // MINI_ENGINE_PROFILE=1 (the stage profile, below).
+  // Whether decode steps replay graphs: options.capture_graphs and not options.profile.
   bool graphs_enabled() const;
   // Whether hybrid decode steps can replay per-layer graphs: graphs_enabled() and
-  // options.hybrid_graphs, unless MINI_ENGINE_HYBRID_EAGER=1.
+  // options.hybrid_graphs.
   bool hybrid_graphs_enabled() const;
   // Runs hybrid steps eagerly although their graphs were captured (true), or replays them
   // again (false, the default). For benchmarks comparing both in one process (a second
@@ -241,7 +138,7 @@ class gpu_runtime : public runtime {
   };
   graph_stats graph_statistics() const;
 
-  // Stage profile: with MINI_ENGINE_PROFILE=1 in the environment (read at construction)
+  // Stage profile: with options.profile (MINI_ENGINE_PROFILE=1 through options_from_env())
   // every step runs eagerly (as with MINI_ENGINE_NO_GRAPHS=1: nothing is captured,
   // graphs_enabled() is false, so the runtime tests hold as they are) and each rank's stream
   // records a CUDA event at every stage boundary of every layer; stage_times() gives the last
@@ -252,7 +149,7 @@ class gpu_runtime : public runtime {
   // experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
   // adds), collectives (NCCL), hand_off, lm_head (final norm, GEMM, argmax), download. Eager
   // launches: where the GPU outruns the host, an interval also holds the launch gaps.
-  // Without the variable nothing is recorded and stage_times() is empty.
+  // Without it nothing is recorded and stage_times() is empty.
   bool profiling() const;
   std::vector<std::pair<std::string, double>> stage_times() const;
 

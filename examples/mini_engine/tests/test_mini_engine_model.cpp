@@ -214,3 +214,42 @@ TEST_CASE("weights: placement in EP and TP puts every element where the views sa
       }
     }
 }
+
+TEST_CASE("weights: placement into one slot writes what whole-arena placement writes there",
+          "[model]") {
+  for (dtype t : {dtype::fp32, dtype::bf16, dtype::fp8_e4m3}) {
+    for (int P : {1, 2}) {
+      model_config c = tiny();
+      c.expert_dtype = t;
+      const model_weights w = make_weights(c, 77);
+      const auto g = moebius::make_arena_geometry(expert_shape_of(c), P, 256, 4096);
+      for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp})
+        for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+          std::vector<std::vector<std::byte>> whole(
+              static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(g.total_bytes())));
+          std::vector<std::vector<std::byte>> slot(
+              static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(g.slot_bytes)));
+          std::vector<std::span<std::byte>> ws(whole.begin(), whole.end());
+          std::vector<std::span<std::byte>> ss(slot.begin(), slot.end());
+          place_layer_experts(w, g, layer, m, ws);
+          place_layer_experts_in_slot(w, g, layer, m, ss);
+          const int64_t at = g.slot_offset(moebius::arena_geometry::slot_of(m, layer));
+          for (int r = 0; r < P; ++r) {
+            const auto& a = whole[static_cast<size_t>(r)];
+            CHECK(std::memcmp(a.data() + at, slot[static_cast<size_t>(r)].data(),
+                              static_cast<size_t>(g.slot_bytes)) == 0);
+            // Nothing outside the slot was written.
+            bool outside_zero = true;
+            for (int64_t i = 0; i < g.total_bytes(); ++i)
+              if ((i < at || i >= at + g.slot_bytes) && a[static_cast<size_t>(i)] != std::byte{0})
+                outside_zero = false;
+            CHECK(outside_zero);
+          }
+        }
+      std::vector<std::vector<std::byte>> small(static_cast<size_t>(P),
+                                                std::vector<std::byte>(16));
+      std::vector<std::span<std::byte>> sm(small.begin(), small.end());
+      CHECK_THROWS_AS(place_layer_experts_in_slot(w, g, 0, parallel_mode::ep, sm), moebius::error);
+    }
+  }
+}

@@ -1,8 +1,9 @@
 #pragma once
 
 // The mini-engine's GPU kernels: one argument struct per kernel, passed by value
-// (__grid_constant__), and a launcher that takes it and the stream last. Every kernel has a
-// host reference in tests/kernel_reference.hpp and a GPU test in tests/test_kernels.cu.
+// (__grid_constant__), and a launcher that takes it and the stream last. Every kernel is
+// tested in tests/test_kernels.cu against a host reference in double written inside each test
+// case (helpers: tests/gpu_test_util.hpp), every output element checked.
 //
 // Conventions. Activations between kernels are fp32, row-major, with an explicit row stride
 // in elements; GEMM inputs are converted to the weights' dtype (fp32 or bf16) right before

@@ -1,8 +1,8 @@
 #pragma once
 
-// A small model for the GPU runtime's tests, independent of the host model's files: seeded
-// weights with model_weights' field names (so weights_view_of maps them), a textbook float64
-// forward, and a page allocator over moebius::kv_state.
+// A small model for the GPU runtime's tests, independent of the host model's code (only its
+// data types, model_config and model_weights, which the runtime takes): seeded weights, a
+// textbook float64 forward, and a page allocator over moebius::kv_state.
 
 #include <algorithm>
 #include <cmath>
@@ -18,15 +18,8 @@
 
 namespace mini_engine::gpu::testing {
 
-struct test_layer {
-  std::vector<float> input_layernorm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
-      post_attention_layernorm, router, w13, w2;
-  std::vector<float> w13_scale, w2_scale;  // fp8 experts: [E, 2I/b, H/b], [E, H/b, I/b]
-};
-struct test_weights {
-  std::vector<float> embed, norm, lm_head;
-  std::vector<test_layer> layers;
-};
+using test_layer = mini_engine::layer_weights;
+using test_weights = mini_engine::model_weights;
 
 // fp8 block quantization of [E, rows, cols] (b x b blocks): per block the smallest power-of-two
 // scale with amax / scale <= 448 (1 for an all-zero block), each value replaced by the nearest
@@ -69,7 +62,7 @@ inline void quantize_fp8(std::vector<float>& w, std::vector<float>& scale, int64
 // Uniform weights scaled by sqrt(3 / fan_in), norms 1 +- 0.1, LM head 2x. `round`: every
 // tensor rounded to bf16 (so bf16 storage on the device is exact). fp8 experts
 // (c.expert_dtype): w13 and w2 quantized with c.fp8_block blocks (quantize_fp8).
-inline test_weights make_test_weights(const gpu_model_config& c, uint64_t seed, bool round) {
+inline test_weights make_test_weights(const mini_engine::model_config& c, uint64_t seed, bool round) {
   std::mt19937_64 rng(seed);
   auto gen = [&](int64_t n, double scale, double offset = 0.0) {
     std::uniform_real_distribution<double> d(-1, 1);
@@ -83,6 +76,7 @@ inline test_weights make_test_weights(const gpu_model_config& c, uint64_t seed, 
   const int64_t H = c.hidden, D = c.head_dim, E = c.num_experts, I = c.intermediate;
   const double sh = std::sqrt(3.0 / static_cast<double>(H));
   test_weights w;
+  w.config = c;
   w.embed = gen(c.vocab * H, 1.0);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     test_layer t;
@@ -109,7 +103,7 @@ inline test_weights make_test_weights(const gpu_model_config& c, uint64_t seed, 
 }
 
 // Logits [T][V] of every position of one sequence, in double; K and V rounded to kv_dtype.
-inline std::vector<std::vector<double>> reference_logits(const gpu_model_config& c,
+inline std::vector<std::vector<double>> reference_logits(const mini_engine::model_config& c,
                                                          const test_weights& w,
                                                          const std::vector<int32_t>& tokens) {
   using vec = std::vector<double>;

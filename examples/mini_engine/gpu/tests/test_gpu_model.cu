@@ -15,7 +15,7 @@
 #include "kv_pages.hpp"
 #include "model_config.hpp"
 #include "reference.hpp"
-#include "support/catch.hpp"
+#include "tests/catch.hpp"
 #include "weights.hpp"
 
 using namespace mini_engine;
@@ -54,7 +54,7 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
     for (parallel_mode mode : {parallel_mode::ep, parallel_mode::tp}) {
       DYNAMIC_SECTION(moebius::to_string(t) << " " << moebius::to_string(mode)) {
         const moebius::arena_cursor cursor{mode == parallel_mode::tp ? c.num_layers : 0};
-        gpu::gpu_runtime_options o;
+        gpu::gpu_runtime_options o = gpu::options_from_env();
         o.num_ranks = P;
         o.num_ep_pages = 64;
         o.max_pages_per_seq = 16;
@@ -63,7 +63,7 @@ TEST_CASE("gpu_runtime on mini_engine::model_weights matches reference_logits an
         o.cursor = cursor;
         o.slot_alignment = 4096;
         o.fp8_compute_dtype = moebius::dtype::fp32;
-        gpu::gpu_runtime gpu_rt(gpu::config_from(c), gpu::weights_view_of(w), o);
+        gpu::gpu_runtime gpu_rt(w, o);
         host_runtime_options ho;
         ho.num_ranks = P;
         ho.num_ep_pages = 64;

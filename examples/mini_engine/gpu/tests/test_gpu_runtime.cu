@@ -20,7 +20,7 @@
 
 #include "gpu_runtime.hpp"
 #include "runtime_test_model.hpp"
-#include "support/catch.hpp"
+#include "tests/catch.hpp"
 
 using namespace mini_engine;
 using namespace mini_engine::gpu;
@@ -35,8 +35,8 @@ int test_ranks() {
   return n >= 2 ? 2 : 1;
 }
 
-gpu_model_config tiny_config(moebius::dtype t) {
-  gpu_model_config c;  // L=2, H=64, Hq=4, Hkv=2, D=16, E=8, top-2, I=32, V=256
+model_config tiny_config(moebius::dtype t) {
+  model_config c;  // L=2, H=64, Hq=4, Hkv=2, D=16, E=8, top-2, I=32, V=256
   c.num_layers = 3;
   c.page_size = 4;
   c.expert_dtype = t;
@@ -46,20 +46,20 @@ gpu_model_config tiny_config(moebius::dtype t) {
 
 // fp8 experts (blocks of 8: whole blocks in every TP slice at P <= 2, I/P = 16) dequantized to
 // `compute`; KV in `compute` too.
-gpu_model_config tiny_fp8_config(moebius::dtype compute) {
-  gpu_model_config c = tiny_config(compute);
+model_config tiny_fp8_config(moebius::dtype compute) {
+  model_config c = tiny_config(compute);
   c.expert_dtype = moebius::dtype::fp8_e4m3;
   c.fp8_block = 8;
   return c;
 }
 
 // The dtype the expert GEMMs run in: the expert dtype, or for fp8 the KV's (tiny_fp8_config).
-moebius::dtype compute_dtype(const gpu_model_config& c) {
+moebius::dtype compute_dtype(const model_config& c) {
   return c.expert_dtype == moebius::dtype::fp8_e4m3 ? c.kv_dtype : c.expert_dtype;
 }
 
 gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moebius::dtype dense) {
-  gpu_runtime_options o;
+  gpu_runtime_options o = options_from_env();
   o.num_ranks = P;
   o.num_ep_pages = 64;
   o.max_pages_per_seq = 16;
@@ -74,7 +74,7 @@ gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moebius::d
 
 // Graphs captured at construction with tiny_options: whole-model 2 modes x 4 buckets, and
 // per-layer (hybrid steps) 2 modes x 4 buckets x L.
-int64_t expected_captures(const gpu_runtime& rt, const gpu_model_config& c) {
+int64_t expected_captures(const gpu_runtime& rt, const model_config& c) {
   if (!rt.graphs_enabled()) return 0;
   return 8 + (rt.hybrid_graphs_enabled() ? 8 * c.num_layers : 0);
 }
@@ -198,7 +198,7 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
 // reference for some token and layer, which moves that row by tens of percent. So bf16 checks
 // each row's relative RMS error: at most a quarter of the rows above 3% (one flip moves the
 // flipped token's row and, through its K/V, a few later ones), none above 60%.
-void check_against_reference(const gpu_model_config& c, const test_weights& w,
+void check_against_reference(const model_config& c, const test_weights& w,
                              const serve_result& r, bool bf16) {
   int64_t rows = 0, loose_rows = 0;
   for (size_t q = 0; q < r.seqs.size(); ++q) {
@@ -240,10 +240,10 @@ TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursor
   const int P = test_ranks();
   // fp8 experts: dequantized exactly, so fp8 with fp32 compute is held to the fp32 bound and
   // fp8 with bf16 compute to the bf16 one.
-  const gpu_model_config configs[] = {
+  const model_config configs[] = {
       tiny_config(moebius::dtype::fp32), tiny_config(moebius::dtype::bf16),
       tiny_fp8_config(moebius::dtype::fp32), tiny_fp8_config(moebius::dtype::bf16)};
-  for (const gpu_model_config& c : configs) {
+  for (const model_config& c : configs) {
     const moebius::dtype t = compute_dtype(c);
     const bool bf16 = t == moebius::dtype::bf16;
     const test_weights w = make_test_weights(c, seed(21), bf16);
@@ -257,7 +257,7 @@ TEST_CASE("gpu_runtime matches the float64 reference in EP, TP and hybrid cursor
       DYNAMIC_SECTION("experts " << moebius::to_string(c.expert_dtype) << " compute "
                                  << moebius::to_string(t) << " attention " << moebius::to_string(mode)
                                << " cursor " << k) {
-        gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {k}, t));
+        gpu_runtime rt(w, tiny_options(P, {k}, t));
         REQUIRE(rt.captures() == expected_captures(rt, c));
         REQUIRE(rt.graph_statistics().whole_model == (rt.graphs_enabled() ? 8 : 0));
         REQUIRE(rt.graph_statistics().per_layer ==
@@ -281,12 +281,12 @@ TEST_CASE("gpu_runtime: TP and EP logits agree", "[gpu][runtime]") {
   const int P = test_ranks();
   // fp32 experts, and fp8 experts dequantized to fp32 (TP reads each rank's I/P slice of the
   // codes with its scales, EP whole experts: the same weights either way).
-  const gpu_model_config c = GENERATE(tiny_config(moebius::dtype::fp32),
+  const model_config c = GENERATE(tiny_config(moebius::dtype::fp32),
                                       tiny_fp8_config(moebius::dtype::fp32));
   INFO("experts " << moebius::to_string(c.expert_dtype));
   const test_weights w = make_test_weights(c, seed(22), false);
-  gpu_runtime ep(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
-  gpu_runtime tp(c, weights_view_of(w), tiny_options(P, {c.num_layers}, moebius::dtype::fp32));
+  gpu_runtime ep(w, tiny_options(P, {0}, moebius::dtype::fp32));
+  gpu_runtime tp(w, tiny_options(P, {c.num_layers}, moebius::dtype::fp32));
   const auto a = serve(ep, empty_kv_state(ep.kv(), parallel_mode::ep), {0}, 5, {}, nullptr);
   const auto b =
       serve(tp, empty_kv_state(tp.kv(), parallel_mode::tp), {c.num_layers}, 5, {}, nullptr);
@@ -302,15 +302,15 @@ TEST_CASE("gpu_runtime: switches between steps keep the greedy tokens and never 
           "[gpu][runtime]") {
   const int P = test_ranks();
   // fp8: the switcher moves the codes and their block scales (the arena's w13_scale / w2_scale).
-  const gpu_model_config c = GENERATE(tiny_config(moebius::dtype::fp32),
+  const model_config c = GENERATE(tiny_config(moebius::dtype::fp32),
                                       tiny_fp8_config(moebius::dtype::fp32));
   INFO("experts " << moebius::to_string(c.expert_dtype));
   const test_weights w = make_test_weights(c, seed(23), false);
-  gpu_runtime static_rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+  gpu_runtime static_rt(w, tiny_options(P, {0}, moebius::dtype::fp32));
   const auto base =
       serve(static_rt, empty_kv_state(static_rt.kv(), parallel_mode::ep), {0}, 8, {}, nullptr);
 
-  gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+  gpu_runtime rt(w, tiny_options(P, {0}, moebius::dtype::fp32));
   const int64_t captured = rt.captures();
   REQUIRE(captured == expected_captures(rt, c));
   moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(rt.memory());
@@ -341,17 +341,17 @@ TEST_CASE("gpu_runtime: progressive switches (hybrid steps) keep the greedy toke
           "re-capture",
           "[gpu][runtime]") {
   const int P = test_ranks();
-  const gpu_model_config c = GENERATE(tiny_config(moebius::dtype::fp32),  // L = 3
+  const model_config c = GENERATE(tiny_config(moebius::dtype::fp32),  // L = 3
                                       tiny_fp8_config(moebius::dtype::fp32));
   INFO("experts " << moebius::to_string(c.expert_dtype));
   const test_weights w = make_test_weights(c, seed(24), false);
-  gpu_runtime static_rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+  gpu_runtime static_rt(w, tiny_options(P, {0}, moebius::dtype::fp32));
   const auto base =
       serve(static_rt, empty_kv_state(static_rt.kv(), parallel_mode::ep), {0}, 10, {}, nullptr);
 
   for (const int64_t layers : {int64_t{1}, int64_t{2}}) {
     INFO("layers per step " << layers);
-    gpu_runtime rt(c, weights_view_of(w), tiny_options(P, {0}, moebius::dtype::fp32));
+    gpu_runtime rt(w, tiny_options(P, {0}, moebius::dtype::fp32));
     const int64_t captured = rt.captures();
     moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(rt.memory());
     moebius::switcher sw(rt.arena(), rt.kv(), tr, empty_kv_state(rt.kv(), parallel_mode::ep),
@@ -411,11 +411,11 @@ TEST_CASE(
       if (P == 2 && t == moebius::dtype::bf16) continue;  // see above
       for (int64_t B : {int64_t{1}, int64_t{4}, int64_t{8}}) {
         DYNAMIC_SECTION("P " << P << " dtype " << moebius::to_string(t) << " batch " << B) {
-          const gpu_model_config c = tiny_config(t);  // L = 3
+          const model_config c = tiny_config(t);  // L = 3
           const bool bf16 = t == moebius::dtype::bf16;
           const test_weights w = make_test_weights(c, seed(25), bf16);
-          gpu_runtime graphed(c, weights_view_of(w), tiny_options(P, {0}, t));
-          gpu_runtime eager(c, weights_view_of(w), tiny_options(P, {0}, t));
+          gpu_runtime graphed(w, tiny_options(P, {0}, t));
+          gpu_runtime eager(w, tiny_options(P, {0}, t));
           eager.set_hybrid_eager(true);
           std::vector<int64_t> cursors;
           for (int64_t k = 0; k <= c.num_layers; ++k) cursors.push_back(k);

@@ -13,7 +13,7 @@
 #include "gemm.hpp"
 #include "gpu_test_util.hpp"
 #include "kernels/kernels.hpp"
-#include "support/catch.hpp"
+#include "tests/catch.hpp"
 
 using namespace mini_engine::gpu;
 using namespace mini_engine::gpu::testing;

@@ -1,0 +1,185 @@
+// A layer's attention block (gpu_runtime.hpp): TP computes this rank's q heads and KV head
+// slice from row slices of the whole fused q/k/v weight and a column slice of o_proj (no
+// second copy), then all-reduces; EP (data-parallel) runs each rank's own sequences with all
+// heads. The paged decode kernels and their choice: kernels/attention.cu.
+//
+// Per layer (DESIGN.md §7):
+//   attention, in the mode of the page tables passed to step():
+//     TP: every rank holds every token; rank r computes q heads [r*Hq/P, (r+1)*Hq/P) and its
+//         KV head slice (tp_slice_of_rank; replicated when Hkv < P) over its TP pages, from
+//         row slices of the whole q/k/v weights and a column slice of o_proj (pointers with a
+//         leading dimension: no second copy); NCCL all-reduce of the o_proj partial sums.
+//     EP: data-parallel: each rank runs its own sequences (their EP owner) with all heads.
+//   MoE, in the mode of the layer in the arena (layers below the cursor TP, the rest EP):
+//     the router runs where the token is; tokens are packed with their top-k (moe_pack);
+//     EP attention: the packed rows are all-gathered (dispatch: every rank sees every token,
+//         fixed size per bucket, so a graph can hold it; with top-8 of 128 experts on 2 ranks a
+//         token misses a rank with probability 0.4%, so this is what a deduplicated dispatch
+//         sends anyway), each rank runs its experts on the pairs routed to them, and the
+//         partial outputs go back to the tokens' owners (grouped ncclSend/ncclRecv, fixed
+//         [bucket, H] blocks) and are summed there in rank order (combine);
+//     TP attention: each rank runs its slice of every expert (or, for an EP layer in a hybrid
+//         state, its whole experts) on every token, then all-reduce.
+//   Expert GEMMs: gemm.hpp (tiles of one expert per batch entry, pointers at fixed addresses).
+//   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
+//   every token and its best candidate (id, logit); the host picks the best of the P
+//   candidates (no collective). EP computes all V logits for its own tokens.
+
+#include <cmath>
+
+#include "runtime_impl.hpp"
+
+namespace mini_engine::gpu {
+
+using moebius::dtype;
+using moebius::errc;
+using moebius::parallel_mode;
+
+// The shape of the paged attention of layer li in mode m over T rows (no pointers: what
+// the workspace size depends on).
+paged_attention_args gpu_runtime::impl::attention_shape(parallel_mode m, int64_t li,
+                                                        int64_t T) const {
+  const int64_t D = c.head_dim, hq = q_heads_local(m);
+  paged_attention_args pa;
+  pa.q_stride = qkv_ld;
+  pa.q_heads = hq;
+  pa.group = c.num_q_heads / c.num_kv_heads;
+  pa.out_stride = hq * D;
+  pa.geometry = kv;
+  pa.mode = m;
+  pa.layer = li;
+  pa.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  pa.tok.table_stride = max_pages;
+  pa.tok.tokens = T;
+  pa.simple = o.simple_attention;
+  pa.splits = o.attention_splits;
+  pa.tensor_cores = o.tensor_core_attention;
+  pa.tensor_core_min_tokens = o.tensor_core_min_tokens;
+  return pa;
+}
+
+// The paged attention of layer li in mode m over T rows of rank rs (q rows in qkv).
+paged_attention_args gpu_runtime::impl::attention_args(rank_state& rs, parallel_mode m, int64_t li,
+                                                       int64_t T, const float* q,
+                                                       float* out) const {
+  paged_attention_args pa = attention_shape(m, li, T);
+  pa.q = q;
+  pa.out = out;
+  pa.pool = rs.kv_pool;
+  pa.tok = {in_seq(rs, m), in_pos(rs, m), in_tables(rs, m), max_pages, T, in_num(rs, m)};
+  pa.workspace = rs.attn_work;
+  return pa;
+}
+
+// Layer li's attention in ps.attn[li] over that mode's input block and rows, on every rank:
+// q, k, v of its heads with K/V into the pool, the paged attention, its o_proj partial sum
+// into proj; TP sums the ranks' partials (all-reduce).
+void gpu_runtime::impl::attention(const pass& ps, int64_t li) {
+  const parallel_mode attn = ps.attn[static_cast<size_t>(li)];
+  const int64_t T = ps.rows[mode_index(attn)];
+  each_rank([&](int r, rank_state& rs) {
+    project_qkv(rs, r, attn, li, T);
+    mark(rs, st_qkv);
+    launch_paged_attention(attention_args(rs, attn, li, T, rs.qkv, rs.attn), rs.stream);
+    mark(rs, st_attention);
+    project_o(rs, r, attn, li, T);
+    mark(rs, st_o_proj);
+  });
+  if (attn == parallel_mode::tp && P > 1) {
+    all_reduce(&rank_state::proj, T * c.hidden);
+    mark_all(st_collectives);
+  }
+}
+
+// The first TP column of rank r's q heads and its first KV head (EP: 0, all heads).
+std::pair<int64_t, int64_t> gpu_runtime::impl::head_slice(parallel_mode attn, int r) const {
+  const int64_t q0 = attn == parallel_mode::ep ? 0 : r * q_heads_local(attn);
+  const int64_t kv0 = attn == parallel_mode::ep ? 0 : kv.tp_slice_of_rank(r) * kv_heads_local(attn);
+  return {q0, kv0};
+}
+
+// Rank r's q, k, v rows of layer li (input norm, GEMMs over row slices of the whole fused
+// weight: no second copy), q/k norms and RoPE, and K/V appended to its pages: qkv holds
+// [T, q | k | v] of this rank's heads.
+void gpu_runtime::impl::project_qkv(rank_state& rs, int r, parallel_mode attn, int64_t li,
+                                    int64_t T) {
+  const int64_t H = c.hidden, D = c.head_dim;
+  const int64_t ds = moebius::dtype_bytes(o.dense_dtype);
+  const dtype dd = o.dense_dtype;
+  const float eps = static_cast<float>(c.rms_eps);
+  const int64_t hq = q_heads_local(attn), hkv = kv_heads_local(attn);
+  const auto& l = rs.layers[static_cast<size_t>(li)];
+  rmsnorm_args n{rs.h, H, rs.xn, H, l.ln1, T, H, 1, 0, eps};
+  launch_rmsnorm(n, rs.stream);
+  launch_convert({rs.xn, dtype::fp32, rs.xd, dd, T * H}, rs.stream);
+  // q, k, v of this rank's heads: row slices of the whole fused weight.
+  const auto [q0, kv0] = head_slice(attn, r);
+  struct part {
+    int64_t w_row, rows, out_col;
+  };
+  const part parts[3] = {{q0 * D, hq * D, 0},
+                         {(c.num_q_heads + kv0) * D, hkv * D, hq * D},
+                         {(c.num_q_heads + c.num_kv_heads + kv0) * D, hkv * D, (hq + hkv) * D}};
+  for (const part& pt : parts) {
+    linear_args a;
+    a.x = rs.xd;
+    a.ldx = H;
+    a.w = l.qkv + pt.w_row * H * ds;
+    a.ldw = H;
+    a.y = rs.qkv + pt.out_col;
+    a.ldy = qkv_ld;
+    a.tokens = T;
+    a.out_features = pt.rows;
+    a.in_features = H;
+    a.type = dd;
+    linear(rs.blas, a, rs.stream);
+  }
+  float* q = rs.qkv;
+  float* k = rs.qkv + hq * D;
+  float* v = rs.qkv + (hq + hkv) * D;
+  launch_rmsnorm({q, qkv_ld, q, qkv_ld, l.q_norm, T * hq, D, hq, D, eps}, rs.stream);
+  launch_rmsnorm({k, qkv_ld, k, qkv_ld, l.k_norm, T * hkv, D, hkv, D, eps}, rs.stream);
+  launch_rope({q, qkv_ld, T, hq, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta}, rs.stream);
+  launch_rope({k, qkv_ld, T, hkv, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta}, rs.stream);
+  const paged_tokens tok{in_seq(rs, attn), in_pos(rs, attn), in_tables(rs, attn), max_pages, T,
+                         in_num(rs, attn)};
+  kv_append_args ka;
+  ka.k = k;
+  ka.v = v;
+  ka.stride = qkv_ld;
+  ka.heads = hkv;
+  ka.head0 = 0;
+  ka.pool = rs.kv_pool;
+  ka.geometry = kv;
+  ka.mode = attn;
+  ka.layer = li;
+  ka.tok = tok;
+  launch_kv_append(ka, rs.stream);
+}
+
+// Rank r's o_proj of the attention output: its columns (its heads) of the whole weight, a
+// partial sum over its heads in TP, the whole product in EP, into proj.
+void gpu_runtime::impl::project_o(rank_state& rs, int r, parallel_mode attn, int64_t li,
+                                  int64_t T) {
+  const int64_t H = c.hidden, D = c.head_dim;
+  const int64_t ds = moebius::dtype_bytes(o.dense_dtype);
+  const dtype dd = o.dense_dtype;
+  const int64_t hq = q_heads_local(attn);
+  const auto& l = rs.layers[static_cast<size_t>(li)];
+  const int64_t q0 = head_slice(attn, r).first;
+  launch_convert({rs.attn, dtype::fp32, rs.xd, dd, T * hq * D}, rs.stream);
+  linear_args a;  // o_proj: this rank's columns (its heads) of the whole weight
+  a.x = rs.xd;
+  a.ldx = hq * D;
+  a.w = l.o + q0 * D * ds;
+  a.ldw = c.num_q_heads * D;
+  a.y = rs.proj;
+  a.ldy = H;
+  a.tokens = T;
+  a.out_features = H;
+  a.in_features = hq * D;
+  a.type = dd;
+  linear(rs.blas, a, rs.stream);
+}
+
+}  // namespace mini_engine::gpu

@@ -1,0 +1,113 @@
+// Capturing the graphs (graph_cache.hpp) at construction: each is what forward() (or one
+// layer of it) enqueues, captured on every rank's stream at once (their NCCL calls pair up
+// across ranks), instantiated and uploaded; capture_all measures their time and memory.
+
+#include <algorithm>
+#include <chrono>
+
+#include "runtime_impl.hpp"
+
+namespace mini_engine::gpu {
+
+using moebius::dtype;
+using moebius::errc;
+using moebius::parallel_mode;
+
+void graph_cache::release() {
+  for (auto& [key, gs] : whole_model)
+    for (cudaGraphExec_t e : gs.exec) cudaGraphExecDestroy(e);
+  for (auto& [key, layers] : per_layer)
+    for (graph_set& gs : layers)
+      for (cudaGraphExec_t e : gs.exec) cudaGraphExecDestroy(e);
+  whole_model.clear();
+  per_layer.clear();
+}
+
+namespace {
+
+int64_t largest_drop(const std::vector<size_t>& before, const std::vector<size_t>& after) {
+  int64_t d = 0;
+  for (size_t r = 0; r < before.size(); ++r)
+    d = std::max(d, static_cast<int64_t>(before[r]) - static_cast<int64_t>(after[r]));
+  return d;
+}
+
+}  // namespace
+
+// Captures what `enqueue` puts on every rank's stream as one graph per rank, instantiated
+// and uploaded.
+template <class F>
+graph_set gpu_runtime::impl::capture(F&& enqueue) {
+  graph_set gs;
+  each_rank([&](int, rank_state& rs) {
+    MOEBIUS_CUDA_CHECK(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeRelaxed));
+  });
+  enqueue();
+  each_rank([&](int, rank_state& rs) {
+    cudaGraph_t g = nullptr;
+    MOEBIUS_CUDA_CHECK(cudaStreamEndCapture(rs.stream, &g));
+    cudaGraphExec_t exec = nullptr;
+    MOEBIUS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    MOEBIUS_CUDA_CHECK(cudaGraphUpload(exec, rs.stream));
+    MOEBIUS_CUDA_CHECK(cudaGraphDestroy(g));
+    gs.exec.push_back(exec);
+  });
+  return gs;
+}
+
+// Free device memory per rank (graph_stats: what the captures took).
+std::vector<size_t> gpu_runtime::impl::free_bytes() {
+  std::vector<size_t> f(static_cast<size_t>(P), 0);
+  each_rank([&](int r, rank_state& rs) {
+    MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
+    size_t total = 0;
+    MOEBIUS_CUDA_CHECK(cudaMemGetInfo(&f[static_cast<size_t>(r)], &total));
+  });
+  return f;
+}
+
+// The whole-model graphs (mode x bucket) and, with o.hybrid_graphs, the per-layer graphs
+// (mode x bucket x layer; gpu_runtime.hpp): layer l of mode m, bucket b is the same code
+// as layer l of the whole-model graph (m, b), layer 0's with the embedding before it, layer
+// L-1's with the LM head after it.
+void gpu_runtime::impl::capture_all() {
+  using clock = std::chrono::steady_clock;
+  std::vector<size_t> free0 = free_bytes();
+  auto t0 = clock::now();
+  for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+    const moebius::arena_cursor cursor{m == parallel_mode::tp ? c.num_layers : 0};
+    for (int64_t b : o.buckets) {
+      graphs.whole_model[{static_cast<int>(m), b}] = capture([&] { forward(m, cursor, b, true); });
+      ++graphs.captures;
+      ++graphs.stats.whole_model;
+    }
+  }
+  std::vector<size_t> free1 = free_bytes();
+  graphs.stats.whole_model_s = std::chrono::duration<double>(clock::now() - t0).count();
+  graphs.stats.whole_model_bytes = largest_drop(free0, free1);
+  if (!o.hybrid_graphs) return;
+  t0 = clock::now();
+  for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+    pass ps;
+    ps.attn.assign(static_cast<size_t>(c.num_layers), m);
+    ps.cursor = moebius::arena_cursor{m == parallel_mode::tp ? c.num_layers : 0};
+    for (int64_t b : o.buckets) {
+      ps.rows[mode_index(m)] = b;
+      std::vector<graph_set>& per_layer = graphs.per_layer[{static_cast<int>(m), b}];
+      for (int64_t li = 0; li < c.num_layers; ++li) {
+        per_layer.push_back(capture([&] {
+          if (li == 0) embed(ps);
+          layer(ps, li, true);
+          if (li == c.num_layers - 1) lm_head(ps);
+        }));
+        ++graphs.captures;
+        ++graphs.stats.per_layer;
+      }
+    }
+  }
+  const std::vector<size_t> free2 = free_bytes();
+  graphs.stats.per_layer_s = std::chrono::duration<double>(clock::now() - t0).count();
+  graphs.stats.per_layer_bytes = largest_drop(free1, free2);
+}
+
+}  // namespace mini_engine::gpu
