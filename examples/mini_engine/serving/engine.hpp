@@ -32,7 +32,7 @@
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/transport.hpp>
 
-#include "../step.hpp"
+#include "step.hpp"
 #include "scheduler.hpp"
 #include "step_clock.hpp"
 #include "trace.hpp"

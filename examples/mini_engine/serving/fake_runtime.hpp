@@ -19,7 +19,7 @@
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/memory/rank_memory.hpp>
 
-#include "../step.hpp"
+#include "step.hpp"
 
 namespace mini_engine {
 

@@ -32,7 +32,7 @@
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/kv/page_table.hpp>
 
-#include "../step.hpp"
+#include "step.hpp"
 #include "trace.hpp"
 
 namespace mini_engine {
