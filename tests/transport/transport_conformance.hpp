@@ -753,6 +753,12 @@ inline void phase_events(transport_fixture& f) {
                  errc::out_of_range);
     expect_error([&] { (void)t->phase_event(0, num_local); }, errc::out_of_range);
 
+    // Fresh bytes, so that the gated plan changes them; uploaded and prepared before any stream
+    // is held (both may synchronize the device).
+    const memory_state fresh = random_state(rng, P, sizes_of(o));
+    upload_all(*m, fresh);
+    host_twin gated(P, fresh);
+    t->prepare(p);
     const std::unique_ptr<held_streams> held = f.hold_streams(*m);
     if (held == nullptr) {
       // The host transport has run its plan inside enqueue(): nothing to wait for.
@@ -763,11 +769,7 @@ inline void phase_events(transport_fixture& f) {
       continue;
     }
     // Phase 0 waits for events behind the held streams; the plan runs on the transport's own
-    // streams, so only the wait holds it back. Fresh bytes, so that the plan changes them.
-    const memory_state fresh = random_state(rng, P, sizes_of(o));
-    upload_all(*m, fresh);
-    host_twin gated(P, fresh);
-    t->prepare(p);
+    // streams, so only the wait holds it back.
     const std::vector<event_handle> gate = held->record_events();
     REQUIRE(gate.size() == num_local);
     t->mark_phases(marks);
