@@ -126,8 +126,8 @@ bool switch_transaction::plan_switch() {
   rep_.capacity.pages_available = sw_.kv_geometry_.num_pages(target_);
   rep_.kv_stats = kv.stats;
   target_tables_ = std::move(kv.new_state);
-  kv_ = std::move(kv.copies);
-  const int64_t rounds = static_cast<int64_t>(kv_.phases.size());
+  kv_ = std::make_shared<const plan>(std::move(kv.copies));
+  const int64_t rounds = static_cast<int64_t>(kv_->phases.size());
 
   const int64_t num_layers = std::abs(goal_.tp_layers - start_.tp_layers);
   const int sign = goal_.tp_layers > start_.tp_layers ? 1 : -1;
@@ -147,11 +147,12 @@ bool switch_transaction::plan_switch() {
   bytes_per_layer_.weight_bytes_sent = traffic_of(one_layer_weights).bytes_sent;
   bytes_per_layer_.weight_bytes_sent.resize(static_cast<size_t>(wg.num_ranks), 0);
   if (how_ == style::whole) {
-    rep_.weight_bytes_sent = traffic_of(weight_plan_of(units_[0])).bytes_sent;
-    rep_.kv_bytes_sent = traffic_of(kv_).bytes_sent;
+    whole_weights_ = std::make_shared<const plan>(weight_plan_of(units_[0]));
+    rep_.weight_bytes_sent = traffic_of(*whole_weights_).bytes_sent;
+    rep_.kv_bytes_sent = traffic_of(*kv_).bytes_sent;
     bytes_per_layer_.kv_bytes_sent.assign(static_cast<size_t>(wg.num_ranks), 0);
   } else {
-    bytes_per_layer_.kv_bytes_sent = traffic_of(kv_).bytes_sent;
+    bytes_per_layer_.kv_bytes_sent = traffic_of(*kv_).bytes_sent;
     bytes_per_layer_.kv_bytes_sent.resize(static_cast<size_t>(wg.num_ranks), 0);
     rep_.weight_bytes_sent = scaled(bytes_per_layer_.weight_bytes_sent, num_layers);
     rep_.kv_bytes_sent = scaled(bytes_per_layer_.kv_bytes_sent, num_layers);
@@ -197,13 +198,13 @@ plan switch_transaction::weight_plan_of(const unit& u) const {
   return plan_weight_switch(sw_.weights_, u.from, u.to);
 }
 
-plan switch_transaction::kv_plan_of(size_t u) const {
+std::shared_ptr<const plan> switch_transaction::kv_plan_of(size_t u) const {
   if (how_ == style::whole) return kv_;
   const unit& un = units_[u];
   // The layer this unit moves: EP->TP layer `from` (into slot from), TP->EP layer `to`.
   const int64_t layer = un.to.tp_layers > un.from.tp_layers ? un.from.tp_layers : un.to.tp_layers;
-  return shift_kv_plan(kv_, sw_.kv_geometry_, layer,
-                       sw_.weights_.slot_offset(arena_geometry::free_slot(un.to)));
+  return std::make_shared<const plan>(shift_kv_plan(
+      *kv_, sw_.kv_geometry_, layer, sw_.weights_.slot_offset(arena_geometry::free_slot(un.to))));
 }
 
 switch_step_view switch_transaction::view() const {
@@ -248,8 +249,8 @@ const layer_completion& switch_transaction::enqueue(int64_t units,
   const size_t first = static_cast<size_t>(units_enqueued_);
   if (how_ == style::whole) {
     // Weights first, then KV: two plans, each timed as its stage.
-    segment w{weight_plan_of(units_[first]), switch_fault::stage::weights, true,
-              units_[first].first_phase, {}, {}};
+    segment w{whole_weights_, switch_fault::stage::weights, true, units_[first].first_phase, {},
+              {}};
     segment k{kv_plan_of(first), switch_fault::stage::kv, true,
               units_[first].first_phase + units_[first].weight_phases(), {}, {}};
     units_enqueued_ += 1;
@@ -258,8 +259,9 @@ const layer_completion& switch_transaction::enqueue(int64_t units,
     return completion_;
   }
   // One plan for the n layers, a phase mark after each layer's last phase.
-  segment s{plan{}, switch_fault::stage::weights, false, units_[first].first_phase, {}, {}};
-  s.work.num_ranks = sw_.weights_.num_ranks;
+  plan work;
+  work.num_ranks = sw_.weights_.num_ranks;
+  segment s{nullptr, switch_fault::stage::weights, false, units_[first].first_phase, {}, {}};
   std::vector<int64_t> mark_of_layer;  // index into s.marks, -1: nothing to wait for
   std::vector<int64_t> layers;
   for (size_t u = first; u < first + static_cast<size_t>(n); ++u) {
@@ -271,19 +273,20 @@ const layer_completion& switch_transaction::enqueue(int64_t units,
       beside ? copy_waits(sw_.weights_.shape.num_layers, sw_.cursor_, layers)
              : std::vector<int64_t>(layers.size(), -1);
   for (size_t u = first; u < first + static_cast<size_t>(n); ++u) {
-    const size_t before = s.work.phases.size();
+    const size_t before = work.phases.size();
     if (const int64_t w = waits[u - first]; w >= 0) {
       transport::phase_wait pw;
       pw.phase = static_cast<int64_t>(before);
       for (size_t i = 0; i < num_local; ++i) pw.events.push_back(beside->get(w, i));
       s.waits.push_back(std::move(pw));
     }
-    append(s.work, weight_plan_of(units_[u]));
-    append(s.work, kv_plan_of(u));
-    if (s.work.phases.size() > before) s.marks.push_back(static_cast<int64_t>(s.work.phases.size()) - 1);
+    append(work, weight_plan_of(units_[u]));
+    append(work, *kv_plan_of(u));
+    if (work.phases.size() > before) s.marks.push_back(static_cast<int64_t>(work.phases.size()) - 1);
     mark_of_layer.push_back(static_cast<int64_t>(s.marks.size()) - 1);
   }
   completion_.layers_ = layers;
+  s.work = std::make_shared<const plan>(std::move(work));
   // A plan the transport rejects throws out of here, and nothing was enqueued.
   start(std::move(s), /*rethrow=*/true);
   units_enqueued_ += n;
@@ -306,7 +309,7 @@ void switch_transaction::start(segment s, bool rethrow) {
   try {
     sw_.transport_.mark_phases(current_->marks);
     sw_.transport_.wait_before_phases(current_->waits);
-    sw_.transport_.enqueue(current_->work, streams_);
+    sw_.transport_.enqueue(*current_->work, streams_);
   } catch (...) {
     // transport::enqueue throws only before anything started (a rejected plan, a bad stream
     // count). The first plan of an advance hands that to the caller; a plan that follows work
@@ -336,7 +339,7 @@ bool switch_transaction::collect() {
     (s->stage == switch_fault::stage::kv ? rep_.kv_ms : rep_.weights_ms) += ms;
   }
   if (!failure) {
-    settle(s->first_phase + static_cast<int64_t>(s->work.phases.size()));
+    settle(s->first_phase + static_cast<int64_t>(s->work->phases.size()));
     return true;
   }
   settle(s->first_phase + sw_.transport_.completed_phases());
@@ -482,7 +485,7 @@ void switch_transaction::undo() {
     int64_t completed = 0;
     const int64_t kv_done = done - std::min(done, u.weight_phases());
     if (kv_done > 0) {
-      failure = run_undo(rollback_plan(kv_plan_of(i), kv_done), completed, state_unknown);
+      failure = run_undo(rollback_plan(*kv_plan_of(i), kv_done), completed, state_unknown);
       if (!failure.empty()) break;  // the weights still rest at u.to
     }
     const arena_cursor reached = cursor_at(u.first_phase + std::min(done, u.weight_phases()));

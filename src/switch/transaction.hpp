@@ -91,7 +91,7 @@ class switch_transaction {
   // A plan given to the transport, covering phases [first_phase, first_phase + phases) of the
   // switch.
   struct segment {
-    plan work;
+    std::shared_ptr<const plan> work;  // shared: switch_to's plans are not copied to run
     switch_fault::stage stage;  // which armed fault it takes; weights/kv: also its timer
     bool timed = false;         // whole style: its time is the stage's (weights_ms, kv_ms)
     int64_t first_phase = 0;
@@ -108,7 +108,8 @@ class switch_transaction {
   // The cursor once the first `phases` phases of the switch completed.
   arena_cursor cursor_at(int64_t phases) const;
   plan weight_plan_of(const unit& u) const;
-  plan kv_plan_of(size_t u) const;
+  // Unit u's KV plan: whole, the planned migration itself; per_layer, layer 0's shifted.
+  std::shared_ptr<const plan> kv_plan_of(size_t u) const;
 
   // Enqueues `s`; a failure to enqueue is rethrown (nothing started, nothing changed) or kept
   // for collect() (the switch fails and is undone).
@@ -133,7 +134,8 @@ class switch_transaction {
   clock_type::time_point t0_;
 
   std::vector<unit> units_;
-  plan kv_;                // whole: all layers' migration; per_layer: layer 0's (see top)
+  std::shared_ptr<const plan> kv_;  // whole: all layers' migration; per_layer: layer 0's
+  std::shared_ptr<const plan> whole_weights_;  // whole: every layer's weights, planned once
   kv_state target_tables_;
   layer_bytes bytes_per_layer_;
   uint64_t checksum_before_ = 0;
