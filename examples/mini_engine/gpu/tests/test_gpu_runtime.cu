@@ -542,7 +542,11 @@ void check_arena(const gpu_runtime& rt, const test_weights& w, moebius::arena_cu
 }
 
 // The same greedy tokens, or the first divergence with both runs' logits of their tokens.
-void require_same_tokens(const serve_result& base, const serve_result& got, const char* what) {
+// bf16: the activations' rounding at GEMM inputs can flip a near-tie of the router against
+// another rank count or mode (check_against_reference's reasoning), which changes that token;
+// so for bf16 a divergence is reported (WARN) and the float64 model's bounds are what fails.
+void require_same_tokens(const serve_result& base, const serve_result& got, const char* what,
+                         bool bf16 = false) {
   REQUIRE(base.seqs.size() == got.seqs.size());
   for (size_t q = 0; q < base.seqs.size(); ++q) {
     REQUIRE(base.seqs[q].size() == got.seqs[q].size());
@@ -554,7 +558,9 @@ void require_same_tokens(const serve_result& base, const serve_result& got, cons
           << base.logits[q][k][static_cast<size_t>(base.seqs[q][i])] << "), " << what << " "
           << got.seqs[q][i] << " (logit "
           << got.logits[q][k][static_cast<size_t>(got.seqs[q][i])] << ")";
-      FAIL(why.str());
+      if (!bf16) FAIL(why.str());
+      WARN("bf16, not a failure: " << why.str());
+      break;
     }
   }
 }
@@ -620,7 +626,7 @@ TEST_CASE("virtual ranks: static TP and EP runs give P = 1's greedy tokens and t
           check_arena(rt, w, {k});
           const auto r = serve(rt, empty_kv_state(rt.kv(), mode), {k}, 6, {}, nullptr);
           check_against_reference(c, w, r, bf16);
-          require_same_tokens(base, r, "virtual ranks");
+          require_same_tokens(base, r, "virtual ranks", bf16);
           if (rt.graphs_enabled()) REQUIRE(rt.graph_replays() == 6);  // decode steps 2..7
           REQUIRE(rt.captures() == expected_captures(rt, c));
         }
@@ -682,7 +688,7 @@ TEST_CASE("virtual ranks: stop-the-world and progressive switches EP -> TP -> EP
               REQUIRE(rt.hybrid_graph_steps() == rt.hybrid_steps() - 1);
           }
           check_against_reference(c, w, run, bf16);
-          require_same_tokens(base, run, layers == 0 ? "stop-the-world" : "progressive");
+          require_same_tokens(base, run, layers == 0 ? "stop-the-world" : "progressive", bf16);
           // TP and EP round their sums differently (the TP-vs-EP test's bound).
           if (!bf16) require_close_logits(base, run, 1e-4);
         }
