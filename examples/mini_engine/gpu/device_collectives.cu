@@ -74,7 +74,8 @@ void gpu_runtime::impl::device_all_reduce(float* rank_state::*buf, int64_t count
     launch_sum_ranks(a, rs.stream);
   });
   barrier();
-  each_rank([&](int, rank_state& rs) { copy_on(rs.stream, rs.*buf, rs.reduce_scratch, count * 4); });
+  each_rank(
+      [&](int, rank_state& rs) { copy_on(rs.stream, rs.*buf, rs.reduce_scratch, count * 4); });
 }
 
 // Rank r's gathered block q = rank q's T packed rows (the NCCL all-gather's layout).

@@ -72,9 +72,12 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
 bool gpu_runtime::impl::place_virtual(int devices) const {
   if (P == 1) return false;
   switch (o.placement) {
-    case rank_placement::virtual_ranks: return true;
-    case rank_placement::one_per_device: return false;
-    case rank_placement::automatic: break;
+    case rank_placement::virtual_ranks:
+      return true;
+    case rank_placement::one_per_device:
+      return false;
+    case rank_placement::automatic:
+      break;
   }
   return P > devices;
 }
@@ -102,12 +105,12 @@ void gpu_runtime::impl::check_supported() const {
                 "gpu_runtime: top_k <= E and an even head_dim needed");
   int devices = 0;
   MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  MOEBIUS_CHECK(virt || P <= devices, errc::invalid_argument, "gpu_runtime: ", P,
-                " ranks need ", P, " devices, found ", devices,
+  MOEBIUS_CHECK(virt || P <= devices, errc::invalid_argument, "gpu_runtime: ", P, " ranks need ", P,
+                " devices, found ", devices,
                 " (one rank per device: NCCL allows no two ranks of a "
                 "communicator on one device; virtual ranks run them all on one)");
-  MOEBIUS_CHECK(!virt || (devices >= 1 && P <= sum_ranks_args::max_parts),
-                errc::invalid_argument, "gpu_runtime: ", P, " virtual ranks need a device and at most ",
+  MOEBIUS_CHECK(!virt || (devices >= 1 && P <= sum_ranks_args::max_parts), errc::invalid_argument,
+                "gpu_runtime: ", P, " virtual ranks need a device and at most ",
                 sum_ranks_args::max_parts, " ranks (found ", devices, " devices)");
 }
 
