@@ -13,8 +13,11 @@
 // Runtimes: the host runtime (P virtual ranks in this process) on the small() model, priced
 // on the modelled H200 clock; in a CUDA + NCCL build on a machine with GPUs (`--runtime gpu`,
 // or auto) the GPU runtime (gpu/gpu_runtime.hpp) serves the same small() model and weights on
-// P = min(GPUs, 2) ranks, one per device, each step timed with CUDA events (measured clock),
-// the switches over cuda_peer_transport. At GPU step times the trace keeps few sequences
+// P = min(GPUs, 2) ranks, one per device, or with one GPU on P = 2 virtual ranks
+// (--gpu-ranks P: more ranks than GPUs are virtual, all on GPU 0: every rank's steps and copies
+// share that GPU's HBM and SMs, the contention P GPUs would each see, never NVLink), each step
+// timed with CUDA events (measured clock), the switches over cuda_peer_transport on the
+// runtime's own memory (so they move real bytes). At GPU step times the trace keeps few sequences
 // running, below the calibrated thresholds (and one GPU has no crossover), so on GPUs the
 // switching runs switch every 100 steps (forced), which still moves every weight and KV page
 // and serves across each switch (graphs replayed after it, hybrid steps during progressive).
@@ -221,7 +224,7 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   for (const request& r : trace)
     longest = std::max(longest, static_cast<int64_t>(r.prompt.size()) + r.output_tokens);
   gpu::gpu_runtime_options go = gpu::options_from_env();
-  go.num_ranks = P;
+  go.num_ranks = P;  // more than the GPUs: virtual ranks (placement automatic)
   go.num_ep_pages = o.kv_pages;
   go.max_pages_per_seq = (longest + c.page_size - 1) / c.page_size + 1;
   go.max_tokens = std::max(o.step_tokens, o.max_batch);
@@ -241,7 +244,13 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   w.kv = rt->kv();
   w.vocab = static_cast<int32_t>(c.vocab);
   std::ostringstream d;
-  d << "GPU runtime, small model (" << c << ", fp32), " << P << " GPU rank" << (P > 1 ? "s" : "")
+  d << "GPU runtime, small model (" << c << ", fp32), " << P
+    << (rt->virtual_ranks() ? " virtual" : " GPU") << " rank" << (P > 1 ? "s" : "")
+    << (rt->virtual_ranks()
+            ? " on one GPU (each its own arena, KV pool, buffers and stream; collectives and "
+              "switch copies over that GPU's memory: they emulate the contention for HBM and "
+              "SMs each of P GPUs would see, not NVLink)"
+            : "")
     << ", CUDA graphs captured once: " << rt->graph_statistics().whole_model
     << " whole-model (2 modes x " << go.buckets.size() << " buckets up to " << go.max_tokens
     << " tokens) and " << rt->graph_statistics().per_layer
@@ -425,7 +434,8 @@ int run_demo(const demo::options& o) {
                 gpus);
 #endif
   }
-  const int P = use_gpu ? std::min(gpus, 2) : o.ranks;
+  // GPU: 2 ranks (one per GPU with two GPUs or more, virtual on one GPU), or --gpu-ranks.
+  const int P = !use_gpu ? o.ranks : o.gpu_ranks > 0 ? o.gpu_ranks : 2;
   const host_plan plan = plan_host(o);
   if (!use_gpu) check_memory(plan, o.ranks);
   std::vector<request> trace = make_trace(o, plan.vocab);
@@ -601,7 +611,7 @@ int run_demo(const demo::options& o) {
   // (the GPU tests check each mode's logits against a float64 reference).
   const bool exact = !w.on_gpu || P == 1;
   if (differ != 0 && !exact)
-    std::printf("  (on %d GPUs TP and EP round their sums differently: a near-tie can flip a "
+    std::printf("  (on %d GPU ranks TP and EP round their sums differently: a near-tie can flip a "
                 "greedy token; not counted as a failure)\n",
                 P);
   ok = ok && (differ == 0 || !exact);
@@ -630,6 +640,11 @@ int run_demo(const demo::options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+#if MINI_ENGINE_DEMO_GPU
+  // Before the first CUDA call: a hardware queue per virtual rank's stream (the transport's
+  // barriers spin; cuda_peer_transport.hpp).
+  moebius::request_hardware_queues_for_virtual_ranks();
+#endif
   demo::options o;
   try {
     o = demo::parse_options(argc, argv);

@@ -57,9 +57,12 @@ const char* usage_text() {
          "a CSV and an SVG timeline. Without GPUs it runs the host runtime (small model, P\n"
          "virtual ranks) and prices each step with an H200 model (the clock it shows); with\n"
          "GPUs (a CUDA build) the GPU runtime serves the small model on P = min(GPUs, 2)\n"
-         "ranks, each step timed with CUDA events (the measured clock).\n"
+         "ranks (one GPU: 2 virtual ranks on it), each step timed with CUDA events (the\n"
+         "measured clock).\n"
          "  --runtime auto|host|gpu  which runtime (auto: gpu when GPUs are present)\n"
          "  --ranks P                host ranks, 1..64 (default 4; the model must split over P)\n"
+         "  --gpu-ranks P            GPU runtime ranks, 1..8 (default 2: one per GPU, or\n"
+         "                           virtual); more than the GPUs: virtual ranks on GPU 0\n"
          "  --trace bursty|rollout|FILE  the workload (FILE: lines 'arrival_s prompt output')\n"
          "  --seed N                 seed of the trace and the weights (default 1)\n"
          "  --duration S             bursty trace length in seconds, (0, 3600] (default 1.0)\n"
@@ -94,6 +97,8 @@ options parse_options(int argc, const char* const* argv) {
       else fail(a, "'" + std::string(v) + "' is not one of auto, host, gpu");
     } else if (a == "--ranks") {
       o.ranks = static_cast<int>(parse_int(a, value(), 1, 64));
+    } else if (a == "--gpu-ranks") {
+      o.gpu_ranks = static_cast<int>(parse_int(a, value(), 1, 8));
     } else if (a == "--trace") {
       const std::string_view v = value();
       if (v == "bursty") o.trace = trace_kind::bursty;

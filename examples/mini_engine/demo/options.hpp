@@ -24,6 +24,9 @@ enum class clock_kind : uint8_t { automatic, model, measured };
 struct options {
   runtime_kind runtime = runtime_kind::automatic;
   int ranks = 4;                 // P (virtual ranks on the host)
+  // P of the GPU runtime; 0: 2 (one per GPU with two GPUs or more, virtual on one GPU). More
+  // than the GPUs: virtual ranks (all on GPU 0).
+  int gpu_ranks = 0;
   trace_kind trace = trace_kind::bursty;
   std::string trace_file;        // trace_kind::file
   uint64_t seed = 1;

@@ -119,19 +119,16 @@ void gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const grap
                                const pass& ps) {
   // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
   // all ranks running (a copy to pageable memory would block the host on rank 0 first).
-  each_rank([&](int r, rank_state& rs) {
+  each_rank([&](int, rank_state& rs) {
     MOEBIUS_CUDA_CHECK(cudaMemsetAsync(rs.moe.overflow, 0, 4, rs.stream));
-    if (gs != nullptr)
-      MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs->exec[static_cast<size_t>(r)], rs.stream));
   });
+  if (gs != nullptr) launch(*gs);
   // Hybrid: layer by layer, each layer's graph on every rank before the next layer's (the
   // order of the NCCL calls inside them is the same on every rank), the hand-off eagerly
   // where the mode changes (its maps and row counts are this step's: the buckets above).
   for (size_t l = 0; l < layer_gs.size(); ++l) {
     if (l > 0 && ps.attn[l] != ps.attn[l - 1]) hand_off(ps.attn[l - 1], ps.attn[l], ps);
-    each_rank([&](int r, rank_state& rs) {
-      MOEBIUS_CUDA_CHECK(cudaGraphLaunch(layer_gs[l]->exec[static_cast<size_t>(r)], rs.stream));
-    });
+    launch(*layer_gs[l]);
   }
   std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
   each_rank([&](int r, rank_state& rs) {
@@ -276,6 +273,9 @@ const moebius::kv_geometry& gpu_runtime::kv() const {
 int gpu_runtime::num_ranks() const {
   return impl_->P;
 }
+bool gpu_runtime::virtual_ranks() const {
+  return impl_->virt;
+}
 bool gpu_runtime::graphs_enabled() const {
   return impl_->o.capture_graphs;
 }
@@ -320,14 +320,14 @@ std::vector<std::pair<std::string, double>> gpu_runtime::stage_times() const {
 }
 
 void gpu_runtime::fill_kv_random(uint64_t seed) {
-  for (rank_state& rs : impl_->ranks) {
-    MOEBIUS_CUDA_CHECK(cudaSetDevice(rs.device));
+  // Seeded by rank (= device, one rank per device), so virtual ranks differ too.
+  impl_->each_rank([&](int r, rank_state& rs) {
     launch_fill_random({rs.kv_pool, impl_->c.kv_dtype,
                         impl_->kv.pool_bytes() / moebius::dtype_bytes(impl_->c.kv_dtype),
-                        seed + static_cast<uint64_t>(rs.device), 1.0f, 0.0f},
+                        seed + static_cast<uint64_t>(r), 1.0f, 0.0f},
                        rs.stream);
     MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
-  }
+  });
 }
 
 }  // namespace mini_engine::gpu

@@ -1,11 +1,23 @@
 #pragma once
 
-// The mini-engine's GPU runtime: one process drives P GPUs (rank r on device r), each with an
-// expert arena and a KV pool allocated once (cudaMalloc, never moved), the non-expert weights
-// and every other buffer beside them (one allocation, rank_buffers.hpp), one stream, one
-// cuBLAS handle and (P > 1) one NCCL communicator. It runs the model of model_config.hpp with
-// the weights of weights.hpp, in TP, EP, any arena cursor between them, and the hybrid steps
-// of a progressive switch (step.hpp), with CUDA graphs captured once at construction.
+// The mini-engine's GPU runtime: one process drives P ranks, each with an expert arena and a
+// KV pool allocated once (cudaMalloc, never moved), the non-expert weights and every other
+// buffer beside them (one allocation, rank_buffers.hpp), one stream and one cuBLAS handle. It
+// runs the model of model_config.hpp with the weights of weights.hpp, in TP, EP, any arena
+// cursor between them, and the hybrid steps of a progressive switch (step.hpp), with CUDA
+// graphs captured once at construction.
+//
+// Where the ranks run (gpu_runtime_options::placement):
+//   one rank per device: rank r on device r, collectives through NCCL (one communicator per
+//     rank), one graph per rank per capture;
+//   virtual ranks: all P ranks on device 0, each with its own arena, KV pool, buffers, stream
+//     and cuBLAS handle exactly as a real rank; the collectives run over device memory
+//     (device_collectives.cu: a cross-rank barrier of CUDA events, then each rank pulls from
+//     its peers' buffers or sums them), since NCCL refuses two ranks of one communicator on
+//     one device; each capture is ONE graph holding every rank's stream. What they emulate:
+//     P ranks' steps, collectives and switch copies sharing one GPU's HBM and SMs, the
+//     contention each of P GPUs would see from its own step and copies; not the link: every
+//     "transfer" between ranks is a device-local copy at HBM rates, never NVLink's.
 //
 // Where the design is written down (gpu/README.md has the overview):
 //   the layer's work in each mode   attention_block.cu, moe_block.cu (DESIGN.md §7)
@@ -28,8 +40,13 @@
 
 namespace mini_engine::gpu {
 
+// Where the P ranks run (gpu_runtime.hpp, top). automatic: virtual ranks when P exceeds the
+// visible devices, else one rank per device.
+enum class rank_placement { automatic, one_per_device, virtual_ranks };
+
 struct gpu_runtime_options {
-  int num_ranks = 1;               // ranks on devices 0 .. P-1 (one per device)
+  int num_ranks = 1;  // P: ranks on devices 0 .. P-1, or all on device 0 (virtual ranks)
+  rank_placement placement = rank_placement::automatic;
   int64_t num_ep_pages = 64;       // KV pages per rank in EP (TP: x tp_pages_per_ep_page)
   int64_t max_pages_per_seq = 64;  // page-table width: longest sequence = this * page_size
   int64_t max_tokens = 512;        // tokens per rank per step (decode and prefill)
@@ -78,14 +95,17 @@ struct gpu_runtime_options {
 //   MINI_ENGINE_ATTENTION_MMA_MIN_TOKENS=n   tensor_core_min_tokens = max(1, n) (unless mma)
 //   MINI_ENGINE_ATTENTION_SPLITS=n   attention_splits = max(0, n)
 //   MINI_ENGINE_MOE_TILE_SCALE=n     moe_tile_scale = n when n is a power of two in [1, 64]
+//   MINI_ENGINE_VIRTUAL_RANKS=1      placement = virtual_ranks (all ranks on device 0)
+//                            =0      placement = one_per_device (P > devices: refused)
 gpu_runtime_options options_from_env();
 
 class gpu_runtime : public runtime {
  public:
   // Uploads `weights` (the model: weights.config; experts placed into the arena at
   // options.cursor by place_experts, the rest per rank) and captures the graphs. Throws
-  // moebius::error for a model it cannot run (dtype, P not dividing heads/experts, more ranks
-  // than devices) or weights of the wrong shapes.
+  // moebius::error for a model it cannot run (dtype, P not dividing heads/experts, one rank
+  // per device with more ranks than devices, more than 8 virtual ranks) or weights of the
+  // wrong shapes.
   gpu_runtime(const model_weights& weights, const gpu_runtime_options& options);
   // The model `config` with weights drawn on the device from `seed` (benchmarks: values do
   // not matter).
@@ -100,11 +120,15 @@ class gpu_runtime : public runtime {
   // every rank's stream; the longest rank), -1 before the first.
   double measured_step_s() const override;
 
-  // Rank r's arena and KV pool on device r (moebius transports).
+  // Rank r's arena and KV pool on its device (r, or 0 for virtual ranks; moebius transports:
+  // cuda_peer_transport::single_process takes both, virtual ranks after
+  // request_hardware_queues_for_virtual_ranks()).
   std::vector<moebius::rank_memory> memory() const;
   const moebius::arena_geometry& arena() const;
   const moebius::kv_geometry& kv() const;
   int num_ranks() const;
+  // Whether the ranks are virtual (all on device 0, collectives over device memory; P > 1).
+  bool virtual_ranks() const;
 
   // Whether decode steps replay graphs: options.capture_graphs and not options.profile.
   bool graphs_enabled() const;
@@ -146,9 +170,10 @@ class gpu_runtime : public runtime {
   // seconds, in step order: upload, embed, qkv (input norm, q/k/v GEMMs, q/k norms, RoPE, KV
   // append), attention (paged attention), o_proj, router (residual add, norm, router GEMM,
   // top-k, pack), permute, dequant (fp8 experts: the touched experts expanded; 0 otherwise),
-  // experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual
-  // adds), collectives (NCCL), hand_off, lm_head (final norm, GEMM, argmax), download. Eager
-  // launches: where the GPU outruns the host, an interval also holds the launch gaps.
+  // experts (GEMMs, SiLU-and-mul), combine (moe_combine, residual adds), collectives (NCCL,
+  // or device memory with virtual ranks), hand_off, lm_head (final norm, GEMM, argmax),
+  // download. Eager launches: where the GPU outruns the host, an interval also holds the
+  // launch gaps.
   // Without it nothing is recorded and stage_times() is empty.
   bool profiling() const;
   std::vector<std::pair<std::string, double>> stage_times() const;

@@ -1,6 +1,7 @@
 // Capturing the graphs (graph_cache.hpp) at construction: each is what forward() (or one
 // layer of it) enqueues, captured on every rank's stream at once (their NCCL calls pair up
-// across ranks), instantiated and uploaded; capture_all measures their time and memory.
+// across ranks; virtual ranks: into one graph, their barriers its edges), instantiated and
+// uploaded; capture_all measures their time and memory. launch() replays one.
 
 #include <algorithm>
 #include <chrono>
@@ -34,10 +35,11 @@ int64_t largest_drop(const std::vector<size_t>& before, const std::vector<size_t
 
 }  // namespace
 
-// Captures what `enqueue` puts on every rank's stream as one graph per rank, instantiated
-// and uploaded.
+// Captures what `enqueue` puts on every rank's stream as one graph per rank (virtual ranks:
+// one graph of every rank's stream), instantiated and uploaded.
 template <class F>
 graph_set gpu_runtime::impl::capture(F&& enqueue) {
+  if (virt) return capture_virtual(enqueue);
   graph_set gs;
   each_rank([&](int, rank_state& rs) {
     MOEBIUS_CUDA_CHECK(cudaStreamBeginCapture(rs.stream, cudaStreamCaptureModeRelaxed));
@@ -53,6 +55,44 @@ graph_set gpu_runtime::impl::capture(F&& enqueue) {
     gs.exec.push_back(exec);
   });
   return gs;
+}
+
+// Virtual ranks: a graph captured on one rank's stream cannot wait for another capture's
+// events, so every rank's stream goes into ONE graph: capture on rank 0's stream, fork every
+// other rank's stream from it (an event) before `enqueue`, join them back after; the
+// collectives' barriers between the ranks' streams become edges inside the graph.
+template <class F>
+graph_set gpu_runtime::impl::capture_virtual(F&& enqueue) {
+  rank_state& first = ranks[0];
+  set_device(first);
+  MOEBIUS_CUDA_CHECK(cudaStreamBeginCapture(first.stream, cudaStreamCaptureModeRelaxed));
+  fork_from_first();
+  enqueue();
+  join_into_first();
+  cudaGraph_t g = nullptr;
+  MOEBIUS_CUDA_CHECK(cudaStreamEndCapture(first.stream, &g));
+  cudaGraphExec_t exec = nullptr;
+  MOEBIUS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  MOEBIUS_CUDA_CHECK(cudaGraphUpload(exec, first.stream));
+  MOEBIUS_CUDA_CHECK(cudaGraphDestroy(g));
+  graph_set gs;
+  gs.exec.push_back(exec);
+  return gs;
+}
+
+// Replays `gs` in every rank's stream order: rank r's graph on rank r's stream; virtual ranks'
+// one graph on rank 0's stream, after every rank's stream (join) and before it (fork).
+void gpu_runtime::impl::launch(const graph_set& gs) {
+  if (!virt) {
+    each_rank([&](int r, rank_state& rs) {
+      MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs.exec[static_cast<size_t>(r)], rs.stream));
+    });
+    return;
+  }
+  join_into_first();
+  set_device(ranks[0]);
+  MOEBIUS_CUDA_CHECK(cudaGraphLaunch(gs.exec[0], ranks[0].stream));
+  fork_from_first();
 }
 
 // Free device memory per rank (graph_stats: what the captures took).

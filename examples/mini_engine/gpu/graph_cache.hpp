@@ -9,7 +9,7 @@
 // CUDA graphs: at construction, for each mode (all-TP: TP tables and cursor L; all-EP: EP
 // tables and cursor 0) and each bucket (default 1, 2, 4, ..., 512 tokens per rank), one decode
 // step is captured on every rank's stream (NCCL calls included) and instantiated (whole-model
-// graphs). A decode step (every item one token) in a pure mode picks the smallest bucket
+// graphs; virtual ranks: every rank's stream in one graph, graph_cache.cu). A decode step (every item one token) in a pure mode picks the smallest bucket
 // >= its tokens per rank, uploads the step's inputs (token ids, positions, page tables: fixed
 // device addresses) and replays; nothing is ever re-captured, because the weights (arena
 // slots), the KV pool and every buffer keep their addresses across switches. Prefill steps,
@@ -46,7 +46,8 @@
 
 namespace mini_engine::gpu {
 
-// One captured graph, instantiated on every rank (exec[r] on rank r's stream).
+// One captured graph, instantiated on every rank (exec[r] on rank r's stream); virtual ranks:
+// one graph holding every rank's stream (exec[0], launched on rank 0's stream).
 struct graph_set {
   std::vector<cudaGraphExec_t> exec;
 };

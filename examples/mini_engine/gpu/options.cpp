@@ -40,6 +40,8 @@ gpu_runtime_options options_from_env() {
     const int64_t n = v != nullptr ? std::strtoll(v, nullptr, 10) : 1;
     return n >= 1 && n <= 64 && (n & (n - 1)) == 0 ? n : int64_t{1};
   }();
+  if (env_is("MINI_ENGINE_VIRTUAL_RANKS", "1")) o.placement = rank_placement::virtual_ranks;
+  if (env_is("MINI_ENGINE_VIRTUAL_RANKS", "0")) o.placement = rank_placement::one_per_device;
   return o;
 }
 

@@ -83,6 +83,8 @@ rank_buffer_layout make_rank_buffer_layout(const rank_buffer_sizes& s) {
     l.dequant_w2 = b.take(s.dequant_w2_bytes, byte);
   }
   l.attention_workspace = b.take(s.attention_floats, f32);
+  if (s.reduce_scratch_floats > 0)  // virtual ranks only: last, so nothing else moves
+    l.reduce_scratch = b.take(s.reduce_scratch_floats, f32);
   l.total_bytes = (b.next + rank_buffer_layout::alignment - 1) / rank_buffer_layout::alignment *
                   rank_buffer_layout::alignment;
   return l;

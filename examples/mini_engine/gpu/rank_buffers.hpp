@@ -37,6 +37,9 @@ struct rank_buffer_sizes {
   int64_t attention_floats = 0;         // paged_attention_workspace_floats, worst case
   int64_t dequant_w13_bytes = 0, dequant_w2_bytes = 0;  // fp8 scratch (0: none)
   int64_t cublas_workspace_bytes = 0;
+  // Virtual ranks' all-reduce: the sum of the ranks' buffers before it is copied back (T H
+  // floats; 0: none, one rank per device).
+  int64_t reduce_scratch_floats = 0;
 };
 
 // One buffer inside the allocation: [offset, offset + bytes).
@@ -94,6 +97,7 @@ struct rank_buffer_layout {
   buffer_region overflow;                                        // [1] int32
   buffer_region dequant_w13, dequant_w2;                         // fp8 scratch (absent: bytes 0)
   buffer_region attention_workspace;                             // [floats] fp32
+  buffer_region reduce_scratch;  // [T H] fp32, virtual ranks' all-reduce (absent: bytes 0)
 
   int64_t total_bytes = 0;
   int64_t num_bytes() const { return total_bytes; }

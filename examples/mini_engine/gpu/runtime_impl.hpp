@@ -8,8 +8,13 @@
 //   attention_block.cu  a layer's attention (norm, q/k/v, RoPE, KV append, paged attention,
 //                       o_proj)
 //   moe_block.cu        a layer's MoE (router, pack, dispatch, permute, experts, combine)
-//   collectives.cu      the NCCL calls (all-reduce, dispatch all-gather, combine send/recv,
-//                       hand-off all-gather), each grouped over every rank
+//   collectives.cu      the collectives (all-reduce, dispatch all-gather, combine send/recv,
+//                       hand-off all-gather): NCCL calls grouped over every rank, or (virtual
+//                       ranks) those of device_collectives.cu
+//   device_collectives.cu  virtual ranks: the same collectives over device memory (event
+//                       barriers between the ranks' streams, pulls from peers' buffers, the
+//                       sum_ranks kernel), and the fork / join of the ranks' streams around
+//                       one graph
 //   graph_cache.cu      capturing the whole-model and per-layer graphs
 //   step_inputs.cu      the device-side maps of a step (input blocks, hand-off maps)
 //   gpu_runtime.cu      step(): choosing graphs or eager, launching, reading results; the
@@ -49,7 +54,9 @@ struct rank_state {
   int device = 0;
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
-  ncclComm_t comm = nullptr;
+  ncclComm_t comm = nullptr;  // one rank per device, P > 1
+  // Virtual ranks: recorded on `stream` where the ranks meet (device_collectives.cu).
+  cudaEvent_t meet = nullptr;
   std::vector<void*> owned;  // cudaMalloc'd: the buffers, the arena, the KV pool
 
   std::byte* buffers = nullptr;           // every buffer below but the arena and KV pool
@@ -107,6 +114,8 @@ struct rank_state {
   // same element count in EP ([E/P, 2I, H]) and TP ([E, 2I/P, H]), so one scratch fits both.
   std::byte* dq_w13 = nullptr;  // [local experts, local 2I, H] compute dtype
   std::byte* dq_w2 = nullptr;   // [local experts, H, local I]
+  // Virtual ranks' all-reduce: the ranks' sum, then copied back over the buffer.
+  float* reduce_scratch = nullptr;  // [T, H] (null: one rank per device)
 };
 
 // One forward pass: layer l's attention (and, in a hybrid step, its MoE) in attn[l], over
@@ -121,6 +130,8 @@ struct gpu_runtime::impl {
   model_config c;
   gpu_runtime_options o;
   int P = 1;
+  // All P ranks on one device, collectives over device memory (gpu_runtime.hpp); P > 1 only.
+  bool virt = false;
   moebius::arena_geometry arena;
   moebius::kv_geometry kv;
   int64_t T_max = 0, qkv_ld = 0, max_pages = 0;
@@ -148,6 +159,7 @@ struct gpu_runtime::impl {
   void lay_out_buffers();
   void init_rank(int r);
   void init_nccl();
+  bool place_virtual(int devices) const;
   void carve(rank_state& rs) const;
   ~impl();
 
@@ -266,9 +278,24 @@ struct gpu_runtime::impl {
   void combine_exchange(int64_t T);
   void hand_off_all_gather(int64_t rows);
 
+  // ---- device_collectives.cu (virtual ranks) -----------------------------------------------
+  // No rank's stream passes until every rank's stream reached it.
+  void barrier();
+  // Rank 0's stream waits for every other rank's (before a graph launch on it), and every
+  // other rank's for rank 0's (after): the one graph of virtual ranks in stream order.
+  void join_into_first();
+  void fork_from_first();
+  void device_all_reduce(float* rank_state::*buf, int64_t count);
+  void device_dispatch_all_gather(int64_t T);
+  void device_combine_exchange(int64_t T);
+  void device_hand_off_all_gather(int64_t rows);
+
   // ---- graph_cache.cu ----------------------------------------------------------------------
   template <class F>
   graph_set capture(F&& enqueue);
+  template <class F>
+  graph_set capture_virtual(F&& enqueue);
+  void launch(const graph_set& gs);
   std::vector<size_t> free_bytes();
   void capture_all();
 

@@ -1,6 +1,7 @@
 // Construction and teardown of the GPU runtime: the checks, the arena and KV geometries, each
 // rank's stream, cuBLAS handle, buffers (one allocation, rank_buffers.hpp), arena and KV pool,
-// and the NCCL communicators.
+// and the NCCL communicators (one rank per device) or the ranks' meeting events (virtual
+// ranks).
 
 #include <algorithm>
 #include <cstring>
@@ -42,6 +43,9 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
                 "gpu_runtime: moe_tile_scale must be a power of two in [1, 64], not ",
                 o.moe_tile_scale);
   P = o.num_ranks;
+  int devices = 0;
+  MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  virt = place_virtual(devices);
   fp8 = c.expert_dtype == dtype::fp8_e4m3;
   ct = fp8 ? o.fp8_compute_dtype : c.expert_dtype;
   check_supported();
@@ -60,11 +64,27 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   lay_out_buffers();
   ranks.resize(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) init_rank(r);
-  if (P > 1) init_nccl();
+  if (P > 1 && !virt) init_nccl();
+}
+
+// Whether the P ranks are virtual (gpu_runtime_options::placement): asked for, or (automatic)
+// more ranks than `devices`. One rank is never virtual: it has no collectives.
+bool gpu_runtime::impl::place_virtual(int devices) const {
+  if (P == 1) return false;
+  switch (o.placement) {
+    case rank_placement::virtual_ranks:
+      return true;
+    case rank_placement::one_per_device:
+      return false;
+    case rank_placement::automatic:
+      break;
+  }
+  return P > devices;
 }
 
 // Throws errc::invalid_argument for a model or options this runtime cannot run: dtypes, P
-// not dividing the heads, more ranks than devices.
+// not dividing the heads, one rank per device with more ranks than devices, more virtual ranks
+// than the all-reduce sums (sum_ranks_args::max_parts).
 void gpu_runtime::impl::check_supported() const {
   MOEBIUS_CHECK(c.expert_dtype == dtype::fp32 || c.expert_dtype == dtype::bf16 ||
                     c.expert_dtype == dtype::fp8_e4m3,
@@ -85,10 +105,13 @@ void gpu_runtime::impl::check_supported() const {
                 "gpu_runtime: top_k <= E and an even head_dim needed");
   int devices = 0;
   MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  MOEBIUS_CHECK(P <= devices, errc::invalid_argument, "gpu_runtime: ", P, " ranks need ", P,
+  MOEBIUS_CHECK(virt || P <= devices, errc::invalid_argument, "gpu_runtime: ", P, " ranks need ", P,
                 " devices, found ", devices,
                 " (one rank per device: NCCL allows no two ranks of a "
-                "communicator on one device)");
+                "communicator on one device; virtual ranks run them all on one)");
+  MOEBIUS_CHECK(!virt || (devices >= 1 && P <= sum_ranks_args::max_parts), errc::invalid_argument,
+                "gpu_runtime: ", P, " virtual ranks need a device and at most ",
+                sum_ranks_args::max_parts, " ranks (found ", devices, " devices)");
 }
 
 // The sizes of every per-rank buffer and their layout in one allocation (rank_buffers.hpp),
@@ -140,15 +163,17 @@ void gpu_runtime::impl::lay_out_buffers() {
     bs.dequant_w2_bytes = arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w2)] * es;
   }
   bs.cublas_workspace_bytes = cublas_workspace_bytes;
+  if (virt) bs.reduce_scratch_floats = T_max * H;  // the all-reduces: [T, H] at most
   buffer_sizes = bs;
   buffers = make_rank_buffer_layout(bs);
 }
 
-// Rank r on device r: its stream, cuBLAS handle (workspace and stream set), buffers, arena,
-// KV pool, pinned input mirrors and step events.
+// Rank r on device r (virtual ranks: on device 0): its stream, cuBLAS handle (workspace and
+// stream set), buffers, arena, KV pool, pinned input mirrors, step events (and the virtual
+// ranks' meeting event). A virtual rank owns all of these as a real one does.
 void gpu_runtime::impl::init_rank(int r) {
   rank_state& rs = ranks[static_cast<size_t>(r)];
-  rs.device = r;
+  rs.device = virt ? 0 : r;
   set_device(rs);
   MOEBIUS_CUDA_CHECK(cudaStreamCreateWithFlags(&rs.stream, cudaStreamNonBlocking));
   MINI_ENGINE_CUBLAS_CHECK(cublasCreate(&rs.blas));
@@ -166,6 +191,7 @@ void gpu_runtime::impl::init_rank(int r) {
   }
   MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_begin));
   MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_end));
+  if (virt) MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&rs.meet, cudaEventDisableTiming));
 }
 
 // One NCCL communicator per rank (P > 1), all created at once by this one process.
@@ -247,6 +273,7 @@ void gpu_runtime::impl::carve(rank_state& rs) const {
     rs.dq_w2 = b.dequant_w2.in<std::byte>(base);
   }
   rs.attn_work = b.attention_workspace.in<float>(base);
+  if (b.reduce_scratch.bytes > 0) rs.reduce_scratch = b.reduce_scratch.in<float>(base);
 }
 
 gpu_runtime::impl::~impl() {
@@ -259,6 +286,7 @@ gpu_runtime::impl::~impl() {
       if (p != nullptr) cudaFreeHost(p);
     if (rs.step_begin != nullptr) cudaEventDestroy(rs.step_begin);
     if (rs.step_end != nullptr) cudaEventDestroy(rs.step_end);
+    if (rs.meet != nullptr) cudaEventDestroy(rs.meet);
     rs.prof.release();
     for (void* p : rs.owned) cudaFree(p);
     if (rs.stream != nullptr) cudaStreamDestroy(rs.stream);

@@ -60,6 +60,7 @@ std::vector<buffer_region> regions_of(const rank_buffer_layout& l) {
     r.push_back(l.dequant_w13);
     r.push_back(l.dequant_w2);
   }
+  if (l.reduce_scratch.bytes > 0) r.push_back(l.reduce_scratch);
   for (const auto& x : l.layers)
     for (const buffer_region& b : {x.qkv, x.o, x.router, x.ln1, x.ln2, x.q_norm, x.k_norm})
       r.push_back(b);
@@ -101,10 +102,22 @@ TEST_CASE("rank_buffers: regions aligned, as long as asked, disjoint, inside the
       s.dequant_w2_bytes = pick(1, 10000);
     }
     s.cublas_workspace_bytes = pick(1, 1 << 20);
+    if (pick(0, 1)) s.reduce_scratch_floats = s.max_tokens * s.hidden;  // virtual ranks
     const rank_buffer_layout l = make_rank_buffer_layout(s);
     std::vector<buffer_region> r = regions_of(l);
-    REQUIRE(static_cast<int64_t>(r.size()) ==
-            41 + (s.dequant_w13_bytes > 0 ? 2 : 0) + 7 * s.num_layers);
+    REQUIRE(static_cast<int64_t>(r.size()) == 41 + (s.dequant_w13_bytes > 0 ? 2 : 0) +
+                                                  (s.reduce_scratch_floats > 0 ? 1 : 0) +
+                                                  7 * s.num_layers);
+    // Virtual ranks' scratch comes last: every other region lies where it lies without it.
+    if (s.reduce_scratch_floats > 0) {
+      rank_buffer_sizes without = s;
+      without.reduce_scratch_floats = 0;
+      const rank_buffer_layout l0 = make_rank_buffer_layout(without);
+      CHECK(l.reduce_scratch.bytes == s.reduce_scratch_floats * 4);
+      CHECK(l.reduce_scratch.offset == l0.num_bytes());
+      CHECK(l.attention_workspace.offset == l0.attention_workspace.offset);
+      CHECK(l.h.offset == l0.h.offset);
+    }
     for (const buffer_region& b : r) {
       CHECK(b.offset % rank_buffer_layout::alignment == 0);
       CHECK(b.bytes >= 1);

@@ -364,6 +364,21 @@ struct gather_rows_args {
 };
 void launch_gather_rows(const gather_rows_args& a, cudaStream_t stream);
 
+// ---- sum_ranks.cu ---------------------------------------------------------------------------
+// out[i] = ((parts[0][i] + parts[1][i]) + parts[2][i]) + ... (fp32, rank order, nothing
+// fused), i < n: the all-reduce of virtual ranks (P ranks on one device sum each other's
+// buffers; every rank sums the same parts in the same order, so all get the same bits).
+// `out` must not overlap any part.
+//   parts = {a, b}, n = 2: out = {a[0] + b[0], a[1] + b[1]}.
+struct sum_ranks_args {
+  static constexpr int max_parts = 8;
+  const float* parts[max_parts] = {};  // [num_parts] device pointers, each [n]
+  int num_parts = 0;
+  float* out = nullptr;  // [n]
+  int64_t n = 0;
+};
+void launch_sum_ranks(const sum_ranks_args& a, cudaStream_t stream);
+
 // Fills n elements of `type` (fp32, bf16, or fp8_e4m3: saturated to +-448) with uniform values
 // in [-scale, scale) from (seed, index) (benchmarks: weights whose values do not matter, drawn
 // on the device).

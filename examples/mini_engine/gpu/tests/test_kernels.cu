@@ -937,3 +937,42 @@ TEST_CASE("dequant_fp8 expands exactly the experts with tokens (bf16 and fp32 ou
   REQUIRE(scalar_rounds > 0);
   REQUIRE(multi_block_rounds > 0);
 }
+
+// The virtual ranks' all-reduce: P buffers summed element by element in rank order. The host
+// sums in float in the same order, so every element must match bit for bit (what makes TP
+// ranks agree with each other); the poisoned tail past n must stay NaN; every part's buffer
+// lies apart (as the ranks' buffers do), odd sizes and offsets included.
+TEST_CASE("sum_ranks sums the parts in rank order, bit for bit", "[gpu][kernels]") {
+  std::mt19937_64 rng(seed(19));
+  for (int round = 0; round < 20; ++round) {
+    const int P = static_cast<int>(uniform(rng, 1, sum_ranks_args::max_parts));
+    const int64_t n = round % 5 == 4 ? uniform(rng, 100000, 3000000) : uniform(rng, 1, 5000);
+    INFO("round " << round << " parts " << P << " n " << n);
+    std::vector<std::vector<float>> h;
+    std::vector<device_buffer> d;
+    sum_ranks_args a;
+    a.num_parts = P;
+    a.n = n;
+    for (int p = 0; p < P; ++p) {
+      h.push_back(random_floats(rng, static_cast<size_t>(n), -100.0f, 100.0f));
+      d.push_back(to_device(h.back()));
+      a.parts[p] = d.back().as<float>();
+    }
+    device_buffer out((n + 3) * 4);  // poisoned: NaN
+    a.out = out.as<float>();
+    launch_sum_ranks(a, nullptr);
+    const auto got = download<float>(out, static_cast<size_t>(n + 3));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      float s = h[0][static_cast<size_t>(i)];
+      for (int p = 1; p < P; ++p) s += h[static_cast<size_t>(p)][static_cast<size_t>(i)];
+      bad += std::memcmp(&s, &got[static_cast<size_t>(i)], 4) != 0;
+    }
+    REQUIRE(bad == 0);
+    for (int64_t i = n; i < n + 3; ++i) REQUIRE(std::isnan(got[static_cast<size_t>(i)]));
+  }
+  sum_ranks_args none;
+  REQUIRE_THROWS_AS(launch_sum_ranks(none, nullptr), moebius::error);
+  none.num_parts = sum_ranks_args::max_parts + 1;
+  REQUIRE_THROWS_AS(launch_sum_ranks(none, nullptr), moebius::error);
+}
