@@ -4,11 +4,13 @@
 // sequences that each hold `context` tokens of KV and decode one more, with page tables for
 // either mode, and the environment knobs they read.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <moebius/kv/page_table.hpp>
 #include <vector>
 
+#include "gpu_runtime.hpp"
 #include "step.hpp"
 
 namespace mini_engine::gpu::bench {
@@ -50,6 +52,27 @@ inline std::vector<step_item> decode_items(int64_t B, int64_t context, int64_t v
     items[static_cast<size_t>(b)] = {b, {&tokens[static_cast<size_t>(b)], 1}, context, true};
   }
   return items;
+}
+
+// The runtime the decode benchmarks measure: `P` ranks, bf16 dense weights, the environment's
+// knobs (options_from_env), CUDA graphs for exactly `buckets`, and a KV pool per rank that holds
+// the largest bucket's sequences of `context` + 1 tokens in either mode (EP: max / P sequences a
+// rank; TP: every sequence on every rank, min(H_kv, P) TP pages per EP page).
+inline gpu_runtime_options decode_options(const model_config& c, int P,
+                                          std::vector<int64_t> buckets, int64_t context) {
+  gpu_runtime_options o = options_from_env();
+  std::sort(buckets.begin(), buckets.end());
+  const int64_t max_batch = buckets.back();
+  o.num_ranks = P;
+  o.dense_dtype = moebius::dtype::bf16;
+  o.max_tokens = max_batch;
+  o.buckets = std::move(buckets);
+  const int64_t pages_per_seq = moebius::pages_for_tokens(context + 1, c.page_size);
+  o.max_pages_per_seq = pages_per_seq;
+  const int64_t split = std::min<int64_t>(c.num_kv_heads, P);
+  o.num_ep_pages = std::max((max_batch + P - 1) / P * pages_per_seq,
+                            (max_batch * pages_per_seq + split - 1) / split);
+  return o;
 }
 
 }  // namespace mini_engine::gpu::bench

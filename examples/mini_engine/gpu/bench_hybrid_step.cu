@@ -184,17 +184,7 @@ int main(int argc, char** argv) {
   s.config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", s.config.num_layers);
   s.P = std::min(devices, 2);
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
-  const int64_t max_batch = batches.back();
-  gpu_runtime_options o = options_from_env();
-  o.num_ranks = s.P;
-  o.dense_dtype = moebius::dtype::bf16;
-  o.max_tokens = max_batch;
-  o.buckets = batches;  // graphs for exactly the batches measured
-  const int64_t pages_per_seq = moebius::pages_for_tokens(s.context + 1, s.config.page_size);
-  o.max_pages_per_seq = pages_per_seq;
-  const int64_t split = std::min<int64_t>(s.config.num_kv_heads, s.P);
-  o.num_ep_pages = std::max((max_batch + s.P - 1) / s.P * pages_per_seq,
-                            (max_batch * pages_per_seq + split - 1) / split);
+  const gpu_runtime_options o = bench::decode_options(s.config, s.P, batches, s.context);
   try {
     s.rt = std::make_unique<gpu_runtime>(s.config, uint64_t{12345}, o);
     s.rt->fill_kv_random(777);

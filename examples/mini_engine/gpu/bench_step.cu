@@ -169,19 +169,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  gpu_runtime_options o = options_from_env();
-  o.num_ranks = s.P;
-  o.dense_dtype = moebius::dtype::bf16;
-  o.max_tokens = s.max_batch;
-  o.buckets.clear();
-  for (int64_t b = 1; b <= s.max_batch; b *= 2) o.buckets.push_back(b);
-  const int64_t pages_per_seq = moebius::pages_for_tokens(s.context + 1, s.config.page_size);
-  o.max_pages_per_seq = pages_per_seq;
-  // EP: max_batch / P sequences per rank; TP: every sequence on every rank in TP pages
-  // (tp_pages_per_ep_page = min(Hkv, P) of them per EP page).
-  const int64_t split = std::min<int64_t>(s.config.num_kv_heads, s.P);
-  o.num_ep_pages = std::max((s.max_batch + s.P - 1) / s.P * pages_per_seq,
-                            (s.max_batch * pages_per_seq + split - 1) / split);
+  std::vector<int64_t> buckets;
+  for (int64_t b = 1; b <= s.max_batch; b *= 2) buckets.push_back(b);
+  const gpu_runtime_options o = bench::decode_options(s.config, s.P, buckets, s.context);
   std::printf(
       "building the runtime: P=%d, %lld layers, %s experts, %lld EP pages per rank, %zu buckets "
       "x 2 modes\n",

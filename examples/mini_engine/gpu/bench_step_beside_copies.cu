@@ -156,18 +156,9 @@ int main(int argc, char** argv) {
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
   const std::vector<int64_t> batches = env_list("MOEBIUS_BENCH_BATCHES", {1, 16, 64, 256});
   const std::vector<int64_t> mibs = env_list("MOEBIUS_BENCH_COPY_MIB", {0, 256, 1024, 4096});
-  const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
   const int64_t max_mib = *std::max_element(mibs.begin(), mibs.end());
 
-  gpu_runtime_options o = options_from_env();
-  o.num_ranks = 1;
-  o.dense_dtype = moebius::dtype::bf16;
-  o.max_tokens = max_batch;
-  o.buckets = batches;
-  std::sort(o.buckets.begin(), o.buckets.end());
-  const int64_t pages_per_seq = moebius::pages_for_tokens(s.context + 1, s.config.page_size);
-  o.max_pages_per_seq = pages_per_seq;
-  o.num_ep_pages = max_batch * pages_per_seq;
+  const gpu_runtime_options o = bench::decode_options(s.config, 1, batches, s.context);
   try {
     s.rt = std::make_unique<gpu_runtime>(s.config, uint64_t{12345}, o);
     s.rt->fill_kv_random(777);
