@@ -6,9 +6,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <sstream>
+#include <string>
 #include <moebius/kv/page_table.hpp>
 #include <vector>
+
+#include <cuda_runtime.h>
 
 #include "gpu_runtime.hpp"
 #include "step.hpp"
@@ -18,6 +23,36 @@ namespace mini_engine::gpu::bench {
 inline int64_t env_int(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   return (v == nullptr || *v == '\0') ? fallback : std::strtoll(v, nullptr, 10);
+}
+
+// A comma-separated list of numbers ("1,16,64"), or `fallback` when unset.
+inline std::vector<double> env_list(const char* name, std::vector<double> fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  std::vector<double> out;
+  std::stringstream ss(v);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::strtod(item.c_str(), nullptr));
+  return out;
+}
+
+// The benchmarks' model: Qwen3-30B-A3B shapes, MOEBIUS_BENCH_LAYERS layers (default 48).
+inline model_config bench_model() {
+  model_config c = qwen3_30b_a3b();
+  c.num_layers = env_int("MOEBIUS_BENCH_LAYERS", c.num_layers);
+  return c;
+}
+
+// NCCL multicast off (it can take a shared host's GPUs out of service) and whether there is a
+// GPU to measure (else the benchmark prints so and exits 0).
+inline bool prepare_gpu_bench() {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device: nothing to measure\n");
+    return false;
+  }
+  return true;
 }
 
 // B sequences of `tokens` tokens (the decode token's slot included): in EP round-robin owners

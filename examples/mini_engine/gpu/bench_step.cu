@@ -32,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include <moebius/cuda/check.hpp>
+
 #include "bench_decode_batch.hpp"
 #include "gpu_runtime.hpp"
 
@@ -146,16 +148,12 @@ void print_summary() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
   benchmark::Initialize(&argc, argv);
+  if (!bench::prepare_gpu_bench()) return 0;
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: nothing to measure\n");
-    return 0;
-  }
+  MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
   bench_state& s = state();
-  s.config = qwen3_30b_a3b();
-  s.config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", s.config.num_layers);
+  s.config = bench::bench_model();
   s.P = std::min(devices, 2);
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
   s.max_batch = env_int("MOEBIUS_BENCH_MAX_BATCH", 512);

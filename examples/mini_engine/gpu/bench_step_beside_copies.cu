@@ -41,13 +41,9 @@ using moebius::parallel_mode;
 
 namespace {
 
-std::vector<int64_t> env_list(const char* name, std::vector<int64_t> fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
+std::vector<int64_t> env_sizes(const char* name, const std::vector<double>& fallback) {
   std::vector<int64_t> out;
-  std::stringstream ss(v);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::strtoll(item.c_str(), nullptr, 10));
+  for (const double v : bench::env_list(name, fallback)) out.push_back(static_cast<int64_t>(v));
   return out;
 }
 
@@ -143,19 +139,13 @@ void print_summary(const std::vector<int64_t>& batches, const std::vector<int64_
 }  // namespace
 
 int main(int argc, char** argv) {
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
   benchmark::Initialize(&argc, argv);
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: nothing to measure\n");
-    return 0;
-  }
+  if (!bench::prepare_gpu_bench()) return 0;
   bench_state& s = state();
-  s.config = qwen3_30b_a3b();
-  s.config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", s.config.num_layers);
+  s.config = bench::bench_model();
   s.context = env_int("MOEBIUS_BENCH_CONTEXT", 1024);
-  const std::vector<int64_t> batches = env_list("MOEBIUS_BENCH_BATCHES", {1, 16, 64, 256});
-  const std::vector<int64_t> mibs = env_list("MOEBIUS_BENCH_COPY_MIB", {0, 256, 1024, 4096});
+  const std::vector<int64_t> batches = env_sizes("MOEBIUS_BENCH_BATCHES", {1, 16, 64, 256});
+  const std::vector<int64_t> mibs = env_sizes("MOEBIUS_BENCH_COPY_MIB", {0, 256, 1024, 4096});
   const int64_t max_mib = *std::max_element(mibs.begin(), mibs.end());
 
   const gpu_runtime_options o = bench::decode_options(s.config, 1, batches, s.context);

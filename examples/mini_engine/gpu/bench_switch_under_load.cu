@@ -44,16 +44,6 @@ namespace {
 
 using host_clock = std::chrono::steady_clock;
 
-std::vector<double> env_doubles(const char* name, std::vector<double> fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  std::vector<double> out;
-  std::stringstream ss(v);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::strtod(item.c_str(), nullptr));
-  return out;
-}
-
 double percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -92,21 +82,15 @@ struct progressive_result {
 }  // namespace
 
 int main() {
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
-  moebius::request_hardware_queues_for_virtual_ranks();
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device: nothing to measure\n");
-    return 0;
-  }
+  moebius::request_hardware_queues_for_virtual_ranks();  // before the first CUDA call
+  if (!bench::prepare_gpu_bench()) return 0;
   const int P = static_cast<int>(env_int("MOEBIUS_BENCH_P", 2));
-  model_config config = qwen3_30b_a3b();
-  config.num_layers = env_int("MOEBIUS_BENCH_LAYERS", config.num_layers);
+  const model_config config = bench::bench_model();
   const int64_t context = 1024;
   std::vector<int64_t> batches;
-  for (const double b : env_doubles("MOEBIUS_BENCH_BATCHES", {1, 16, 64}))
+  for (const double b : bench::env_list("MOEBIUS_BENCH_BATCHES", {1, 16, 64}))
     batches.push_back(static_cast<int64_t>(b));
-  const std::vector<double> sizes = env_doubles("MOEBIUS_BENCH_GIB_PER_STEP", {0.25, 0.5, 1, 2});
+  const std::vector<double> sizes = bench::env_list("MOEBIUS_BENCH_GIB_PER_STEP", {0.25, 0.5, 1, 2});
   // Steps run until the switch ends: each sequence needs room for them all.
   const int64_t max_steps = 64 + config.num_layers * 4;
   gpu_runtime_options o = bench::decode_options(config, P, batches, context + max_steps);
