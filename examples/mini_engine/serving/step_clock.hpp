@@ -25,6 +25,17 @@ struct step_cost {
   int64_t context_tokens = 0;  // sum over items of the tokens attended (start + new)
 };
 
+// A slowdown curve a clock provides: slowdown(step_s, bytes) >= 1 is the factor a step of
+// step_s seconds takes longer with `bytes` copied beside it on the same GPUs. A plain function
+// pointer and context (the clock), so the pacing asks it without allocating.
+struct overlap_slowdown {
+  double (*fn)(const void* context, double step_s, int64_t bytes) = nullptr;
+  const void* context = nullptr;
+
+  bool known() const { return fn != nullptr; }
+  double at(double step_s, int64_t bytes) const { return fn ? fn(context, step_s, bytes) : 1.0; }
+};
+
 class step_clock {
  public:
   virtual ~step_clock() = default;
@@ -47,6 +58,19 @@ class step_clock {
     return run.busiest();
   }
   virtual moebius::link_rate link() const { return moebius::link_rate::gb_per_s(389); }
+
+  // The cost gate (engine.hpp): the predicted seconds of a switch that would move `run` per
+  // layer (moebius::switch_layer_bytes of the live tables) over the run's `run_layers` layers,
+  // before it runs. Default: layer_bytes(run, run_layers) x run_layers at link().
+  virtual double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const {
+    return static_cast<double>(layer_bytes(run, run_layers)) * static_cast<double>(run_layers) /
+           link().bytes_per_s;
+  }
+
+  // Progressive pacing hook: how much longer a step of `step_s` seconds takes with `bytes`
+  // copied beside it (the measured slowdown curve, DESIGN.md §7 "What overlap costs"). Empty
+  // (the default, and every clock today): no curve, pacing by the link share alone.
+  virtual overlap_slowdown slowdown() const { return {}; }
 };
 
 // The measured time itself (GPU runtimes; the host when its time is what you want).
@@ -112,6 +136,9 @@ class h200_step_model final : public step_clock {
   // layers advances in 4 moves of 12 priced layers each; the link at nvlink.
   int64_t layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const override;
   moebius::link_rate link() const override { return hw_.nvlink; }
+  // As switch_s() would price the switch that moves `run`: the priced experts and the run's KV
+  // scaled to the priced model, through moebius::cost_model at switch_rate.
+  double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
   double decode_step_s(moebius::parallel_mode mode, int64_t batch, double context) const;
@@ -121,6 +148,7 @@ class h200_step_model final : public step_clock {
  private:
   double time_s(moebius::parallel_mode mode, double sequences, double tokens,
                 double context_tokens) const;
+  double priced_switch_s(int64_t run_kv_bytes, int64_t kv_rounds) const;
 
   priced_model m_;
   h200_params hw_;
