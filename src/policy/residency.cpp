@@ -34,7 +34,6 @@ residency_predictor::residency_predictor(const residency_config& config) : confi
 
 void residency_predictor::reset() {
   arrivals_ewma_ = 0;
-  arrivals_decay_ = 1;
   lifetime_ewma_ = 0;
   lifetime_decay_ = 1;
   steps_ = completions_ = running_ = 0;
@@ -50,7 +49,6 @@ void residency_predictor::observe(const step_observation& s) {
                 "completed_steps must be 0 when no request completed (completed_steps=",
                 s.completed_steps, ")");
   arrivals_ewma_ = (1 - alpha_) * arrivals_ewma_ + alpha_ * static_cast<double>(s.arrivals);
-  arrivals_decay_ *= 1 - alpha_;
   if (s.completions > 0) {
     // n completions of mean m at once: n updates of weight w each, in closed form.
     const double keep = std::pow(1 - lifetime_weight, static_cast<double>(s.completions));
@@ -64,7 +62,7 @@ void residency_predictor::observe(const step_observation& s) {
 }
 
 double residency_predictor::arrival_rate() const {
-  return steps_ == 0 ? 0.0 : arrivals_ewma_ / (1 - arrivals_decay_);
+  return arrivals_ewma_;
 }
 
 double residency_predictor::mean_lifetime_steps() const {
@@ -84,6 +82,7 @@ int64_t residency_predictor::steps_until_cross(int64_t load, int64_t boundary) c
   MOEBIUS_CHECK(load >= 0 && boundary >= 0, errc::invalid_argument,
                 "steps_until_cross: load and boundary must be >= 0 (load=", load,
                 ", boundary=", boundary, ")");
+  if (completions_ == 0) return 1;  // no lifetime seen: no evidence of any residency
   const double d = drift();
   const double horizon = static_cast<double>(config_.horizon_steps);
   double steps = horizon;

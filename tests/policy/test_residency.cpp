@@ -18,6 +18,16 @@ using moebius::testing::policy_test_seed;
 
 namespace {
 
+// The exponentially weighted mean over a history that starts with zeros, summed directly:
+// sum_i alpha (1 - alpha)^(n - 1 - i) x_i.
+double direct_ewma_from_zero(const std::vector<double>& x, double alpha) {
+  double sum = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    sum += alpha * std::pow(1 - alpha, static_cast<double>(x.size() - 1 - i)) * x[i];
+  }
+  return sum;
+}
+
 // The bias-corrected exponentially weighted mean, summed directly: sum_i w_i x_i / sum_i w_i
 // with w_i = (1 - alpha)^(n - 1 - i).
 double direct_ewma(const std::vector<double>& x, double alpha) {
@@ -72,7 +82,7 @@ TEST_CASE("residency: rates equal direct sums over the history", "[policy]") {
       p.observe(s);
     }
     INFO("trial " << trial << " " << c << " " << p);
-    const double a = direct_ewma(arrivals, 1.0 / static_cast<double>(c.window_steps));
+    const double a = direct_ewma_from_zero(arrivals, 1.0 / static_cast<double>(c.window_steps));
     CHECK(p.arrival_rate() == Catch::Approx(a).epsilon(1e-9).margin(1e-12));
     const double S = direct_ewma(lifetimes, 1.0 / 64.0);
     CHECK(p.mean_lifetime_steps() == Catch::Approx(S).epsilon(1e-9));
@@ -83,11 +93,11 @@ TEST_CASE("residency: rates equal direct sums over the history", "[policy]") {
   }
 }
 
-TEST_CASE("residency: constant arrivals give that rate from the first step", "[policy]") {
-  residency_predictor p;
-  for (int i = 0; i < 5; ++i) {
+TEST_CASE("residency: constant arrivals approach that rate from an empty history", "[policy]") {
+  residency_predictor p(residency_config{4, 100});
+  for (int i = 1; i <= 40; ++i) {
     p.observe({7, 0, 0, 3});
-    CHECK(p.arrival_rate() == Catch::Approx(7.0));
+    CHECK(p.arrival_rate() == Catch::Approx(7.0 * (1 - std::pow(0.75, i))));
   }
   CHECK(p.mean_lifetime_steps() == 0);  // no completion: unknown
   CHECK(p.completion_rate(3) == 0);
@@ -151,13 +161,21 @@ TEST_CASE("residency: the header's worked example", "[policy]") {
   CHECK(q.arrival_rate() == Catch::Approx(2.6).margin(0.01));
   CHECK(q.steps_until_cross(128, 100) == static_cast<int64_t>(std::ceil(29.0 / -d)));
   CHECK(q.steps_until_cross(128, 100) == 15);
-  // A rollout's batch: 512 arrivals at once, nothing finished: the horizon.
+  // A rollout's batch: 512 arrivals at once, nothing finished: a = 2, S unknown: 1 step.
   residency_predictor r;
   r.observe({512, 0, 0, 512});
-  CHECK(r.steps_until_cross(512, 100) == 4096);
+  CHECK(r.arrival_rate() == 2.0);
+  CHECK(r.steps_until_cross(512, 100) == 1);
+  CHECK(r.steps_until_cross(5, 100) == 1);
   std::ostringstream os;
   os << r;
-  CHECK(os.str().find("residency{a=512/step") == 0);
+  CHECK(os.str().find("residency{a=2/step") == 0);
+  // 100 steps on, 70 left, S = 28: a = 1.35 < c = 2.5: the load does not climb back to T_h.
+  r.observe({0, 1, 28, 512});
+  for (int i = 0; i < 99; ++i) r.observe({0, 0, 0, 70});
+  CHECK(r.arrival_rate() == Catch::Approx(2.0 * std::pow(255.0 / 256.0, 100)));
+  CHECK(r.drift() == Catch::Approx(r.arrival_rate() - 70.0 / 28.0));
+  CHECK(r.steps_until_cross(70, 230) == 4096);
 }
 
 TEST_CASE("residency: bad input is refused, naming it", "[policy]") {

@@ -533,7 +533,7 @@ run_summary summarize(const run_result& r) {
   s.requests = static_cast<int64_t>(r.requests.size());
   s.steps = static_cast<int64_t>(r.steps.size());
   s.duration_s = r.end_s;
-  std::vector<double> ttft;
+  std::vector<double> ttft, tpot;
   double tpot_sum = 0;
   int64_t tpot_n = 0;
   for (const request_result& q : r.requests) {
@@ -541,6 +541,7 @@ run_summary summarize(const run_result& r) {
     if (q.first_token_s >= 0) ttft.push_back(q.ttft_s() * 1e3);
     if (q.finished() && q.output_tokens > 1) {
       tpot_sum += q.tpot_s() * 1e3;
+      tpot.push_back(q.tpot_s() * 1e3);
       ++tpot_n;
     }
   }
@@ -554,6 +555,11 @@ run_summary summarize(const run_result& r) {
     s.p99_ttft_ms = ttft[std::max<size_t>(rank, 1) - 1];
   }
   s.mean_tpot_ms = tpot_n > 0 ? tpot_sum / static_cast<double>(tpot_n) : 0;
+  if (!tpot.empty()) {
+    std::sort(tpot.begin(), tpot.end());
+    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(tpot.size())));
+    s.p99_tpot_ms = tpot[std::max<size_t>(rank, 1) - 1];
+  }
   // Throughput over the time requests were present: first arrival to last finish.
   double first_arrival = r.end_s;
   for (const request_result& q : r.requests) first_arrival = std::min(first_arrival, q.arrival_s);

@@ -166,7 +166,7 @@ struct run_result {
 
 struct run_summary {
   int64_t requests = 0, output_tokens = 0, steps = 0;
-  double mean_ttft_ms = 0, p99_ttft_ms = 0, mean_tpot_ms = 0, tokens_per_s = 0;
+  double mean_ttft_ms = 0, p99_ttft_ms = 0, mean_tpot_ms = 0, p99_tpot_ms = 0, tokens_per_s = 0;
   int64_t switches = 0;                 // committed
   double switch_total_ms = 0, switch_mean_ms = 0;
   double duration_s = 0;

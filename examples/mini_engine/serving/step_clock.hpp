@@ -92,6 +92,23 @@ struct priced_model {
   double context_scale = 8;
 };
 
+// Qwen3-235B-A22B's sizes (bf16): the paper's model, whose TP/EP crossover on 8x H200 lies at
+// 128-256 concurrent requests (DESIGN.md §7: 13.4 GB of attention weights per rank in EP
+// against 1.7 GB in TP at P=8; H_kv = 4 < P: TP replicates KV heads).
+inline priced_model qwen3_235b_a22b_priced() {
+  priced_model m;
+  m.num_layers = 94;
+  m.hidden = 4096;
+  m.num_q_heads = 64;
+  m.num_kv_heads = 4;
+  m.head_dim = 128;
+  m.num_experts = 128;
+  m.top_k = 8;
+  m.intermediate = 1536;
+  m.vocab = 151936;
+  return m;
+}
+
 // The hardware, from DESIGN.md §6-7 (2x H200, NV18).
 struct h200_params {
   // HBM read rate a decode step's GEMMs and attention reach.

@@ -8,8 +8,10 @@
 // steps_until_cross() when a rule fires. The model is a fluid queue in engine steps:
 //
 //   arrival rate   a = exponentially weighted mean of requests arriving per step, time
-//                      constant `window_steps` (bias-corrected: the mean of the steps seen so
-//                      far until the window has filled)
+//                      constant `window_steps`, over a history that starts empty: before the
+//                      first step nothing arrived (an engine starts idle), so a single batch
+//                      (an RL rollout's 512 prompts in step 0) counts as 512 / window_steps
+//                      and fades, rather than standing for a rate of 512 a step
 //   lifetime       S = mean steps a request runs from admission to its last token: the
 //                      exponentially weighted mean over completed requests (weight 1/64 each,
 //                      bias-corrected the same way); unknown before the first completion
@@ -22,8 +24,10 @@
 // leaves EP under): if d < 0 the load falls below T_l after (B - T_l + 1) / -d steps; if d >= 0
 // nothing in sight ends the residency and the prediction is `horizon_steps`. A switch to the
 // low-load mode (TP) at B < T_h lasts until the load climbs to T_h: (T_h - B) / d steps if
-// d > 0, else `horizon_steps`. Every prediction is clamped to [1, horizon_steps]; before the
-// first completion S is unknown, c = 0, and the prediction follows the arrivals alone.
+// d > 0, else `horizon_steps`. Every prediction is clamped to [1, horizon_steps]. Before the
+// first completion S is unknown, and so is when the load will fall: the prediction is then 1
+// step (the gate bets on no residency it has no evidence for; a switch then pays only if one
+// step repays it).
 //
 // Worked example (window_steps 256, horizon 4096). A bursty trace: 2.6 requests arrive per
 // step on average over the window (bursts included), completed requests ran S = 28 steps, and
@@ -31,7 +35,9 @@
 // -1.97: with T_l = 100 the burst drains below T_l in (128 - 100 + 1) / 1.97 = 14.7 -> 15
 // steps. A switch to EP saving 0.4 ms a step gains 15 x 0.4 = 6 ms: less than a 40 ms switch,
 // the gate refuses it. An RL rollout's batch instead: 512 arrivals in step 0, none after, no
-// request finished yet: S unknown, d = a > 0, residency 4096 steps: the switch to EP pays.
+// request finished yet: S unknown, residency 1 step: no switch to EP on no evidence. 100 steps
+// later, 70 sequences left and S = 28: a = 512/256 x (255/256)^100 = 1.35 < c = 2.5, the load
+// does not climb back to T_h = 230: residency 4096 steps.
 //
 // observe() and steps_until_cross() are O(1) and allocate nothing.
 
@@ -70,7 +76,7 @@ class residency_predictor {
 
   // Steps until a load that is now `load` (with the last observed running count) crosses
   // `boundary`: from at or above it to below it, or from below it to at or above it. See the
-  // model above; in [1, horizon_steps]. Throws errc::invalid_argument for a negative load or
+  // model above; in [1, horizon_steps]; 1 before the first completion. Throws errc::invalid_argument for a negative load or
   // boundary.
   int64_t steps_until_cross(int64_t load, int64_t boundary) const;
 
@@ -86,8 +92,7 @@ class residency_predictor {
  private:
   residency_config config_;
   double alpha_ = 0;           // 1 / window_steps
-  double arrivals_ewma_ = 0;   // biased EWMA (starts at 0), corrected by 1 - (1-alpha)^n
-  double arrivals_decay_ = 1;  // (1 - alpha)^steps
+  double arrivals_ewma_ = 0;   // EWMA over a history that starts with no arrivals
   double lifetime_ewma_ = 0;
   double lifetime_decay_ = 1;  // (1 - 1/64)^completions
   int64_t steps_ = 0;
