@@ -198,7 +198,7 @@ world make_world(const demo::options& o, const host_plan& p) {
   w.arena = rt->arena();
   w.kv = rt->kv();
   std::ostringstream d;
-  d << "host runtime, small model (" << c << "), " << o.ranks << " virtual ranks";
+  d << "host runtime, lite model (" << c << "), " << o.ranks << " virtual ranks";
   w.description = d.str();
   w.rt = std::move(rt);
 #else
@@ -692,7 +692,8 @@ trace_outcome serve_trace(const demo::options& o, demo::trace_kind kind, world& 
     const double one = clock.predicted_switch_s(none, w.arena.shape.num_layers) * 1e3;
     std::printf("  bound: every step of %s in its faster mode would save at most %.0f ms of its "
                 "%.0f ms of steps (%.1f%%, i.e. <= %.3fx tokens/s); one switch costs >= %.0f ms "
-                "(weights alone), a round trip >= %.0f ms\n",
+                "(weights alone), a round trip >= %.0f ms (step time only: a mode's larger KV "
+                "pool, which admits more at once, is not in it)\n",
                 b.name.c_str(), saved, total, total > 0 ? saved / total * 100 : 0,
                 total > saved ? total / (total - saved) : 0, one, 2 * one);
   }
