@@ -103,6 +103,9 @@ struct engine_options {
   switch_style style = switch_style::stop_the_world;
   // Progressive: the share of the link the copies may use (pacing_params::link_fraction).
   double copy_link_fraction = 0.55;
+  // Progressive, with a clock that provides an overlap slowdown curve (step_clock::slowdown()):
+  // the most a step may slow down with the layers copied beside it (1.10: 10% longer).
+  double max_overlap_slowdown = 1.10;
   // Progressive, tests: called before each advance (inject a fault here), and after it
   // (return true to abort the switch at the cursor reached).
   std::function<void(moebius::switcher&, const moebius::progressive_switch&, int64_t step)>
