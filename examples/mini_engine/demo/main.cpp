@@ -1,23 +1,27 @@
-// moebius_demo: the mini-engine serving a request trace while Moebius switches it between TP
-// and EP (README: the first command). Four runs of the same trace (static TP, static EP,
-// switching by the policy stop-the-world, and progressively: a few layers per step) on the
-// same runtime, then a table, a CSV and an SVG timeline.
+// moebius_demo: the mini-engine serving request traces while Moebius switches it between TP
+// and EP (README: the first command). Per trace (bursty, RL rollout, steady near the crossover,
+// production-shaped; or a file) five runs of the same trace on the same runtimes: static TP,
+// static EP, switching by the calibrated policy with its cost gate (stop-the-world, and
+// progressively: a few layers per step), and the same policy without the gate; then a table
+// with the best static run beside switching, the targets, the gate's reasoning, a
+// bound on what any switching could gain, a CSV and an SVG timeline.
 //
 //   stage 1  a verified reshard: the model's experts EP -> TP -> EP through the switcher,
 //            with layout-independent checksums of every layer before and after;
-//   stage 2  calibration: decode-step times of both modes over a batch sweep, on the clock
-//            in use -> moebius::calibrate -> the policy's thresholds;
-//   stage 3  the four runs, with progress; both switching runs must produce the static
-//            runs' greedy tokens, request for request.
+//   per trace: calibration (decode-step times of both modes over a batch sweep, on the clock
+//            in use -> moebius::calibrate -> the policy's thresholds and the gate's curves),
+//            then the runs, two at a time on two host runtimes; every switching run must
+//            produce the static runs' greedy tokens, request for request.
 //
 // Runtimes: the host runtime (P virtual ranks in this process) on the lite() model, priced
-// on the modelled H200 clock (Qwen3-235B-A22B by default, its KV pool sized as an H200 holds it); in a CUDA + NCCL build on a machine with GPUs (`--runtime gpu`,
-// or auto) the GPU runtime (gpu/gpu_runtime.hpp) serves the same small() model and weights on
-// P = min(GPUs, 2) ranks, one per device, each step timed with CUDA events (measured clock),
-// the switches over cuda_peer_transport. At GPU step times the trace keeps few sequences
-// running, below the calibrated thresholds (and one GPU has no crossover), so on GPUs the
-// switching runs switch every 100 steps (forced), which still moves every weight and KV page
-// and serves across each switch (graphs replayed after it, hybrid steps during progressive).
+// on the modelled H200 clock (Qwen3-235B-A22B on 8 H200s by default, its KV pool sized as an
+// H200 holds it); in a CUDA + NCCL build on a machine with GPUs (`--runtime gpu`, or auto) the
+// GPU runtime (gpu/gpu_runtime.hpp) serves the small() model on P = min(GPUs, 2) ranks, one per
+// device, each step timed with CUDA events (measured clock), the switches over
+// cuda_peer_transport. At GPU step times the traces keep few sequences running, below the
+// calibrated thresholds (and one GPU has no crossover), so on GPUs the switching runs switch
+// every 100 steps (forced), which still moves every weight and KV page and serves across each
+// switch (graphs replayed after it, hybrid steps during progressive).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -454,7 +458,7 @@ struct target_check {
   std::string line;
 };
 
-target_check check_targets(demo::trace_kind kind, const run_summary& best, const char* best_name,
+target_check check_targets(demo::trace_kind kind, const run_summary& best,
                            const run_summary& sw, const char* sw_name) {
   char buf[512];
   const double ratio = best.tokens_per_s > 0 ? sw.tokens_per_s / best.tokens_per_s : 0;
@@ -481,7 +485,6 @@ target_check check_targets(demo::trace_kind kind, const run_summary& best, const
                     sw.p99_ttft_ms, best.p99_ttft_ms, t.met ? "met" : "MISSED");
       break;
   }
-  (void)best_name;
   t.line = buf;
   return t;
 }
@@ -623,7 +626,6 @@ trace_outcome serve_trace(const demo::options& o, demo::trace_kind kind, world& 
   }
   std::vector<run_result> results(num_runs);
   std::vector<double> wall_s(num_runs, 0);
-  (void)e;
   std::exception_ptr failure;
   std::mutex failure_mutex;
   for (size_t first = 0; first < num_runs; first += pool.size()) {
@@ -710,8 +712,7 @@ trace_outcome serve_trace(const demo::options& o, demo::trace_kind kind, world& 
                   rows[4].s.p99_ttft_ms);
     }
     for (int k = 2; k < 4; ++k) {
-      out.targets.push_back(check_targets(kind, best.s, best.name.c_str(),
-                                          rows[static_cast<size_t>(k)].s, names[k]));
+      out.targets.push_back(check_targets(kind, best.s, rows[static_cast<size_t>(k)].s, names[k]));
       std::printf("  %s\n", out.targets.back().line.c_str());
     }
   }
