@@ -265,7 +265,7 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
 
 // The traces (fixed shapes, the same for every deployment; sizes kept small enough for the
 // host runtime to serve each four times in a few minutes):
-//   bursty      quiet periods (0.6 s at 40 requests/s: 1-8 running) and bursts (0.1 s at
+//   bursty      quiet periods (0.6 s at 40 requests/s: 1-10 running) and bursts (0.1 s at
 //               5500/s: ~550 requests, the engine fills to its 512 sequences)
 //   rollout     an RL rollout: `--requests` (512) prompts at t = 0, outputs log-normal
 //               (median 32, sigma 1.0, clamped at 1024): a long tail of long generations
