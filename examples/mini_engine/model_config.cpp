@@ -90,6 +90,20 @@ model_config small() {
                            .page_size = 16});
 }
 
+model_config lite() {
+  return with(model_config{.num_layers = 2,
+                           .hidden = 128,
+                           .num_q_heads = 8,
+                           .num_kv_heads = 4,
+                           .head_dim = 16,
+                           .num_experts = 16,
+                           .top_k = 2,
+                           .intermediate = 64,
+                           .vocab = 512,
+                           .fp8_block = 16,
+                           .page_size = 16});
+}
+
 model_config qwen3_30b_a3b() {
   return with(model_config{.num_layers = 48,
                            .hidden = 2048,

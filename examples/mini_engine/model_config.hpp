@@ -57,6 +57,11 @@ model_config tiny();
 model_config small();
 // Qwen3-30B-A3B (the GPU runtime): L=48, H=2048, Hq=32, Hkv=4, D=128, E=128, top-8, I=768,
 // V=151936, theta 1e6, eps 1e-6, bf16 experts and KV, page 16.
+// The host demo's serving model: small enough for the host runtime to serve a 512-sequence
+// rollout four times in well under a minute, splittable over P = 8 (Hq = 8, E = 16, I = 64), and
+// with H_kv = 4 < P like Qwen3-235B-A22B at P = 8, so TP replicates each KV head on P / H_kv = 2
+// ranks, as the priced model does: L=2, H=128, Hq=8, Hkv=4, D=16, E=16, top-2, I=64, V=512.
+model_config lite();
 model_config qwen3_30b_a3b();
 
 // The arena's view of the experts: L layers of E experts, w13 = [gate; up] ([2I, H]) and

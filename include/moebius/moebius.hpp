@@ -44,4 +44,5 @@
 #include "moebius/memory/memory_budget.hpp"
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"
+#include "moebius/policy/residency.hpp"
 #include "moebius/policy/switch_policy.hpp"

@@ -66,6 +66,8 @@ void bind_policy(nb::module_& m) {
       .def_rw("cooldown_steps", &switch_policy_config::cooldown_steps)
       .def_rw("cooldown_s", &switch_policy_config::cooldown_s)
       .def_rw("expected_residency_steps", &switch_policy_config::expected_residency_steps)
+      .def_rw("gate_margin", &switch_policy_config::gate_margin,
+              "the share by which a switch's predicted gain must exceed its predicted cost")
       .def("validate", [](const switch_policy_config& c) { validate(c); },
            "Raises moebius.Error(code='invalid_argument') naming the broken constraint.")
       .def("__repr__", &printed<switch_policy_config>);
@@ -74,6 +76,40 @@ void bind_policy(nb::module_& m) {
         nb::arg("low_ratio") = 0.8, "T_l = round(0.8 * T_h): interactive_config(256) -> 256/205.");
   m.def("rollout_config", &rollout_config, nb::arg("t_high"), nb::arg("cooldown_steps") = 0,
         "RL rollout: T_l = T_h, W = 1: switch to TP at the first load < T_h.");
+
+  nb::class_<residency_config>(
+      m, "ResidencyConfig",
+      "Residency prediction: window_steps (arrival-rate time constant), horizon_steps (the\n"
+      "longest prediction).")
+      .def(nb::init<>())
+      .def_rw("window_steps", &residency_config::window_steps)
+      .def_rw("horizon_steps", &residency_config::horizon_steps)
+      .def("validate", [](const residency_config& c) { validate(c); })
+      .def("__repr__", &printed<residency_config>);
+
+  nb::class_<residency_predictor>(
+      m, "ResidencyPredictor",
+      "Steps the engine will stay in a mode, from recent arrival and completion rates\n"
+      "(policy/residency.hpp). observe() once per engine step.")
+      .def(nb::init<const residency_config&>(), nb::arg("config") = residency_config{})
+      .def(
+          "observe",
+          [](residency_predictor& p, int64_t arrivals, int64_t completions,
+             int64_t completed_steps, int64_t running) {
+            p.observe({arrivals, completions, completed_steps, running});
+          },
+          nb::arg("arrivals"), nb::arg("completions"), nb::arg("completed_steps"),
+          nb::arg("running"),
+          "One step: requests arrived, requests finished, the steps those ran in all, and\n"
+          "the sequences running after it.")
+      .def("steps_until_cross", &residency_predictor::steps_until_cross, nb::arg("load"),
+           nb::arg("boundary"))
+      .def_prop_ro("arrival_rate", &residency_predictor::arrival_rate)
+      .def_prop_ro("mean_lifetime_steps", &residency_predictor::mean_lifetime_steps)
+      .def_prop_ro("drift", &residency_predictor::drift)
+      .def("completion_rate", &residency_predictor::completion_rate, nb::arg("running"))
+      .def("reset", &residency_predictor::reset)
+      .def("__repr__", &printed<residency_predictor>);
 
   nb::class_<switch_decision>(m, "SwitchDecision")
       .def_ro("do_switch", &switch_decision::do_switch, "switch to `target` now")
@@ -97,6 +133,28 @@ void bind_policy(nb::module_& m) {
           nb::arg("load"), nb::arg("current"), nb::arg("now_s"),
           "One engine step: `load` active sequences, the mode the engine runs now, a\n"
           "monotonic time in seconds. Returns a SwitchDecision (truthy when it says switch).")
+      .def(
+          "set_residency_predictor",
+          [](py_switch_policy& p, const residency_predictor* r) {
+            p.policy.set_residency_predictor(r);
+          },
+          nb::arg("predictor").none(), nb::keep_alive<1, 2>(),
+          "The gate's residency prediction (None: expected_residency_steps).")
+      .def_prop_ro(
+          "last_gate",
+          [](const py_switch_policy& p) {
+            const gate_evaluation& g = p.policy.last_gate();
+            nb::dict d;
+            d["evaluated"] = g.evaluated;
+            d["target"] = g.target;
+            d["load"] = g.load;
+            d["residency_steps"] = g.residency_steps;
+            d["gain_ms"] = g.gain_ms;
+            d["cost_ms"] = g.cost_ms;
+            d["passed"] = g.passed;
+            return d;
+          },
+          "{evaluated, target, load, residency_steps, gain_ms, cost_ms, passed}")
       .def("reset", [](py_switch_policy& p) { p.policy.reset(); })
       .def_prop_ro("config", [](const py_switch_policy& p) { return p.policy.config(); })
       .def_prop_ro("stats", [](const py_switch_policy& p) { return to_dict(p.policy.stats()); },

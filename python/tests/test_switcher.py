@@ -152,3 +152,27 @@ def test_policy():
     with pytest.raises(moebius.Error) as e:
         policy.step(-1, EP, 2.0)
     assert e.value.code == "invalid_argument"
+    assert policy.last_gate["evaluated"] is False  # no curves attached: no gate
+
+
+def test_residency_predictor():
+    config = moebius.ResidencyConfig()
+    assert (config.window_steps, config.horizon_steps) == (256, 4096)
+    config.window_steps = 1
+    p = moebius.ResidencyPredictor(config)
+    p.observe(0, 1, 28, 0)  # one request that ran 28 steps
+    p.observe(3, 0, 0, 128)  # 3 arrivals, 128 running: drift 3 - 128/28
+    assert abs(p.drift - (3 - 128 / 28)) < 1e-12
+    assert p.steps_until_cross(128, 100) == 19  # ceil(29 / 1.571)
+    assert p.steps_until_cross(50, 100) == 4096  # falling load never climbs back: the horizon
+    cfg = moebius.interactive_config(256)
+    cfg.gate_margin = 0.5
+    assert "gate margin 0.5" in repr(cfg)
+    policy = moebius.SwitchPolicy(cfg)
+    policy.set_residency_predictor(p)
+    cfg.gate_margin = -1.0
+    with pytest.raises(moebius.Error) as e:
+        cfg.validate()
+    assert "gate_margin" in str(e.value)
+    with pytest.raises(moebius.Error):
+        p.observe(-1, 0, 0, 0)

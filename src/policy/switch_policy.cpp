@@ -7,6 +7,7 @@
 #include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
 #include "moebius/policy/calibration.hpp"
+#include "moebius/policy/residency.hpp"
 
 namespace moebius {
 
@@ -66,13 +67,24 @@ void validate(const switch_policy_config& c) {
   MOEBIUS_CHECK(c.expected_residency_steps >= 0, errc::invalid_argument,
                 "expected_residency_steps must be >= 0 (expected_residency_steps=",
                 c.expected_residency_steps, ")");
+  MOEBIUS_CHECK(std::isfinite(c.gate_margin) && c.gate_margin >= 0.0 && c.gate_margin <= 1e6,
+                errc::invalid_argument, "gate_margin must lie in [0, 1e6] (gate_margin=",
+                c.gate_margin, ")");
 }
 
 std::ostream& operator<<(std::ostream& os, const switch_policy_config& c) {
   return os << "switch_policy_config{T_h=" << c.t_high << ", T_l=" << c.t_low
             << ", up_window=" << c.up_window << ", W=" << c.down_window << " (" << to_string(c.rule)
             << "), cooldown=" << c.cooldown_steps << " steps/" << c.cooldown_s
-            << " s, residency=" << c.expected_residency_steps << " steps}";
+            << " s, residency=" << c.expected_residency_steps << " steps, gate margin "
+            << c.gate_margin << "}";
+}
+
+std::ostream& operator<<(std::ostream& os, const gate_evaluation& g) {
+  if (!g.evaluated) return os << "gate{not evaluated}";
+  return os << "gate{to " << to_string(g.target) << " at load " << g.load << ": gain "
+            << g.gain_ms << " ms over " << g.residency_steps << " steps vs cost " << g.cost_ms
+            << " ms: " << (g.passed ? "pays" : "refused") << "}";
 }
 
 std::ostream& operator<<(std::ostream& os, const switch_decision& d) {
@@ -99,6 +111,17 @@ void switch_policy::set_cost_gate(const latency_curves* curves, double switch_ms
   curves_ = curves;
   switch_ms_[mode_idx(parallel_mode::ep)] = switch_ms_to_ep;
   switch_ms_[mode_idx(parallel_mode::tp)] = switch_ms_to_tp;
+  estimate_ = {};
+}
+
+void switch_policy::set_cost_gate(const latency_curves* curves, switch_cost_estimate estimate) {
+  curves_ = curves;
+  switch_ms_[0] = switch_ms_[1] = 0.0;
+  estimate_ = estimate;
+}
+
+bool switch_policy::gate_active() const {
+  return curves_ != nullptr && (residency_ != nullptr || config_.expected_residency_steps > 0);
 }
 
 void switch_policy::reset() {
@@ -109,6 +132,7 @@ void switch_policy::reset() {
   last_switch_s_ = 0.0;
   above_run_ = below_run_ = 0;
   ring_head_ = ring_count_ = ring_sum_ = 0;
+  last_gate_ = {};
 }
 
 double switch_policy::window_mean() const {
@@ -134,12 +158,31 @@ bool switch_policy::in_cooldown(double now_s) const {
 }
 
 bool switch_policy::gain_exceeds_cost(parallel_mode current, parallel_mode target,
-                                      int64_t load) const {
-  if (curves_ == nullptr || config_.expected_residency_steps == 0) return true;
+                                      int64_t load) {
+  if (!gate_active()) return true;
+  // The residency ends when the load crosses back: under T_l after entering EP, up to T_h
+  // after entering TP (the thresholds of the rules that would switch back).
+  const int64_t residency =
+      residency_ != nullptr
+          ? residency_->steps_until_cross(
+                load, target == parallel_mode::ep ? config_.t_low : config_.t_high)
+          : config_.expected_residency_steps;
   const double b = static_cast<double>(load);
-  const double gain_ms = (curves_->latency_ms(current, b) - curves_->latency_ms(target, b)) *
-                         static_cast<double>(config_.expected_residency_steps);
-  return gain_ms >= switch_ms_[mode_idx(target)];
+  gate_evaluation g;
+  g.evaluated = true;
+  g.target = target;
+  g.load = load;
+  g.residency_steps = residency;
+  g.gain_ms = (curves_->latency_ms(current, b) - curves_->latency_ms(target, b)) *
+              static_cast<double>(residency);
+  g.cost_ms = estimate_.fn != nullptr ? estimate_.fn(estimate_.context, target)
+                                      : switch_ms_[mode_idx(target)];
+  MOEBIUS_CHECK(std::isfinite(g.cost_ms) && g.cost_ms >= 0.0, errc::invalid_argument,
+                "the switch cost estimate must be finite and >= 0 ms (to ", to_string(target),
+                ": ", g.cost_ms, " ms)");
+  g.passed = g.gain_ms >= g.cost_ms * (1.0 + config_.gate_margin);
+  last_gate_ = g;
+  return g.passed;
 }
 
 switch_decision switch_policy::step(int64_t load, parallel_mode current, double now_s) {

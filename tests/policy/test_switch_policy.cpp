@@ -140,7 +140,7 @@ struct naive_policy {
       const double b = static_cast<double>(load);
       const double gain = (curves->latency_ms(mode, b) - curves->latency_ms(d.target, b)) *
                           static_cast<double>(cfg.expected_residency_steps);
-      if (gain < cost_to[d.target == EP ? 0 : 1]) {
+      if (gain < cost_to[d.target == EP ? 0 : 1] * (1.0 + cfg.gate_margin)) {
         d.reason = decision_reason::cost_exceeds_gain;
         return d;
       }
@@ -391,6 +391,11 @@ TEST_CASE("switch_policy: config validation names the constraint", "[policy]") {
   c = {};
   c.expected_residency_steps = -1;
   fails_with(c, "expected_residency_steps");
+  c = {};
+  c.gate_margin = -0.1;
+  fails_with(c, "gate_margin");
+  c.gate_margin = std::nan("");
+  fails_with(c, "gate_margin");
   CHECK_THROWS_AS(switch_policy(c), moebius::error);
   CHECK_THROWS_AS(interactive_config(256, 1.5), moebius::error);
   CHECK(interactive_config(256).t_low == 205);  // paper: 0.8 * 256 = 204.8 -> 205
@@ -421,6 +426,7 @@ TEST_CASE("switch_policy: random traces match the naive rules", "[policy]") {
     c.cooldown_steps = uni(0, 1) ? 0 : uni(0, 12);
     c.cooldown_s = uni(0, 1) ? 0.0 : static_cast<double>(uni(0, 30)) / 10.0;
     c.expected_residency_steps = uni(0, 2) == 0 ? uni(1, 50) : 0;
+    c.gate_margin = uni(0, 1) ? 0.0 : static_cast<double>(uni(0, 20)) / 10.0;
     INFO("trial " << trial << ": " << c);
 
     const int64_t steps = 600;

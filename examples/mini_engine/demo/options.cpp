@@ -50,26 +50,50 @@ double parse_double(const std::string& option, std::string_view v, double lo, do
 
 }  // namespace
 
+const char* to_string(trace_kind t) {
+  switch (t) {
+    case trace_kind::bursty: return "bursty";
+    case trace_kind::rollout: return "rollout";
+    case trace_kind::steady: return "steady";
+    case trace_kind::production: return "production";
+    case trace_kind::file: return "file";
+  }
+  return "unknown";
+}
+
+const char* to_string(priced_kind m) {
+  return m == priced_kind::qwen3_30b_a3b ? "Qwen3-30B-A3B" : "Qwen3-235B-A22B";
+}
+
 const char* usage_text() {
   return "usage: moebius_demo [options]\n"
-         "Serves a request trace three times on the mini-engine (static TP, static EP, and\n"
-         "switching live between them with the Moebius policy), then prints a table and writes\n"
-         "a CSV and an SVG timeline. Without GPUs it runs the host runtime (small model, P\n"
+         "Serves each request trace four times on the mini-engine (static TP, static EP, and\n"
+         "switching live between them with the Moebius policy and its cost gate, stop-the-world\n"
+         "and progressive), then prints a table per trace with the best static run beside\n"
+         "switching, and writes a CSV and an SVG timeline per trace. Without GPUs it runs the host runtime (small model, P\n"
          "virtual ranks) and prices each step with an H200 model (the clock it shows); with\n"
          "GPUs (a CUDA build) the GPU runtime serves the small model on P = min(GPUs, 2)\n"
          "ranks (one GPU: 2 virtual ranks on it), each step timed with CUDA events (the\n"
          "measured clock).\n"
          "  --runtime auto|host|gpu  which runtime (auto: gpu when GPUs are present)\n"
-         "  --ranks P                host ranks, 1..64 (default 4; the model must split over P)\n"
+         "  --ranks P                host ranks, 1..64 (default 8; the model must split over P)\n"
          "  --gpu-ranks P            GPU runtime ranks, 1..8 (default 2: one per GPU, or\n"
          "                           virtual); more than the GPUs: virtual ranks on GPU 0\n"
-         "  --trace bursty|rollout|FILE  the workload (FILE: lines 'arrival_s prompt output')\n"
+         "  --trace all|bursty|rollout|steady|production|FILE  the workload (default all: the\n"
+         "                           four in turn; FILE: .jsonl, or text lines 'arrival_s prompt\n"
+         "                           output'; may be repeated)\n"
+         "  --model qwen3-235b-a22b|qwen3-30b-a3b  the model the H200 clock prices\n"
+         "                           (default qwen3-235b-a22b)\n"
+         "  --no-gate                switching runs without the cost gate (the rules alone)\n"
+         "  --write-trace FILE       write the one --trace given as JSONL to FILE and exit\n"
          "  --seed N                 seed of the trace and the weights (default 1)\n"
-         "  --duration S             bursty trace length in seconds, (0, 3600] (default 1.0)\n"
-         "  --requests N             rollout batch, 1..100000 (default 160)\n"
-         "  --kv-pages N             EP KV pages per rank, 1..16777216 (default 2048)\n"
-         "  --max-batch N            sequences running at once, 1..4096 (default 128)\n"
-         "  --step-tokens N          token budget per step, 1..65536 (default 512)\n"
+         "  --duration S             bursty/steady/production length in seconds, (0, 3600]\n"
+         "                           (default: each trace's own)\n"
+         "  --requests N             rollout batch, 1..100000 (default 512)\n"
+         "  --kv-pages N             EP KV pages per rank, 1..16777216 (default: what an H200\n"
+         "                           holds for the priced model after its weights)\n"
+         "  --max-batch N            sequences running at once, 1..4096 (default 512)\n"
+         "  --step-tokens N          token budget per step, 1..65536 (default 1024)\n"
          "  --clock auto|model|measured  step times: H200 model (host default) or measured\n"
          "                           (GPU default)\n"
          "  --context-scale X        H200 model: context tokens priced x X, [1, 1024] (32)\n"
@@ -80,7 +104,7 @@ const char* usage_text() {
 
 options parse_options(int argc, const char* const* argv) {
   options o;
-  bool max_batch_set = false;
+  bool max_batch_set = false, trace_set = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string_view {
@@ -101,13 +125,32 @@ options parse_options(int argc, const char* const* argv) {
       o.gpu_ranks = static_cast<int>(parse_int(a, value(), 1, 8));
     } else if (a == "--trace") {
       const std::string_view v = value();
-      if (v == "bursty") o.trace = trace_kind::bursty;
-      else if (v == "rollout") o.trace = trace_kind::rollout;
-      else if (v.empty()) fail(a, "needs bursty, rollout or a file name");
+      if (!trace_set) o.traces.clear();
+      trace_set = true;
+      if (v == "all") {
+        o.traces = {trace_kind::bursty, trace_kind::rollout, trace_kind::steady,
+                    trace_kind::production};
+      } else if (v == "bursty") o.traces.push_back(trace_kind::bursty);
+      else if (v == "rollout") o.traces.push_back(trace_kind::rollout);
+      else if (v == "steady") o.traces.push_back(trace_kind::steady);
+      else if (v == "production") o.traces.push_back(trace_kind::production);
+      else if (v.empty()) fail(a, "needs all, bursty, rollout, steady, production or a file name");
       else {
-        o.trace = trace_kind::file;
+        if (!o.trace_file.empty()) fail(a, "one trace file at most");
+        o.traces.push_back(trace_kind::file);
         o.trace_file = std::string(v);
       }
+    } else if (a == "--model") {
+      const std::string_view v = value();
+      if (v == "qwen3-235b-a22b") o.priced = priced_kind::qwen3_235b_a22b;
+      else if (v == "qwen3-30b-a3b") o.priced = priced_kind::qwen3_30b_a3b;
+      else fail(a, "'" + std::string(v) + "' is not one of qwen3-235b-a22b, qwen3-30b-a3b");
+    } else if (a == "--no-gate") {
+      o.gate = false;
+    } else if (a == "--write-trace") {
+      const std::string_view v = value();
+      if (v.empty()) fail(a, "needs a file name");
+      o.write_trace = std::string(v);
     } else if (a == "--seed") {
       o.seed = parse_seed(a, value());
     } else if (a == "--duration") {
@@ -139,6 +182,9 @@ options parse_options(int argc, const char* const* argv) {
     } else {
       throw usage_error("unknown option '" + a + "'");
     }
+  }
+  if (!o.write_trace.empty() && o.traces.size() != 1) {
+    fail("--write-trace", "needs exactly one --trace");
   }
   if (o.max_batch > o.step_tokens) {
     if (max_batch_set) {

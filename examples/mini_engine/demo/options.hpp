@@ -18,23 +18,30 @@ class usage_error : public std::runtime_error {
 };
 
 enum class runtime_kind : uint8_t { automatic, host, gpu };
-enum class trace_kind : uint8_t { bursty, rollout, file };
+enum class trace_kind : uint8_t { bursty, rollout, steady, production, file };
+// The model the H200 clock prices each step as.
+enum class priced_kind : uint8_t { qwen3_30b_a3b, qwen3_235b_a22b };
 enum class clock_kind : uint8_t { automatic, model, measured };
 
 struct options {
   runtime_kind runtime = runtime_kind::automatic;
-  int ranks = 4;                 // P (virtual ranks on the host)
+  int ranks = 8;                 // P (virtual ranks on the host)
   // P of the GPU runtime; 0: 2 (one per GPU with two GPUs or more, virtual on one GPU). More
   // than the GPUs: virtual ranks (all on GPU 0).
   int gpu_ranks = 0;
-  trace_kind trace = trace_kind::bursty;
+  // The traces served, in order (default: bursty, rollout, steady, production).
+  std::vector<trace_kind> traces = {trace_kind::bursty, trace_kind::rollout, trace_kind::steady,
+                                    trace_kind::production};
   std::string trace_file;        // trace_kind::file
+  std::string write_trace;       // non-empty: write the (single) trace as JSONL here and exit
+  priced_kind priced = priced_kind::qwen3_235b_a22b;
+  bool gate = true;              // the cost gate in the switching runs
   uint64_t seed = 1;
-  double duration_s = 1.0;       // bursty: length of the trace on the serving clock
-  int64_t requests = 160;        // rollout: the batch
-  int64_t kv_pages = 2048;       // EP KV pages per rank
-  int64_t max_batch = 128;       // sequences running at once
-  int64_t step_tokens = 512;     // token budget per step (chunked prefill)
+  double duration_s = 0;         // bursty/steady/production length, s (0: each trace's own)
+  int64_t requests = 512;        // rollout: the batch
+  int64_t kv_pages = 0;          // EP KV pages per rank (0: what an H200 holds, priced)
+  int64_t max_batch = 512;       // sequences running at once
+  int64_t step_tokens = 1024;    // token budget per step (chunked prefill)
   clock_kind clock = clock_kind::automatic;
   double context_scale = 32;     // H200 model: each context token priced as this many
   std::string out_dir = "moebius_demo_out";
@@ -44,6 +51,9 @@ struct options {
 
 // Parses argv[1..argc). Throws usage_error with a message naming the option and the value.
 options parse_options(int argc, const char* const* argv);
+
+const char* to_string(trace_kind t);
+const char* to_string(priced_kind m);
 
 // The --help text.
 const char* usage_text();

@@ -6,6 +6,8 @@
 #include <optional>
 #include <cstdio>
 #include <ostream>
+#include <sstream>
+#include <utility>
 
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
@@ -65,6 +67,40 @@ bool fits(void* c, parallel_mode target) {
   return ctx->sw->check(target).fits && ctx->sched->fits_at_largest(ctx->sw->kv_tables(), target);
 }
 
+// The gate's switch cost: what the clock predicts for the switch the switcher would run now
+// (weights and the live KV), in ms.
+struct cost_context {
+  const moebius::switcher* sw;
+  const step_clock* clock;
+  int64_t num_layers;
+};
+
+double predicted_switch_ms(void* c, parallel_mode target) {
+  const auto* ctx = static_cast<const cost_context*>(c);
+  try {
+    return ctx->clock->predicted_switch_s(ctx->sw->layer_bytes_of(target), ctx->num_layers) * 1e3;
+  } catch (const moebius::error& e) {
+    if (e.code() != errc::capacity) throw;
+    return 1e12;  // the target cannot hold the KV (the capacity check refuses it first)
+  }
+}
+
+// Decode-step batches for the gate's calibration: 1, 2, 4, ... below max_running, and it.
+std::vector<int64_t> calibration_batches(int64_t max_running) {
+  std::vector<int64_t> b;
+  for (int64_t x = 1; x < max_running; x *= 2) b.push_back(x);
+  b.push_back(std::max<int64_t>(max_running, 2));
+  return b;
+}
+
+// Mean prompt + half the output over the trace: the context a decode step sees on average.
+int64_t mean_context(const std::vector<request>& requests) {
+  if (requests.empty()) return 1;
+  int64_t sum = 0;
+  for (const request& r : requests) sum += static_cast<int64_t>(r.prompt.size()) + r.output_tokens / 2;
+  return std::max<int64_t>(1, sum / static_cast<int64_t>(requests.size()));
+}
+
 int64_t tokens_produced(const scheduler& sched) {
   int64_t n = 0;
   for (const request_result& q : sched.results()) n += static_cast<int64_t>(q.generated.size());
@@ -101,6 +137,13 @@ struct engine::run_state {
   scheduler sched;
   capacity_context capacity{nullptr, nullptr};
   std::optional<moebius::switch_policy> policy;
+  // The cost gate: its curves, residency predictor, cost estimate and what the predictor has
+  // been told (arrivals and completions are observed as differences of these counts).
+  moebius::latency_curves curves;
+  std::optional<moebius::residency_predictor> residency;
+  cost_context cost{nullptr, nullptr, 0};
+  int64_t seen_arrived = 0, seen_finished = 0, seen_finished_tokens = 0;
+  moebius::gate_evaluation pending_gate;  // the gate's reasoning for the switch decided now
   run_result out;
   double now = 0;
   size_t next_forced = 0;
@@ -125,12 +168,40 @@ void engine::switch_untimed(parallel_mode target) {
 
 std::optional<parallel_mode> engine::decide(run_state& st, int64_t step) {
   const engine_options& o = st.options;
+  if (st.residency) {
+    // What happened since the last decision: arrivals, completions and the steps those ran
+    // (a request's decode steps: its output tokens).
+    const int64_t finished = st.sched.num_finished();
+    const int64_t arrived = finished + st.sched.num_running() + st.sched.num_waiting(st.now);
+    moebius::step_observation obs;
+    obs.arrivals = std::max<int64_t>(0, arrived - st.seen_arrived);
+    obs.completions = finished - st.seen_finished;
+    if (obs.completions > 0) {
+      int64_t finished_tokens = 0;
+      for (const request_result& q : st.sched.results()) {
+        if (q.finished()) finished_tokens += q.output_tokens;
+      }
+      obs.completed_steps = finished_tokens - st.seen_finished_tokens;
+      st.seen_finished_tokens = finished_tokens;
+    }
+    obs.running = st.sched.num_running();
+    st.residency->observe(obs);
+    st.seen_arrived = std::max(st.seen_arrived, arrived);
+    st.seen_finished = finished;
+  }
   if (st.session) return std::nullopt;
   if (o.how == switching::policy) {
     const int64_t load = std::min(st.sched.num_running() + st.sched.num_waiting(st.now),
                                   o.scheduler.max_running);
     const moebius::switch_decision d = st.policy->step(load, switcher_.mode(), st.now);
-    if (d.do_switch && d.target != switcher_.mode()) return d.target;
+    if (d.reason == moebius::decision_reason::cost_exceeds_gain) {
+      ++st.out.gate_refusals;
+      st.out.last_refusal = st.policy->last_gate();
+    }
+    if (d.do_switch && d.target != switcher_.mode()) {
+      st.pending_gate = st.policy->gate_active() ? st.policy->last_gate() : moebius::gate_evaluation{};
+      return d.target;
+    }
   } else if (o.how == switching::forced) {
     while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
       ++st.next_forced;
@@ -150,6 +221,7 @@ void engine::start_switch(run_state& st, parallel_mode target, step_record& rec)
   s.prefilling = st.sched.num_prefilling();
   s.from = switcher_.mode();
   s.to = target;
+  s.gate = std::exchange(st.pending_gate, moebius::gate_evaluation{});
   const bool progressive = st.options.style == switch_style::progressive &&
                            begin_progressive(st, target, s);
   if (!progressive) stop_the_world(st, target, s, rec);
@@ -172,6 +244,16 @@ bool engine::begin_progressive(run_state& st, parallel_mode target, switch_recor
   st.pacing.link_fraction = st.options.copy_link_fraction;
   st.pacing.bytes_per_layer = clock_.layer_bytes(*bytes, L);
   st.layers = moebius::layers_per_step(st.pacing, L);
+  // The measured overlap slowdown, when the clock has one (step_clock::slowdown()): no more
+  // layers per step than keep a step within max_overlap_slowdown of its time alone, and at
+  // least one (a switch must end).
+  if (const overlap_slowdown slow = clock_.slowdown(); slow.known()) {
+    while (st.layers > 1 &&
+           slow.at(st.pacing.step_s, st.layers * st.pacing.bytes_per_layer) >
+               st.options.max_overlap_slowdown) {
+      --st.layers;
+    }
+  }
   try {
     st.sched.reserve_for_switch(switcher_.mutable_kv_tables(), (L + st.layers - 1) / st.layers);
   } catch (const moebius::error& e) {
@@ -341,12 +423,42 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   MOEBIUS_CHECK(std::is_sorted(o.forced_steps.begin(), o.forced_steps.end()),
                 errc::invalid_argument, "engine::run: forced_steps must be ascending");
   verify_ = o.verify;
+  // The gate's curves: given, or calibrated on this engine's clock before the run (the tables
+  // hold no live sequence yet).
+  const bool gated = o.how == switching::policy && o.gate.enabled;
+  moebius::latency_curves curves;
+  if (gated) {
+    if (o.gate.curves) {
+      curves = *o.gate.curves;
+    } else {
+      const int64_t context =
+          o.gate.calibration_context > 0 ? o.gate.calibration_context : mean_context(requests);
+      curves = calibrate_engine(*this, calibration_batches(o.scheduler.max_running), context).curves;
+    }
+  }
   switch_untimed(o.start_mode);
 
   run_state st(kv_, std::move(requests), o, name);
   st.capacity = capacity_context{&switcher_, &st.sched};
   if (o.how == switching::policy) {
-    st.policy.emplace(o.policy, moebius::capacity_check{&fits, &st.capacity});
+    moebius::switch_policy_config config = o.policy;
+    if (gated) config.gate_margin = o.gate.margin;
+    st.policy.emplace(config, moebius::capacity_check{&fits, &st.capacity});
+    if (gated) {
+      st.curves = curves;
+      st.residency.emplace(o.gate.residency);
+      st.cost = cost_context{&switcher_, &clock_, arena_.shape.num_layers};
+      st.policy->set_cost_gate(&st.curves,
+                               moebius::switch_cost_estimate{&predicted_switch_ms, &st.cost});
+      st.policy->set_residency_predictor(&*st.residency);
+      std::ostringstream g;
+      g << "EP " << st.curves.ep << "; TP " << st.curves.tp << "; margin " << o.gate.margin
+        << "; " << o.gate.residency;
+      st.out.gate = g.str();
+    }
+    std::ostringstream p;
+    p << config;
+    st.out.policy = p.str();
   }
   st.out.name = name;
   st.out.clock = clock_.name();
@@ -435,7 +547,7 @@ run_summary summarize(const run_result& r) {
   s.requests = static_cast<int64_t>(r.requests.size());
   s.steps = static_cast<int64_t>(r.steps.size());
   s.duration_s = r.end_s;
-  std::vector<double> ttft;
+  std::vector<double> ttft, tpot;
   double tpot_sum = 0;
   int64_t tpot_n = 0;
   for (const request_result& q : r.requests) {
@@ -443,6 +555,7 @@ run_summary summarize(const run_result& r) {
     if (q.first_token_s >= 0) ttft.push_back(q.ttft_s() * 1e3);
     if (q.finished() && q.output_tokens > 1) {
       tpot_sum += q.tpot_s() * 1e3;
+      tpot.push_back(q.tpot_s() * 1e3);
       ++tpot_n;
     }
   }
@@ -456,6 +569,11 @@ run_summary summarize(const run_result& r) {
     s.p99_ttft_ms = ttft[std::max<size_t>(rank, 1) - 1];
   }
   s.mean_tpot_ms = tpot_n > 0 ? tpot_sum / static_cast<double>(tpot_n) : 0;
+  if (!tpot.empty()) {
+    std::sort(tpot.begin(), tpot.end());
+    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(tpot.size())));
+    s.p99_tpot_ms = tpot[std::max<size_t>(rank, 1) - 1];
+  }
   // Throughput over the time requests were present: first arrival to last finish.
   double first_arrival = r.end_s;
   for (const request_result& q : r.requests) first_arrival = std::min(first_arrival, q.arrival_s);

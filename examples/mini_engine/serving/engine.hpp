@@ -15,6 +15,15 @@
 //
 // The load the policy sees is the number of sequences that want to run: running plus arrived
 // and waiting, capped at max_running (the batch the calibration measured).
+//
+// The cost gate (DESIGN.md §7, "a switch must pay for itself") is on by default whenever a
+// policy decides (engine_options::gate): a switch the policy's rules propose goes ahead only
+// when (latency(current, load) - latency(target, load)) x predicted residency >= predicted
+// switch cost x (1 + margin). Latency curves: given, or calibrated at the run's start on the
+// engine's clock (calibrate_engine); residency: a moebius::residency_predictor the engine feeds
+// each step (arrivals, completions and the steps completed requests ran, counted as their
+// output tokens); switch cost: the clock's prediction (step_clock::predicted_switch_s) for what
+// the switcher would move now, weights and the live KV.
 
 #include <cstdint>
 #include <functional>
@@ -27,6 +36,7 @@
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/policy/calibration.hpp>
+#include <moebius/policy/residency.hpp>
 #include <moebius/policy/switch_policy.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
@@ -65,11 +75,26 @@ struct progress_info {
   moebius::parallel_mode mode = moebius::parallel_mode::ep;
 };
 
+// The cost gate of a policy run (switching::policy).
+struct cost_gate_options {
+  bool enabled = true;   // off: the policy's rules alone (and its own expected_residency_steps)
+  // The share by which the predicted gain must exceed the predicted cost (sets the policy's
+  // gate_margin): covers the residency's spread and a cost model off by tens of percent.
+  double margin = 0.25;
+  moebius::residency_config residency;
+  // Step-latency curves of both modes; empty: calibrated at the run's start on the engine's
+  // clock, decode steps at batches 1, 2, 4, ... up to max_running (and max_running itself), at
+  // `calibration_context` tokens per sequence (0: the trace's mean prompt + half its output).
+  std::optional<moebius::latency_curves> curves;
+  int64_t calibration_context = 0;
+};
+
 struct engine_options {
   scheduler_options scheduler;
   moebius::parallel_mode start_mode = moebius::parallel_mode::ep;
   switching how = switching::never;
   moebius::switch_policy_config policy;  // switching::policy
+  cost_gate_options gate;                 // switching::policy: the cost gate (on by default)
   std::vector<int64_t> forced_steps;     // switching::forced: step indices, ascending
   bool validate_every_step = false;      // moebius::validate(kv, tables) after every step
   int64_t max_steps = 50'000'000;        // a run longer than this throws (a stuck loop)
@@ -78,6 +103,9 @@ struct engine_options {
   switch_style style = switch_style::stop_the_world;
   // Progressive: the share of the link the copies may use (pacing_params::link_fraction).
   double copy_link_fraction = 0.55;
+  // Progressive, with a clock that provides an overlap slowdown curve (step_clock::slowdown()):
+  // the most a step may slow down with the layers copied beside it (1.10: 10% longer).
+  double max_overlap_slowdown = 1.10;
   // Progressive, tests: called before each advance (inject a fault here), and after it
   // (return true to abort the switch at the cursor reached).
   std::function<void(moebius::switcher&, const moebius::progressive_switch&, int64_t step)>
@@ -120,6 +148,8 @@ struct switch_record {
   // produced meanwhile. clock_ms is then begin to finish on the serving clock.
   bool progressive = false;
   int64_t steps = 0, layers_per_step = 0, tokens = 0;
+  // The cost gate's reasoning when it let this switch through (evaluated false: no gate).
+  moebius::gate_evaluation gate;
 };
 
 struct run_result {
@@ -130,11 +160,17 @@ struct run_result {
   std::vector<request_result> requests; // sorted by id
   double end_s = 0;
   int64_t stalls = 0;
+  // Policy runs: the policy as configured, the gate's curves (if any), the decisions the gate
+  // refused, and the last refusal's reasoning.
+  std::string policy;
+  std::string gate;
+  int64_t gate_refusals = 0;
+  moebius::gate_evaluation last_refusal;
 };
 
 struct run_summary {
   int64_t requests = 0, output_tokens = 0, steps = 0;
-  double mean_ttft_ms = 0, p99_ttft_ms = 0, mean_tpot_ms = 0, tokens_per_s = 0;
+  double mean_ttft_ms = 0, p99_ttft_ms = 0, mean_tpot_ms = 0, p99_tpot_ms = 0, tokens_per_s = 0;
   int64_t switches = 0;                 // committed
   double switch_total_ms = 0, switch_mean_ms = 0;
   double duration_s = 0;

@@ -72,8 +72,7 @@ double h200_step_model::decode_step_s(parallel_mode mode, int64_t batch, double 
   return time_s(mode, b, b, b * context);
 }
 
-double h200_step_model::switch_s(const moebius::switch_report& r) const {
-  if (r.outcome != moebius::switch_outcome::committed) return r.total_ms * 1e-3;
+double h200_step_model::priced_switch_s(int64_t kv_sent, int64_t kv_rounds) const {
   moebius::link_params link;
   link.bandwidth = hw_.switch_rate;
   const moebius::cost_model cost(link);
@@ -86,15 +85,31 @@ double h200_step_model::switch_s(const moebius::switch_report& r) const {
   w.weight_bytes_per_rank =
       static_cast<int64_t>(static_cast<double>(m_.num_layers) * layer_bytes * (P - 1) / P);
   w.weight_phases = m_.num_layers;
-  int64_t kv_sent = 0;
-  for (int64_t b : r.kv_bytes_sent) kv_sent = std::max(kv_sent, b);
   const double priced_kv_per_token = static_cast<double>(m_.num_layers * 2 * m_.num_kv_heads *
                                                          m_.head_dim * m_.kv_bytes);
   w.kv_bytes_per_rank = static_cast<int64_t>(static_cast<double>(kv_sent) * m_.context_scale *
                                              priced_kv_per_token /
                                              static_cast<double>(run_kv_bytes_per_token_));
-  w.kv_rounds = r.kv_rounds;
+  w.kv_rounds = kv_rounds;
   return cost.predict(w).total_ms() * 1e-3;
+}
+
+double h200_step_model::switch_s(const moebius::switch_report& r) const {
+  if (r.outcome != moebius::switch_outcome::committed) return r.total_ms * 1e-3;
+  int64_t kv_sent = 0;
+  for (int64_t b : r.kv_bytes_sent) kv_sent = std::max(kv_sent, b);
+  return priced_switch_s(kv_sent, r.kv_rounds);
+}
+
+double h200_step_model::predicted_switch_s(const moebius::layer_bytes& run,
+                                           int64_t run_layers) const {
+  MOEBIUS_CHECK(run_layers >= 1, errc::invalid_argument,
+                "predicted_switch_s: run_layers must be >= 1");
+  // The busiest rank's KV over all layers (each layer moves the same pages), one round per
+  // layer: what the switch report of the same switch would say.
+  int64_t kv = 0;
+  for (int64_t b : run.kv_bytes_sent) kv = std::max(kv, b);
+  return priced_switch_s(kv * run_layers, kv > 0 ? run_layers : 0);
 }
 
 int64_t h200_step_model::layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const {

@@ -32,6 +32,17 @@ struct switch_copies {
   int64_t bytes = 0;      // the busiest rank's bytes as the clock prices them (layer_bytes x layers)
 };
 
+// A slowdown curve a clock provides: slowdown(step_s, bytes) >= 1 is the factor a step of
+// step_s seconds takes longer with `bytes` copied beside it on the same GPUs. A plain function
+// pointer and context (the clock), so the pacing asks it without allocating.
+struct overlap_slowdown {
+  double (*fn)(const void* context, double step_s, int64_t bytes) = nullptr;
+  const void* context = nullptr;
+
+  bool known() const { return fn != nullptr; }
+  double at(double step_s, int64_t bytes) const { return fn ? fn(context, step_s, bytes) : 1.0; }
+};
+
 class step_clock {
  public:
   virtual ~step_clock() = default;
@@ -65,6 +76,18 @@ class step_clock {
   }
   // The copies alone (a step with nothing to run): by default the measured wait.
   virtual double copies_s(const switch_copies& copies) const { return copies.measured_s; }
+  // The cost gate (engine.hpp): the predicted seconds of a switch that would move `run` per
+  // layer (moebius::switch_layer_bytes of the live tables) over the run's `run_layers` layers,
+  // before it runs. Default: layer_bytes(run, run_layers) x run_layers at link().
+  virtual double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const {
+    return static_cast<double>(layer_bytes(run, run_layers)) * static_cast<double>(run_layers) /
+           link().bytes_per_s;
+  }
+
+  // Progressive pacing hook: how much longer a step of `step_s` seconds takes with `bytes`
+  // copied beside it (the measured slowdown curve, DESIGN.md §7 "What overlap costs"). Empty
+  // (the default, and every clock today): no curve, pacing by the link share alone.
+  virtual overlap_slowdown slowdown() const { return {}; }
 };
 
 // The measured time itself (GPU runtimes; the host when its time is what you want).
@@ -85,6 +108,23 @@ struct priced_model {
   // hundreds of tokens stand for prompts of a few thousand.
   double context_scale = 8;
 };
+
+// Qwen3-235B-A22B's sizes (bf16): the paper's model, whose TP/EP crossover on 8x H200 lies at
+// 128-256 concurrent requests (DESIGN.md §7: 13.4 GB of attention weights per rank in EP
+// against 1.7 GB in TP at P=8; H_kv = 4 < P: TP replicates KV heads).
+inline priced_model qwen3_235b_a22b_priced() {
+  priced_model m;
+  m.num_layers = 94;
+  m.hidden = 4096;
+  m.num_q_heads = 64;
+  m.num_kv_heads = 4;
+  m.head_dim = 128;
+  m.num_experts = 128;
+  m.top_k = 8;
+  m.intermediate = 1536;
+  m.vocab = 151936;
+  return m;
+}
 
 // The hardware, from DESIGN.md §6-7 (2x H200, NV18).
 struct h200_params {
@@ -133,6 +173,9 @@ class h200_step_model final : public step_clock {
   // The copies at the link rate, before the priced step (switch_step_s adds the two, as the
   // serving loop runs them: no overlap is priced without a measured slowdown curve).
   double copies_s(const switch_copies& copies) const override;
+  // As switch_s() would price the switch that moves `run`: the priced experts and the run's KV
+  // scaled to the priced model, through moebius::cost_model at switch_rate.
+  double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
   double decode_step_s(moebius::parallel_mode mode, int64_t batch, double context) const;
@@ -142,6 +185,7 @@ class h200_step_model final : public step_clock {
  private:
   double time_s(moebius::parallel_mode mode, double sequences, double tokens,
                 double context_tokens) const;
+  double priced_switch_s(int64_t run_kv_bytes, int64_t kv_rounds) const;
 
   priced_model m_;
   h200_params hw_;

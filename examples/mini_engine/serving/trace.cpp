@@ -69,6 +69,29 @@ void validate(const rollout_options& o) {
   MOEBIUS_CHECK(o.vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", o.vocab, ")");
 }
 
+void validate(const steady_options& o) {
+  check_time("steady duration_s", o.duration_s, false);
+  check_time("steady rate", o.rate, false);
+  check_range("steady prompt tokens", o.prompt_min, o.prompt_max);
+  check_range("steady output tokens", o.output_min, o.output_max);
+  MOEBIUS_CHECK(o.vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", o.vocab, ")");
+}
+
+void validate(const production_options& o) {
+  check_time("production duration_s", o.duration_s, false);
+  check_time("production mean_rate", o.mean_rate, false);
+  check_time("production rate_sigma", o.rate_sigma, false);
+  check_time("production rate_period_s", o.rate_period_s, true);
+  check_time("production prompt_median", o.prompt_median, true);
+  check_time("production prompt_sigma", o.prompt_sigma, false);
+  check_time("production output_median", o.output_median, true);
+  check_time("production output_sigma", o.output_sigma, false);
+  check_time("production prompt_scale", o.prompt_scale, true);
+  check_range("production prompt tokens", 1, o.prompt_max);
+  check_range("production output tokens", 1, o.output_max);
+  MOEBIUS_CHECK(o.vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", o.vocab, ")");
+}
+
 std::vector<int32_t> draw_prompt(uint64_t seed, int64_t id, int64_t num_tokens, int32_t vocab) {
   MOEBIUS_CHECK(num_tokens >= 0 && vocab >= 1, errc::invalid_argument,
                 "draw_prompt: need num_tokens >= 0 and vocab >= 1 (got ", num_tokens, ", ", vocab,
@@ -125,6 +148,64 @@ std::vector<request> rollout_trace(uint64_t seed, const rollout_options& o) {
     out.push_back(std::move(r));
   }
   return out;
+}
+
+std::vector<request> steady_trace(uint64_t seed, const steady_options& o) {
+  validate(o);
+  std::mt19937_64 rng(seed);
+  std::vector<request> out;
+  if (o.rate <= 0) return out;
+  std::exponential_distribution<double> gap(o.rate);
+  for (double a = gap(rng); a < o.duration_s; a += gap(rng)) {
+    request r;
+    r.id = static_cast<int64_t>(out.size());
+    r.arrival_s = a;
+    const int64_t prompt = uniform(rng, o.prompt_min, o.prompt_max);
+    r.output_tokens = uniform(rng, o.output_min, o.output_max);
+    r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<request> production_trace(uint64_t seed, const production_options& o) {
+  validate(o);
+  std::mt19937_64 rng(seed);
+  // A rate with median mean_rate / exp(sigma^2/2) has mean mean_rate.
+  std::lognormal_distribution<double> rate_of(
+      std::log(std::max(o.mean_rate, 1e-300)) - 0.5 * o.rate_sigma * o.rate_sigma, o.rate_sigma);
+  std::lognormal_distribution<double> prompt_len(std::log(o.prompt_median / o.prompt_scale),
+                                                 o.prompt_sigma);
+  std::lognormal_distribution<double> output_len(std::log(o.output_median), o.output_sigma);
+  std::vector<request> out;
+  if (o.mean_rate <= 0) return out;
+  for (double t = 0; t < o.duration_s; t += o.rate_period_s) {
+    const double end = std::min(t + o.rate_period_s, o.duration_s);
+    std::exponential_distribution<double> gap(rate_of(rng));
+    for (double a = t + gap(rng); a < end; a += gap(rng)) {
+      request r;
+      r.id = static_cast<int64_t>(out.size());
+      r.arrival_s = a;
+      const int64_t prompt =
+          std::clamp(static_cast<int64_t>(std::llround(prompt_len(rng))), int64_t{1}, o.prompt_max);
+      r.output_tokens = std::clamp(static_cast<int64_t>(std::llround(output_len(rng))), int64_t{1},
+                                   o.output_max);
+      r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+void write_trace_jsonl(std::ostream& os, const std::vector<request>& requests) {
+  char buf[128];
+  for (const request& r : requests) {
+    std::snprintf(buf, sizeof buf,
+                  "{\"arrival_s\": %.6f, \"prompt_tokens\": %lld, \"output_tokens\": %lld}\n",
+                  r.arrival_s, static_cast<long long>(r.prompt.size()),
+                  static_cast<long long>(r.output_tokens));
+    os << buf;
+  }
 }
 
 void write_trace(std::ostream& os, const std::vector<request>& requests) {
@@ -217,10 +298,164 @@ std::vector<request> read_trace(std::istream& is, uint64_t seed, int32_t vocab,
   return out;
 }
 
+namespace {
+
+// A strict reader of one flat JSON object of number members: {"name": number, ...}.
+class json_line {
+ public:
+  json_line(std::string_view text, const std::string& source, int64_t line_no)
+      : s_(text), source_(source), line_(line_no) {}
+
+  bool blank() {
+    skip_ws();
+    return i_ == s_.size();
+  }
+
+  // Calls member(name, number_text) for each member, in order.
+  template <class F>
+  void parse(F&& member) {
+    skip_ws();
+    expect('{', "a JSON object starting with '{'");
+    skip_ws();
+    if (peek() == '}') {
+      ++i_;
+    } else {
+      for (;;) {
+        skip_ws();
+        const std::string name = parse_name();
+        skip_ws();
+        expect(':', "':' after \"" + name + "\"");
+        skip_ws();
+        member(name, parse_number(name));
+        skip_ws();
+        if (peek() == ',') {
+          ++i_;
+          continue;
+        }
+        expect('}', "',' or '}' after the value of \"" + name + "\"");
+        break;
+      }
+    }
+    skip_ws();
+    if (i_ != s_.size()) fail("unexpected text after the object: '" + std::string(s_.substr(i_)) + "'");
+  }
+
+  [[noreturn]] void fail(const std::string& what) const { bad_line(source_, line_, what); }
+
+ private:
+  char peek() const { return i_ < s_.size() ? s_[i_] : '\0'; }
+  void skip_ws() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
+  }
+  void expect(char c, const std::string& what) {
+    if (peek() != c) {
+      fail("expected " + what + (i_ < s_.size() ? ", got '" + std::string(1, s_[i_]) + "'"
+                                                 : std::string(", got the end of the line")));
+    }
+    ++i_;
+  }
+  std::string parse_name() {
+    expect('"', "a member name in double quotes");
+    const size_t start = i_;
+    while (i_ < s_.size() && s_[i_] != '"') {
+      const unsigned char c = static_cast<unsigned char>(s_[i_]);
+      if (c == '\\' || c < 0x20 || c >= 0x7f) fail("member names must be plain ASCII without escapes");
+      ++i_;
+    }
+    if (i_ == s_.size()) fail("unterminated member name");
+    const std::string name(s_.substr(start, i_ - start));
+    ++i_;
+    return name;
+  }
+  // JSON number grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
+  std::string parse_number(const std::string& name) {
+    const size_t start = i_;
+    auto digits = [&] {
+      const size_t d = i_;
+      while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') ++i_;
+      return i_ - d;
+    };
+    if (peek() == '-') ++i_;
+    if (peek() == '0') {
+      ++i_;
+    } else if (digits() == 0) {
+      size_t end = i_;
+      while (end < s_.size() && s_[end] != ',' && s_[end] != '}') ++end;
+      fail(name + ": '" + std::string(s_.substr(start, end - start)) + "' is not a JSON number");
+    }
+    if (peek() == '.') {
+      ++i_;
+      if (digits() == 0) fail(name + ": a digit must follow '.'");
+    }
+    if (peek() == 'e' || peek() == 'E') {
+      ++i_;
+      if (peek() == '+' || peek() == '-') ++i_;
+      if (digits() == 0) fail(name + ": a digit must follow the exponent");
+    }
+    return std::string(s_.substr(start, i_ - start));
+  }
+
+  std::string_view s_;
+  const std::string& source_;
+  int64_t line_;
+  size_t i_ = 0;
+};
+
+}  // namespace
+
+std::vector<request> read_trace_jsonl(std::istream& is, uint64_t seed, int32_t vocab,
+                                      const std::string& source) {
+  MOEBIUS_CHECK(vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", vocab, ")");
+  static constexpr const char* names[3] = {"arrival_s", "prompt_tokens", "output_tokens"};
+  std::vector<request> out;
+  std::string line;
+  int64_t line_no = 0;
+  while (std::getline(is, line)) {
+    ++line_no;
+    json_line j(line, source, line_no);
+    if (j.blank()) continue;
+    bool seen[3] = {false, false, false};
+    double arrival = 0;
+    int64_t counts[3] = {0, 0, 0};
+    j.parse([&](const std::string& name, const std::string& number) {
+      int k = 0;
+      while (k < 3 && name != names[k]) ++k;
+      if (k == 3) {
+        j.fail("unknown member \"" + name +
+               "\" (expected arrival_s, prompt_tokens, output_tokens)");
+      }
+      if (seen[k]) j.fail(name + ": appears twice");
+      seen[k] = true;
+      if (k == 0) {
+        arrival = parse_time(number, source, line_no);
+      } else {
+        if (number.find_first_of(".eE") != std::string::npos) {
+          j.fail(name + ": " + number + " is not an integer");
+        }
+        counts[k] = parse_count(number, names[k], source, line_no);
+      }
+    });
+    for (int k = 0; k < 3; ++k) {
+      if (!seen[k]) j.fail(std::string(names[k]) + ": missing");
+    }
+    request r;
+    r.id = static_cast<int64_t>(out.size());
+    r.arrival_s = arrival;
+    r.output_tokens = counts[2];
+    r.prompt = draw_prompt(seed, r.id, counts[1], vocab);
+    out.push_back(std::move(r));
+  }
+  MOEBIUS_CHECK(!is.bad(), errc::invalid_argument, source, ": read error after line ", line_no);
+  std::stable_sort(out.begin(), out.end(),
+                   [](const request& a, const request& b) { return a.arrival_s < b.arrival_s; });
+  return out;
+}
+
 std::vector<request> read_trace_file(const std::string& path, uint64_t seed, int32_t vocab) {
   std::ifstream in(path);
   MOEBIUS_CHECK(in.good(), errc::invalid_argument, "cannot open trace file '", path, "'");
-  return read_trace(in, seed, vocab, path);
+  const bool jsonl = path.size() >= 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0;
+  return jsonl ? read_trace_jsonl(in, seed, vocab, path) : read_trace(in, seed, vocab, path);
 }
 
 }  // namespace mini_engine

@@ -1,9 +1,23 @@
 #pragma once
 
-// Request traces for the mini-engine: two generators drawn from a seed (bursty interactive
-// traffic, an RL rollout) and a text file format for users' own traces.
+// Request traces for the mini-engine: generators drawn from a seed (bursty interactive
+// traffic, an RL rollout, a steady Poisson load, a production-shaped load) and two file
+// formats for users' own traces, JSONL (preferred) and whitespace-separated text.
 //
-// File format: one request per line, `arrival_s prompt_tokens output_tokens`, blank lines and
+// JSONL format (`.jsonl`): one JSON object per line, exactly these three members, in any order:
+//
+//   {"arrival_s": 0.0, "prompt_tokens": 128, "output_tokens": 64}
+//   {"arrival_s": 0.25, "prompt_tokens": 32, "output_tokens": 200}
+//
+//   arrival_s      seconds from the start of the trace: a JSON number, finite, >= 0
+//   prompt_tokens  a JSON integer (no fraction or exponent) in [1, 2^20], read as 64-bit
+//   output_tokens  a JSON integer in [1, 2^20]: tokens to generate
+// Blank lines are skipped; anything else (another member, a member twice or missing, a string
+// or null value, a negative or non-finite number, text after the object) is an error naming the
+// source, the line and the member. The parser is a strict one for this flat object (no nesting,
+// no string escapes: member names are plain ASCII), not a general JSON reader.
+//
+// Text format: one request per line, `arrival_s prompt_tokens output_tokens`, blank lines and
 // `#` comments (whole-line or trailing) ignored. The prompt's token ids are not in the file:
 // they are drawn from the reader's seed, so a file plus a seed is a reproducible workload.
 //
@@ -46,14 +60,48 @@ struct rollout_options {
   int32_t vocab = 1024;
 };
 
+// A steady load: Poisson arrivals at one rate, uniform lengths. Near the crossover, the load the
+// engine sees wanders around B* and a switch cannot pay: the policy must not lose there.
+struct steady_options {
+  double duration_s = 10;
+  double rate = 20;  // requests per second
+  int64_t prompt_min = 16, prompt_max = 256;
+  int64_t output_min = 8, output_max = 96;
+  int32_t vocab = 1024;
+};
+
+// Shaped like a public production trace: the Azure LLM inference trace 2023 (Patel et al.,
+// "Splitwise: Efficient Generative LLM Inference Using Phase Splitting", ISCA 2024, §III,
+// traces published at github.com/Azure/AzurePublicDataset). Its conversation trace has a
+// median prompt of about 1020 tokens and a median output of about 129 tokens, both long-tailed;
+// the coding trace about 1500 and 13. Arrivals there are bursty (the request rate swings by
+// several times within minutes); here they are a Poisson process whose rate is redrawn every
+// `rate_period_s` from a log-normal around `mean_rate` (sigma `rate_sigma`). Lengths are
+// log-normal around the medians, clamped; prompts are divided by `prompt_scale` (the host
+// demo prices each context token as 32: a 1020-token prompt is 32 tokens of the run).
+// These are the published summary figures, not the trace itself (nothing is downloaded).
+struct production_options {
+  double duration_s = 20;
+  double mean_rate = 20, rate_sigma = 0.6, rate_period_s = 2;
+  double prompt_median = 1020, prompt_sigma = 1.0;  // conversation (Splitwise §III)
+  double output_median = 129, output_sigma = 1.0;
+  double prompt_scale = 32;
+  int64_t prompt_max = 1024, output_max = 1024;  // clamps, after scaling
+  int32_t vocab = 1024;
+};
+
 // Throw moebius::error(errc::invalid_argument) naming the field unless every duration and
 // rate is finite and >= 0 (periods > 0), 1 <= min <= max for the lengths, vocab >= 1.
 void validate(const bursty_options& o);
 void validate(const rollout_options& o);
+void validate(const steady_options& o);
+void validate(const production_options& o);
 
 // Requests sorted by arrival, ids 0, 1, 2, ... in that order. Same seed, same trace.
 std::vector<request> bursty_trace(uint64_t seed, const bursty_options& o = {});
 std::vector<request> rollout_trace(uint64_t seed, const rollout_options& o = {});
+std::vector<request> steady_trace(uint64_t seed, const steady_options& o = {});
+std::vector<request> production_trace(uint64_t seed, const production_options& o = {});
 
 // Token ids of a prompt of `num_tokens` tokens, drawn from (seed, id) alone: the same request
 // has the same prompt whichever trace or file it comes from.
@@ -72,6 +120,16 @@ void write_trace(std::ostream& os, const std::vector<request>& requests);
 //   "0.5 12x 3" -> "trace.txt:1: prompt_tokens: '12x' is not an integer"
 std::vector<request> read_trace(std::istream& is, uint64_t seed, int32_t vocab,
                                 const std::string& source = "trace");
+
+// JSONL (format above): one object per request in order, arrival with 6 decimals.
+void write_trace_jsonl(std::ostream& os, const std::vector<request>& requests);
+// Reads JSONL; requests sorted by arrival (stable), ids in file order. Errors as read_trace:
+//   {"arrival_s": 0.5, "prompt_tokens": 12, "output_tokens": 3}  -> {id 0, 0.5 s, 12, 3}
+//   {"arrival_s": 0.5, "prompt_tokens": 1.5, "output_tokens": 3}
+//     -> "t.jsonl:1: prompt_tokens: 1.5 is not an integer"
+std::vector<request> read_trace_jsonl(std::istream& is, uint64_t seed, int32_t vocab,
+                                      const std::string& source = "trace");
+// A path ending in ".jsonl" is read as JSONL, any other as the text format.
 std::vector<request> read_trace_file(const std::string& path, uint64_t seed, int32_t vocab);
 
 }  // namespace mini_engine

@@ -22,6 +22,15 @@
 //            target mode can hold every live sequence's KV; if not it stays and says so.
 //   Rollout (paper eq. 13): T_l = T_h, W = 1: in an RL rollout the load only decays, so
 //            switch to TP as soon as the count drops under T_h (`rollout_config()`).
+//   Cost gate (DESIGN.md §7, "a switch must pay for itself"): with step-latency curves and
+//            the switch's predicted cost attached (set_cost_gate), a switch a rule proposes
+//            goes ahead only when
+//              gain_ms = (latency(current, load) - latency(target, load)) * residency_steps
+//                     >= predicted switch cost ms * (1 + gate_margin),
+//            residency_steps being the steps the engine is predicted to stay in the target:
+//            from a residency_predictor (residency.hpp: recent arrival and completion rates;
+//            until the load crosses T_l after entering EP, T_h after entering TP) when one is
+//            attached, else the fixed expected_residency_steps (0: gate off).
 //
 // step() is O(1), allocates nothing and keeps fixed-size state (a ring of at most
 // `max_window` loads): about 21 ns of host CPU time per call here (bench_policy).
@@ -62,10 +71,15 @@ struct switch_policy_config {
   int64_t cooldown_steps = 0;  // C in engine steps (0: off)
   double cooldown_s = 5.0;     // C in seconds of the `now_s` passed to step() (paper: 5 s)
 
-  // Cost gate (off when expected_residency_steps == 0 or no curves are attached): refuse a
-  // switch whose predicted cost exceeds its expected gain,
-  //   gain_ms = (latency(current, load) - latency(target, load)) * expected_residency_steps.
+  // Cost gate (off when no curves are attached, or when neither a residency predictor is
+  // attached nor expected_residency_steps > 0): refuse a switch whose predicted cost, times
+  // (1 + gate_margin), exceeds its expected gain,
+  //   gain_ms = (latency(current, load) - latency(target, load)) * residency_steps,
+  // residency_steps from the attached residency_predictor, else expected_residency_steps.
   int64_t expected_residency_steps = 0;
+  // The share by which the gain must exceed the predicted cost (0.5: by half again), for what
+  // the predictions leave out (the residency's spread, a cost model off by tens of percent).
+  double gate_margin = 0.0;
 };
 
 // T_l = round(0.8 · T_h) (paper §7.1): interactive_config(256) -> T_h 256, T_l 205.
@@ -78,7 +92,7 @@ switch_policy_config rollout_config(int64_t t_high, int64_t cooldown_steps = 0);
 // Throws errc::invalid_argument naming the constraint: 0 < T_l <= T_h <= 2^40, a valid
 // rule, 1 <= up_window <=
 // max_window, 1 <= down_window <= max_window, cooldowns >= 0 and finite,
-// expected_residency_steps >= 0.
+// expected_residency_steps >= 0, 0 <= gate_margin <= 1e6 (finite).
 void validate(const switch_policy_config& config);
 
 std::ostream& operator<<(std::ostream& os, const switch_policy_config& config);
@@ -136,6 +150,28 @@ struct capacity_check {
   bool fits(parallel_mode target) const { return fn == nullptr || fn(context, target); }
 };
 
+// Asked when the gate weighs a switch: its predicted cost in ms on the engine's clock (e.g.
+// moebius::cost_model priced for the live KV). nullptr: the fixed costs of set_cost_gate.
+struct switch_cost_estimate {
+  double (*fn)(void* context, parallel_mode target) = nullptr;
+  void* context = nullptr;
+};
+
+// What the gate weighed at the last decision it was asked about (for traces and tests).
+struct gate_evaluation {
+  bool evaluated = false;      // false: no rule fired past cooldown and capacity yet, or no gate
+  parallel_mode target = parallel_mode::ep;
+  int64_t load = 0;
+  int64_t residency_steps = 0;
+  double gain_ms = 0;          // (latency(current) - latency(target)) * residency_steps
+  double cost_ms = 0;          // predicted switch cost (before the margin)
+  bool passed = false;
+};
+
+std::ostream& operator<<(std::ostream& os, const gate_evaluation& g);
+
+class residency_predictor;  // residency.hpp
+
 // Counters for traces and tests.
 struct switch_policy_stats {
   int64_t steps = 0;
@@ -164,6 +200,15 @@ class switch_policy {
   // detaches. Active only when config().expected_residency_steps > 0.
   void set_cost_gate(const latency_curves* curves, double switch_ms_to_ep,
                      double switch_ms_to_tp);
+  // The same with a cost asked of `estimate` each time the gate weighs a switch (a finite
+  // cost >= 0, else errc::invalid_argument from step()).
+  void set_cost_gate(const latency_curves* curves, switch_cost_estimate estimate);
+  // Predicts the residency for the gate (the engine feeds it each step); must outlive the
+  // policy; nullptr: expected_residency_steps.
+  void set_residency_predictor(const residency_predictor* predictor) { residency_ = predictor; }
+  // Whether a gate is in force (curves attached, and a predictor or a fixed residency).
+  bool gate_active() const;
+  const gate_evaluation& last_gate() const { return last_gate_; }
 
   // Forgets history, cooldown and stats (e.g. at the start of a rollout step).
   void reset();
@@ -176,12 +221,15 @@ class switch_policy {
  private:
   void restart_windows(int64_t step_idx, double now_s);
   bool in_cooldown(double now_s) const;
-  bool gain_exceeds_cost(parallel_mode current, parallel_mode target, int64_t load) const;
+  bool gain_exceeds_cost(parallel_mode current, parallel_mode target, int64_t load);
 
   switch_policy_config config_;
   capacity_check capacity_;
   const latency_curves* curves_ = nullptr;
   double switch_ms_[2]{};  // indexed by parallel_mode
+  switch_cost_estimate estimate_;
+  const residency_predictor* residency_ = nullptr;
+  gate_evaluation last_gate_;
 
   switch_policy_stats stats_;
   bool seen_mode_ = false;

@@ -64,6 +64,7 @@ TEST_CASE("engine with the policy: calibrated thresholds, switches at bursts, al
   o.policy.cooldown_s = 0.02;
   o.policy.down_window = 4;
   o.start_mode = parallel_mode::tp;
+  o.gate.enabled = false;  // the rules alone (test_serving_gate.cpp tests the gate)
   o.scheduler.max_running = 160;
   o.scheduler.max_step_tokens = 512;
   o.validate_every_step = true;

@@ -49,6 +49,27 @@ class paced_clock final : public step_clock {
   int64_t layers_;
 };
 
+// paced_clock with an overlap slowdown curve: each 1 MB copied beside a step makes it 4% longer.
+class slowed_clock final : public step_clock {
+ public:
+  explicit slowed_clock(int64_t layers) : layers_(layers) {}
+  double step_s(const step_cost&, double) const override { return 0.01; }
+  double switch_s(const moebius::switch_report&) const override { return 0.0; }
+  const char* name() const override { return "slowed"; }
+  bool needs_measurement() const override { return false; }
+  int64_t layer_bytes(const moebius::layer_bytes&, int64_t) const override { return 1'000'000; }
+  moebius::link_rate link() const override {
+    return moebius::link_rate{(static_cast<double>(layers_) + 0.5) * 1e6 / (0.01 * 0.55)};
+  }
+  overlap_slowdown slowdown() const override {
+    return {[](const void*, double, int64_t bytes) { return 1.0 + 0.04 * static_cast<double>(bytes) / 1e6; },
+            this};
+  }
+
+ private:
+  int64_t layers_;
+};
+
 struct host_world {
   model_config c;
   std::unique_ptr<host_runtime> rt;
@@ -177,4 +198,30 @@ TEST_CASE("faults at random advances roll back exactly and serving goes on: same
           "[cpu][progressive]") {
   for (const int P : {2, 4})
     for (uint64_t seed = 21; seed <= 22; ++seed) serve_progressive(P, seed, trouble::fault);
+}
+
+TEST_CASE("progressive pacing follows the clock's overlap slowdown curve", "[cpu][progressive]") {
+  // The link fits 4 layers a step; the curve allows 1.10x: 2 layers (1.08x), not 3 (1.12x).
+  const int64_t L = 6;
+  for (const double limit : {1.10, 1.13, 1.0}) {
+    host_world w = make_host_world(2, 3, L);
+    const std::vector<request> reqs = testing::small_trace(3, static_cast<int32_t>(w.c.vocab), 12);
+    const slowed_clock clock(4);
+    engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+    engine_options o = testing::small_trace_options();
+    const run_result ep = e.run(reqs, o, "static EP");
+    o.how = switching::forced;
+    o.style = switch_style::progressive;
+    o.max_overlap_slowdown = limit;
+    o.forced_steps = {3, 20, 40};
+    const run_result sw = e.run(reqs, o, "progressive");
+    check_same_tokens(sw, ep);
+    REQUIRE(!sw.switches.empty());
+    // 1.13: 3 layers (1.12x); 1.0: nothing fits, still one layer a step.
+    const int64_t want = limit == 1.10 ? 2 : limit == 1.13 ? 3 : 1;
+    for (const switch_record& s : sw.switches) {
+      CHECK(s.progressive);
+      CHECK(s.layers_per_step == want);
+    }
+  }
 }

@@ -142,3 +142,151 @@ TEST_CASE("trace options are validated") {
   CHECK_THROWS_AS(rollout_trace(1, r), moebius::error);
   CHECK_THROWS_AS(read_trace_file("/nonexistent/trace.txt", 1, 10), moebius::error);
 }
+
+namespace {
+
+std::string jsonl_error(const std::string& text) {
+  std::istringstream in(text);
+  try {
+    read_trace_jsonl(in, 1, 100, "t.jsonl");
+  } catch (const moebius::error& e) {
+    CHECK(e.code() == moebius::errc::invalid_argument);
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("JSONL trace: write then read gives the same requests; text and JSONL agree") {
+  production_options o;
+  o.duration_s = 5;
+  const auto a = production_trace(21, o);
+  REQUIRE(a.size() > 20);
+  std::stringstream j, t;
+  write_trace_jsonl(j, a);
+  write_trace(t, a);
+  const auto b = read_trace_jsonl(j, 21, 1024);
+  const auto c = read_trace(t, 21, 1024);
+  REQUIRE(b.size() == a.size());
+  REQUIRE(c.size() == a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(b[i].id == a[i].id);
+    CHECK(std::abs(b[i].arrival_s - a[i].arrival_s) < 1e-6);
+    CHECK(b[i].prompt == a[i].prompt);
+    CHECK(b[i].output_tokens == a[i].output_tokens);
+    CHECK(c[i].arrival_s == b[i].arrival_s);
+  }
+}
+
+TEST_CASE("JSONL trace: members in any order, blank lines, unsorted arrivals, whitespace") {
+  std::istringstream in(
+      "{\"output_tokens\": 4, \"prompt_tokens\": 3, \"arrival_s\": 2.5}\n"
+      "\n"
+      "  {\"arrival_s\":0,\"prompt_tokens\":1,\"output_tokens\":1}  \r\n"
+      "{ \"arrival_s\" : 1e-1 , \"prompt_tokens\" : 2 , \"output_tokens\" : 9 }\n");
+  const auto r = read_trace_jsonl(in, 5, 50);
+  REQUIRE(r.size() == 3);
+  CHECK(r[0].arrival_s == 0);
+  CHECK(r[0].id == 1);
+  CHECK(r[1].arrival_s == 0.1);
+  CHECK(r[1].output_tokens == 9);
+  CHECK(r[2].id == 0);
+  CHECK(r[2].prompt.size() == 3);
+  CHECK(r[2].output_tokens == 4);
+}
+
+TEST_CASE("JSONL trace: every malformed line is an error naming the line and member") {
+  using Catch::Matchers::Contains;
+  const std::string ok = "{\"arrival_s\": 0, \"prompt_tokens\": 1, \"output_tokens\": 1}\n";
+  CHECK_THAT(jsonl_error(ok + "{\"arrival_s\": 0.5, \"prompt_tokens\": 1.5, \"output_tokens\": 3}\n"),
+             Contains("t.jsonl:2") && Contains("prompt_tokens: 1.5 is not an integer"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2e3, \"output_tokens\": 3}\n"),
+             Contains("prompt_tokens: 2e3 is not an integer"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2, \"output_tokens\": -3}\n"),
+             Contains("output_tokens: -3 is outside"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2, \"output_tokens\": 0}\n"),
+             Contains("output_tokens: 0 is outside"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 99999999999, \"output_tokens\": 1}\n"),
+             Contains("prompt_tokens: 99999999999 is outside"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 99999999999999999999999, "
+                         "\"output_tokens\": 1}\n"),
+             Contains("prompt_tokens") && Contains("not an integer"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": -1, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
+             Contains("arrival_s: -1 must be finite and >= 0"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 1e999, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
+             Contains("arrival_s: 1e999 must be finite"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": NaN, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
+             Contains("arrival_s: 'NaN' is not a JSON number"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": \"0\", \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
+             Contains("arrival_s") && Contains("is not a JSON number"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2}\n"),
+             Contains("t.jsonl:1") && Contains("output_tokens: missing"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"arrival_s\": 1, \"prompt_tokens\": 2, "
+                         "\"output_tokens\": 1}\n"),
+             Contains("arrival_s: appears twice"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt\": 2, \"output_tokens\": 1}\n"),
+             Contains("unknown member \"prompt\""));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2, \"output_tokens\": 1} x\n"),
+             Contains("unexpected text after the object"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2, \"output_tokens\": 1\n"),
+             Contains("expected ',' or '}'"));
+  CHECK_THAT(jsonl_error("0 2 1\n"), Contains("expected a JSON object"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 01, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
+             Contains("expected ',' or '}'"));  // a leading zero ends the number
+  CHECK_THAT(jsonl_error("{\"arrival_s\": 1., \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
+             Contains("a digit must follow '.'"));
+  CHECK_THAT(jsonl_error("{\"arrival_s\": null, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
+             Contains("'null' is not a JSON number"));
+}
+
+TEST_CASE("steady and production traces: reproducible, sorted, shaped as documented") {
+  steady_options s;
+  s.duration_s = 50;
+  s.rate = 40;
+  const auto a = steady_trace(4, s), a2 = steady_trace(4, s);
+  REQUIRE(a.size() == a2.size());
+  // Poisson: 2000 expected, sd ~45.
+  CHECK(a.size() > 1800);
+  CHECK(a.size() < 2200);
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].arrival_s == a2[i].arrival_s);
+    CHECK(a[i].arrival_s < s.duration_s);
+    if (i > 0) CHECK(a[i - 1].arrival_s <= a[i].arrival_s);
+  }
+
+  production_options p;
+  p.duration_s = 200;
+  const auto b = production_trace(6, p);
+  REQUIRE(b.size() > 2000);
+  std::vector<int64_t> prompts, outputs;
+  for (size_t i = 0; i < b.size(); ++i) {
+    prompts.push_back(static_cast<int64_t>(b[i].prompt.size()));
+    outputs.push_back(b[i].output_tokens);
+    if (i > 0) CHECK(b[i - 1].arrival_s <= b[i].arrival_s);
+  }
+  std::sort(prompts.begin(), prompts.end());
+  std::sort(outputs.begin(), outputs.end());
+  // Medians: 1020 / 32 = 31.9 prompt tokens and 129 output tokens (log-normal, within 10%).
+  CHECK(prompts[prompts.size() / 2] >= 29);
+  CHECK(prompts[prompts.size() / 2] <= 35);
+  CHECK(outputs[outputs.size() / 2] >= 116);
+  CHECK(outputs[outputs.size() / 2] <= 142);
+  // Long-tailed: the 95th percentile is several times the median (sigma 1: e^1.645 = 5.2x).
+  CHECK(outputs[outputs.size() * 95 / 100] > 4 * outputs[outputs.size() / 2]);
+  // Mean rate 20/s over 200 s; rates redrawn every 2 s: far more spread than Poisson.
+  CHECK(b.size() > 3000);
+  CHECK(b.size() < 5000);
+  std::vector<int64_t> per_period(100, 0);
+  for (const request& r : b) ++per_period[static_cast<size_t>(r.arrival_s / 2.0)];
+  double mean = 0, var = 0;
+  for (int64_t n : per_period) mean += static_cast<double>(n) / 100.0;
+  for (int64_t n : per_period) var += (static_cast<double>(n) - mean) * (static_cast<double>(n) - mean) / 99.0;
+  CHECK(var > 4 * mean);  // a Poisson count has var == mean
+  steady_options bad;
+  bad.rate = -1;
+  CHECK_THROWS_AS(steady_trace(1, bad), moebius::error);
+  production_options badp;
+  badp.rate_period_s = 0;
+  CHECK_THROWS_AS(production_trace(1, badp), moebius::error);
+}

@@ -1,0 +1,247 @@
+// Residency prediction (policy/residency.hpp): the rates against direct sums over the history,
+// the crossing time against a step-by-step simulation of the fluid load, the documented worked
+// example, and the cost gate of switch_policy driven by a predictor.
+#include <cmath>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "moebius/error.hpp"
+#include "moebius/policy/calibration.hpp"
+#include "moebius/policy/residency.hpp"
+#include "moebius/policy/switch_policy.hpp"
+#include "policy_seed.hpp"
+#include "support/catch.hpp"
+
+using namespace moebius;
+using moebius::testing::policy_test_seed;
+
+namespace {
+
+// The exponentially weighted mean over a history that starts with zeros, summed directly:
+// sum_i alpha (1 - alpha)^(n - 1 - i) x_i.
+double direct_ewma_from_zero(const std::vector<double>& x, double alpha) {
+  double sum = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    sum += alpha * std::pow(1 - alpha, static_cast<double>(x.size() - 1 - i)) * x[i];
+  }
+  return sum;
+}
+
+// The bias-corrected exponentially weighted mean, summed directly: sum_i w_i x_i / sum_i w_i
+// with w_i = (1 - alpha)^(n - 1 - i).
+double direct_ewma(const std::vector<double>& x, double alpha) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double w = std::pow(1 - alpha, static_cast<double>(x.size() - 1 - i));
+    num += w * x[i];
+    den += w;
+  }
+  return den > 0 ? num / den : 0;
+}
+
+// Steps until the fluid load, moving by `drift` each step, crosses `boundary` (from at or above
+// to below, integer loads: <= boundary - 1; from below to at or above), capped at `horizon`.
+int64_t simulate_cross(double load, int64_t boundary, double drift, int64_t horizon) {
+  const bool above = load >= static_cast<double>(boundary);
+  double l = load;
+  for (int64_t n = 1; n <= horizon; ++n) {
+    l += drift;
+    if (above ? l <= static_cast<double>(boundary) - 1 : l >= static_cast<double>(boundary)) {
+      return n;
+    }
+  }
+  return horizon;
+}
+
+}  // namespace
+
+TEST_CASE("residency: rates equal direct sums over the history", "[policy]") {
+  std::mt19937_64 rng(policy_test_seed() + 11);
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  for (int trial = 0; trial < 50; ++trial) {
+    residency_config c;
+    c.window_steps = uni(1, 300);
+    residency_predictor p(c);
+    std::vector<double> arrivals, lifetimes;  // lifetimes: one entry per completed request
+    const int64_t steps = uni(1, 400);
+    int64_t running = 0;
+    for (int64_t i = 0; i < steps; ++i) {
+      step_observation s;
+      s.arrivals = uni(0, 3) == 0 ? uni(0, 600) : uni(0, 4);
+      s.completions = uni(0, 2) == 0 ? uni(1, 5) : 0;
+      // Requests finishing in one step share a mean (the predictor sees only the sum).
+      const int64_t each = uni(1, 200);
+      s.completed_steps = s.completions * each;
+      for (int64_t k = 0; k < s.completions; ++k) lifetimes.push_back(static_cast<double>(each));
+      running = uni(0, 1000);
+      s.running = running;
+      arrivals.push_back(static_cast<double>(s.arrivals));
+      p.observe(s);
+    }
+    INFO("trial " << trial << " " << c << " " << p);
+    const double a = direct_ewma_from_zero(arrivals, 1.0 / static_cast<double>(c.window_steps));
+    CHECK(p.arrival_rate() == Catch::Approx(a).epsilon(1e-9).margin(1e-12));
+    const double S = direct_ewma(lifetimes, 1.0 / 64.0);
+    CHECK(p.mean_lifetime_steps() == Catch::Approx(S).epsilon(1e-9));
+    const double c_rate = lifetimes.empty() ? 0.0 : static_cast<double>(running) / std::max(S, 1.0);
+    CHECK(p.completion_rate(running) == Catch::Approx(c_rate).epsilon(1e-9));
+    CHECK(p.drift() == Catch::Approx(a - c_rate).epsilon(1e-9).margin(1e-9));
+    CHECK(p.steps_observed() == steps);
+  }
+}
+
+TEST_CASE("residency: constant arrivals approach that rate from an empty history", "[policy]") {
+  residency_predictor p(residency_config{4, 100});
+  for (int i = 1; i <= 40; ++i) {
+    p.observe({7, 0, 0, 3});
+    CHECK(p.arrival_rate() == Catch::Approx(7.0 * (1 - std::pow(0.75, i))));
+  }
+  CHECK(p.mean_lifetime_steps() == 0);  // no completion: unknown
+  CHECK(p.completion_rate(3) == 0);
+  p.reset();
+  CHECK(p.arrival_rate() == 0);
+  CHECK(p.steps_observed() == 0);
+}
+
+TEST_CASE("residency: crossing time equals a step-by-step simulation", "[policy]") {
+  std::mt19937_64 rng(policy_test_seed() + 12);
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  int64_t finite_down = 0, finite_up = 0, at_horizon = 0, exact = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    residency_config c;
+    c.window_steps = 1;  // the rate is the last step's arrivals: drift set exactly
+    c.horizon_steps = uni(1, 5000);
+    residency_predictor p(c);
+    const int64_t lifetime = uni(1, 300), running = uni(0, 2000), arrivals = uni(0, 40);
+    p.observe({0, 1, lifetime, 0});
+    p.observe({arrivals, 0, 0, running});
+    const double drift = static_cast<double>(arrivals) -
+                         static_cast<double>(running) / static_cast<double>(lifetime);
+    CHECK(p.drift() == Catch::Approx(drift));
+    const int64_t load = uni(0, 2000), boundary = uni(0, 2000);
+    const int64_t got = p.steps_until_cross(load, boundary);
+    const int64_t want = simulate_cross(static_cast<double>(load), boundary, drift, c.horizon_steps);
+    INFO("trial " << trial << ": load " << load << " boundary " << boundary << " drift " << drift
+                  << " horizon " << c.horizon_steps);
+    // The simulation accumulates rounding: one step off only at a near-exact tie.
+    CHECK(std::abs(got - want) <= 1);
+    exact += got == want;
+    CHECK(got >= 1);
+    CHECK(got <= c.horizon_steps);
+    if (got == c.horizon_steps) ++at_horizon;
+    else if (load >= boundary) ++finite_down;
+    else ++finite_up;
+  }
+  CHECK(finite_down > 100);
+  CHECK(finite_up > 100);
+  CHECK(at_horizon > 100);
+  CHECK(exact >= 1990);
+}
+
+TEST_CASE("residency: the header's worked example", "[policy]") {
+  // S = 28 steps, R = 128, T_l = 100. First with window 1, where the rate is the last step's
+  // arrivals.
+  residency_config c;
+  c.window_steps = 1;
+  residency_predictor p(c);
+  p.observe({0, 1, 28, 0});
+  // a = 3 (window 1): d = 3 - 128/28 = -1.571; (128 - 100 + 1) / 1.571 = 18.45 -> 19 steps.
+  p.observe({3, 0, 0, 128});
+  CHECK(p.steps_until_cross(128, 100) == 19);
+  // The header's a = 2.6: arrivals 3,3,3,2,2 repeated, averaged over a window of 256.
+  residency_predictor q(residency_config{256, 4096});
+  q.observe({0, 1, 28, 0});
+  for (int i = 0; i < 5000; ++i) q.observe({i % 5 < 3 ? 3 : 2, 0, 0, 128});
+  const double d = q.arrival_rate() - 128.0 / 28.0;
+  CHECK(q.arrival_rate() == Catch::Approx(2.6).margin(0.01));
+  CHECK(q.steps_until_cross(128, 100) == static_cast<int64_t>(std::ceil(29.0 / -d)));
+  CHECK(q.steps_until_cross(128, 100) == 15);
+  // A rollout's batch: 512 arrivals at once, nothing finished: a = 2, S unknown: 1 step.
+  residency_predictor r;
+  r.observe({512, 0, 0, 512});
+  CHECK(r.arrival_rate() == 2.0);
+  CHECK(r.steps_until_cross(512, 100) == 1);
+  CHECK(r.steps_until_cross(5, 100) == 1);
+  std::ostringstream os;
+  os << r;
+  CHECK(os.str().find("residency{a=2/step") == 0);
+  // 100 steps on, 70 left, S = 28: a = 1.35 < c = 2.5: the load does not climb back to T_h.
+  r.observe({0, 1, 28, 512});
+  for (int i = 0; i < 99; ++i) r.observe({0, 0, 0, 70});
+  CHECK(r.arrival_rate() == Catch::Approx(2.0 * std::pow(255.0 / 256.0, 100)));
+  CHECK(r.drift() == Catch::Approx(r.arrival_rate() - 70.0 / 28.0));
+  CHECK(r.steps_until_cross(70, 230) == 4096);
+}
+
+TEST_CASE("residency: bad input is refused, naming it", "[policy]") {
+  using Catch::Contains;
+  residency_config c;
+  c.window_steps = 0;
+  CHECK_THROWS_WITH(residency_predictor(c), Contains("window_steps"));
+  c = {};
+  c.horizon_steps = 0;
+  CHECK_THROWS_WITH(residency_predictor(c), Contains("horizon_steps"));
+  residency_predictor p;
+  CHECK_THROWS_WITH(p.observe({-1, 0, 0, 0}), Contains("arrivals=-1"));
+  CHECK_THROWS_WITH(p.observe({0, 0, 5, 0}), Contains("completed_steps"));
+  CHECK_THROWS_WITH(p.steps_until_cross(-1, 3), Contains("load=-1"));
+  CHECK(p.steps_observed() == 0);  // a refused observation changes nothing
+}
+
+TEST_CASE("switch_policy: the gate with a residency predictor refuses a short burst",
+          "[policy]") {
+  // EP 20 + 0.05 b, TP 10 + 0.1 b: B* = 200; at b = 260 EP is 3 ms faster per step.
+  std::vector<latency_sample> ep, tp;
+  for (double b : {1.0, 64.0, 512.0}) {
+    ep.push_back({b, 20 + 0.05 * b});
+    tp.push_back({b, 10 + 0.1 * b});
+  }
+  const calibration_result cal = calibrate(ep, tp);
+  switch_policy_config c;
+  c.t_high = 250;
+  c.t_low = 200;
+  c.cooldown_s = 0;
+  c.gate_margin = 0.5;
+  residency_config rc;
+  rc.window_steps = 1;
+  for (const bool sustained : {false, true}) {
+    residency_predictor pred(rc);
+    pred.observe({0, 1, 20, 0});  // requests run 20 steps
+    // Burst: 260 running; 3 arrivals a step (the burst is ending: 260/20 = 13 complete) or
+    // 20 a step (still growing).
+    pred.observe({sustained ? 20 : 3, 0, 0, 260});
+    switch_policy p(c);
+    double asked_ms = -1;
+    auto cost = [](void* ctx, parallel_mode) {
+      *static_cast<double*>(ctx) = 100.0;
+      return 100.0;
+    };
+    p.set_cost_gate(&cal.curves, switch_cost_estimate{cost, &asked_ms});
+    p.set_residency_predictor(&pred);
+    CHECK(p.gate_active());
+    const switch_decision d = p.step(260, parallel_mode::tp, 0);
+    CHECK(asked_ms == 100.0);
+    const gate_evaluation& g = p.last_gate();
+    INFO(g);
+    REQUIRE(g.evaluated);
+    // Short: drift 3 - 13 = -10, (260 - 200 + 1) / 10 -> 7 steps x 3 ms = 21 ms < 150 ms.
+    // Sustained: drift +7: the horizon, 4096 x 3 ms.
+    CHECK(g.residency_steps == (sustained ? 4096 : 7));
+    CHECK(g.gain_ms == Catch::Approx(3.0 * static_cast<double>(g.residency_steps)));
+    CHECK(g.cost_ms == 100.0);
+    CHECK(d.do_switch == sustained);
+    CHECK(d.reason == (sustained ? decision_reason::above_high : decision_reason::cost_exceeds_gain));
+  }
+  // A cost estimate that is not a cost is an error, not a silent pass.
+  switch_policy p(c);
+  residency_predictor pred;
+  p.set_cost_gate(&cal.curves, switch_cost_estimate{[](void*, parallel_mode) { return -1.0; },
+                                                    nullptr});
+  p.set_residency_predictor(&pred);
+  CHECK_THROWS_AS(p.step(260, parallel_mode::tp, 0), moebius::error);
+}
