@@ -823,6 +823,14 @@ int run_demo(demo::options o) {
   }
   // GPU: 2 ranks (one per GPU with two GPUs or more, virtual on one GPU), or --gpu-ranks.
   const int P = !use_gpu ? o.ranks : o.gpu_ranks > 0 ? o.gpu_ranks : 2;
+  if (use_gpu && !o.traces_given) {
+    // The steady and production traces are sized for the priced clock (tens of thousands of
+    // requests at the crossover of Qwen3-235B-A22B); the GPU runtime's small model serves the
+    // two that show its switches: bursty and rollout (--trace steady|production to add them).
+    o.traces = {demo::trace_kind::bursty, demo::trace_kind::rollout};
+    std::printf("on the GPU runtime the demo serves the bursty and rollout traces (--trace to "
+                "choose)\n");
+  }
   std::string kv_why = "--kv-pages";
   if (o.kv_pages == 0) {
     // The run's KV heads only matter for the Qwen3-30B-A3B pricing; lite(): 4.

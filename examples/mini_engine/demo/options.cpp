@@ -127,6 +127,7 @@ options parse_options(int argc, const char* const* argv) {
       const std::string_view v = value();
       if (!trace_set) o.traces.clear();
       trace_set = true;
+      o.traces_given = true;
       if (v == "all") {
         o.traces = {trace_kind::bursty, trace_kind::rollout, trace_kind::steady,
                     trace_kind::production};

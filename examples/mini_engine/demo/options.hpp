@@ -32,6 +32,7 @@ struct options {
   // The traces served, in order (default: bursty, rollout, steady, production).
   std::vector<trace_kind> traces = {trace_kind::bursty, trace_kind::rollout, trace_kind::steady,
                                     trace_kind::production};
+  bool traces_given = false;  // --trace was given (else the GPU runtime serves bursty, rollout)
   std::string trace_file;        // trace_kind::file
   std::string write_trace;       // non-empty: write the (single) trace as JSONL here and exit
   priced_kind priced = priced_kind::qwen3_235b_a22b;
