@@ -141,17 +141,15 @@ bool switch_transaction::plan_switch() {
     }
   }
 
-  // What moves: per layer (the pacing input: every layer moves alike), and in all.
-  const plan one_layer_weights =
-      plan_weight_switch(wg, start_, arena_cursor{start_.tp_layers + sign});
-  bytes_per_layer_.weight_bytes_sent = traffic_of(one_layer_weights).bytes_sent;
-  bytes_per_layer_.weight_bytes_sent.resize(static_cast<size_t>(wg.num_ranks), 0);
+  // What moves: in all, and for a progressive switch per layer (the pacing input: every layer
+  // moves alike, so the whole is L times one layer).
   if (how_ == style::whole) {
     whole_weights_ = std::make_shared<const plan>(weight_plan_of(units_[0]));
     rep_.weight_bytes_sent = traffic_of(*whole_weights_).bytes_sent;
     rep_.kv_bytes_sent = traffic_of(*kv_).bytes_sent;
-    bytes_per_layer_.kv_bytes_sent.assign(static_cast<size_t>(wg.num_ranks), 0);
   } else {
+    bytes_per_layer_.weight_bytes_sent = traffic_of(weight_plan_of(units_[0])).bytes_sent;
+    bytes_per_layer_.weight_bytes_sent.resize(static_cast<size_t>(wg.num_ranks), 0);
     bytes_per_layer_.kv_bytes_sent = traffic_of(*kv_).bytes_sent;
     bytes_per_layer_.kv_bytes_sent.resize(static_cast<size_t>(wg.num_ranks), 0);
     rep_.weight_bytes_sent = scaled(bytes_per_layer_.weight_bytes_sent, num_layers);
@@ -177,10 +175,6 @@ bool switch_transaction::plan_switch() {
     }
   }
   return true;
-}
-
-int64_t switch_transaction::total_phases() const {
-  return units_.empty() ? 0 : units_.back().first_phase + units_.back().phases();
 }
 
 arena_cursor switch_transaction::cursor_at(int64_t phases) const {

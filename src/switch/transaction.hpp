@@ -104,7 +104,6 @@ class switch_transaction {
   bool plan_switch();  // false: refused (rep final)
 
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
-  int64_t total_phases() const;
   // The cursor once the first `phases` phases of the switch completed.
   arena_cursor cursor_at(int64_t phases) const;
   plan weight_plan_of(const unit& u) const;
@@ -137,7 +136,7 @@ class switch_transaction {
   std::shared_ptr<const plan> kv_;  // whole: all layers' migration; per_layer: layer 0's
   std::shared_ptr<const plan> whole_weights_;  // whole: every layer's weights, planned once
   kv_state target_tables_;
-  layer_bytes bytes_per_layer_;
+  layer_bytes bytes_per_layer_;  // per_layer only
   uint64_t checksum_before_ = 0;
 
   int64_t units_enqueued_ = 0;

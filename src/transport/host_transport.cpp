@@ -33,12 +33,11 @@ void host_transport::enqueue(const plan& p, std::span<const stream_handle> strea
   }
   // An armed fault applies to this plan only, reached or not.
   const std::optional<fault_point> fault = std::exchange(fault_, std::nullopt);
-  detail::phase_marks marks;
-  marks.set(std::exchange(pending_marks_, {}), "host_transport");
+  const std::vector<int64_t> marks = std::exchange(pending_marks_, {});
   completed_phases_ = 0;
   num_marks_ = 0;
   validate(p);
-  num_marks_ = marks.take(static_cast<int64_t>(p.phases.size())).size();
+  num_marks_ = detail::phase_marks::reached_count(marks, static_cast<int64_t>(p.phases.size()));
   outstanding_ = true;
   failure_ = nullptr;
   try {
@@ -52,14 +51,12 @@ void host_transport::enqueue(const plan& p, std::span<const stream_handle> strea
 }
 
 void host_transport::mark_phases(std::span<const int64_t> after_phases) {
-  detail::phase_marks check;
-  check.set(after_phases, "host_transport");
+  detail::phase_marks::check(after_phases, "host_transport");
   pending_marks_.assign(after_phases.begin(), after_phases.end());
 }
 
 void host_transport::wait_before_phases(std::span<const phase_wait> waits) {
-  detail::phase_waits check;
-  check.set(waits, ranks_.size(), "host_transport");
+  detail::phase_waits::check(waits, ranks_.size(), "host_transport");
   for (const phase_wait& w : waits) {
     for (const event_handle e : w.events) {
       MOEBIUS_CHECK(e == nullptr, errc::invalid_argument,

@@ -51,23 +51,15 @@ double percentile(std::vector<double> v, double q) {
   return v[std::max<size_t>(rank, 1) - 1];
 }
 
-// B sequences of `context` tokens in `mode`'s tables, one decode token each, stepping.
+// B sequences decoding one token a step, from position `context` on.
 struct decode_load {
-  int64_t B = 0, context = 0, vocab = 0;
   std::vector<int32_t> tokens;
   std::vector<step_item> items;
-  int64_t position = 0;  // the position the next step writes
 
-  void reset(int64_t b, int64_t ctx, int64_t v) {
-    B = b;
-    context = ctx;
-    vocab = v;
-    position = ctx;
-    items = bench::decode_items(B, position, vocab, tokens);
-  }
+  decode_load(int64_t B, int64_t context, int64_t vocab)
+      : items(bench::decode_items(B, context, vocab, tokens)) {}
   void advance() {
-    ++position;
-    for (step_item& it : items) it.start_position = position;
+    for (step_item& it : items) ++it.start_position;
   }
 };
 
@@ -109,8 +101,7 @@ int main() {
       const int64_t tokens = context + max_steps;
       const moebius::kv_state ep_tables = bench::make_tables(rt.kv(), parallel_mode::ep, B, tokens);
       moebius::switcher sw(rt.arena(), rt.kv(), tr, ep_tables, moebius::arena_cursor{0});
-      decode_load load;
-      load.reset(B, context, config.vocab);
+      decode_load load(B, context, config.vocab);
       auto run_step = [&](const step_layout& layout) {
         rt.step(layout, load.items);
         load.advance();

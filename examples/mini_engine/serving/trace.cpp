@@ -103,6 +103,24 @@ std::vector<int32_t> draw_prompt(uint64_t seed, int64_t id, int64_t num_tokens, 
   return out;
 }
 
+namespace {
+
+// Request `id` arriving at `arrival_s` with prompt and output lengths uniform in the options'
+// ranges (bursty and steady traces; the prompt's length is drawn first).
+template <class Options>
+request uniform_request(std::mt19937_64& rng, uint64_t seed, int64_t id, double arrival_s,
+                        const Options& o) {
+  request r;
+  r.id = id;
+  r.arrival_s = arrival_s;
+  const int64_t prompt = uniform(rng, o.prompt_min, o.prompt_max);
+  r.output_tokens = uniform(rng, o.output_min, o.output_max);
+  r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
+  return r;
+}
+
+}  // namespace
+
 std::vector<request> bursty_trace(uint64_t seed, const bursty_options& o) {
   validate(o);
   std::mt19937_64 rng(seed);
@@ -117,13 +135,7 @@ std::vector<request> bursty_trace(uint64_t seed, const bursty_options& o) {
     if (rate > 0) {
       std::exponential_distribution<double> gap(rate);
       for (double a = t + gap(rng); a < end; a += gap(rng)) {
-        request r;
-        r.id = static_cast<int64_t>(out.size());
-        r.arrival_s = a;
-        const int64_t prompt = uniform(rng, o.prompt_min, o.prompt_max);
-        r.output_tokens = uniform(rng, o.output_min, o.output_max);
-        r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
-        out.push_back(std::move(r));
+        out.push_back(uniform_request(rng, seed, static_cast<int64_t>(out.size()), a, o));
       }
     }
     t = end;
@@ -157,13 +169,7 @@ std::vector<request> steady_trace(uint64_t seed, const steady_options& o) {
   if (o.rate <= 0) return out;
   std::exponential_distribution<double> gap(o.rate);
   for (double a = gap(rng); a < o.duration_s; a += gap(rng)) {
-    request r;
-    r.id = static_cast<int64_t>(out.size());
-    r.arrival_s = a;
-    const int64_t prompt = uniform(rng, o.prompt_min, o.prompt_max);
-    r.output_tokens = uniform(rng, o.output_min, o.output_max);
-    r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
-    out.push_back(std::move(r));
+    out.push_back(uniform_request(rng, seed, static_cast<int64_t>(out.size()), a, o));
   }
   return out;
 }

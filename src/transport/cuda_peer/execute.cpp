@@ -183,8 +183,9 @@ void cuda_peer_transport::impl::start(std::shared_ptr<const cuda_prepared_plan> 
         if (pr.rank == config.debug_absent_rank) continue;
         guard.set(pr.device);
         // Every rank's event on every rank's stream: phase k writes peers (transport.hpp).
-        for (const event_handle e : wait ? wait->events : std::vector<event_handle>{}) {
-          if (e != nullptr) {
+        if (wait != nullptr) {
+          for (const event_handle e : wait->events) {
+            if (e == nullptr) continue;
             MOEBIUS_CUDA_CHECK(cudaStreamWaitEvent(active_streams[i], static_cast<cudaEvent_t>(e), 0));
           }
         }

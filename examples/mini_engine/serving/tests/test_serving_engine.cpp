@@ -6,6 +6,7 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "small_trace.hpp"
 #include "world.hpp"
 
 using namespace mini_engine;
@@ -72,18 +73,7 @@ TEST_CASE("engine with the policy: calibrated thresholds, switches at bursts, al
   o.progress_every_steps = 50;
   o.on_progress = [&](const progress_info&) { ++progress_calls; };
 
-  bursty_options t;
-  t.duration_s = 1.0;
-  t.quiet_s = 0.3;
-  t.quiet_rate = 10;
-  t.burst_s = 0.1;
-  t.burst_rate = 2500;
-  t.prompt_min = 4;
-  t.prompt_max = 24;
-  t.output_min = 4;
-  t.output_max = 24;
-  t.vocab = w.vocab;
-  const std::vector<request> reqs = bursty_trace(9, t);
+  const std::vector<request> reqs = testing::burst_trace(9, w.vocab);
   const run_result r = e.run(reqs, o, "switching");
   CHECK(progress_calls > 0);
   CHECK(r.clock == "modelled H200");

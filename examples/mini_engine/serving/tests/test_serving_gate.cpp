@@ -14,6 +14,7 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "small_trace.hpp"
 #include "world.hpp"
 
 using namespace mini_engine;
@@ -44,18 +45,7 @@ TEST_CASE("cost gate: the gated policy never loses to the best static run; ungat
   INFO(cal);
   REQUIRE(cal.has_thresholds);
 
-  bursty_options t;
-  t.duration_s = 1.0;
-  t.quiet_s = 0.3;
-  t.quiet_rate = 10;
-  t.burst_s = 0.1;
-  t.burst_rate = 2500;
-  t.prompt_min = 4;
-  t.prompt_max = 24;
-  t.output_min = 4;
-  t.output_max = 24;
-  t.vocab = w.vocab;
-  const std::vector<request> reqs = bursty_trace(9, t);
+  const std::vector<request> reqs = testing::burst_trace(9, w.vocab);
 
   engine_options base;
   base.scheduler.max_running = 160;

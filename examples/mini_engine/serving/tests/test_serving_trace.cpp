@@ -13,15 +13,23 @@ using namespace mini_engine;
 
 namespace {
 
-std::string read_error(const std::string& text) {
+using trace_reader = std::vector<request> (*)(std::istream&, uint64_t, int32_t,
+                                               const std::string&);
+
+// The invalid_argument error `read` (read_trace or read_trace_jsonl) gives for `text`, or "".
+std::string error_of(trace_reader read, const std::string& text, const std::string& name) {
   std::istringstream in(text);
   try {
-    read_trace(in, 1, 100, "t.txt");
+    read(in, 1, 100, name);
   } catch (const moebius::error& e) {
     CHECK(e.code() == moebius::errc::invalid_argument);
     return e.what();
   }
   return "";
+}
+
+std::string read_error(const std::string& text) {
+  return error_of(&read_trace, text, "t.txt");
 }
 
 }  // namespace
@@ -146,14 +154,7 @@ TEST_CASE("trace options are validated") {
 namespace {
 
 std::string jsonl_error(const std::string& text) {
-  std::istringstream in(text);
-  try {
-    read_trace_jsonl(in, 1, 100, "t.jsonl");
-  } catch (const moebius::error& e) {
-    CHECK(e.code() == moebius::errc::invalid_argument);
-    return e.what();
-  }
-  return "";
+  return error_of(&read_trace_jsonl, text, "t.jsonl");
 }
 
 }  // namespace
