@@ -6,6 +6,7 @@
 // weights (experts in the Moebius arena, the rest beside it) and computes.
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -70,6 +71,26 @@ struct step_layout {
   }
 };
 
+// The next advance of a progressive switch, enqueued beside a step so that its copies run while
+// the step computes (DESIGN.md §7, "Overlap"). The step runs at the cursor from before that
+// advance: the layers it moves still run in the source mode, and its copies wait for the step's
+// layer events where moebius::copy_waits says, so that they overwrite nothing the step still
+// reads and carry the token the step writes.
+struct copies_beside {
+  // Called exactly once per step, after the step's work is enqueued and before the runtime
+  // waits for it, with the step's layer events (moebius::step_layer_events: per layer and rank,
+  // an event recorded after that layer on the stream it ran on); nullptr when the step has
+  // already finished (nothing to wait for). The caller enqueues the advance here
+  // (progressive_switch::advance(n, streams, events)).
+  std::function<void(const moebius::step_layer_events* step_events)> enqueue;
+  // Called when the step must run again after `enqueue` (the GPU runtime reruns a step whose
+  // routing overflowed its graphs' expert capacity): the first pass's copies may already have
+  // overwritten what it read, so the caller waits for the advance to settle and returns the
+  // layout to rerun at (the cursor it reached, or the one it rolled back to). The rerun
+  // writes every layer's K/V of the step's positions again.
+  std::function<step_layout()> settle;
+};
+
 class runtime {
  public:
   virtual ~runtime() = default;
@@ -86,6 +107,20 @@ class runtime {
   // events around the step on every rank's stream, the longest rank), or < 0 when it does
   // not measure: the serving loop then times step() on the host.
   virtual double measured_step_s() const { return -1; }
+
+  // step() with the next advance of a progressive switch beside it (copies_beside). By default
+  // the step runs to its end and then `copies.enqueue(nullptr)` is called: the copies run after
+  // the step (the host runtime, whose copies and steps share one CPU). A runtime that runs the
+  // copies on the device beside the step overrides this and says so in overlaps_copies().
+  virtual std::vector<int32_t> step_beside(const step_layout& layout,
+                                           std::span<const step_item> items,
+                                           const copies_beside& copies,
+                                           std::vector<std::vector<float>>* logits = nullptr) {
+    std::vector<int32_t> tokens = step(layout, items, logits);
+    copies.enqueue(nullptr);
+    return tokens;
+  }
+  virtual bool overlaps_copies() const { return false; }
 };
 
 }  // namespace mini_engine

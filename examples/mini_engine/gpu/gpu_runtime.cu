@@ -17,8 +17,16 @@ using moebius::parallel_mode;
 // the greedy tokens (and logits) read back.
 std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
                                              std::span<const step_item> items,
-                                             std::vector<std::vector<float>>* logits_out) {
+                                             std::vector<std::vector<float>>* logits_out,
+                                             step_options how) {
   const bool hybrid = layout.hybrid();
+  // Beside copies, a step without layer boundaries (a pure layout: one whole-model graph)
+  // finishes first and the copies follow it (copies_beside: nullptr events).
+  if (how.copies != nullptr && !hybrid) {
+    std::vector<int32_t> tokens = step(layout, items, logits_out);
+    how.copies->enqueue(nullptr);
+    return tokens;
+  }
   MOEBIUS_CHECK(hybrid || layout.tables != nullptr, errc::invalid_argument,
                 "gpu_runtime::step: no page tables");
   moebius::validate(arena, layout.cursor);
@@ -49,9 +57,10 @@ std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
   prof_on = o.profile;  // a profiled step runs eagerly (events between the stages)
   for (rank_state& rs : ranks) rs.prof.used = 0;
   // Graphs round the rows up to their bucket; the maps below index the bucket's rows.
-  const graph_set* gs = decode && pure ? whole_model_graph(ps) : nullptr;
+  const bool graphs_allowed = decode && !how.rerun;
+  const graph_set* gs = graphs_allowed && pure ? whole_model_graph(ps) : nullptr;
   const std::vector<const graph_set*> layer_gs =
-      decode && hybrid ? layer_graphs_of(ps, used) : std::vector<const graph_set*>{};
+      graphs_allowed && hybrid ? layer_graphs_of(ps, used) : std::vector<const graph_set*>{};
   if (used[0] && used[1])
     write_hand_off_maps(lay[mode_index(parallel_mode::tp)], lay[mode_index(parallel_mode::ep)],
                         items, ps.rows[mode_index(parallel_mode::ep)]);
@@ -59,18 +68,28 @@ std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
   const std::vector<std::pair<int, int64_t>> sample_at =
       last_token_rows(lay[mode_index(last)], items);
   each_rank([&](int r, rank_state& rs) {
-    MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_begin, rs.stream));
+    // A rerun is timed from the first pass's start: the step took both.
+    if (!how.rerun) MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_begin, rs.stream));
     mark(rs, -1);
     upload_inputs(rs, r, used, lay, ps.rows);
     mark(rs, st_upload);
   });
-  if (hybrid) ++hybrid_steps;
+  if (hybrid && !how.rerun) ++hybrid_steps;
+  beside = how.copies;  // the layers record their events; enqueue_beside hands them out
+  bool overflowed = false;
   if (gs != nullptr || !layer_gs.empty()) {
-    replay(gs, layer_gs, ps);
+    overflowed = replay(gs, layer_gs, ps);
     if (hybrid) ++hybrid_graph_steps;
   } else {
     forward(ps, false);
+    enqueue_beside();
     ++eager;
+  }
+  if (overflowed && how.copies != nullptr) {
+    // The copies beside the first pass may have overwritten what it read: rerun at the layout
+    // the advance settled at (copies_beside::settle), every layer eagerly.
+    const step_layout again = how.copies->settle();
+    return step(again, items, logits_out, step_options{nullptr, true});
   }
   return read_results(ps, items, sample_at, logits_out);
 }
@@ -115,7 +134,7 @@ std::vector<const graph_set*> gpu_runtime::impl::layer_graphs_of(pass& ps, const
 // Replays the step's graphs (whole-model `gs`, or per-layer `layer_gs` with the hand-off
 // eagerly between them) and reruns the step eagerly with the worst-case expert capacity when
 // some rank's routing overflowed the graphs'.
-void gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const graph_set*>& layer_gs,
+bool gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const graph_set*>& layer_gs,
                                const pass& ps) {
   // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
   // all ranks running (a copy to pageable memory would block the host on rank 0 first).
@@ -129,7 +148,11 @@ void gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const grap
   for (size_t l = 0; l < layer_gs.size(); ++l) {
     if (l > 0 && ps.attn[l] != ps.attn[l - 1]) hand_off(ps.attn[l - 1], ps.attn[l], ps);
     launch(*layer_gs[l]);
+    record_layer_done(static_cast<int64_t>(l));
   }
+  // Beside copies: the advance goes onto its streams now, while the graphs run.
+  const bool copies_beside = beside != nullptr;
+  enqueue_beside();
   std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
   each_rank([&](int r, rank_state& rs) {
     MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
@@ -141,10 +164,11 @@ void gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const grap
   // incomplete. Run it again eagerly with the worst-case capacity: it writes every
   // layer's K/V of the step's positions again (the first pass's values after the
   // overflow were wrong), and reads nothing else the first pass wrote.
-  if (std::any_of(overflow.begin(), overflow.end(), [](int32_t f) { return f != 0; })) {
-    forward(ps, false);
-    ++reruns;
-  }
+  if (!std::any_of(overflow.begin(), overflow.end(), [](int32_t f) { return f != 0; }))
+    return false;
+  ++reruns;
+  if (!copies_beside) forward(ps, false);  // else the caller reruns where the copies settled
+  return true;
 }
 
 // Downloads every rank's next-token candidates, waits for the step, records its device time
@@ -255,6 +279,13 @@ gpu_runtime::~gpu_runtime() = default;
 std::vector<int32_t> gpu_runtime::step(const step_layout& layout, std::span<const step_item> items,
                                        std::vector<std::vector<float>>* logits) {
   return impl_->step(layout, items, logits);
+}
+
+std::vector<int32_t> gpu_runtime::step_beside(const step_layout& layout,
+                                              std::span<const step_item> items,
+                                              const copies_beside& copies,
+                                              std::vector<std::vector<float>>* logits) {
+  return impl_->step(layout, items, logits, impl::step_options{&copies, false});
 }
 
 std::vector<moebius::rank_memory> gpu_runtime::memory() const {

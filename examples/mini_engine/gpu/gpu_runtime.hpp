@@ -116,6 +116,17 @@ class gpu_runtime : public runtime {
 
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                             std::vector<std::vector<float>>* logits = nullptr) override;
+  // A hybrid step with the next advance's copies beside it (step.hpp, copies_beside): after
+  // each layer every rank's stream records the layer's event; once the whole step is enqueued
+  // (graphs or eager) copies.enqueue gets the events and enqueues the advance on the
+  // transport's streams, so the copies run while the step computes; then the step is waited
+  // for. When its routing overflowed the graphs' expert capacity, copies.settle() gives the
+  // layout to rerun at and the step runs again there, eagerly (timed from the first pass).
+  // A pure (non-hybrid) layout runs first and calls copies.enqueue(nullptr) after.
+  std::vector<int32_t> step_beside(const step_layout& layout, std::span<const step_item> items,
+                                   const copies_beside& copies,
+                                   std::vector<std::vector<float>>* logits = nullptr) override;
+  bool overlaps_copies() const override { return true; }
   // Device time of the last step (CUDA events from its first upload to its last download on
   // every rank's stream; the longest rank), -1 before the first.
   double measured_step_s() const override;

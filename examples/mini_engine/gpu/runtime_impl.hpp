@@ -29,6 +29,8 @@
 
 #include <cstdint>
 #include <moebius/cuda/check.hpp>
+#include <moebius/switch/progressive.hpp>
+#include <optional>
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/kv/page_table.hpp>
 #include <moebius/layout/arena_geometry.hpp>
@@ -104,6 +106,9 @@ struct rank_state {
   int64_t input_count = 0;
   // CUDA events around the last step (measured_step_s).
   cudaEvent_t step_begin = nullptr, step_end = nullptr;
+  // A step beside copies (step_beside): layer_done[l] is recorded on `stream` after layer l
+  // (the step's moebius::step_layer_events; the copies of the advance beside it wait on them).
+  std::vector<cudaEvent_t> layer_done;
   stage_marks prof;  // the stage profile's events (options.profile)
   // Split-context attention: partial softmax states (paged_attention_workspace_floats).
   float* attn_work = nullptr;
@@ -149,6 +154,10 @@ struct gpu_runtime::impl {
   // set_hybrid_eager(true): hybrid steps run eagerly although their graphs exist.
   bool hybrid_eager = false;
   double last_step_s = -1;  // device time of the last step (CUDA events)
+  // The step in progress runs beside copies (step_beside): its layers record layer_done and,
+  // once it is enqueued, beside->enqueue is called (enqueue_beside). Null otherwise.
+  const copies_beside* beside = nullptr;
+  std::optional<moebius::step_layer_events> layer_events;  // every rank's layer_done
 
   bool prof_on = false;         // inside a profiled step (o.profile)
   std::vector<double> stage_s;  // last profiled step, seconds per stage
@@ -308,11 +317,23 @@ struct gpu_runtime::impl {
                      const int64_t rows[2]);
 
   // ---- gpu_runtime.cu ----------------------------------------------------------------------
+  // How step() runs: `copies` beside it (step_beside), or as the eager rerun of a step beside
+  // copies (every layer with the worst-case expert capacity, timed from the first pass's start).
+  struct step_options {
+    const copies_beside* copies = nullptr;
+    bool rerun = false;
+  };
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits_out);
+                            std::vector<std::vector<float>>* logits_out, step_options how = {});
+  // Beside copies: layer li's event on every rank's stream (after its work there).
+  void record_layer_done(int64_t li);
+  // Beside copies, once the step is enqueued: hands the layer events to `beside` (once).
+  void enqueue_beside();
   const graph_set* whole_model_graph(pass& ps);
   std::vector<const graph_set*> layer_graphs_of(pass& ps, const bool used[2]);
-  void replay(const graph_set* gs, const std::vector<const graph_set*>& layer_gs, const pass& ps);
+  // Replays; true when some rank's routing overflowed the graphs' expert capacity (the step
+  // must run again: replay reruns it eagerly itself unless copies run beside it).
+  bool replay(const graph_set* gs, const std::vector<const graph_set*>& layer_gs, const pass& ps);
   std::vector<int32_t> read_results(const pass& ps, std::span<const step_item> items,
                                     const std::vector<std::pair<int, int64_t>>& sample_at,
                                     std::vector<std::vector<float>>* logits_out);

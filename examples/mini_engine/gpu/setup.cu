@@ -65,6 +65,11 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   ranks.resize(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) init_rank(r);
   if (P > 1 && !virt) init_nccl();
+  // The layer events a step beside copies hands out (step_beside), local rank r = rank r.
+  layer_events.emplace(c.num_layers, static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r)
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      layer_events->set(l, static_cast<size_t>(r), ranks[static_cast<size_t>(r)].layer_done[static_cast<size_t>(l)]);
 }
 
 // Whether the P ranks are virtual (gpu_runtime_options::placement): asked for, or (automatic)
@@ -192,6 +197,9 @@ void gpu_runtime::impl::init_rank(int r) {
   MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_begin));
   MOEBIUS_CUDA_CHECK(cudaEventCreate(&rs.step_end));
   if (virt) MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&rs.meet, cudaEventDisableTiming));
+  rs.layer_done.assign(static_cast<size_t>(c.num_layers), nullptr);
+  for (cudaEvent_t& e : rs.layer_done)
+    MOEBIUS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
 }
 
 // One NCCL communicator per rank (P > 1), all created at once by this one process.
@@ -287,6 +295,8 @@ gpu_runtime::impl::~impl() {
     if (rs.step_begin != nullptr) cudaEventDestroy(rs.step_begin);
     if (rs.step_end != nullptr) cudaEventDestroy(rs.step_end);
     if (rs.meet != nullptr) cudaEventDestroy(rs.meet);
+    for (cudaEvent_t e : rs.layer_done)
+      if (e != nullptr) cudaEventDestroy(e);
     rs.prof.release();
     for (void* p : rs.owned) cudaFree(p);
     if (rs.stream != nullptr) cudaStreamDestroy(rs.stream);

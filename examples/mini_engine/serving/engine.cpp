@@ -296,26 +296,29 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
   }
 }
 
-switch_copies engine::advance_progressive(run_state& st, step_record& rec) {
-  // On the host the copies complete inside advance(); on a GPU they run on the transport's
-  // streams. Either way the loop waits for them before the step (poll until ready), and the
-  // clock charges the wait and the step one after the other (step_clock::switch_step_s).
+void engine::enqueue_advance(run_state& st, step_record& rec,
+                             const moebius::step_layer_events* step_events) {
   const engine_options& o = st.options;
   if (o.before_advance) o.before_advance(switcher_, *st.session, rec.step);
-  const auto ta = host_clock::now();
-  rec.layers = static_cast<int64_t>(st.session->advance(st.layers).layers().size());
-  moebius::progress_state state = st.session->poll();
-  while (state == moebius::progress_state::in_flight) state = st.session->poll();
-  switch_copies copies;
-  copies.measured_s = seconds_since(ta);
-  copies.bytes = st.pacing.bytes_per_layer * rec.layers;
-  if (state == moebius::progress_state::ended) {  // the advance failed: rolled back
+  // The transport's own streams: distinct from the runtime's compute streams.
+  rec.layers = static_cast<int64_t>(st.session->advance(st.layers, {}, step_events).layers().size());
+}
+
+double engine::wait_for_advance(run_state& st) {
+  const auto t0 = host_clock::now();
+  while (st.session->open() && st.session->poll() == moebius::progress_state::in_flight) {
+  }
+  return seconds_since(t0);
+}
+
+void engine::close_advance(run_state& st, const step_record& rec) {
+  const engine_options& o = st.options;
+  if (!st.session->open()) {  // the advance failed: rolled back
     end_progressive(st);
   } else if (o.abort_after_advance && o.abort_after_advance(*st.session, rec.step)) {
     st.session->abort();
     end_progressive(st);
   }
-  return copies;
 }
 
 void engine::end_progressive(run_state& st) {
@@ -333,9 +336,9 @@ void engine::end_progressive(run_state& st) {
   st.sched.release_deferred(switcher_.mutable_kv_tables());
 }
 
-bool engine::serve_step(run_state& st, step_record& rec, const switch_copies& copies) {
+bool engine::serve_step(run_state& st, step_record& rec) {
   // During a progressive switch the tables are frozen: the step reads both sets through the
-  // session's view and takes no page.
+  // session's view and takes no page, and the next paced layers move beside it.
   const bool frozen = st.session.has_value();
   std::optional<moebius::switch_step_view> view;
   if (frozen) view = st.session->view();
@@ -349,12 +352,36 @@ bool engine::serve_step(run_state& st, step_record& rec, const switch_copies& co
   rec.in_switch = frozen;
   rec.cursor = switcher_.cursor().tp_layers;
   std::vector<int32_t> tokens;
-  double dt = 0, measured = 0;
+  double measured = 0;
+  switch_copies copies;
   step_cost cost;
   if (!b.empty()) {
     const auto t0 = host_clock::now();
-    tokens = runtime_.step(layout, b.items);
-    measured = seconds_since(t0);
+    if (frozen) {
+      double enqueue_s = 0;
+      copies_beside beside;
+      beside.enqueue = [&](const moebius::step_layer_events* events) {
+        const auto te = host_clock::now();
+        enqueue_advance(st, rec, events);
+        enqueue_s = seconds_since(te);
+      };
+      beside.settle = [&]() -> step_layout {
+        wait_for_advance(st);
+        if (!st.session->open()) return step_layout{&switcher_.kv_tables(), switcher_.cursor()};
+        return step_layout::during(st.session->view());
+      };
+      tokens = runtime_.step_beside(layout, b.items, beside);
+      measured = seconds_since(t0);
+      // Where the copies ran after the step (a runtime that does not overlap them), the
+      // host's time for the step holds them: they count as copies.
+      if (!runtime_.overlaps_copies()) {
+        measured = std::max(0.0, measured - enqueue_s);
+        copies.measured_s = enqueue_s;
+      }
+    } else {
+      tokens = runtime_.step(layout, b.items);
+      measured = seconds_since(t0);
+    }
     // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
     if (runtime_.measured_step_s() >= 0) measured = runtime_.measured_step_s();
     cost.mode = tables.mode;
@@ -364,15 +391,19 @@ bool engine::serve_step(run_state& st, step_record& rec, const switch_copies& co
     cost.num_sequences = b.num_sequences;
     cost.new_tokens = b.decode_tokens + b.prefill_tokens;
     cost.context_tokens = b.context_tokens;
+  } else {
+    enqueue_advance(st, rec, nullptr);  // nothing to run: the copies alone
   }
-  const bool copied = copies.bytes > 0 || copies.measured_s > 0;
-  if (copied) {
-    // The advance's copies ran before this step: the clock charges both, in that order.
+  double dt = 0;
+  if (frozen) {
+    // What the loop waited for the copies once the step was done (all of them when none ran).
+    copies.measured_s += wait_for_advance(st);
+    copies.bytes = st.pacing.bytes_per_layer * rec.layers;
     rec.copy_ms = clock_.copies_s(copies) * 1e3;
     dt = b.empty() ? clock_.copies_s(copies) : clock_.switch_step_s(cost, measured, copies);
-  } else if (!b.empty()) {
+  } else {
     dt = clock_.step_s(cost, measured);
-    if (!frozen) st.last_step_s = dt;
+    st.last_step_s = dt;
   }
   rec.mode = tables.mode;
   rec.sequences = b.num_sequences;
@@ -393,7 +424,8 @@ bool engine::serve_step(run_state& st, step_record& rec, const switch_copies& co
   }
   if (frozen) {
     ++st.out.switches[st.switch_idx].steps;
-    if (st.session->layers_remaining() == 0) {
+    close_advance(st, rec);
+    if (st.session && st.session->layers_remaining() == 0) {
       st.session->finish();
       end_progressive(st);
     }
@@ -476,8 +508,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     if (const std::optional<parallel_mode> target = decide(st, step)) {
       start_switch(st, *target, rec);
     }
-    const switch_copies copies = st.session ? advance_progressive(st, rec) : switch_copies{};
-    if (!serve_step(st, rec, copies)) continue;
+    if (!serve_step(st, rec)) continue;
     if (o.validate_every_step) moebius::validate(kv_, switcher_.kv_tables());
     st.out.steps.push_back(rec);
     report_progress(st, step);

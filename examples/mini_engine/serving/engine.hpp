@@ -215,11 +215,18 @@ class engine {
   bool begin_progressive(run_state& st, moebius::parallel_mode target, switch_record& s);
   void stop_the_world(run_state& st, moebius::parallel_mode target, switch_record& s,
                       step_record& rec);
-  // Moves the next paced layers before the step and waits for them; returns what they cost.
-  switch_copies advance_progressive(run_state& st, step_record& rec);
-  // Runs one step (hybrid during a progressive switch, after `copies`) and records it; false
-  // when nothing could run (only future arrivals: the idle jump takes over).
-  bool serve_step(run_state& st, step_record& rec, const switch_copies& copies);
+  // Progressive: enqueues the next paced layers on the transport's streams, beside the step
+  // whose layer events are `step_events` (nullptr: no step runs beside them).
+  void enqueue_advance(run_state& st, step_record& rec,
+                       const moebius::step_layer_events* step_events);
+  // Blocks until the advance's copies are done (or the switch ended); the seconds it waited.
+  double wait_for_advance(run_state& st);
+  // After the step: ends the session when the advance failed (rolled back) or a test aborts.
+  void close_advance(run_state& st, const step_record& rec);
+  // Runs one step and records it; during a progressive switch a hybrid step with the next
+  // advance beside it (runtime::step_beside), then the wait for its copies. False when nothing
+  // could run (only future arrivals: the idle jump takes over).
+  bool serve_step(run_state& st, step_record& rec);
   void end_progressive(run_state& st);
   void report_progress(const run_state& st, int64_t step) const;
 

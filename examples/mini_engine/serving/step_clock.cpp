@@ -13,8 +13,18 @@ using moebius::errc;
 using moebius::parallel_mode;
 
 h200_step_model::h200_step_model(priced_model m, h200_params hw, int num_ranks,
-                                 int64_t run_kv_bytes_per_token)
-    : m_(m), hw_(hw), num_ranks_(num_ranks), run_kv_bytes_per_token_(run_kv_bytes_per_token) {
+                                 int64_t run_kv_bytes_per_token,
+                                 const overlap_slowdown_curve* slowdown)
+    : m_(m),
+      hw_(hw),
+      num_ranks_(num_ranks),
+      run_kv_bytes_per_token_(run_kv_bytes_per_token),
+      slowdown_(slowdown),
+      name_(slowdown != nullptr
+                ? std::string("modelled H200; steps beside a progressive switch's copies by the "
+                              "measured slowdown curve (") +
+                      overlap_slowdown_curve::h200_source() + ")"
+                : std::string("modelled H200")) {
   MOEBIUS_CHECK(num_ranks >= 1 && m.num_experts % num_ranks == 0 && m.top_k >= 1 &&
                     m.top_k <= m.num_experts && m.num_kv_heads >= 1 && m.context_scale > 0 &&
                     hw.hbm.bytes_per_s > 0 && hw.nvlink.bytes_per_s > 0 &&
@@ -65,6 +75,21 @@ double h200_step_model::step_s(const step_cost& c, double) const {
 
 double h200_step_model::copies_s(const switch_copies& copies) const {
   return static_cast<double>(copies.bytes) / hw_.nvlink.bytes_per_s;
+}
+
+double h200_step_model::switch_step_s(const step_cost& cost, double measured_step_s,
+                                      const switch_copies& copies) const {
+  const double step = step_s(cost, measured_step_s), copy = copies_s(copies);
+  if (slowdown_ == nullptr) return copy + step;
+  return std::max(step * slowdown_->at(step, copies.bytes), copy);
+}
+
+overlap_slowdown h200_step_model::slowdown() const {
+  if (slowdown_ == nullptr) return {};
+  return overlap_slowdown{[](const void* c, double step_s, int64_t bytes) {
+                            return static_cast<const overlap_slowdown_curve*>(c)->at(step_s, bytes);
+                          },
+                          slowdown_};
 }
 
 double h200_step_model::decode_step_s(parallel_mode mode, int64_t batch, double context) const {

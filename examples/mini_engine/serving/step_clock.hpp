@@ -8,11 +8,14 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <string>
 
 #include <moebius/layout/parallel_mode.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/link_rate.hpp>
+
+#include "overlap_curve.hpp"
 
 namespace mini_engine {
 
@@ -25,10 +28,12 @@ struct step_cost {
   int64_t context_tokens = 0;  // sum over items of the tokens attended (start + new)
 };
 
-// The copies of one progressive-switch advance, as the serving loop ran them: it waits for each
-// advance before the step that follows (the copies do not yet run beside the step).
+// The copies of one progressive-switch advance, as the serving loop ran them: enqueued beside a
+// step (runtime::step_beside), waited for once the step was done.
 struct switch_copies {
-  double measured_s = 0;  // host (or GPU) seconds the loop waited for them
+  // Host seconds the loop waited for them after the step: on a runtime that overlaps them
+  // (the GPU), only the part that outlasted the step; on one that does not (the host), all.
+  double measured_s = 0;
   int64_t bytes = 0;      // the busiest rank's bytes as the clock prices them (layer_bytes x layers)
 };
 
@@ -66,10 +71,11 @@ class step_clock {
   }
   virtual moebius::link_rate link() const { return moebius::link_rate::gb_per_s(389); }
 
-  // A step during a progressive switch, after the copies of its advance. Never more overlap
-  // than ran: by default what was measured, the wait for the copies included (they ran before
-  // the step). A priced clock prices both, one after the other, unless it holds a measured
-  // curve of the step's slowdown beside copies (and says so in name()).
+  // A step during a progressive switch with its advance's copies beside it. Never more overlap
+  // than ran: by default what was measured, the step (its device time, waits included) plus
+  // the wait for copies that outlasted it. A priced clock prices both, one after the other,
+  // unless it holds a measured curve of the step's slowdown beside copies (and says so in
+  // name()).
   virtual double switch_step_s(const step_cost& cost, double measured_step_s,
                                const switch_copies& copies) const {
     return copies_s(copies) + step_s(cost, measured_step_s);
@@ -154,15 +160,21 @@ struct h200_params {
 // contexts when H_kv < P (TP reads and stores replicated KV heads): DESIGN.md §7's regime.
 // A switch is priced with moebius::cost_model at switch_rate: the priced model's expert bytes
 // leaving each rank, plus the report's KV bytes scaled by priced/run KV bytes per token.
+// A step during a progressive switch, with `slowdown` (by default the measured H200 curve,
+// overlap_curve.hpp): max(step x slowdown(step, bytes), the copies at the link rate), the
+// copies beside the step as a GPU runs them; without a curve: the copies, then the step.
 class h200_step_model final : public step_clock {
  public:
   // `run_kv_bytes_per_token`: KV bytes per token of the model actually run (all layers, K and
-  // V, all heads), to scale a switch's KV bytes; `num_ranks` the P being priced.
-  h200_step_model(priced_model m, h200_params hw, int num_ranks, int64_t run_kv_bytes_per_token);
+  // V, all heads), to scale a switch's KV bytes; `num_ranks` the P being priced; `slowdown`:
+  // the overlap curve (nullptr: none, copies and steps priced one after the other).
+  h200_step_model(priced_model m, h200_params hw, int num_ranks, int64_t run_kv_bytes_per_token,
+                  const overlap_slowdown_curve* slowdown = &overlap_slowdown_curve::h200());
 
   double step_s(const step_cost& cost, double measured_s) const override;
   double switch_s(const moebius::switch_report& report) const override;
-  const char* name() const override { return "modelled H200"; }
+  // "modelled H200", and with a curve where it comes from.
+  const char* name() const override { return name_.c_str(); }
   bool needs_measurement() const override { return false; }
   // Bytes per layer of the run: the priced switch (expert bytes leaving the busiest rank,
   // (P-1)/P of its share, every priced layer: Qwen3-30B-A3B bf16, P=2: 48 x 301,989,888 B;
@@ -170,9 +182,14 @@ class h200_step_model final : public step_clock {
   // layers advances in 4 moves of 12 priced layers each; the link at nvlink.
   int64_t layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const override;
   moebius::link_rate link() const override { return hw_.nvlink; }
-  // The copies at the link rate, before the priced step (switch_step_s adds the two, as the
-  // serving loop runs them: no overlap is priced without a measured slowdown curve).
+  // The copies at the link rate.
   double copies_s(const switch_copies& copies) const override;
+  // With the curve: max(priced step x its slowdown beside copies.bytes, copies_s); without it
+  // copies_s + the priced step.
+  double switch_step_s(const step_cost& cost, double measured_step_s,
+                       const switch_copies& copies) const override;
+  // The curve (pacing), when there is one.
+  overlap_slowdown slowdown() const override;
   // As switch_s() would price the switch that moves `run`: the priced experts and the run's KV
   // scaled to the priced model, through moebius::cost_model at switch_rate.
   double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
@@ -191,6 +208,8 @@ class h200_step_model final : public step_clock {
   h200_params hw_;
   int num_ranks_;
   int64_t run_kv_bytes_per_token_;
+  const overlap_slowdown_curve* slowdown_;
+  std::string name_;
 };
 
 std::ostream& operator<<(std::ostream& os, const priced_model& m);

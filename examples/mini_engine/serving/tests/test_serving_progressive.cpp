@@ -13,8 +13,11 @@
 // begun with prompts half prefilled are counted below). New requests wait for finish().
 //
 // Runs on the host runtime (fp32): tokens are compared with static EP and TP runs.
+#include <algorithm>
 #include <memory>
 #include <random>
+#include <span>
+#include <string>
 
 #include <moebius/transport/host_transport.hpp>
 
@@ -23,6 +26,7 @@
 #include "small_trace.hpp"
 #include "host_runtime.hpp"
 #include "model_config.hpp"
+#include "overlap_curve.hpp"
 #include "weights.hpp"
 
 using namespace mini_engine;
@@ -70,6 +74,36 @@ class slowed_clock final : public step_clock {
   int64_t layers_;
 };
 
+// The host runtime, with every step beside a switch's copies run twice: once at its layout,
+// then (after the advance is enqueued) again at the layout copies_beside::settle() returns,
+// as the GPU runtime reruns a step whose routing overflowed its graphs' capacity. The rerun's
+// tokens are the step's: it writes every layer's K/V of the step's positions again.
+class rerunning_runtime final : public runtime {
+ public:
+  explicit rerunning_runtime(runtime& inner) : inner_(inner) {}
+  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
+                            std::vector<std::vector<float>>* logits) override {
+    return inner_.step(layout, items, logits);
+  }
+  std::vector<int32_t> step_beside(const step_layout& layout, std::span<const step_item> items,
+                                   const copies_beside& copies,
+                                   std::vector<std::vector<float>>* logits) override {
+    ++beside_;
+    inner_.step(layout, items, nullptr);
+    copies.enqueue(nullptr);
+    const step_layout again = copies.settle();
+    // Settled: the cursor moved past the advance's layers, or the switch rolled back.
+    cursors_moved_ += again.cursor.tp_layers != layout.cursor.tp_layers;
+    return inner_.step(again, items, logits);
+  }
+  int64_t beside() const { return beside_; }
+  int64_t cursors_moved() const { return cursors_moved_; }
+
+ private:
+  runtime& inner_;
+  int64_t beside_ = 0, cursors_moved_ = 0;
+};
+
 struct host_world {
   model_config c;
   std::unique_ptr<host_runtime> rt;
@@ -106,16 +140,19 @@ enum class trouble { none, abort, fault };
 
 // Static EP and TP runs, then progressive runs with forced switches before ~30% of the steps
 // (and `t`: aborts or faults at random advances). Returns the switches' outcomes seen.
-void serve_progressive(int P, uint64_t seed, trouble t) {
+// `rerun`: every step during a switch runs again where its advance settled (rerunning_runtime).
+void serve_progressive(int P, uint64_t seed, trouble t, bool rerun = false) {
   std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(P));
   const int64_t L = std::uniform_int_distribution<int64_t>(2, 6)(rng);
   const int64_t per_step = std::uniform_int_distribution<int64_t>(1, 3)(rng);
   host_world w = make_host_world(P, seed, L);
-  CAPTURE(P, seed, L, per_step);
+  CAPTURE(P, seed, L, per_step, rerun);
   const std::vector<request> reqs = testing::small_trace(seed, static_cast<int32_t>(w.c.vocab), 12);
   REQUIRE(reqs.size() > 12);
   const paced_clock clock(per_step);
-  engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+  rerunning_runtime rerunning(*w.rt);
+  runtime& rt = rerun ? static_cast<runtime&>(rerunning) : *w.rt;
+  engine e(rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
 
   engine_options o = testing::small_trace_options();
   const run_result ep = e.run(reqs, o, "static EP");
@@ -165,7 +202,16 @@ void serve_progressive(int P, uint64_t seed, trouble t) {
     }
     mid_prefill += s.prefilling > 0;
   }
-  for (const step_record& s : sw.steps) hybrid += s.in_switch && s.cursor > 0 && s.cursor < L;
+  int64_t in_switch = 0;
+  for (const step_record& s : sw.steps) {
+    hybrid += s.in_switch && s.cursor > 0 && s.cursor < L;
+    in_switch += s.in_switch && s.sequences > 0;
+  }
+  if (rerun) {
+    // Every step during a switch went beside its advance, and most reran at a moved cursor.
+    CHECK(rerunning.beside() == in_switch);
+    CHECK(rerunning.cursors_moved() >= committed);
+  }
   if (t == trouble::none) {
     CHECK(committed >= 4);
     CHECK(to_tp >= 2);
@@ -198,6 +244,65 @@ TEST_CASE("faults at random advances roll back exactly and serving goes on: same
           "[cpu][progressive]") {
   for (const int P : {2, 4})
     for (uint64_t seed = 21; seed <= 22; ++seed) serve_progressive(P, seed, trouble::fault);
+}
+
+TEST_CASE("steps rerun where their advance settled (the GPU runtime's overflow rerun beside "
+          "copies) keep the static run's tokens, faults included",
+          "[cpu][progressive]") {
+  for (const int P : {2, 4}) {
+    serve_progressive(P, 31, trouble::none, true);
+    serve_progressive(P, 32, trouble::fault, true);
+  }
+}
+
+TEST_CASE("the measured overlap slowdown curve: its points, between them and beyond",
+          "[cpu][progressive]") {
+  // Two rows as the bench writes them: a 10 ms step (1.1 at 100 MiB, 1.3 at 300 MiB) and a
+  // 30 ms step (1.02, 1.06).
+  const slowdown_point pts[] = {{10, 100, 1.1}, {10, 300, 1.3}, {30, 100, 1.02}, {30, 300, 1.06}};
+  const overlap_slowdown_curve c{std::span<const slowdown_point>(pts)};
+  const int64_t MiB = int64_t{1} << 20;
+  CHECK(c.at(0.010, 0) == 1.0);
+  CHECK(c.at(0.010, 100 * MiB) == Approx(1.1));
+  CHECK(c.at(0.010, 50 * MiB) == Approx(1.05));    // from (0, 1.0)
+  CHECK(c.at(0.010, 200 * MiB) == Approx(1.2));
+  CHECK(c.at(0.010, 500 * MiB) == Approx(1.5));    // the last segment's slope
+  CHECK(c.at(0.030, 300 * MiB) == Approx(1.06));
+  CHECK(c.at(0.020, 300 * MiB) == Approx(1.18));   // halfway between the rows
+  CHECK(c.at(0.005, 300 * MiB) == Approx(1.3));    // below the rows: the nearest
+  CHECK(c.at(0.100, 300 * MiB) == Approx(1.06));   // above
+  const slowdown_point bad[] = {{10, 300, 1.1}, {10, 100, 1.3}};
+  CHECK_THROWS_AS(overlap_slowdown_curve(std::span<const slowdown_point>(bad)), moebius::error);
+  const slowdown_point zero[] = {{0, 100, 1.1}};
+  CHECK_THROWS_AS(overlap_slowdown_curve(std::span<const slowdown_point>(zero)), moebius::error);
+  // The compiled-in H200 curve holds the measured batch-1 point (7.05 ms, 1 GiB: 1.139).
+  CHECK(overlap_slowdown_curve::h200().at(0.0070528, 1024 * MiB) == Approx(1.139208).epsilon(1e-4));
+}
+
+TEST_CASE("the priced clock prices a step beside copies by the curve, never below the copies",
+          "[cpu][progressive]") {
+  priced_model m;
+  const h200_step_model with(m, h200_params{}, 2, 1024);
+  const h200_step_model without(m, h200_params{}, 2, 1024, nullptr);
+  CHECK(std::string(with.name()).find("measured slowdown curve") != std::string::npos);
+  CHECK(std::string(without.name()) == "modelled H200");
+  step_cost cost;
+  cost.mode = parallel_mode::ep;
+  cost.num_ranks = 2;
+  cost.num_sequences = cost.new_tokens = 16;
+  cost.context_tokens = 16 * 1024;
+  const double step = with.step_s(cost, 0);
+  for (const int64_t bytes : {int64_t{0}, int64_t{1} << 28, int64_t{1} << 30, int64_t{1} << 34}) {
+    CAPTURE(bytes);
+    const switch_copies copies{0.0, bytes};
+    const double copy = with.copies_s(copies);
+    CHECK(copy == Approx(static_cast<double>(bytes) / h200_params{}.nvlink.bytes_per_s));
+    const double slow = overlap_slowdown_curve::h200().at(step, bytes);
+    CHECK(with.switch_step_s(cost, 0, copies) == Approx(std::max(step * slow, copy)));
+    CHECK(with.slowdown().at(step, bytes) == Approx(slow));
+    CHECK(without.switch_step_s(cost, 0, copies) == Approx(step + copy));
+    CHECK(!without.slowdown().known());
+  }
 }
 
 TEST_CASE("progressive pacing follows the clock's overlap slowdown curve", "[cpu][progressive]") {
