@@ -18,7 +18,7 @@ using moebius::parallel_mode;
 std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
                                              std::span<const step_item> items,
                                              std::vector<std::vector<float>>* logits_out,
-                                             step_options how) {
+                                             step_run how) {
   const bool hybrid = layout.hybrid();
   // Beside copies, a step without layer boundaries (a pure layout: one whole-model graph)
   // finishes first and the copies follow it (copies_beside: nullptr events).
@@ -89,7 +89,7 @@ std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
     // The copies beside the first pass may have overwritten what it read: rerun at the layout
     // the advance settled at (copies_beside::settle), every layer eagerly.
     const step_layout again = how.copies->settle();
-    return step(again, items, logits_out, step_options{nullptr, true});
+    return step(again, items, logits_out, step_run{nullptr, true});
   }
   return read_results(ps, items, sample_at, logits_out);
 }
@@ -285,7 +285,7 @@ std::vector<int32_t> gpu_runtime::step_beside(const step_layout& layout,
                                               std::span<const step_item> items,
                                               const copies_beside& copies,
                                               std::vector<std::vector<float>>* logits) {
-  return impl_->step(layout, items, logits, impl::step_options{&copies, false});
+  return impl_->step(layout, items, logits, step_run{&copies, false});
 }
 
 std::vector<moebius::rank_memory> gpu_runtime::memory() const {

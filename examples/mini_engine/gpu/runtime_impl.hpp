@@ -131,6 +131,13 @@ struct pass {
   int64_t rows[2] = {0, 0};  // rows per rank of each mode's token layout (mode_index)
 };
 
+// How impl::step runs: `copies` beside it (step_beside), or as the eager rerun of a step beside
+// copies (every layer with the worst-case expert capacity, timed from the first pass's start).
+struct step_run {
+  const copies_beside* copies = nullptr;
+  bool rerun = false;
+};
+
 struct gpu_runtime::impl {
   model_config c;
   gpu_runtime_options o;
@@ -317,14 +324,8 @@ struct gpu_runtime::impl {
                      const int64_t rows[2]);
 
   // ---- gpu_runtime.cu ----------------------------------------------------------------------
-  // How step() runs: `copies` beside it (step_beside), or as the eager rerun of a step beside
-  // copies (every layer with the worst-case expert capacity, timed from the first pass's start).
-  struct step_options {
-    const copies_beside* copies = nullptr;
-    bool rerun = false;
-  };
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits_out, step_options how = {});
+                            std::vector<std::vector<float>>* logits_out, step_run how = {});
   // Beside copies: layer li's event on every rank's stream (after its work there).
   void record_layer_done(int64_t li);
   // Beside copies, once the step is enqueued: hands the layer events to `beside` (once).

@@ -6,9 +6,10 @@
 // each switch advances the serving clock by what a step_clock says it took.
 //
 //   loop: [policy.step(load, mode, now) -> switcher.switch_to(target)]  (or a forced switch)
-//         [progressive: session = switcher.begin(target) once, then session.advance(paced)
-//          + poll() each step, hybrid steps on session.view(), finish() after the last
-//          layer; switch_style below]
+//         [progressive: session = switcher.begin(target) once; then each step is a hybrid
+//          step on session.view() with the next paced advance enqueued beside it
+//          (runtime::step_beside: its copies run while the step computes), the loop waiting
+//          for the copies once the step is done; finish() after the last layer; DESIGN.md §7]
 //         batch = scheduler.next_step(tables, now)      (admit, grow page tables)
 //         tokens = runtime.step({tables, cursor}, batch) (timed)
 //         now += clock.step_s(cost, measured); scheduler.finish_step(batch, tokens, now)
@@ -127,9 +128,10 @@ struct step_record {
   double measured_ms = 0;               // host (or GPU) time of runtime.step()
   bool switched = false;                // a switch ran before this step
   double switch_ms = 0;                 // its time on the serving clock
-  // Progressive: the step ran during a switch (hybrid), after advancing `layers` layers
-  // whose copies took copy_ms on the serving clock before it (step_ms = copy_ms + its compute:
-  // the loop waits for each advance, so no overlap is charged; step_clock::switch_step_s).
+  // Progressive: the step ran during a switch (hybrid) with the copies of `layers` layers
+  // beside it; copy_ms is what the clock charges for those copies alone and step_ms what it
+  // charges for both (step_clock::switch_step_s: measured, the step's device time plus the wait
+  // for copies that outlasted it; priced, by the measured slowdown curve).
   bool in_switch = false;
   int64_t layers = 0;
   int64_t cursor = 0;                   // arena cursor (TP layers) the step ran at

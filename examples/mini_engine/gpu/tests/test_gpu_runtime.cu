@@ -96,10 +96,22 @@ struct serve_result {
 // progressive instead (switcher begin at step s, then advance(progressive_layers) + poll before
 // each step, hybrid steps meanwhile, finish after the step that reaches the last layer); every
 // sequence's pages for the whole run are reserved before begin (the tables are frozen).
+// `beside` (progressive only): each advance is enqueued beside the step instead of before it
+// (gpu_runtime::step_beside: its copies run while the step computes, waiting for the step's
+// layer events), the loop waits for them after the step; a fault can be injected into one
+// advance, whose switch then rolls back and serving goes on in the source mode.
+struct overlap_options {
+  int fault_advance = -1;   // inject a transport fault into this advance of the run (0-based)
+  int64_t fault_phase = 0;  // at this phase of it
+  int advances = 0;         // out: advances enqueued beside steps
+  int rolled_back = 0;      // out: switches that rolled back
+};
+
 serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cursor cursor,
                    int decode_steps, const std::map<int, parallel_mode>& switch_at,
                    moebius::switcher* sw, int64_t progressive_layers = 0,
-                   const std::function<void(moebius::arena_cursor)>& after_move = {}) {
+                   const std::function<void(moebius::arena_cursor)>& after_move = {},
+                   overlap_options* beside = nullptr) {
   const std::vector<std::vector<int32_t>> prompts = {{5, 17, 200, 3, 9, 77, 1}, {42, 8, 13}, {99}};
   const int P = rt.num_ranks();
   serve_result out;
@@ -134,7 +146,7 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
       }
     }
     const bool hybrid = session.has_value();
-    if (hybrid) {
+    if (hybrid && beside == nullptr) {
       session->advance(progressive_layers);
       moebius::progress_state state = session->poll();
       while (state == moebius::progress_state::in_flight) state = session->poll();
@@ -172,7 +184,37 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
     moebius::validate(rt.kv(), kv);
     std::vector<std::vector<float>> logits;
     const step_layout layout = hybrid ? step_layout::during(session->view()) : step_layout{&kv, cur};
-    const std::vector<int32_t> next = rt.step(layout, items, &logits);
+    std::vector<int32_t> next;
+    if (hybrid && beside != nullptr) {
+      copies_beside copies;
+      copies.enqueue = [&](const moebius::step_layer_events* events) {
+        REQUIRE(events != nullptr);  // a hybrid step hands out its layer events
+        if (beside->advances++ == beside->fault_advance)
+          sw->inject_fault(moebius::switch_fault{moebius::switch_fault::stage::weights,
+                                                 moebius::fault_point{beside->fault_phase, 0}});
+        session->advance(progressive_layers, {}, events);
+      };
+      copies.settle = [&]() -> step_layout {
+        while (session->open() && session->poll() == moebius::progress_state::in_flight) {
+        }
+        if (!session->open()) return step_layout{&sw->kv_tables(), sw->cursor()};
+        return step_layout::during(session->view());
+      };
+      next = rt.step_beside(layout, items, copies, &logits);
+      while (session->open() && session->poll() == moebius::progress_state::in_flight) {
+      }
+      if (!session->open()) {  // the advance failed: everything moved is back
+        INFO(session->report());
+        REQUIRE(session->report().outcome == moebius::switch_outcome::rolled_back);
+        ++beside->rolled_back;
+        session.reset();
+        if (after_move) after_move(sw->cursor());
+      } else if (after_move) {
+        after_move(session->view().cursor());
+      }
+    } else {
+      next = rt.step(layout, items, &logits);
+    }
     size_t li = 0;
     for (size_t i = 0; i < items.size(); ++i) {
       const int q = item_seq[i];
@@ -187,7 +229,7 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
       out.seqs[static_cast<size_t>(q)].push_back(next[i]);
     }
     REQUIRE(li == logits.size());
-    if (hybrid && session->layers_remaining() == 0) {
+    if (hybrid && session && session->layers_remaining() == 0) {
       const moebius::switch_report rep = session->finish();
       session.reset();
       INFO(rep);
@@ -691,6 +733,58 @@ TEST_CASE("virtual ranks: stop-the-world and progressive switches EP -> TP -> EP
           require_same_tokens(base, run, layers == 0 ? "stop-the-world" : "progressive", bf16);
           // TP and EP round their sums differently (the TP-vs-EP test's bound).
           if (!bf16) require_close_logits(base, run, 1e-4);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("virtual ranks: progressive switches with the copies beside the steps keep the "
+          "static run's tokens, place the arena as a static run, never re-capture, and roll "
+          "back exactly from a fault in an overlapped advance",
+          "[gpu][runtime][virtual][overlap]") {
+  for (moebius::dtype t : {moebius::dtype::fp32, moebius::dtype::bf16}) {
+    const model_config c = tiny_config(t);  // L = 3
+    const bool bf16 = t == moebius::dtype::bf16;
+    const test_weights w = make_test_weights(c, seed(33), bf16);
+    for (int P : {2, 4}) {
+      for (int64_t layers : {int64_t{1}, int64_t{2}}) {
+        // -1: no fault; else a transport fault at phase 1 of that advance (the second
+        // advance of the EP -> TP switch, or the first of the TP -> EP one).
+        for (int fault : {-1, 1, 1 + static_cast<int>((c.num_layers + layers - 1) / layers)}) {
+          DYNAMIC_SECTION("dtype " << moebius::to_string(t) << " P " << P << " layers per step "
+                                   << layers << " fault at advance " << fault) {
+            gpu_runtime static_rt(w, virtual_options(P, {0}, t));
+            poison_kv(static_rt);
+            const auto base = serve(static_rt, empty_kv_state(static_rt.kv(), parallel_mode::ep),
+                                    {0}, 10, {}, nullptr);
+            gpu_runtime rt(w, virtual_options(P, {0}, t));
+            const int64_t captured = rt.captures();
+            poison_kv(rt);
+            moebius::cuda_peer_transport tr =
+                moebius::cuda_peer_transport::single_process(rt.memory());
+            moebius::switcher sw(rt.arena(), rt.kv(), tr,
+                                 empty_kv_state(rt.kv(), parallel_mode::ep), {0});
+            overlap_options beside;
+            beside.fault_advance = fault;
+            beside.fault_phase = 1;
+            int64_t moves = 0;
+            const auto run = serve(
+                rt, {}, {0}, 10, {{1, parallel_mode::tp}, {6, parallel_mode::ep}}, &sw, layers,
+                [&](moebius::arena_cursor k) {
+                  check_arena(rt, w, k);
+                  ++moves;
+                },
+                &beside);
+            REQUIRE(beside.advances >= 2);
+            REQUIRE(beside.rolled_back == (fault >= 0 ? 1 : 0));
+            REQUIRE(moves >= beside.advances);
+            REQUIRE(rt.captures() == captured);
+            if (rt.hybrid_graphs_enabled()) REQUIRE(rt.hybrid_graph_steps() >= 1);
+            check_against_reference(c, w, run, bf16);
+            require_same_tokens(base, run, "progressive beside the steps", bf16);
+            if (!bf16) require_close_logits(base, run, 1e-4);
+          }
         }
       }
     }
