@@ -23,7 +23,8 @@
 //
 // Environment: MOEBIUS_BENCH_P (2), MOEBIUS_BENCH_LAYERS (48), MOEBIUS_BENCH_BATCHES
 // (1,16,64,256), MOEBIUS_BENCH_OCCUPANCY (0.25,0.9), MOEBIUS_BENCH_GIB_PER_STEP
-// (0.25,0.5,1,2), MOEBIUS_BENCH_SUMMARY.
+// (0.25,0.5,1,2), MOEBIUS_BENCH_KV_BLOCKS (0: the KV kernel's grid is the SM count per rank),
+// MOEBIUS_BENCH_SUMMARY.
 
 #include <cuda_runtime.h>
 
@@ -98,8 +99,10 @@ int main() {
     batches.push_back(static_cast<int64_t>(b));
   const std::vector<double> occupancies = bench::env_list("MOEBIUS_BENCH_OCCUPANCY", {0.25, 0.9});
   const std::vector<double> sizes = bench::env_list("MOEBIUS_BENCH_GIB_PER_STEP", {0.25, 0.5, 1, 2});
-  // Steps run until the switch ends: each sequence needs room for them all.
-  const int64_t max_steps = 64 + config.num_layers * 4;
+  // Steps of one (batch, occupancy): 8 normal, 2 around the stop-the-world switches, and at
+  // most one per layer for each progressive switch; each sequence needs room for them all.
+  const int64_t max_steps =
+      16 + 2 * config.num_layers * static_cast<int64_t>(sizes.size());
   const int64_t tokens = context + max_steps;
   gpu_runtime_options o = bench::decode_options(config, P, batches, tokens);
   o.placement = rank_placement::virtual_ranks;
@@ -116,11 +119,17 @@ int main() {
   try {
     gpu_runtime rt(config, uint64_t{12345}, o);
     rt.fill_kv_random(777);
-    moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(rt.memory());
+    // MOEBIUS_BENCH_KV_BLOCKS: the fused KV kernel's grid per rank (0: the SM count), the SMs
+    // the copies may take from the step beside them.
+    moebius::cuda_peer_config tc;
+    tc.sm_kernel_blocks = static_cast<int>(env_int("MOEBIUS_BENCH_KV_BLOCKS", 0));
+    moebius::cuda_peer_transport tr =
+        moebius::cuda_peer_transport::single_process(rt.memory(), tc);
     std::printf("Qwen3-30B-A3B shapes, L=%lld, P=%d virtual ranks on one GPU, context %lld, "
-                "pool %lld EP pages per rank (%lld sequences)\n",
+                "pool %lld EP pages per rank (%lld sequences), KV kernel grid %d per rank\n",
                 static_cast<long long>(config.num_layers), P, static_cast<long long>(context),
-                static_cast<long long>(o.num_ep_pages), static_cast<long long>(capacity));
+                static_cast<long long>(o.num_ep_pages), static_cast<long long>(capacity),
+                tc.sm_kernel_blocks);
     for (const double occupancy : occupancies) {
       for (const int64_t B : batches) {
         // B decoding sequences, then idle ones up to the occupancy (seq ids B..): all in EP.
@@ -217,14 +226,14 @@ int main() {
                       static_cast<long long>(pr.tokens), pr.outcome.c_str());
           if (json != nullptr)
             std::fprintf(json,
-                         "{\"direction\": \"%s\", \"P\": %d, \"batch\": %lld, \"context\": %lld, "
+                         "{\"direction\": \"%s\", \"P\": %d, \"kv_blocks\": %d, \"batch\": %lld, \"context\": %lld, "
                          "\"occupancy\": %.2f, \"sequences_with_kv\": %lld, \"normal_ms\": %.4f, "
                          "\"stw_to_tp_ms\": %.3f, \"stw_to_ep_ms\": %.3f, \"gib_per_step\": %.3f, "
                          "\"layers_per_step\": %lld, \"steps\": %lld, \"max_ms\": %.4f, "
                          "\"max_device_ms\": %.4f, \"max_copy_wait_ms\": %.4f, \"p99_ms\": "
                          "%.4f, \"length_ms\": %.3f, \"tokens\": %lld, \"outcome\": \"%s\"}\n",
-                         pr.direction, P, static_cast<long long>(B), static_cast<long long>(context),
-                         occupancy, static_cast<long long>(live), normal_ms, to_tp.total_ms,
+                         pr.direction, P, tc.sm_kernel_blocks, static_cast<long long>(B),
+                         static_cast<long long>(context), occupancy, static_cast<long long>(live), normal_ms, to_tp.total_ms,
                          to_ep.total_ms, pr.gib_per_step, static_cast<long long>(pr.layers_per_step),
                          static_cast<long long>(pr.steps), pr.max_ms, pr.max_device_ms,
                          pr.max_wait_ms, pr.p99_ms, pr.length_ms,
