@@ -71,5 +71,6 @@ void bind_transport(nb::module_& m);
 void bind_cuda(nb::module_& m);  // no-op without CUDA
 void bind_switch(nb::module_& m);
 void bind_policy(nb::module_& m);
+void bind_kv_csr(nb::module_& m);  // after bind_kv and bind_switch: adds methods to their classes
 
 }  // namespace moebius::python
