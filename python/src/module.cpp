@@ -84,4 +84,5 @@ NB_MODULE(_moebius, m) {
   bind_switch(m);
   bind_policy(m);
   bind_kv_csr(m);
+  bind_observer(m);
 }
