@@ -26,6 +26,9 @@ from ._moebius import *  # noqa: F401,F403
 from ._moebius import Error, Mode, WeightTensor  # noqa: F401
 from . import _moebius
 
+from . import engine_views  # noqa: E402
+from .engine_views import expert_map, fused_moe_views, local_experts  # noqa: E402,F401
+
 __all__ = [name for name in dir(_moebius) if not name.startswith("_")]
 __version__ = "0.1.0"
 
@@ -115,5 +118,6 @@ _moebius._set_switch_observer(_on_switch)
 # The C++ observer must not outlive the interpreter that owns the callable.
 atexit.register(_moebius._set_switch_observer, None)
 
-__all__ += ["cursor_of", "weight_views", "__version__", "logger", "add_switch_listener",
+__all__ += ["cursor_of", "weight_views", "__version__", "engine_views", "expert_map",
+            "fused_moe_views", "local_experts", "logger", "add_switch_listener",
             "remove_switch_listener", "format_switch_event"]
