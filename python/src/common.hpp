@@ -75,5 +75,6 @@ void bind_switch(nb::module_& m);
 void bind_policy(nb::module_& m);
 void bind_kv_csr(nb::module_& m);  // after bind_kv and bind_switch: adds methods to their classes
 void bind_observer(nb::module_& m);
+void bind_nccl(nb::module_& m);  // no-op without NCCL
 
 }  // namespace moebius::python

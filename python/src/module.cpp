@@ -85,4 +85,5 @@ NB_MODULE(_moebius, m) {
   bind_policy(m);
   bind_kv_csr(m);
   bind_observer(m);
+  bind_nccl(m);
 }
