@@ -22,9 +22,36 @@ the C++ ``errc`` as a string (``"capacity"``, ``"injected_fault"``, ...).
 import atexit
 import logging
 
-from ._moebius import *  # noqa: F401,F403
-from ._moebius import Error, Mode, WeightTensor  # noqa: F401
-from . import _moebius
+
+def _preload_nccl():
+    """A module built with NCCL links libnccl.so.2 (RPATH: where it was built). Where that path
+    does not exist (a wheel on another machine), load the libnccl that torch's nvidia-nccl
+    wheel or the CUDA toolkit installed, so the same soname resolves to it."""
+    import ctypes
+    import glob
+    import os
+    import sys
+    candidates = []
+    for entry in sys.path:
+        candidates += glob.glob(os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so.2"))
+    candidates += ["/usr/local/cuda/lib64/libnccl.so.2", "/usr/local/cuda/lib/libnccl.so.2",
+                   "/usr/lib/x86_64-linux-gnu/libnccl.so.2", "libnccl.so.2"]
+    for path in candidates:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+try:
+    from . import _moebius  # noqa: F401
+except ImportError as _e:  # pragma: no cover - depends on the machine
+    if "libnccl" not in str(_e) or not _preload_nccl():
+        raise
+from ._moebius import *  # noqa: F401,F403,E402
+from ._moebius import Error, Mode, WeightTensor  # noqa: F401,E402
 
 from . import engine_views  # noqa: E402
 from .engine_views import expert_map, fused_moe_views, local_experts  # noqa: E402,F401
