@@ -180,7 +180,8 @@ std::pair<numpy_index, index_array> new_index_array(int64_t n, bool wide) {
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * (wide ? 8 : 4);
   std::unique_ptr<std::byte[]> buffer(new std::byte[bytes]);
   std::byte* data = buffer.get();
-  nb::capsule owner(buffer.release(), [](void* p) noexcept { delete[] static_cast<std::byte*>(p); });
+  nb::capsule owner(buffer.release(),
+                    [](void* p) noexcept { delete[] static_cast<std::byte*>(p); });
   const size_t shape[1] = {static_cast<size_t>(n)};
   const nb::dlpack::dtype t{static_cast<uint8_t>(nb::dlpack::dtype_code::Int),
                             static_cast<uint8_t>(wide ? 64 : 32), 1};
