@@ -36,6 +36,7 @@
 #include "moebius/switch/overlap.hpp"
 #include "moebius/switch/pacing.hpp"
 #include "moebius/switch/progressive.hpp"
+#include "moebius/switch/switch_observer.hpp"
 #include "moebius/switch/switch_report.hpp"
 #include "moebius/switch/switch_stats.hpp"
 #include "moebius/switch/switcher.hpp"

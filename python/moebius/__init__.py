@@ -19,9 +19,42 @@ the C++ ``errc`` as a string (``"capacity"``, ``"injected_fault"``, ...).
     transport.execute(moebius.plan_weight_switch(arena, 0, shape.num_layers))  # EP -> TP
 """
 
-from ._moebius import *  # noqa: F401,F403
-from ._moebius import Error, Mode, WeightTensor  # noqa: F401
-from . import _moebius
+import atexit
+import logging
+
+
+def _preload_nccl():
+    """A module built with NCCL links libnccl.so.2 (RPATH: where it was built). Where that path
+    does not exist (a wheel on another machine), load the libnccl that torch's nvidia-nccl
+    wheel or the CUDA toolkit installed, so the same soname resolves to it."""
+    import ctypes
+    import glob
+    import os
+    import sys
+    candidates = []
+    for entry in sys.path:
+        candidates += glob.glob(os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so.2"))
+    candidates += ["/usr/local/cuda/lib64/libnccl.so.2", "/usr/local/cuda/lib/libnccl.so.2",
+                   "/usr/lib/x86_64-linux-gnu/libnccl.so.2", "libnccl.so.2"]
+    for path in candidates:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+try:
+    from . import _moebius  # noqa: F401
+except ImportError as _e:  # pragma: no cover - depends on the machine
+    if "libnccl" not in str(_e) or not _preload_nccl():
+        raise
+from ._moebius import *  # noqa: F401,F403,E402
+from ._moebius import Error, Mode, WeightTensor  # noqa: F401,E402
+
+from . import engine_views  # noqa: E402
+from .engine_views import expert_map, fused_moe_views, local_experts  # noqa: E402,F401
 
 __all__ = [name for name in dir(_moebius) if not name.startswith("_")]
 __version__ = "0.1.0"
@@ -45,4 +78,73 @@ def weight_views(memory, geometry, mode, raw=False):
     ]
 
 
-__all__ += ["cursor_of", "weight_views", "__version__"]
+# --- every switch, reported: Python's logging and the engine's listeners ----------------------
+#: The logger every ended switch goes to (switch/switch_observer.hpp): INFO for a committed
+#: switch, DEBUG when it was already there, WARNING when refused or rolled back, ERROR when
+#: inconsistent. The record carries the event as ``record.moebius_switch``.
+logger = logging.getLogger("moebius")
+
+_LEVELS = {
+    "committed": logging.INFO,
+    "already_there": logging.DEBUG,
+    "refused_capacity": logging.WARNING,
+    "rolled_back": logging.WARNING,
+    "inconsistent": logging.ERROR,
+}
+_listeners = []
+
+
+def _gb(nbytes):
+    return nbytes / 1e9
+
+
+def format_switch_event(event):
+    """One line for a log: what ended, how, what moved and how long each stage took."""
+    r, m = event["report"], event["metrics"]
+    line = (f"switch #{event['sequence']} {r['from']}->{r['to']} ({event['style']}): "
+            f"{r['outcome']} in {r['total_ms']:.1f} ms; weights "
+            f"{_gb(m['moebius_switch_weights_bytes']):.3f} GB in {r['weights_ms']:.1f} ms "
+            f"({r['weight_phases_completed']}/{r['weight_phases']} layers), KV "
+            f"{_gb(m['moebius_switch_kv_bytes']):.3f} GB in {r['kv_ms']:.1f} ms "
+            f"({r['kv_rounds_completed']}/{r['kv_rounds']} rounds); plan {r['plan_ms']:.1f} ms, "
+            f"verify {r['verify_ms']:.1f} ms, undo {r['undo_ms']:.1f} ms; cursor {r['cursor']}")
+    if r["error"]:
+        line += f"; error: {r['error']}"
+    return line
+
+
+def add_switch_listener(listener):
+    """Calls ``listener(event)`` for every switch that ends in this process, after it is
+    logged: event = {"sequence", "style" ("whole" | "progressive"), "report" (the dict
+    switch_to returns), "metrics" (flat, Prometheus-style names: the engine's exporter sets
+    one gauge per item)}. It runs on the thread that ended the switch, before that call
+    returns: keep it quick. What it raises is logged (logger.exception), never raised into
+    the switch.
+    Returns `listener` (usable as a decorator)."""
+    _listeners.append(listener)
+    return listener
+
+
+def remove_switch_listener(listener):
+    """Undoes add_switch_listener (ValueError when it was not added)."""
+    _listeners.remove(listener)
+
+
+def _on_switch(event):
+    level = _LEVELS.get(event["report"]["outcome"], logging.WARNING)
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s", format_switch_event(event), extra={"moebius_switch": event})
+    for listener in list(_listeners):
+        try:
+            listener(event)
+        except Exception:  # one broken exporter must not silence the others, nor the switch
+            logger.exception("moebius: switch listener %r failed", listener)
+
+
+_moebius._set_switch_observer(_on_switch)
+# The C++ observer must not outlive the interpreter that owns the callable.
+atexit.register(_moebius._set_switch_observer, None)
+
+__all__ += ["cursor_of", "weight_views", "__version__", "engine_views", "expert_map",
+            "fused_moe_views", "local_experts", "logger", "add_switch_listener",
+            "remove_switch_listener", "format_switch_event"]

@@ -34,6 +34,12 @@ nb::dict to_dict(const layer_bytes& b) {
 
 }  // namespace
 
+nb::dict metrics_dict(const switch_report& r) {
+  nb::dict d;
+  for (const switch_metric& m : metrics_of(r)) d[nb::str(m.name.data(), m.name.size())] = m.value;
+  return d;
+}
+
 nb::dict to_dict(const switch_report& r) {
   nb::dict d;
   d["from"] = to_string(r.from);
@@ -59,6 +65,7 @@ nb::dict to_dict(const switch_report& r) {
   d["total_ms"] = r.total_ms;
   d["verified"] = r.verified;
   d["summary"] = printed(r);
+  d["metrics"] = metrics_dict(r);
   return d;
 }
 

@@ -60,6 +60,8 @@ nb::dict to_dict(const plan_traffic& t);
 nb::dict to_dict(const kv_migration_stats& s);
 nb::dict to_dict(const kv_capacity_report& r);
 nb::dict to_dict(const switch_report& r);
+// The flat metrics of a report (switch_stats.hpp metrics_of): {"moebius_switch_total_ms": ...}.
+nb::dict metrics_dict(const switch_report& r);
 nb::dict to_dict(const kv_placement& p);
 
 void bind_errors(nb::module_& m);
@@ -71,5 +73,8 @@ void bind_transport(nb::module_& m);
 void bind_cuda(nb::module_& m);  // no-op without CUDA
 void bind_switch(nb::module_& m);
 void bind_policy(nb::module_& m);
+void bind_kv_csr(nb::module_& m);  // after bind_kv and bind_switch: adds methods to their classes
+void bind_observer(nb::module_& m);
+void bind_nccl(nb::module_& m);  // no-op without NCCL
 
 }  // namespace moebius::python

@@ -83,4 +83,7 @@ NB_MODULE(_moebius, m) {
   bind_cuda(m);
   bind_switch(m);
   bind_policy(m);
+  bind_kv_csr(m);
+  bind_observer(m);
+  bind_nccl(m);
 }

@@ -98,3 +98,22 @@ def test_every_code_translates(code):
     with raises(code) as e:
         moebius._moebius._raise_error(code, "from the test")
     assert f"moebius {code}: from the test" in str(e.value)
+
+
+@pytest.mark.skipif(not moebius.with_nccl, reason="moebius was built without NCCL")
+def test_nccl_workspace_sizes_without_a_gpu():
+    """NcclTransport.workspace_bytes and moebius.distributed's sizing need no device
+    (nccl_transport.hpp's worked example: E=4, H=8, I=4, P=2, one bf16 layer: 512 B)."""
+    import moebius.distributed as md
+    shape = moebius.ExpertShape(num_layers=1, num_experts=4, hidden=8, intermediate=4)
+    arena = moebius.make_arena_geometry(shape, 2)
+    plan = moebius.plan_weight_switch(arena, 0, 1)
+    assert moebius.NcclTransport.workspace_bytes(plan, 0) == 512
+    kv = moebius.make_kv_geometry(1, 2, 8, 4, 4, 2)
+    assert md.nccl_workspace_bytes(arena, rank=0) >= 512
+    assert md.nccl_workspace_bytes(arena, kv) == md.nccl_workspace_bytes(arena) + kv.pool_bytes
+    assert md.nccl_workspace_bytes(arena, kv, kv_bytes=0) == md.nccl_workspace_bytes(arena)
+    with pytest.raises(moebius.Error, match="unique id has 3 bytes"):
+        moebius.NcclCommunicator(b"abc", 0, 1, 0)
+    with pytest.raises(moebius.Error, match="outside"):
+        moebius.NcclCommunicator(bytes(moebius.nccl_unique_id_bytes), 2, 2, 0)

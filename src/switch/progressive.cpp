@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "moebius/error.hpp"
+#include "moebius/switch/switch_observer.hpp"
 #include "moebius/switch/switcher.hpp"
 #include "transaction.hpp"
 
@@ -97,6 +98,7 @@ void progressive_switch::close() {
   owner_->last_report_ = report_;
   owner_->open_ = nullptr;
   txn_.reset();
+  notify_switch_observer(report_, switch_style::progressive);
 }
 
 int64_t progressive_switch::layers_remaining() const {

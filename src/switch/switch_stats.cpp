@@ -44,6 +44,19 @@ void for_each_metric(const switch_report& r,
   fn("moebius_switch_committed", r.outcome == switch_outcome::committed ? 1.0 : 0.0);
   fn("moebius_switch_rolled_back", r.outcome == switch_outcome::rolled_back ? 1.0 : 0.0);
   fn("moebius_switch_inconsistent", r.outcome == switch_outcome::inconsistent ? 1.0 : 0.0);
+  fn("moebius_switch_weight_phases_completed", static_cast<double>(r.weight_phases_completed));
+  fn("moebius_switch_kv_rounds_completed", static_cast<double>(r.kv_rounds_completed));
+  fn("moebius_switch_kv_pages_moved", static_cast<double>(r.kv_stats.pages_moved));
+  fn("moebius_switch_refused_capacity",
+     r.outcome == switch_outcome::refused_capacity ? 1.0 : 0.0);
+  fn("moebius_switch_already_there", r.outcome == switch_outcome::already_there ? 1.0 : 0.0);
+  fn("moebius_switch_verified", r.verified ? 1.0 : 0.0);
+}
+
+std::vector<switch_metric> metrics_of(const switch_report& r) {
+  std::vector<switch_metric> out;
+  for_each_metric(r, [&](std::string_view name, double value) { out.push_back({name, value}); });
+  return out;
 }
 
 }  // namespace moebius

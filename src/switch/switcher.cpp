@@ -5,6 +5,7 @@
 #include "moebius/detail/enum_check.hpp"
 #include "moebius/detail/nvtx.hpp"
 #include "moebius/error.hpp"
+#include "moebius/switch/switch_observer.hpp"
 #include "transaction.hpp"
 
 namespace moebius {
@@ -22,6 +23,13 @@ struct disarm_on_exit {
   std::vector<switch_fault>& faults;
   ~disarm_on_exit() { faults.clear(); }
 };
+
+// A stop-the-world switch's report is final: keep it and tell the observer.
+const switch_report& ended(switch_report& last, const switch_report& rep) {
+  last = rep;
+  notify_switch_observer(last, switch_style::whole);
+  return last;
+}
 
 }  // namespace
 
@@ -117,14 +125,14 @@ switch_report switcher::switch_to(parallel_mode target) {
   const std::optional<arena_cursor> goal = open_report(rep, target);
   if (!goal) {
     rep.total_ms = std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
-    return last_report_ = rep;
+    return ended(last_report_, rep);
   }
   // One transaction, the whole switch as one unit: begin + advance(all) + finish.
   std::unique_ptr<switch_transaction> txn =
       switch_transaction::open(*this, target, *goal, switch_transaction::style::whole, rep, t0);
-  if (!txn) return last_report_ = rep;
+  if (!txn) return ended(last_report_, rep);
   txn->finish();
-  return last_report_ = txn->report();
+  return ended(last_report_, txn->report());
 }
 
 progressive_switch switcher::begin(parallel_mode target) {
@@ -146,6 +154,7 @@ progressive_switch switcher::begin(parallel_mode target) {
   if (!txn) {
     faults_.clear();
     last_report_ = rep;
+    notify_switch_observer(last_report_, switch_style::progressive);
   }
   open_ = txn.get();
   return progressive_switch(*this, std::move(txn), std::move(rep));

@@ -36,6 +36,10 @@ TEST_CASE("switch stats and metrics follow the report", "[switch][stats]") {
     r.total_ms = ms();
     r.weight_phases = uniform(rng, 0, 94);
     r.kv_rounds = uniform(rng, 0, 40);
+    r.weight_phases_completed = uniform(rng, 0, r.weight_phases);
+    r.kv_rounds_completed = uniform(rng, 0, r.kv_rounds);
+    r.kv_stats.pages_moved = uniform(rng, 0, int64_t{1} << 33);
+    r.verified = uniform(rng, 0, 1) == 1;
     r.outcome = static_cast<switch_outcome>(uniform(rng, 0, 4));
 
     const switch_stats s = stats_of(r);
@@ -65,7 +69,10 @@ TEST_CASE("switch stats and metrics follow the report", "[switch][stats]") {
         "moebius_switch_undo_bytes",     "moebius_switch_undo_ms",
         "moebius_switch_total_ms",       "moebius_switch_weight_phases",
         "moebius_switch_kv_rounds",      "moebius_switch_committed",
-        "moebius_switch_rolled_back",    "moebius_switch_inconsistent"};
+        "moebius_switch_rolled_back",    "moebius_switch_inconsistent",
+        "moebius_switch_weight_phases_completed", "moebius_switch_kv_rounds_completed",
+        "moebius_switch_kv_pages_moved", "moebius_switch_refused_capacity",
+        "moebius_switch_already_there",  "moebius_switch_verified"};
     REQUIRE(names == expected);
     CHECK(m["moebius_switch_weights_bytes"] == static_cast<double>(wsum));
     CHECK(m["moebius_switch_kv_bytes"] == static_cast<double>(ksum));
@@ -80,5 +87,21 @@ TEST_CASE("switch stats and metrics follow the report", "[switch][stats]") {
           (r.outcome == switch_outcome::rolled_back ? 1.0 : 0.0));
     CHECK(m["moebius_switch_inconsistent"] ==
           (r.outcome == switch_outcome::inconsistent ? 1.0 : 0.0));
+    CHECK(m["moebius_switch_weight_phases_completed"] ==
+          static_cast<double>(r.weight_phases_completed));
+    CHECK(m["moebius_switch_kv_rounds_completed"] == static_cast<double>(r.kv_rounds_completed));
+    CHECK(m["moebius_switch_kv_pages_moved"] == static_cast<double>(r.kv_stats.pages_moved));
+    CHECK(m["moebius_switch_refused_capacity"] ==
+          (r.outcome == switch_outcome::refused_capacity ? 1.0 : 0.0));
+    CHECK(m["moebius_switch_already_there"] ==
+          (r.outcome == switch_outcome::already_there ? 1.0 : 0.0));
+    CHECK(m["moebius_switch_verified"] == (r.verified ? 1.0 : 0.0));
+    // metrics_of: the same names and values, in the same order.
+    const std::vector<switch_metric> list = metrics_of(r);
+    REQUIRE(list.size() == names.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      CHECK(list[i].name == names[i]);
+      CHECK(list[i].value == m[names[i]]);
+    }
   }
 }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string_view>
+#include <vector>
 
 #include "moebius/switch/switcher.hpp"
 
@@ -55,9 +56,20 @@ switch_stats stats_of(const switch_report& r);
 //                                                            weights, kv, verify, undo
 //   moebius_switch_total_ms, moebius_switch_weight_phases, moebius_switch_kv_rounds,
 //   moebius_switch_committed (1 or 0), moebius_switch_rolled_back (1 or 0),
-//   moebius_switch_inconsistent (1 or 0)
+//   moebius_switch_inconsistent (1 or 0),
+//   moebius_switch_weight_phases_completed, moebius_switch_kv_rounds_completed,
+//   moebius_switch_kv_pages_moved, moebius_switch_refused_capacity (1 or 0),
+//   moebius_switch_already_there (1 or 0), moebius_switch_verified (1 or 0)
 // Names are string literals (they outlive the call).
 void for_each_metric(const switch_report& r,
                      const std::function<void(std::string_view name, double value)>& fn);
+
+// The same metrics as a flat list in that order (names are literals), for an exporter that
+// wants them at once (the Python module's dict).
+struct switch_metric {
+  std::string_view name;
+  double value = 0;
+};
+std::vector<switch_metric> metrics_of(const switch_report& r);
 
 }  // namespace moebius
