@@ -84,16 +84,28 @@ std::string file_name(const std::string& path) {
 
 }  // namespace
 
+namespace {
+// Bytes in the unit that keeps 3-4 significant digits: "3.96 GB", "423.9 kB".
+std::string human_bytes(double b) {
+  char buf[32];
+  if (b >= 1e9) std::snprintf(buf, sizeof buf, "%.2f GB", b / 1e9);
+  else if (b >= 1e6) std::snprintf(buf, sizeof buf, "%.1f MB", b / 1e6);
+  else std::snprintf(buf, sizeof buf, "%.1f kB", b / 1e3);
+  return buf;
+}
+}  // namespace
+
 std::string progress_line(const load_progress& p) {
-  const double gb = static_cast<double>(p.shard_bytes) / 1e9;
-  const double rate = p.shard_s > 0 ? gb / p.shard_s : 0;
-  const double overall = p.elapsed_s > 0 ? static_cast<double>(p.bytes_done) / 1e9 / p.elapsed_s : 0;
-  const double left = static_cast<double>(p.bytes_total - p.bytes_done) / 1e9;
+  const double rate = p.shard_s > 0 ? static_cast<double>(p.shard_bytes) / p.shard_s : 0;
+  const double overall = p.elapsed_s > 0 ? static_cast<double>(p.bytes_done) / p.elapsed_s : 0;
+  const double left = static_cast<double>(p.bytes_total - p.bytes_done);
   char buf[512];
-  std::snprintf(buf, sizeof buf, "shard %lld/%lld %s: %.2f GB in %.2f s (%.2f GB/s); %.2f of %.2f GB, ETA %.1f s",
+  std::snprintf(buf, sizeof buf, "shard %lld/%lld %s: %s in %.2f s (%s/s); %s of %s, ETA %.1f s",
                 static_cast<long long>(p.shard + 1), static_cast<long long>(p.num_shards),
-                file_name(p.path).c_str(), gb, p.shard_s, rate,
-                static_cast<double>(p.bytes_done) / 1e9, static_cast<double>(p.bytes_total) / 1e9,
+                file_name(p.path).c_str(), human_bytes(static_cast<double>(p.shard_bytes)).c_str(),
+                p.shard_s, human_bytes(rate).c_str(),
+                human_bytes(static_cast<double>(p.bytes_done)).c_str(),
+                human_bytes(static_cast<double>(p.bytes_total)).c_str(),
                 overall > 0 ? left / overall : 0.0);
   return buf;
 }

@@ -41,8 +41,8 @@ struct load_progress {
   int64_t bytes_done = 0, bytes_total = 0;
   double shard_s = 0, elapsed_s = 0;
 };
-// "shard 3/16 model-00003-of-00016.safetensors: 3.96 GB in 2.10 s (1.89 GB/s); 12.10 of
-// 60.90 GB, ETA 25.8 s"
+// "shard 3/16 model-00003-of-00016.safetensors: 3.96 GB in 2.10 s (1.89 GB/s); 12.10 GB of
+// 60.90 GB, ETA 25.8 s" (units from kB to GB as the sizes need)
 std::string progress_line(const load_progress& p);
 
 class hf_checkpoint {
