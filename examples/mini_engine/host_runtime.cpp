@@ -1,5 +1,6 @@
 #include "host_runtime.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -141,20 +142,30 @@ void grow(std::vector<T>& v, int64_t n) {
 
 }  // namespace
 
-host_runtime::host_runtime(const model_weights& weights, const host_runtime_options& options)
-    : weights_(weights) {
-  validate(weights_);
+void host_runtime::lay_out(const host_runtime_options& options) {
   const model_config& c = weights_.config;
   validate(c, options.num_ranks);
   MOEBIUS_CHECK(options.num_ep_pages >= 1, errc::invalid_argument,
                 "host_runtime: num_ep_pages must be >= 1 (got ", options.num_ep_pages, ")");
   arena_geometry_ = moebius::make_arena_geometry(expert_shape_of(c), options.num_ranks,
                                                  options.tensor_alignment, options.slot_alignment);
+  moebius::validate(arena_geometry_, options.cursor);
   kv_geometry_ = kv_geometry_of(c, options.num_ranks, options.num_ep_pages);
   arenas_.assign(static_cast<size_t>(options.num_ranks),
                  std::vector<std::byte>(static_cast<size_t>(arena_geometry_.total_bytes())));
   pools_.assign(static_cast<size_t>(options.num_ranks),
                 std::vector<std::byte>(static_cast<size_t>(kv_geometry_.pool_bytes())));
+  const int64_t D = c.head_dim;
+  inv_freq_.resize(static_cast<size_t>(D / 2));
+  for (int64_t i = 0; i < D / 2; ++i)
+    inv_freq_[static_cast<size_t>(i)] =
+        std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+}
+
+host_runtime::host_runtime(const model_weights& weights, const host_runtime_options& options)
+    : weights_(weights) {
+  validate(weights_);
+  lay_out(options);
   place_experts(weights, options.cursor);
   for (const auto& l : weights_.layers)
     dense_.push_back({to_double(l.q_proj), to_double(l.k_proj), to_double(l.v_proj),
@@ -166,11 +177,110 @@ host_runtime::host_runtime(const model_weights& weights, const host_runtime_opti
     l.w13_scale = {};
     l.w2_scale = {};
   }
-  const int64_t D = c.head_dim;
-  inv_freq_.resize(static_cast<size_t>(D / 2));
-  for (int64_t i = 0; i < D / 2; ++i)
-    inv_freq_[static_cast<size_t>(i)] =
-        std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+}
+
+host_runtime::host_runtime(const model_config& config, const host_runtime_options& options,
+                           const std::function<void(weight_sink&)>& load) {
+  weights_.config = config;
+  lay_out(options);
+  const model_config& c = weights_.config;
+  const int64_t H = c.hidden, D = c.head_dim, L = c.num_layers;
+  auto zeros = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); };
+  auto zerod = [](int64_t n) { return std::vector<double>(static_cast<size_t>(n), 0.0); };
+  // What the runtime keeps beside the arena; the projections only as double (dense_).
+  weights_.embed = zeros(c.vocab * H);
+  weights_.norm = zeros(H);
+  weights_.layers.resize(static_cast<size_t>(L));
+  for (auto& l : weights_.layers) {
+    l.input_layernorm = zeros(H);
+    l.post_attention_layernorm = zeros(H);
+    l.q_norm = zeros(D);
+    l.k_norm = zeros(D);
+  }
+  for (int64_t i = 0; i < L; ++i)
+    dense_.push_back({zerod(c.q_dim() * H), zerod(c.kv_dim() * H), zerod(c.kv_dim() * H),
+                      zerod(H * c.q_dim()), zerod(c.num_experts * H)});
+  lm_head_ = zerod(c.vocab * H);
+
+  // Each tensor once into its place; a local class has the constructor's access.
+  class sink final : public weight_sink {
+   public:
+    sink(host_runtime& rt, moebius::arena_cursor cursor) : rt_(rt), cursor_(cursor) {
+      spans_.assign(rt.arenas_.begin(), rt.arenas_.end());
+      const model_config& m = rt.weights_.config;
+      seen_.assign(static_cast<size_t>(3 + m.num_layers * (9 + 3 * m.num_experts)), 0);
+    }
+    void put(hf_tensor t, int64_t layer, int64_t e, const tensor_source& src) override {
+      const model_config& m = rt_.weights_.config;
+      const bool global = t == hf_tensor::embed || t == hf_tensor::lm_head || t == hf_tensor::norm;
+      MOEBIUS_CHECK(global || (layer >= 0 && layer < m.num_layers &&
+                               (!is_expert(t) || (e >= 0 && e < m.num_experts))),
+                    errc::invalid_argument, "host_runtime: tensor ", src.name, " of layer ",
+                    layer, " expert ", e, " is outside the model");
+      const int64_t idx = t == hf_tensor::embed     ? 0
+                          : t == hf_tensor::lm_head ? 1
+                          : t == hf_tensor::norm    ? 2
+                          : is_expert(t) ? 3 + m.num_layers * 9 +
+                                               (layer * m.num_experts + e) * 3 +
+                                               (static_cast<int64_t>(t) - static_cast<int64_t>(hf_tensor::gate_proj))
+                                         : 3 + layer * 9 + (static_cast<int64_t>(t) -
+                                                            static_cast<int64_t>(hf_tensor::input_layernorm));
+      MOEBIUS_CHECK(idx >= 0 && idx < static_cast<int64_t>(seen_.size()) &&
+                        seen_[static_cast<size_t>(idx)] == 0,
+                    errc::invalid_argument, "host_runtime: tensor ", src.name,
+                    " delivered twice or outside the model");
+      seen_[static_cast<size_t>(idx)] = 1;
+      if (is_expert(t)) {
+        place_expert_part(m, rt_.arena_geometry_, layer,
+                          moebius::arena_geometry::mode_of(cursor_, layer), e, t, src, spans_);
+        return;
+      }
+      const int64_t want = t == hf_tensor::embed || t == hf_tensor::lm_head ? m.vocab * m.hidden : -1;
+      MOEBIUS_CHECK(want < 0 || src.numel() == want, errc::invalid_argument, "host_runtime: tensor ",
+                    src.name, " has ", src.numel(), " elements, the model needs ", want);
+      auto into_f = [&](std::vector<float>& v) {
+        MOEBIUS_CHECK(src.numel() == static_cast<int64_t>(v.size()), errc::invalid_argument,
+                      "host_runtime: tensor ", src.name, " has ", src.numel(),
+                      " elements, the model needs ", v.size());
+        src.read_all(v.data());
+      };
+      auto into_d = [&](std::vector<double>& v) {
+        MOEBIUS_CHECK(src.numel() == static_cast<int64_t>(v.size()), errc::invalid_argument,
+                      "host_runtime: tensor ", src.name, " has ", src.numel(),
+                      " elements, the model needs ", v.size());
+        src.read_all(v.data());
+      };
+      if (t == hf_tensor::embed) return into_f(rt_.weights_.embed);
+      if (t == hf_tensor::lm_head) return into_d(rt_.lm_head_);
+      if (t == hf_tensor::norm) return into_f(rt_.weights_.norm);
+      layer_weights& l = rt_.weights_.layers[static_cast<size_t>(layer)];
+      dense_layer& d = rt_.dense_[static_cast<size_t>(layer)];
+      switch (t) {
+        case hf_tensor::input_layernorm: return into_f(l.input_layernorm);
+        case hf_tensor::post_attention_layernorm: return into_f(l.post_attention_layernorm);
+        case hf_tensor::q_norm: return into_f(l.q_norm);
+        case hf_tensor::k_norm: return into_f(l.k_norm);
+        case hf_tensor::q_proj: return into_d(d.q_proj);
+        case hf_tensor::k_proj: return into_d(d.k_proj);
+        case hf_tensor::v_proj: return into_d(d.v_proj);
+        case hf_tensor::o_proj: return into_d(d.o_proj);
+        case hf_tensor::router: return into_d(d.router);
+        default: return;
+      }
+    }
+    int64_t missing() const {
+      return static_cast<int64_t>(std::count(seen_.begin(), seen_.end(), 0));
+    }
+
+   private:
+    host_runtime& rt_;
+    moebius::arena_cursor cursor_;
+    std::vector<std::span<std::byte>> spans_;
+    std::vector<char> seen_;
+  } s(*this, options.cursor);
+  load(s);
+  MOEBIUS_CHECK(s.missing() == 0, errc::invalid_argument, "host_runtime: the loader left ",
+                s.missing(), " tensors of the model unwritten");
 }
 
 void host_runtime::place_experts(const model_weights& weights, moebius::arena_cursor cursor) {
@@ -550,7 +660,8 @@ void host_runtime::route(int64_t layer, int64_t T) {
     for (int64_t e = 0; e < E; ++e)
       sum += (probs_[static_cast<size_t>(e)] = std::exp(probs_[static_cast<size_t>(e)] - mx));
     for (int64_t e = 0; e < E; ++e) probs_[static_cast<size_t>(e)] /= sum;
-    // Top-k by probability, the lower expert first on ties; weights renormalised.
+    // Top-k by probability, the lower expert first on ties; weights renormalised to sum to 1
+    // (norm_topk_prob) or the softmax probabilities as they are.
     double top = 0;
     for (int64_t k = 0; k < K; ++k) {
       int64_t best = -1;
@@ -566,7 +677,8 @@ void host_runtime::route(int64_t layer, int64_t T) {
     }
     for (int64_t k = 0; k < K; ++k)
       topk_weight_[static_cast<size_t>(t * K + k)] =
-          probs_[static_cast<size_t>(topk_expert_[static_cast<size_t>(t * K + k)])] / top;
+          probs_[static_cast<size_t>(topk_expert_[static_cast<size_t>(t * K + k)])] /
+          (c.norm_topk_prob ? top : 1.0);
   }
   // Tokens per expert: pairs (t, k) as indices t*K + k, grouped by expert.
   expert_first_.assign(static_cast<size_t>(E + 1), 0);

@@ -39,6 +39,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/memory/rank_memory.hpp>
@@ -48,6 +49,7 @@
 #include "layer_schedule.hpp"
 #include "model_config.hpp"
 #include "step.hpp"
+#include "weight_sink.hpp"
 #include "weights.hpp"
 
 namespace mini_engine {
@@ -66,6 +68,17 @@ class host_runtime : public runtime {
   // KV pool, and places the experts at options.cursor. Keeps the non-expert weights; the
   // experts exist only in the arena from then on.
   host_runtime(const model_weights& weights, const host_runtime_options& options);
+  // The model `config` with its weights streamed in by `load`, which must put every tensor
+  // of the model into the sink it is given exactly once (hf_checkpoint::load does): each is
+  // converted once, straight into its place (the experts into the arena at options.cursor
+  // through place_expert_part, projections and the LM head into the runtime's double
+  // buffers, norms and the embedding as float), with no float copy of the model in between.
+  //   hf_checkpoint ck(dir);  model_config m = ck.config().model;
+  //   host_runtime rt(m, o, [&](weight_sink& s) { ck.load(m, s); });
+  // Throws what `load` throws (then no runtime exists), or errc::invalid_argument when a
+  // tensor is missing or comes twice.
+  host_runtime(const model_config& config, const host_runtime_options& options,
+               const std::function<void(weight_sink&)>& load);
 
   // One forward step (step.hpp). Throws errc::invalid_argument, before writing anything,
   // when the tables are invalid, the cursor is outside [0, L], a token is outside the vocab,
@@ -105,6 +118,8 @@ class host_runtime : public runtime {
   void moe_ep(int64_t layer, int64_t T);
   void moe_tp(int64_t layer, int64_t T);
   void add_residual(int64_t T);
+  // Geometry, arenas, pools and RoPE of weights_.config over options (both constructors).
+  void lay_out(const host_runtime_options& options);
 
   // The projections as double (exactly the float weights), so the dot products convert
   // nothing: [Hq*D, H], [Hkv*D, H] x2, [H, Hq*D], [E, H]; and the LM head [V, H].

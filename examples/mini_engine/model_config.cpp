@@ -149,7 +149,8 @@ std::ostream& operator<<(std::ostream& os, const model_config& c) {
             << c.top_k << " I=" << c.intermediate << " V=" << c.vocab
             << " experts=" << moebius::to_string(c.expert_dtype)
             << (c.fp8_experts() ? " block " + std::to_string(c.fp8_block) : std::string())
-            << " kv=" << moebius::to_string(c.kv_dtype) << " page=" << c.page_size << "}";
+            << " kv=" << moebius::to_string(c.kv_dtype) << " page=" << c.page_size
+            << (c.norm_topk_prob ? "" : " top-k not renormalised") << "}";
 }
 
 }  // namespace mini_engine

@@ -1,8 +1,9 @@
 #pragma once
 
 // The mini-engine's model: a Qwen3-MoE-style decoder (RMSNorm, GQA attention with RoPE and
-// per-head q/k RMSNorm over a paged KV cache, a softmax top-k MoE FFN with renormalised
-// weights and fused gate/up SiLU experts, an LM head). Every layer is an MoE layer.
+// per-head q/k RMSNorm over a paged KV cache, a softmax top-k MoE FFN with (optionally)
+// renormalised weights and fused gate/up SiLU experts, an LM head). Every layer is an MoE
+// layer.
 //
 // The configuration maps onto Moebius's two descriptors: expert_shape (the experts in the
 // arena) and kv_geometry (the paged KV pool).
@@ -28,6 +29,10 @@ struct model_config {
   int64_t vocab = 256;        // V
   double rope_theta = 1e6;
   double rms_eps = 1e-6;
+  // Whether the top-k router probabilities are renormalised to sum to 1 (Hugging Face
+  // `norm_topk_prob`; Qwen3-MoE releases set it true). False: each chosen expert weighs its
+  // softmax probability over all E experts.
+  bool norm_topk_prob = true;
   // Expert weights in the arena: fp32, bf16, or fp8_e4m3 with one fp32 scale per
   // (fp8_block x fp8_block) block of each expert matrix.
   moebius::dtype expert_dtype = moebius::dtype::fp32;

@@ -27,6 +27,20 @@ inline float round_bf16(float f) {
   return from_bf16(to_bf16(f));
 }
 
+// IEEE fp16 (binary16) decode, exact in float: 1 sign, 5 exponent (bias 15), 10 mantissa bits.
+//   from_fp16(0x3c00) = 1.0f;  from_fp16(0x7bff) = 65504.0f;  from_fp16(0x0001) = 2^-24
+inline float from_fp16(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float mag;
+  if (exp == 0x1f)
+    mag = man ? NAN : INFINITY;
+  else if (exp == 0)
+    mag = std::ldexp(static_cast<float>(man), -24);
+  else
+    mag = std::ldexp(static_cast<float>(1024 + man), exp - 25);
+  return sign ? -mag : mag;
+}
+
 // FP8 E4M3 (OCP, "fn"): 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, max
 // 448, 0x7f / 0xff are NaN; subnormals 2^-9 * m. Encoding saturates to +-448.
 //   to_fp8_e4m3(1.0f) = 0x38;  from_fp8_e4m3(0x7e) = 448.0f

@@ -120,7 +120,7 @@ std::vector<std::vector<double>> reference_logits(const model_weights& w,
       for (int64_t i = 0; i < H; ++i)
         h[static_cast<size_t>(t)][static_cast<size_t>(i)] += a[static_cast<size_t>(i)];
     }
-    // MoE: softmax router, top-k renormalised, SiLU(gate) * up, down.
+    // MoE: softmax router, top-k (renormalised when norm_topk_prob), SiLU(gate) * up, down.
     for (int64_t t = 0; t < T; ++t) {
       vec x = h[static_cast<size_t>(t)];
       rmsnorm(x, 0, H, l.post_attention_layernorm, c.rms_eps);
@@ -138,7 +138,7 @@ std::vector<std::vector<double>> reference_logits(const model_weights& w,
       for (int64_t j = 0; j < K; ++j) top += p[static_cast<size_t>(order[static_cast<size_t>(j)])];
       for (int64_t j = 0; j < K; ++j) {
         const int64_t e = order[static_cast<size_t>(j)];
-        const double weight = p[static_cast<size_t>(e)] / top;
+        const double weight = p[static_cast<size_t>(e)] / (c.norm_topk_prob ? top : 1.0);
         const vec gu = matvec(l.w13, 2 * I, H, x, e * 2 * I);
         vec a(static_cast<size_t>(I));
         for (int64_t i = 0; i < I; ++i) {

@@ -1,12 +1,15 @@
 #pragma once
 
-// A reader of the safetensors format, and a loader of Hugging Face Qwen3-MoE checkpoints
-// into the mini-engine's weights.
+// A reader of the safetensors format: the header read and checked on open, the data
+// memory-mapped only while a caller reads it (checkpoint.hpp streams a model from it).
 //
-// Format: an 8-byte little-endian header length N, N bytes of JSON
+// Format (huggingface/safetensors): an unsigned 64-bit little-endian header length N, then N
+// bytes of UTF-8 JSON (possibly padded with spaces)
 //   {"<name>": {"dtype": "F32", "shape": [rows, cols], "data_offsets": [begin, end]}, ...,
-//    "__metadata__": {"format": "pt"}}
-// then the data section; offsets are relative to its start, tensors are row-major.
+//    "__metadata__": {"<key>": "<string>", ...}}
+// then the data section: tensors row-major, little-endian, each at [begin, end) relative to
+// the section's start. The spec asks the data to be indexed entirely: no two tensors
+// overlap, no bytes lie between them, and each holds exactly shape x dtype bytes.
 
 #include <cstddef>
 #include <cstdint>
@@ -16,50 +19,74 @@
 #include <string_view>
 #include <vector>
 
-#include "weights.hpp"
-
 namespace mini_engine {
 
 struct safetensors_entry {
   std::string name;
-  std::string dtype;  // "F32", "BF16", ... as written
+  std::string dtype;  // "F32", "BF16", "F16", "F8_E4M3", ... as written
   std::vector<int64_t> shape;
   int64_t begin = 0, end = 0;  // byte range within the data section
+  int64_t numel() const;
 };
+
+// Bytes per element of a safetensors dtype name; 0 when unknown.
+int64_t safetensors_dtype_bytes(std::string_view dtype);
 
 class safetensors_file {
  public:
-  // Reads and checks the whole file: throws moebius::error(errc::invalid_argument) naming
-  // the file and the problem (unreadable, truncated, bad JSON, offsets outside the data or
-  // not matching dtype x shape).
+  // Reads and checks the header (not the data): throws moebius::error(errc::invalid_argument)
+  // naming the file and the problem: cannot open, shorter than its header, a header that is
+  // not a JSON object, an entry lacking or mistyping dtype/shape/data_offsets, an unknown
+  // dtype, offsets that run past the data section, overlap or leave a hole, or a byte range
+  // that is not shape x dtype.
   explicit safetensors_file(const std::string& path);
 
   const std::string& path() const { return path_; }
   const std::vector<safetensors_entry>& entries() const { return entries_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const safetensors_entry* find(std::string_view name) const;
+  int64_t file_bytes() const { return file_bytes_; }
+  int64_t data_bytes() const { return file_bytes_ - data_offset_; }
 
-  // Tensor `name` as float, checked against `shape`. F32 and BF16 are read exactly; other
-  // dtypes throw. Throws errc::invalid_argument naming the tensor when it is missing or has
-  // another shape.
+  // The file mapped read-only (mmap) for as long as this lives; data() is the data section.
+  // The pages are the page cache's: only what is touched is read, and unmapping frees them
+  // from the process. Throws naming the file when it cannot be mapped or has changed size
+  // since the header was read.
+  class mapping {
+   public:
+    mapping() = default;
+    mapping(mapping&&) noexcept;
+    mapping& operator=(mapping&&) noexcept;
+    mapping(const mapping&) = delete;
+    mapping& operator=(const mapping&) = delete;
+    ~mapping();
+    const std::byte* data() const { return base_ + data_offset_; }
+    std::span<const std::byte> bytes(const safetensors_entry& e) const {
+      return {data() + e.begin, static_cast<size_t>(e.end - e.begin)};
+    }
+
+   private:
+    friend class safetensors_file;
+    const std::byte* base_ = nullptr;
+    size_t length_ = 0;
+    int64_t data_offset_ = 0;
+  };
+  mapping map() const;
+
+  // Tensor `name` as float, checked against `shape` (F32, BF16 and F16; others throw). Maps
+  // the file for the call. Throws errc::invalid_argument naming the tensor when it is missing
+  // or has another shape.
   std::vector<float> read(std::string_view name, std::span<const int64_t> shape) const;
 
  private:
   std::string path_;
-  std::vector<std::byte> data_;  // the data section
+  int64_t file_bytes_ = 0;
+  int64_t data_offset_ = 0;  // 8 + header length
   std::vector<safetensors_entry> entries_;
+  std::map<std::string, size_t, std::less<>> by_name_;
   std::map<std::string, std::string> metadata_;
 };
 
-// Loads a Qwen3-MoE checkpoint (one or more .safetensors shards; each tensor in one of
-// them) into weights of `config`:
-//   model.embed_tokens.weight, model.norm.weight, lm_head.weight,
-//   model.layers.{i}.input_layernorm.weight, .post_attention_layernorm.weight,
-//   model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, .self_attn.{q,k}_norm.weight,
-//   model.layers.{i}.mlp.gate.weight, model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
-// Experts are then rounded to config.expert_dtype (round_experts). Throws
-// errc::invalid_argument naming the missing tensor, or the tensor with its expected and
-// found shapes.
-model_weights load_qwen3_moe(const model_config& config, const std::vector<std::string>& paths);
+std::string shape_text(std::span<const int64_t> shape);
 
 }  // namespace mini_engine

@@ -258,6 +258,113 @@ void place_layer_at(const model_weights& w, const moebius::arena_geometry& g, in
 
 }  // namespace
 
+namespace {
+
+// Writes [rows, cols] `src` into tensor `t` of expert `e` of `layer` in view `Mode`, its row
+// r going to logical row row0 + r. Columns [c0, c0 + run) of a row are contiguous in the
+// view: the whole row, except TP of a column-split tensor (w2, w2_scale), where each rank
+// holds its slice of segment_len / P columns. `convert(dst, r, c0, n)` writes n elements.
+template <moebius::parallel_mode Mode, class Convert>
+void place_rows(const moebius::arena_geometry& g, int64_t layer, weight_tensor t, int64_t e,
+                int64_t row0, int64_t rows, int64_t cols,
+                std::span<const std::span<std::byte>> arenas, int64_t origin, Convert&& convert) {
+  const auto view = moebius::make_view<Mode>(g.shape, t, g.num_ranks);
+  const int64_t base = g.tensor_base(Mode, layer, t) - origin;
+  const int64_t run = (Mode == parallel_mode::tp && view.tensor.split_axis == 2)
+                          ? view.tensor.segment_len() / g.num_ranks
+                          : cols;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c0 = 0; c0 < cols; c0 += run) {
+      const moebius::element_location at = view.locate(e, row0 + r, c0);
+      convert(arenas[static_cast<size_t>(at.rank)].data() + base + at.offset * view.tensor.elem_bytes,
+              r, c0, run);
+    }
+}
+
+template <moebius::parallel_mode Mode>
+void place_part(const model_config& c, const moebius::arena_geometry& g, int64_t layer, int64_t e,
+                hf_tensor part, const tensor_source& src,
+                std::span<const std::span<std::byte>> arenas, int64_t origin) {
+  const int64_t I = c.intermediate;
+  const bool down = part == hf_tensor::down_proj;
+  const weight_tensor t = down ? weight_tensor::w2 : weight_tensor::w13;
+  const int64_t row0 = part == hf_tensor::up_proj ? I : 0;
+  switch (c.expert_dtype) {
+    case dtype::fp32:
+      place_rows<Mode>(g, layer, t, e, row0, src.rows, src.cols, arenas, origin,
+                       [&](std::byte* dst, int64_t r, int64_t c0, int64_t n) {
+                         for (int64_t j = 0; j < n; ++j) {
+                           const float v = static_cast<float>(src.value(r, c0 + j));
+                           std::memcpy(dst + 4 * j, &v, 4);
+                         }
+                       });
+      break;
+    case dtype::bf16:
+      place_rows<Mode>(g, layer, t, e, row0, src.rows, src.cols, arenas, origin,
+                       [&](std::byte* dst, int64_t r, int64_t c0, int64_t n) {
+                         if (src.dtype == dtype::bf16) {
+                           std::memcpy(dst, src.at(r, c0), static_cast<size_t>(2 * n));
+                           return;
+                         }
+                         for (int64_t j = 0; j < n; ++j) {
+                           const uint16_t u = to_bf16(static_cast<float>(src.value(r, c0 + j)));
+                           std::memcpy(dst + 2 * j, &u, 2);
+                         }
+                       });
+      break;
+    default: {  // fp8 codes as they are, then their block scales
+      place_rows<Mode>(g, layer, t, e, row0, src.rows, src.cols, arenas, origin,
+                       [&](std::byte* dst, int64_t r, int64_t c0, int64_t n) {
+                         std::memcpy(dst, src.at(r, c0), static_cast<size_t>(n));
+                       });
+      const int64_t b = c.fp8_block;
+      const weight_tensor ts = down ? weight_tensor::w2_scale : weight_tensor::w13_scale;
+      place_rows<Mode>(g, layer, ts, e, row0 / b, src.rows / b, src.cols / b, arenas, origin,
+                       [&](std::byte* dst, int64_t r, int64_t c0, int64_t n) {
+                         std::memcpy(dst, src.scales + r * src.scale_cols + c0,
+                                     static_cast<size_t>(4 * n));
+                       });
+    }
+  }
+}
+
+}  // namespace
+
+void place_expert_part(const model_config& c, const moebius::arena_geometry& g, int64_t layer,
+                       parallel_mode mode, int64_t e, hf_tensor part, const tensor_source& src,
+                       std::span<const std::span<std::byte>> arenas, int64_t origin) {
+  MOEBIUS_CHECK(is_expert(part), errc::invalid_argument, "place_expert_part: ", src.name,
+                " is not an expert tensor");
+  MOEBIUS_CHECK(layer >= 0 && layer < c.num_layers && e >= 0 && e < c.num_experts,
+                errc::invalid_argument, "place_expert_part: ", src.name, ": layer ", layer,
+                " expert ", e, " outside L=", c.num_layers, " E=", c.num_experts);
+  const bool down = part == hf_tensor::down_proj;
+  const int64_t want_rows = down ? c.hidden : c.intermediate;
+  const int64_t want_cols = down ? c.intermediate : c.hidden;
+  MOEBIUS_CHECK(src.rows == want_rows && src.cols == want_cols, errc::invalid_argument,
+                "place_expert_part: ", src.name, " is [", src.rows, ", ", src.cols,
+                "], the model needs [", want_rows, ", ", want_cols, "]");
+  if (c.fp8_experts())
+    MOEBIUS_CHECK(src.dtype == dtype::fp8_e4m3 && src.block == c.fp8_block && src.scales &&
+                      src.scale_cols == (want_cols + c.fp8_block - 1) / c.fp8_block,
+                  errc::invalid_argument, "place_expert_part: ", src.name, " is ",
+                  moebius::to_string(src.dtype), " (block ", src.block,
+                  "); fp8_e4m3 experts take F8_E4M3 tensors with ", c.fp8_block, "x",
+                  c.fp8_block, " block scales (load bf16 experts to dequantise)");
+  MOEBIUS_CHECK(static_cast<int>(arenas.size()) == g.num_ranks, errc::invalid_argument,
+                "place_expert_part: ", arenas.size(), " arenas for ", g.num_ranks, " ranks");
+  const int64_t slot = moebius::arena_geometry::slot_of(mode, layer);
+  for (const auto& a : arenas)
+    MOEBIUS_CHECK(origin <= g.slot_offset(slot) &&
+                      static_cast<int64_t>(a.size()) >= g.slot_offset(slot) + g.slot_bytes - origin,
+                  errc::invalid_argument, "place_expert_part: an image of ", a.size(),
+                  " bytes from arena byte ", origin, " does not hold slot ", slot);
+  if (mode == parallel_mode::ep)
+    place_part<parallel_mode::ep>(c, g, layer, e, part, src, arenas, origin);
+  else
+    place_part<parallel_mode::tp>(c, g, layer, e, part, src, arenas, origin);
+}
+
 void place_layer_experts(const model_weights& w, const moebius::arena_geometry& g, int64_t layer,
                          parallel_mode mode, std::span<const std::span<std::byte>> arenas) {
   place_layer_at(w, g, layer, mode, arenas, 0, g.total_bytes(), "place_layer_experts");

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "model_config.hpp"
+#include "weight_sink.hpp"
 
 namespace mini_engine {
 
@@ -73,6 +74,22 @@ void place_layer_experts(const model_weights& w, const moebius::arena_geometry& 
 void place_layer_experts_in_slot(const model_weights& w, const moebius::arena_geometry& geometry,
                                  int64_t layer, moebius::parallel_mode mode,
                                  std::span<const std::span<std::byte>> slots);
+// One checkpoint matrix of expert `e` of `layer` straight into its home in `mode` (slot
+// layer+1 in EP, slot layer in TP) through moebius::weight_view, converted once to the
+// arena's dtype: gate_proj [I, H] as w13 rows [0, I), up_proj as rows [I, 2I), down_proj
+// [H, I] as w2. fp32 and bf16 from any source dtype (bf16: copied from BF16, otherwise
+// rounded to nearest even from the value rounded to float); fp8_e4m3 only from an F8_E4M3
+// source of block c.fp8_block: codes copied, its block scales into w13_scale / w2_scale.
+// `arenas[r]` holds rank r's arena bytes from arena byte `origin` (0: whole arenas; a slot's
+// offset: images of that slot). Throws errc::invalid_argument naming the tensor when its
+// shape or dtype does not fit, or an image is too small, before writing anything.
+//   E=4, P=2, EP: expert 3's gate_proj goes to rank 1, local expert 1, rows [0, I).
+//   TP: rank r gets its rows [r*I/P, (r+1)*I/P) of gate_proj, and columns of down_proj.
+void place_expert_part(const model_config& c, const moebius::arena_geometry& geometry,
+                       int64_t layer, moebius::parallel_mode mode, int64_t e, hf_tensor part,
+                       const tensor_source& src, std::span<const std::span<std::byte>> arenas,
+                       int64_t origin = 0);
+
 // Every layer where `cursor` puts it: layers < cursor in TP, the rest in EP.
 void place_experts(const model_weights& w, const moebius::arena_geometry& geometry,
                    moebius::arena_cursor cursor, std::span<const std::span<std::byte>> arenas);

@@ -2,7 +2,8 @@
 # needs, find nvcc. Sourced, not executed.
 #
 # Minimum versions: CMake 3.25, a C++20 compiler (GCC 12+ or Clang 16+), Ninja; Catch2 (v2 or
-# v3) for the tests and Google Benchmark for the benchmarks; CUDA 13 for the GPU parts (nvcc
+# v3) for the tests and Google Benchmark for the benchmarks; nlohmann/json (header-only) for the
+# mini-engine's checkpoint loader; CUDA 13 for the GPU parts (nvcc
 # and NCCL come with the CUDA toolkit, not from apt: without them the build is the host library
 # only, MOEBIUS_WITH_CUDA=AUTO).
 #
@@ -75,6 +76,9 @@ moebius_missing_deps() {
   fi
   moebius_have_cmake_package Catch2 || missing+=("catch2:Catch2 (tests)")
   moebius_have_cmake_package benchmark || missing+=("libbenchmark-dev:Google Benchmark (benchmarks)")
+  # The mini-engine reads Hugging Face config.json, index and safetensors headers with it.
+  moebius_have_cmake_package nlohmann_json ||
+    missing+=("nlohmann-json3-dev:nlohmann/json (the mini-engine's checkpoint loader)")
   printf '%s\n' "${missing[@]}"
 }
 

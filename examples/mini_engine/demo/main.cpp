@@ -63,6 +63,7 @@
 #include "timeline_svg.hpp"
 #if __has_include("host_runtime.hpp")
 #define MINI_ENGINE_DEMO_HOST_RUNTIME 1
+#include "checkpoint.hpp"
 #include "host_runtime.hpp"
 #include "model_config.hpp"
 #include "weights.hpp"
@@ -135,11 +136,25 @@ struct host_plan {
   int64_t weight_bytes = 0;  // logical weights held beside the arena
 };
 
-host_plan plan_host(const demo::options& o) {
+#if MINI_ENGINE_DEMO_HOST_RUNTIME
+// The model served: lite() (random weights), or the --model checkpoint's as config.json
+// describes it (experts in its dtype, fp32 KV, pages of 16 tokens).
+model_config served_model(const hf_checkpoint* ck) {
+  if (!ck) return lite();
+  model_config m = ck->config().model;
+  m.page_size = 16;
+  m.kv_dtype = moebius::dtype::fp32;
+  return m;
+}
+#else
+struct hf_checkpoint {};
+#endif
+
+host_plan plan_host(const demo::options& o, const hf_checkpoint* ck) {
   host_plan p;
   try {
 #if MINI_ENGINE_DEMO_HOST_RUNTIME
-    const model_config c = lite();
+    const model_config c = served_model(ck);
     validate(c, o.ranks);
     p.arena = moebius::make_arena_geometry(expert_shape_of(c), o.ranks, 256, 4096);
     p.kv = kv_geometry_of(c, o.ranks, o.kv_pages);
@@ -149,6 +164,7 @@ host_plan plan_host(const demo::options& o) {
                           c.num_layers * (2 * c.q_dim() * c.hidden + 2 * c.kv_dim() * c.hidden +
                                           c.num_experts * 3 * c.hidden * c.intermediate));
 #else
+    (void)ck;
     moebius::expert_shape s;  // the lite() model's experts: L=2, E=16, H=128, I=64, fp32
     s.num_layers = 2;
     s.num_experts = 16;
@@ -190,25 +206,49 @@ void check_memory(const host_plan& p, int P) {
   }
 }
 
-world make_world(const demo::options& o, const host_plan& p) {
+// `ck`: serve the checkpoint (streamed from its shards into the runtime; `progress` prints a
+// line per shard), else lite() with random weights.
+world make_world(const demo::options& o, const host_plan& p, const hf_checkpoint* ck,
+                 bool progress) {
   world w;
   w.arena = p.arena;
   w.kv = p.kv;
   w.vocab = p.vocab;
 #if MINI_ENGINE_DEMO_HOST_RUNTIME
-  const model_config c = lite();
+  const model_config c = served_model(ck);
   host_runtime_options ho;
   ho.num_ranks = o.ranks;
   ho.num_ep_pages = o.kv_pages;
-  auto rt = std::make_unique<host_runtime>(make_weights(c, o.seed), ho);
+  std::unique_ptr<host_runtime> rt;
+  if (ck) {
+    const auto t0 = wall::now();
+    rt = std::make_unique<host_runtime>(c, ho, [&](weight_sink& s) {
+      ck->load(c, s, [&](const load_progress& lp) {
+        if (!progress) return;
+        std::printf("  loading %s\n", progress_line(lp).c_str());
+        std::fflush(stdout);
+      });
+    });
+    if (progress)
+      std::printf("  loaded %s: %.3f GB in %.2f s\n", ck->source().c_str(),
+                  static_cast<double>(ck->bytes()) / 1e9, seconds_since(t0));
+  } else {
+    rt = std::make_unique<host_runtime>(make_weights(c, o.seed), ho);
+  }
   w.memory = rt->memory();
   w.arena = rt->arena();
   w.kv = rt->kv();
   std::ostringstream d;
-  d << "host runtime, lite model (" << c << "), " << o.ranks << " virtual ranks";
+  if (ck)
+    d << "host runtime, checkpoint " << ck->source() << " (" << c << "), " << o.ranks
+      << " virtual ranks";
+  else
+    d << "host runtime, lite model (" << c << "), " << o.ranks << " virtual ranks";
   w.description = d.str();
   w.rt = std::move(rt);
 #else
+  (void)ck;
+  (void)progress;
   auto rt = std::make_unique<fake_runtime>(p.arena, p.kv, p.vocab);
   w.memory = rt->memory();
   w.description = "token-hash fake runtime (the model's host runtime is not in this build), " +
@@ -223,8 +263,15 @@ world make_world(const demo::options& o, const host_plan& p) {
 // The GPU world: the small() model with the host demo's weights (same seed) on P GPUs, fp32
 // throughout (so TP and EP compute the same sums on one GPU), graphs per mode and bucket up to
 // the step's token budget, page tables as long as the trace's longest request.
-world make_gpu_world(const demo::options& o, int P, const std::vector<request>& trace) {
-  const model_config c = small();
+world make_gpu_world(const demo::options& o, int P, const std::vector<request>& trace,
+                     const hf_checkpoint* ck) {
+  // A checkpoint: its model, dense weights and KV in bf16 when it is bf16 (fp32 otherwise).
+  model_config c = small();
+  const bool bf16_ck = ck && ck->config().dtype == moebius::dtype::bf16;
+  if (ck) {
+    c = served_model(ck);
+    c.kv_dtype = bf16_ck ? moebius::dtype::bf16 : moebius::dtype::fp32;
+  }
   validate(c, P);
   int64_t longest = 1;
   for (const request& r : trace)
@@ -237,12 +284,24 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   go.buckets.clear();
   for (int64_t b = 1; b < go.max_tokens; b *= 2) go.buckets.push_back(b);
   go.buckets.push_back(go.max_tokens);
-  go.dense_dtype = moebius::dtype::fp32;
+  go.dense_dtype = bf16_ck ? moebius::dtype::bf16 : moebius::dtype::fp32;
   go.cursor = moebius::arena_cursor{0};
   go.tensor_alignment = 256;
   go.slot_alignment = 4096;
-  const model_weights weights = make_weights(c, o.seed);
-  auto rt = std::make_unique<gpu::gpu_runtime>(weights, go);
+  std::unique_ptr<gpu::gpu_runtime> rt;
+  if (ck) {
+    const auto t0 = wall::now();
+    rt = std::make_unique<gpu::gpu_runtime>(c, go, [&](weight_sink& s) {
+      ck->load(c, s, [](const load_progress& lp) {
+        std::printf("  loading %s\n", progress_line(lp).c_str());
+        std::fflush(stdout);
+      });
+    });
+    std::printf("  loaded %s onto the GPU runtime: %.2f GB in %.2f s\n", ck->source().c_str(),
+                static_cast<double>(ck->bytes()) / 1e9, seconds_since(t0));
+  } else {
+    rt = std::make_unique<gpu::gpu_runtime>(make_weights(c, o.seed), go);
+  }
   world w;
   w.on_gpu = true;
   w.memory = rt->memory();
@@ -250,7 +309,8 @@ world make_gpu_world(const demo::options& o, int P, const std::vector<request>& 
   w.kv = rt->kv();
   w.vocab = static_cast<int32_t>(c.vocab);
   std::ostringstream d;
-  d << "GPU runtime, small model (" << c << ", fp32), " << P
+  d << "GPU runtime, " << (ck ? "checkpoint " + ck->source() : std::string("small model")) << " ("
+    << c << ", dense " << moebius::to_string(go.dense_dtype) << "), " << P
     << (rt->virtual_ranks() ? " virtual" : " GPU") << " rank" << (P > 1 ? "s" : "")
     << (rt->virtual_ranks()
             ? " on one GPU (each its own arena, KV pool, buffers and stream; collectives and "
@@ -836,7 +896,19 @@ int run_demo(demo::options o) {
     // The run's KV heads only matter for the Qwen3-30B-A3B pricing; lite(): 4.
     o.kv_pages = use_gpu ? 2048 : h200_kv_pages(priced_of(o, 4), P, 16, &kv_why);
   }
-  const host_plan plan = plan_host(o);
+  std::unique_ptr<hf_checkpoint> checkpoint;
+  if (!o.model_dir.empty()) {
+#if MINI_ENGINE_DEMO_HOST_RUNTIME
+    checkpoint = std::make_unique<hf_checkpoint>(o.model_dir);  // checked before any load
+    std::printf("  checkpoint: %s, %lld shard(s), %.3f GB of tensors, %s\n", o.model_dir.c_str(),
+                static_cast<long long>(checkpoint->num_shards()),
+                static_cast<double>(checkpoint->bytes()) / 1e9,
+                checkpoint->config().tie_word_embeddings ? "tied embeddings" : "own LM head");
+#else
+    throw demo::usage_error("--model " + o.model_dir + ": this build has no host runtime");
+#endif
+  }
+  const host_plan plan = plan_host(o, checkpoint.get());
   if (!use_gpu) check_memory(plan, 2 * o.ranks);
 
 #if MINI_ENGINE_DEMO_GPU && MINI_ENGINE_DEMO_HOST_RUNTIME
@@ -846,15 +918,16 @@ int run_demo(demo::options o) {
     std::vector<request> t = make_trace(o, k, plan.vocab, 0);
     longest.insert(longest.end(), t.begin(), t.end());
   }
-  world w = use_gpu ? make_gpu_world(o, P, longest) : make_world(o, plan);
+  world w = use_gpu ? make_gpu_world(o, P, longest, checkpoint.get())
+                    : make_world(o, plan, checkpoint.get(), true);
 #else
-  world w = make_world(o, plan);
+  world w = make_world(o, plan, checkpoint.get(), true);
 #endif
   std::printf("  runtime: %s\n", w.description.c_str());
   std::printf("  KV pool: %s\n", kv_why.c_str());
   // A second host runtime serves two of the four runs beside the first (two cores).
   std::vector<world> extra;
-  if (!w.on_gpu) extra.push_back(make_world(o, plan));
+  if (!w.on_gpu) extra.push_back(make_world(o, plan, checkpoint.get(), false));
 
   bool ok = true;
   if (o.reshard_stage) {

@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <string_view>
 
 namespace mini_engine::demo {
@@ -84,6 +85,10 @@ const char* usage_text() {
          "                           output'; may be repeated)\n"
          "  --model qwen3-235b-a22b|qwen3-30b-a3b  the model the H200 clock prices\n"
          "                           (default qwen3-235b-a22b)\n"
+         "  --model DIR              serve a Hugging Face Qwen3-MoE checkpoint directory\n"
+         "                           (config.json, model.safetensors or shards with\n"
+         "                           model.safetensors.index.json) on the host runtime instead\n"
+         "                           of the random model; one progress line per shard\n"
          "  --no-gate                switching runs without the cost gate (the rules alone)\n"
          "  --write-trace FILE       write the one --trace given as JSONL to FILE and exit\n"
          "  --seed N                 seed of the trace and the weights (default 1)\n"
@@ -145,7 +150,9 @@ options parse_options(int argc, const char* const* argv) {
       const std::string_view v = value();
       if (v == "qwen3-235b-a22b") o.priced = priced_kind::qwen3_235b_a22b;
       else if (v == "qwen3-30b-a3b") o.priced = priced_kind::qwen3_30b_a3b;
-      else fail(a, "'" + std::string(v) + "' is not one of qwen3-235b-a22b, qwen3-30b-a3b");
+      else if (std::filesystem::is_directory(std::string(v))) o.model_dir = std::string(v);
+      else fail(a, "'" + std::string(v) + "' is not one of qwen3-235b-a22b, qwen3-30b-a3b, nor a "
+                   "checkpoint directory");
     } else if (a == "--no-gate") {
       o.gate = false;
     } else if (a == "--write-trace") {

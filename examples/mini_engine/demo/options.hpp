@@ -36,6 +36,9 @@ struct options {
   std::string trace_file;        // trace_kind::file
   std::string write_trace;       // non-empty: write the (single) trace as JSONL here and exit
   priced_kind priced = priced_kind::qwen3_235b_a22b;
+  // --model DIR: a Hugging Face Qwen3-MoE checkpoint directory the runtime serves (instead of
+  // the demo's random model); empty: the random model.
+  std::string model_dir;
   bool gate = true;              // the cost gate in the switching runs
   uint64_t seed = 1;
   double duration_s = 0;         // bursty/steady/production length, s (0: each trace's own)

@@ -266,6 +266,14 @@ gpu_runtime::gpu_runtime(const model_weights& weights, const gpu_runtime_options
   if (impl_->o.capture_graphs) impl_->capture_all();
 }
 
+gpu_runtime::gpu_runtime(const model_config& config, const gpu_runtime_options& options,
+                         const std::function<void(weight_sink&)>& load)
+    : impl_(std::make_unique<impl>()) {
+  impl_->setup(config, options);
+  impl_->stream_weights(load);
+  if (impl_->o.capture_graphs) impl_->capture_all();
+}
+
 gpu_runtime::gpu_runtime(const model_config& config, uint64_t seed,
                          const gpu_runtime_options& options)
     : impl_(std::make_unique<impl>()) {

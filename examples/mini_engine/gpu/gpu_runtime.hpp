@@ -25,6 +25,7 @@
 //   hybrid steps and their hand-off                          step_inputs.cu, layer_schedule.hpp
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/arena_geometry.hpp>
@@ -36,6 +37,7 @@
 
 #include "model_config.hpp"
 #include "step.hpp"
+#include "weight_sink.hpp"
 #include "weights.hpp"
 
 namespace mini_engine::gpu {
@@ -107,6 +109,17 @@ class gpu_runtime : public runtime {
   // per device with more ranks than devices, more than 8 virtual ranks) or weights of the
   // wrong shapes.
   gpu_runtime(const model_weights& weights, const gpu_runtime_options& options);
+  // The model `config` with its weights streamed in by `load` (hf_checkpoint::load: every
+  // tensor once), each converted once and copied to every rank's device buffers: dense
+  // tensors in chunks of at most 64 MiB of host staging, experts through place_expert_part
+  // into one slot-sized host image per rank of each layer in flight, uploaded (and freed)
+  // when the layer's last expert arrives. Host memory: the mapped shard, the staging chunk
+  // and P slot images of the layers being filled (one or two: checkpoints store layers in
+  // order). Throws what `load` throws, or errc::invalid_argument for a missing tensor.
+  //   hf_checkpoint ck(dir);  model_config m = ck.config().model;  m.kv_dtype = bf16;
+  //   gpu_runtime rt(m, o, [&](weight_sink& s) { ck.load(m, s); });
+  gpu_runtime(const model_config& config, const gpu_runtime_options& options,
+              const std::function<void(weight_sink&)>& load);
   // The model `config` with weights drawn on the device from `seed` (benchmarks: values do
   // not matter).
   gpu_runtime(const model_config& config, uint64_t seed, const gpu_runtime_options& options);

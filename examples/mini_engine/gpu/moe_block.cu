@@ -82,7 +82,8 @@ void gpu_runtime::impl::route(int64_t li, parallel_mode attn, int64_t T) {
     a.in_features = H;
     a.type = dtype::fp32;
     linear(rs.blas, a, rs.stream);
-    launch_router_topk({rs.router_logits, T, E, K, in_num(rs, attn), rs.topk_ids, rs.topk_w},
+    launch_router_topk({rs.router_logits, T, E, K, in_num(rs, attn), rs.topk_ids, rs.topk_w,
+                        c.norm_topk_prob},
                        rs.stream);
     moe_pack_args pk;
     pk.x = rs.xn;

@@ -28,6 +28,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <functional>
 #include <moebius/cuda/check.hpp>
 #include <moebius/switch/progressive.hpp>
 #include <optional>
@@ -182,6 +183,7 @@ struct gpu_runtime::impl {
   // ---- weights_upload.cu -------------------------------------------------------------------
   void upload_weights(const model_weights& w);
   void random_weights(uint64_t seed);
+  void stream_weights(const std::function<void(weight_sink&)>& load);
 
   // ---- the stage profile (profiler.hpp) ----------------------------------------------------
   // Ends the current interval of rank rs's stream as `st` (-1: starts the step).

@@ -185,7 +185,8 @@ void launch_dequant_fp8(const dequant_fp8_args& a, cudaStream_t stream);
 
 // ---- router.cu ------------------------------------------------------------------------------
 // Softmax over each token's expert logits, the top_k largest (ties: lower index first),
-// weights renormalised to sum to 1. Tokens at or past *num_tokens get ids -1, weights 0.
+// weights renormalised to sum to 1 when `renormalize` (Hugging Face norm_topk_prob), else
+// the softmax probabilities. Tokens at or past *num_tokens get ids -1, weights 0.
 struct router_topk_args {
   const float* logits = nullptr;  // [tokens, experts]
   int64_t tokens = 0;
@@ -194,6 +195,7 @@ struct router_topk_args {
   const int32_t* num_tokens = nullptr;
   int32_t* ids = nullptr;    // [tokens, top_k] global expert ids, best first
   float* weights = nullptr;  // [tokens, top_k]
+  bool renormalize = true;
 };
 void launch_router_topk(const router_topk_args& a, cudaStream_t stream);
 

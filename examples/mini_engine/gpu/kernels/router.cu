@@ -68,7 +68,7 @@ __global__ void router_topk_kernel(const __grid_constant__ router_topk_args a) {
   for (int64_t k = lane; k < a.top_k; k += 32) {
     // Every lane holds the same chosen lists (the values came through full-warp shuffles).
     ids[k] = chosen_id[k];
-    w[k] = chosen_p[k] / top_sum;
+    w[k] = a.renormalize ? chosen_p[k] / top_sum : chosen_p[k];
   }
 }
 
