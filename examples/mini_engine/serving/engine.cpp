@@ -245,14 +245,15 @@ bool engine::begin_progressive(run_state& st, parallel_mode target, switch_recor
   st.pacing.bytes_per_layer = clock_.layer_bytes(*bytes, L);
   st.layers = moebius::layers_per_step(st.pacing, L);
   // The measured overlap slowdown, when the clock has one (step_clock::slowdown()): no more
-  // layers per step than keep a step within max_overlap_slowdown of its time alone, and at
-  // least one (a switch must end).
+  // layers per step than keep a step within max_overlap_slowdown of its time alone and within
+  // max_overlap_extra_ms of it, and at least one (a switch must end).
   if (const overlap_slowdown slow = clock_.slowdown(); slow.known()) {
-    while (st.layers > 1 &&
-           slow.at(st.pacing.step_s, st.layers * st.pacing.bytes_per_layer) >
-               st.options.max_overlap_slowdown) {
-      --st.layers;
-    }
+    const auto too_slow = [&](int64_t layers) {
+      const double f = slow.at(st.pacing.step_s, layers * st.pacing.bytes_per_layer);
+      return f > st.options.max_overlap_slowdown ||
+             (f - 1) * st.pacing.step_s * 1e3 > st.options.max_overlap_extra_ms;
+    };
+    while (st.layers > 1 && too_slow(st.layers)) --st.layers;
   }
   try {
     st.sched.reserve_for_switch(switcher_.mutable_kv_tables(), (L + st.layers - 1) / st.layers);

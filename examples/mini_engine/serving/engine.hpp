@@ -105,8 +105,11 @@ struct engine_options {
   // Progressive: the share of the link the copies may use (pacing_params::link_fraction).
   double copy_link_fraction = 0.55;
   // Progressive, with a clock that provides an overlap slowdown curve (step_clock::slowdown()):
-  // the most a step may slow down with the layers copied beside it (1.10: 10% longer).
+  // the most a step may slow down with the layers copied beside it (1.10: 10% longer), and
+  // the most it may lengthen, in ms (a switch's steps within normal + 5 ms). The layers per
+  // step are cut until both hold, down to one (a switch must end).
   double max_overlap_slowdown = 1.10;
+  double max_overlap_extra_ms = 5.0;
   // Progressive, tests: called before each advance (inject a fault here), and after it
   // (return true to abort the switch at the cursor reached).
   std::function<void(moebius::switcher&, const moebius::progressive_switch&, int64_t step)>

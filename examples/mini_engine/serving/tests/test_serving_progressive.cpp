@@ -307,8 +307,9 @@ TEST_CASE("the priced clock prices a step beside copies by the curve, never belo
 
 TEST_CASE("progressive pacing follows the clock's overlap slowdown curve", "[cpu][progressive]") {
   // The link fits 4 layers a step; the curve allows 1.10x: 2 layers (1.08x), not 3 (1.12x).
+  // 1.13 with at most 1.0 ms more per 10 ms step: 2 layers (0.8 ms), not 3 (1.2 ms).
   const int64_t L = 6;
-  for (const double limit : {1.10, 1.13, 1.0}) {
+  for (const double limit : {1.10, 1.13, 1.0, 1.131}) {
     host_world w = make_host_world(2, 3, L);
     const std::vector<request> reqs = testing::small_trace(3, static_cast<int32_t>(w.c.vocab), 12);
     const slowed_clock clock(4);
@@ -317,13 +318,14 @@ TEST_CASE("progressive pacing follows the clock's overlap slowdown curve", "[cpu
     const run_result ep = e.run(reqs, o, "static EP");
     o.how = switching::forced;
     o.style = switch_style::progressive;
-    o.max_overlap_slowdown = limit;
+    o.max_overlap_slowdown = limit == 1.131 ? 1.13 : limit;
+    if (limit == 1.131) o.max_overlap_extra_ms = 1.0;
     o.forced_steps = {3, 20, 40};
     const run_result sw = e.run(reqs, o, "progressive");
     check_same_tokens(sw, ep);
     REQUIRE(!sw.switches.empty());
     // 1.13: 3 layers (1.12x); 1.0: nothing fits, still one layer a step.
-    const int64_t want = limit == 1.10 ? 2 : limit == 1.13 ? 3 : 1;
+    const int64_t want = limit == 1.10 ? 2 : limit == 1.13 ? 3 : limit == 1.131 ? 2 : 1;
     for (const switch_record& s : sw.switches) {
       CHECK(s.progressive);
       CHECK(s.layers_per_step == want);
