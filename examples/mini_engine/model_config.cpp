@@ -122,6 +122,15 @@ model_config qwen3_30b_a3b() {
                            .page_size = 16});
 }
 
+model_config qwen3_235b_a22b() {
+  model_config c = qwen3_30b_a3b();
+  c.num_layers = 94;
+  c.hidden = 4096;
+  c.num_q_heads = 64;
+  c.intermediate = 1536;
+  return with(c);
+}
+
 moebius::expert_shape expert_shape_of(const model_config& c) {
   moebius::expert_shape s;
   s.num_layers = c.num_layers;

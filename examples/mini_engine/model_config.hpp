@@ -68,6 +68,9 @@ model_config small();
 // ranks, as the priced model does: L=2, H=128, Hq=8, Hkv=4, D=16, E=16, top-2, I=64, V=512.
 model_config lite();
 model_config qwen3_30b_a3b();
+// Qwen3-235B-A22B (the paper's model): L=94, H=4096, Hq=64, Hkv=4, D=128, E=128, top-8,
+// I=1536, V=151936, theta 1e6, eps 1e-6, bf16 experts and KV, page 16.
+model_config qwen3_235b_a22b();
 
 // The arena's view of the experts: L layers of E experts, w13 = [gate; up] ([2I, H]) and
 // w2 ([H, I]) in gate_first order in both modes; fp8 adds fp32 block scales.
