@@ -86,6 +86,10 @@ class runtime {
   // events around the step on every rank's stream, the longest rank), or < 0 when it does
   // not measure: the serving loop then times step() on the host.
   virtual double measured_step_s() const { return -1; }
+
+  // Token ids a step accepts: [0, vocab_size()); 0 when the runtime does not say (the serving
+  // loop then cannot refuse a bad id at admission, and the step refuses it when it runs).
+  virtual int64_t vocab_size() const { return 0; }
 };
 
 }  // namespace mini_engine

@@ -55,9 +55,14 @@ kv_state& switcher::mutable_kv_tables() {
   return kv_;
 }
 
-kv_migration_options switcher::kv_options(arena_cursor weights_at) const {
+kv_migration_options switcher::kv_options(arena_cursor weights_at, parallel_mode target,
+                                          kv_placement& placement) const {
   kv_migration_options opt;
   opt.max_rounds = options_.max_kv_rounds;
+  if (options_.ep_placement && target == parallel_mode::ep && kv_.mode == parallel_mode::tp) {
+    placement = options_.ep_placement(kv_);
+    opt.placement = &placement;
+  }
   if (options_.stage_kv_in_free_slot) {
     opt.staging.space = memory_space::arena;
     opt.staging.offset = weights_.slot_offset(arena_geometry::free_slot(weights_at));
@@ -66,23 +71,27 @@ kv_migration_options switcher::kv_options(arena_cursor weights_at) const {
   return opt;
 }
 
-kv_migration_options switcher::one_layer_kv_options() const {
+kv_migration_options switcher::one_layer_kv_options(parallel_mode target,
+                                                     kv_placement& placement) const {
   // Planned for layer 0 with staging at offset 0; each layer's plan is shifted to its own free
   // slot (src/switch/transaction.hpp).
-  kv_migration_options opt = kv_options(arena_cursor{0});
+  kv_migration_options opt = kv_options(arena_cursor{0}, target, placement);
   opt.staging.offset = 0;
   return opt;
 }
 
 kv_capacity_report switcher::check(parallel_mode target) const {
   detail::check_enum(target, "switcher::check target (parallel_mode)");
+  kv_placement placement;
   return check_kv_capacity(kv_geometry_, kv_, target,
-                           kv_options(resting_cursor(weights_, target)));
+                           kv_options(resting_cursor(weights_, target), target, placement));
 }
 
 layer_bytes switcher::layer_bytes_of(parallel_mode target) const {
   detail::check_enum(target, "switcher::layer_bytes_of target (parallel_mode)");
-  return switch_layer_bytes(weights_, kv_geometry_, kv_, target, one_layer_kv_options());
+  kv_placement placement;
+  return switch_layer_bytes(weights_, kv_geometry_, kv_, target,
+                            one_layer_kv_options(target, placement));
 }
 
 std::optional<arena_cursor> switcher::open_report(switch_report& rep,

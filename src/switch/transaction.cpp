@@ -102,10 +102,11 @@ bool switch_transaction::plan_switch() {
   const auto t = clock_type::now();
   const arena_geometry& wg = sw_.weights_;
   kv_geometry kv_geom = sw_.kv_geometry_;
-  kv_migration_options kv_opt = sw_.kv_options(goal_);
+  kv_placement placement;  // the ep_placement hook's owners, while planning
+  kv_migration_options kv_opt = sw_.kv_options(goal_, target_, placement);
   if (how_ == style::per_layer) {  // layer 0's KV, staging at offset 0 (see the top)
     kv_geom.num_layers = 1;
-    kv_opt = sw_.one_layer_kv_options();
+    kv_opt = sw_.one_layer_kv_options(target_, placement);
   }
   kv_migration kv;
   std::optional<nvtx_range> plan_range(std::in_place, "moebius/switch/plan");
@@ -174,7 +175,50 @@ bool switch_transaction::plan_switch() {
       return false;
     }
   }
+  if (sw_.options_.verify_layer) {
+    for (int64_t l = 0; l < wg.shape.num_layers && rep_.error.empty(); ++l) {
+      layer_before_.push_back(
+          layer_checksum(l, arena_geometry::mode_of(start_, l), sw_.kv_, rep_.error));
+    }
+    if (!rep_.error.empty()) {
+      rep_.outcome = switch_outcome::rolled_back;  // nothing moved
+      return false;
+    }
+  }
   return true;
+}
+
+int64_t switch_transaction::layer_of(const unit& u) const {
+  return u.to.tp_layers > u.from.tp_layers ? u.from.tp_layers : u.to.tp_layers;
+}
+
+bool switch_transaction::verify_moved_layers() {
+  if (!sw_.options_.verify_layer) return true;
+  // Layers whose weights and KV have all moved: every unit completed so far (whole: its one
+  // unit holds every layer, checked at finish).
+  std::string failure;
+  for (; units_verified_ < units_.size() && failure.empty(); ++units_verified_) {
+    const unit& u = units_[units_verified_];
+    if (phases_done_ < u.first_phase + u.phases()) break;
+    std::vector<int64_t> layers;
+    if (how_ == style::per_layer) {
+      layers.push_back(layer_of(u));
+    } else {
+      for (int64_t l = 0; l < sw_.weights_.shape.num_layers; ++l) layers.push_back(l);
+    }
+    for (const int64_t l : layers) {
+      const uint64_t after = layer_checksum(l, target_, target_tables_, failure);
+      if (!failure.empty()) break;
+      if (after != layer_before_[static_cast<size_t>(l)]) {
+        failure = "verify: layer " + std::to_string(l) +
+                  "'s checksum after it moved differs from before the switch";
+        break;
+      }
+    }
+  }
+  if (failure.empty()) return true;
+  fail(failure, false);
+  return false;
 }
 
 arena_cursor switch_transaction::cursor_at(int64_t phases) const {
@@ -334,7 +378,8 @@ bool switch_transaction::collect() {
   }
   if (!failure) {
     settle(s->first_phase + static_cast<int64_t>(s->work->phases.size()));
-    return true;
+    // A progressive switch checks each layer as soon as it has moved.
+    return how_ == style::whole || verify_moved_layers();
   }
   settle(s->first_phase + sw_.transport_.completed_phases());
   queued_.clear();
@@ -396,6 +441,7 @@ void switch_transaction::finish() {
     wait();
     if (ended_) return;
   }
+  if (!verify_moved_layers()) return;  // whole: every layer; per_layer: checked already
   if (sw_.options_.verify) {
     std::string failure;
     const uint64_t after = checksum(goal_, target_tables_, failure);
@@ -406,8 +452,8 @@ void switch_transaction::finish() {
       fail(failure, false);
       return;
     }
-    rep_.verified = true;
   }
+  rep_.verified = sw_.options_.verify || sw_.options_.verify_layer;
   sw_.kv_ = std::move(target_tables_);
   sw_.cursor_ = goal_;
   rep_.cursor = goal_;
@@ -419,6 +465,20 @@ void switch_transaction::abort(const std::string& why) {
   wait();
   if (ended_) return;  // the advance failed and was rolled back already
   fail(why, false);
+}
+
+uint64_t switch_transaction::layer_checksum(int64_t layer, parallel_mode mode,
+                                           const kv_state& tables, std::string& failure) {
+  const auto tv = clock_type::now();
+  const nvtx_range verify_range("moebius/switch/verify");
+  uint64_t sum = 0;
+  try {
+    sum = sw_.options_.verify_layer(layer, mode, tables);
+  } catch (const std::exception& e) {
+    failure = "verify hook failed on layer " + std::to_string(layer) + ": " + e.what();
+  }
+  rep_.verify_ms += ms_between(tv, clock_type::now());
+  return sum;
 }
 
 uint64_t switch_transaction::checksum(arena_cursor c, const kv_state& tables,

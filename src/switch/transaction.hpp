@@ -123,6 +123,14 @@ class switch_transaction {
   void mark_inconsistent(const std::string& why);
   void end(switch_outcome outcome);
   uint64_t checksum(arena_cursor c, const kv_state& tables, std::string& failure);
+  // verify_layer of layer `layer` in `mode` through `tables` (time counted as verify_ms).
+  uint64_t layer_checksum(int64_t layer, parallel_mode mode, const kv_state& tables,
+                          std::string& failure);
+  // The layer unit u moves (EP->TP: u.from, TP->EP: u.to).
+  int64_t layer_of(const unit& u) const;
+  // verify_layer after the move of every completed unit not yet checked (all units: whole);
+  // false when one differs (the switch failed and was undone).
+  bool verify_moved_layers();
   void arm(switch_fault::stage stage);
 
   switcher& sw_;
@@ -138,6 +146,8 @@ class switch_transaction {
   kv_state target_tables_;
   layer_bytes bytes_per_layer_;  // per_layer only
   uint64_t checksum_before_ = 0;
+  std::vector<uint64_t> layer_before_;  // [L] verify_layer before anything moved
+  size_t units_verified_ = 0;           // per_layer: units whose layer was checked after
 
   int64_t units_enqueued_ = 0;
   int64_t phases_done_ = 0;

@@ -53,8 +53,26 @@ struct switcher_options {
   std::function<void(parallel_mode)> on_commit;
   // Optional end-to-end check: called before moving anything and after the last byte moved;
   // returns a layout-independent checksum of the state (see switch/checksum.hpp). A mismatch
-  // is a failure, handled like a transport error (undo, rolled_back).
+  // is a failure, handled like a transport error (undo, rolled_back). A progressive switch
+  // calls it at begin() and at finish(): the tables are frozen between, but the engine writes
+  // tokens into their reserved room meanwhile, so its hook must cover only what no step
+  // writes during the switch (the mini-engine checks the tokens each sequence had written at
+  // begin and excludes the rest).
   std::function<uint64_t(arena_cursor, const kv_state&)> verify;
+  // Optional per-layer check: a checksum of layer `layer` alone, its experts as they rest in
+  // `mode` (weight_checksum with cursor 0 for EP, L for TP) and its K/V through `tables` (in
+  // tables.mode == mode). Called for every layer before anything moves (source mode and
+  // tables), and for each layer once it has moved (target mode and tables): a progressive
+  // switch checks a layer in the poll() (or finish()) that finds its copies complete, so a
+  // corrupted layer fails the switch at the advance that moved it; switch_to() checks every
+  // layer before commit. The same rule as `verify` on tokens written during the switch.
+  std::function<uint64_t(int64_t layer, parallel_mode mode, const kv_state& tables)> verify_layer;
+  // TP -> EP: the owner of each live sequence, indexed like kv_demands_of(tp_tables)
+  // (kv_migration_options::placement), instead of longest-first by the pages in use. An engine
+  // that reserves room for its sequences to grow places them by what they will hold, so that
+  // no owner ends up holding more reservations than pages. Used by check(), layer_bytes_of()
+  // and both switch styles; a placement with fits == false refuses the switch (capacity).
+  std::function<kv_placement(const kv_state& tp_tables)> ep_placement;
 };
 
 // A test hook: a fault injected into one stage of the next switch.
@@ -134,8 +152,11 @@ class switcher {
   friend class detail::switch_transaction;
   friend class progressive_switch;
 
-  kv_migration_options kv_options(arena_cursor weights_at) const;
-  kv_migration_options one_layer_kv_options() const;
+  // The KV planner's options for a switch to `target` with the weights at `weights_at`;
+  // `placement` holds the ep_placement hook's answer for as long as the options are used.
+  kv_migration_options kv_options(arena_cursor weights_at, parallel_mode target,
+                                  kv_placement& placement) const;
+  kv_migration_options one_layer_kv_options(parallel_mode target, kv_placement& placement) const;
   // Opens `rep` for a switch to `target` and returns the resting cursor of `target`, or
   // nothing when the report is already final: refused because the switcher is inconsistent,
   // or already_there.

@@ -149,6 +149,66 @@ TEST_CASE("a verified progressive switch commits", "[cpu][faults]") {
   }
 }
 
+TEST_CASE("a per-layer verify checks each layer as it moves and catches a corrupted one",
+          "[cpu][faults]") {
+  const int64_t L = 4;
+  host_world w = make_host_world(with_layers(L), 2, 96, 17);
+  const std::vector<request> reqs = testing::small_trace(17, static_cast<int32_t>(w.c.vocab), 12);
+  const paced_clock clock(1);
+  engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+  engine_options o = testing::small_trace_options();
+  const run_result ep = e.run(reqs, o, "static EP");
+  o.how = switching::forced;
+  o.style = switch_style::progressive;
+  o.forced_steps = every_other_step(2, static_cast<int64_t>(ep.steps.size()), 9);
+  host_runtime& rt = *w.rt;
+  int64_t calls = 0;
+  o.verify_layer = [&rt, &calls, L](int64_t layer, parallel_mode m, const moebius::kv_state& t) {
+    ++calls;
+    std::vector<std::span<const std::byte>> arenas, pools;
+    for (const moebius::rank_memory& mem : rt.memory()) {
+      const moebius::memory_span& a = mem.space(moebius::memory_space::arena);
+      const moebius::memory_span& k = mem.space(moebius::memory_space::kv_pool);
+      arenas.emplace_back(a.data(), static_cast<size_t>(a.bytes));
+      pools.emplace_back(k.data(), static_cast<size_t>(k.bytes));
+    }
+    const moebius::arena_cursor at{m == parallel_mode::tp ? L : 0};
+    return moebius::weight_checksum(rt.arena(), at, layer, arenas) * 31 +
+           moebius::kv_layer_checksum(rt.kv(), t, layer, pools);
+  };
+  const run_result clean = e.run(reqs, o, "verified per layer");
+  check_same_tokens(clean, ep);
+  CHECK(count(clean, switch_outcome::committed) >= 4);
+  CHECK(count(clean, switch_outcome::rolled_back) == 0);
+  CHECK(calls >= 2 * L * count(clean, switch_outcome::committed));
+
+  // Flip one written K element of the layer the first switch moves last, before it moves: that
+  // layer's check fails at the advance that moved it, and the switch rolls back.
+  bool corrupted = false;
+  o.before_advance = [&](moebius::switcher&, const moebius::progressive_switch& s, int64_t) {
+    if (corrupted || s.layers_remaining() != L) return;
+    const moebius::switch_step_view v = s.view();
+    const moebius::kv_state& t = v.tables(v.source());
+    const int64_t layer = v.target() == parallel_mode::tp ? L - 1 : 0;
+    for (int r = 0; r < static_cast<int>(t.ranks.size()) && !corrupted; ++r) {
+      if (t.ranks[static_cast<size_t>(r)].sequences.empty()) continue;
+      const moebius::kv_sequence& q = t.ranks[static_cast<size_t>(r)].sequences[0];
+      const moebius::memory_span pool = rt.memory()[static_cast<size_t>(r)].space(
+          moebius::memory_space::kv_pool);
+      const int64_t off = rt.kv().offset(t.mode, layer, moebius::kv_tensor::k, q.pages[0], 0, 0, 0);
+      pool.data()[off] ^= std::byte{0x40};
+      corrupted = true;
+    }
+  };
+  const run_result bad = e.run(reqs, o, "one layer corrupted");
+  REQUIRE(corrupted);
+  REQUIRE(!bad.switches.empty());
+  CHECK(bad.switches[0].outcome == switch_outcome::rolled_back);
+  CHECK_THAT(bad.switches[0].error, Catch::Matchers::Contains(
+                                        "verify: layer " + std::to_string(L - 1) + "'s checksum"));
+  CHECK(count(bad, switch_outcome::committed) >= 3);  // the later ones still commit
+}
+
 TEST_CASE("forced switches into TP with H_kv < P on a tight pool never deadlock",
           "[cpu][faults]") {
   // P=2, H_kv=1: a TP rank holds every sequence (one head, replicated), so TP holds half of what
@@ -231,6 +291,12 @@ TEST_CASE("a request with a token outside the vocab fails alone", "[cpu][faults]
       CHECK_FALSE(q.finished());
       CHECK(q.generated.empty());
       CHECK(q.admissions == 0);
+      CHECK(q.failed());
+      CHECK_THAT(q.error, Catch::Matchers::Contains("request " + std::to_string(q.id) +
+                                                    ": prompt token"));
+      CHECK_THAT(q.error, Catch::Matchers::Contains("outside the vocab [0, 256)"));
+    } else {
+      CHECK_FALSE(q.failed());
     }
   }
   got.requests.resize(good.size());  // ids 1000, 1001 sort last
@@ -260,8 +326,24 @@ TEST_CASE("output_tokens = INT64_MAX fails alone with a clear error", "[cpu][fau
   check_same_tokens(again, want);
   REQUIRE(got.requests.size() == mixed.size());
   CHECK_FALSE(got.requests.back().finished());
+  CHECK_THAT(got.requests.back().error,
+             Catch::Matchers::Contains("moebius overflow: request 5000: prompt"));
+  CHECK_THAT(got.requests.back().error, Catch::Matchers::Contains("does not fit in 64 bits"));
   got.requests.pop_back();
   check_same_tokens(got, want);
+
+  // Or the whole run refused, with that error, before anything is admitted.
+  o.scheduler.bad_requests = bad_request_policy::refuse_run;
+  try {
+    e.run(mixed, o, "refused");
+    FAIL("the run was not refused");
+  } catch (const moebius::error& ex) {
+    CHECK(ex.code() == moebius::errc::overflow);
+    CHECK_THAT(ex.what(), Catch::Matchers::Contains("request 5000"));
+  }
+  o.scheduler.bad_requests = bad_request_policy::fail_request;
+  REQUIRE_NOTHROW(again = e.run(good, o, "good after the refusal"));
+  check_same_tokens(again, want);
 }
 
 TEST_CASE("a run that throws part-way leaves the engine empty and ready", "[cpu][faults]") {
