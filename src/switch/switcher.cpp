@@ -133,7 +133,25 @@ switch_report switcher::switch_to(parallel_mode target) {
       switch_transaction::open(*this, target, *goal, switch_transaction::style::whole, rep, t0);
   if (!txn) return last_report_ = rep;
   txn->finish();
-  return last_report_ = txn->report();
+  last_report_ = txn->report();
+  if (last_report_.outcome == switch_outcome::inconsistent) wreck_ = std::move(txn);
+  return last_report_;
+}
+
+recovery_report switcher::recover(const recovery_request& request) {
+  detail::check_enum(request.mode, "switcher::recover mode (parallel_mode)");
+  MOEBIUS_CHECK(open_ == nullptr, errc::invalid_argument,
+                "recover: a progressive switch is open; it ends before the switcher can be "
+                "inconsistent");
+  MOEBIUS_CHECK(!consistent_ && wreck_ != nullptr, errc::invalid_argument,
+                "recover: the switcher is consistent (mode ", to_string(mode()),
+                "); there is nothing to recover");
+  MOEBIUS_CHECK(static_cast<bool>(request.reload_experts), errc::invalid_argument,
+                "recover: needs reload_experts: after an inconsistent switch no byte of the arena "
+                "is trusted, so the experts come from the caller's source of truth");
+  recovery_report r = wreck_->recover(request);
+  if (r.recovered) wreck_.reset();
+  return r;
 }
 
 progressive_switch switcher::begin(parallel_mode target) {

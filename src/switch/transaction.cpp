@@ -381,9 +381,14 @@ bool switch_transaction::collect() {
     // A progressive switch checks each layer as soon as it has moved.
     return how_ == style::whole || verify_moved_layers();
   }
-  settle(s->first_phase + sw_.transport_.completed_phases());
+  const int64_t completed = sw_.transport_.completed_phases();
+  settle(s->first_phase + completed);
   queued_.clear();
   const failure_info f = classify(failure);
+  if (f.state_unknown) {  // what ran past the reached phase of this plan is unknown
+    unknown_first_ = s->first_phase + completed;
+    unknown_end_ = s->first_phase + static_cast<int64_t>(s->work->phases.size());
+  }
   fail(f.text, f.state_unknown);
   return false;
 }
@@ -540,7 +545,11 @@ void switch_transaction::undo() {
     const int64_t kv_done = done - std::min(done, u.weight_phases());
     if (kv_done > 0) {
       failure = run_undo(rollback_plan(*kv_plan_of(i), kv_done), completed, state_unknown);
-      if (!failure.empty()) break;  // the weights still rest at u.to
+      if (!failure.empty()) {  // the weights still rest at u.to
+        undo_failed_unit_ = static_cast<int64_t>(i);
+        undo_failed_in_kv_ = true;
+        break;
+      }
     }
     const arena_cursor reached = cursor_at(u.first_phase + std::min(done, u.weight_phases()));
     if (!(reached == u.from)) {
@@ -548,7 +557,10 @@ void switch_transaction::undo() {
       failure = run_undo(back, completed, state_unknown);
       const int64_t moved = reached.tp_layers > u.from.tp_layers ? -completed : completed;
       sw_.cursor_ = arena_cursor{reached.tp_layers + moved};
-      if (!failure.empty()) break;
+      if (!failure.empty()) {
+        undo_failed_unit_ = static_cast<int64_t>(i);
+        break;
+      }
     }
     sw_.cursor_ = u.from;
   }
@@ -577,6 +589,105 @@ void switch_transaction::end(switch_outcome outcome) {
   current_.reset();
   queued_.clear();
   sw_.faults_.clear();  // armed faults are for this switch only, reached or not
+}
+
+switch_transaction::kv_at switch_transaction::kv_of_unit(size_t u) const {
+  const unit& un = units_[u];
+  if (undo_failed_unit_ >= 0 && static_cast<int64_t>(u) >= undo_failed_unit_) {
+    // Undone (later units), or the unit whose undo failed: its KV is back in the source layout
+    // unless the KV's own undo was what failed (then partly reversed: unknown).
+    if (static_cast<int64_t>(u) > undo_failed_unit_) return kv_at::source;
+    return undo_failed_in_kv_ ? kv_at::unknown : kv_at::source;
+  }
+  const int64_t kv_first = un.first_phase + un.weight_phases();
+  const int64_t kv_end = un.first_phase + un.phases();
+  if (unknown_first_ >= 0 && unknown_first_ < kv_end && kv_first < unknown_end_) {
+    return kv_at::unknown;  // some of its KV rounds may have run past what was reported
+  }
+  if (phases_done_ >= kv_end) return kv_at::target;
+  if (phases_done_ <= kv_first) return kv_at::source;
+  return kv_at::unknown;  // partly moved and not undone
+}
+
+void switch_transaction::rebuild_kv(parallel_mode mode) {
+  const parallel_mode source = sw_.kv_.mode;
+  std::vector<int64_t> live;  // every live sequence of the source tables
+  for (const kv_rank_state& r : sw_.kv_.ranks)
+    for (const kv_sequence& q : r.sequences) live.push_back(q.seq_id);
+  std::sort(live.begin(), live.end());
+  live.erase(std::unique(live.begin(), live.end()), live.end());
+
+  // Every sequence needs every layer: one unknown layer loses them all.
+  bool intact = true;
+  for (size_t u = 0; u < units_.size() && intact; ++u)
+    intact = units_[u].kv_rounds == 0 || kv_of_unit(u) != kv_at::unknown;
+  if (intact) {
+    // Move each layer intact in the other layout to `mode`: the unit's KV plan, or its exact
+    // reverse. Each touches only its layer's KV and the arena slot it stages through (the
+    // arena is reloaded afterwards).
+    try {
+      for (size_t u = 0; u < units_.size(); ++u) {
+        if (units_[u].kv_rounds == 0) continue;
+        const kv_at at = kv_of_unit(u);
+        const bool in_source = at == kv_at::source;
+        if (in_source == (mode == source)) continue;
+        const std::shared_ptr<const plan> p = kv_plan_of(u);
+        sw_.transport_.execute(in_source ? *p : rollback_plan(*p, units_[u].kv_rounds));
+        ++plans_run_;
+      }
+    } catch (const std::exception&) {
+      sw_.transport_.inject_fault(std::nullopt);
+      intact = false;  // the move failed part-way: that layer is not intact any more
+    }
+  }
+  if (intact) {
+    settled_tables_ = mode == source ? sw_.kv_ : target_tables_;
+    kept_ = live;
+  } else {
+    settled_tables_ = kv_state{};
+    settled_tables_.mode = mode;
+    settled_tables_.ranks.resize(static_cast<size_t>(sw_.kv_geometry_.num_ranks));
+    for (kv_rank_state& r : settled_tables_.ranks) {
+      for (int64_t p = 0; p < sw_.kv_geometry_.num_pages(mode); ++p) r.free_pages.push_back(p);
+    }
+    lost_ = live;
+  }
+  settled_mode_ = mode;
+  kv_settled_ = true;
+}
+
+recovery_report switch_transaction::recover(const recovery_request& request) {
+  const auto t0 = clock_type::now();
+  MOEBIUS_CHECK(!kv_settled_ || settled_mode_ == request.mode, errc::invalid_argument,
+                "recover: an earlier attempt rebuilt the KV in ", to_string(settled_mode_),
+                "; recover in ", to_string(settled_mode_), " (asked ", to_string(request.mode), ")");
+  const nvtx_range range("moebius/switch/recover");
+  sw_.faults_.clear();
+  sw_.transport_.inject_fault(std::nullopt);
+  if (!kv_settled_) rebuild_kv(request.mode);
+  recovery_report r;
+  r.mode = request.mode;
+  r.kept = kept_;
+  r.lost = lost_;
+  r.kv_plans_run = plans_run_;
+  const arena_cursor resting{request.mode == parallel_mode::tp ? sw_.weights_.shape.num_layers : 0};
+  try {
+    request.reload_experts(resting);
+  } catch (const std::exception& e) {
+    r.error = std::string("recover: reload_experts failed: ") + e.what();
+    r.cursor = sw_.cursor_;
+    r.total_ms = ms_between(t0, clock_type::now());
+    return r;
+  }
+  validate(sw_.kv_geometry_, settled_tables_);
+  sw_.kv_ = std::move(settled_tables_);
+  sw_.cursor_ = resting;
+  sw_.consistent_ = true;
+  sw_.inconsistency_.clear();
+  r.recovered = true;
+  r.cursor = resting;
+  r.total_ms = ms_between(t0, clock_type::now());
+  return r;
 }
 
 }  // namespace moebius::detail

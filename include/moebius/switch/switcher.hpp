@@ -22,12 +22,15 @@
 // never moved (outcome rolled_back). If the undo fails too, or the failure was a barrier
 // timeout or a device/communicator error (a slow peer may still pass the barrier and write
 // past the phase the transport reports, so no undo is trusted), the outcome is `inconsistent`:
-// the report names the cursor the arena was last known to rest at, and the engine must reload
-// its experts and KV before serving; the switcher refuses further switches. A refused switch
+// the report names the cursor the arena was last known to rest at; the switcher refuses further
+// switches until recover() (below) has rebuilt a consistent state: the experts reloaded from the
+// caller's source of truth, the KV tables rebuilt from what is intact, the sequences whose KV was
+// lost named so that the engine resumes or fails them. No process restart. A refused switch
 // (capacity) moves nothing.
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -84,6 +87,29 @@ struct switch_fault {
   fault_point at;  // phase and op
 };
 
+// What recover() needs from the caller.
+struct recovery_request {
+  // The mode to come back in. The KV that is intact in the other mode's layout is moved to this
+  // one (its per-layer plans or their exact reverse); the experts are reloaded in it.
+  parallel_mode mode = parallel_mode::ep;
+  // Writes every layer's experts on every rank where `cursor` (0: EP, L: TP) places them, from
+  // the caller's source of truth (the checkpoint, or a host copy it keeps): no byte of the
+  // arena is trusted after an inconsistent switch. Required. May throw: recover() then reports
+  // the failure and may be called again.
+  std::function<void(arena_cursor)> reload_experts;
+};
+
+struct recovery_report {
+  bool recovered = false;      // consistent again, in `mode`, with the tables kv_tables() shows
+  parallel_mode mode = parallel_mode::ep;
+  arena_cursor cursor;         // where the arena rests (resting cursor of `mode`)
+  std::vector<int64_t> kept;   // sequences whose K/V was intact: in the tables, every byte
+  std::vector<int64_t> lost;   // sequences whose K/V a layer lost: removed, their pages freed
+  int64_t kv_plans_run = 0;    // per-layer KV plans (or reverses) that moved intact KV to `mode`
+  std::string error;           // why not recovered; "" when recovered
+  double total_ms = 0;
+};
+
 namespace detail {
 class switch_transaction;
 }
@@ -136,8 +162,25 @@ class switcher {
   progressive_switch begin(parallel_mode target);
   bool in_progress() const { return open_ != nullptr; }
 
-  // False after an `inconsistent` outcome: switch_to() and begin() then refuse, moving nothing.
+  // False after an `inconsistent` outcome: switch_to() and begin() then refuse, moving nothing,
+  // until recover() succeeds.
   bool consistent() const { return consistent_; }
+
+  // After an `inconsistent` outcome: rebuilds a consistent state in request.mode without a
+  // restart. Which KV is intact follows from how far the switch got: a layer whose KV plan
+  // never started is intact in the source layout, one whose plan (or its undo) completed is
+  // intact in the layout it reached, and one whose plan was running when the failure left the
+  // bytes unknown (a barrier timeout, a device error, a failed undo) is not. When every layer
+  // is intact the live sequences are kept (intact KV in the other layout is moved: the layer's
+  // plan, or its exact reverse); otherwise every live sequence is lost (each needs every
+  // layer) and the tables come back empty. Then reload_experts(resting cursor of mode), and
+  // the switcher is consistent. A failed KV move loses the sequences instead; a throwing
+  // reload_experts leaves the switcher inconsistent (report.error), and a later call retries
+  // the reload (in the mode of the first attempt, whose KV is already rebuilt). Throws
+  // errc::invalid_argument when the switcher is consistent, while a progressive switch is
+  // open, for a bad mode, without reload_experts, or for a retry in another mode.
+  //   P=2, EP->TP stop the world, the KV's undo failed: every sequence lost, EP tables empty.
+  recovery_report recover(const recovery_request& request);
   // The report of the last switch that ended (either style).
   const switch_report& last_report() const { return last_report_; }
 
@@ -172,6 +215,8 @@ class switcher {
   bool consistent_ = true;
   std::string inconsistency_;
   const detail::switch_transaction* open_ = nullptr;  // the open progressive switch
+  // The transaction that ended inconsistent (what recover() rebuilds from).
+  std::unique_ptr<detail::switch_transaction> wreck_;
   switch_report last_report_;
 };
 
