@@ -213,6 +213,39 @@ void engine::end_run(std::optional<run_state>& st) noexcept {
   for (const int64_t id : ids) release_sequence(tables, id);
 }
 
+void engine::recover_in_run(run_state& st, const moebius::switch_report& r, switch_record& s) {
+  MOEBIUS_CHECK(static_cast<bool>(st.options.reload_experts), errc::internal, "engine::run '",
+                st.name, "': the switch left the engine inconsistent: ", r.error,
+                " (set engine_options::reload_experts to recover without a restart, or call "
+                "engine::recover)");
+  moebius::recovery_request q;
+  q.mode = s.from;
+  q.reload_experts = st.options.reload_experts;
+  const moebius::recovery_report rr = switcher_.recover(q);
+  MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::run '", st.name,
+                "': recovery after an inconsistent switch failed: ", rr.error, " (after: ",
+                r.error, ")");
+  s.recovered = true;
+  s.lost_sequences =
+      st.sched.lose_kv(switcher_.kv_tables(), rr.lost, st.options.lost_kv == lost_kv_policy::resume,
+                       "its KV cache was lost when a switch failed (" + r.error + ")");
+}
+
+moebius::recovery_report engine::recover(
+    const std::function<void(moebius::arena_cursor)>& reload_experts, parallel_mode mode) {
+  moebius::recovery_request q;
+  q.mode = mode;
+  q.reload_experts = reload_experts;
+  const moebius::recovery_report rr = switcher_.recover(q);
+  MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::recover: ", rr.error);
+  kv_state& tables = switcher_.mutable_kv_tables();  // no run to resume what was kept
+  std::vector<int64_t> ids;
+  for (const moebius::kv_rank_state& r : tables.ranks)
+    for (const moebius::kv_sequence& q2 : r.sequences) ids.push_back(q2.seq_id);
+  for (const int64_t id : ids) release_sequence(tables, id);
+  return rr;
+}
+
 bool engine::reservations_fit(run_state& st, parallel_mode target, switch_record& s) {
   if (st.sched.fits_at_largest(switcher_.kv_tables(), target)) return true;
   s.outcome = moebius::switch_outcome::refused_capacity;
@@ -354,8 +387,7 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
   s.error = r.error;
   s.measured_ms = r.total_ms;
   s.clock_ms = clock_.switch_s(r) * 1e3;
-  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                "engine::run '", st.name, "': switch left the engine inconsistent: ", r.error);
+  if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
   st.now += s.clock_ms * 1e-3;
   if (r.outcome == moebius::switch_outcome::committed) {
     rec.switched = true;
@@ -394,9 +426,7 @@ void engine::end_progressive(run_state& st) {
   s.measured_ms = r.total_ms;
   s.clock_ms = (st.now - s.start_s) * 1e3;
   s.tokens = tokens_produced(st.sched) - st.tokens_before;
-  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                "engine::run '", st.name,
-                "': the progressive switch left the engine inconsistent: ", r.error);
+  if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
   st.sched.release_deferred(switcher_.mutable_kv_tables());
 }
 
@@ -487,6 +517,10 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                        const std::string& name) {
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::invalid_argument,
                 "engine::run: the KV tables still hold live sequences");
+  MOEBIUS_CHECK(switcher_.consistent(), errc::invalid_argument,
+                "engine::run: the switcher is inconsistent since a failed switch (",
+                switcher_.last_report().error, "): no byte of the arena is trusted; call "
+                "engine::recover first");
   MOEBIUS_CHECK(std::is_sorted(o.forced_steps.begin(), o.forced_steps.end()),
                 errc::invalid_argument, "engine::run: forced_steps must be ascending");
   // The gate's curves: given, or calibrated on this engine's clock before the run (the tables
@@ -517,9 +551,6 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   {
     const parallel_mode from = switcher_.mode();
     const moebius::switch_report r = switch_untimed(o.start_mode);
-    MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                  "engine::run '", name, "': the switch to the start mode left the engine "
-                  "inconsistent: ", r.error);
     if (r.outcome != moebius::switch_outcome::committed &&
         r.outcome != moebius::switch_outcome::already_there) {
       switch_record s;
@@ -528,6 +559,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       s.outcome = r.outcome;
       s.error = r.error;
       s.measured_ms = r.total_ms;
+      if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
       st.out.switches.push_back(std::move(s));
     }
   }
@@ -582,6 +614,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                 "': pages still in use after every request finished (a leak)");
   moebius::validate(kv_, switcher_.kv_tables());
   st.out.requests = st.sched.results();
+  st.out.failed_requests = st.sched.num_failed();
   st.out.end_s = st.now;
   return std::move(st.out);
 }

@@ -67,6 +67,12 @@ enum class switch_style : uint8_t {
   progressive,
 };
 
+// What the engine does with sequences whose K/V a failed switch lost (switcher::recover).
+enum class lost_kv_policy : uint8_t {
+  resume,  // recomputed from their tokens (prompt and generated): the same greedy tokens
+  fail,    // each fails with an error naming it (request_result::error)
+};
+
 struct progress_info {
   const std::string* run = nullptr;
   int64_t step = 0;
@@ -121,6 +127,13 @@ struct engine_options {
   std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify;
   std::function<uint64_t(int64_t layer, moebius::parallel_mode, const moebius::kv_state&)>
       verify_layer;
+  // Recovery after a switch that left the switcher inconsistent (a barrier timeout, a device
+  // error, a failed undo): with this set the run recovers and serves on (switcher::recover, in
+  // the switch's source mode), no restart. It writes every layer's experts where the cursor puts
+  // them from a source of truth: host_runtime::place_experts with weights kept on the host, or
+  // the checkpoint. Unset: the run throws errc::internal and engine::recover() is the way back.
+  std::function<void(moebius::arena_cursor)> reload_experts;
+  lost_kv_policy lost_kv = lost_kv_policy::resume;
 };
 
 // One step, as the CSV records it.
@@ -158,6 +171,10 @@ struct switch_record {
   int64_t steps = 0, layers_per_step = 0, tokens = 0;
   // The cost gate's reasoning when it let this switch through (evaluated false: no gate).
   moebius::gate_evaluation gate;
+  // Outcome inconsistent: the engine recovered (engine_options::reload_experts) and the
+  // sequences whose K/V was lost (resumed or failed, as lost_kv says).
+  bool recovered = false;
+  int64_t lost_sequences = 0;
 };
 
 struct run_result {
@@ -168,6 +185,7 @@ struct run_result {
   std::vector<request_result> requests; // sorted by id
   double end_s = 0;
   int64_t stalls = 0;
+  int64_t failed_requests = 0;          // requests with request_result::error set
   // Policy runs: the policy as configured, the gate's curves (if any), the decisions the gate
   // refused, and the last refusal's reasoning.
   std::string policy;
@@ -217,6 +235,13 @@ class engine {
   // sequences (KV content meaningless; released after). For calibration.
   double decode_step_s(moebius::parallel_mode mode, int64_t batch, int64_t context);
 
+  // After a run that threw because a switch left the switcher inconsistent (no
+  // engine_options::reload_experts): switcher::recover in `mode` with `reload_experts`, then
+  // every page freed (no run is in flight to resume anything). Throws errc::internal when the
+  // recovery fails (the report's error), errc::invalid_argument when there is nothing to recover.
+  moebius::recovery_report recover(const std::function<void(moebius::arena_cursor)>& reload_experts,
+                                   moebius::parallel_mode mode);
+
   moebius::parallel_mode mode() const { return switcher_.mode(); }
   const moebius::switcher& get_switcher() const { return switcher_; }
   const step_clock& clock() const { return clock_; }
@@ -232,6 +257,9 @@ class engine {
   // Whether the running sequences, each at its largest, fit `target` (the reservations the
   // scheduler holds must survive the switch); records a refused switch in `s` when not.
   bool reservations_fit(run_state& st, moebius::parallel_mode target, switch_record& s);
+  // Outcome inconsistent: recovers in s.from (engine_options::reload_experts) and hands the
+  // lost sequences to the scheduler; throws errc::internal when it cannot.
+  void recover_in_run(run_state& st, const moebius::switch_report& r, switch_record& s);
   // The mode to switch to before this step, if any (never while a progressive switch runs).
   std::optional<moebius::parallel_mode> decide(run_state& st, int64_t step);
   // Runs (stop the world) or begins (progressive) the switch to `target`; records it.

@@ -190,8 +190,8 @@ std::vector<std::pair<int64_t, int64_t>> scheduler::written_tokens() const {
   return out;
 }
 
-void scheduler::lose_kv(const kv_state& kv, std::span<const int64_t> lost, bool resume,
-                        const std::string& why) {
+int64_t scheduler::lose_kv(const kv_state& kv, std::span<const int64_t> lost, bool resume,
+                           const std::string& why) {
   std::vector<int64_t> ids(lost.begin(), lost.end());
   std::sort(ids.begin(), ids.end());
   auto is_lost = [&](const running_seq& s) {
@@ -202,9 +202,11 @@ void scheduler::lose_kv(const kv_state& kv, std::span<const int64_t> lost, bool 
   // Resumed sequences are re-reserved one by one, largest first, on the rank with the most
   // pages left (EP); TP reservations are on every rank and were counted before the loss.
   std::vector<size_t> order;
+  int64_t affected = 0;
   for (size_t i = 0; i < running_.size(); ++i) {
     running_seq& s = running_[i];
     if (!is_lost(s)) continue;
+    ++affected;
     request_result& res = results_[static_cast<size_t>(s.result_idx)];
     if (!resume) {
       res.error = "request " + std::to_string(res.id) + ": " + why;
@@ -247,6 +249,7 @@ void scheduler::lose_kv(const kv_state& kv, std::span<const int64_t> lost, bool 
     ++out;
   }
   running_.resize(out);
+  return affected;
 }
 
 namespace {

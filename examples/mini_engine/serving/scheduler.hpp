@@ -191,8 +191,10 @@ class scheduler {
   // `kv` are the tables after the recovery (the lost sequences are not in them); in EP each
   // resumed sequence gets the owner with the most pages left after the reservations, or fails
   // (capacity) when no rank has room for it at its largest.
-  void lose_kv(const moebius::kv_state& kv, std::span<const int64_t> lost, bool resume,
-               const std::string& why);
+  // Returns how many running sequences it resumed or failed (`lost` may name finished ones
+  // whose pages were not released yet: nothing happens to them).
+  int64_t lose_kv(const moebius::kv_state& kv, std::span<const int64_t> lost, bool resume,
+                  const std::string& why);
   // Per request, in the order of the ids given (sorted by id).
   const std::vector<request_result>& results() const { return results_; }
   const moebius::kv_geometry& geometry() const { return g_; }

@@ -9,6 +9,7 @@
 //   5. output_tokens = INT64_MAX fails alone with a moebius::error's message naming it;
 // and a run that throws part-way (a user callback) leaves the engine empty and ready.
 // Every served request is compared token for token with a static run of the good requests.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -54,6 +55,7 @@ class paced_clock final : public step_clock {
 
 struct host_world {
   model_config c;
+  model_weights weights;  // the host copy recovery reloads the experts from
   std::unique_ptr<host_runtime> rt;
   std::unique_ptr<moebius::host_transport> transport;
 };
@@ -65,9 +67,15 @@ host_world make_host_world(const model_config& c, int P, int64_t ep_pages, uint6
   host_runtime_options o;
   o.num_ranks = P;
   o.num_ep_pages = ep_pages;
-  w.rt = std::make_unique<host_runtime>(make_weights(w.c, seed), o);
+  w.weights = make_weights(w.c, seed);
+  w.rt = std::make_unique<host_runtime>(w.weights, o);
   w.transport = std::make_unique<moebius::host_transport>(w.rt->memory());
   return w;
+}
+
+// engine_options::reload_experts from the host copy.
+std::function<void(moebius::arena_cursor)> reload_from(host_world& w) {
+  return [&w](moebius::arena_cursor c) { w.rt->place_experts(w.weights, c); };
 }
 
 model_config with_layers(int64_t layers) {
@@ -344,6 +352,124 @@ TEST_CASE("output_tokens = INT64_MAX fails alone with a clear error", "[cpu][fau
   o.scheduler.bad_requests = bad_request_policy::fail_request;
   REQUIRE_NOTHROW(again = e.run(good, o, "good after the refusal"));
   check_same_tokens(again, want);
+}
+
+// Forced switches (both styles), a barrier timeout (errc::timeout: no undo is trusted) or a
+// fault whose undo fails injected into about half of them at a random stage and phase: every
+// inconsistent switch is recovered in the run, the sequences whose KV was lost are recomputed,
+// and every request gets the static run's tokens.
+TEST_CASE("inconsistent switches are recovered in the run; lost sequences resume",
+          "[cpu][faults][recovery]") {
+  for (const switch_style style : {switch_style::stop_the_world, switch_style::progressive}) {
+    for (uint64_t seed = 1; seed <= 2; ++seed) {
+      host_world w = make_host_world(with_layers(3), 2, 96, 40 + seed);
+      CAPTURE(static_cast<int>(style), seed);
+      const std::vector<request> reqs =
+          testing::small_trace(40 + seed, static_cast<int32_t>(w.c.vocab), 12);
+      const paced_clock clock(1);
+      engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+      engine_options o = testing::small_trace_options();
+      const run_result ep = e.run(reqs, o, "static EP");
+      o.how = switching::forced;
+      o.style = style;
+      o.forced_steps = every_other_step(2, static_cast<int64_t>(ep.steps.size()) + 40, 4);
+      o.reload_experts = reload_from(w);
+      std::mt19937_64 rng(seed);
+      auto inject = [&](moebius::switcher& sw, int64_t phases) {
+        if (!std::bernoulli_distribution(0.5)(rng)) return;
+        const int64_t at = std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(0, phases - 1))(rng);
+        const auto stage = std::bernoulli_distribution(0.5)(rng) ? moebius::switch_fault::stage::kv
+                                                                 : moebius::switch_fault::stage::weights;
+        if (std::bernoulli_distribution(0.5)(rng)) {
+          sw.inject_fault(moebius::switch_fault{stage, moebius::fault_point{at, 0, moebius::errc::timeout}});
+        } else {
+          sw.inject_fault(moebius::switch_fault{stage, moebius::fault_point{at, 0}});
+          sw.inject_fault(moebius::switch_fault{moebius::switch_fault::stage::undo, moebius::fault_point{0, 0}});
+        }
+      };
+      if (style == switch_style::stop_the_world) {
+        o.before_switch = [&](moebius::switcher& sw, int64_t) { inject(sw, 2); };
+      } else {
+        o.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& s, int64_t) {
+          const moebius::switch_report& r = s.report();
+          inject(sw, 1 + r.kv_rounds / std::max<int64_t>(1, r.weight_phases));
+        };
+      }
+      run_result got;
+      REQUIRE_NOTHROW(got = e.run(reqs, o, "faults"));
+      check_same_tokens(got, ep);
+      int64_t recovered = 0, lost = 0, resumes = 0;
+      for (const switch_record& s : got.switches) {
+        CAPTURE(s.step, s.error);
+        if (s.outcome == switch_outcome::inconsistent) {
+          CHECK(s.recovered);
+          ++recovered;
+          lost += s.lost_sequences;
+        }
+      }
+      for (const request_result& q : got.requests) resumes += q.resumes;
+      CHECK(recovered >= 2);
+      CHECK(lost >= 1);
+      CHECK(resumes == lost);
+      CHECK(count(got, switch_outcome::committed) >= 2);
+      CHECK(e.get_switcher().consistent());
+    }
+  }
+}
+
+TEST_CASE("lost sequences can fail instead; without reload_experts, engine::recover",
+          "[cpu][faults][recovery]") {
+  host_world w = make_host_world(with_layers(2), 2, 96, 50);
+  const std::vector<request> reqs = testing::small_trace(50, static_cast<int32_t>(w.c.vocab), 12);
+  const paced_clock clock(1);
+  engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+  engine_options o = testing::small_trace_options();
+  const run_result ep = e.run(reqs, o, "static EP");
+  o.how = switching::forced;
+  o.forced_steps = {6};
+  // A timeout in the KV: every live sequence loses its KV.
+  o.before_switch = [](moebius::switcher& sw, int64_t) {
+    sw.inject_fault(moebius::switch_fault{moebius::switch_fault::stage::kv,
+                                          moebius::fault_point{0, 0, moebius::errc::timeout}});
+  };
+  o.reload_experts = reload_from(w);
+  o.lost_kv = lost_kv_policy::fail;
+  const run_result got = e.run(reqs, o, "lost sequences fail");
+  REQUIRE(got.switches.size() == 1);
+  CHECK(got.switches[0].outcome == switch_outcome::inconsistent);
+  CHECK(got.switches[0].recovered);
+  const int64_t lost = got.switches[0].lost_sequences;
+  CHECK(lost >= 1);
+  CHECK(got.failed_requests == lost);
+  REQUIRE(got.requests.size() == ep.requests.size());
+  for (size_t i = 0; i < got.requests.size(); ++i) {
+    const request_result& q = got.requests[i];
+    CAPTURE(q.id);
+    if (q.failed()) {
+      CHECK_THAT(q.error, Catch::Matchers::Contains("request " + std::to_string(q.id) +
+                                                    ": its KV cache was lost"));
+      CHECK_FALSE(q.finished());
+      // What it produced before the loss is the static run's prefix.
+      const std::vector<int32_t>& all = ep.requests[i].generated;
+      REQUIRE(q.generated.size() <= all.size());
+      CHECK(std::equal(q.generated.begin(), q.generated.end(), all.begin()));
+    } else {
+      CHECK(q.generated == ep.requests[i].generated);
+    }
+  }
+
+  // No reload_experts: the run throws, the engine stays inconsistent until engine::recover.
+  o.reload_experts = nullptr;
+  CHECK_THROWS_WITH(e.run(reqs, o, "no way back"),
+                    Catch::Matchers::Contains("set engine_options::reload_experts"));
+  CHECK_FALSE(e.get_switcher().consistent());
+  CHECK_THROWS_WITH(e.run(reqs, testing::small_trace_options(), "refused"),
+                    Catch::Matchers::Contains("inconsistent"));
+  CHECK_FALSE(e.get_switcher().consistent());
+  e.recover(reload_from(w), parallel_mode::ep);
+  CHECK(e.get_switcher().consistent());
+  const run_result again = e.run(reqs, testing::small_trace_options(), "after engine::recover");
+  check_same_tokens(again, ep);
 }
 
 TEST_CASE("a run that throws part-way leaves the engine empty and ready", "[cpu][faults]") {
