@@ -227,7 +227,7 @@ void engine::recover_in_run(run_state& st, const moebius::switch_report& r, swit
                 r.error, ")");
   s.recovered = true;
   s.lost_sequences =
-      st.sched.lose_kv(switcher_.kv_tables(), rr.lost, st.options.lost_kv == lost_kv_policy::resume,
+      st.sched.lose_kv(switcher_.mutable_kv_tables(), rr.lost, st.options.lost_kv == lost_kv_policy::resume,
                        "its KV cache was lost when a switch failed (" + r.error + ")");
 }
 

@@ -190,7 +190,7 @@ std::vector<std::pair<int64_t, int64_t>> scheduler::written_tokens() const {
   return out;
 }
 
-int64_t scheduler::lose_kv(const kv_state& kv, std::span<const int64_t> lost, bool resume,
+int64_t scheduler::lose_kv(kv_state& kv, std::span<const int64_t> lost, bool resume,
                            const std::string& why) {
   std::vector<int64_t> ids(lost.begin(), lost.end());
   std::sort(ids.begin(), ids.end());
@@ -221,7 +221,12 @@ int64_t scheduler::lose_kv(const kv_state& kv, std::span<const int64_t> lost, bo
     s.resume_owner = -1;
     order.push_back(i);
   }
-  if (kv.mode == parallel_mode::ep) {
+  if (kv.mode == parallel_mode::tp) {
+    // Every rank holds every sequence's reservation already: a table of one token (within it)
+    // makes the sequence visible to a switch before its recompute starts.
+    for (const size_t i : order)
+      reserve_tokens(g_, kv, results_[static_cast<size_t>(running_[i].result_idx)].id, 1, -1);
+  } else {
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
       return running_[a].final_tokens > running_[b].final_tokens;
     });
@@ -231,6 +236,7 @@ int64_t scheduler::lose_kv(const kv_state& kv, std::span<const int64_t> lost, bo
       const int owner = static_cast<int>(std::max_element(left.begin(), left.end()) - left.begin());
       if (left[static_cast<size_t>(owner)] >= pages_needed(g_, kv.mode, s.final_tokens)) {
         s.resume_owner = owner;
+        reserve_tokens(g_, kv, results_[static_cast<size_t>(s.result_idx)].id, 1, owner);
         continue;
       }
       request_result& res = results_[static_cast<size_t>(s.result_idx)];

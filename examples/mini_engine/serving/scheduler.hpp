@@ -188,12 +188,13 @@ class scheduler {
   // says so; it gets no more tokens) and leaves the running set. resume: each keeps its place
   // and its tokens so far and is recomputed as a prefill of every token it has (prompt and
   // generated), which samples the token it would have decoded next: greedy tokens unchanged.
-  // `kv` are the tables after the recovery (the lost sequences are not in them); in EP each
-  // resumed sequence gets the owner with the most pages left after the reservations, or fails
-  // (capacity) when no rank has room for it at its largest.
-  // Returns how many running sequences it resumed or failed (`lost` may name finished ones
-  // whose pages were not released yet: nothing happens to them).
-  int64_t lose_kv(const moebius::kv_state& kv, std::span<const int64_t> lost, bool resume,
+  // `kv` are the tables after the recovery (the lost sequences are not in them); each resumed
+  // sequence gets a table of one token at once (so that a switch before its recompute moves
+  // and counts it), in EP on the owner with the most pages left after the reservations, or
+  // fails (capacity) when no rank has room for it at its largest. Returns how many running
+  // sequences it resumed or failed (`lost` may name finished ones whose pages were not
+  // released yet: nothing happens to them).
+  int64_t lose_kv(moebius::kv_state& kv, std::span<const int64_t> lost, bool resume,
                   const std::string& why);
   // Per request, in the order of the ids given (sorted by id).
   const std::vector<request_result>& results() const { return results_; }
@@ -208,7 +209,7 @@ class scheduler {
     // it had, so that the prefill's sample is the next token.
     int64_t prompt = 0;
     int64_t final_tokens = 0;     // prompt + output - 1: the most it will hold
-    int resume_owner = -1;        // EP: the rank a resumed sequence (no table yet) is reserved on
+    int resume_owner = -1;        // EP: the owner a resumed sequence (lose_kv) was given
     bool decoding() const { return in_kv >= prompt; }
   };
 

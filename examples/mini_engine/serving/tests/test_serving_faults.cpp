@@ -240,6 +240,12 @@ TEST_CASE("forced switches into TP with H_kv < P on a tight pool never deadlock"
     check_same_tokens(sw, ep);
     CHECK(count(sw, switch_outcome::refused_capacity) >= 1);
     CHECK(count(sw, switch_outcome::committed) >= 2);
+    for (const switch_record& s : sw.switches) {
+      if (s.outcome != switch_outcome::refused_capacity) continue;
+      CHECK_THAT(s.error, Catch::Matchers::Contains("each at its largest, do not fit TP (40 pages "
+                                                    "a rank, every sequence on every rank: H_kv=1 "
+                                                    "< P=2): after the switch some could not grow"));
+    }
   }
 }
 
