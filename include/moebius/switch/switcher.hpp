@@ -95,7 +95,9 @@ struct recovery_request {
   // Writes every layer's experts on every rank where `cursor` (0: EP, L: TP) places them, from
   // the caller's source of truth (the checkpoint, or a host copy it keeps): no byte of the
   // arena is trusted after an inconsistent switch. Required. May throw: recover() then reports
-  // the failure and may be called again.
+  // the failure and may be called again. Runs after the KV moves recover() makes; on a device
+  // transport it must first wait for the failed switch's copies (after a barrier timeout,
+  // copies already queued on a rank still run: synchronize the devices).
   std::function<void(arena_cursor)> reload_experts;
 };
 
