@@ -15,6 +15,7 @@
 #include <span>
 #include <vector>
 
+#include <moebius/cuda/check.hpp>
 #include <moebius/error.hpp>
 #include <moebius/transport/cuda_peer_transport.hpp>
 
