@@ -86,6 +86,8 @@ class host_runtime : public runtime {
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                             std::vector<std::vector<float>>* logits = nullptr) override;
 
+  int64_t vocab_size() const override { return weights_.config.vocab; }
+
   // Rank r's arena and KV pool, for a moebius::host_transport.
   std::vector<moebius::rank_memory> memory();
   const moebius::arena_geometry& arena() const { return arena_geometry_; }

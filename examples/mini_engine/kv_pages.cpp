@@ -112,6 +112,37 @@ void release_sequence(moebius::kv_state& s, int64_t seq_id) {
   }
 }
 
+moebius::kv_state written_prefix(const moebius::kv_geometry& g, const moebius::kv_state& s,
+                                 std::span<const std::pair<int64_t, int64_t>> written) {
+  moebius::kv_state out = s;
+  for (kv_rank_state& r : out.ranks) {
+    std::vector<kv_sequence> kept;
+    for (kv_sequence& q : r.sequences) {
+      if (q.shared_prefix_pages > 0) {
+        kept.push_back(std::move(q));
+        continue;
+      }
+      const auto it = std::lower_bound(written.begin(), written.end(),
+                                       std::pair<int64_t, int64_t>{q.seq_id, 0});
+      const int64_t n = it != written.end() && it->first == q.seq_id
+                            ? std::min(it->second, q.num_tokens)
+                            : 0;
+      const int64_t pages = moebius::pages_for_tokens(n, g.page_size);
+      for (size_t p = static_cast<size_t>(pages); p < q.pages.size(); ++p) {
+        r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), q.pages[p]),
+                            q.pages[p]);
+      }
+      if (n == 0) continue;
+      q.pages.resize(static_cast<size_t>(pages));
+      q.num_tokens = n;
+      q.last_page_len = n - (pages - 1) * g.page_size;
+      kept.push_back(std::move(q));
+    }
+    r.sequences = std::move(kept);
+  }
+  return out;
+}
+
 moebius::kv_state make_empty_kv_state(const moebius::kv_geometry& g, parallel_mode m) {
   return moebius::make_kv_state(
       g, m, std::vector<std::vector<kv_sequence>>(static_cast<size_t>(g.num_ranks)));

@@ -11,6 +11,8 @@
 //   gains page 2, last_page_len 1; release_sequence(s, 7) -> rank 1's free list is whole.
 
 #include <cstdint>
+#include <span>
+#include <utility>
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/kv/page_table.hpp>
 
@@ -34,6 +36,17 @@ int owner_of(const moebius::kv_state& s, int64_t seq_id);
 
 // Rank r's table of `seq_id`, or nullptr when rank r does not hold it.
 const moebius::kv_sequence* find_sequence(const moebius::kv_state& s, int rank, int64_t seq_id);
+
+// The tables `s` cut to the tokens whose K/V has been written: sequence q keeps its first
+// written[q] tokens (pairs (seq_id, tokens) sorted by id; an id not listed, or 0 tokens, is
+// dropped), the pages past them go back to the free lists. A verify hook checksums this
+// (switch/checksum.hpp) so that the room reserved for tokens not yet written, whose bytes are
+// stale and get written during a progressive switch, is not part of the check. Sequences with
+// shared prefix pages are kept whole (the mini-engine shares none).
+//   page_size 4, seq 7 holds 9 tokens in pages {0, 1, 2}, written (7, 5): pages {0, 1},
+//   last_page_len 1, page 2 free.
+moebius::kv_state written_prefix(const moebius::kv_geometry& g, const moebius::kv_state& s,
+                                 std::span<const std::pair<int64_t, int64_t>> written);
 
 // An empty state of `g` in mode `m`: no sequences, every page free.
 moebius::kv_state make_empty_kv_state(const moebius::kv_geometry& g, moebius::parallel_mode m);

@@ -121,6 +121,9 @@ class runtime {
     return tokens;
   }
   virtual bool overlaps_copies() const { return false; }
+  // Token ids a step accepts: [0, vocab_size()); 0 when the runtime does not say (the serving
+  // loop then cannot refuse a bad id at admission, and the step refuses it when it runs).
+  virtual int64_t vocab_size() const { return 0; }
 };
 
 }  // namespace mini_engine

@@ -70,8 +70,12 @@ uint64_t weight_checksum(const arena_geometry& g, arena_cursor cursor, int64_t l
   return sum;
 }
 
-uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
-                     std::span<const std::span<const std::byte>> rank_pools) {
+namespace {
+
+// Layers [layer0, layer1) of kv_checksum.
+uint64_t kv_layers_checksum(const kv_geometry& g, const kv_state& s, int64_t layer0,
+                            int64_t layer1,
+                            std::span<const std::span<const std::byte>> rank_pools) {
   validate(g, s);
   MOEBIUS_CHECK(static_cast<int64_t>(rank_pools.size()) == g.num_ranks, errc::invalid_argument,
                 "kv_checksum needs one pool per rank (got ", rank_pools.size(), ", P=",
@@ -88,7 +92,7 @@ uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
   auto sequence_sum = [&](int rank, const kv_sequence& seq, int64_t head0, int64_t num_heads) {
     uint64_t sum = 0;
     const uint64_t seq_key = mix(static_cast<uint64_t>(seq.seq_id) * 0x2545f4914f6cdd1dULL);
-    for (int64_t layer = 0; layer < g.num_layers; ++layer) {
+    for (int64_t layer = layer0; layer < layer1; ++layer) {
       for (int64_t kt = 0; kt < g.kv_tensors(); ++kt) {
         for (int64_t token = 0; token < seq.num_tokens; ++token) {
           const int64_t page = seq.pages[static_cast<size_t>(token / g.page_size)];
@@ -137,6 +141,21 @@ uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
     }
   }
   return sum;
+}
+
+}  // namespace
+
+uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
+                     std::span<const std::span<const std::byte>> rank_pools) {
+  return kv_layers_checksum(g, s, 0, g.num_layers, rank_pools);
+}
+
+uint64_t kv_layer_checksum(const kv_geometry& g, const kv_state& s, int64_t layer,
+                           std::span<const std::span<const std::byte>> rank_pools) {
+  MOEBIUS_CHECK(layer >= 0 && layer < g.num_layers, errc::invalid_argument,
+                "kv_layer_checksum: layer must lie in [0, L) (layer=", layer, ", L=",
+                g.num_layers, ")");
+  return kv_layers_checksum(g, s, layer, layer + 1, rank_pools);
 }
 
 }  // namespace moebius

@@ -97,6 +97,8 @@ void progressive_switch::close() {
   report_ = txn_->report();
   owner_->last_report_ = report_;
   owner_->open_ = nullptr;
+  // An inconsistent end stays with the switcher: recover() rebuilds from it.
+  if (report_.outcome == switch_outcome::inconsistent) owner_->wreck_ = std::move(txn_);
   txn_.reset();
   notify_switch_observer(report_, switch_style::progressive);
 }

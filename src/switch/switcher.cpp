@@ -63,9 +63,14 @@ kv_state& switcher::mutable_kv_tables() {
   return kv_;
 }
 
-kv_migration_options switcher::kv_options(arena_cursor weights_at) const {
+kv_migration_options switcher::kv_options(arena_cursor weights_at, parallel_mode target,
+                                          kv_placement& placement) const {
   kv_migration_options opt;
   opt.max_rounds = options_.max_kv_rounds;
+  if (options_.ep_placement && target == parallel_mode::ep && kv_.mode == parallel_mode::tp) {
+    placement = options_.ep_placement(kv_);
+    opt.placement = &placement;
+  }
   if (options_.stage_kv_in_free_slot) {
     opt.staging.space = memory_space::arena;
     opt.staging.offset = weights_.slot_offset(arena_geometry::free_slot(weights_at));
@@ -74,23 +79,27 @@ kv_migration_options switcher::kv_options(arena_cursor weights_at) const {
   return opt;
 }
 
-kv_migration_options switcher::one_layer_kv_options() const {
+kv_migration_options switcher::one_layer_kv_options(parallel_mode target,
+                                                     kv_placement& placement) const {
   // Planned for layer 0 with staging at offset 0; each layer's plan is shifted to its own free
   // slot (src/switch/transaction.hpp).
-  kv_migration_options opt = kv_options(arena_cursor{0});
+  kv_migration_options opt = kv_options(arena_cursor{0}, target, placement);
   opt.staging.offset = 0;
   return opt;
 }
 
 kv_capacity_report switcher::check(parallel_mode target) const {
   detail::check_enum(target, "switcher::check target (parallel_mode)");
+  kv_placement placement;
   return check_kv_capacity(kv_geometry_, kv_, target,
-                           kv_options(resting_cursor(weights_, target)));
+                           kv_options(resting_cursor(weights_, target), target, placement));
 }
 
 layer_bytes switcher::layer_bytes_of(parallel_mode target) const {
   detail::check_enum(target, "switcher::layer_bytes_of target (parallel_mode)");
-  return switch_layer_bytes(weights_, kv_geometry_, kv_, target, one_layer_kv_options());
+  kv_placement placement;
+  return switch_layer_bytes(weights_, kv_geometry_, kv_, target,
+                            one_layer_kv_options(target, placement));
 }
 
 std::optional<arena_cursor> switcher::open_report(switch_report& rep,
@@ -132,7 +141,25 @@ switch_report switcher::switch_to(parallel_mode target) {
       switch_transaction::open(*this, target, *goal, switch_transaction::style::whole, rep, t0);
   if (!txn) return ended(last_report_, rep);
   txn->finish();
-  return ended(last_report_, txn->report());
+  const switch_report& r = ended(last_report_, txn->report());
+  if (r.outcome == switch_outcome::inconsistent) wreck_ = std::move(txn);
+  return r;
+}
+
+recovery_report switcher::recover(const recovery_request& request) {
+  detail::check_enum(request.mode, "switcher::recover mode (parallel_mode)");
+  MOEBIUS_CHECK(open_ == nullptr, errc::invalid_argument,
+                "recover: a progressive switch is open; it ends before the switcher can be "
+                "inconsistent");
+  MOEBIUS_CHECK(!consistent_ && wreck_ != nullptr, errc::invalid_argument,
+                "recover: the switcher is consistent (mode ", to_string(mode()),
+                "); there is nothing to recover");
+  MOEBIUS_CHECK(static_cast<bool>(request.reload_experts), errc::invalid_argument,
+                "recover: needs reload_experts: after an inconsistent switch no byte of the arena "
+                "is trusted, so the experts come from the caller's source of truth");
+  recovery_report r = wreck_->recover(request);
+  if (r.recovered) wreck_.reset();
+  return r;
 }
 
 progressive_switch switcher::begin(parallel_mode target) {

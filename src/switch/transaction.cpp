@@ -102,10 +102,11 @@ bool switch_transaction::plan_switch() {
   const auto t = clock_type::now();
   const arena_geometry& wg = sw_.weights_;
   kv_geometry kv_geom = sw_.kv_geometry_;
-  kv_migration_options kv_opt = sw_.kv_options(goal_);
+  kv_placement placement;  // the ep_placement hook's owners, while planning
+  kv_migration_options kv_opt = sw_.kv_options(goal_, target_, placement);
   if (how_ == style::per_layer) {  // layer 0's KV, staging at offset 0 (see the top)
     kv_geom.num_layers = 1;
-    kv_opt = sw_.one_layer_kv_options();
+    kv_opt = sw_.one_layer_kv_options(target_, placement);
   }
   kv_migration kv;
   std::optional<nvtx_range> plan_range(std::in_place, "moebius/switch/plan");
@@ -174,7 +175,50 @@ bool switch_transaction::plan_switch() {
       return false;
     }
   }
+  if (sw_.options_.verify_layer) {
+    for (int64_t l = 0; l < wg.shape.num_layers && rep_.error.empty(); ++l) {
+      layer_before_.push_back(
+          layer_checksum(l, arena_geometry::mode_of(start_, l), sw_.kv_, rep_.error));
+    }
+    if (!rep_.error.empty()) {
+      rep_.outcome = switch_outcome::rolled_back;  // nothing moved
+      return false;
+    }
+  }
   return true;
+}
+
+int64_t switch_transaction::layer_of(const unit& u) const {
+  return u.to.tp_layers > u.from.tp_layers ? u.from.tp_layers : u.to.tp_layers;
+}
+
+bool switch_transaction::verify_moved_layers() {
+  if (!sw_.options_.verify_layer) return true;
+  // Layers whose weights and KV have all moved: every unit completed so far (whole: its one
+  // unit holds every layer, checked at finish).
+  std::string failure;
+  for (; units_verified_ < units_.size() && failure.empty(); ++units_verified_) {
+    const unit& u = units_[units_verified_];
+    if (phases_done_ < u.first_phase + u.phases()) break;
+    std::vector<int64_t> layers;
+    if (how_ == style::per_layer) {
+      layers.push_back(layer_of(u));
+    } else {
+      for (int64_t l = 0; l < sw_.weights_.shape.num_layers; ++l) layers.push_back(l);
+    }
+    for (const int64_t l : layers) {
+      const uint64_t after = layer_checksum(l, target_, target_tables_, failure);
+      if (!failure.empty()) break;
+      if (after != layer_before_[static_cast<size_t>(l)]) {
+        failure = "verify: layer " + std::to_string(l) +
+                  "'s checksum after it moved differs from before the switch";
+        break;
+      }
+    }
+  }
+  if (failure.empty()) return true;
+  fail(failure, false);
+  return false;
 }
 
 arena_cursor switch_transaction::cursor_at(int64_t phases) const {
@@ -334,11 +378,17 @@ bool switch_transaction::collect() {
   }
   if (!failure) {
     settle(s->first_phase + static_cast<int64_t>(s->work->phases.size()));
-    return true;
+    // A progressive switch checks each layer as soon as it has moved.
+    return how_ == style::whole || verify_moved_layers();
   }
-  settle(s->first_phase + sw_.transport_.completed_phases());
+  const int64_t completed = sw_.transport_.completed_phases();
+  settle(s->first_phase + completed);
   queued_.clear();
   const failure_info f = classify(failure);
+  if (f.state_unknown) {  // what ran past the reached phase of this plan is unknown
+    unknown_first_ = s->first_phase + completed;
+    unknown_end_ = s->first_phase + static_cast<int64_t>(s->work->phases.size());
+  }
   fail(f.text, f.state_unknown);
   return false;
 }
@@ -396,6 +446,7 @@ void switch_transaction::finish() {
     wait();
     if (ended_) return;
   }
+  if (!verify_moved_layers()) return;  // whole: every layer; per_layer: checked already
   if (sw_.options_.verify) {
     std::string failure;
     const uint64_t after = checksum(goal_, target_tables_, failure);
@@ -406,8 +457,8 @@ void switch_transaction::finish() {
       fail(failure, false);
       return;
     }
-    rep_.verified = true;
   }
+  rep_.verified = sw_.options_.verify || sw_.options_.verify_layer;
   sw_.kv_ = std::move(target_tables_);
   sw_.cursor_ = goal_;
   rep_.cursor = goal_;
@@ -419,6 +470,20 @@ void switch_transaction::abort(const std::string& why) {
   wait();
   if (ended_) return;  // the advance failed and was rolled back already
   fail(why, false);
+}
+
+uint64_t switch_transaction::layer_checksum(int64_t layer, parallel_mode mode,
+                                           const kv_state& tables, std::string& failure) {
+  const auto tv = clock_type::now();
+  const nvtx_range verify_range("moebius/switch/verify");
+  uint64_t sum = 0;
+  try {
+    sum = sw_.options_.verify_layer(layer, mode, tables);
+  } catch (const std::exception& e) {
+    failure = "verify hook failed on layer " + std::to_string(layer) + ": " + e.what();
+  }
+  rep_.verify_ms += ms_between(tv, clock_type::now());
+  return sum;
 }
 
 uint64_t switch_transaction::checksum(arena_cursor c, const kv_state& tables,
@@ -480,7 +545,11 @@ void switch_transaction::undo() {
     const int64_t kv_done = done - std::min(done, u.weight_phases());
     if (kv_done > 0) {
       failure = run_undo(rollback_plan(*kv_plan_of(i), kv_done), completed, state_unknown);
-      if (!failure.empty()) break;  // the weights still rest at u.to
+      if (!failure.empty()) {  // the weights still rest at u.to
+        undo_failed_unit_ = static_cast<int64_t>(i);
+        undo_failed_in_kv_ = true;
+        break;
+      }
     }
     const arena_cursor reached = cursor_at(u.first_phase + std::min(done, u.weight_phases()));
     if (!(reached == u.from)) {
@@ -488,7 +557,10 @@ void switch_transaction::undo() {
       failure = run_undo(back, completed, state_unknown);
       const int64_t moved = reached.tp_layers > u.from.tp_layers ? -completed : completed;
       sw_.cursor_ = arena_cursor{reached.tp_layers + moved};
-      if (!failure.empty()) break;
+      if (!failure.empty()) {
+        undo_failed_unit_ = static_cast<int64_t>(i);
+        break;
+      }
     }
     sw_.cursor_ = u.from;
   }
@@ -517,6 +589,105 @@ void switch_transaction::end(switch_outcome outcome) {
   current_.reset();
   queued_.clear();
   sw_.faults_.clear();  // armed faults are for this switch only, reached or not
+}
+
+switch_transaction::kv_at switch_transaction::kv_of_unit(size_t u) const {
+  const unit& un = units_[u];
+  if (undo_failed_unit_ >= 0 && static_cast<int64_t>(u) >= undo_failed_unit_) {
+    // Undone (later units), or the unit whose undo failed: its KV is back in the source layout
+    // unless the KV's own undo was what failed (then partly reversed: unknown).
+    if (static_cast<int64_t>(u) > undo_failed_unit_) return kv_at::source;
+    return undo_failed_in_kv_ ? kv_at::unknown : kv_at::source;
+  }
+  const int64_t kv_first = un.first_phase + un.weight_phases();
+  const int64_t kv_end = un.first_phase + un.phases();
+  if (unknown_first_ >= 0 && unknown_first_ < kv_end && kv_first < unknown_end_) {
+    return kv_at::unknown;  // some of its KV rounds may have run past what was reported
+  }
+  if (phases_done_ >= kv_end) return kv_at::target;
+  if (phases_done_ <= kv_first) return kv_at::source;
+  return kv_at::unknown;  // partly moved and not undone
+}
+
+void switch_transaction::rebuild_kv(parallel_mode mode) {
+  const parallel_mode source = sw_.kv_.mode;
+  std::vector<int64_t> live;  // every live sequence of the source tables
+  for (const kv_rank_state& r : sw_.kv_.ranks)
+    for (const kv_sequence& q : r.sequences) live.push_back(q.seq_id);
+  std::sort(live.begin(), live.end());
+  live.erase(std::unique(live.begin(), live.end()), live.end());
+
+  // Every sequence needs every layer: one unknown layer loses them all.
+  bool intact = true;
+  for (size_t u = 0; u < units_.size() && intact; ++u)
+    intact = units_[u].kv_rounds == 0 || kv_of_unit(u) != kv_at::unknown;
+  if (intact) {
+    // Move each layer intact in the other layout to `mode`: the unit's KV plan, or its exact
+    // reverse. Each touches only its layer's KV and the arena slot it stages through (the
+    // arena is reloaded afterwards).
+    try {
+      for (size_t u = 0; u < units_.size(); ++u) {
+        if (units_[u].kv_rounds == 0) continue;
+        const kv_at at = kv_of_unit(u);
+        const bool in_source = at == kv_at::source;
+        if (in_source == (mode == source)) continue;
+        const std::shared_ptr<const plan> p = kv_plan_of(u);
+        sw_.transport_.execute(in_source ? *p : rollback_plan(*p, units_[u].kv_rounds));
+        ++plans_run_;
+      }
+    } catch (const std::exception&) {
+      sw_.transport_.inject_fault(std::nullopt);
+      intact = false;  // the move failed part-way: that layer is not intact any more
+    }
+  }
+  if (intact) {
+    settled_tables_ = mode == source ? sw_.kv_ : target_tables_;
+    kept_ = live;
+  } else {
+    settled_tables_ = kv_state{};
+    settled_tables_.mode = mode;
+    settled_tables_.ranks.resize(static_cast<size_t>(sw_.kv_geometry_.num_ranks));
+    for (kv_rank_state& r : settled_tables_.ranks) {
+      for (int64_t p = 0; p < sw_.kv_geometry_.num_pages(mode); ++p) r.free_pages.push_back(p);
+    }
+    lost_ = live;
+  }
+  settled_mode_ = mode;
+  kv_settled_ = true;
+}
+
+recovery_report switch_transaction::recover(const recovery_request& request) {
+  const auto t0 = clock_type::now();
+  MOEBIUS_CHECK(!kv_settled_ || settled_mode_ == request.mode, errc::invalid_argument,
+                "recover: an earlier attempt rebuilt the KV in ", to_string(settled_mode_),
+                "; recover in ", to_string(settled_mode_), " (asked ", to_string(request.mode), ")");
+  const nvtx_range range("moebius/switch/recover");
+  sw_.faults_.clear();
+  sw_.transport_.inject_fault(std::nullopt);
+  if (!kv_settled_) rebuild_kv(request.mode);
+  recovery_report r;
+  r.mode = request.mode;
+  r.kept = kept_;
+  r.lost = lost_;
+  r.kv_plans_run = plans_run_;
+  const arena_cursor resting{request.mode == parallel_mode::tp ? sw_.weights_.shape.num_layers : 0};
+  try {
+    request.reload_experts(resting);
+  } catch (const std::exception& e) {
+    r.error = std::string("recover: reload_experts failed: ") + e.what();
+    r.cursor = sw_.cursor_;
+    r.total_ms = ms_between(t0, clock_type::now());
+    return r;
+  }
+  validate(sw_.kv_geometry_, settled_tables_);
+  sw_.kv_ = std::move(settled_tables_);
+  sw_.cursor_ = resting;
+  sw_.consistent_ = true;
+  sw_.inconsistency_.clear();
+  r.recovered = true;
+  r.cursor = resting;
+  r.total_ms = ms_between(t0, clock_type::now());
+  return r;
 }
 
 }  // namespace moebius::detail

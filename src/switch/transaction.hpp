@@ -78,6 +78,9 @@ class switch_transaction {
   void finish();
   // Waits, then undoes everything that completed. Ends the transaction.
   void abort(const std::string& why);
+  // After the transaction ended inconsistent (switcher::recover): rebuilds the KV tables in
+  // request.mode from what is intact, reloads the experts, and makes the switcher consistent.
+  recovery_report recover(const recovery_request& request);
 
  private:
   // The weights of `from` .. `to` (one phase per layer), then `kv_rounds` KV rounds.
@@ -121,8 +124,22 @@ class switch_transaction {
   void fail(std::string failure, bool state_unknown);
   void undo();
   void mark_inconsistent(const std::string& why);
+  // Where unit u's KV is intact after an inconsistent end: in the source layout, the target
+  // layout, or nowhere (its bytes unknown).
+  enum class kv_at : uint8_t { source, target, unknown };
+  kv_at kv_of_unit(size_t u) const;
+  // recover()'s KV part: settled_tables_, kept_, lost_ in `mode` (runs the moves it needs).
+  void rebuild_kv(parallel_mode mode);
   void end(switch_outcome outcome);
   uint64_t checksum(arena_cursor c, const kv_state& tables, std::string& failure);
+  // verify_layer of layer `layer` in `mode` through `tables` (time counted as verify_ms).
+  uint64_t layer_checksum(int64_t layer, parallel_mode mode, const kv_state& tables,
+                          std::string& failure);
+  // The layer unit u moves (EP->TP: u.from, TP->EP: u.to).
+  int64_t layer_of(const unit& u) const;
+  // verify_layer after the move of every completed unit not yet checked (all units: whole);
+  // false when one differs (the switch failed and was undone).
+  bool verify_moved_layers();
   void arm(switch_fault::stage stage);
 
   switcher& sw_;
@@ -138,6 +155,8 @@ class switch_transaction {
   kv_state target_tables_;
   layer_bytes bytes_per_layer_;  // per_layer only
   uint64_t checksum_before_ = 0;
+  std::vector<uint64_t> layer_before_;  // [L] verify_layer before anything moved
+  size_t units_verified_ = 0;           // per_layer: units whose layer was checked after
 
   int64_t units_enqueued_ = 0;
   int64_t phases_done_ = 0;
@@ -148,6 +167,19 @@ class switch_transaction {
   std::vector<stream_handle> streams_;
   layer_completion completion_;
   bool ended_ = false;
+
+  // What an inconsistent end leaves for recover(): the phases of the switch whose bytes are
+  // unknown ([unknown_first_, unknown_end_), a barrier timeout or device error), and the unit
+  // whose undo failed (units after it were undone; its KV undo failed or not).
+  int64_t unknown_first_ = -1, unknown_end_ = -1;
+  int64_t undo_failed_unit_ = -1;
+  bool undo_failed_in_kv_ = false;
+  // recover()'s KV part, once done (a retry after a failed reload only reloads).
+  bool kv_settled_ = false;
+  parallel_mode settled_mode_ = parallel_mode::ep;
+  kv_state settled_tables_;
+  std::vector<int64_t> kept_, lost_;
+  int64_t plans_run_ = 0;
 };
 
 }  // namespace moebius::detail

@@ -81,7 +81,7 @@ void host_transport::execute_phase(const plan& p, int64_t phase_idx,
   const std::vector<copy_op>& ops = p.phases[static_cast<size_t>(phase_idx)].ops;
   for (int64_t i = 0; i < static_cast<int64_t>(ops.size()); ++i) {
     if (fault && fault->phase == phase_idx && fault->op == i) {
-      MOEBIUS_FAIL(errc::injected_fault, "injected fault before op ", i, " of phase ", phase_idx,
+      MOEBIUS_FAIL(fault->code, "injected fault before op ", i, " of phase ", phase_idx,
                    " ('", p.phases[static_cast<size_t>(phase_idx)].label, "')");
     }
     const copy_op& op = ops[static_cast<size_t>(i)];

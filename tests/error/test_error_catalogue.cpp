@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"
 #include "moebius/policy/switch_policy.hpp"
+#include "moebius/switch/checksum.hpp"
 #include "moebius/switch/switcher.hpp"
 #include "moebius/transport/host_transport.hpp"
 #include "support/catch.hpp"
@@ -897,4 +899,59 @@ TEST_CASE("E77 host_transport::execute: a fault injected at phase 0", "[error_ca
         (void)(t.execute(one_op_plan()));
       },
       errc::injected_fault, "injected fault before op 0 of phase 0");
+}
+
+TEST_CASE("E78 switcher::recover: a consistent switcher", "[error_catalogue]") {
+  check_row(
+      78,
+      [] {
+        auto g = small_kv();
+        testing::host_world w(small_arena(), g);
+        host_transport t(w.memory);
+        switcher sw(small_arena(), g, t, small_ep_state(g), arena_cursor{0});
+        recovery_request q;
+        q.reload_experts = [](arena_cursor) {};
+        (void)(sw.recover(q));
+      },
+      errc::invalid_argument, "there is nothing to recover");
+}
+
+TEST_CASE("E79 switcher::recover: no reload_experts after a barrier timeout", "[error_catalogue]") {
+  check_row(
+      79,
+      [] {
+        auto g = small_kv();
+        testing::host_world w(small_arena(), g);
+        host_transport t(w.memory);
+        switcher sw(small_arena(), g, t, small_ep_state(g), arena_cursor{0});
+        sw.inject_fault(switch_fault{switch_fault::stage::weights, fault_point{0, 0, errc::timeout}});
+        sw.switch_to(parallel_mode::tp);
+        (void)(sw.recover(recovery_request{}));
+      },
+      errc::invalid_argument, "recover: needs reload_experts");
+}
+
+TEST_CASE("E80 kv_layer_checksum: layer 2 of L = 2", "[error_catalogue]") {
+  check_row(
+      80,
+      [] {
+        auto g = small_kv();
+        testing::host_world w(small_arena(), g);
+        std::vector<std::span<const std::byte>> pools(w.pools.begin(), w.pools.end());
+        (void)(kv_layer_checksum(g, small_ep_state(g), 2, pools));
+      },
+      errc::invalid_argument, "kv_layer_checksum: layer must lie in [0, L)");
+}
+
+TEST_CASE("E81 host_transport::execute: a fault with code errc::timeout (a dead peer)", "[error_catalogue]") {
+  check_row(
+      81,
+      [] {
+        auto g = small_kv();
+        testing::host_world w(small_arena(), g);
+        host_transport t(w.memory);
+        t.inject_fault(fault_point{0, 0, errc::timeout});
+        (void)(t.execute(one_op_plan()));
+      },
+      errc::timeout, "injected fault before op 0 of phase 0");
 }

@@ -346,3 +346,73 @@ TEST_CASE("after a barrier timeout the switcher does not undo over unknown bytes
   CHECK(t.executes() == 1);  // no undo plan ran
   CHECK_FALSE(sw.consistent());
 }
+
+TEST_CASE("TP->EP places sequences where the ep_placement hook says", "[switch]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed + 7);
+  int checked = 0;
+  for (int iter = 0; iter < 8; ++iter) {
+    const int P = std::vector<int>{2, 4}[static_cast<size_t>(iter % 2)];
+    world w = make_world(rng, P, 0.2);
+    INFO("seed " << seed << " iter " << iter << " " << w.kv);
+    if (w.tables.ranks[0].sequences.empty()) continue;  // nothing to place
+    host_transport t(w.memory);
+    // Every sequence on the rank after the one longest-first would pick: here, all on the last
+    // rank that has room, by the hook's own capacity arithmetic.
+    int calls = 0;
+    bool refuse = false;
+    switcher_options opt;
+    opt.ep_placement = [&](const kv_state& tables) {
+      ++calls;
+      std::vector<kv_demand> demands;
+      std::vector<int64_t> groups;
+      kv_demands_of(w.kv, tables, demands, groups);
+      std::vector<int64_t> cap(static_cast<size_t>(P), w.kv.num_ep_pages);
+      if (refuse) cap.assign(static_cast<size_t>(P), 0);  // a placement that cannot fit
+      kv_placement pl = place_longest_first(demands, groups, cap);
+      // Rotate the owners by one rank where the rotated owner still has room.
+      std::vector<int64_t> load(static_cast<size_t>(P), 0);
+      for (size_t i = 0; i < demands.size() && pl.fits; ++i) {
+        const int o = (pl.owner[i] + 1) % P;
+        if (load[static_cast<size_t>(o)] + demands[i].own_pages <= w.kv.num_ep_pages) pl.owner[i] = o;
+        load[static_cast<size_t>(pl.owner[i])] += demands[i].own_pages;
+      }
+      return pl;
+    };
+    const uint64_t kv_before = kv_checksum(w.kv, w.tables, w.pool_spans());
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
+    if (sw.switch_to(parallel_mode::tp).outcome != switch_outcome::committed) continue;
+    CHECK(calls == 0);  // EP->TP places nothing
+    const kv_state tp = sw.kv_tables();
+    std::vector<kv_demand> demands;
+    std::vector<int64_t> groups;
+    kv_demands_of(w.kv, tp, demands, groups);
+    const kv_placement want = opt.ep_placement(tp);
+    calls = 0;
+    CHECK(sw.check(parallel_mode::ep).fits);
+    const switch_report r = sw.switch_to(parallel_mode::ep);
+    INFO(r);
+    REQUIRE(r.outcome == switch_outcome::committed);
+    CHECK(calls >= 1);
+    for (size_t i = 0; i < demands.size(); ++i) {
+      bool found = false;
+      for (int rank = 0; rank < P; ++rank)
+        for (const kv_sequence& q : sw.kv_tables().ranks[static_cast<size_t>(rank)].sequences)
+          if (q.seq_id == demands[i].seq_id) {
+            CHECK(rank == want.owner[i]);
+            found = true;
+          }
+      CHECK(found);
+    }
+    CHECK(kv_checksum(w.kv, sw.kv_tables(), w.pool_spans()) == kv_before);
+    // A hook whose placement does not fit refuses the switch, moving nothing.
+    REQUIRE(sw.switch_to(parallel_mode::tp).outcome == switch_outcome::committed);
+    refuse = true;
+    const rank_images arenas = w.arenas;
+    CHECK_FALSE(sw.check(parallel_mode::ep).fits);
+    CHECK(sw.switch_to(parallel_mode::ep).outcome == switch_outcome::refused_capacity);
+    CHECK(w.arenas == arenas);
+    ++checked;
+  }
+  CHECK(checked >= 4);
+}

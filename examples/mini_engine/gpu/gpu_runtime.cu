@@ -309,6 +309,9 @@ const moebius::arena_geometry& gpu_runtime::arena() const {
 const moebius::kv_geometry& gpu_runtime::kv() const {
   return impl_->kv;
 }
+int64_t gpu_runtime::vocab_size() const {
+  return impl_->c.vocab;
+}
 int gpu_runtime::num_ranks() const {
   return impl_->P;
 }

@@ -140,6 +140,8 @@ class gpu_runtime : public runtime {
                                    const copies_beside& copies,
                                    std::vector<std::vector<float>>* logits = nullptr) override;
   bool overlaps_copies() const override { return true; }
+  // The model's vocabulary (step.hpp: token ids a step accepts).
+  int64_t vocab_size() const override;
   // Device time of the last step (CUDA events from its first upload to its last download on
   // every rank's stream; the longest rank), -1 before the first.
   double measured_step_s() const override;

@@ -120,8 +120,26 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
                 empty_tables(kv, cursor.tp_layers == 0 ? parallel_mode::ep : parallel_mode::tp),
                 cursor, [this] {
                   moebius::switcher_options o;
+                  // The checks see only the tokens written when the switch began (engine.hpp).
                   o.verify = [this](moebius::arena_cursor c, const kv_state& s) -> uint64_t {
-                    return verify_ ? verify_(c, s) : 0;
+                    return verify_ ? verify_(c, written_prefix(kv_, s, verify_written_)) : 0;
+                  };
+                  o.verify_layer = [this](int64_t layer, parallel_mode m,
+                                          const kv_state& s) -> uint64_t {
+                    return verify_layer_
+                               ? verify_layer_(layer, m, written_prefix(kv_, s, verify_written_))
+                               : 0;
+                  };
+                  // TP -> EP owners by the scheduler's reservations (scheduler::ep_placement);
+                  // between runs (no live sequence) longest-first over the whole pools.
+                  o.ep_placement = [this](const kv_state& s) {
+                    if (sched_ != nullptr) return sched_->ep_placement(s);
+                    std::vector<moebius::kv_demand> demands;
+                    std::vector<int64_t> groups;
+                    moebius::kv_demands_of(kv_, s, demands, groups);
+                    return moebius::place_longest_first(
+                        demands, groups,
+                        std::vector<int64_t>(static_cast<size_t>(kv_.num_ranks), kv_.num_ep_pages));
                   };
                   return o;
                 }()) {}
@@ -129,8 +147,8 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
 // What one run() carries from step to step.
 struct engine::run_state {
   run_state(const moebius::kv_geometry& kv, std::vector<request> requests,
-            const engine_options& o, const std::string& run_name)
-      : options(o), name(run_name), sched(kv, std::move(requests), o.scheduler) {}
+            const engine_options& o, const scheduler_options& so, const std::string& run_name)
+      : options(o), name(run_name), sched(kv, std::move(requests), so) {}
 
   const engine_options& options;
   const std::string& name;
@@ -158,12 +176,88 @@ struct engine::run_state {
   int64_t tokens_before = 0;   // tokens produced when it began
 };
 
-void engine::switch_untimed(parallel_mode target) {
-  if (switcher_.mode() == target) return;
-  const moebius::switch_report r = switcher_.switch_to(target);
-  MOEBIUS_CHECK(r.outcome == moebius::switch_outcome::committed, errc::internal,
-                "engine: switch to ", moebius::to_string(target), " with no live sequence failed: ",
-                moebius::to_string(r.outcome), " ", r.error);
+moebius::switch_report engine::switch_untimed(parallel_mode target) {
+  if (switcher_.mode() == target) {
+    moebius::switch_report r;
+    r.from = r.to = target;
+    r.cursor = switcher_.cursor();
+    return r;  // already_there
+  }
+  return switcher_.switch_to(target);
+}
+
+// Ends every run, normally or by an exception.
+struct engine::run_cleanup {
+  engine& e;
+  std::optional<run_state>& st;
+  ~run_cleanup() { e.end_run(st); }
+};
+
+void engine::end_run(std::optional<run_state>& st) noexcept {
+  try {
+    if (st && st->session) {
+      st->session->abort();
+      st->session.reset();
+    }
+  } catch (...) {  // the switcher's last_report() says what happened
+  }
+  sched_ = nullptr;
+  verify_ = nullptr;
+  verify_layer_ = nullptr;
+  verify_written_.clear();
+  if (switcher_.in_progress()) return;  // only if the abort above threw: nothing to free
+  kv_state& tables = switcher_.mutable_kv_tables();
+  std::vector<int64_t> ids;
+  for (const moebius::kv_rank_state& r : tables.ranks)
+    for (const moebius::kv_sequence& q : r.sequences) ids.push_back(q.seq_id);
+  for (const int64_t id : ids) release_sequence(tables, id);
+}
+
+void engine::recover_in_run(run_state& st, const moebius::switch_report& r, switch_record& s) {
+  MOEBIUS_CHECK(static_cast<bool>(st.options.reload_experts), errc::internal, "engine::run '",
+                st.name, "': the switch left the engine inconsistent: ", r.error,
+                " (set engine_options::reload_experts to recover without a restart, or call "
+                "engine::recover)");
+  moebius::recovery_request q;
+  q.mode = s.from;
+  q.reload_experts = st.options.reload_experts;
+  const moebius::recovery_report rr = switcher_.recover(q);
+  MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::run '", st.name,
+                "': recovery after an inconsistent switch failed: ", rr.error, " (after: ",
+                r.error, ")");
+  s.recovered = true;
+  s.lost_sequences =
+      st.sched.lose_kv(switcher_.mutable_kv_tables(), rr.lost, st.options.lost_kv == lost_kv_policy::resume,
+                       "its KV cache was lost when a switch failed (" + r.error + ")");
+}
+
+moebius::recovery_report engine::recover(
+    const std::function<void(moebius::arena_cursor)>& reload_experts, parallel_mode mode) {
+  moebius::recovery_request q;
+  q.mode = mode;
+  q.reload_experts = reload_experts;
+  const moebius::recovery_report rr = switcher_.recover(q);
+  MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::recover: ", rr.error);
+  kv_state& tables = switcher_.mutable_kv_tables();  // no run to resume what was kept
+  std::vector<int64_t> ids;
+  for (const moebius::kv_rank_state& r : tables.ranks)
+    for (const moebius::kv_sequence& q2 : r.sequences) ids.push_back(q2.seq_id);
+  for (const int64_t id : ids) release_sequence(tables, id);
+  return rr;
+}
+
+bool engine::reservations_fit(run_state& st, parallel_mode target, switch_record& s) {
+  if (st.sched.fits_at_largest(switcher_.kv_tables(), target)) return true;
+  s.outcome = moebius::switch_outcome::refused_capacity;
+  std::ostringstream why;
+  why << "refused: the " << st.sched.num_running() << " running sequences, each at its largest, "
+      << "do not fit " << moebius::to_string(target) << " (" << kv_.num_pages(target)
+      << " pages a rank";
+  if (target == parallel_mode::tp && kv_.tp_replicas() > 1)
+    why << ", every sequence on every rank: H_kv=" << kv_.num_kv_heads << " < P=" << kv_.num_ranks;
+  why << "): after the switch some could not grow";
+  s.error = why.str();
+  return false;
 }
 
 std::optional<parallel_mode> engine::decide(run_state& st, int64_t step) {
@@ -222,6 +316,12 @@ void engine::start_switch(run_state& st, parallel_mode target, step_record& rec)
   s.from = switcher_.mode();
   s.to = target;
   s.gate = std::exchange(st.pending_gate, moebius::gate_evaluation{});
+  if (!reservations_fit(st, target, s)) {
+    st.out.switches.push_back(std::move(s));
+    return;
+  }
+  if (st.options.before_switch) st.options.before_switch(switcher_, rec.step);
+  verify_written_ = st.sched.written_tokens();
   const bool progressive = st.options.style == switch_style::progressive &&
                            begin_progressive(st, target, s);
   if (!progressive) stop_the_world(st, target, s, rec);
@@ -288,8 +388,7 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
   s.error = r.error;
   s.measured_ms = r.total_ms;
   s.clock_ms = clock_.switch_s(r) * 1e3;
-  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                "engine::run '", st.name, "': switch left the engine inconsistent: ", r.error);
+  if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
   st.now += s.clock_ms * 1e-3;
   if (r.outcome == moebius::switch_outcome::committed) {
     rec.switched = true;
@@ -331,9 +430,7 @@ void engine::end_progressive(run_state& st) {
   s.measured_ms = r.total_ms;
   s.clock_ms = (st.now - s.start_s) * 1e3;
   s.tokens = tokens_produced(st.sched) - st.tokens_before;
-  MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                "engine::run '", st.name,
-                "': the progressive switch left the engine inconsistent: ", r.error);
+  if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
   st.sched.release_deferred(switcher_.mutable_kv_tables());
 }
 
@@ -453,9 +550,12 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                        const std::string& name) {
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::invalid_argument,
                 "engine::run: the KV tables still hold live sequences");
+  MOEBIUS_CHECK(switcher_.consistent(), errc::invalid_argument,
+                "engine::run: the switcher is inconsistent since a failed switch (",
+                switcher_.last_report().error, "): no byte of the arena is trusted; call "
+                "engine::recover first");
   MOEBIUS_CHECK(std::is_sorted(o.forced_steps.begin(), o.forced_steps.end()),
                 errc::invalid_argument, "engine::run: forced_steps must be ascending");
-  verify_ = o.verify;
   // The gate's curves: given, or calibrated on this engine's clock before the run (the tables
   // hold no live sequence yet).
   const bool gated = o.how == switching::policy && o.gate.enabled;
@@ -469,9 +569,33 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       curves = calibrate_engine(*this, calibration_batches(o.scheduler.max_running), context).curves;
     }
   }
-  switch_untimed(o.start_mode);
-
-  run_state st(kv_, std::move(requests), o, name);
+  // Requests are validated (token ids against the runtime's vocab) before anything else.
+  scheduler_options so = o.scheduler;
+  if (so.vocab == 0) so.vocab = runtime_.vocab_size();
+  std::optional<run_state> state;
+  const run_cleanup cleanup{*this, state};
+  state.emplace(kv_, std::move(requests), o, so, name);
+  run_state& st = *state;
+  verify_ = o.verify;
+  verify_layer_ = o.verify_layer;
+  sched_ = &st.sched;
+  // To the start mode, with no live sequence yet; when that switch fails and rolls back the
+  // run serves in the mode it is in (recorded as switch 0).
+  {
+    const parallel_mode from = switcher_.mode();
+    const moebius::switch_report r = switch_untimed(o.start_mode);
+    if (r.outcome != moebius::switch_outcome::committed &&
+        r.outcome != moebius::switch_outcome::already_there) {
+      switch_record s;
+      s.from = from;
+      s.to = o.start_mode;
+      s.outcome = r.outcome;
+      s.error = r.error;
+      s.measured_ms = r.total_ms;
+      if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
+      st.out.switches.push_back(std::move(s));
+    }
+  }
   st.capacity = capacity_context{&switcher_, &st.sched};
   if (o.how == switching::policy) {
     moebius::switch_policy_config config = o.policy;
@@ -522,8 +646,8 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                 "': pages still in use after every request finished (a leak)");
   moebius::validate(kv_, switcher_.kv_tables());
   st.out.requests = st.sched.results();
+  st.out.failed_requests = st.sched.num_failed();
   st.out.end_s = st.now;
-  verify_ = nullptr;
   return std::move(st.out);
 }
 
@@ -540,14 +664,27 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
 
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::invalid_argument,
                 "decode_step_s: the KV tables still hold live sequences");
-  switch_untimed(mode);
+  const moebius::switch_report r = switch_untimed(mode);
+  MOEBIUS_CHECK(r.outcome == moebius::switch_outcome::committed ||
+                    r.outcome == moebius::switch_outcome::already_there,
+                errc::internal, "decode_step_s: the switch to ", moebius::to_string(mode),
+                " with no live sequence failed (", moebius::to_string(r.outcome), "): ", r.error);
   kv_state& tables = switcher_.mutable_kv_tables();
   // Placeholder sequences far above any request id; EP owners round-robin.
   constexpr int64_t first_id = int64_t{1} << 60;
   const std::vector<int32_t> token(1, 0);
   std::vector<step_item> items;
+  // The placeholders go whatever happens (a pool too small for them, a step that throws).
+  auto release_all = [&] {
+    for (int64_t i = 0; i < batch; ++i) release_sequence(tables, first_id + i);
+  };
   for (int64_t i = 0; i < batch; ++i) {
-    reserve_tokens(kv_, tables, first_id + i, context + 1, static_cast<int>(i % kv_.num_ranks));
+    try {
+      reserve_tokens(kv_, tables, first_id + i, context + 1, static_cast<int>(i % kv_.num_ranks));
+    } catch (...) {
+      release_all();
+      throw;
+    }
     step_item it;
     it.seq_id = first_id + i;
     it.tokens = token;
@@ -556,10 +693,15 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
     items.push_back(it);
   }
   const auto t0 = host_clock::now();
-  runtime_.step(step_layout{&tables, switcher_.cursor()}, items);
+  try {
+    runtime_.step(step_layout{&tables, switcher_.cursor()}, items);
+  } catch (...) {
+    release_all();
+    throw;
+  }
   const double measured =
       runtime_.measured_step_s() >= 0 ? runtime_.measured_step_s() : seconds_since(t0);
-  for (int64_t i = 0; i < batch; ++i) release_sequence(tables, first_id + i);
+  release_all();
   return clock_.step_s(cost, measured);
 }
 
@@ -608,7 +750,8 @@ run_summary summarize(const run_result& r) {
   }
   // Throughput over the time requests were present: first arrival to last finish.
   double first_arrival = r.end_s;
-  for (const request_result& q : r.requests) first_arrival = std::min(first_arrival, q.arrival_s);
+  for (const request_result& q : r.requests)
+    if (!q.failed()) first_arrival = std::min(first_arrival, q.arrival_s);
   const double span = r.end_s - first_arrival;
   s.tokens_per_s = span > 0 ? static_cast<double>(s.output_tokens) / span : 0;
   for (const switch_record& w : r.switches) {

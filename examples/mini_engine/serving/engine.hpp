@@ -68,6 +68,12 @@ enum class switch_style : uint8_t {
   progressive,
 };
 
+// What the engine does with sequences whose K/V a failed switch lost (switcher::recover).
+enum class lost_kv_policy : uint8_t {
+  resume,  // recomputed from their tokens (prompt and generated): the same greedy tokens
+  fail,    // each fails with an error naming it (request_result::error)
+};
+
 struct progress_info {
   const std::string* run = nullptr;
   int64_t step = 0;
@@ -115,8 +121,23 @@ struct engine_options {
   std::function<void(moebius::switcher&, const moebius::progressive_switch&, int64_t step)>
       before_advance;
   std::function<bool(const moebius::progressive_switch&, int64_t step)> abort_after_advance;
-  // Passed to the switcher (switcher_options::verify): a layout-independent checksum.
+  // Tests: called before each switch of the run starts, either style (inject a fault here).
+  std::function<void(moebius::switcher&, int64_t step)> before_switch;
+  // Passed to the switcher (switcher_options::verify and verify_layer): layout-independent
+  // checksums (switch/checksum.hpp). The tables they are given hold only the tokens each
+  // sequence had written when the switch began (written_prefix in kv_pages.hpp): the room
+  // reserved beyond them holds stale bytes that a progressive switch's steps overwrite, so it
+  // is excluded; those tokens are checked by what the serving tests check, the greedy tokens.
   std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify;
+  std::function<uint64_t(int64_t layer, moebius::parallel_mode, const moebius::kv_state&)>
+      verify_layer;
+  // Recovery after a switch that left the switcher inconsistent (a barrier timeout, a device
+  // error, a failed undo): with this set the run recovers and serves on (switcher::recover, in
+  // the switch's source mode), no restart. It writes every layer's experts where the cursor puts
+  // them from a source of truth: host_runtime::place_experts with weights kept on the host, or
+  // the checkpoint. Unset: the run throws errc::internal and engine::recover() is the way back.
+  std::function<void(moebius::arena_cursor)> reload_experts;
+  lost_kv_policy lost_kv = lost_kv_policy::resume;
 };
 
 // One step, as the CSV records it.
@@ -155,6 +176,10 @@ struct switch_record {
   int64_t steps = 0, layers_per_step = 0, tokens = 0;
   // The cost gate's reasoning when it let this switch through (evaluated false: no gate).
   moebius::gate_evaluation gate;
+  // Outcome inconsistent: the engine recovered (engine_options::reload_experts) and the
+  // sequences whose K/V was lost (resumed or failed, as lost_kv says).
+  bool recovered = false;
+  int64_t lost_sequences = 0;
 };
 
 struct run_result {
@@ -165,6 +190,7 @@ struct run_result {
   std::vector<request_result> requests; // sorted by id
   double end_s = 0;
   int64_t stalls = 0;
+  int64_t failed_requests = 0;          // requests with request_result::error set
   // Policy runs: the policy as configured, the gate's curves (if any), the decisions the gate
   // refused, and the last refusal's reasoning.
   std::string policy;
@@ -186,6 +212,17 @@ run_summary summarize(const run_result& r);
 // step,start_s,mode,sequences,... one line per step (header first).
 void write_steps_csv(std::ostream& os, const run_result& r);
 
+// What engine::run does with requests and switches that go wrong (docs/ERRORS.md, "The serving
+// loop"):
+//   - a bad request (scheduler.hpp, validate_request) fails alone: its request_result's error
+//     names it and says why; it is never admitted (bad_request_policy::refuse_run: run()
+//     throws that error instead, before anything is admitted);
+//   - a switch that is refused (capacity: the switcher's check of the live KV, or the running
+//     sequences' reservations at their largest in the target) or rolls back (a fault, a verify
+//     mismatch, an abort) is recorded in run_result::switches and the run serves on in the
+//     mode it is in, the start-mode switch included;
+//   - whatever ends a run early (an exception from the runtime, a callback or a check) leaves
+//     the engine empty and ready: the progressive switch in flight aborted, every page freed.
 class engine {
  public:
   // The runtime's arena must rest at `cursor` and its KV pool hold no live sequence; `t` is
@@ -203,14 +240,31 @@ class engine {
   // sequences (KV content meaningless; released after). For calibration.
   double decode_step_s(moebius::parallel_mode mode, int64_t batch, int64_t context);
 
+  // After a run that threw because a switch left the switcher inconsistent (no
+  // engine_options::reload_experts): switcher::recover in `mode` with `reload_experts`, then
+  // every page freed (no run is in flight to resume anything). Throws errc::internal when the
+  // recovery fails (the report's error), errc::invalid_argument when there is nothing to recover.
+  moebius::recovery_report recover(const std::function<void(moebius::arena_cursor)>& reload_experts,
+                                   moebius::parallel_mode mode);
+
   moebius::parallel_mode mode() const { return switcher_.mode(); }
   const moebius::switcher& get_switcher() const { return switcher_; }
   const step_clock& clock() const { return clock_; }
 
  private:
   struct run_state;  // what one run() carries from step to step (engine.cpp)
+  struct run_cleanup;
 
-  void switch_untimed(moebius::parallel_mode target);
+  // Switches with no live sequence (untimed); the report says how it ended.
+  moebius::switch_report switch_untimed(moebius::parallel_mode target);
+  // Aborts the switch in flight, frees every page, clears the run's hooks. Never throws.
+  void end_run(std::optional<run_state>& st) noexcept;
+  // Whether the running sequences, each at its largest, fit `target` (the reservations the
+  // scheduler holds must survive the switch); records a refused switch in `s` when not.
+  bool reservations_fit(run_state& st, moebius::parallel_mode target, switch_record& s);
+  // Outcome inconsistent: recovers in s.from (engine_options::reload_experts) and hands the
+  // lost sequences to the scheduler; throws errc::internal when it cannot.
+  void recover_in_run(run_state& st, const moebius::switch_report& r, switch_record& s);
   // The mode to switch to before this step, if any (never while a progressive switch runs).
   std::optional<moebius::parallel_mode> decide(run_state& st, int64_t step);
   // Runs (stop the world) or begins (progressive) the switch to `target`; records it.
@@ -240,7 +294,11 @@ class engine {
   moebius::kv_geometry kv_;
   const step_clock& clock_;
   moebius::switcher switcher_;
+  // The run's hooks, reached through the switcher's (set for one run).
   std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify_;
+  std::function<uint64_t(int64_t, moebius::parallel_mode, const moebius::kv_state&)> verify_layer_;
+  std::vector<std::pair<int64_t, int64_t>> verify_written_;  // (seq, tokens) at the switch's start
+  const scheduler* sched_ = nullptr;  // the run's: TP -> EP placement by reservations
 };
 
 // Calibration (moebius::calibrate) from the engine's clock: decode-step times of both modes

@@ -33,6 +33,8 @@ class fake_runtime final : public runtime {
   std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
                             std::vector<std::vector<float>>* logits = nullptr) override;
 
+  int64_t vocab_size() const override { return vocab_; }
+
   std::vector<moebius::rank_memory> memory();
   const moebius::arena_geometry& arena() const { return arena_; }
   const moebius::kv_geometry& kv() const { return kv_; }

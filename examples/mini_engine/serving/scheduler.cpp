@@ -19,30 +19,69 @@ void validate(const scheduler_options& o) {
                 "scheduler: need 1 <= max_running <= max_step_tokens (max_running=",
                 o.max_running, ", max_step_tokens=", o.max_step_tokens,
                 "): every running sequence must be able to decode in one step");
+  MOEBIUS_CHECK(o.vocab >= 0, errc::invalid_argument, "scheduler: vocab must be >= 0 (0: not "
+                "checked; got ", o.vocab, ")");
+}
+
+void validate_request(const kv_geometry& g, const request& r, int64_t vocab) {
+  const int64_t prompt = static_cast<int64_t>(r.prompt.size());
+  MOEBIUS_CHECK(prompt >= 1, errc::invalid_argument, "request ", r.id,
+                ": needs a prompt of at least one token (got none)");
+  MOEBIUS_CHECK(r.output_tokens >= 1, errc::invalid_argument, "request ", r.id,
+                ": needs output_tokens >= 1 (got ", r.output_tokens, ")");
+  MOEBIUS_CHECK(std::isfinite(r.arrival_s), errc::invalid_argument, "request ", r.id,
+                ": needs a finite arrival time (got ", r.arrival_s, ")");
+  // prompt + output tokens are held in one vector and counted in 64 bits.
+  MOEBIUS_CHECK(r.output_tokens <= std::numeric_limits<int64_t>::max() - prompt,
+                errc::overflow, "request ", r.id, ": prompt ", prompt, " + output_tokens ",
+                r.output_tokens, " does not fit in 64 bits");
+  if (vocab > 0) {
+    for (size_t i = 0; i < r.prompt.size(); ++i) {
+      MOEBIUS_CHECK(r.prompt[i] >= 0 && r.prompt[i] < vocab, errc::invalid_argument, "request ",
+                    r.id, ": prompt token ", i, " is ", r.prompt[i], ", outside the vocab [0, ",
+                    vocab, ")");
+    }
+  }
+  // A request must fit one EP rank at its largest (EP is the smaller per-sequence capacity: a
+  // TP rank has tp_pages_per_ep_page() times the pages and the same tokens per page). Pages
+  // counted without rounding up past 64 bits.
+  const int64_t largest = prompt + r.output_tokens - 1;
+  const int64_t pages = largest / g.page_size + (largest % g.page_size != 0 ? 1 : 0);
+  const int64_t rank_pages =
+      std::min(g.num_pages(parallel_mode::ep), g.num_pages(parallel_mode::tp));
+  MOEBIUS_CHECK(pages <= rank_pages, errc::capacity, "request ", r.id, " needs ", pages,
+                " KV pages at its largest (", largest, " tokens) but a rank holds ", rank_pages,
+                ": it could never be admitted");
 }
 
 scheduler::scheduler(const kv_geometry& g, std::vector<request> requests,
                      scheduler_options options)
-    : g_(g), options_(options), requests_(std::move(requests)) {
+    : g_(g), options_(options) {
   validate(options_);
-  // A request must fit one EP rank at its largest (EP is the smaller per-sequence capacity:
-  // a TP rank has tp_pages_per_ep_page() times the pages and the same tokens per page).
-  const int64_t rank_pages = std::min(g.num_pages(parallel_mode::ep), g.num_pages(parallel_mode::tp));
-  for (const request& r : requests_) {
-    MOEBIUS_CHECK(!r.prompt.empty() && r.output_tokens >= 1 && std::isfinite(r.arrival_s),
-                  errc::invalid_argument, "request ", r.id,
-                  ": needs a prompt, output_tokens >= 1 and a finite arrival (prompt ",
-                  r.prompt.size(), ", output ", r.output_tokens, ")");
-    const int64_t largest = static_cast<int64_t>(r.prompt.size()) + r.output_tokens - 1;
-    const int64_t pages = pages_needed(g, parallel_mode::ep, largest);
-    MOEBIUS_CHECK(pages <= rank_pages, errc::invalid_argument, "request ", r.id, " needs ", pages,
-                  " KV pages at its largest (", largest, " tokens) but a rank holds ", rank_pages,
-                  ": it could never be admitted");
+  // Bad requests get a result (none is lost) but never enter the queue.
+  std::vector<request_result> failed;
+  for (request& r : requests) {
+    try {
+      validate_request(g, r, options_.vocab);
+    } catch (const moebius::error& e) {
+      if (options_.bad_requests == bad_request_policy::refuse_run) throw;
+      request_result x;
+      x.id = r.id;
+      x.arrival_s = r.arrival_s;
+      x.prompt_tokens = static_cast<int64_t>(r.prompt.size());
+      x.output_tokens = r.output_tokens;
+      x.error = e.what();
+      failed.push_back(std::move(x));
+      continue;
+    }
+    requests_.push_back(std::move(r));
   }
+  num_failed_ = static_cast<int64_t>(failed.size());
   std::stable_sort(requests_.begin(), requests_.end(), [](const request& a, const request& b) {
     return a.arrival_s < b.arrival_s || (a.arrival_s == b.arrival_s && a.id < b.id);
   });
-  results_.reserve(requests_.size());
+  results_.reserve(requests_.size() + failed.size());
+  for (request_result& x : failed) results_.push_back(std::move(x));
   for (const request& r : requests_) {
     request_result x;
     x.id = r.id;
@@ -86,7 +125,10 @@ std::vector<int64_t> scheduler::unreserved(const kv_state& kv) const {
       // A sequence whose prefill has not written a token yet has no table: it is reserved
       // on the owner it was admitted to, which is recorded when its first chunk is placed
       // (same step), so every running sequence here has an owner.
-      const int owner = owner_of(kv, results_[static_cast<size_t>(s.result_idx)].id);
+      // A resumed sequence (lose_kv) has no table until its recompute starts: its reservation
+      // is on resume_owner.
+      int owner = owner_of(kv, results_[static_cast<size_t>(s.result_idx)].id);
+      if (owner < 0) owner = s.resume_owner;
       if (owner >= 0) left[static_cast<size_t>(owner)] -= pages;
     }
   }
@@ -94,8 +136,11 @@ std::vector<int64_t> scheduler::unreserved(const kv_state& kv) const {
 }
 
 bool scheduler::fits_at_largest(const kv_state& kv, parallel_mode target) const {
-  (void)kv;
   const int64_t cap = g_.num_pages(target);
+  if (target == parallel_mode::ep && kv.mode == parallel_mode::tp) {
+    // The placement the switch will use (the switcher plans with ep_placement).
+    return ep_placement(kv).fits;
+  }
   std::vector<int64_t> need;
   need.reserve(running_.size());
   for (const running_seq& s : running_) need.push_back(pages_needed(g_, target, s.final_tokens));
@@ -112,6 +157,105 @@ bool scheduler::fits_at_largest(const kv_state& kv, parallel_mode target) const 
     *it -= n;
   }
   return true;
+}
+
+moebius::kv_placement scheduler::ep_placement(const kv_state& kv) const {
+  std::vector<moebius::kv_demand> demands;
+  std::vector<int64_t> groups;
+  moebius::kv_demands_of(g_, kv, demands, groups);
+  // Each running sequence at its largest (EP pages; never less than it holds now).
+  std::vector<std::pair<int64_t, int64_t>> largest;  // (seq_id, pages), sorted by id
+  largest.reserve(running_.size());
+  for (const running_seq& s : running_) {
+    largest.emplace_back(results_[static_cast<size_t>(s.result_idx)].id,
+                         pages_needed(g_, parallel_mode::ep, s.final_tokens));
+  }
+  std::sort(largest.begin(), largest.end());
+  for (moebius::kv_demand& d : demands) {
+    const auto it = std::lower_bound(largest.begin(), largest.end(),
+                                     std::pair<int64_t, int64_t>{d.seq_id, 0});
+    if (it != largest.end() && it->first == d.seq_id) d.own_pages = std::max(d.own_pages, it->second);
+  }
+  return moebius::place_longest_first(
+      demands, groups, std::vector<int64_t>(static_cast<size_t>(g_.num_ranks), g_.num_ep_pages));
+}
+
+std::vector<std::pair<int64_t, int64_t>> scheduler::written_tokens() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  out.reserve(running_.size());
+  for (const running_seq& s : running_) {
+    out.emplace_back(results_[static_cast<size_t>(s.result_idx)].id, s.in_kv);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int64_t scheduler::lose_kv(kv_state& kv, std::span<const int64_t> lost, bool resume,
+                           const std::string& why) {
+  std::vector<int64_t> ids(lost.begin(), lost.end());
+  std::sort(ids.begin(), ids.end());
+  auto is_lost = [&](const running_seq& s) {
+    return std::binary_search(ids.begin(), ids.end(),
+                              results_[static_cast<size_t>(s.result_idx)].id);
+  };
+  std::vector<bool> drop(running_.size(), false);
+  // Resumed sequences are re-reserved one by one, largest first, on the rank with the most
+  // pages left (EP); TP reservations are on every rank and were counted before the loss.
+  std::vector<size_t> order;
+  int64_t affected = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    running_seq& s = running_[i];
+    if (!is_lost(s)) continue;
+    ++affected;
+    request_result& res = results_[static_cast<size_t>(s.result_idx)];
+    if (!resume) {
+      res.error = "request " + std::to_string(res.id) + ": " + why;
+      drop[i] = true;
+      continue;
+    }
+    ++res.resumes;
+    // Recompute every token it has: the prompt and the generated ones but the last, whose
+    // K/V the next decode would have written. A prefill of all of them samples that next token.
+    s.prompt = static_cast<int64_t>(s.tokens.size());
+    s.in_kv = 0;
+    s.resume_owner = -1;
+    order.push_back(i);
+  }
+  if (kv.mode == parallel_mode::tp) {
+    // Every rank holds every sequence's reservation already: a table of one token (within it)
+    // makes the sequence visible to a switch before its recompute starts.
+    for (const size_t i : order)
+      reserve_tokens(g_, kv, results_[static_cast<size_t>(running_[i].result_idx)].id, 1, -1);
+  } else {
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return running_[a].final_tokens > running_[b].final_tokens;
+    });
+    for (const size_t i : order) {
+      running_seq& s = running_[i];
+      const std::vector<int64_t> left = unreserved(kv);  // counts those placed so far
+      const int owner = static_cast<int>(std::max_element(left.begin(), left.end()) - left.begin());
+      if (left[static_cast<size_t>(owner)] >= pages_needed(g_, kv.mode, s.final_tokens)) {
+        s.resume_owner = owner;
+        reserve_tokens(g_, kv, results_[static_cast<size_t>(s.result_idx)].id, 1, owner);
+        continue;
+      }
+      request_result& res = results_[static_cast<size_t>(s.result_idx)];
+      res.error = "request " + std::to_string(res.id) + ": " + why +
+                  "; no rank has room to recompute it after the recovery (capacity)";
+      drop[i] = true;
+    }
+  }
+  size_t out = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    if (drop[i]) {
+      ++num_failed_;
+      continue;
+    }
+    if (out != i) running_[out] = std::move(running_[i]);
+    ++out;
+  }
+  running_.resize(out);
+  return affected;
 }
 
 namespace {
@@ -163,7 +307,8 @@ step_batch scheduler::next_step(kv_state& kv, double now_s) {
   }
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
     const running_seq& s = running_[i];
-    if (!s.decoding() && s.in_kv > 0) add(static_cast<int64_t>(i), std::min(budget, s.prompt - s.in_kv), -1);
+    // in_kv == 0: a resumed sequence (lose_kv) starts its recompute on its reserved owner.
+    if (!s.decoding()) add(static_cast<int64_t>(i), std::min(budget, s.prompt - s.in_kv), s.resume_owner);
   }
   // 3. Admission, first come first served.
   while (budget > 0 && next_waiting_ < requests_.size() &&
@@ -215,7 +360,7 @@ void scheduler::reserve_for_switch(kv_state& kv, int64_t steps) {
   for (const running_seq& s : running_) {
     const int64_t id = results_[static_cast<size_t>(s.result_idx)].id;
     const int64_t want = std::min(s.final_tokens, std::max(s.in_kv, s.prompt) + steps);
-    if (held_tokens(kv, id) < want) reserve_tokens(g_, kv, id, want, -1);
+    if (held_tokens(kv, id) < want) reserve_tokens(g_, kv, id, want, s.resume_owner);
   }
 }
 

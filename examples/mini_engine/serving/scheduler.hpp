@@ -21,29 +21,60 @@
 // step (a stall, counted) and keeps its place; it is never restarted. A batch that is empty
 // while sequences run is a deadlock and throws errc::capacity.
 //
-// Invariants (tested): every request is admitted once and finishes once with exactly
+// Reservations survive switches: the engine switches only when every running sequence, grown to
+// its largest, fits the target mode (fits_at_largest), and a TP->EP switch places the sequences
+// by those sizes (ep_placement, handed to the switcher), so after any switch the reservations
+// on every rank fit that rank and no sequence can find its next page missing.
+//
+// Requests are validated before anything is admitted (validate_request): a bad one either fails
+// alone (its result says why, naming it; it is never admitted and gets no token) or refuses the
+// whole run, as scheduler_options::bad_requests says.
+//
+// Invariants (tested): every good request is admitted once and finishes once with exactly
 // output_tokens tokens; tokens are produced in order; at the end every page is free.
 
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/kv/page_table.hpp>
+#include <moebius/kv/placement.hpp>
 
 #include "step.hpp"
 #include "trace.hpp"
 
 namespace mini_engine {
 
+// What the scheduler does with a request validate_request() refuses.
+enum class bad_request_policy : uint8_t {
+  fail_request,  // the request fails alone (request_result::error); the rest are served
+  refuse_run,    // the constructor throws the request's error: nothing of the run is admitted
+};
+
 struct scheduler_options {
   int64_t max_step_tokens = 256;  // token budget of one step: decode tokens + prefill chunks
   int64_t max_running = 64;       // sequences admitted at once (<= max_step_tokens)
+  // Token ids must lie in [0, vocab); 0: not checked here (the engine sets it from
+  // runtime::vocab_size(); the runtime checks ids again when its step runs).
+  int64_t vocab = 0;
+  bad_request_policy bad_requests = bad_request_policy::fail_request;
 };
 
-// Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens.
+// Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens and vocab >= 0.
 void validate(const scheduler_options& o);
+
+// Throws moebius::error naming the request and the broken rule unless `r` can be served on the KV
+// pool `g`: a prompt of >= 1 token, output_tokens >= 1, a finite arrival (errc::invalid_argument);
+// prompt + output_tokens within 64 bits (errc::overflow); every token id in [0, vocab) when
+// vocab > 0 (errc::invalid_argument); and prompt + output_tokens - 1 tokens (its largest: the last
+// sampled token is never written) within one rank's pages (errc::capacity: it could never be
+// admitted).
+//   vocab 256, prompt {5, 256}: "request 7: prompt token 1 is 256, outside the vocab [0, 256)"
+void validate_request(const moebius::kv_geometry& g, const request& r, int64_t vocab);
 
 // What happened to one request. Times are on the serving clock (seconds).
 struct request_result {
@@ -56,9 +87,14 @@ struct request_result {
   int64_t output_tokens = 0;
   int64_t admissions = 0;     // 1 once admitted; never more (no restart)
   int64_t stalls = 0;         // steps it waited for a KV page after admission
+  int64_t resumes = 0;        // times its KV was lost (a failed switch) and recomputed
   std::vector<int32_t> generated;  // greedy tokens, in order
+  // Why it failed, "" when it did not: a bad request (validate_request's message), or a
+  // sequence whose KV a failed switch lost when the engine fails such sequences.
+  std::string error;
 
   bool finished() const { return finish_s >= 0; }
+  bool failed() const { return !error.empty(); }
   double ttft_s() const { return first_token_s - arrival_s; }
   // Mean time per output token after the first (0 for a single-token answer).
   double tpot_s() const {
@@ -83,9 +119,11 @@ struct step_batch {
 
 class scheduler {
  public:
-  // Takes the requests (any order; ids unique, prompts non-empty, output_tokens >= 1) of one
-  // run over the KV pool `g`. Throws errc::invalid_argument for a bad request, or one that
-  // needs more pages at its largest than one rank holds (it could never be admitted).
+  // Takes the requests (any order; ids unique) of one run over the KV pool `g`. Each request is
+  // validated (validate_request): a bad one fails at once (bad_request_policy::fail_request,
+  // its result's error says why) or the constructor throws its error (refuse_run). Throws
+  // errc::invalid_argument for a repeated id (whatever the policy: results are keyed by id) or
+  // bad options.
   scheduler(const moebius::kv_geometry& g, std::vector<request> requests,
             scheduler_options options = {});
 
@@ -117,21 +155,47 @@ class scheduler {
   void finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
                    moebius::kv_state& kv, double now_s);
 
-  bool done() const { return num_finished_ == static_cast<int64_t>(results_.size()); }
+  // Every request finished or failed.
+  bool done() const {
+    return num_finished_ + num_failed_ == static_cast<int64_t>(results_.size());
+  }
   // Arrival of the first request not yet admitted (+inf when none waits).
   double next_arrival_s() const;
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   // Requests that have arrived by `now_s` and wait for admission.
   int64_t num_waiting(double now_s) const;
   int64_t num_finished() const { return num_finished_; }
+  int64_t num_failed() const { return num_failed_; }
   // Running sequences whose prompt is not yet wholly in the KV cache (mid chunked prefill).
   int64_t num_prefilling() const;
 
   // Whether every running sequence, grown to its largest, fits the KV pool in mode `target`
   // (TP: on every rank; EP: first-fit decreasing over the ranks). A switch the policy
   // proposes should pass this as well as the switcher's check of the current tables.
+  // TP -> EP: the placement is ep_placement(kv).
   bool fits_at_largest(const moebius::kv_state& kv, moebius::parallel_mode target) const;
+  // The owners a TP -> EP switch of the TP tables `kv` should give its sequences, indexed like
+  // moebius::kv_demands_of(kv) (kv_migration_options::placement): longest-first by each running
+  // sequence's pages at its largest (a table the scheduler does not run counts as it stands),
+  // every rank's whole EP pool as capacity. fits is false when they do not fit.
+  moebius::kv_placement ep_placement(const moebius::kv_state& kv) const;
+  // Tokens whose K/V the runtime has written, per running sequence: (seq_id, tokens), sorted by
+  // id. The tables may hold more (reserved for a progressive switch, not yet written).
+  std::vector<std::pair<int64_t, int64_t>> written_tokens() const;
 
+  // --- After a switch that left the switcher inconsistent (engine recovery) ---------------
+  // The sequences in `lost` (ids) no longer have K/V. fail: each fails with `why` (its result
+  // says so; it gets no more tokens) and leaves the running set. resume: each keeps its place
+  // and its tokens so far and is recomputed as a prefill of every token it has (prompt and
+  // generated), which samples the token it would have decoded next: greedy tokens unchanged.
+  // `kv` are the tables after the recovery (the lost sequences are not in them); each resumed
+  // sequence gets a table of one token at once (so that a switch before its recompute moves
+  // and counts it), in EP on the owner with the most pages left after the reservations, or
+  // fails (capacity) when no rank has room for it at its largest. Returns how many running
+  // sequences it resumed or failed (`lost` may name finished ones whose pages were not
+  // released yet: nothing happens to them).
+  int64_t lose_kv(moebius::kv_state& kv, std::span<const int64_t> lost, bool resume,
+                  const std::string& why);
   // Per request, in the order of the ids given (sorted by id).
   const std::vector<request_result>& results() const { return results_; }
   const moebius::kv_geometry& geometry() const { return g_; }
@@ -141,8 +205,11 @@ class scheduler {
     int64_t result_idx = 0;
     std::vector<int32_t> tokens;  // prompt, then generated; capacity fixed at admission
     int64_t in_kv = 0;            // tokens whose K/V the runtime has written
+    // Tokens to prefill before decoding: the prompt; after a resume (lose_kv) every token
+    // it had, so that the prefill's sample is the next token.
     int64_t prompt = 0;
     int64_t final_tokens = 0;     // prompt + output - 1: the most it will hold
+    int resume_owner = -1;        // EP: the owner a resumed sequence (lose_kv) was given
     bool decoding() const { return in_kv >= prompt; }
   };
 
@@ -159,6 +226,7 @@ class scheduler {
   std::vector<request_result> results_;  // sorted by id
   std::vector<running_seq> running_;     // in admission order
   int64_t num_finished_ = 0;
+  int64_t num_failed_ = 0;
   std::vector<int64_t> deferred_release_;  // finished during a switch, pages not yet freed
 };
 

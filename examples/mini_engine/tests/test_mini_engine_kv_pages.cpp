@@ -113,3 +113,29 @@ TEST_CASE("kv_pages: bad arguments throw and change nothing", "[kv_pages]") {
   release_sequence(s, 99);  // absent: no-op
   CHECK(s == before);
 }
+
+TEST_CASE("kv_pages: written_prefix keeps the written tokens and frees the rest", "[kv_pages]") {
+  for (const parallel_mode mode : {parallel_mode::ep, parallel_mode::tp}) {
+    const auto g = moebius::make_kv_geometry(1, 2, 4, 4, 8, 2, moebius::dtype::fp32);
+    auto s = make_empty_kv_state(g, mode);
+    reserve_tokens(g, s, 7, 9, 1);   // pages {0, 1, 2}: 9 tokens
+    reserve_tokens(g, s, 8, 4, 1);   // one page
+    reserve_tokens(g, s, 9, 3, 0);   // not listed: dropped
+    const std::vector<std::pair<int64_t, int64_t>> written = {{7, 5}, {8, 4}};
+    const moebius::kv_state t = written_prefix(g, s, written);
+    moebius::validate(g, t);
+    const int r = mode == parallel_mode::ep ? 1 : 0;
+    const moebius::kv_sequence* a = find_sequence(t, r, 7);
+    REQUIRE(a != nullptr);
+    CHECK(a->num_tokens == 5);
+    CHECK(a->last_page_len == 1);
+    CHECK(a->pages == std::vector<int64_t>(find_sequence(s, r, 7)->pages.begin(),
+                                           find_sequence(s, r, 7)->pages.begin() + 2));
+    REQUIRE(find_sequence(t, r, 8) != nullptr);
+    CHECK(*find_sequence(t, r, 8) == *find_sequence(s, r, 8));  // whole: all written
+    for (int q = 0; q < 2; ++q) CHECK(find_sequence(t, q, 9) == nullptr);
+    int64_t used = 0;
+    for (int q = 0; q < 2; ++q) used += moebius::used_pages(g, t, q);
+    CHECK(used == (mode == parallel_mode::ep ? 3 : 6));
+  }
+}

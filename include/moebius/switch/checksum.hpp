@@ -28,4 +28,10 @@ uint64_t weight_checksum(const arena_geometry& g, arena_cursor cursor, int64_t l
 uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
                      std::span<const std::span<const std::byte>> rank_pools);
 
+// The part of kv_checksum that layer `layer` contributes (kv_checksum is the sum over layers,
+// modulo 2^64): a per-layer check (switcher_options::verify_layer) of the layer's K and V.
+// Throws errc::invalid_argument for a layer outside [0, L), and as kv_checksum.
+uint64_t kv_layer_checksum(const kv_geometry& g, const kv_state& s, int64_t layer,
+                           std::span<const std::span<const std::byte>> rank_pools);
+
 }  // namespace moebius

@@ -22,12 +22,15 @@
 // never moved (outcome rolled_back). If the undo fails too, or the failure was a barrier
 // timeout or a device/communicator error (a slow peer may still pass the barrier and write
 // past the phase the transport reports, so no undo is trusted), the outcome is `inconsistent`:
-// the report names the cursor the arena was last known to rest at, and the engine must reload
-// its experts and KV before serving; the switcher refuses further switches. A refused switch
+// the report names the cursor the arena was last known to rest at; the switcher refuses further
+// switches until recover() (below) has rebuilt a consistent state: the experts reloaded from the
+// caller's source of truth, the KV tables rebuilt from what is intact, the sequences whose KV was
+// lost named so that the engine resumes or fails them. No process restart. A refused switch
 // (capacity) moves nothing.
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -53,8 +56,26 @@ struct switcher_options {
   std::function<void(parallel_mode)> on_commit;
   // Optional end-to-end check: called before moving anything and after the last byte moved;
   // returns a layout-independent checksum of the state (see switch/checksum.hpp). A mismatch
-  // is a failure, handled like a transport error (undo, rolled_back).
+  // is a failure, handled like a transport error (undo, rolled_back). A progressive switch
+  // calls it at begin() and at finish(): the tables are frozen between, but the engine writes
+  // tokens into their reserved room meanwhile, so its hook must cover only what no step
+  // writes during the switch (the mini-engine checks the tokens each sequence had written at
+  // begin and excludes the rest).
   std::function<uint64_t(arena_cursor, const kv_state&)> verify;
+  // Optional per-layer check: a checksum of layer `layer` alone, its experts as they rest in
+  // `mode` (weight_checksum with cursor 0 for EP, L for TP) and its K/V through `tables` (in
+  // tables.mode == mode). Called for every layer before anything moves (source mode and
+  // tables), and for each layer once it has moved (target mode and tables): a progressive
+  // switch checks a layer in the poll() (or finish()) that finds its copies complete, so a
+  // corrupted layer fails the switch at the advance that moved it; switch_to() checks every
+  // layer before commit. The same rule as `verify` on tokens written during the switch.
+  std::function<uint64_t(int64_t layer, parallel_mode mode, const kv_state& tables)> verify_layer;
+  // TP -> EP: the owner of each live sequence, indexed like kv_demands_of(tp_tables)
+  // (kv_migration_options::placement), instead of longest-first by the pages in use. An engine
+  // that reserves room for its sequences to grow places them by what they will hold, so that
+  // no owner ends up holding more reservations than pages. Used by check(), layer_bytes_of()
+  // and both switch styles; a placement with fits == false refuses the switch (capacity).
+  std::function<kv_placement(const kv_state& tp_tables)> ep_placement;
 };
 
 // A test hook: a fault injected into one stage of the next switch.
@@ -64,6 +85,31 @@ struct switch_fault {
   // together, so either arms it (phase within the advance's plan). undo: the first undo plan.
   enum class stage : uint8_t { weights, kv, undo } where = stage::weights;
   fault_point at;  // phase and op
+};
+
+// What recover() needs from the caller.
+struct recovery_request {
+  // The mode to come back in. The KV that is intact in the other mode's layout is moved to this
+  // one (its per-layer plans or their exact reverse); the experts are reloaded in it.
+  parallel_mode mode = parallel_mode::ep;
+  // Writes every layer's experts on every rank where `cursor` (0: EP, L: TP) places them, from
+  // the caller's source of truth (the checkpoint, or a host copy it keeps): no byte of the
+  // arena is trusted after an inconsistent switch. Required. May throw: recover() then reports
+  // the failure and may be called again. Runs after the KV moves recover() makes; on a device
+  // transport it must first wait for the failed switch's copies (after a barrier timeout,
+  // copies already queued on a rank still run: synchronize the devices).
+  std::function<void(arena_cursor)> reload_experts;
+};
+
+struct recovery_report {
+  bool recovered = false;      // consistent again, in `mode`, with the tables kv_tables() shows
+  parallel_mode mode = parallel_mode::ep;
+  arena_cursor cursor;         // where the arena rests (resting cursor of `mode`)
+  std::vector<int64_t> kept;   // sequences whose K/V was intact: in the tables, every byte
+  std::vector<int64_t> lost;   // sequences whose K/V a layer lost: removed, their pages freed
+  int64_t kv_plans_run = 0;    // per-layer KV plans (or reverses) that moved intact KV to `mode`
+  std::string error;           // why not recovered; "" when recovered
+  double total_ms = 0;
 };
 
 namespace detail {
@@ -118,8 +164,25 @@ class switcher {
   progressive_switch begin(parallel_mode target);
   bool in_progress() const { return open_ != nullptr; }
 
-  // False after an `inconsistent` outcome: switch_to() and begin() then refuse, moving nothing.
+  // False after an `inconsistent` outcome: switch_to() and begin() then refuse, moving nothing,
+  // until recover() succeeds.
   bool consistent() const { return consistent_; }
+
+  // After an `inconsistent` outcome: rebuilds a consistent state in request.mode without a
+  // restart. Which KV is intact follows from how far the switch got: a layer whose KV plan
+  // never started is intact in the source layout, one whose plan (or its undo) completed is
+  // intact in the layout it reached, and one whose plan was running when the failure left the
+  // bytes unknown (a barrier timeout, a device error, a failed undo) is not. When every layer
+  // is intact the live sequences are kept (intact KV in the other layout is moved: the layer's
+  // plan, or its exact reverse); otherwise every live sequence is lost (each needs every
+  // layer) and the tables come back empty. Then reload_experts(resting cursor of mode), and
+  // the switcher is consistent. A failed KV move loses the sequences instead; a throwing
+  // reload_experts leaves the switcher inconsistent (report.error), and a later call retries
+  // the reload (in the mode of the first attempt, whose KV is already rebuilt). Throws
+  // errc::invalid_argument when the switcher is consistent, while a progressive switch is
+  // open, for a bad mode, without reload_experts, or for a retry in another mode.
+  //   P=2, EP->TP stop the world, the KV's undo failed: every sequence lost, EP tables empty.
+  recovery_report recover(const recovery_request& request);
   // The report of the last switch that ended (either style).
   const switch_report& last_report() const { return last_report_; }
 
@@ -134,8 +197,11 @@ class switcher {
   friend class detail::switch_transaction;
   friend class progressive_switch;
 
-  kv_migration_options kv_options(arena_cursor weights_at) const;
-  kv_migration_options one_layer_kv_options() const;
+  // The KV planner's options for a switch to `target` with the weights at `weights_at`;
+  // `placement` holds the ep_placement hook's answer for as long as the options are used.
+  kv_migration_options kv_options(arena_cursor weights_at, parallel_mode target,
+                                  kv_placement& placement) const;
+  kv_migration_options one_layer_kv_options(parallel_mode target, kv_placement& placement) const;
   // Opens `rep` for a switch to `target` and returns the resting cursor of `target`, or
   // nothing when the report is already final: refused because the switcher is inconsistent,
   // or already_there.
@@ -151,6 +217,8 @@ class switcher {
   bool consistent_ = true;
   std::string inconsistency_;
   const detail::switch_transaction* open_ = nullptr;  // the open progressive switch
+  // The transaction that ended inconsistent (what recover() rebuilds from).
+  std::unique_ptr<detail::switch_transaction> wreck_;
   switch_report last_report_;
 };
 

@@ -57,6 +57,7 @@
 #include <span>
 #include <vector>
 
+#include "moebius/error.hpp"
 #include "moebius/plan/plan.hpp"
 
 namespace moebius {
@@ -70,9 +71,14 @@ using event_handle = void*;
 
 // Where an injected fault fires: before op `op` of phase `phase` (ops before it in that phase
 // may have run, phases before it are complete on every rank).
+// `code`: what the fault throws. errc::injected_fault is an exact failure (the caller may undo);
+// errc::timeout and errc::cuda stand for a dead peer or a device error, after which no undo is
+// trusted (the switcher ends inconsistent): host_transport throws the code given, the device
+// transports always injected_fault.
 struct fault_point {
   int64_t phase = 0;
   int64_t op = 0;
+  errc code = errc::injected_fault;
 };
 
 class transport {
@@ -138,8 +144,8 @@ class transport {
   // Throws errc::out_of_range for a mark or rank that does not exist.
   virtual event_handle phase_event(size_t mark, size_t local_index) const = 0;
 
-  // Arms a fault for the next enqueued plan only: it fails with errc::injected_fault before op
-  // `at.op` of phase `at.phase`, and completed_phases() is then `at.phase`. A fault the plan
+  // Arms a fault for the next enqueued plan only: it fails with errc::injected_fault (host:
+  // at.code) before op `at.op` of phase `at.phase`, and completed_phases() is then `at.phase`. A fault the plan
   // does not reach (fewer phases or ops) is dropped. std::nullopt disarms.
   virtual void inject_fault(std::optional<fault_point> at) = 0;
 };

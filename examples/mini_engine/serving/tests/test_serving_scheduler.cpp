@@ -3,8 +3,10 @@
 // validate; admission never over-commits the pool (no stall in a run without switches);
 // prompts longer than the budget are prefilled in chunks; at the end every page is free.
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <random>
+#include <string>
 
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
@@ -144,12 +146,21 @@ TEST_CASE("scheduler: every request once, in order, within capacity; nothing lea
 
 TEST_CASE("scheduler: a request larger than a rank is refused up front") {
   const auto g = moebius::make_kv_geometry(2, 2, 8, 4, 4, 2, moebius::dtype::fp32);
+  scheduler_options refuse;
+  refuse.bad_requests = bad_request_policy::refuse_run;
   std::vector<request> reqs(1);
   reqs[0].prompt.assign(14, 1);
   reqs[0].output_tokens = 4;  // 17 tokens: 5 pages of 4 > 4
-  CHECK_THROWS_WITH(scheduler(g, reqs), Catch::Matchers::Contains("could never be admitted"));
+  CHECK_THROWS_WITH(scheduler(g, reqs, refuse), Catch::Matchers::Contains("could never be admitted"));
+  {
+    const scheduler fail(g, reqs);  // the default: the request fails alone
+    CHECK(fail.done());
+    CHECK(fail.num_failed() == 1);
+    REQUIRE(fail.results().size() == 1);
+    CHECK_THAT(fail.results()[0].error, Catch::Matchers::Contains("request 0 needs 5 KV pages"));
+  }
   reqs[0].output_tokens = 3;  // 16 tokens: 4 pages
-  CHECK_NOTHROW(scheduler(g, reqs));
+  CHECK_NOTHROW(scheduler(g, reqs, refuse));
   reqs.push_back(reqs[0]);
   CHECK_THROWS_WITH(scheduler(g, reqs), Catch::Matchers::Contains("appears twice"));
   scheduler_options o;
@@ -157,6 +168,60 @@ TEST_CASE("scheduler: a request larger than a rank is refused up front") {
   o.max_step_tokens = 5;
   reqs.pop_back();
   CHECK_THROWS_AS(scheduler(g, reqs, o), moebius::error);
+}
+
+TEST_CASE("scheduler: each bad request fails alone with an error naming it") {
+  // Every rule of validate_request, broken by one request among good ones.
+  const auto g = moebius::make_kv_geometry(2, 2, 8, 4, 64, 2, moebius::dtype::fp32);
+  scheduler_options o;
+  o.vocab = 100;
+  std::vector<request> reqs;
+  auto add = [&](int64_t id, std::vector<int32_t> prompt, int64_t out, double arrival = 0) {
+    request r;
+    r.id = id;
+    r.prompt = std::move(prompt);
+    r.output_tokens = out;
+    r.arrival_s = arrival;
+    reqs.push_back(r);
+  };
+  add(0, {1, 2, 3}, 4);
+  add(1, {}, 4);                                             // no prompt
+  add(2, {1}, 0);                                            // no output
+  add(3, {1}, 2, std::numeric_limits<double>::quiet_NaN());  // arrival
+  add(4, {1, 2}, std::numeric_limits<int64_t>::max());       // overflow
+  add(5, {1, 100}, 2);                                       // = vocab
+  add(6, {-1, 2}, 2);                                        // negative
+  add(7, {1}, 1000);                                         // larger than a rank
+  add(8, {4, 5}, 3);
+  const std::vector<std::string> want = {
+      "",
+      "request 1: needs a prompt",
+      "request 2: needs output_tokens >= 1",
+      "request 3: needs a finite arrival",
+      "request 4: prompt 2 + output_tokens 9223372036854775807 does not fit in 64 bits",
+      "request 5: prompt token 1 is 100, outside the vocab [0, 100)",
+      "request 6: prompt token 0 is -1, outside the vocab [0, 100)",
+      "request 7 needs 250 KV pages",
+      ""};
+  const auto res = drive(g, parallel_mode::ep, reqs, o);
+  REQUIRE(res.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    CAPTURE(i, res[i].error);
+    CHECK(res[i].id == static_cast<int64_t>(i));
+    if (want[i].empty()) {
+      CHECK(res[i].finished());
+      CHECK(res[i].error.empty());
+      CHECK(static_cast<int64_t>(res[i].generated.size()) == res[i].output_tokens);
+    } else {
+      CHECK(res[i].failed());
+      CHECK_FALSE(res[i].finished());
+      CHECK(res[i].admissions == 0);
+      CHECK(res[i].generated.empty());
+      CHECK_THAT(res[i].error, Catch::Matchers::Contains(want[i]));
+    }
+  }
+  o.bad_requests = bad_request_policy::refuse_run;
+  CHECK_THROWS_WITH(scheduler(g, reqs, o), Catch::Matchers::Contains("request 1: needs a prompt"));
 }
 
 TEST_CASE("scheduler: admission waits for KV capacity, then admits") {
