@@ -233,6 +233,7 @@ kv_pool_layout present_kv_layout(const kv_geometry& g) {
   kv_strides s = dense_page(g);
   s.kv = g.region_bytes();
   s.layer = g.kv_tensors() * g.region_bytes();
+  if (g.latent()) s.kv = 0;  // no V
   kv_pool_layout l = make_kv_pool_layout(g, s, g.pool_bytes(), 0, kv_preset::present);
   return l;
 }
@@ -243,6 +244,7 @@ kv_pool_layout vllm_flash_attn_layout(const kv_geometry& g, const kv_buffer_spac
   s.kv = g.region_bytes();  // dimension 0 of (2, num_blocks, ...)
   const int64_t layer_bytes = g.kv_tensors() * g.region_bytes();
   s.layer = sp.layer_stride > 0 ? sp.layer_stride : layer_bytes;
+  if (g.latent()) s.kv = 0;  // no V
   return make_kv_pool_layout(g, s, extent(g, s.layer, layer_bytes), sp.segment_bytes,
                              kv_preset::vllm_flash_attn);
 }
@@ -254,6 +256,7 @@ kv_pool_layout vllm_flashinfer_layout(const kv_geometry& g, const kv_buffer_spac
   s.page = g.kv_tensors() * g.ep_page_bytes();  // K and V of a block side by side
   const int64_t layer_bytes = g.num_ep_pages * s.page;
   s.layer = sp.layer_stride > 0 ? sp.layer_stride : layer_bytes;
+  if (g.latent()) s.kv = 0;
   return make_kv_pool_layout(g, s, extent(g, s.layer, layer_bytes), sp.segment_bytes,
                              kv_preset::vllm_flashinfer);
 }
@@ -270,6 +273,7 @@ kv_pool_layout sglang_mha_layout(const kv_geometry& g, const kv_buffer_spacing& 
   s.kv = sp.kv_stride > 0 ? sp.kv_stride : buffer;
   const int64_t layer_bytes = g.latent() ? buffer : s.kv + buffer;
   s.layer = sp.layer_stride > 0 ? sp.layer_stride : g.kv_tensors() * buffer;
+  if (g.latent()) s.kv = 0;
   return make_kv_pool_layout(g, s, extent(g, s.layer, layer_bytes), sp.segment_bytes,
                              kv_preset::sglang_mha);
 }
