@@ -13,7 +13,9 @@ namespace moebius {
 
 namespace {
 
-const char* name_of(parallel_mode m) { return m == parallel_mode::ep ? "EP" : "TP"; }
+const char* name_of(parallel_mode m) {
+  return m == parallel_mode::ep ? "EP" : "TP";
+}
 
 int64_t heads_of(const kv_geometry& g, parallel_mode m) {
   return m == parallel_mode::ep ? g.heads_per_ep_page() : g.heads_per_tp_page();
@@ -35,7 +37,9 @@ int64_t tensor_base(const kv_geometry& g, const kv_strides& s, int64_t k) {
 }
 
 // Floor division for a possibly negative numerator and a positive divisor.
-int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+int64_t floor_div(int64_t a, int64_t b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
 
 void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) {
   const kv_strides& s = l.view(m);
@@ -54,11 +58,13 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
                 " view: base and strides must be >= 0 (", s, ")");
   MOEBIUS_CHECK(s.dim == e, errc::invalid_argument, "kv_pool_layout ", v,
                 " view: the dim stride must be the element size, elements of a head being "
-                "contiguous (dim=", s.dim, ", ", to_string(g.type), " = ", e, " bytes)");
+                "contiguous (dim=",
+                s.dim, ", ", to_string(g.type), " = ", e, " bytes)");
   MOEBIUS_CHECK(s.base % e == 0 && s.layer % e == 0 && kv % e == 0 && s.page % e == 0,
                 errc::invalid_argument, "kv_pool_layout ", v,
                 " view: base, layer, K|V and page strides must be multiples of the element "
-                "size ", e, " (", s, ")");
+                "size ",
+                e, " (", s, ")");
   // A page piece is one dense block in either order; a dimension of size 1 has no stride.
   const bool hnd = (heads == 1 || s.head == ps * hb) && (ps == 1 || s.token == hb);
   const bool nhd = (ps == 1 || s.token == heads * hb) && (heads == 1 || s.head == hb);
@@ -69,22 +75,22 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
                 "; NHD needs token=", heads * hb, ", head=", hb);
   if (N == 0) return;
   MOEBIUS_CHECK(N == 1 || s.page >= pb, errc::invalid_argument, "kv_pool_layout ", v,
-                " view: pages of one tensor overlap: page stride ", s.page, " < page bytes ",
-                pb);
+                " view: pages of one tensor overlap: page stride ", s.page, " < page bytes ", pb);
   // Every tensor's pages fit the pool (and one segment).
   for (int64_t k = 0; k < T; ++k) {
     const int64_t b = tensor_base(g, s, k);
     const int64_t end = detail::checked_add(
-        b, detail::checked_add(detail::checked_mul(N - 1, s.page, "KV layout extent"), pb,
-                               "KV layout extent"),
+        b,
+        detail::checked_add(detail::checked_mul(N - 1, s.page, "KV layout extent"), pb,
+                            "KV layout extent"),
         "KV layout extent");
-    MOEBIUS_CHECK(end <= l.pool_bytes, errc::invalid_argument, "kv_pool_layout ", v, " view: ",
-                  tensor_name{g, k}, " ends at byte ", end, " beyond pool_bytes ", l.pool_bytes,
-                  " (base ", b, ", ", N, " pages at stride ", s.page, ")");
+    MOEBIUS_CHECK(end <= l.pool_bytes, errc::invalid_argument, "kv_pool_layout ", v,
+                  " view: ", tensor_name{g, k}, " ends at byte ", end, " beyond pool_bytes ",
+                  l.pool_bytes, " (base ", b, ", ", N, " pages at stride ", s.page, ")");
     if (l.segment_bytes > 0) {
       MOEBIUS_CHECK(b / l.segment_bytes == (end - 1) / l.segment_bytes, errc::invalid_argument,
-                    "kv_pool_layout ", v, " view: ", tensor_name{g, k}, " (bytes [", b, ", ",
-                    end, ")) crosses an allocation boundary (segment_bytes ", l.segment_bytes,
+                    "kv_pool_layout ", v, " view: ", tensor_name{g, k}, " (bytes [", b, ", ", end,
+                    ")) crosses an allocation boundary (segment_bytes ", l.segment_bytes,
                     "): each tensor must lie in one allocation");
     }
   }
@@ -105,10 +111,9 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
           const int64_t pa = mm >= 0 ? 0 : -mm, pc = pa + mm;
           const int64_t sa = tensor_base(g, s, a) + pa * s.page;
           const int64_t sc = tensor_base(g, s, c) + pc * s.page;
-          MOEBIUS_FAIL(errc::invalid_argument, "kv_pool_layout ", v, " view: ",
-                       tensor_name{g, a}, " page ", pa, " (bytes [", sa, ", ", sa + pb, ")) and ",
-                       tensor_name{g, c}, " page ", pc, " (bytes [", sc, ", ", sc + pb,
-                       ")) overlap");
+          MOEBIUS_FAIL(errc::invalid_argument, "kv_pool_layout ", v, " view: ", tensor_name{g, a},
+                       " page ", pa, " (bytes [", sa, ", ", sa + pb, ")) and ", tensor_name{g, c},
+                       " page ", pc, " (bytes [", sc, ", ", sc + pb, ")) overlap");
         }
       }
     }
@@ -173,18 +178,19 @@ void validate(const kv_geometry& g, const kv_pool_layout& l) {
   for (const auto& r : ep_runs) {
     if (!merged.empty() && r.first <= merged.back().second)
       merged.back().second = std::max(merged.back().second, r.second);
-    else merged.push_back(r);
+    else
+      merged.push_back(r);
   }
   for (int64_t k = 0; k < T; ++k) {
     for (int64_t j = 0; j < split; ++j) {
       const int64_t b = tensor_base(g, l.tp, k) + j * l.tp.page;
       auto it = std::upper_bound(merged.begin(), merged.end(), std::make_pair(b, INT64_MAX));
-      const bool inside = it != merged.begin() && std::prev(it)->first <= b &&
-                          b + tpb <= std::prev(it)->second;
+      const bool inside =
+          it != merged.begin() && std::prev(it)->first <= b && b + tpb <= std::prev(it)->second;
       MOEBIUS_CHECK(inside, errc::invalid_argument, "kv_pool_layout: TP page ", j, " of ",
                     tensor_name{g, k}, " (bytes [", b, ", ", b + tpb,
-                    ")) is not inside EP page 0's bytes: TP pages p*", split, "..p*", split,
-                    "+", split - 1, " must occupy exactly EP page p");
+                    ")) is not inside EP page 0's bytes: TP pages p*", split, "..p*", split, "+",
+                    split - 1, " must occupy exactly EP page p");
     }
   }
 }
@@ -252,7 +258,7 @@ kv_pool_layout vllm_flash_attn_layout(const kv_geometry& g, const kv_buffer_spac
 kv_pool_layout vllm_flashinfer_layout(const kv_geometry& g, const kv_buffer_spacing& sp) {
   validate(g);
   kv_strides s = dense_page(g);
-  s.kv = g.ep_page_bytes();                  // dimension 1 of (num_blocks, 2, ...)
+  s.kv = g.ep_page_bytes();                     // dimension 1 of (num_blocks, 2, ...)
   s.page = g.kv_tensors() * g.ep_page_bytes();  // K and V of a block side by side
   const int64_t layer_bytes = g.num_ep_pages * s.page;
   s.layer = sp.layer_stride > 0 ? sp.layer_stride : layer_bytes;
@@ -266,8 +272,8 @@ kv_pool_layout sglang_mha_layout(const kv_geometry& g, const kv_buffer_spacing& 
   MOEBIUS_CHECK(g.layout == kv_layout::nhd || g.page_size == 1 || g.heads_per_ep_page() == 1,
                 errc::invalid_argument,
                 "sglang_mha_layout: SGLang's buffers are token-major [tokens, heads, dim]: the "
-                "geometry must be NHD (layout=", to_string(g.layout), ", page_size=", g.page_size,
-                ")");
+                "geometry must be NHD (layout=",
+                to_string(g.layout), ", page_size=", g.page_size, ")");
   kv_strides s = dense_page(g);
   const int64_t buffer = g.region_bytes();  // [N * page_size, H, D]
   s.kv = sp.kv_stride > 0 ? sp.kv_stride : buffer;
@@ -281,11 +287,16 @@ kv_pool_layout sglang_mha_layout(const kv_geometry& g, const kv_buffer_spacing& 
 kv_pool_layout kv_preset_layout(kv_preset p, const kv_geometry& g) {
   detail::check_enum(p, "kv_preset");
   switch (p) {
-    case kv_preset::present: return present_kv_layout(g);
-    case kv_preset::vllm_flash_attn: return vllm_flash_attn_layout(g);
-    case kv_preset::vllm_flashinfer: return vllm_flashinfer_layout(g);
-    case kv_preset::sglang_mha: return sglang_mha_layout(g);
-    case kv_preset::custom: break;
+    case kv_preset::present:
+      return present_kv_layout(g);
+    case kv_preset::vllm_flash_attn:
+      return vllm_flash_attn_layout(g);
+    case kv_preset::vllm_flashinfer:
+      return vllm_flashinfer_layout(g);
+    case kv_preset::sglang_mha:
+      return sglang_mha_layout(g);
+    case kv_preset::custom:
+      break;
   }
   MOEBIUS_FAIL(errc::invalid_argument, "kv_preset_layout: 'custom' has no preset strides");
 }
@@ -300,8 +311,8 @@ bool kv_slices_in_place(const kv_geometry& g, const kv_pool_layout& l) {
   if (g.tp_pages_per_ep_page() == 1) return l.tp == l.ep;
   // TP page p*split + j of tensor k at b'_k + (p*split + j) * tp.page must be slice j of EP page
   // p at b_k + p * ep.page + j * tp_page_bytes: the same tensor bases and tp.page = TP page bytes.
-  return l.tp.base == l.ep.base && l.tp.layer == l.ep.layer &&
-         (g.latent() || l.tp.kv == l.ep.kv) && l.tp.page == g.tp_page_bytes();
+  return l.tp.base == l.ep.base && l.tp.layer == l.ep.layer && (g.latent() || l.tp.kv == l.ep.kv) &&
+         l.tp.page == g.tp_page_bytes();
 }
 
 std::ostream& operator<<(std::ostream& os, const kv_strides& s) {

@@ -67,8 +67,10 @@ void copy_emitter::whole(parallel_mode m, const page_ref& s, const page_ref& d) 
 
 void copy_emitter::slice(const page_ref& e, int64_t j, const page_ref& t, bool to_tp) {
   if (block_) {
-    if (to_tp) whole(parallel_mode::tp, slice_of(e, j), t);
-    else whole(parallel_mode::tp, t, slice_of(e, j));
+    if (to_tp)
+      whole(parallel_mode::tp, slice_of(e, j), t);
+    else
+      whole(parallel_mode::tp, t, slice_of(e, j));
     return;
   }
   // NHD, page_size > 1: slice j is page_size rows of heads_per_tp_page heads, one per token.
@@ -83,16 +85,20 @@ void copy_emitter::slice(const page_ref& e, int64_t j, const page_ref& t, bool t
     for (int64_t k = 0; k < g_.num_tensors(); ++k) {  // rows = tokens
       const int64_t eo = at(e, k) + j * row;
       const int64_t to = at(t, k);
-      if (to_tp) op(e, eo, ep_pitch, t, to, row, g_.page_size, row);
-      else op(t, to, row, e, eo, ep_pitch, g_.page_size, row);
+      if (to_tp)
+        op(e, eo, ep_pitch, t, to, row, g_.page_size, row);
+      else
+        op(t, to, row, e, eo, ep_pitch, g_.page_size, row);
     }
     return;
   }
   for (int64_t i = 0; i < g_.page_size; ++i) {  // rows = tensors
     const int64_t eo = e.base + i * ep_pitch + j * row;
     const int64_t to = t.base + i * row;
-    if (to_tp) op(e, eo, ep_k, t, to, tp_k, g_.num_tensors(), row);
-    else op(t, to, tp_k, e, eo, ep_k, g_.num_tensors(), row);
+    if (to_tp)
+      op(e, eo, ep_k, t, to, tp_k, g_.num_tensors(), row);
+    else
+      op(t, to, tp_k, e, eo, ep_k, g_.num_tensors(), row);
   }
 }
 

@@ -19,7 +19,7 @@
 namespace moebius::testing {
 
 struct layout_model {
-  std::string order = "LKPHTD";  // outer -> inner; no 'K' for latent
+  std::string order = "LKPHTD";         // outer -> inner; no 'K' for latent
   int64_t pad[6] = {0, 0, 0, 0, 0, 0};  // extra bytes on the stride of order[i] (outside P only)
   int64_t base = 0;
 
@@ -28,12 +28,18 @@ struct layout_model {
     if (g.num_kv_heads > 0) split = g.num_kv_heads < g.num_ranks ? g.num_kv_heads : g.num_ranks;
     const int64_t H = g.num_kv_heads == 0 ? 1 : g.num_kv_heads;
     switch (c) {
-      case 'L': return g.num_layers;
-      case 'K': return 2;
-      case 'P': return m == parallel_mode::ep ? g.num_ep_pages : g.num_ep_pages * split;
-      case 'T': return g.page_size;
-      case 'H': return m == parallel_mode::ep ? H : H / split;
-      case 'D': return g.head_dim;
+      case 'L':
+        return g.num_layers;
+      case 'K':
+        return 2;
+      case 'P':
+        return m == parallel_mode::ep ? g.num_ep_pages : g.num_ep_pages * split;
+      case 'T':
+        return g.page_size;
+      case 'H':
+        return m == parallel_mode::ep ? H : H / split;
+      case 'D':
+        return g.head_dim;
     }
     return 0;
   }
@@ -83,7 +89,8 @@ inline layout_model preset_model(kv_preset p, const kv_geometry& g) {
     case kv_preset::vllm_flashinfer:  // per layer (num_blocks, 2, block_size, H, D)
       m.order = "LPK" + inner;
       break;
-    case kv_preset::custom: break;
+    case kv_preset::custom:
+      break;
   }
   if (g.num_kv_heads == 0) m.order.erase(m.order.find('K'), 1);
   return m;

@@ -73,12 +73,13 @@ TEST_CASE("present_kv_layout gives kv_geometry's offsets", "[kv][layout]") {
     REQUIRE(l.pool_bytes == g.pool_bytes());
     REQUIRE(kv_slices_in_place(g, l) ==
             (g.layout == kv_layout::hnd || g.page_size == 1 || g.tp_pages_per_ep_page() == 1));
-    require_offsets(g, l, [&](parallel_mode m, int64_t layer, int64_t kv, int64_t p, int64_t h,
-                              int64_t t, int64_t d) {
-      REQUIRE(g.offset(m, layer, static_cast<kv_tensor>(kv), p, h, t, d) ==
-              ref_offset(g, m, layer, kv, p, h, t, d));
-      return ref_offset(g, m, layer, kv, p, h, t, d);
-    });
+    require_offsets(g, l,
+                    [&](parallel_mode m, int64_t layer, int64_t kv, int64_t p, int64_t h, int64_t t,
+                        int64_t d) {
+                      REQUIRE(g.offset(m, layer, static_cast<kv_tensor>(kv), p, h, t, d) ==
+                              ref_offset(g, m, layer, kv, p, h, t, d));
+                      return ref_offset(g, m, layer, kv, p, h, t, d);
+                    });
   }
 }
 
@@ -94,10 +95,10 @@ TEST_CASE("presets match the engines' shapes in both views", "[kv][layout]") {
       INFO(g << "\n" << l << "\nmodel " << model.order);
       REQUIRE(l.preset == p);
       REQUIRE(l.pool_bytes == model.bytes(g));
-      require_offsets(g, l, [&](parallel_mode m, int64_t layer, int64_t kv, int64_t pg,
-                                int64_t h, int64_t t, int64_t d) {
-        return model.offset(g, m, layer, kv, pg, h, t, d);
-      });
+      require_offsets(
+          g, l,
+          [&](parallel_mode m, int64_t layer, int64_t kv, int64_t pg, int64_t h, int64_t t,
+              int64_t d) { return model.offset(g, m, layer, kv, pg, h, t, d); });
     }
     // Packed vLLM FlashAttention and SGLang buffers are the present layout (HND / NHD).
     REQUIRE(vllm_flash_attn_layout(g).ep == present_kv_layout(g).ep);
@@ -114,15 +115,13 @@ TEST_CASE("random engine-like arrays: the derived TP view is the engine's TP arr
     const layout_model model = random_layout_model(rng, g);
     const kv_pool_layout l = model.layout(g);
     INFO(g << "\n" << l << "\nmodel " << model.order);
-    require_offsets(g, l, [&](parallel_mode m, int64_t layer, int64_t kv, int64_t p, int64_t h,
-                              int64_t t, int64_t d) {
-      return model.offset(g, m, layer, kv, p, h, t, d);
-    });
+    require_offsets(g, l,
+                    [&](parallel_mode m, int64_t layer, int64_t kv, int64_t p, int64_t h, int64_t t,
+                        int64_t d) { return model.offset(g, m, layer, kv, p, h, t, d); });
   }
 }
 
-TEST_CASE("preset spacing: buffers at any uniform distance, one allocation each",
-          "[kv][layout]") {
+TEST_CASE("preset spacing: buffers at any uniform distance, one allocation each", "[kv][layout]") {
   // Qwen3-235B KV, 8 pages, P=8: pb = 16384.
   const kv_geometry g = make_kv_geometry(94, 4, 128, 16, 8, 8, dtype::bf16, kv_layout::nhd);
   const int64_t pb = g.ep_page_bytes(), region = g.region_bytes();
@@ -169,11 +168,14 @@ TEST_CASE("kv_pool_layout validation names the broken constraint", "[kv][layout]
   };
   CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.dim = 4; })), "dim stride"));
   CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.token = 32; })), "dense HND or NHD"));
-  CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.base = 3; })), "multiples of the element"));
+  CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.base = 3; })),
+                 "multiples of the element"));
   CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.layer = -8; })), ">= 0"));
-  CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.page = 512; })), "pages of one tensor overlap"));
+  CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.page = 512; })),
+                 "pages of one tensor overlap"));
   CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.kv = 1024; })), "overlap"));
-  CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.kv = 4096 - 512; })), "layer 0 V page 0"));
+  CHECK(
+      contains(error_of(g, with_ep([](kv_strides& s) { s.kv = 4096 - 512; })), "layer 0 V page 0"));
   CHECK(contains(error_of(g, with_ep([](kv_strides& s) { s.base = 1024; })), "beyond pool_bytes"));
   {
     kv_pool_layout l = ok;

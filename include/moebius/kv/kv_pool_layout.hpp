@@ -64,11 +64,16 @@ constexpr bool is_valid(kv_preset p) {
 
 constexpr const char* to_string(kv_preset p) {
   switch (p) {
-    case kv_preset::present: return "present";
-    case kv_preset::vllm_flash_attn: return "vllm_flash_attn";
-    case kv_preset::vllm_flashinfer: return "vllm_flashinfer";
-    case kv_preset::sglang_mha: return "sglang_mha";
-    case kv_preset::custom: return "custom";
+    case kv_preset::present:
+      return "present";
+    case kv_preset::vllm_flash_attn:
+      return "vllm_flash_attn";
+    case kv_preset::vllm_flashinfer:
+      return "vllm_flashinfer";
+    case kv_preset::sglang_mha:
+      return "sglang_mha";
+    case kv_preset::custom:
+      return "custom";
   }
   return "unknown";
 }
@@ -96,9 +101,9 @@ struct kv_strides {
 };
 
 struct kv_pool_layout {
-  kv_strides ep;               // the EP view
-  kv_strides tp;               // the TP view: derive_tp_strides(g, ep)
-  int64_t pool_bytes = 0;      // bytes of each rank's kv_pool space the layout addresses
+  kv_strides ep;           // the EP view
+  kv_strides tp;           // the TP view: derive_tp_strides(g, ep)
+  int64_t pool_bytes = 0;  // bytes of each rank's kv_pool space the layout addresses
   // 0: the pool is one allocation. > 0: the pool is a list of allocations (one per layer, or per
   // layer and K|V), allocation i at pool offsets [i * segment_bytes, (i+1) * segment_bytes);
   // every tensor's pages then lie inside one allocation, so no copy row crosses one.
@@ -130,8 +135,7 @@ void validate(const kv_geometry& g, const kv_pool_layout& l);
 
 // A layout from EP strides (TP derived), validated.
 kv_pool_layout make_kv_pool_layout(const kv_geometry& g, const kv_strides& ep, int64_t pool_bytes,
-                                   int64_t segment_bytes = 0,
-                                   kv_preset preset = kv_preset::custom);
+                                   int64_t segment_bytes = 0, kv_preset preset = kv_preset::custom);
 
 // Today's pool: offset() equals g.offset() for every element (the planner's default).
 kv_pool_layout present_kv_layout(const kv_geometry& g);
