@@ -6,8 +6,11 @@
 // staging region of 64 slots in the arena. Two layouts: page size 16 HND and page size 1 NHD.
 // States: random sequences of 64..8192 tokens filling 25 / 50 / 90% of the source view
 // (kv_bench_common.hpp; TP states are fragmented).
-// Names: kv_qwen3_<layout>_ps<page>_L<layers>_P<P>/occ<percent>/{ep_to_tp,tp_to_ep}/<method>,
-// method = cuda_peer_automatic | nccl.
+// Names: kv_qwen3_[<preset>_]<layout>_ps<page>_L<layers>_P<P>/occ<percent>/{ep_to_tp,tp_to_ep}/
+// <method>, method = cuda_peer_automatic | nccl; <preset> (absent for the present pool) names
+// the engine layout the pool is in (kv/kv_pool_layout.hpp): MOEBIUS_BENCH_KV_PRESETS, a comma
+// list of present, vllm_flash_attn, vllm_flashinfer, sglang_mha (default: present). SGLang's
+// buffers are token-major, so its "HND page 16" case runs NHD page 16 instead.
 // Every iteration runs the same plan again: the bytes moved (and where) are those of a real
 // switch; the values in them do not matter for the timing, so no reverse switch is needed.
 // Counters: ms (per switch), GBps_per_gpu (traffic_of(plan).max_bytes_sent() per second),
@@ -90,7 +93,30 @@ int64_t pool_budget_per_rank(int64_t want) {
 struct layout_config {
   int64_t page_size;
   kv_layout layout;
+  kv_preset preset = kv_preset::present;
 };
+
+std::vector<kv_preset> presets_from_env() {
+  const char* env = std::getenv("MOEBIUS_BENCH_KV_PRESETS");
+  const std::string list = env && *env ? env : "present";
+  std::vector<kv_preset> out;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string name = list.substr(at, end - at);
+    bool found = false;
+    for (kv_preset p : {kv_preset::present, kv_preset::vllm_flash_attn,
+                        kv_preset::vllm_flashinfer, kv_preset::sglang_mha})
+      if (name == to_string(p)) {
+        out.push_back(p);
+        found = true;
+      }
+    MOEBIUS_CHECK(found, errc::invalid_argument, "MOEBIUS_BENCH_KV_PRESETS: unknown preset '",
+                  name, "' (present, vllm_flash_attn, vllm_flashinfer, sglang_mha)");
+    at = end + 1;
+  }
+  return out;
+}
 
 struct plan_entry {
   bool refused = false;
@@ -114,7 +140,9 @@ struct context {
   bool ready = false;
   int64_t page_size = 0;
   kv_layout layout = kv_layout::hnd;
+  kv_preset preset = kv_preset::present;
   kv_geometry g;
+  kv_pool_layout pool;  // where the bytes lie (the preset's layout of g)
   kv_staging staging;
   std::vector<void*> kv;
   std::vector<void*> arena;
@@ -160,18 +188,19 @@ struct context {
     const int64_t budget = pool_budget_per_rank(std::max<int64_t>(1, want_gib) << 30);
     g = make_kv_geometry(layers, 4, 128, lc.page_size, ep_pages_for_bytes(g, budget),
                          w.num_ranks, dtype::bf16, lc.layout);
+    pool = kv_preset_layout(lc.preset, g);
     staging = {memory_space::arena, 0,
                k_staging_slots * std::max(kv_staging_slot_bytes(g, parallel_mode::tp),
                                           kv_staging_slot_bytes(g, parallel_mode::ep))};
     std::vector<rank_memory> mem(static_cast<size_t>(w.num_ranks));
     for (int r = 0; r < w.num_ranks; ++r) {
       const int d = w.device_of[static_cast<size_t>(r)];
-      kv.push_back(alloc_on(d, g.pool_bytes()));
+      kv.push_back(alloc_on(d, pool.pool_bytes));
       arena.push_back(alloc_on(d, staging.bytes));
       workspace.push_back(nullptr);
       workspace_bytes.push_back(0);
       mem[static_cast<size_t>(r)] = rank_memory::on_device(
-          d, arena.back(), std::max<int64_t>(staging.bytes, 1), kv.back(), g.pool_bytes());
+          d, arena.back(), std::max<int64_t>(staging.bytes, 1), kv.back(), pool.pool_bytes);
     }
     cuda_peer_config cfg;
     cfg.engine = engine_policy::automatic;
@@ -181,12 +210,13 @@ struct context {
     memory = mem;
     page_size = lc.page_size;
     layout = lc.layout;
+    preset = lc.preset;
     ready = true;
-    std::printf("bench_kv_migration_gpu: %s page %lld, %lld layers, %lld EP pages, %.2f GiB "
+    std::printf("bench_kv_migration_gpu: %s %s page %lld, %lld layers, %lld EP pages, %.2f GiB "
                 "pool per rank\n",
-                to_string(g.layout), static_cast<long long>(g.page_size),
+                to_string(lc.preset), to_string(g.layout), static_cast<long long>(g.page_size),
                 static_cast<long long>(g.num_layers), static_cast<long long>(g.num_ep_pages),
-                static_cast<double>(g.pool_bytes()) / double(int64_t{1} << 30));
+                static_cast<double>(pool.pool_bytes) / double(int64_t{1} << 30));
   }
 
   // The plan of a state at `occ_pct`% of the source view; dir 0: EP->TP, 1: TP->EP.
@@ -203,12 +233,12 @@ struct context {
                   static_cast<double>(g.num_pages(from) * g.num_ranks);
     kv_migration_options opt;
     opt.staging = staging;
-    const kv_capacity_report rep = check_kv_capacity(g, s, to, opt);
+    const kv_capacity_report rep = check_kv_capacity(g, pool, s, to, opt);
     if (!rep.fits) {
       e.refused = true;
       e.reason = rep.reason;
     } else {
-      e.plan_ms = 1e3 * seconds_of([&] { e.mig = plan_kv_migration(g, s, to, opt); });
+      e.plan_ms = 1e3 * seconds_of([&] { e.mig = plan_kv_migration(g, pool, s, to, opt); });
       e.bytes_per_gpu = traffic_of(e.mig.copies).max_bytes_sent();
     }
     plans.clear();  // benchmarks run grouped by plan: the previous one is not needed again
@@ -252,7 +282,8 @@ context& current() {
 
 context& use(const layout_config& lc) {
   context& c = current();
-  if (!c.ready || c.page_size != lc.page_size || c.layout != lc.layout) c.setup(lc);
+  if (!c.ready || c.page_size != lc.page_size || c.layout != lc.layout || c.preset != lc.preset)
+    c.setup(lc);
   return c;
 }
 
@@ -396,14 +427,21 @@ void register_all() {
   bench::gpu_world& w = world();
   const int64_t iters = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_ITERS", 5));
   const int64_t layers = std::max<int64_t>(1, env_int("MOEBIUS_BENCH_KV_LAYERS", 94));
-  const layout_config layouts[] = {{16, kv_layout::hnd}, {1, kv_layout::nhd}};
+  std::vector<layout_config> layouts;
+  for (kv_preset p : presets_from_env()) {
+    const kv_layout first = p == kv_preset::sglang_mha ? kv_layout::nhd : kv_layout::hnd;
+    layouts.push_back({16, first, p});
+    layouts.push_back({1, kv_layout::nhd, p});
+  }
   std::vector<method> methods = {method::peer_automatic};
   if (!w.virtual_ranks) methods.push_back(method::nccl);
   for (const layout_config& lc : layouts)
     for (int occ : {25, 50, 90})
       for (int dir : {0, 1})
         for (method m : methods) {
-          const std::string name = w.prefix + "kv_qwen3_" + to_string(lc.layout) + "_ps" +
+          const std::string tag =
+              lc.preset == kv_preset::present ? "" : std::string(to_string(lc.preset)) + "_";
+          const std::string name = w.prefix + "kv_qwen3_" + tag + to_string(lc.layout) + "_ps" +
                                    std::to_string(lc.page_size) + "_L" + std::to_string(layers) +
                                    "_P" + std::to_string(w.num_ranks) + "/occ" +
                                    std::to_string(occ) + (dir == 0 ? "/ep_to_tp/" : "/tp_to_ep/") +

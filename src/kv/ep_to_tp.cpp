@@ -61,14 +61,14 @@ struct unit {
 
 class ep_to_tp_rounds {
  public:
-  ep_to_tp_rounds(const kv_geometry& g, const kv_state& s, const kv_migration_options& opt,
-                  const ep_items& it, kv_migration& res)
+  ep_to_tp_rounds(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                  const kv_migration_options& opt, const ep_items& it, kv_migration& res)
       : g_(g),
         P_(g.num_ranks),
         split_(g.tp_pages_per_ep_page()),
-        in_place_(slices_contiguous(g)),
+        in_place_(kv_slices_in_place(g, layout)),
         it_(it),
-        sch_(g, opt.staging, staging_slots(g, opt, parallel_mode::tp),
+        sch_(g, layout, opt.staging, staging_slots(g, opt, parallel_mode::tp),
              kv_staging_slot_bytes(g, parallel_mode::tp), opt.max_rounds, "EP->TP", res.copies),
         dst_(P_, static_cast<int64_t>(it.items.size()), -1),
         staged_(idx(P_)),
@@ -239,7 +239,8 @@ kv_state tp_tables(const kv_geometry& g, const kv_state& s, const ep_items& it,
 
 }  // namespace
 
-outcome plan_ep_to_tp(const kv_geometry& g, const kv_state& s, const kv_migration_options& opt) {
+outcome plan_ep_to_tp(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                      const kv_migration_options& opt) {
   outcome out;
   kv_migration& res = out.result;
   res.copies.num_ranks = g.num_ranks;
@@ -259,8 +260,8 @@ outcome plan_ep_to_tp(const kv_geometry& g, const kv_state& s, const kv_migratio
     return out;
   }
   res.stats.pages_moved = total;
-  res.stats.pages_in_place = slices_contiguous(g) ? total : 0;
-  ep_to_tp_rounds rounds(g, s, opt, it, res);
+  res.stats.pages_in_place = kv_slices_in_place(g, layout) ? total : 0;
+  ep_to_tp_rounds rounds(g, layout, s, opt, it, res);
   if (!rounds.run()) {
     out.ok = false;
     out.reason = rounds.failure();

@@ -28,10 +28,11 @@ int64_t staging_slots(const kv_geometry& g, const kv_migration_options& opt, par
 
 namespace {
 
-outcome run(const kv_geometry& g, const kv_state& s, parallel_mode target,
-            const kv_migration_options& opt) {
+outcome run(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+            parallel_mode target, const kv_migration_options& opt) {
   detail::check_enum(target, "target (parallel_mode)");
   validate(g, s);
+  validate(g, layout);
   MOEBIUS_CHECK(opt.max_rounds >= 1, errc::invalid_argument,
                 "max_rounds must be >= 1 (max_rounds=", opt.max_rounds, ")");
   if (s.mode == target) {
@@ -43,7 +44,8 @@ outcome run(const kv_geometry& g, const kv_state& s, parallel_mode target,
       out.pages_needed = std::max(out.pages_needed, used_pages(g, s, r));
     return out;
   }
-  return target == parallel_mode::tp ? plan_ep_to_tp(g, s, opt) : plan_tp_to_ep(g, s, opt);
+  return target == parallel_mode::tp ? plan_ep_to_tp(g, layout, s, opt)
+                                      : plan_tp_to_ep(g, layout, s, opt);
 }
 
 }  // namespace
@@ -55,7 +57,13 @@ int64_t kv_staging_slot_bytes(const kv_geometry& g, parallel_mode target) {
 
 kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_state& s,
                                      parallel_mode target, const kv_migration_options& opt) {
-  const kv_detail::outcome o = kv_detail::run(g, s, target, opt);
+  return check_kv_capacity(g, present_kv_layout(g), s, target, opt);
+}
+
+kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout& layout,
+                                     const kv_state& s, parallel_mode target,
+                                     const kv_migration_options& opt) {
+  const kv_detail::outcome o = kv_detail::run(g, layout, s, target, opt);
   kv_capacity_report rep;
   rep.fits = o.ok;
   rep.holds = o.holds;
@@ -68,7 +76,13 @@ kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_state& s,
 
 kv_migration plan_kv_migration(const kv_geometry& g, const kv_state& s, parallel_mode target,
                                const kv_migration_options& opt) {
-  kv_detail::outcome o = kv_detail::run(g, s, target, opt);
+  return plan_kv_migration(g, present_kv_layout(g), s, target, opt);
+}
+
+kv_migration plan_kv_migration(const kv_geometry& g, const kv_pool_layout& layout,
+                               const kv_state& s, parallel_mode target,
+                               const kv_migration_options& opt) {
+  kv_detail::outcome o = kv_detail::run(g, layout, s, target, opt);
   MOEBIUS_CHECK(o.ok, errc::capacity, "KV migration ", to_string(s.mode), "->",
                 to_string(target), " impossible: ", o.reason);
   return std::move(o.result);

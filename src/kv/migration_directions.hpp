@@ -23,8 +23,11 @@ struct outcome {
 // region.
 int64_t staging_slots(const kv_geometry& g, const kv_migration_options& opt, parallel_mode target);
 
-// Both expect a validated EP (resp. TP) state.
-outcome plan_ep_to_tp(const kv_geometry& g, const kv_state& s, const kv_migration_options& opt);
-outcome plan_tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_options& opt);
+// Both expect a validated EP (resp. TP) state and a layout validated for g; every address comes
+// from the layout.
+outcome plan_ep_to_tp(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                      const kv_migration_options& opt);
+outcome plan_tp_to_ep(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                      const kv_migration_options& opt);
 
 }  // namespace moebius::kv_detail

@@ -3,16 +3,18 @@
 namespace moebius::kv_detail {
 
 page_ref copy_emitter::pool(parallel_mode m, int rank, int64_t page) const {
-  return {memory_space::kv_pool, rank, page * g_.page_bytes(m), g_.region_bytes()};
+  const kv_strides& s = layout_.view(m);
+  return {memory_space::kv_pool, rank, s.base + page * s.page, s.layer, s.kv};
 }
 
 page_ref copy_emitter::stage(parallel_mode m, int rank, int64_t slot) const {
   const int64_t pb = g_.page_bytes(m);
-  return {staging_.space, rank, staging_.offset + slot * g_.num_tensors() * pb, pb};
+  return {staging_.space, rank, staging_.offset + slot * g_.num_tensors() * pb,
+          g_.kv_tensors() * pb, pb};
 }
 
 page_ref copy_emitter::slice_of(const page_ref& ep, int64_t j) const {
-  return {ep.space, ep.rank, ep.base + j * g_.tp_page_bytes(), ep.k_pitch};
+  return {ep.space, ep.rank, ep.base + j * g_.tp_page_bytes(), ep.layer_pitch, ep.kv_pitch};
 }
 
 void copy_emitter::op(const page_ref& s, int64_t s_off, int64_t s_pitch, const page_ref& d,
@@ -32,32 +34,71 @@ void copy_emitter::op(const page_ref& s, int64_t s_off, int64_t s_pitch, const p
   ops_->push_back(c);
 }
 
+namespace {
+
+// The one pitch between consecutive tensors k = layer * kv_tensors + t, or -1 when the tensors
+// are not evenly spaced.
+int64_t tensor_pitch(const kv_geometry& g, const page_ref& r) {
+  if (g.kv_tensors() == 1) return r.layer_pitch;
+  return r.layer_pitch == 2 * r.kv_pitch ? r.kv_pitch : -1;
+}
+
+}  // namespace
+
+void copy_emitter::per_tensor(const page_ref& s, int64_t s_off, const page_ref& d, int64_t d_off,
+                              int64_t row) {
+  const int64_t sp = tensor_pitch(g_, s), dp = tensor_pitch(g_, d);
+  if (sp >= 0 && dp >= 0) {  // the present layout and staging: one op over all tensors
+    op(s, s_off, sp, d, d_off, dp, g_.num_tensors(), row);
+    return;
+  }
+  if (s.kv_pitch == row && d.kv_pitch == row) {  // K and V side by side: one row per layer
+    op(s, s_off, s.layer_pitch, d, d_off, d.layer_pitch, g_.num_layers, 2 * row);
+    return;
+  }
+  for (int64_t t = 0; t < 2; ++t)  // one op per K|V over the layers
+    op(s, s_off + t * s.kv_pitch, s.layer_pitch, d, d_off + t * d.kv_pitch, d.layer_pitch,
+       g_.num_layers, row);
+}
+
 void copy_emitter::whole(parallel_mode m, const page_ref& s, const page_ref& d) {
-  op(s, s.base, s.k_pitch, d, d.base, d.k_pitch, g_.num_tensors(), g_.page_bytes(m));
+  per_tensor(s, s.base, d, d.base, g_.page_bytes(m));
 }
 
 void copy_emitter::slice(const page_ref& e, int64_t j, const page_ref& t, bool to_tp) {
-  if (slices_contiguous(g_)) {
-    if (to_tp) whole(parallel_mode::tp, slice_of(e, j), t);
-    else whole(parallel_mode::tp, t, slice_of(e, j));
+  if (block_) {
+    if (to_tp)
+      whole(parallel_mode::tp, slice_of(e, j), t);
+    else
+      whole(parallel_mode::tp, t, slice_of(e, j));
     return;
   }
+  // NHD, page_size > 1: slice j is page_size rows of heads_per_tp_page heads, one per token.
   const int64_t row = g_.heads_per_tp_page() * g_.head_bytes();
   const int64_t ep_pitch = g_.heads_per_ep_page() * g_.head_bytes();
-  if (g_.page_size >= g_.num_tensors()) {
+  auto at = [&](const page_ref& r, int64_t k) {
+    const int64_t kt = g_.kv_tensors();
+    return r.base + (k / kt) * r.layer_pitch + (k % kt) * r.kv_pitch;
+  };
+  const int64_t ep_k = tensor_pitch(g_, e), tp_k = tensor_pitch(g_, t);
+  if (g_.page_size >= g_.num_tensors() || ep_k < 0 || tp_k < 0) {
     for (int64_t k = 0; k < g_.num_tensors(); ++k) {  // rows = tokens
-      const int64_t eo = e.base + k * e.k_pitch + j * row;
-      const int64_t to = t.base + k * t.k_pitch;
-      if (to_tp) op(e, eo, ep_pitch, t, to, row, g_.page_size, row);
-      else op(t, to, row, e, eo, ep_pitch, g_.page_size, row);
+      const int64_t eo = at(e, k) + j * row;
+      const int64_t to = at(t, k);
+      if (to_tp)
+        op(e, eo, ep_pitch, t, to, row, g_.page_size, row);
+      else
+        op(t, to, row, e, eo, ep_pitch, g_.page_size, row);
     }
     return;
   }
   for (int64_t i = 0; i < g_.page_size; ++i) {  // rows = tensors
     const int64_t eo = e.base + i * ep_pitch + j * row;
     const int64_t to = t.base + i * row;
-    if (to_tp) op(e, eo, e.k_pitch, t, to, t.k_pitch, g_.num_tensors(), row);
-    else op(t, to, t.k_pitch, e, eo, e.k_pitch, g_.num_tensors(), row);
+    if (to_tp)
+      op(e, eo, ep_k, t, to, tp_k, g_.num_tensors(), row);
+    else
+      op(t, to, tp_k, e, eo, ep_k, g_.num_tensors(), row);
   }
 }
 

@@ -20,7 +20,8 @@ const char* to_string(page_state s) {
   return "?";
 }
 
-round_scheduler::round_scheduler(const kv_geometry& g, const kv_staging& staging,
+round_scheduler::round_scheduler(const kv_geometry& g, const kv_pool_layout& layout,
+                                 const kv_staging& staging,
                                  int64_t num_slots, int64_t slot_bytes, int64_t max_rounds,
                                  std::string direction, plan& out)
     : g_(g),
@@ -31,7 +32,7 @@ round_scheduler::round_scheduler(const kv_geometry& g, const kv_staging& staging
       max_rounds_(max_rounds),
       direction_(std::move(direction)),
       out_(out),
-      emit_(g, staging),
+      emit_(g, layout, staging),
       state_(g.num_ranks, g.num_tp_pages(), page_state::free),
       group_free_(g.num_ranks, g.num_ep_pages, static_cast<int32_t>(g.tp_pages_per_ep_page())),
       free_count_(idx(g.num_ranks), g.num_tp_pages()),

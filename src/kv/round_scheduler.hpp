@@ -63,7 +63,8 @@ class round_scheduler {
  public:
   // `direction` names the migration in reports ("EP->TP"); `num_slots` staging slots per rank
   // of `slot_bytes` each; the plan's phases are appended to `out`.
-  round_scheduler(const kv_geometry& g, const kv_staging& staging, int64_t num_slots,
+  round_scheduler(const kv_geometry& g, const kv_pool_layout& layout, const kv_staging& staging,
+                  int64_t num_slots,
                   int64_t slot_bytes, int64_t max_rounds, std::string direction, plan& out);
 
   // --- pool (TP pages) ---------------------------------------------------------------------

@@ -40,14 +40,14 @@ struct tp_item {
 
 class tp_to_ep_rounds {
  public:
-  tp_to_ep_rounds(const kv_geometry& g, const kv_state& s, const kv_placement& pl,
-                  const kv_migration_options& opt, kv_migration& res)
+  tp_to_ep_rounds(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                  const kv_placement& pl, const kv_migration_options& opt, kv_migration& res)
       : g_(g),
         P_(g.num_ranks),
         split_(g.tp_pages_per_ep_page()),
         reps_(g.tp_replicas()),
-        contiguous_(slices_contiguous(g)),
-        sch_(g, opt.staging, staging_slots(g, opt, parallel_mode::ep),
+        contiguous_(kv_slices_in_place(g, layout)),
+        sch_(g, layout, opt.staging, staging_slots(g, opt, parallel_mode::ep),
              kv_staging_slot_bytes(g, parallel_mode::ep), opt.max_rounds, "TP->EP", res.copies),
         loc_(P_, g.num_tp_pages(), -1),
         l_of_(P_, g.num_tp_pages(), -1),
@@ -485,7 +485,8 @@ class tp_to_ep_rounds {
 
 }  // namespace
 
-outcome plan_tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migration_options& opt) {
+outcome plan_tp_to_ep(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                      const kv_migration_options& opt) {
   outcome out;
   const int P = g.num_ranks;
   const int64_t n_ep = g.num_ep_pages;
@@ -536,7 +537,7 @@ outcome plan_tp_to_ep(const kv_geometry& g, const kv_state& s, const kv_migratio
     return out;
   }
   res.stats.imbalance = pl->imbalance;
-  tp_to_ep_rounds rounds(g, s, *pl, opt, res);
+  tp_to_ep_rounds rounds(g, layout, s, *pl, opt, res);
   if (!rounds.run()) {
     out.ok = false;
     out.reason = rounds.failure();

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <random>
@@ -98,9 +99,15 @@ inline void ref_heads(const kv_geometry& g, parallel_mode m, int r, int64_t& fir
 
 using pools = std::vector<std::vector<std::byte>>;
 
+// Where (mode, layer, kv, page, local head, token, dim) lies in a pool of another layout than
+// the present one (kv_layout_model.hpp); null = ref_offset.
+using ref_offset_fn = std::function<int64_t(parallel_mode, int64_t, int64_t, int64_t, int64_t,
+                                            int64_t, int64_t)>;
+
 // Visits every valid element of every sequence of `s`: f(rank, offset, expected byte).
 template <class F>
-void for_each_element(const kv_geometry& g, const kv_state& s, const content_map& c, F&& f) {
+void for_each_element(const kv_geometry& g, const kv_state& s, const content_map& c, F&& f,
+                      const ref_offset_fn* where = nullptr) {
   const int64_t elem = dtype_bytes(g.type);
   const int64_t tensors_per_layer = g.num_kv_heads == 0 ? 1 : 2;
   for (int r = 0; r < g.num_ranks; ++r) {
@@ -116,8 +123,9 @@ void for_each_element(const kv_geometry& g, const kv_state& s, const content_map
             for (int64_t h = 0; h < count; ++h)
               for (int64_t t = 0; t < tokens; ++t)
                 for (int64_t d = 0; d < g.head_dim; ++d) {
-                  const int64_t off = ref_offset(g, s.mode, layer, kv, q.pages[static_cast<size_t>(k)],
-                                                 h, t, d);
+                  const int64_t page = q.pages[static_cast<size_t>(k)];
+                  const int64_t off = where ? (*where)(s.mode, layer, kv, page, h, t, d)
+                                            : ref_offset(g, s.mode, layer, kv, page, h, t, d);
                   for (int64_t b = 0; b < elem; ++b)
                     f(r, off + b,
                       ref_value(content, layer, kv, first + h, k * g.page_size + t, d, b));
@@ -128,16 +136,17 @@ void for_each_element(const kv_geometry& g, const kv_state& s, const content_map
 }
 
 inline void fill_reference(const kv_geometry& g, const kv_state& s, const content_map& c,
-                           pools& p) {
-  for_each_element(g, s, c, [&](int r, int64_t off, std::byte v) {
-    p[static_cast<size_t>(r)][static_cast<size_t>(off)] = v;
-  });
+                           pools& p, const ref_offset_fn* where = nullptr) {
+  for_each_element(
+      g, s, c,
+      [&](int r, int64_t off, std::byte v) { p[static_cast<size_t>(r)][static_cast<size_t>(off)] = v; },
+      where);
 }
 
 // "" when every element is where the tables say and equals the reference, else the first
 // mismatch.
 inline std::string check_reference(const kv_geometry& g, const kv_state& s, const content_map& c,
-                                   const pools& p) {
+                                   const pools& p, const ref_offset_fn* where = nullptr) {
   std::string err;
   int64_t bad = 0;
   for_each_element(g, s, c, [&](int r, int64_t off, std::byte v) {
@@ -147,7 +156,7 @@ inline std::string check_reference(const kv_geometry& g, const kv_state& s, cons
       os << "rank " << r << " offset " << off << ": expected " << int(v) << " got " << int(got);
       err = os.str();
     }
-  });
+  }, where);
   if (bad) err += " (" + std::to_string(bad) + " bytes differ)";
   return err;
 }

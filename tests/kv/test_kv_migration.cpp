@@ -6,6 +6,7 @@
 #include <random>
 
 #include "kv_cases.hpp"
+#include "kv_layout_model.hpp"
 #include "kv_reference.hpp"
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/plan/rollback.hpp"
@@ -20,6 +21,10 @@ namespace {
 struct memory {
   pools kv;     // [P][pool_bytes]
   pools arena;  // [P][staging bytes]
+  // The pool's layout and the model's offsets (present: the library default and ref_offset).
+  kv_pool_layout layout;
+  ref_offset_fn model;
+  const ref_offset_fn* where() const { return model ? &model : nullptr; }
 
   std::vector<rank_memory> spans() {
     std::vector<rank_memory> out(kv.size());
@@ -32,16 +37,26 @@ struct memory {
 };
 
 // Random bytes everywhere (a page a plan forgets to write then differs), then the reference.
-memory make_memory(std::mt19937_64& rng, const kv_case& c, int64_t staging_bytes) {
+// `model` (optional): the pool is that engine array instead of the present layout.
+memory make_memory(std::mt19937_64& rng, const kv_case& c, int64_t staging_bytes,
+                   const layout_model* model = nullptr) {
   memory m;
+  m.layout = present_kv_layout(c.g);
+  if (model) {
+    m.layout = model->layout(c.g);
+    m.model = [g = c.g, md = *model](parallel_mode mode, int64_t l, int64_t kv, int64_t p,
+                                     int64_t h, int64_t t, int64_t d) {
+      return md.offset(g, mode, l, kv, p, h, t, d);
+    };
+  }
   m.kv.assign(static_cast<size_t>(c.g.num_ranks),
-              std::vector<std::byte>(static_cast<size_t>(c.g.pool_bytes())));
+              std::vector<std::byte>(static_cast<size_t>(m.layout.pool_bytes)));
   m.arena.assign(static_cast<size_t>(c.g.num_ranks),
                  std::vector<std::byte>(static_cast<size_t>(staging_bytes + 64)));
   for (auto* ps : {&m.kv, &m.arena})
     for (auto& p : *ps)
       for (auto& b : p) b = static_cast<std::byte>(rng() & 0xFF);
-  fill_reference(c.g, c.state, c.content, m.kv);
+  fill_reference(c.g, c.state, c.content, m.kv, m.where());
   return m;
 }
 
@@ -71,21 +86,29 @@ struct step_result {
 step_result migrate_and_check(kv_case& c, memory& m, parallel_mode target,
                               const kv_migration_options& opt) {
   step_result out;
-  out.rep = check_kv_capacity(c.g, c.state, target, opt);
+  out.rep = check_kv_capacity(c.g, m.layout, c.state, target, opt);
+  // The layout changes addresses only: the present layout's verdict and rounds are the same.
+  // (The planner's choices depend on the layout only through kv_slices_in_place.)
+  if (kv_slices_in_place(c.g, m.layout) == kv_slices_in_place(c.g, present_kv_layout(c.g))) {
+    const kv_capacity_report present = check_kv_capacity(c.g, c.state, target, opt);
+    REQUIRE(present.fits == out.rep.fits);
+    REQUIRE(present.rounds == out.rep.rounds);
+  }
   if (!out.rep.fits) {
     INFO(out.rep.reason);
     CHECK(!out.rep.reason.empty());
     const pools before = m.kv;
-    REQUIRE_THROWS_AS(plan_kv_migration(c.g, c.state, target, opt), moebius::error);
+    REQUIRE_THROWS_AS(plan_kv_migration(c.g, m.layout, c.state, target, opt), moebius::error);
     try {
-      (void)plan_kv_migration(c.g, c.state, target, opt);
+      (void)plan_kv_migration(c.g, m.layout, c.state, target, opt);
     } catch (const moebius::error& e) {
       CHECK(e.code() == errc::capacity);
     }
     REQUIRE(m.kv == before);
     return out;
   }
-  kv_migration mig = plan_kv_migration(c.g, c.state, target, opt);
+  kv_migration mig = plan_kv_migration(c.g, m.layout, c.state, target, opt);
+  INFO(m.layout);
   INFO(c.g << " " << to_string(c.state.mode) << "->" << to_string(target) << " " << mig.stats);
   REQUIRE(mig.stats.rounds == out.rep.rounds);
   REQUIRE(static_cast<int64_t>(mig.copies.phases.size()) == mig.stats.rounds);
@@ -99,7 +122,8 @@ step_result migrate_and_check(kv_case& c, memory& m, parallel_mode target,
   int64_t distinct = 0;
   for (int r = 0; r < c.g.num_ranks; ++r) distinct += used_pages(c.g, ep_side, r);
   REQUIRE(mig.stats.pages_moved == distinct);
-  if (target == parallel_mode::tp && c.g.layout == kv_layout::hnd && mig.stats.pages_staged == 0)
+  if (target == parallel_mode::tp && m.layout.preset == kv_preset::present &&
+      c.g.layout == kv_layout::hnd && mig.stats.pages_staged == 0)
     REQUIRE(mig.copies.num_ops() == distinct * (c.g.num_ranks - 1));
   host_transport tr(m.spans());
   // A phase with ops to fault in (pick one from the state's shape, so it varies).
@@ -118,14 +142,14 @@ step_result migrate_and_check(kv_case& c, memory& m, parallel_mode target,
     REQUIRE_THROWS_AS(tr.execute(mig.copies), moebius::error);
     REQUIRE(tr.completed_phases() == k);
     tr.execute(rollback_plan(mig.copies, tr.completed_phases()));
-    REQUIRE(check_reference(c.g, c.state, c.content, m.kv) == "");
+    REQUIRE(check_reference(c.g, c.state, c.content, m.kv, m.where()) == "");
     // And a full run, then a full rollback, then the run again.
     tr.execute(mig.copies);
     tr.execute(rollback_plan(mig.copies, static_cast<int64_t>(mig.copies.phases.size())));
-    REQUIRE(check_reference(c.g, c.state, c.content, m.kv) == "");
+    REQUIRE(check_reference(c.g, c.state, c.content, m.kv, m.where()) == "");
   }
   tr.execute(mig.copies);
-  REQUIRE(check_reference(c.g, mig.new_state, c.content, m.kv) == "");
+  REQUIRE(check_reference(c.g, mig.new_state, c.content, m.kv, m.where()) == "");
   c.state = std::move(mig.new_state);
   out.ran = true;
   return out;
@@ -523,4 +547,90 @@ TEST_CASE("find_phase_hazard finds overlapping destinations and sources", "[kv][
   b.dst_space = memory_space::arena;
   p.phases.push_back({"spaces", {a, b}, {}});
   CHECK(find_phase_hazard(p) == "");
+}
+
+// The same property test over the engines' own layouts: each preset and random engine-like
+// arrays (kv_layout_model.hpp), pools filled and checked through the independent model.
+TEST_CASE("KV EP->TP->EP round trips in engine layouts (presets, random strides)",
+          "[kv][migration][layout]") {
+  std::mt19937_64 rng(kv_test_seed() + 11);
+  static constexpr double occupancies[] = {0.1, 0.25, 0.5, 0.9, 1.0};
+  static constexpr kv_preset presets[] = {kv_preset::present, kv_preset::vllm_flash_attn,
+                                          kv_preset::vllm_flashinfer, kv_preset::sglang_mha,
+                                          kv_preset::custom};
+  int64_t round_trips = 0;
+  for (int iter = 0; iter < 100; ++iter) {
+    const kv_preset preset = presets[iter % 5];
+    kv_geometry g = random_kv_geometry(rng, uni(rng, 1, 4) * 16384);
+    if (preset == kv_preset::sglang_mha) g.layout = kv_layout::nhd;
+    const layout_model model =
+        preset == kv_preset::custom ? random_layout_model(rng, g) : preset_model(preset, g);
+    REQUIRE(model.layout(g).ep == (preset == kv_preset::custom ? model.layout(g).ep
+                                                               : kv_preset_layout(preset, g).ep));
+    kv_case c = random_kv_case(rng, g, parallel_mode::ep, pick_one(rng, occupancies),
+                               pick_one(rng, {int64_t{1}, int64_t{7}, int64_t{100}, int64_t{4096}}));
+    kv_migration_options opt;
+    const int64_t slots = pick_one(rng, {int64_t{0}, int64_t{1}, int64_t{4}});
+    opt.staging = {memory_space::arena, uni(rng, 0, 64),
+                   slots * std::max(kv_staging_slot_bytes(g, parallel_mode::tp),
+                                    kv_staging_slot_bytes(g, parallel_mode::ep))};
+    memory m = make_memory(rng, c, opt.staging.bytes, &model);
+    INFO("iter " << iter << " " << to_string(preset) << " order " << model.order << " " << g
+                 << " occupancy " << c.occupancy << " staging slots " << slots);
+    REQUIRE(check_reference(g, c.state, c.content, m.kv, m.where()) == "");
+    const step_result to_tp = migrate_and_check(c, m, parallel_mode::tp, opt);
+    if (!to_tp.ran) continue;
+    if (migrate_and_check(c, m, parallel_mode::ep, opt).ran) ++round_trips;
+  }
+  INFO("round trips " << round_trips);
+  CHECK(round_trips > 30);
+}
+
+TEST_CASE("KV switches at 90% occupancy in each preset layout", "[kv][rounds][layout]") {
+  std::mt19937_64 rng(kv_test_seed() + 12);
+  for (kv_preset preset : {kv_preset::vllm_flash_attn, kv_preset::vllm_flashinfer,
+                           kv_preset::sglang_mha}) {
+    for (int iter = 0; iter < 4; ++iter) {
+      const kv_layout inner =
+          preset == kv_preset::sglang_mha || iter % 2 ? kv_layout::nhd : kv_layout::hnd;
+      const kv_geometry g = make_kv_geometry(2, pick_one(rng, {int64_t{8}, int64_t{4}}), 2,
+                                             pick_one(rng, {int64_t{1}, int64_t{16}}),
+                                             uni(rng, 40, 120), pick_one(rng, {2, 4, 8}),
+                                             dtype::bf16, inner);
+      const layout_model model = preset_model(preset, g);
+      kv_case c = random_kv_case(rng, g, parallel_mode::ep, 0.9, 4096, 4 * g.page_size);
+      kv_migration_options opt;
+      // Pools whose slices do not stay in place copy the owner's slice out first: one
+      // staging slot covers a rank that happens to be full.
+      if (!kv_slices_in_place(g, kv_preset_layout(preset, g)))
+        opt.staging = {memory_space::arena, 0, kv_staging_slot_bytes(g, parallel_mode::ep)};
+      memory m = make_memory(rng, c, opt.staging.bytes, &model);
+      INFO(to_string(preset) << " " << g << " occupancy " << c.occupancy);
+      REQUIRE(c.occupancy >= 0.88);
+      const step_result to_tp = migrate_and_check(c, m, parallel_mode::tp, opt);
+      INFO(to_tp.rep.reason);
+      if (to_tp.rep.holds) REQUIRE(to_tp.ran);
+      if (!to_tp.ran) continue;
+      const step_result back = migrate_and_check(c, m, parallel_mode::ep, opt);
+      INFO(back.rep.reason);
+      if (back.rep.holds && opt.staging.bytes > 0) CHECK(back.ran);
+    }
+  }
+}
+
+TEST_CASE("KV plans in the present layout are unchanged by the layout overload",
+          "[kv][migration][layout]") {
+  std::mt19937_64 rng(kv_test_seed() + 13);
+  for (int iter = 0; iter < 30; ++iter) {
+    const kv_geometry g = random_kv_geometry(rng, uni(rng, 1, 4) * 16384);
+    const kv_case c = random_kv_case(rng, g, parallel_mode::ep, 0.5, 100);
+    const kv_pool_layout present = present_kv_layout(g);
+    if (!check_kv_capacity(g, c.state, parallel_mode::tp).fits) continue;
+    const kv_migration a = plan_kv_migration(g, c.state, parallel_mode::tp);
+    const kv_migration b = plan_kv_migration(g, present, c.state, parallel_mode::tp);
+    REQUIRE(a.copies == b.copies);
+    // And a packed vLLM FlashAttention cache is the present pool: the same ops.
+    REQUIRE(plan_kv_migration(g, vllm_flash_attn_layout(g), c.state, parallel_mode::tp).copies ==
+            a.copies);
+  }
 }

@@ -24,6 +24,7 @@
 
 #include "support/cuda_test_util.hpp"
 #include "kv_cases.hpp"
+#include "kv_layout_model.hpp"
 #include "kv_reference.hpp"
 #include "moebius/config.hpp"
 #include "moebius/kv/kv_migration.hpp"
@@ -57,6 +58,8 @@ struct gpu_case {
   images initial;
   std::vector<kv_migration> steps;  // EP->TP, then TP->EP when it fits
   std::vector<images> expected;     // host_transport result after each step
+  std::string layout_name;          // the pool's layout (engine presets, random arrays)
+  ref_offset_fn where;              // the layout's independent offsets
 };
 
 std::vector<rank_memory> spans_of(images& m) {
@@ -91,8 +94,24 @@ kv_geometry pick_geometry(std::mt19937_64& rng, int64_t budget) {
 }
 
 // Builds a case whose EP->TP plan fits; false when the random state does not.
+// The pool is in the present layout, an engine preset or a random engine-like array
+// (kv_layout_model.hpp), in turn.
 bool make_case(std::mt19937_64& rng, gpu_case& out) {
-  const kv_geometry g = pick_geometry(rng, uni(rng, 2, 16) * 16384);
+  kv_geometry g = pick_geometry(rng, uni(rng, 2, 16) * 16384);
+  static constexpr kv_preset presets[] = {kv_preset::present, kv_preset::vllm_flash_attn,
+                                          kv_preset::vllm_flashinfer, kv_preset::sglang_mha,
+                                          kv_preset::custom};
+  const kv_preset preset = pick_one(rng, presets);
+  if (preset == kv_preset::sglang_mha) g.layout = kv_layout::nhd;
+  const layout_model model =
+      preset == kv_preset::custom ? random_layout_model(rng, g) : preset_model(preset, g);
+  const kv_pool_layout layout = model.layout(g);
+  const ref_offset_fn where = [g, model](parallel_mode m, int64_t l, int64_t kv, int64_t p,
+                                         int64_t h, int64_t t, int64_t d) {
+    return model.offset(g, m, l, kv, p, h, t, d);
+  };
+  out.layout_name = std::string(to_string(preset)) + " " + model.order;
+  out.where = where;
   static constexpr double occupancies[] = {0.1, 0.25, 0.5, 0.75, 0.9, 1.0};
   out.c = random_kv_case(rng, g, parallel_mode::ep, pick_one(rng, occupancies), 512);
   const int64_t slots = pick_one(rng, {int64_t{0}, int64_t{1}, int64_t{4}});
@@ -100,18 +119,18 @@ bool make_case(std::mt19937_64& rng, gpu_case& out) {
                      slots * std::max(kv_staging_slot_bytes(g, parallel_mode::tp),
                                       kv_staging_slot_bytes(g, parallel_mode::ep))};
   out.arena_bytes = out.opt.staging.offset + out.opt.staging.bytes + 64;
-  if (!check_kv_capacity(g, out.c.state, parallel_mode::tp, out.opt).fits) return false;
-  out.steps.push_back(plan_kv_migration(g, out.c.state, parallel_mode::tp, out.opt));
+  if (!check_kv_capacity(g, layout, out.c.state, parallel_mode::tp, out.opt).fits) return false;
+  out.steps.push_back(plan_kv_migration(g, layout, out.c.state, parallel_mode::tp, out.opt));
   const kv_state& tp = out.steps.back().new_state;
-  if (check_kv_capacity(g, tp, parallel_mode::ep, out.opt).fits)
-    out.steps.push_back(plan_kv_migration(g, tp, parallel_mode::ep, out.opt));
+  if (check_kv_capacity(g, layout, tp, parallel_mode::ep, out.opt).fits)
+    out.steps.push_back(plan_kv_migration(g, layout, tp, parallel_mode::ep, out.opt));
 
   const size_t P = static_cast<size_t>(g.num_ranks);
-  out.initial.kv.assign(P, std::vector<std::byte>(static_cast<size_t>(g.pool_bytes())));
+  out.initial.kv.assign(P, std::vector<std::byte>(static_cast<size_t>(layout.pool_bytes)));
   out.initial.arena.assign(P, std::vector<std::byte>(static_cast<size_t>(out.arena_bytes)));
   for (auto* ps : {&out.initial.kv, &out.initial.arena})
     for (auto& p : *ps) p = random_bytes(rng, p.size());
-  fill_reference(g, out.c.state, out.c.content, out.initial.kv);
+  fill_reference(g, out.c.state, out.c.content, out.initial.kv, &where);
 
   images host = out.initial;
   host_transport tr(spans_of(host));
@@ -120,7 +139,7 @@ bool make_case(std::mt19937_64& rng, gpu_case& out) {
     tr.execute(m.copies);
     out.expected.push_back(host);
   }
-  REQUIRE(check_reference(g, out.steps.back().new_state, out.c.content, host.kv) == "");
+  REQUIRE(check_reference(g, out.steps.back().new_state, out.c.content, host.kv, &where) == "");
   return true;
 }
 
@@ -187,7 +206,8 @@ void run_and_check(const gpu_case& gc, device_images& dev, Run&& run) {
     const images got = dev.download();
     REQUIRE(compare_images(gc.expected[i], got) == "");
     if (i + 1 == gc.steps.size())
-      REQUIRE(check_reference(gc.c.g, gc.steps[i].new_state, gc.c.content, got.kv) == "");
+      REQUIRE(check_reference(gc.c.g, gc.steps[i].new_state, gc.c.content, got.kv, &gc.where) ==
+              "");
   }
 }
 
@@ -274,7 +294,8 @@ TEST_CASE("KV migrations on GPU transports match host_transport byte for byte", 
     const int P = g.num_ranks;
     ++per_p[P];
     if (gc.steps.size() == 2) ++round_trips;
-    INFO("seed " << seed << " iter " << iter << " " << g << " occupancy " << gc.c.occupancy
+    INFO("seed " << seed << " iter " << iter << " " << g << " layout " << gc.layout_name
+                 << " occupancy " << gc.c.occupancy
                  << " seqs " << gc.c.content.size() << " staging " << gc.opt.staging.bytes
                  << " B at " << gc.opt.staging.offset << ", steps " << gc.steps.size());
     {

@@ -18,7 +18,7 @@ const kv_staging no_staging{};
 
 TEST_CASE("round scheduler defers frees to the barrier", "[kv][scheduler]") {
   plan out;
-  round_scheduler sch(g, no_staging, 0, 100, 100, "TEST", out);
+  round_scheduler sch(g, present_kv_layout(g), no_staging, 0, 100, 100, "TEST", out);
   sch.mark_live(1, 7);
   REQUIRE(sch.free_pages(1) == 15);
   REQUIRE(sch.free_in_group(1, 3) == 1);
@@ -44,7 +44,7 @@ TEST_CASE("round scheduler defers frees to the barrier", "[kv][scheduler]") {
 
 TEST_CASE("round scheduler: staging slots come back after the barrier", "[kv][scheduler]") {
   plan out;
-  round_scheduler sch(g, no_staging, 2, 100, 100, "TEST", out);
+  round_scheduler sch(g, present_kv_layout(g), no_staging, 2, 100, 100, "TEST", out);
   REQUIRE(sch.begin_round({1, 0}));
   const int64_t a = sch.take_slot(0), b = sch.take_slot(0);
   CHECK(a != b);
@@ -59,7 +59,7 @@ TEST_CASE("round scheduler reports stuck and max_rounds with ranks and numbers",
           "[kv][scheduler]") {
   {
     plan out;
-    round_scheduler sch(g, no_staging, 0, 64, 100, "TP->EP", out);
+    round_scheduler sch(g, present_kv_layout(g), no_staging, 0, 64, 100, "TP->EP", out);
     for (int64_t t = 0; t < 16; ++t) sch.mark_live(1, t);
     REQUIRE(sch.begin_round({0, 5}));
     CHECK_FALSE(sch.end_round({0, 5}));  // nothing moved
@@ -71,7 +71,7 @@ TEST_CASE("round scheduler reports stuck and max_rounds with ranks and numbers",
   }
   {
     plan out;
-    round_scheduler sch(g, no_staging, 0, 64, 1, "EP->TP", out);
+    round_scheduler sch(g, present_kv_layout(g), no_staging, 0, 64, 1, "EP->TP", out);
     sch.mark_live(0, 3);
     REQUIRE(sch.begin_round({0, 2}));
     sch.fill(1, 3);

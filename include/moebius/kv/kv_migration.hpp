@@ -44,6 +44,7 @@
 #include <string>
 
 #include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/kv/placement.hpp"
 #include "moebius/plan/plan.hpp"
@@ -104,6 +105,19 @@ kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_state& s,
 // Throws errc::invalid_argument for an invalid state or staging region, errc::capacity when
 // check_kv_capacity says no (nothing is built; the caller's memory was never touched).
 kv_migration plan_kv_migration(const kv_geometry& g, const kv_state& s, parallel_mode target,
+                               const kv_migration_options& opt = {});
+
+// The same over a pool in any validated layout (kv_pool_layout.hpp: an engine's own cache
+// tensors): page tables, rounds, staging and capacity are those of the present layout; only
+// the ops' addresses (and how many ops a page piece takes) differ. The overloads above use
+// present_kv_layout(g). Also throws errc::invalid_argument when validate(g, layout) does.
+//   vLLM FlashInfer cache of Qwen3 (H_kv=4, P=8): EP->TP copies every piece (no slice stays in
+//   place: K and V of a block sit side by side, the TP block of a head slice does not).
+kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout& layout,
+                                     const kv_state& s, parallel_mode target,
+                                     const kv_migration_options& opt = {});
+kv_migration plan_kv_migration(const kv_geometry& g, const kv_pool_layout& layout,
+                               const kv_state& s, parallel_mode target,
                                const kv_migration_options& opt = {});
 
 // Bytes of one staging slot (one page piece of every tensor): num_tensors * page_bytes(m).
