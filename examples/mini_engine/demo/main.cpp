@@ -58,6 +58,7 @@
 #endif
 
 #include "engine.hpp"
+#include "step_curves.hpp"
 #include "fake_runtime.hpp"
 #include "options.hpp"
 #include "timeline_svg.hpp"
@@ -936,19 +937,31 @@ int run_demo(demo::options o) {
   }
 
   // The clock.
+  std::unique_ptr<h200_step_model> model_clock;  // under a curves clock: outlives it
   std::unique_ptr<step_clock> clock;
   const bool use_model = o.clock == demo::clock_kind::model ||
                          (o.clock == demo::clock_kind::automatic && !w.on_gpu);
   if (use_model) {
     const priced_model m = priced_of(o, w.kv.num_kv_heads);
-    clock = std::make_unique<h200_step_model>(m, h200_params{}, P, kv_bytes_per_token(w.kv));
+    model_clock = std::make_unique<h200_step_model>(m, h200_params{}, P, kv_bytes_per_token(w.kv));
     std::ostringstream d;
     d << m;
     std::printf("\n  clock: modelled H200 x%d (step_clock.hpp's roofline at DESIGN.md §6-7 rates), "
-                "each step priced as %s (%s), switches by moebius::cost_model at 330 GB/s; not "
-                "measured (the measured curves replace it later); the host's own time is in the "
-                "CSV (measured_ms)\n",
+                "each step priced as %s (%s), switches by moebius::cost_model at 330 GB/s, steps "
+                "beside a progressive switch's copies by the slowdown curve measured on one H200; "
+                "the host's own time is in the CSV (measured_ms)\n",
                 P, demo::to_string(o.priced), d.str().c_str());
+    if (!o.curves.empty()) {
+      step_curves curves = step_curves::from_file(o.curves);
+      MOEBIUS_CHECK(curves.num_ranks() == P, moebius::errc::invalid_argument, "--curves ",
+                    o.curves, ": measured for P=", curves.num_ranks(), ", the demo runs P=", P);
+      std::printf("  decode steps instead from %s: per-rank compute measured on one GPU, "
+                  "collectives priced by a link model (bench_mini_engine_rank_share)\n",
+                  curves.deployment().c_str());
+      clock = std::make_unique<curves_step_clock>(std::move(curves), *model_clock);
+    } else {
+      clock = std::move(model_clock);
+    }
   } else {
     clock = std::make_unique<measured_clock>();
     if (w.on_gpu)

@@ -1,9 +1,12 @@
 #include "options.hpp"
 
+#include <fstream>
+
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string_view>
 
 namespace mini_engine::demo {
@@ -102,6 +105,8 @@ const char* usage_text() {
          "  --clock auto|model|measured  step times: H200 model (host default) or measured\n"
          "                           (GPU default)\n"
          "  --context-scale X        H200 model: context tokens priced x X, [1, 1024] (32)\n"
+         "  --curves FILE            H200 model: decode steps from measured per-rank curves\n"
+         "                           (bench_mini_engine_rank_share's JSON lines)\n"
          "  --out DIR                where the CSV and SVG go (default moebius_demo_out)\n"
          "  --no-reshard             skip the verified-reshard stage\n"
          "  --help                   this text\n";
@@ -181,6 +186,9 @@ options parse_options(int argc, const char* const* argv) {
       else fail(a, "'" + std::string(v) + "' is not one of auto, model, measured");
     } else if (a == "--context-scale") {
       o.context_scale = parse_double(a, value(), 1, 1024);
+    } else if (a == "--curves") {
+      o.curves = std::string(value());
+      if (!std::ifstream(o.curves).good()) fail(a, "cannot open " + o.curves);
     } else if (a == "--out") {
       const std::string_view v = value();
       if (v.empty()) fail(a, "needs a directory name");

@@ -48,6 +48,9 @@ struct options {
   int64_t step_tokens = 1024;    // token budget per step (chunked prefill)
   clock_kind clock = clock_kind::automatic;
   double context_scale = 32;     // H200 model: each context token priced as this many
+  // H200 model: decode steps from measured per-rank curves (bench_mini_engine_rank_share's
+  // JSON lines, serving/step_curves.hpp) instead of the roofline; empty: the roofline.
+  std::string curves;
   std::string out_dir = "moebius_demo_out";
   bool reshard_stage = true;
   bool help = false;

@@ -1,0 +1,161 @@
+#include "step_curves.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <istream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+#include <moebius/error.hpp>
+
+namespace mini_engine {
+
+using moebius::errc;
+using moebius::parallel_mode;
+
+namespace {
+
+auto key(const step_curve_point& p) {
+  return std::make_tuple(static_cast<int>(p.mode), p.context, p.batch);
+}
+
+}  // namespace
+
+step_curves::step_curves(std::vector<step_curve_point> points, std::string deployment)
+    : points_(std::move(points)), deployment_(std::move(deployment)) {
+  for (size_t i = 0; i < points_.size(); ++i) {
+    const step_curve_point& p = points_[i];
+    MOEBIUS_CHECK(p.batch >= 1 && p.context >= 1 && p.step_ms > 0 && std::isfinite(p.step_ms),
+                  errc::invalid_argument, "step_curves (", deployment_, "): point ", i,
+                  " needs batch >= 1, context >= 1 and a positive step_ms (got batch ", p.batch,
+                  ", context ", p.context, ", step_ms ", p.step_ms, ")");
+  }
+  std::sort(points_.begin(), points_.end(),
+            [](const step_curve_point& a, const step_curve_point& b) { return key(a) < key(b); });
+  for (size_t i = 1; i < points_.size(); ++i) {
+    MOEBIUS_CHECK(key(points_[i - 1]) != key(points_[i]), errc::invalid_argument,
+                  "step_curves (", deployment_, "): ", moebius::to_string(points_[i].mode),
+                  " context ", points_[i].context, " batch ", points_[i].batch, " twice");
+  }
+  for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+    MOEBIUS_CHECK(std::any_of(points_.begin(), points_.end(),
+                              [m](const step_curve_point& p) { return p.mode == m; }),
+                  errc::invalid_argument, "step_curves (", deployment_, "): no ",
+                  moebius::to_string(m), " point");
+  }
+}
+
+step_curves step_curves::from_jsonl(std::istream& in, const std::string& source) {
+  std::vector<step_curve_point> points;
+  std::string line, model;
+  int P = 0;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      step_curve_point p;
+      const std::string mode = j.at("mode").get<std::string>();
+      MOEBIUS_CHECK(mode == "tp" || mode == "ep", errc::invalid_argument, "mode \"", mode,
+                    "\" is neither tp nor ep");
+      p.mode = mode == "tp" ? parallel_mode::tp : parallel_mode::ep;
+      p.context = j.at("context").get<int64_t>();
+      p.batch = j.at("batch").get<int64_t>();
+      p.step_ms = j.at("step_ms").get<double>();
+      const std::string m = j.at("model").get<std::string>();
+      const int p_ranks = j.at("P").get<int>();
+      if (points.empty()) {
+        model = m;
+        P = p_ranks;
+      }
+      MOEBIUS_CHECK(m == model && p_ranks == P, errc::invalid_argument, "model ", m, " P=",
+                    p_ranks, " where the file began with ", model, " P=", P);
+      points.push_back(p);
+    } catch (const nlohmann::json::exception& e) {
+      MOEBIUS_FAIL(errc::invalid_argument, "line ", n, " of ", source, ": ", e.what());
+    } catch (const moebius::error& e) {
+      MOEBIUS_FAIL(errc::invalid_argument, "line ", n, " of ", source, ": ", e.what());
+    }
+  }
+  MOEBIUS_CHECK(!points.empty(), errc::invalid_argument, source, ": no curve points");
+  step_curves c(std::move(points), model + " P=" + std::to_string(P) + " (" + source + ")");
+  c.num_ranks_ = P;
+  return c;
+}
+
+step_curves step_curves::from_file(const std::string& path) {
+  std::ifstream in(path);
+  MOEBIUS_CHECK(in.good(), errc::invalid_argument, "step_curves: cannot open ", path);
+  return from_jsonl(in, path);
+}
+
+double step_curves::row_ms(parallel_mode m, int64_t context, double batch) const {
+  std::vector<const step_curve_point*> row;
+  for (const step_curve_point& p : points_)
+    if (p.mode == m && p.context == context) row.push_back(&p);
+  if (row.size() == 1 || batch <= static_cast<double>(row.front()->batch)) return row.front()->step_ms;
+  for (size_t i = 1; i < row.size(); ++i) {
+    const double b0 = static_cast<double>(row[i - 1]->batch), b1 = static_cast<double>(row[i]->batch);
+    if (batch <= b1) {
+      const double t = (std::log2(batch) - std::log2(b0)) / (std::log2(b1) - std::log2(b0));
+      return row[i - 1]->step_ms + t * (row[i]->step_ms - row[i - 1]->step_ms);
+    }
+  }
+  // Beyond the largest batch: the last segment's slope in the batch.
+  const step_curve_point& a = *row[row.size() - 2];
+  const step_curve_point& b = *row.back();
+  const double slope = (b.step_ms - a.step_ms) / static_cast<double>(b.batch - a.batch);
+  return b.step_ms + slope * (batch - static_cast<double>(b.batch));
+}
+
+double step_curves::step_ms(parallel_mode m, double batch, double context) const {
+  std::vector<int64_t> contexts;
+  for (const step_curve_point& p : points_)
+    if (p.mode == m && (contexts.empty() || contexts.back() != p.context)) contexts.push_back(p.context);
+  if (context <= static_cast<double>(contexts.front())) return row_ms(m, contexts.front(), batch);
+  if (context >= static_cast<double>(contexts.back())) return row_ms(m, contexts.back(), batch);
+  for (size_t i = 1; i < contexts.size(); ++i) {
+    const double c0 = static_cast<double>(contexts[i - 1]), c1 = static_cast<double>(contexts[i]);
+    if (context <= c1) {
+      const double a = row_ms(m, contexts[i - 1], batch), b = row_ms(m, contexts[i], batch);
+      return a + (b - a) * (context - c0) / (c1 - c0);
+    }
+  }
+  return row_ms(m, contexts.back(), batch);
+}
+
+curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& model)
+    : curves_(std::move(curves)),
+      model_(model),
+      name_("measured per-rank step curves of " + curves_.deployment() +
+            " for decode steps; prefill, switches and overlap: " + model.name()) {}
+
+double curves_step_clock::step_s(const step_cost& c, double measured_s) const {
+  if (c.num_sequences <= 0 || c.new_tokens != c.num_sequences) return model_.step_s(c, measured_s);
+  const double context = static_cast<double>(c.context_tokens) /
+                         static_cast<double>(c.num_sequences) * model_.model().context_scale;
+  return curves_.step_ms(c.mode, static_cast<double>(c.num_sequences), context) * 1e-3;
+}
+
+double curves_step_clock::switch_s(const moebius::switch_report& r) const { return model_.switch_s(r); }
+int64_t curves_step_clock::layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const {
+  return model_.layer_bytes(run, run_layers);
+}
+moebius::link_rate curves_step_clock::link() const { return model_.link(); }
+double curves_step_clock::copies_s(const switch_copies& copies) const { return model_.copies_s(copies); }
+double curves_step_clock::predicted_switch_s(const moebius::layer_bytes& run,
+                                             int64_t run_layers) const {
+  return model_.predicted_switch_s(run, run_layers);
+}
+overlap_slowdown curves_step_clock::slowdown() const { return model_.slowdown(); }
+
+double curves_step_clock::switch_step_s(const step_cost& cost, double measured_step_s,
+                                        const switch_copies& copies) const {
+  const double step = step_s(cost, measured_step_s), copy = copies_s(copies);
+  const overlap_slowdown slow = slowdown();
+  if (!slow.known()) return copy + step;
+  return std::max(step * slow.at(step, copies.bytes), copy);
+}
+
+}  // namespace mini_engine

@@ -1,0 +1,86 @@
+#pragma once
+
+// Per-rank decode-step curves of a deployment, as bench_mini_engine_rank_share measures them on
+// one GPU (gpu/bench_rank_share.cu: one rank's share at full size, compute measured, collectives
+// priced by a link model), and a priced clock that prices decode steps from them.
+//
+// The file: JSON lines, one per (mode, context, batch), with at least
+//   {"model": "qwen3_235b", "P": 8, "mode": "tp", "context": 2048, "batch": 128,
+//    "compute_ms": 9.81, "comm_priced_ms": 2.77, "step_ms": 12.58}
+// (the bench writes more fields; they are ignored). step_ms is the curve: compute measured plus
+// collectives priced, both kept in the file.
+//
+// Between the points: linear in log2(batch) within a context's row (beyond the largest batch, the
+// last segment's slope in the batch itself; below the smallest, the smallest), then linear in
+// the context between the two measured contexts that bracket it (outside them, the nearest).
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include <moebius/layout/parallel_mode.hpp>
+
+#include "step_clock.hpp"
+
+namespace mini_engine {
+
+struct step_curve_point {
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  int64_t context = 0;  // tokens per sequence the step attends
+  int64_t batch = 0;    // sequences of the deployment (not of the rank)
+  double step_ms = 0;
+};
+
+class step_curves {
+ public:
+  // Every mode needs a point; each point a positive batch, context and step_ms, and no
+  // (mode, context, batch) twice. Throws errc::invalid_argument naming the offending point.
+  step_curves(std::vector<step_curve_point> points, std::string deployment);
+  // The bench's JSON lines; `source` names the file in errors ("line 3 of <source>: ...") and
+  // in deployment(). All lines must name one model and one P.
+  static step_curves from_jsonl(std::istream& in, const std::string& source);
+  static step_curves from_file(const std::string& path);
+
+  // The step of `batch` sequences at `context` tokens each, in ms (see the top).
+  double step_ms(moebius::parallel_mode m, double batch, double context) const;
+  // "qwen3_235b P=8 (<source>)".
+  const std::string& deployment() const { return deployment_; }
+  int num_ranks() const { return num_ranks_; }
+
+ private:
+  double row_ms(moebius::parallel_mode m, int64_t context, double batch) const;
+
+  std::vector<step_curve_point> points_;  // sorted by mode, context, batch
+  std::string deployment_;
+  int num_ranks_ = 0;
+};
+
+// The priced clock with measured curves: decode steps (every item one new token) from `curves`
+// at the step's batch and its mean context scaled by the priced model's context_scale; prefill
+// steps, switches, the link and the overlap slowdown from `model` (h200_step_model, which says
+// so in its own name). The clock's name says both.
+class curves_step_clock final : public step_clock {
+ public:
+  curves_step_clock(step_curves curves, const h200_step_model& model);
+
+  double step_s(const step_cost& cost, double measured_s) const override;
+  double switch_s(const moebius::switch_report& report) const override;
+  const char* name() const override { return name_.c_str(); }
+  bool needs_measurement() const override { return false; }
+  int64_t layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const override;
+  moebius::link_rate link() const override;
+  double copies_s(const switch_copies& copies) const override;
+  // As h200_step_model's, with this clock's step: max(step x slowdown, copies).
+  double switch_step_s(const step_cost& cost, double measured_step_s,
+                       const switch_copies& copies) const override;
+  double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
+  overlap_slowdown slowdown() const override;
+
+ private:
+  step_curves curves_;
+  const h200_step_model& model_;
+  std::string name_;
+};
+
+}  // namespace mini_engine

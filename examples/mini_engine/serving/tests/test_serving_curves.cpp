@@ -1,0 +1,100 @@
+// Measured per-rank step curves (step_curves.hpp): the bench's JSON lines read back, the
+// interpolation against values worked out by hand, every malformed input a clear error, and the
+// priced clock that takes decode steps from the curves and everything else from the H200 model.
+#include <sstream>
+#include <string>
+
+#include <moebius/error.hpp>
+
+#include "catch.hpp"
+#include "step_curves.hpp"
+
+using namespace mini_engine;
+using moebius::parallel_mode;
+
+namespace {
+
+// TP: 10 ms at batch 1, 14 at 4 (context 512); 20 and 28 at context 1536. EP: flat 12 ms.
+const char* k_file =
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"compute_ms\": 9, \"comm_priced_ms\": 1, \"step_ms\": 10}\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 4, \"step_ms\": 14}\n"
+    "\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 1536, \"batch\": 1, \"step_ms\": 20}\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 1536, \"batch\": 4, \"step_ms\": 28}\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 12}\n";
+
+step_curves parse(const std::string& text) {
+  std::istringstream in(text);
+  return step_curves::from_jsonl(in, "test.jsonl");
+}
+
+std::string error_of(const std::string& text) {
+  try {
+    parse(text);
+  } catch (const moebius::error& e) {
+    CHECK(e.code() == moebius::errc::invalid_argument);
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("step curves: read back and interpolated", "[cpu][curves]") {
+  const step_curves c = parse(k_file);
+  CHECK(c.num_ranks() == 8);
+  CHECK(c.deployment() == "qwen3_235b P=8 (test.jsonl)");
+  CHECK(c.step_ms(parallel_mode::tp, 1, 512) == Approx(10));
+  CHECK(c.step_ms(parallel_mode::tp, 2, 512) == Approx(12));   // halfway in log2(batch)
+  CHECK(c.step_ms(parallel_mode::tp, 8, 512) == Approx(14 + 4 * 4.0 / 3));  // beyond: 4/3 ms a sequence
+  CHECK(c.step_ms(parallel_mode::tp, 0.5, 512) == Approx(10)); // below: the smallest
+  CHECK(c.step_ms(parallel_mode::tp, 2, 1024) == Approx(18));  // halfway between 12 and 24
+  CHECK(c.step_ms(parallel_mode::tp, 4, 4096) == Approx(28));  // above the contexts: the nearest
+  CHECK(c.step_ms(parallel_mode::ep, 64, 100) == Approx(12));  // one point
+}
+
+TEST_CASE("step curves: malformed files are errors that name the line", "[cpu][curves]") {
+  CHECK_THAT(error_of("{\"model\": \"m\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 1}\n"),
+             Catch::Contains("line 1 of test.jsonl"));
+  CHECK_THAT(error_of(std::string(k_file) + "not json\n"), Catch::Contains("line 7"));
+  CHECK_THAT(error_of(std::string(k_file) +
+                      "{\"model\": \"qwen3_30b\", \"P\": 2, \"mode\": \"ep\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
+             Catch::Contains("where the file began with qwen3_235b P=8"));
+  CHECK_THAT(error_of(std::string(k_file) +
+                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"xp\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
+             Catch::Contains("neither tp nor ep"));
+  CHECK_THAT(error_of(std::string(k_file) +
+                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 3}\n"),
+             Catch::Contains("twice"));
+  CHECK_THAT(error_of("{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"step_ms\": 1}\n"),
+             Catch::Contains("no EP point"));
+  CHECK_THAT(error_of("{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 0, \"step_ms\": 1}\n"),
+             Catch::Contains("batch >= 1"));
+  CHECK_THAT(error_of(""), Catch::Contains("no curve points"));
+  CHECK_THROWS_AS(step_curves::from_file("/nonexistent/curves.jsonl"), moebius::error);
+}
+
+TEST_CASE("the curves clock: decode steps from the curves, the rest from the model",
+          "[cpu][curves]") {
+  priced_model pm;
+  pm.context_scale = 4;
+  const h200_step_model model(pm, h200_params{}, 8, 1024);
+  const curves_step_clock clock(parse(k_file), model);
+  CHECK(std::string(clock.name()).find("qwen3_235b P=8") != std::string::npos);
+  CHECK(std::string(clock.name()).find("modelled H200") != std::string::npos);
+  step_cost decode;
+  decode.mode = parallel_mode::tp;
+  decode.num_ranks = 8;
+  decode.num_sequences = decode.new_tokens = 2;
+  decode.context_tokens = 2 * 256;  // 256 a sequence, priced x4: context 1024
+  CHECK(clock.step_s(decode, 0) == Approx(18e-3));
+  step_cost prefill = decode;
+  prefill.new_tokens = 40;
+  CHECK(clock.step_s(prefill, 0) == Approx(model.step_s(prefill, 0)));
+  const switch_copies copies{0.0, int64_t{1} << 30};
+  const double slow = model.slowdown().at(18e-3, copies.bytes);
+  CHECK(clock.switch_step_s(decode, 0, copies) ==
+        Approx(std::max(18e-3 * slow, model.copies_s(copies))));
+  CHECK(clock.link().bytes_per_s == model.link().bytes_per_s);
+  CHECK(!clock.needs_measurement());
+}
