@@ -97,8 +97,20 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
   // No two tensors' pages overlap: pieces b_k + p*S and b_k' + p'*S (length pb) meet iff some
   // m = p' - p in [-(N-1), N-1] has |(b_k - b_k') - m*S| < pb; the distance is convex in m, so
   // the nearest two m (clamped) decide.
-  for (int64_t a = 0; a < T; ++a) {
-    for (int64_t c = a + 1; c < T; ++c) {
+  // Only tensors whose byte ranges [base, base + (N-1) S + pb) intersect can meet: sweep them in
+  // order of base (O(T log T) for layouts whose tensors lie apart, the present one among them;
+  // interleaved ones, K and V side by side, compare only the pairs that interleave).
+  const int64_t extent = (N - 1) * s.page + pb;  // checked above, per tensor
+  std::vector<int64_t> order(static_cast<size_t>(T));
+  for (int64_t k = 0; k < T; ++k) order[static_cast<size_t>(k)] = k;
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return tensor_base(g, s, x) < tensor_base(g, s, y);
+  });
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int64_t a = order[i];
+    for (size_t j = i + 1;
+         j < order.size() && tensor_base(g, s, order[j]) < tensor_base(g, s, a) + extent; ++j) {
+      const int64_t c = order[j];
       const int64_t d = tensor_base(g, s, a) - tensor_base(g, s, c);
       int64_t cand[2] = {0, 0};
       if (s.page > 0 && N > 1) {
