@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements still owed by the open issues (2026-12-02), in one script for
+# the device machine, from a carry built here with
+#   scripts/carry-build test_mini_engine_gpu_hf test_serving_soak_gpu test_kv_migration_gpu \
+#     bench_mini_engine_rank_share bench_kv_migration_gpu bench_mini_engine_switch_under_load
+# Each part writes into $OUT; parts: hf soak kv curves30 curves235 kvblocks (default: all).
+#   hf        issue 21: checkpoints transformers wrote, streamed to the GPU runtime
+#   soak      issue 22: the serving soak on the GPU runtime (virtual ranks)
+#   kv        issue 25: KV migration per layout preset and random strides, and its rates
+#   curves30  issue 20: per-rank TP/EP step curves, Qwen3-30B-A3B at P = 2 and 4
+#   curves235 issue 20: the same for Qwen3-235B-A22B at P = 8 (the paper's deployment)
+#   kvblocks  issue 19: the progressive switch at P = 4, 90% occupancy, KV kernel grid 16 / 0
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+export NCCL_NVLS_ENABLE=0
+export LD_LIBRARY_PATH="$root/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+OUT="${OUT:-$root/gpu-check-out}"
+mkdir -p "$OUT"
+bin=.carry/bin
+parts=("$@")
+((${#parts[@]})) || parts=(hf soak kv curves30 curves235 kvblocks)
+status=0
+run() {  # name, timeout, command...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "$name: exit $rc"
+  tail -n 6 "$OUT/$name.txt"
+  ((rc == 0)) || status=1
+}
+for p in "${parts[@]}"; do
+  case $p in
+    hf) run hf 300 "$bin/test_mini_engine_gpu_hf" ;;
+    soak) run soak 400 "$bin/test_serving_soak_gpu" ;;
+    kv)
+      run kv_test 300 "$bin/test_kv_migration_gpu"
+      MOEBIUS_BENCH_KV_PRESETS=present,vllm_flash_attn,vllm_flashinfer,sglang_mha \
+        run kv_bench 400 "$bin/bench_kv_migration_gpu" --benchmark_out="$OUT/kv_presets.json" \
+        --benchmark_out_format=json ;;
+    curves30)
+      for P in 2 4; do
+        MOEBIUS_BENCH_MODEL=qwen3_30b MOEBIUS_BENCH_P=$P MOEBIUS_BENCH_SUMMARY="$OUT/curves_qwen3_30b_p$P.jsonl" \
+          run "curves_qwen3_30b_p$P" 580 "$bin/bench_mini_engine_rank_share"
+      done ;;
+    curves235)
+      MOEBIUS_BENCH_MODEL=qwen3_235b MOEBIUS_BENCH_P=8 MOEBIUS_BENCH_SUMMARY="$OUT/curves_qwen3_235b_p8.jsonl" \
+        run curves_qwen3_235b_p8 580 "$bin/bench_mini_engine_rank_share" ;;
+    kvblocks)
+      for k in 16 0; do
+        MOEBIUS_BENCH_P=4 MOEBIUS_BENCH_KV_BLOCKS=$k MOEBIUS_BENCH_OCCUPANCY=0.9 \
+          MOEBIUS_BENCH_GIB_PER_STEP=0.25,1 MOEBIUS_BENCH_SUMMARY="$OUT/p4_kvblocks$k.jsonl" \
+          run "p4_kvblocks$k" 300 "$bin/bench_mini_engine_switch_under_load"
+      done ;;
+    *) echo "unknown part $p"; status=2 ;;
+  esac
+done
+exit $status
