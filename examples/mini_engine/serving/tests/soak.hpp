@@ -22,27 +22,10 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "paced_clock.hpp"
 #include "trace.hpp"
 
 namespace mini_engine::testing {
-
-// 10 ms per step in either mode; a link that fits `layers` + 1/2 layers per step (progressive
-// pacing advances exactly `layers` layers per step).
-class soak_clock final : public step_clock {
- public:
-  explicit soak_clock(int64_t layers) : layers_(layers) {}
-  double step_s(const step_cost&, double) const override { return 0.01; }
-  double switch_s(const moebius::switch_report&) const override { return 0.0; }
-  const char* name() const override { return "soak"; }
-  bool needs_measurement() const override { return false; }
-  int64_t layer_bytes(const moebius::layer_bytes&, int64_t) const override { return 1'000'000; }
-  moebius::link_rate link() const override {
-    return moebius::link_rate{(static_cast<double>(layers_) + 0.5) * 1e6 / (0.01 * 0.55)};
-  }
-
- private:
-  int64_t layers_;
-};
 
 struct soak_counts {
   int64_t rounds = 0, requests = 0, bad_requests = 0, switches = 0, committed = 0,

@@ -26,32 +26,17 @@
 #include "engine.hpp"
 #include "host_runtime.hpp"
 #include "model_config.hpp"
+#include "paced_clock.hpp"
+#include "same_tokens.hpp"
 #include "small_trace.hpp"
 #include "weights.hpp"
 
 using namespace mini_engine;
 using moebius::parallel_mode;
 using moebius::switch_outcome;
+using testing::check_same_tokens;
 
 namespace {
-
-// 10 ms per step in either mode; a link that fits `layers` + 1/2 layers per step at the engine's
-// copy fraction (progressive pacing advances exactly `layers` layers per step).
-class paced_clock final : public step_clock {
- public:
-  explicit paced_clock(int64_t layers = 1) : layers_(layers) {}
-  double step_s(const step_cost&, double) const override { return 0.01; }
-  double switch_s(const moebius::switch_report&) const override { return 0.0; }
-  const char* name() const override { return "paced"; }
-  bool needs_measurement() const override { return false; }
-  int64_t layer_bytes(const moebius::layer_bytes&, int64_t) const override { return 1'000'000; }
-  moebius::link_rate link() const override {
-    return moebius::link_rate{(static_cast<double>(layers_) + 0.5) * 1e6 / (0.01 * 0.55)};
-  }
-
- private:
-  int64_t layers_;
-};
 
 struct host_world {
   model_config c;
@@ -84,19 +69,6 @@ model_config with_layers(int64_t layers) {
   return c;
 }
 
-// Every request of `want` (sorted by id) finished once in `got` with the same greedy tokens.
-void check_same_tokens(const run_result& got, const run_result& want) {
-  REQUIRE(got.requests.size() == want.requests.size());
-  for (size_t i = 0; i < want.requests.size(); ++i) {
-    const request_result& a = want.requests[i];
-    const request_result& b = got.requests[i];
-    CAPTURE(a.id);
-    REQUIRE(b.id == a.id);
-    CHECK(b.admissions == 1);
-    REQUIRE(static_cast<int64_t>(b.generated.size()) == a.output_tokens);
-    CHECK(b.generated == a.generated);
-  }
-}
 
 // The verify hook a user writes on the host runtime: every layer's experts where the cursor puts
 // them, and every live K/V element the tables name (switch/checksum.hpp).
@@ -137,7 +109,7 @@ TEST_CASE("a verified progressive switch commits", "[cpu][faults]") {
     host_world w = make_host_world(with_layers(L), P, 96, 7);
     CAPTURE(P);
     const std::vector<request> reqs = testing::small_trace(7, static_cast<int32_t>(w.c.vocab), 12);
-    const paced_clock clock(1);
+    const testing::paced_clock clock(1);
     engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
     engine_options o = testing::small_trace_options();
     const run_result ep = e.run(reqs, o, "static EP");
@@ -162,7 +134,7 @@ TEST_CASE("a per-layer verify checks each layer as it moves and catches a corrup
   const int64_t L = 4;
   host_world w = make_host_world(with_layers(L), 2, 96, 17);
   const std::vector<request> reqs = testing::small_trace(17, static_cast<int32_t>(w.c.vocab), 12);
-  const paced_clock clock(1);
+  const testing::paced_clock clock(1);
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
   engine_options o = testing::small_trace_options();
   const run_result ep = e.run(reqs, o, "static EP");
@@ -228,7 +200,7 @@ TEST_CASE("forced switches into TP with H_kv < P on a tight pool never deadlock"
   for (const switch_style style : {switch_style::stop_the_world, switch_style::progressive}) {
     host_world w = make_host_world(c, 2, 40, 3);
     const std::vector<request> reqs = testing::small_trace(3, static_cast<int32_t>(c.vocab), 12);
-    const paced_clock clock(1);
+    const testing::paced_clock clock(1);
     engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
     engine_options o = testing::small_trace_options();
     const run_result ep = e.run(reqs, o, "static EP");
@@ -252,7 +224,7 @@ TEST_CASE("forced switches into TP with H_kv < P on a tight pool never deadlock"
 TEST_CASE("a start-mode switch that rolls back serves in the mode it is in", "[cpu][faults]") {
   host_world w = make_host_world(tiny(), 2, 96, 5);
   const std::vector<request> reqs = testing::small_trace(5, static_cast<int32_t>(w.c.vocab), 10);
-  const paced_clock clock;
+  const testing::paced_clock clock;
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
   engine_options o = testing::small_trace_options();
   const run_result ep = e.run(reqs, o, "static EP");
@@ -274,7 +246,7 @@ TEST_CASE("a request with a token outside the vocab fails alone", "[cpu][faults]
   host_world w = make_host_world(tiny(), 2, 96, 9);
   const int32_t V = static_cast<int32_t>(w.c.vocab);
   const std::vector<request> good = testing::small_trace(9, V, 10);
-  const paced_clock clock;
+  const testing::paced_clock clock;
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
   engine_options o = testing::small_trace_options();
   const run_result want = e.run(good, o, "good only");
@@ -320,7 +292,7 @@ TEST_CASE("a request with a token outside the vocab fails alone", "[cpu][faults]
 TEST_CASE("output_tokens = INT64_MAX fails alone with a clear error", "[cpu][faults]") {
   host_world w = make_host_world(tiny(), 2, 96, 11);
   const std::vector<request> good = testing::small_trace(11, static_cast<int32_t>(w.c.vocab), 8);
-  const paced_clock clock;
+  const testing::paced_clock clock;
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
   engine_options o = testing::small_trace_options();
   const run_result want = e.run(good, o, "good only");
@@ -372,7 +344,7 @@ TEST_CASE("inconsistent switches are recovered in the run; lost sequences resume
       CAPTURE(static_cast<int>(style), seed);
       const std::vector<request> reqs =
           testing::small_trace(40 + seed, static_cast<int32_t>(w.c.vocab), 12);
-      const paced_clock clock(1);
+      const testing::paced_clock clock(1);
       engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
       engine_options o = testing::small_trace_options();
       const run_result ep = e.run(reqs, o, "static EP");
@@ -427,7 +399,7 @@ TEST_CASE("lost sequences can fail instead; without reload_experts, engine::reco
           "[cpu][faults][recovery]") {
   host_world w = make_host_world(with_layers(2), 2, 96, 50);
   const std::vector<request> reqs = testing::small_trace(50, static_cast<int32_t>(w.c.vocab), 12);
-  const paced_clock clock(1);
+  const testing::paced_clock clock(1);
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
   engine_options o = testing::small_trace_options();
   const run_result ep = e.run(reqs, o, "static EP");
@@ -481,7 +453,7 @@ TEST_CASE("lost sequences can fail instead; without reload_experts, engine::reco
 TEST_CASE("a run that throws part-way leaves the engine empty and ready", "[cpu][faults]") {
   host_world w = make_host_world(with_layers(3), 2, 96, 13);
   const std::vector<request> reqs = testing::small_trace(13, static_cast<int32_t>(w.c.vocab), 10);
-  const paced_clock clock(1);
+  const testing::paced_clock clock(1);
   engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
   engine_options o = testing::small_trace_options();
   const run_result want = e.run(reqs, o, "static EP");

@@ -23,6 +23,8 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "paced_clock.hpp"
+#include "same_tokens.hpp"
 #include "small_trace.hpp"
 #include "host_runtime.hpp"
 #include "model_config.hpp"
@@ -32,47 +34,9 @@
 using namespace mini_engine;
 using moebius::parallel_mode;
 using moebius::switch_outcome;
+using testing::check_same_tokens;
 
 namespace {
-
-// 10 ms per step whatever the mode; a link that fits `layers` + 1/2 layers in a step at the
-// engine's copy fraction, so that pacing advances exactly `layers` layers per step.
-class paced_clock final : public step_clock {
- public:
-  explicit paced_clock(int64_t layers) : layers_(layers) {}
-  double step_s(const step_cost&, double) const override { return 0.01; }
-  double switch_s(const moebius::switch_report&) const override { return 0.0; }
-  const char* name() const override { return "paced"; }
-  bool needs_measurement() const override { return false; }
-  int64_t layer_bytes(const moebius::layer_bytes&, int64_t) const override { return 1'000'000; }
-  moebius::link_rate link() const override {
-    return moebius::link_rate{(static_cast<double>(layers_) + 0.5) * 1e6 / (0.01 * 0.55)};
-  }
-
- private:
-  int64_t layers_;
-};
-
-// paced_clock with an overlap slowdown curve: each 1 MB copied beside a step makes it 4% longer.
-class slowed_clock final : public step_clock {
- public:
-  explicit slowed_clock(int64_t layers) : layers_(layers) {}
-  double step_s(const step_cost&, double) const override { return 0.01; }
-  double switch_s(const moebius::switch_report&) const override { return 0.0; }
-  const char* name() const override { return "slowed"; }
-  bool needs_measurement() const override { return false; }
-  int64_t layer_bytes(const moebius::layer_bytes&, int64_t) const override { return 1'000'000; }
-  moebius::link_rate link() const override {
-    return moebius::link_rate{(static_cast<double>(layers_) + 0.5) * 1e6 / (0.01 * 0.55)};
-  }
-  overlap_slowdown slowdown() const override {
-    return {[](const void*, double, int64_t bytes) { return 1.0 + 0.04 * static_cast<double>(bytes) / 1e6; },
-            this};
-  }
-
- private:
-  int64_t layers_;
-};
 
 // The host runtime, with every step beside a switch's copies run twice: once at its layout,
 // then (after the advance is enqueued) again at the layout copies_beside::settle() returns,
@@ -123,18 +87,6 @@ host_world make_host_world(int P, uint64_t seed, int64_t layers) {
   return w;
 }
 
-void check_same_tokens(const run_result& got, const run_result& want) {
-  REQUIRE(got.requests.size() == want.requests.size());
-  for (size_t i = 0; i < want.requests.size(); ++i) {
-    const request_result& a = want.requests[i];
-    const request_result& b = got.requests[i];
-    CAPTURE(a.id);
-    REQUIRE(b.id == a.id);
-    CHECK(b.admissions == 1);
-    REQUIRE(static_cast<int64_t>(b.generated.size()) == a.output_tokens);
-    CHECK(b.generated == a.generated);
-  }
-}
 
 enum class trouble { none, abort, fault };
 
@@ -149,7 +101,7 @@ void serve_progressive(int P, uint64_t seed, trouble t, bool rerun = false) {
   CAPTURE(P, seed, L, per_step, rerun);
   const std::vector<request> reqs = testing::small_trace(seed, static_cast<int32_t>(w.c.vocab), 12);
   REQUIRE(reqs.size() > 12);
-  const paced_clock clock(per_step);
+  const testing::paced_clock clock(per_step);
   rerunning_runtime rerunning(*w.rt);
   runtime& rt = rerun ? static_cast<runtime&>(rerunning) : *w.rt;
   engine e(rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
@@ -312,7 +264,7 @@ TEST_CASE("progressive pacing follows the clock's overlap slowdown curve", "[cpu
   for (const double limit : {1.10, 1.13, 1.0, 1.131}) {
     host_world w = make_host_world(2, 3, L);
     const std::vector<request> reqs = testing::small_trace(3, static_cast<int32_t>(w.c.vocab), 12);
-    const slowed_clock clock(4);
+    const testing::paced_clock clock(4, 0.04);  // 4% per MB copied beside a step
     engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
     engine_options o = testing::small_trace_options();
     const run_result ep = e.run(reqs, o, "static EP");

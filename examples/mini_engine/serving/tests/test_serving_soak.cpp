@@ -82,7 +82,7 @@ TEST_CASE("soak: faults, tight pools and bad requests never change a good reques
     ho.num_ep_pages = (tokens + c.page_size - 1) / c.page_size;
     host_runtime rt(weights, ho);
     moebius::host_transport transport(rt.memory());
-    const testing::soak_clock clock(per_step);
+    const testing::paced_clock clock(per_step);
     engine e(rt, transport, rt.arena(), rt.kv(), clock, moebius::arena_cursor{0});
     testing::soak_round(
         e, rt.kv(), c.num_layers, static_cast<int32_t>(c.vocab), per_step,

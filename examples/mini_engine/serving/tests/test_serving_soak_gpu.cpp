@@ -97,7 +97,7 @@ TEST_CASE("soak on the GPU runtime: faults, tight pools and bad requests keep ev
     o.slot_alignment = 4096;
     gpu::gpu_runtime rt(weights, o);
     moebius::cuda_peer_transport transport = moebius::cuda_peer_transport::single_process(rt.memory());
-    const testing::soak_clock clock(per_step);
+    const testing::paced_clock clock(per_step);
     engine e(rt, transport, rt.arena(), rt.kv(), clock, moebius::arena_cursor{0});
     testing::soak_round(
         e, rt.kv(), c.num_layers, static_cast<int32_t>(c.vocab), per_step,
