@@ -33,8 +33,7 @@ double along_row(std::span<const slowdown_point> row, double mib) {
 
 }  // namespace
 
-overlap_slowdown_curve::overlap_slowdown_curve(std::span<const slowdown_point> points)
-    : points_(points) {
+overlap_slowdown_curve::overlap_slowdown_curve(std::span<const slowdown_point> points) {
   MOEBIUS_CHECK(!points.empty(), errc::invalid_argument, "overlap_slowdown_curve: no points");
   for (size_t i = 0; i < points.size(); ++i) {
     const slowdown_point& p = points[i];
@@ -46,6 +45,14 @@ overlap_slowdown_curve::overlap_slowdown_curve(std::span<const slowdown_point> p
                     "overlap_slowdown_curve: within a row the bytes must ascend (point ", i, ")");
     }
   }
+  for (size_t i = 0; i < points.size();) {
+    size_t j = i;
+    while (j < points.size() && points[j].step_ms == points[i].step_ms) ++j;
+    rows_.push_back(points.subspan(i, j - i));
+    i = j;
+  }
+  std::sort(rows_.begin(), rows_.end(),
+            [](auto a, auto b) { return a.front().step_ms < b.front().step_ms; });
 }
 
 const overlap_slowdown_curve& overlap_slowdown_curve::h200() {
@@ -60,16 +67,7 @@ const char* overlap_slowdown_curve::h200_source() {
 double overlap_slowdown_curve::at(double step_s, int64_t bytes) const {
   if (bytes <= 0) return 1;
   const double mib = static_cast<double>(bytes) / double(1 << 20), ms = step_s * 1e3;
-  // The rows (runs of one step time), in the order measured.
-  std::vector<std::span<const slowdown_point>> rows;
-  for (size_t i = 0; i < points_.size();) {
-    size_t j = i;
-    while (j < points_.size() && points_[j].step_ms == points_[i].step_ms) ++j;
-    rows.push_back(points_.subspan(i, j - i));
-    i = j;
-  }
-  std::sort(rows.begin(), rows.end(),
-            [](auto a, auto b) { return a.front().step_ms < b.front().step_ms; });
+  const std::vector<std::span<const slowdown_point>>& rows = rows_;
   double s = 1;
   if (ms <= rows.front().front().step_ms) {
     s = along_row(rows.front(), mib);

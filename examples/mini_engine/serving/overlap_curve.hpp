@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace mini_engine {
 
@@ -40,7 +41,8 @@ class overlap_slowdown_curve {
   static const char* h200_source();
 
  private:
-  std::span<const slowdown_point> points_;
+  // The rows (runs of one step time), ascending in step time.
+  std::vector<std::span<const slowdown_point>> rows_;
 };
 
 }  // namespace mini_engine

@@ -24,26 +24,29 @@ auto key(const step_curve_point& p) {
 }  // namespace
 
 step_curves::step_curves(std::vector<step_curve_point> points, std::string deployment)
-    : points_(std::move(points)), deployment_(std::move(deployment)) {
-  for (size_t i = 0; i < points_.size(); ++i) {
-    const step_curve_point& p = points_[i];
+    : deployment_(std::move(deployment)) {
+  for (size_t i = 0; i < points.size(); ++i) {
+    const step_curve_point& p = points[i];
     MOEBIUS_CHECK(p.batch >= 1 && p.context >= 1 && p.step_ms > 0 && std::isfinite(p.step_ms),
                   errc::invalid_argument, "step_curves (", deployment_, "): point ", i,
                   " needs batch >= 1, context >= 1 and a positive step_ms (got batch ", p.batch,
                   ", context ", p.context, ", step_ms ", p.step_ms, ")");
   }
-  std::sort(points_.begin(), points_.end(),
+  std::sort(points.begin(), points.end(),
             [](const step_curve_point& a, const step_curve_point& b) { return key(a) < key(b); });
-  for (size_t i = 1; i < points_.size(); ++i) {
-    MOEBIUS_CHECK(key(points_[i - 1]) != key(points_[i]), errc::invalid_argument,
-                  "step_curves (", deployment_, "): ", moebius::to_string(points_[i].mode),
-                  " context ", points_[i].context, " batch ", points_[i].batch, " twice");
+  for (size_t i = 1; i < points.size(); ++i) {
+    MOEBIUS_CHECK(key(points[i - 1]) != key(points[i]), errc::invalid_argument,
+                  "step_curves (", deployment_, "): ", moebius::to_string(points[i].mode),
+                  " context ", points[i].context, " batch ", points[i].batch, " twice");
+  }
+  for (const step_curve_point& p : points) {
+    std::vector<row>& rows = rows_[p.mode == parallel_mode::tp ? 1 : 0];
+    if (rows.empty() || rows.back().context != p.context) rows.push_back(row{p.context, {}});
+    rows.back().points.push_back(p);
   }
   for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
-    MOEBIUS_CHECK(std::any_of(points_.begin(), points_.end(),
-                              [m](const step_curve_point& p) { return p.mode == m; }),
-                  errc::invalid_argument, "step_curves (", deployment_, "): no ",
-                  moebius::to_string(m), " point");
+    MOEBIUS_CHECK(!rows_[m == parallel_mode::tp ? 1 : 0].empty(), errc::invalid_argument,
+                  "step_curves (", deployment_, "): no ", moebius::to_string(m), " point");
   }
 }
 
@@ -90,39 +93,35 @@ step_curves step_curves::from_file(const std::string& path) {
   return from_jsonl(in, path);
 }
 
-double step_curves::row_ms(parallel_mode m, int64_t context, double batch) const {
-  std::vector<const step_curve_point*> row;
-  for (const step_curve_point& p : points_)
-    if (p.mode == m && p.context == context) row.push_back(&p);
-  if (row.size() == 1 || batch <= static_cast<double>(row.front()->batch)) return row.front()->step_ms;
-  for (size_t i = 1; i < row.size(); ++i) {
-    const double b0 = static_cast<double>(row[i - 1]->batch), b1 = static_cast<double>(row[i]->batch);
+double step_curves::row_ms(const row& r, double batch) {
+  const std::vector<step_curve_point>& pts = r.points;
+  if (pts.size() == 1 || batch <= static_cast<double>(pts.front().batch)) return pts.front().step_ms;
+  for (size_t i = 1; i < pts.size(); ++i) {
+    const double b0 = static_cast<double>(pts[i - 1].batch), b1 = static_cast<double>(pts[i].batch);
     if (batch <= b1) {
       const double t = (std::log2(batch) - std::log2(b0)) / (std::log2(b1) - std::log2(b0));
-      return row[i - 1]->step_ms + t * (row[i]->step_ms - row[i - 1]->step_ms);
+      return pts[i - 1].step_ms + t * (pts[i].step_ms - pts[i - 1].step_ms);
     }
   }
   // Beyond the largest batch: the last segment's slope in the batch.
-  const step_curve_point& a = *row[row.size() - 2];
-  const step_curve_point& b = *row.back();
+  const step_curve_point& a = pts[pts.size() - 2];
+  const step_curve_point& b = pts.back();
   const double slope = (b.step_ms - a.step_ms) / static_cast<double>(b.batch - a.batch);
   return b.step_ms + slope * (batch - static_cast<double>(b.batch));
 }
 
 double step_curves::step_ms(parallel_mode m, double batch, double context) const {
-  std::vector<int64_t> contexts;
-  for (const step_curve_point& p : points_)
-    if (p.mode == m && (contexts.empty() || contexts.back() != p.context)) contexts.push_back(p.context);
-  if (context <= static_cast<double>(contexts.front())) return row_ms(m, contexts.front(), batch);
-  if (context >= static_cast<double>(contexts.back())) return row_ms(m, contexts.back(), batch);
-  for (size_t i = 1; i < contexts.size(); ++i) {
-    const double c0 = static_cast<double>(contexts[i - 1]), c1 = static_cast<double>(contexts[i]);
+  const std::vector<row>& rows = rows_[m == parallel_mode::tp ? 1 : 0];
+  if (context <= static_cast<double>(rows.front().context)) return row_ms(rows.front(), batch);
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const double c0 = static_cast<double>(rows[i - 1].context);
+    const double c1 = static_cast<double>(rows[i].context);
     if (context <= c1) {
-      const double a = row_ms(m, contexts[i - 1], batch), b = row_ms(m, contexts[i], batch);
+      const double a = row_ms(rows[i - 1], batch), b = row_ms(rows[i], batch);
       return a + (b - a) * (context - c0) / (c1 - c0);
     }
   }
-  return row_ms(m, contexts.back(), batch);
+  return row_ms(rows.back(), batch);  // above the contexts: the nearest
 }
 
 curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& model)

@@ -49,9 +49,14 @@ class step_curves {
   int num_ranks() const { return num_ranks_; }
 
  private:
-  double row_ms(moebius::parallel_mode m, int64_t context, double batch) const;
+  // The points of one mode and context, ascending in batch.
+  struct row {
+    int64_t context = 0;
+    std::vector<step_curve_point> points;
+  };
+  static double row_ms(const row& r, double batch);
 
-  std::vector<step_curve_point> points_;  // sorted by mode, context, batch
+  std::vector<row> rows_[2];  // per mode (index: tp 1, ep 0), ascending in context
   std::string deployment_;
   int num_ranks_ = 0;
 };
