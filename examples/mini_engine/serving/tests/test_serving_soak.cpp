@@ -36,18 +36,6 @@ constexpr int64_t default_rounds = 200;
 constexpr int64_t default_rounds = 200;
 #endif
 
-uint64_t soak_seed() {
-  uint64_t s = 0;
-  if (const char* env = std::getenv("MOEBIUS_TEST_SEED"); env != nullptr && *env != '\0') {
-    s = std::strtoull(env, nullptr, 0);
-  } else {
-    std::random_device rd;
-    s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
-  std::printf("MOEBIUS_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
-
 int64_t soak_rounds() {
   const char* env = std::getenv("MOEBIUS_SOAK_ROUNDS");
   return env != nullptr && *env != '\0' ? std::strtoll(env, nullptr, 10) : default_rounds;
@@ -57,7 +45,7 @@ int64_t soak_rounds() {
 
 TEST_CASE("soak: faults, tight pools and bad requests never change a good request's tokens",
           "[cpu][soak]") {
-  const uint64_t seed = soak_seed();
+  const uint64_t seed = testing::soak_seed();
   std::mt19937_64 rng(seed);
   testing::soak_counts n;
   const int64_t rounds = soak_rounds();

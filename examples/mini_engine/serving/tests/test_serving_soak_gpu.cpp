@@ -29,18 +29,6 @@ using namespace mini_engine;
 
 namespace {
 
-uint64_t soak_seed() {
-  uint64_t s = 0;
-  if (const char* env = std::getenv("MOEBIUS_TEST_SEED"); env != nullptr && *env != '\0') {
-    s = std::strtoull(env, nullptr, 0);
-  } else {
-    std::random_device rd;
-    s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
-  std::printf("MOEBIUS_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
-
 // The experts of `w` where `cursor` puts them, written from host images into every rank's
 // device arena (engine_options::reload_experts).
 void reload_experts(const gpu::gpu_runtime& rt, const model_weights& w, moebius::arena_cursor cursor) {
@@ -63,7 +51,7 @@ void reload_experts(const gpu::gpu_runtime& rt, const model_weights& w, moebius:
 TEST_CASE("soak on the GPU runtime: faults, tight pools and bad requests keep every good "
           "request's tokens",
           "[gpu][soak]") {
-  const uint64_t seed = soak_seed();
+  const uint64_t seed = testing::soak_seed();
   std::mt19937_64 rng(seed);
   const char* env = std::getenv("MOEBIUS_SOAK_ROUNDS");
   const int64_t rounds = env != nullptr && *env != '\0' ? std::strtoll(env, nullptr, 10) : 6;
