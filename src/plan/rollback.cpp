@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "moebius/detail/checked_math.hpp"
 #include "moebius/error.hpp"
 
 namespace moebius {
@@ -51,13 +52,57 @@ class byte_ranges {
 // The bytes an op writes, by (rank, space).
 using written_bytes = std::map<std::pair<int, memory_space>, byte_ranges>;
 
+// The destination bytes of an op as `rows` ranges of `bytes` bytes, `pitch` apart: the op's own
+// rows, or one range when its rows are contiguous, or just its first row when the writes of its
+// (rank, space) are row-aligned (below).
+struct dst_walk {
+  int64_t offset, rows, pitch, bytes;
+};
+
+dst_walk walk_of(const copy_op& op, bool row_aligned) {
+  if (row_aligned || op.rows == 1) return {op.dst_offset, 1, op.dst_pitch, op.row_bytes};
+  if (op.dst_pitch == op.row_bytes) {
+    return {op.dst_offset, 1, 0, detail::checked_mul(op.rows, op.row_bytes, "undo op bytes")};
+  }
+  return {op.dst_offset, op.rows, op.dst_pitch, op.row_bytes};
+}
+
+// pred(begin, end) for every range of w; false as soon as one pred is false.
 template <class Pred>
-bool all_rows(const copy_op& op, Pred pred) {
-  for (int64_t r = 0; r < op.rows; ++r) {
-    const int64_t begin = op.dst_offset + r * op.dst_pitch;
-    if (!pred(begin, begin + op.row_bytes)) return false;
+bool all_ranges(const dst_walk& w, Pred pred) {
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const int64_t begin = w.offset + r * w.pitch;
+    if (!pred(begin, begin + w.bytes)) return false;
   }
   return true;
+}
+
+// The (rank, space) keys whose writes are row-aligned: every op writing there has the same rows
+// and dst_pitch p, and the first rows of all of them lie within p bytes. Then row r of one op
+// can meet only row r of another, at the same relative offset as their first rows, so every
+// question about the writes there (covered, overlapping) has the same answer for each row as
+// for the first. A KV phase is like this (each op one page of every (layer, K|V) tensor:
+// rows = tensors, pitch = region), which makes deciding on the first row O(ops log ops) where
+// walking every row is O(ops * tensors * log).
+std::map<std::pair<int, memory_space>, bool> row_aligned_keys(const plan_phase& phase) {
+  struct group {
+    int64_t rows, pitch, lo, hi;
+    bool aligned;
+  };
+  std::map<std::pair<int, memory_space>, group> groups;
+  for (const copy_op& op : phase.ops) {
+    const auto key = std::make_pair(op.dst_rank, op.dst_space);
+    const int64_t end = op.dst_offset + op.row_bytes;
+    auto [it, fresh] = groups.try_emplace(key, group{op.rows, op.dst_pitch, op.dst_offset, end, true});
+    group& g = it->second;
+    if (fresh) continue;
+    g.aligned = g.aligned && g.rows == op.rows && g.pitch == op.dst_pitch;
+    g.lo = std::min(g.lo, op.dst_offset);
+    g.hi = std::max(g.hi, end);
+  }
+  std::map<std::pair<int, memory_space>, bool> aligned;
+  for (const auto& [key, g] : groups) aligned[key] = g.aligned && g.hi - g.lo <= g.pitch;
+  return aligned;
 }
 
 // Ops of a forward phase that read overlapping source bytes (a page sent to several ranks, or
@@ -72,20 +117,24 @@ std::vector<plan_phase> without_overlapping_writes(plan_phase undo) {
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return undo.ops[a].bytes() > undo.ops[b].bytes();  // widest first: they cover the others
   });
+  const auto aligned = row_aligned_keys(undo);
   written_bytes all;
   std::vector<written_bytes> part_writes;
   std::vector<int> part_of(undo.ops.size(), -1);  // -1: dropped
   for (size_t i : order) {
     const copy_op& op = undo.ops[i];
     const auto key = std::make_pair(op.dst_rank, op.dst_space);
-    if (all_rows(op, [&](int64_t b, int64_t e) { return all[key].covers(b, e); })) continue;
+    const dst_walk w = walk_of(op, aligned.at(key));
+    if (all_ranges(w, [&](int64_t b, int64_t e) { return all[key].covers(b, e); })) continue;
     size_t part = 0;
     while (part < part_writes.size() &&
-           !all_rows(op, [&](int64_t b, int64_t e) { return !part_writes[part][key].overlaps(b, e); })) {
+           !all_ranges(w, [&](int64_t b, int64_t e) {
+             return !part_writes[part][key].overlaps(b, e);
+           })) {
       ++part;
     }
     if (part == part_writes.size()) part_writes.emplace_back();
-    all_rows(op, [&](int64_t b, int64_t e) {
+    all_ranges(w, [&](int64_t b, int64_t e) {
       part_writes[part][key].insert(b, e);
       all[key].insert(b, e);
       return true;
