@@ -73,6 +73,14 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
                 "planner copies pages and head slices as blocks): token stride=",
                 s.token, ", head stride=", s.head, "; HND needs token=", hb, ", head=", ps * hb,
                 "; NHD needs token=", heads * hb, ", head=", hb);
+  // tensor_base() is unchecked: the largest base (last layer, last K|V; strides are >= 0)
+  // must fit in 64 bits, so that no wrapped base slips past the checks below.
+  const int64_t last_base = detail::checked_add(
+      s.base,
+      detail::checked_add(detail::checked_mul(g.num_layers - 1, s.layer, "KV layout base"),
+                          detail::checked_mul(g.kv_tensors() - 1, kv, "KV layout base"),
+                          "KV layout base"),
+      "KV layout base");
   if (N == 0) return;
   MOEBIUS_CHECK(N == 1 || s.page >= pb, errc::invalid_argument, "kv_pool_layout ", v,
                 " view: pages of one tensor overlap: page stride ", s.page, " < page bytes ", pb);
@@ -81,18 +89,28 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
   // Tensors k = layer * kv_tensors + t in ascending byte order (K -> V and each layer's last
   // tensor -> the next layer's first step forward), as the present layout and the presets lay
   // them out: then the last tensor ends last and consecutive tensors decide whether any two
-  // meet, so both checks below take O(1) instead of O(T) and O(T log T) (a plan validates its
-  // layout on every call, at any number of layers).
+  // meet, so the checks below take O(1) (O(kv tensors) when K and V of a layer interleave)
+  // instead of O(T) and O(T log T) (a plan validates its layout on every call, at any number
+  // of layers).
   const int64_t kvt = g.kv_tensors();
   const int64_t within = s.kv, across = s.layer - (kvt - 1) * s.kv;
   const bool ascending = (kvt == 1 || within >= 0) && (g.num_layers == 1 || across >= 0);
   const bool apart = ascending && (kvt == 1 || within >= extent) &&
                      (g.num_layers == 1 || across >= extent);
-  const bool last_fits = ascending && l.segment_bytes == 0 &&
-                         tensor_base(g, s, 0) >= 0 &&
-                         tensor_base(g, s, T - 1) <= l.pool_bytes - extent;
+  // Whether tensor k's pages fit the pool and one segment (no overflow: bases <= last_base).
+  auto fits = [&](int64_t k) {
+    const int64_t b = tensor_base(g, s, k);
+    if (b > l.pool_bytes - extent) return false;
+    return l.segment_bytes == 0 || b / l.segment_bytes == (b + extent - 1) / l.segment_bytes;
+  };
+  // Ascending, the last tensor ends last; with a layer stride that is a multiple of
+  // segment_bytes, layer l crosses a segment boundary where layer 0 does. Then layer 0 and the
+  // last tensor decide; otherwise (or when they do not show it) every tensor, with the error.
+  bool all_fit = ascending && fits(T - 1) &&
+                 (l.segment_bytes == 0 || g.num_layers == 1 || s.layer % l.segment_bytes == 0);
+  for (int64_t k = 0; k < kvt && all_fit; ++k) all_fit = fits(k);
   // Every tensor's pages fit the pool (and one segment).
-  for (int64_t k = 0; k < T && !last_fits; ++k) {
+  for (int64_t k = 0; k < T && !all_fit; ++k) {
     const int64_t b = tensor_base(g, s, k);
     const int64_t end = detail::checked_add(b, extent, "KV layout extent");
     MOEBIUS_CHECK(end <= l.pool_bytes, errc::invalid_argument, "kv_pool_layout ", v,
@@ -112,8 +130,13 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
   // order of base (O(T log T) for layouts whose tensors lie apart, the present one among them;
   // interleaved ones, K and V side by side, compare only the pairs that interleave).
   if (apart) return;
-  std::vector<int64_t> order(static_cast<size_t>(T));
-  for (int64_t k = 0; k < T; ++k) order[static_cast<size_t>(k)] = k;
+  // Layers that lie apart (ascending, each layer's last tensor ending before the next layer
+  // starts) meet only within a layer, and every layer is layer 0 moved by the layer stride:
+  // layer 0's tensors decide (K and V side by side, as vLLM's FlashInfer layout puts them).
+  const bool layers_apart = ascending && (g.num_layers == 1 || across >= extent);
+  const int64_t swept = layers_apart ? kvt : T;
+  std::vector<int64_t> order(static_cast<size_t>(swept));
+  for (int64_t k = 0; k < swept; ++k) order[static_cast<size_t>(k)] = k;
   std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
     return tensor_base(g, s, x) < tensor_base(g, s, y);
   });
@@ -141,6 +164,43 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
       }
     }
   }
+}
+
+// TP page j of tensor k; k = -1: none.
+struct tp_page_ref {
+  int64_t k = -1, j = -1;
+};
+
+// The first TP page 0..split-1 of tensors [0, tensors) not inside the union of those tensors'
+// EP pages 0, or none.
+tp_page_ref first_tp_page_outside_ep(const kv_geometry& g, const kv_pool_layout& l,
+                                     int64_t tensors) {
+  const int64_t split = g.tp_pages_per_ep_page();
+  const int64_t epb = g.ep_page_bytes(), tpb = g.tp_page_bytes();
+  std::vector<std::pair<int64_t, int64_t>> ep_runs;
+  ep_runs.reserve(static_cast<size_t>(tensors));
+  for (int64_t k = 0; k < tensors; ++k) {
+    const int64_t b = tensor_base(g, l.ep, k);
+    ep_runs.emplace_back(b, b + epb);
+  }
+  std::sort(ep_runs.begin(), ep_runs.end());
+  std::vector<std::pair<int64_t, int64_t>> merged;
+  for (const auto& r : ep_runs) {
+    if (!merged.empty() && r.first <= merged.back().second)
+      merged.back().second = std::max(merged.back().second, r.second);
+    else
+      merged.push_back(r);
+  }
+  for (int64_t k = 0; k < tensors; ++k) {
+    for (int64_t j = 0; j < split; ++j) {
+      const int64_t b = tensor_base(g, l.tp, k) + j * l.tp.page;
+      auto it = std::upper_bound(merged.begin(), merged.end(), std::make_pair(b, INT64_MAX));
+      const bool inside =
+          it != merged.begin() && std::prev(it)->first <= b && b + tpb <= std::prev(it)->second;
+      if (!inside) return {k, j};
+    }
+  }
+  return {};
 }
 
 }  // namespace
@@ -190,32 +250,27 @@ void validate(const kv_geometry& g, const kv_pool_layout& l) {
   if (split == 1 || g.num_ep_pages == 0) return;
   const int64_t T = g.num_tensors();
   const int64_t epb = g.ep_page_bytes(), tpb = g.tp_page_bytes();
-  std::vector<std::pair<int64_t, int64_t>> ep_runs;
-  ep_runs.reserve(static_cast<size_t>(T));
-  for (int64_t k = 0; k < T; ++k) {
-    const int64_t b = tensor_base(g, l.ep, k);
-    ep_runs.emplace_back(b, b + epb);
-  }
-  std::sort(ep_runs.begin(), ep_runs.end());
-  std::vector<std::pair<int64_t, int64_t>> merged;
-  for (const auto& r : ep_runs) {
-    if (!merged.empty() && r.first <= merged.back().second)
-      merged.back().second = std::max(merged.back().second, r.second);
-    else
-      merged.push_back(r);
-  }
-  for (int64_t k = 0; k < T; ++k) {
-    for (int64_t j = 0; j < split; ++j) {
-      const int64_t b = tensor_base(g, l.tp, k) + j * l.tp.page;
-      auto it = std::upper_bound(merged.begin(), merged.end(), std::make_pair(b, INT64_MAX));
-      const bool inside =
-          it != merged.begin() && std::prev(it)->first <= b && b + tpb <= std::prev(it)->second;
-      MOEBIUS_CHECK(inside, errc::invalid_argument, "kv_pool_layout: TP page ", j, " of ",
-                    tensor_name{g, k}, " (bytes [", b, ", ", b + tpb,
-                    ")) is not inside EP page 0's bytes: TP pages p*", split, "..p*", split, "+",
-                    split - 1, " must occupy exactly EP page p");
-    }
-  }
+  // When every tensor starts at the same byte in both views (the layer and K|V strides lie
+  // outside a page, as in the present layout), TP pages 0..split-1 of a tensor lie inside its
+  // own EP page 0 iff they do for tensor 0: O(1) at any number of layers, where the check
+  // below is O(T log T) in time and O(T) in memory. Otherwise (or when this does not hold)
+  // the check below decides, with its error.
+  const bool same_bases = l.tp.base == l.ep.base && l.tp.layer == l.ep.layer &&
+                          (g.latent() || l.tp.kv == l.ep.kv);
+  if (same_bases && (split - 1) * l.tp.page + tpb <= epb) return;
+  // With the same base and layer stride in both views, layer l of either view is layer 0 moved
+  // by l * layer stride: TP pages of layer 0 inside layer 0's EP pages hold for every layer.
+  // When that does not show it, every tensor decides (O(T log T) time, O(T) memory), with
+  // the error.
+  const bool layers_translate = l.tp.base == l.ep.base && l.tp.layer == l.ep.layer;
+  if (layers_translate && first_tp_page_outside_ep(g, l, g.kv_tensors()).k < 0) return;
+  const tp_page_ref bad = first_tp_page_outside_ep(g, l, T);
+  if (bad.k < 0) return;
+  const int64_t b = tensor_base(g, l.tp, bad.k) + bad.j * l.tp.page;
+  MOEBIUS_FAIL(errc::invalid_argument, "kv_pool_layout: TP page ", bad.j, " of ",
+               tensor_name{g, bad.k}, " (bytes [", b, ", ", b + tpb,
+               ")) is not inside EP page 0's bytes: TP pages p*", split, "..p*", split, "+",
+               split - 1, " must occupy exactly EP page p");
 }
 
 kv_pool_layout make_kv_pool_layout(const kv_geometry& g, const kv_strides& ep, int64_t pool_bytes,
@@ -300,7 +355,8 @@ kv_pool_layout sglang_mha_layout(const kv_geometry& g, const kv_buffer_spacing& 
   kv_strides s = dense_page(g);
   const int64_t buffer = g.region_bytes();  // [N * page_size, H, D]
   s.kv = sp.kv_stride > 0 ? sp.kv_stride : buffer;
-  const int64_t layer_bytes = g.latent() ? buffer : s.kv + buffer;
+  const int64_t layer_bytes =
+      g.latent() ? buffer : detail::checked_add(s.kv, buffer, "sglang_mha_layout layer bytes");
   s.layer = sp.layer_stride > 0 ? sp.layer_stride : g.kv_tensors() * buffer;
   if (g.latent()) s.kv = 0;
   return make_kv_pool_layout(g, s, extent(g, s.layer, layer_bytes), sp.segment_bytes,

@@ -76,11 +76,26 @@ void copy_emitter::slice(const page_ref& e, int64_t j, const page_ref& t, bool t
   // NHD, page_size > 1: slice j is page_size rows of heads_per_tp_page heads, one per token.
   const int64_t row = g_.heads_per_tp_page() * g_.head_bytes();
   const int64_t ep_pitch = g_.heads_per_ep_page() * g_.head_bytes();
+  const int64_t kt = g_.kv_tensors();
   auto at = [&](const page_ref& r, int64_t k) {
-    const int64_t kt = g_.kv_tensors();
     return r.base + (k / kt) * r.layer_pitch + (k % kt) * r.kv_pitch;
   };
   const int64_t ep_k = tensor_pitch(g_, e), tp_k = tensor_pitch(g_, t);
+  if ((ep_k < 0 || tp_k < 0) && kt * g_.page_size < g_.num_tensors()) {
+    // Tensors not evenly spaced (a layer stride other than 2 x the K|V stride: per-layer
+    // allocations): one op per (K|V, token), rows = layers, rather than one per tensor.
+    for (int64_t kv = 0; kv < kt; ++kv) {
+      for (int64_t i = 0; i < g_.page_size; ++i) {
+        const int64_t eo = at(e, kv) + i * ep_pitch + j * row;
+        const int64_t to = at(t, kv) + i * row;
+        if (to_tp)
+          op(e, eo, e.layer_pitch, t, to, t.layer_pitch, g_.num_layers, row);
+        else
+          op(t, to, t.layer_pitch, e, eo, e.layer_pitch, g_.num_layers, row);
+      }
+    }
+    return;
+  }
   if (g_.page_size >= g_.num_tensors() || ep_k < 0 || tp_k < 0) {
     for (int64_t k = 0; k < g_.num_tensors(); ++k) {  // rows = tokens
       const int64_t eo = at(e, k) + j * row;

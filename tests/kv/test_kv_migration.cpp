@@ -634,3 +634,37 @@ TEST_CASE("KV plans in the present layout are unchanged by the layout overload",
             a.copies);
   }
 }
+
+TEST_CASE("KV round trips in per-layer NHD arrays with more layers than tokens in a page",
+          "[kv][migration][layout]") {
+  // Layers not evenly spaced against K|V (padded per-layer buffers) and page_size < layers: a
+  // head slice is one op per (K|V, token) over the layers, not one per tensor; every byte of
+  // every live page still lands (migrate_and_check), and the op count says which form it took.
+  std::mt19937_64 rng(kv_test_seed() + 14);
+  int64_t round_trips = 0;
+  for (int iter = 0; iter < 12; ++iter) {
+    const int64_t layers = uni(rng, 9, 24);
+    const int P = pick_one(rng, {2, 4});
+    const kv_geometry g =
+        make_kv_geometry(layers, 8, pick_one(rng, {int64_t{2}, int64_t{4}}), 4, uni(rng, 12, 30),
+                         P, dtype::bf16, kv_layout::nhd);
+    layout_model model;
+    model.order = "LKPTHD";
+    model.pad[0] = dtype_bytes(g.type) * uni(rng, 1, 40);  // layer stride != 2 x K|V stride
+    model.base = dtype_bytes(g.type) * 8 * uni(rng, 0, 3);
+    kv_case c = random_kv_case(rng, g, parallel_mode::ep, pick_one(rng, {0.25, 0.5}), 64);
+    memory m = make_memory(rng, c, 0, &model);
+    INFO("iter " << iter << " " << g << " occupancy " << c.occupancy);
+    if (!check_kv_capacity(g, m.layout, c.state, parallel_mode::tp).fits) continue;
+    const kv_migration to_tp = plan_kv_migration(g, m.layout, c.state, parallel_mode::tp);
+    // EP->TP moves every head slice of each page (NHD slices do not stay in place: the
+    // owner's own goes to a TP page of its own): 2 x page_size ops each.
+    REQUIRE_FALSE(kv_slices_in_place(g, m.layout));
+    int64_t pieces = 0;
+    for (int r = 0; r < P; ++r) pieces += used_pages(g, c.state, r) * P;
+    CHECK(to_tp.copies.num_ops() == pieces * 2 * g.page_size);
+    if (!migrate_and_check(c, m, parallel_mode::tp, {}).ran) continue;
+    if (migrate_and_check(c, m, parallel_mode::ep, {}).ran) ++round_trips;
+  }
+  CHECK(round_trips > 6);
+}

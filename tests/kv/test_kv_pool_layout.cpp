@@ -196,3 +196,31 @@ TEST_CASE("kv_pool_layout validation names the broken constraint", "[kv][layout]
   CHECK_THROWS_AS(sglang_mha_layout(g), moebius::error);
   CHECK_THROWS_AS(kv_preset_layout(kv_preset::custom, g), moebius::error);
 }
+
+TEST_CASE("kv_pool_layout validation at any number of layers", "[kv][layout][validate]") {
+  // A layer stride whose last base wraps 64 bits is refused, not taken for a base that fits.
+  const kv_geometry g = make_kv_geometry(3, 4, 8, 16, 4, 2);
+  kv_pool_layout wrap = present_kv_layout(g);
+  wrap.ep.layer = int64_t{1} << 62;
+  wrap.tp = derive_tp_strides(g, wrap.ep);
+  try {
+    validate(g, wrap);
+    FAIL("a layout whose last layer's base overflows 64 bits validated");
+  } catch (const moebius::error& e) {
+    CHECK(e.code() == errc::overflow);
+    CHECK(std::string(e.what()).find("KV layout base") != std::string::npos);
+  }
+  // 2^30 layers: the present layout, vLLM FlashInfer (K and V side by side in a block, a TP
+  // view whose K|V stride shrinks) and per-layer allocations validate without a table per
+  // tensor (that would be tens of GB).
+  const int64_t layers = int64_t{1} << 30;
+  for (kv_layout inner : {kv_layout::hnd, kv_layout::nhd}) {
+    const kv_geometry big = make_kv_geometry(layers, 2, 1, 1, 2, 2, dtype::fp16, inner);
+    CHECK_NOTHROW(present_kv_layout(big));
+    const kv_pool_layout fi = vllm_flashinfer_layout(big);
+    CHECK(fi.tp.kv != fi.ep.kv);
+    CHECK_NOTHROW(validate(big, fi));
+    const int64_t layer_bytes = 2 * big.region_bytes();
+    CHECK_NOTHROW(vllm_flash_attn_layout(big, {2 * layer_bytes, 0, 2 * layer_bytes}));
+  }
+}

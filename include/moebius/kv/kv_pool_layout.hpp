@@ -130,7 +130,10 @@ kv_strides derive_tp_strides(const kv_geometry& g, const kv_strides& ep);
 // validate(g) holds, every stride and base is >= 0 and a multiple of the element size, dim
 // stride = element size, each page piece is a dense HND or NHD block, tp == derive_tp_strides,
 // no two page pieces overlap in either view, all fit pool_bytes (and one segment each), and TP
-// pages p*split.. tile EP page p. O(tensors^2), no allocation beyond O(tensors).
+// pages p*split.. tile EP page p. O(1) for layouts whose tensors lie apart in ascending order
+// (the present one), O(kv tensors) when only K and V of a layer interleave (vLLM FlashInfer);
+// otherwise O(tensors log tensors) time and O(tensors) memory, O(tensors^2) at worst for
+// tensors that all interleave.
 void validate(const kv_geometry& g, const kv_pool_layout& l);
 
 // A layout from EP strides (TP derived), validated.
