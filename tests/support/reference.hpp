@@ -60,11 +60,20 @@ struct reference_home {
 reference_home reference_home_of(const expert_shape& shape, int num_ranks, weight_tensor t,
                                  parallel_mode mode, int64_t e, int64_t row, int64_t col);
 
+// What compare_to_reference expects of padding.
+enum class padding_rule {
+  poison,             // every slot's padding still holds poison_byte: nothing wrote it
+  end_slots_unknown,  // as poison, except slots 0 and L: a switcher stages KV through the free
+                      // slot (slot L in TP, 0 in EP), padding included, and a layer that moves
+                      // in later writes only its tensors
+};
+
 // Compares every byte of every occupied slot (all but the free one) of every rank with what
-// load_reference would write at `cursor` (padding must still hold poison_byte). "" when
-// equal, else the first mismatch: rank, slot, layer, tensor, byte offset, expected, got.
+// load_reference would write at `cursor` (padding as `padding` says). "" when equal, else the
+// first mismatch: rank, slot, layer, tensor, byte offset, expected, got.
 std::string compare_to_reference(const logical_weights& w, const arena_geometry& g,
-                                 arena_cursor cursor, const rank_images& ranks);
+                                 arena_cursor cursor, const rank_images& ranks,
+                                 padding_rule padding = padding_rule::poison);
 
 // A random valid shape for `num_ranks` ranks, small enough that a whole EP->TP->EP on the host
 // takes well under 100 ms: L in 1..6, E = P*k (<= 256 when P allows), any dtype of

@@ -75,7 +75,8 @@ void recover_and_check(world& w, host_transport& t, switcher& sw, parallel_mode 
   CHECK(sw.mode() == mode);
   CHECK(sw.cursor() == resting(w, mode));
   CHECK(r.cursor == resting(w, mode));
-  CHECK(compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas) == "");
+  CHECK(compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas,
+                              testing::padding_rule::end_slots_unknown) == "");
   validate(w.kv, sw.kv_tables());
   if (expect_kept) {
     CHECK(r.kept == ids);
@@ -92,7 +93,8 @@ void recover_and_check(world& w, host_transport& t, switcher& sw, parallel_mode 
     const switch_report s = sw.switch_to(m);
     INFO(s);
     REQUIRE(s.outcome == switch_outcome::committed);
-    CHECK(compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas) == "");
+    CHECK(compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas,
+                              testing::padding_rule::end_slots_unknown) == "");
     CHECK(kv_checksum(w.kv, sw.kv_tables(), w.pool_spans()) == kv_now);
   }
   (void)t;
@@ -239,5 +241,6 @@ TEST_CASE("recover: refused when there is nothing to recover, retried when the r
   CHECK(ok.recovered);
   CHECK(sw.consistent());
   CHECK(sw.mode() == parallel_mode::tp);
-  CHECK(compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas) == "");
+  CHECK(compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas,
+                              testing::padding_rule::end_slots_unknown) == "");
 }

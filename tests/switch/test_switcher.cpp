@@ -54,7 +54,8 @@ TEST_CASE("switcher commits EP->TP->EP and matches the reference", "[switch]") {
     CHECK(selector == parallel_mode::tp);
     CHECK(sw.mode() == parallel_mode::tp);
     CHECK(sw.cursor().tp_layers == w.shape.num_layers);
-    CHECK(testing::compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas) == "");
+    CHECK(testing::compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas,
+                              testing::padding_rule::end_slots_unknown) == "");
     CHECK(kv_checksum(w.kv, sw.kv_tables(), w.pool_spans()) == kv_before);
     CHECK(sw.switch_to(parallel_mode::tp).outcome == switch_outcome::already_there);
 
@@ -63,7 +64,8 @@ TEST_CASE("switcher commits EP->TP->EP and matches the reference", "[switch]") {
     REQUIRE(to_ep.outcome == switch_outcome::committed);
     CHECK(selector == parallel_mode::ep);
     CHECK(flips == 2);
-    CHECK(testing::compare_to_reference(w.logical, w.weights, arena_cursor{0}, w.arenas) == "");
+    CHECK(testing::compare_to_reference(w.logical, w.weights, arena_cursor{0}, w.arenas,
+                              testing::padding_rule::end_slots_unknown) == "");
     CHECK(kv_checksum(w.kv, sw.kv_tables(), w.pool_spans()) == kv_before);
   }
 }
@@ -192,7 +194,8 @@ TEST_CASE("a verify mismatch rolls the switch back", "[switch][fault]") {
   CHECK(rep.error.find("checksum") != std::string::npos);
   CHECK(sw.mode() == parallel_mode::ep);
   CHECK(sw.cursor().tp_layers == 0);
-  CHECK(testing::compare_to_reference(w.logical, w.weights, arena_cursor{0}, w.arenas) == "");
+  CHECK(testing::compare_to_reference(w.logical, w.weights, arena_cursor{0}, w.arenas,
+                              testing::padding_rule::end_slots_unknown) == "");
   CHECK(live_kv_bytes(w, sw.kv_tables()) == live_before);
 }
 
