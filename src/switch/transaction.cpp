@@ -103,11 +103,12 @@ bool switch_transaction::plan_switch() {
   const arena_geometry& wg = sw_.weights_;
   kv_geometry kv_geom = sw_.kv_geometry_;
   kv_placement placement;  // the ep_placement hook's owners, while planning
-  kv_migration_options kv_opt = sw_.kv_options(goal_, target_, placement);
-  if (how_ == style::per_layer) {  // layer 0's KV, staging at offset 0 (see the top)
-    kv_geom.num_layers = 1;
-    kv_opt = sw_.one_layer_kv_options(target_, placement);
-  }
+  // Per layer: layer 0's KV, staging at offset 0 (see the top). Either way the ep_placement
+  // hook runs once.
+  if (how_ == style::per_layer) kv_geom.num_layers = 1;
+  kv_migration_options kv_opt = how_ == style::per_layer
+                                    ? sw_.one_layer_kv_options(target_, placement)
+                                    : sw_.kv_options(goal_, target_, placement);
   kv_migration kv;
   std::optional<nvtx_range> plan_range(std::in_place, "moebius/switch/plan");
   try {
