@@ -624,8 +624,9 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     MOEBIUS_CHECK(step < o.max_steps, errc::internal, "engine::run '", name, "': more than ",
                   o.max_steps, " steps (", st.sched.num_finished(), " of ", st.total,
                   " finished)");
-    // Idle: nothing runs, jump the clock to the next arrival.
-    if (st.sched.num_running() == 0 && st.sched.next_arrival_s() > st.now) {
+    // Idle: nothing runs, jump the clock to the next arrival. Not while a progressive switch
+    // is open: its remaining layers move first, in steps of copies alone, on the clock.
+    if (!st.session && st.sched.num_running() == 0 && st.sched.next_arrival_s() > st.now) {
       st.now = st.sched.next_arrival_s();
     }
     step_record rec;
@@ -639,7 +640,12 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     report_progress(st, step);
   }
   if (st.session) {  // every request finished during the switch: move the rest, commit
+    switch_copies rest;  // and charge them on the clock, as copies alone
+    rest.bytes = st.pacing.bytes_per_layer * st.session->layers_remaining();
+    const auto t0 = host_clock::now();
     st.session->finish();
+    rest.measured_s = seconds_since(t0);
+    st.now += clock_.copies_s(rest);
     end_progressive(st);
   }
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::internal, "engine::run '", name,

@@ -284,3 +284,74 @@ TEST_CASE("progressive pacing follows the clock's overlap slowdown curve", "[cpu
     }
   }
 }
+
+TEST_CASE("a progressive switch still open when every request has finished moves the rest as "
+          "copies on the clock, before an idle jump and at the end of the run",
+          "[cpu][progressive]") {
+  const int64_t L = 6;
+  host_world w = make_host_world(2, 11, L);
+  const std::vector<request> trace = testing::small_trace(11, static_cast<int32_t>(w.c.vocab), 12);
+  // paced_clock's steps and pacing (one layer a step: a switch takes 6 steps), its copies
+  // priced at 100 MB/s (10 ms a layer) rather than measured on the host (microseconds).
+  class copies_priced final : public step_clock {
+   public:
+    double step_s(const step_cost& c, double m) const override { return paced_.step_s(c, m); }
+    double switch_s(const moebius::switch_report& r) const override { return paced_.switch_s(r); }
+    const char* name() const override { return "paced, copies at 100 MB/s"; }
+    bool needs_measurement() const override { return false; }
+    int64_t layer_bytes(const moebius::layer_bytes& run, int64_t n) const override {
+      return paced_.layer_bytes(run, n);
+    }
+    moebius::link_rate link() const override { return paced_.link(); }
+    double copies_s(const switch_copies& c) const override {
+      return static_cast<double>(c.bytes) / 1e8;
+    }
+
+   private:
+    testing::paced_clock paced_{1};
+  };
+  const copies_priced clock;
+  engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+  engine_options o = testing::small_trace_options();
+  const run_result alone = e.run(trace, o, "static EP, the trace alone");
+  // A late request 100 s after the trace: the clock jumps there once nothing runs.
+  std::vector<request> reqs = trace;
+  request late = trace.back();
+  late.id = trace.back().id + 1000;
+  late.arrival_s = alone.end_s + 100;
+  reqs.push_back(late);
+  const run_result ep = e.run(reqs, o, "static EP");
+  // The last step before the jump: a switch forced there is still open when it ends.
+  int64_t last = 0;
+  for (const step_record& s : ep.steps)
+    if (s.start_s < late.arrival_s) last = s.step;
+  REQUIRE(last >= 2);
+  o.how = switching::forced;
+  o.style = switch_style::progressive;
+  o.forced_steps = {last};
+  for (const bool with_late : {true, false}) {
+    CAPTURE(with_late, last);
+    const run_result sw = e.run(with_late ? reqs : trace, o, "progressive");
+    check_same_tokens(sw, with_late ? ep : alone);
+    REQUIRE(sw.switches.size() == 1);
+    const switch_record& s = sw.switches[0];
+    CHECK(s.outcome == switch_outcome::committed);
+    // The requests ran out before the switch did: the rest moved in steps of copies alone (a
+    // late request to come), or at the end of the run.
+    int64_t copies_alone = 0;
+    for (const step_record& r : sw.steps) copies_alone += r.in_switch && r.sequences == 0;
+    if (with_late) CHECK(copies_alone >= 1);
+    else CHECK(s.steps < L);
+    // Begin to finish on the clock: the steps served, then the rest as copies alone; never the
+    // 100 s of idle time before the late request, never the rest for free.
+    CHECK(s.clock_ms >= static_cast<double>(L) * 10.0 - 1e-6);
+    CHECK(s.clock_ms < 1000);
+    if (with_late) {
+      const request_result& r = sw.requests.back();
+      REQUIRE(r.id == late.id);
+      CHECK(r.first_token_s - r.arrival_s < 1.0);  // it found the switch done
+    } else {
+      CHECK(sw.end_s >= s.start_s + s.clock_ms * 1e-3 - 1e-9);
+    }
+  }
+}
