@@ -112,7 +112,12 @@ hf_config parse_hf_config(std::string_view text, const std::string& source) {
     r.fail("attention_bias true is not supported (the projections have no bias)");
   if (r.has("rope_scaling")) {
     const json& v = r.at("rope_scaling");
-    if (!(v.is_object() && v.value("rope_type", v.value("type", "")) == "default"))
+    // Only the plain type is accepted; a type that is not a string is refused like any other
+    // (v.value() would throw nlohmann's error, which names neither file nor field).
+    const auto is_default = [&](const char* key) {
+      return v.contains(key) && v.at(key).is_string() && v.at(key).get<std::string>() == "default";
+    };
+    if (!(v.is_object() && (v.contains("rope_type") ? is_default("rope_type") : is_default("type"))))
       r.fail("rope_scaling ", v.dump(), " is not supported (plain RoPE only)");
   }
   if (const int64_t shared = r.int_or("shared_expert_intermediate_size", 0); shared > 0)

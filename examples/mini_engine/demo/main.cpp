@@ -955,6 +955,10 @@ int run_demo(demo::options o) {
       step_curves curves = step_curves::from_file(o.curves);
       MOEBIUS_CHECK(curves.num_ranks() == P, moebius::errc::invalid_argument, "--curves ",
                     o.curves, ": measured for P=", curves.num_ranks(), ", the demo runs P=", P);
+      MOEBIUS_CHECK(curves.num_layers() == m.num_layers, moebius::errc::invalid_argument,
+                    "--curves ", o.curves, ": measured with ", curves.num_layers(),
+                    " layers, the clock prices ", demo::to_string(o.priced), " (", m.num_layers,
+                    " layers): curves of another model, or of a shortened one");
       std::printf("  decode steps instead from %s: per-rank compute measured on one GPU, "
                   "collectives priced by a link model (bench_mini_engine_rank_share)\n",
                   curves.deployment().c_str());
@@ -963,6 +967,11 @@ int run_demo(demo::options o) {
       clock = std::move(model_clock);
     }
   } else {
+    // --clock measured with --curves is a usage error (options.cpp); here the automatic clock
+    // measured because a GPU is there.
+    MOEBIUS_CHECK(o.curves.empty(), moebius::errc::invalid_argument, "--curves ", o.curves,
+                  ": step curves price the modelled clock, and this run measures its steps on "
+                  "the GPU (--clock model uses them)");
     clock = std::make_unique<measured_clock>();
     if (w.on_gpu)
       std::printf("\n  clock: measured on the GPUs (each step's CUDA events, the longest rank; "

@@ -199,6 +199,10 @@ options parse_options(int argc, const char* const* argv) {
       throw usage_error("unknown option '" + a + "'");
     }
   }
+  if (!o.curves.empty() && o.clock == clock_kind::measured) {
+    fail("--curves", "step curves price the modelled clock, and --clock measured measures its "
+                     "steps (--clock model uses them)");
+  }
   if (!o.write_trace.empty() && o.traces.size() != 1) {
     fail("--write-trace", "needs exactly one --trace");
   }

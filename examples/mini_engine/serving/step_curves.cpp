@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <istream>
+#include <sstream>
 #include <tuple>
 
 #include <nlohmann/json.hpp>
@@ -54,26 +55,50 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
   std::vector<step_curve_point> points;
   std::string line, model;
   int P = 0;
+  int64_t layers = 0;
+  double skew = 0;
   for (int64_t n = 1; std::getline(in, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     try {
       const nlohmann::json j = nlohmann::json::parse(line);
+      // Integers must be JSON integers: get<int64_t>() would truncate 1.9 to 1 and take true.
+      auto integer = [&](const char* field) {
+        const nlohmann::json& v = j.at(field);
+        MOEBIUS_CHECK(v.is_number_integer(), errc::invalid_argument, "\"", field,
+                      "\" must be an integer (got ", v.dump(), ")");
+        return v.get<int64_t>();
+      };
       step_curve_point p;
       const std::string mode = j.at("mode").get<std::string>();
       MOEBIUS_CHECK(mode == "tp" || mode == "ep", errc::invalid_argument, "mode \"", mode,
                     "\" is neither tp nor ep");
       p.mode = mode == "tp" ? parallel_mode::tp : parallel_mode::ep;
-      p.context = j.at("context").get<int64_t>();
-      p.batch = j.at("batch").get<int64_t>();
+      p.context = integer("context");
+      p.batch = integer("batch");
+      MOEBIUS_CHECK(j.at("step_ms").is_number(), errc::invalid_argument,
+                    "\"step_ms\" must be a number");
       p.step_ms = j.at("step_ms").get<double>();
+      MOEBIUS_CHECK(p.batch >= 1 && p.context >= 1 && p.step_ms > 0 && std::isfinite(p.step_ms),
+                    errc::invalid_argument,
+                    "needs batch >= 1, context >= 1 and a positive step_ms (got batch ", p.batch,
+                    ", context ", p.context, ", step_ms ", p.step_ms, ")");
       const std::string m = j.at("model").get<std::string>();
-      const int p_ranks = j.at("P").get<int>();
+      const int64_t p_ranks = integer("P");
+      const int64_t l = integer("layers");
+      const double sk = j.value("skew", 1.0);
+      MOEBIUS_CHECK(p_ranks >= 1 && p_ranks <= 1 << 16 && l >= 1, errc::invalid_argument,
+                    "needs P in [1, 65536] and layers >= 1 (got P=", p_ranks, ", layers=", l,
+                    ")");
       if (points.empty()) {
         model = m;
-        P = p_ranks;
+        P = static_cast<int>(p_ranks);
+        layers = l;
+        skew = sk;
       }
-      MOEBIUS_CHECK(m == model && p_ranks == P, errc::invalid_argument, "model ", m, " P=",
-                    p_ranks, " where the file began with ", model, " P=", P);
+      MOEBIUS_CHECK(m == model && p_ranks == P && l == layers && sk == skew,
+                    errc::invalid_argument, "model ", m, " P=", p_ranks, " layers=", l,
+                    " skew ", sk, " where the file began with ", model, " P=", P, " layers=",
+                    layers, " skew ", skew, " (one deployment per file)");
       points.push_back(p);
     } catch (const nlohmann::json::exception& e) {
       MOEBIUS_FAIL(errc::invalid_argument, "line ", n, " of ", source, ": ", e.what());
@@ -82,8 +107,11 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
     }
   }
   MOEBIUS_CHECK(!points.empty(), errc::invalid_argument, source, ": no curve points");
-  step_curves c(std::move(points), model + " P=" + std::to_string(P) + " (" + source + ")");
+  std::ostringstream d;
+  d << model << " P=" << P << " L=" << layers << " skew " << skew << " (" << source << ")";
+  step_curves c(std::move(points), d.str());
   c.num_ranks_ = P;
+  c.num_layers_ = layers;
   return c;
 }
 
@@ -106,7 +134,9 @@ double step_curves::row_ms(const row& r, double batch) {
   // Beyond the largest batch: the last segment's slope in the batch.
   const step_curve_point& a = pts[pts.size() - 2];
   const step_curve_point& b = pts.back();
-  const double slope = (b.step_ms - a.step_ms) / static_cast<double>(b.batch - a.batch);
+  // Never falling: a last segment that falls by noise would price large batches at 0 ms or less.
+  const double slope =
+      std::max(0.0, (b.step_ms - a.step_ms) / static_cast<double>(b.batch - a.batch));
   return b.step_ms + slope * (batch - static_cast<double>(b.batch));
 }
 
@@ -127,8 +157,10 @@ double step_curves::step_ms(parallel_mode m, double batch, double context) const
 curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& model)
     : curves_(std::move(curves)),
       model_(model),
-      name_("measured per-rank step curves of " + curves_.deployment() +
-            " for decode steps; prefill, switches and overlap: " + model.name()) {}
+      name_("per-rank step curves of " + curves_.deployment() +
+            " for decode steps (compute measured on one GPU, collectives priced by a link "
+            "model); prefill, switches and overlap: " +
+            model.name()) {}
 
 double curves_step_clock::step_s(const step_cost& c, double measured_s) const {
   if (c.num_sequences <= 0 || c.new_tokens != c.num_sequences) return model_.step_s(c, measured_s);

@@ -6,8 +6,9 @@
 //
 // The file: JSON lines, one per (mode, context, batch), with at least
 //   {"model": "qwen3_235b", "P": 8, "mode": "tp", "context": 2048, "batch": 128,
-//    "compute_ms": 9.81, "comm_priced_ms": 2.77, "step_ms": 12.58}
-// (the bench writes more fields; they are ignored). step_ms is the curve: compute measured plus
+//    "layers": 94, "skew": 1.0, "compute_ms": 9.81, "comm_priced_ms": 2.77, "step_ms": 12.58}
+// (the bench writes more fields; they are ignored). One deployment per file: every line names
+// the same model, P, layers and skew (skew may be absent: 1). step_ms is the curve: compute measured plus
 // collectives priced, both kept in the file.
 //
 // Between the points: linear in log2(batch) within a context's row (beyond the largest batch, the
@@ -44,9 +45,11 @@ class step_curves {
 
   // The step of `batch` sequences at `context` tokens each, in ms (see the top).
   double step_ms(moebius::parallel_mode m, double batch, double context) const;
-  // "qwen3_235b P=8 (<source>)".
+  // "qwen3_235b P=8 L=94 skew 1 (<source>)".
   const std::string& deployment() const { return deployment_; }
   int num_ranks() const { return num_ranks_; }
+  // The layers the curves were measured with (0: built from points, not from a file).
+  int64_t num_layers() const { return num_layers_; }
 
  private:
   // The points of one mode and context, ascending in batch.
@@ -59,6 +62,7 @@ class step_curves {
   std::vector<row> rows_[2];  // per mode (index: tp 1, ep 0), ascending in context
   std::string deployment_;
   int num_ranks_ = 0;
+  int64_t num_layers_ = 0;
 };
 
 // The priced clock with measured curves: decode steps (every item one new token) from `curves`

@@ -478,6 +478,8 @@ TEST_CASE("checkpoint: a config the engine cannot run names the field", "[checkp
       {"use_sliding_window", true},
       {"attention_bias", true},
       {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}},
+      {"rope_scaling", {{"rope_type", 3}}},  // not a string: still this error, not nlohmann's
+      {"rope_scaling", {{"type", "default"}, {"rope_type", "dynamic"}}},
       {"shared_expert_intermediate_size", 128},
       {"hidden_act", "gelu"},
       {"dtype", "float64"},

@@ -16,12 +16,12 @@ namespace {
 
 // TP: 10 ms at batch 1, 14 at 4 (context 512); 20 and 28 at context 1536. EP: flat 12 ms.
 const char* k_file =
-    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"compute_ms\": 9, \"comm_priced_ms\": 1, \"step_ms\": 10}\n"
-    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 4, \"step_ms\": 14}\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"compute_ms\": 9, \"comm_priced_ms\": 1, \"step_ms\": 10}\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 512, \"batch\": 4, \"step_ms\": 14}\n"
     "\n"
-    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 1536, \"batch\": 1, \"step_ms\": 20}\n"
-    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 1536, \"batch\": 4, \"step_ms\": 28}\n"
-    "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 12}\n";
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 1536, \"batch\": 1, \"step_ms\": 20}\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 1536, \"batch\": 4, \"step_ms\": 28}\n"
+    "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 12}\n";
 
 step_curves parse(const std::string& text) {
   std::istringstream in(text);
@@ -43,7 +43,8 @@ std::string error_of(const std::string& text) {
 TEST_CASE("step curves: read back and interpolated", "[cpu][curves]") {
   const step_curves c = parse(k_file);
   CHECK(c.num_ranks() == 8);
-  CHECK(c.deployment() == "qwen3_235b P=8 (test.jsonl)");
+  CHECK(c.deployment() == "qwen3_235b P=8 L=94 skew 1 (test.jsonl)");
+  CHECK(c.num_layers() == 94);
   CHECK(c.step_ms(parallel_mode::tp, 1, 512) == Approx(10));
   CHECK(c.step_ms(parallel_mode::tp, 2, 512) == Approx(12));   // halfway in log2(batch)
   CHECK(c.step_ms(parallel_mode::tp, 8, 512) == Approx(14 + 4 * 4.0 / 3));  // beyond: 4/3 ms a sequence
@@ -51,26 +52,52 @@ TEST_CASE("step curves: read back and interpolated", "[cpu][curves]") {
   CHECK(c.step_ms(parallel_mode::tp, 2, 1024) == Approx(18));  // halfway between 12 and 24
   CHECK(c.step_ms(parallel_mode::tp, 4, 4096) == Approx(28));  // above the contexts: the nearest
   CHECK(c.step_ms(parallel_mode::ep, 64, 100) == Approx(12));  // one point
+  // A last segment that falls (noise) is flat beyond the largest batch, never below 0 ms.
+  const step_curves falling = parse(
+      "{\"model\": \"m\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, \"batch\": 128, \"step_ms\": 30}\n"
+      "{\"model\": \"m\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, \"batch\": 256, \"step_ms\": 29.5}\n"
+      "{\"model\": \"m\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"step_ms\": 9}\n");
+  CHECK(falling.step_ms(parallel_mode::ep, 8192, 512) == Approx(29.5));
 }
 
 TEST_CASE("step curves: malformed files are errors that name the line", "[cpu][curves]") {
-  CHECK_THAT(error_of("{\"model\": \"m\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 1}\n"),
+  CHECK_THAT(error_of("{\"model\": \"m\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 512, \"batch\": 1}\n"),
              Catch::Contains("line 1 of test.jsonl"));
   CHECK_THAT(error_of(std::string(k_file) + "not json\n"), Catch::Contains("line 7"));
   CHECK_THAT(error_of(std::string(k_file) +
-                      "{\"model\": \"qwen3_30b\", \"P\": 2, \"mode\": \"ep\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
+                      "{\"model\": \"qwen3_30b\", \"P\": 2, \"layers\": 48, \"mode\": \"ep\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
              Catch::Contains("where the file began with qwen3_235b P=8"));
   CHECK_THAT(error_of(std::string(k_file) +
-                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"xp\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
+                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"xp\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
              Catch::Contains("neither tp nor ep"));
   CHECK_THAT(error_of(std::string(k_file) +
-                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 3}\n"),
+                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 3}\n"),
              Catch::Contains("twice"));
-  CHECK_THAT(error_of("{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"step_ms\": 1}\n"),
+  CHECK_THAT(error_of("{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"step_ms\": 1}\n"),
              Catch::Contains("no EP point"));
-  CHECK_THAT(error_of("{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"tp\", \"context\": 512, \"batch\": 0, \"step_ms\": 1}\n"),
+  CHECK_THAT(error_of("{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 512, \"batch\": 0, \"step_ms\": 1}\n"),
              Catch::Contains("batch >= 1"));
   CHECK_THAT(error_of(""), Catch::Contains("no curve points"));
+  // Integers are JSON integers (a 1.9 is not batch 1, true is not P=1).
+  const std::string ep_line =
+      "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, ";
+  CHECK_THAT(error_of(std::string(k_file) + ep_line + "\"batch\": 1.9, \"step_ms\": 3}\n"),
+             Catch::Contains("line 7 of test.jsonl") &&
+                 Catch::Contains("\"batch\" must be an integer (got 1.9)"));
+  CHECK_THAT(error_of("{\"model\": \"qwen3_235b\", \"P\": true, \"layers\": 94, \"mode\": \"ep\", "
+                      "\"context\": 512, \"batch\": 2, \"step_ms\": 3}\n"),
+             Catch::Contains("\"P\" must be an integer"));
+  // One deployment per file: a shortened model's lines, or another skew, are refused.
+  CHECK_THAT(error_of(std::string(k_file) +
+                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 8, \"mode\": \"ep\", "
+                      "\"context\": 512, \"batch\": 2, \"step_ms\": 3}\n"),
+             Catch::Contains("layers=8 skew 1 where the file began with qwen3_235b P=8 layers=94"));
+  CHECK_THAT(error_of(std::string(k_file) + ep_line +
+                      "\"batch\": 2, \"skew\": 1.5, \"step_ms\": 3}\n"),
+             Catch::Contains("skew 1.5 where"));
+  CHECK_THAT(error_of(ep_line.substr(0, ep_line.find("\"layers")) +
+                      "\"mode\": \"ep\", \"context\": 512, \"batch\": 2, \"step_ms\": 3}\n"),
+             Catch::Contains("layers"));
   CHECK_THROWS_AS(step_curves::from_file("/nonexistent/curves.jsonl"), moebius::error);
 }
 
@@ -82,6 +109,9 @@ TEST_CASE("the curves clock: decode steps from the curves, the rest from the mod
   const curves_step_clock clock(parse(k_file), model);
   CHECK(std::string(clock.name()).find("qwen3_235b P=8") != std::string::npos);
   CHECK(std::string(clock.name()).find("modelled H200") != std::string::npos);
+  // The curves' steps are compute measured plus collectives priced: the name says both.
+  CHECK(std::string(clock.name()).find("compute measured on one GPU, collectives priced") !=
+        std::string::npos);
   step_cost decode;
   decode.mode = parallel_mode::tp;
   decode.num_ranks = 8;
