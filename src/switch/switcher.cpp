@@ -128,6 +128,13 @@ switch_report switcher::switch_to(parallel_mode target) {
   detail::check_enum(target, "switcher::switch_to target (parallel_mode)");
   MOEBIUS_CHECK(open_ == nullptr, errc::invalid_argument,
                 "switch_to: a progressive switch is in progress; finish() or abort() it first");
+  // verify_layer pairs layer l's experts with layer l's K/V: a KV layer without an MoE layer
+  // would go unchecked while the report says verified.
+  MOEBIUS_CHECK(!options_.verify_layer || kv_geometry_.num_layers == weights_.shape.num_layers,
+                errc::invalid_argument,
+                "switch_to: switcher_options::verify_layer checks each layer's experts and K/V "
+                "together, so the KV cache needs one layer per MoE layer (KV layers ",
+                kv_geometry_.num_layers, ", MoE layers ", weights_.shape.num_layers, ")");
   const auto t0 = clock_type::now();
   const detail::nvtx_range switch_range("moebius/switch");
   switch_report rep;

@@ -199,6 +199,34 @@ TEST_CASE("a verify mismatch rolls the switch back", "[switch][fault]") {
   CHECK(live_kv_bytes(w, sw.kv_tables()) == live_before);
 }
 
+TEST_CASE("verify_layer needs one KV layer per MoE layer", "[switch][validate]") {
+  std::mt19937_64 rng(testing::test_seed());
+  world w;
+  do {
+    w = make_world(rng, 2, 0.3);
+  } while (w.kv.num_layers == w.shape.num_layers);
+  host_transport t(w.memory);
+  switcher_options opt;
+  int calls = 0;
+  opt.verify_layer = [&](int64_t, parallel_mode, const kv_state&) {
+    ++calls;
+    return uint64_t{0};
+  };
+  switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
+  const rank_images arenas = w.arenas, pools = w.pools;
+  try {
+    (void)sw.switch_to(parallel_mode::tp);
+    FAIL("a switch checked layer by layer over unpaired KV layers ran");
+  } catch (const moebius::error& e) {
+    CHECK(e.code() == errc::invalid_argument);
+    CHECK(std::string(e.what()).find("one layer per MoE layer") != std::string::npos);
+  }
+  CHECK(calls == 0);
+  CHECK(w.arenas == arenas);
+  CHECK(w.pools == pools);
+  CHECK(sw.mode() == parallel_mode::ep);
+}
+
 TEST_CASE("a refused switch moves nothing", "[switch]") {
   const uint64_t seed = testing::test_seed();
   std::mt19937_64 rng(seed);

@@ -68,7 +68,9 @@ struct switcher_options {
   // tables), and for each layer once it has moved (target mode and tables): a progressive
   // switch checks a layer in the poll() (or finish()) that finds its copies complete, so a
   // corrupted layer fails the switch at the advance that moved it; switch_to() checks every
-  // layer before commit. The same rule as `verify` on tokens written during the switch.
+  // layer before commit. The same rule as `verify` on tokens written during the switch. Needs
+  // one KV layer per MoE layer (switch_to throws errc::invalid_argument otherwise, as begin()
+  // always does).
   std::function<uint64_t(int64_t layer, parallel_mode mode, const kv_state& tables)> verify_layer;
   // TP -> EP: the owner of each live sequence, indexed like kv_demands_of(tp_tables)
   // (kv_migration_options::placement), instead of longest-first by the pages in use. An engine
