@@ -90,6 +90,8 @@ def point_experts(block, params, I):
 def routed(block, x):
     """transformers' Qwen3-MoE routing: softmax over experts, top-k, renormalised."""
     logits = block.gate(x)
+    if isinstance(logits, tuple):  # newer transformers: the router returns (logits, ...)
+        logits = logits[0]
     weights = torch.softmax(logits, dim=1, dtype=torch.float)
     weights, experts = torch.topk(weights, block.top_k if hasattr(block, "top_k")
                                   else block.gate.top_k, dim=-1)
@@ -99,9 +101,11 @@ def routed(block, x):
 
 
 def expert_mlp(x, w13, w2, I):
-    """One expert (or one TP slice of it): w13 [2I', H] = [gate; up], w2 [H, I']."""
-    h = x @ w13.t()
-    return (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2.t()
+    """One expert (or one TP slice of it): w13 [2I', H] = [gate; up], w2 [H, I'].
+    Computed on the weights' device (rank r's views live on cuda:r), returned on x's."""
+    xw = x.to(w13.device)
+    h = xw @ w13.t()
+    return ((torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w2.t()).to(x.device)
 
 
 def make_parallel_forward(block, views_of_rank, mode_of, P, E, I, returns_tuple):

@@ -254,11 +254,15 @@ std::vector<kv_sequence> sequences_from_csr(int64_t page_size, nb::handle seq_id
   MOEBIUS_CHECK(n == 0 || (p[0] == 0 && p[n] == i.size), errc::invalid_argument,
                 "indptr must start at 0 and end at len(indices) = ", i.size, "; got ",
                 n ? p[0] : 0, " .. ", n ? p[n] : 0);
+  // The whole of indptr before any row is read: a row whose end runs past indices (a later
+  // row decreasing) must not read beyond it, nor size a table from it.
+  for (int64_t r = 0; r < n; ++r) {
+    MOEBIUS_CHECK(p[r] <= p[r + 1], errc::invalid_argument, "indptr must not decrease: indptr[",
+                  r, "] = ", p[r], " > indptr[", r + 1, "] = ", p[r + 1]);
+  }
   std::vector<kv_sequence> out(static_cast<size_t>(n));
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t begin = p[r], end = p[r + 1];
-    MOEBIUS_CHECK(begin <= end, errc::invalid_argument, "indptr must not decrease: indptr[", r,
-                  "] = ", begin, " > indptr[", r + 1, "] = ", end);
+    const int64_t begin = p[r], end = p[r + 1];  // 0 <= begin <= end <= len(indices)
     kv_sequence& q = out[static_cast<size_t>(r)];
     q.seq_id = ids[r];
     q.last_page_len = l[r];

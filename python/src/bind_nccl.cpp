@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "moebius/cuda/check.hpp"
+#include "moebius/cuda/handles.hpp"
 #include "moebius/cuda/nccl_check.hpp"
 #include "moebius/transport/nccl_transport.hpp"
 
@@ -60,8 +61,7 @@ struct workspaces {
   ~workspaces() {
     for (size_t i = 0; i < buffers.size(); ++i) {
       if (!buffers[i]) continue;
-      cudaSetDevice(devices[i]);
-      cudaFree(buffers[i]);
+      detail::release_on(devices[i], [&] { cudaFree(buffers[i]); });
     }
   }
 };
@@ -81,7 +81,7 @@ class py_nccl_transport final : public transport {
     for (size_t i = 0; i < comms.size(); ++i) {
       void* buffer = nullptr;
       if (workspace_bytes > 0) {
-        MOEBIUS_CUDA_CHECK(cudaSetDevice(comms[i]->device()));
+        const device_guard on(comms[i]->device());  // the caller's device comes back
         MOEBIUS_CUDA_CHECK(cudaMalloc(&buffer, static_cast<size_t>(workspace_bytes)));
       }
       ws_.buffers.push_back(buffer);
@@ -147,7 +147,7 @@ void bind_nccl(nb::module_& m) {
             ncclComm_t comm = nullptr;
             {
               nb::gil_scoped_release release;  // every rank blocks here until all have joined
-              MOEBIUS_CUDA_CHECK(cudaSetDevice(device));
+              const device_guard on(device);  // the caller's device comes back
               MOEBIUS_NCCL_CHECK(ncclCommInitRank(&comm, num_ranks, id, rank));
             }
             new (self) py_nccl_comm(comm, device);

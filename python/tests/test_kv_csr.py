@@ -149,6 +149,8 @@ def test_csr_inputs_read_in_place_strided_and_read_only():
     (dict(indptr=np.array([0, 2, 2], np.int32)), "start at 0 and end at len"),
     (dict(indptr=np.array([0, 4, 3], np.int32), indices=np.array([7, 2, 5], np.int32)),
      "must not decrease"),
+    # a row running far past indices: refused before any row is read or sized from it
+    (dict(indptr=np.array([0, 2**40, 3], np.int64)), "must not decrease"),
     (dict(last_page_len=np.array([4, 17], np.int32)), "last_page_len=17"),
     (dict(indices=np.array([7, 2, 16], np.int32)), "id 16 outside"),
     (dict(indices=np.array([7, 2, 7], np.int32)), "page 7 is used twice"),
