@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <istream>
+#include <iterator>
 #include <sstream>
 #include <tuple>
 
@@ -112,7 +113,38 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
   step_curves c(std::move(points), d.str());
   c.num_ranks_ = P;
   c.num_layers_ = layers;
+  c.model_ = model;
   return c;
+}
+
+std::optional<step_curves> step_curves::find(std::span<const embedded_curves> files,
+                                             const std::string& model, int P) {
+  for (const embedded_curves& f : files) {
+    if (f.text == nullptr) continue;
+    std::istringstream in(f.text);
+    step_curves c = from_jsonl(in, f.source);
+    if (c.model() == model && c.num_ranks() == P) return c;
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+// Generated from docs/results/step_curves_*.jsonl (CMakeLists.txt); the last entry is empty so
+// that the array exists when no curves have been measured.
+constexpr embedded_curves measured_curves[] = {
+#include "measured_step_curves.inc"
+    {nullptr, nullptr},
+};
+
+}  // namespace
+
+std::span<const embedded_curves> step_curves::measured_files() {
+  return {measured_curves, std::size(measured_curves) - 1};
+}
+
+std::optional<step_curves> step_curves::measured(const std::string& model, int P) {
+  return find(measured_files(), model, P);
 }
 
 step_curves step_curves::from_file(const std::string& path) {

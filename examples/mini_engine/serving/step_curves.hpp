@@ -17,6 +17,8 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,6 +27,12 @@
 #include "step_clock.hpp"
 
 namespace mini_engine {
+
+// A curves file's text and where it came from ("docs/results/step_curves_....jsonl").
+struct embedded_curves {
+  const char* source = nullptr;
+  const char* text = nullptr;
+};
 
 struct step_curve_point {
   moebius::parallel_mode mode = moebius::parallel_mode::ep;
@@ -42,12 +50,22 @@ class step_curves {
   // in deployment(). All lines must name one model and one P.
   static step_curves from_jsonl(std::istream& in, const std::string& source);
   static step_curves from_file(const std::string& path);
+  // The curves of `model` (the bench's name: "qwen3_235b", "qwen3_30b") at P ranks among
+  // `files`, or nullopt; a file that does not parse is an error naming it.
+  static std::optional<step_curves> find(std::span<const embedded_curves> files,
+                                         const std::string& model, int P);
+  // The same among the curves measured and committed under docs/results/step_curves_*.jsonl,
+  // compiled in at build time (so that a priced clock has them on any machine).
+  static std::optional<step_curves> measured(const std::string& model, int P);
+  static std::span<const embedded_curves> measured_files();
 
   // The step of `batch` sequences at `context` tokens each, in ms (see the top).
   double step_ms(moebius::parallel_mode m, double batch, double context) const;
   // "qwen3_235b P=8 L=94 skew 1 (<source>)".
   const std::string& deployment() const { return deployment_; }
   int num_ranks() const { return num_ranks_; }
+  // The bench's model name ("" when built from points, not from a file).
+  const std::string& model() const { return model_; }
   // The layers the curves were measured with (0: built from points, not from a file).
   int64_t num_layers() const { return num_layers_; }
 
@@ -60,7 +78,7 @@ class step_curves {
   static double row_ms(const row& r, double batch);
 
   std::vector<row> rows_[2];  // per mode (index: tp 1, ep 0), ascending in context
-  std::string deployment_;
+  std::string deployment_, model_;
   int num_ranks_ = 0;
   int64_t num_layers_ = 0;
 };

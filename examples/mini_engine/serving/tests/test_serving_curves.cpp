@@ -128,3 +128,28 @@ TEST_CASE("the curves clock: decode steps from the curves, the rest from the mod
   CHECK(clock.link().bytes_per_s == model.link().bytes_per_s);
   CHECK(!clock.needs_measurement());
 }
+
+TEST_CASE("step curves: a deployment's curves found among files, or none", "[cpu][curves]") {
+  const std::string other =
+      "{\"model\": \"qwen3_30b\", \"P\": 2, \"layers\": 48, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"step_ms\": 5}\n"
+      "{\"model\": \"qwen3_30b\", \"P\": 2, \"layers\": 48, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 6}\n";
+  const embedded_curves files[] = {{"a.jsonl", other.c_str()}, {"b.jsonl", k_file}};
+  const std::optional<step_curves> c = step_curves::find(files, "qwen3_235b", 8);
+  REQUIRE(c.has_value());
+  CHECK(c->model() == "qwen3_235b");
+  CHECK(c->deployment() == "qwen3_235b P=8 L=94 skew 1 (b.jsonl)");
+  CHECK(c->step_ms(parallel_mode::tp, 1, 512) == Approx(10));
+  CHECK(step_curves::find(files, "qwen3_30b", 2)->step_ms(parallel_mode::ep, 1, 512) == Approx(6));
+  CHECK_FALSE(step_curves::find(files, "qwen3_235b", 4).has_value());  // another P
+  CHECK_FALSE(step_curves::find(files, "qwen3_30b", 8).has_value());
+  // A file that does not parse is an error naming it, not a deployment without curves.
+  const embedded_curves broken[] = {{"docs/results/step_curves_x.jsonl", "not json\n"}};
+  CHECK_THROWS_WITH(step_curves::find(broken, "qwen3_235b", 8),
+                    Catch::Contains("line 1 of docs/results/step_curves_x.jsonl"));
+  // Whatever is committed under docs/results parses (the build compiled it in).
+  for (const embedded_curves& f : step_curves::measured_files()) {
+    INFO(f.source);
+    std::istringstream in(f.text);
+    CHECK_NOTHROW(step_curves::from_jsonl(in, f.source));
+  }
+}
