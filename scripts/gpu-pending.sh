@@ -4,6 +4,8 @@
 #   scripts/carry-build test_mini_engine_gpu_hf test_serving_soak_gpu test_kv_migration_gpu \
 #     bench_mini_engine_rank_share bench_kv_migration_gpu bench_mini_engine_switch_under_load
 # Each part writes into $OUT; parts: hf soak kv curves30 curves235 kvblocks (default: all).
+# The step_curves_*.jsonl it writes go into docs/results as they are: the build compiles them
+# in and the demo's priced clock then takes its decode steps from them.
 #   hf        issue 21: checkpoints transformers wrote, streamed to the GPU runtime
 #   soak      issue 22: the serving soak on the GPU runtime (virtual ranks)
 #   kv        issue 25: KV migration per layout preset and random strides, and its rates
@@ -41,11 +43,11 @@ for p in "${parts[@]}"; do
         --benchmark_out_format=json ;;
     curves30)
       for P in 2 4; do
-        MOEBIUS_BENCH_MODEL=qwen3_30b MOEBIUS_BENCH_P=$P MOEBIUS_BENCH_SUMMARY="$OUT/curves_qwen3_30b_p$P.jsonl" \
+        MOEBIUS_BENCH_MODEL=qwen3_30b MOEBIUS_BENCH_P=$P MOEBIUS_BENCH_SUMMARY="$OUT/step_curves_qwen3_30b_p${P}_h200x1.jsonl" \
           run "curves_qwen3_30b_p$P" 580 "$bin/bench_mini_engine_rank_share"
       done ;;
     curves235)
-      MOEBIUS_BENCH_MODEL=qwen3_235b MOEBIUS_BENCH_P=8 MOEBIUS_BENCH_SUMMARY="$OUT/curves_qwen3_235b_p8.jsonl" \
+      MOEBIUS_BENCH_MODEL=qwen3_235b MOEBIUS_BENCH_P=8 MOEBIUS_BENCH_SUMMARY="$OUT/step_curves_qwen3_235b_p8_h200x1.jsonl" \
         run curves_qwen3_235b_p8 580 "$bin/bench_mini_engine_rank_share" ;;
     kvblocks)
       for k in 16 0; do
