@@ -34,6 +34,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <new>
 #include <mutex>
 #include <sstream>
@@ -951,19 +952,29 @@ int run_demo(demo::options o) {
                 "beside a progressive switch's copies by the slowdown curve measured on one H200; "
                 "the host's own time is in the CSV (measured_ms)\n",
                 P, demo::to_string(o.priced), d.str().c_str());
-    if (!o.curves.empty()) {
-      step_curves curves = step_curves::from_file(o.curves);
-      MOEBIUS_CHECK(curves.num_ranks() == P, moebius::errc::invalid_argument, "--curves ",
-                    o.curves, ": measured for P=", curves.num_ranks(), ", the demo runs P=", P);
-      MOEBIUS_CHECK(curves.num_layers() == m.num_layers, moebius::errc::invalid_argument,
-                    "--curves ", o.curves, ": measured with ", curves.num_layers(),
+    // The priced deployment's name in bench_mini_engine_rank_share's files.
+    const std::string bench_model =
+        o.priced == demo::priced_kind::qwen3_235b_a22b ? "qwen3_235b" : "qwen3_30b";
+    std::optional<step_curves> curves;
+    if (o.curves.empty()) curves = step_curves::measured(bench_model, P);
+    else if (o.curves != "roofline") curves = step_curves::from_file(o.curves);
+    if (curves) {
+      const std::string& from = o.curves.empty() ? curves->deployment() : o.curves;
+      MOEBIUS_CHECK(curves->num_ranks() == P, moebius::errc::invalid_argument, "--curves ",
+                    from, ": measured for P=", curves->num_ranks(), ", the demo runs P=", P);
+      MOEBIUS_CHECK(curves->num_layers() == m.num_layers, moebius::errc::invalid_argument,
+                    "--curves ", from, ": measured with ", curves->num_layers(),
                     " layers, the clock prices ", demo::to_string(o.priced), " (", m.num_layers,
                     " layers): curves of another model, or of a shortened one");
       std::printf("  decode steps instead from %s: per-rank compute measured on one GPU, "
                   "collectives priced by a link model (bench_mini_engine_rank_share)\n",
-                  curves.deployment().c_str());
-      clock = std::make_unique<curves_step_clock>(std::move(curves), *model_clock);
+                  curves->deployment().c_str());
+      clock = std::make_unique<curves_step_clock>(std::move(*curves), *model_clock);
     } else {
+      if (o.curves.empty())
+        std::printf("  decode steps from the roofline: no measured step curves of %s at P=%d "
+                    "under docs/results (step_curves_*.jsonl, bench_mini_engine_rank_share)\n",
+                    bench_model.c_str(), P);
       clock = std::move(model_clock);
     }
   } else {

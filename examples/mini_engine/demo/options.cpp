@@ -107,8 +107,10 @@ const char* usage_text() {
          "  --clock auto|model|measured  step times: H200 model (host default) or measured\n"
          "                           (GPU default)\n"
          "  --context-scale X        H200 model: context tokens priced x X, [1, 1024] (32)\n"
-         "  --curves FILE            H200 model: decode steps from measured per-rank curves\n"
-         "                           (bench_mini_engine_rank_share's JSON lines)\n"
+         "  --curves FILE|roofline   H200 model: decode steps from measured per-rank curves\n"
+         "                           (bench_mini_engine_rank_share's JSON lines), or from the\n"
+         "                           roofline (default: the priced deployment's curves under\n"
+         "                           docs/results, compiled in, when there are any)\n"
          "  --out DIR                where the CSV and SVG go (default moebius_demo_out)\n"
          "  --no-reshard             skip the verified-reshard stage\n"
          "  --help                   this text\n";
@@ -190,7 +192,8 @@ options parse_options(int argc, const char* const* argv) {
       o.context_scale = parse_double(a, value(), 1, 1024);
     } else if (a == "--curves") {
       o.curves = std::string(value());
-      if (!std::ifstream(o.curves).good()) fail(a, "cannot open " + o.curves);
+      if (o.curves != "roofline" && !std::ifstream(o.curves).good())
+        fail(a, "cannot open " + o.curves);
     } else if (a == "--out") {
       const std::string_view v = value();
       if (v.empty()) fail(a, "needs a directory name");

@@ -49,7 +49,8 @@ struct options {
   clock_kind clock = clock_kind::automatic;
   double context_scale = 32;     // H200 model: each context token priced as this many
   // H200 model: decode steps from measured per-rank curves (bench_mini_engine_rank_share's
-  // JSON lines, serving/step_curves.hpp) instead of the roofline; empty: the roofline.
+  // JSON lines, serving/step_curves.hpp) in this file, or "roofline"; empty: the priced
+  // deployment's curves committed under docs/results when there are any, else the roofline.
   std::string curves;
   std::string out_dir = "moebius_demo_out";
   bool reshard_stage = true;
