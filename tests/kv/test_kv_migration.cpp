@@ -225,13 +225,20 @@ TEST_CASE("KV TP->EP from fragmented TP states (compaction, staging)", "[kv][mig
     // (compaction) find a way whenever the EP view holds every sequence.
     const bool headroom = r.rep.pages_needed * 10 <= r.rep.pages_available * 9 &&
                           r.rep.pages_available >= 20;
-    // A full pool with a single staging slot moves about one page per round, so a large
-    // pool may legitimately need more than max_rounds: only there is the round cap accepted.
-    const bool round_capped = r.rep.reason.find("max_rounds") != std::string::npos &&
-                              c.occupancy >= 0.9 && slots <= 1;
-    if (r.rep.holds && (slots > 0 || headroom) && !round_capped) {
+    // A nearly full pool moves about one page per round, staging slots or not (seed 147299290,
+    // iter 45: 3413 pages a rank at 100%, 8 slots, 5121 rounds), so a large pool may need more
+    // than max_rounds: there the same check without the cap must find the way.
+    const bool round_capped = r.rep.reason.find("max_rounds") != std::string::npos;
+    if (r.rep.holds && (slots > 0 || headroom)) {
       INFO(r.rep.reason);
-      CHECK(r.rep.fits);
+      if (round_capped) {
+        REQUIRE(c.occupancy >= 0.9);
+        kv_migration_options uncapped = opt;
+        uncapped.max_rounds = int64_t{1} << 20;
+        CHECK(check_kv_capacity(g, c.state, parallel_mode::ep, uncapped).fits);
+      } else {
+        CHECK(r.rep.fits);
+      }
       ++holds;
     }
   }
