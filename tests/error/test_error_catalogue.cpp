@@ -955,3 +955,32 @@ TEST_CASE("E81 host_transport::execute: a fault with code errc::timeout (a dead 
       },
       errc::timeout, "injected fault before op 0 of phase 0");
 }
+
+TEST_CASE("E82 validate(kv_geometry, kv_pool_layout): a layer stride whose last base wraps 64 bits", "[error_catalogue]") {
+  check_row(
+      82,
+      [] {
+        auto g = small_kv();
+        auto l = present_kv_layout(g);
+        l.ep.layer = std::numeric_limits<int64_t>::max() - 1;
+        l.tp = derive_tp_strides(g, l.ep);
+        (void)(validate(g, l));
+      },
+      errc::overflow, "KV layout base overflows 64 bits");
+}
+
+TEST_CASE("E83 switcher::switch_to: verify_layer with 1 KV layer under 2 MoE layers", "[error_catalogue]") {
+  check_row(
+      83,
+      [] {
+        auto g = make_kv_geometry(1, 2, 4, 4, 8, 2);
+        testing::host_world w(small_arena(), g);
+        host_transport t(w.memory);
+        switcher_options o;
+        o.verify_layer = [](int64_t, parallel_mode, const kv_state&) { return uint64_t{0};
+        };
+        switcher sw(small_arena(), g, t, small_ep_state(g), arena_cursor{0}, o);
+        (void)(sw.switch_to(parallel_mode::tp));
+      },
+      errc::invalid_argument, "the KV cache needs one layer per MoE layer");
+}
