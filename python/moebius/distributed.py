@@ -38,6 +38,18 @@ def _all_gather_bytes(group):
     return all_gather
 
 
+def _agree(all_gather, error, what):
+    """Every rank learns whether every rank got through `what`: `error` is this rank's ("" when
+    it did); all_gather(local) returns every rank's in rank order. Raises on every rank when any
+    failed, naming each failed rank and its error, so that no rank goes on into a collective
+    that a failed peer will never join (NCCL would block there without a timeout)."""
+    errors = all_gather(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise RuntimeError(f"moebius.distributed: {what} failed on rank(s) "
+                           + "; ".join(f"{r}: {e}" for r, e in failed))
+
+
 def cuda_peer_transport(memory, group=None, config=None):
     """CudaPeerTransport of this process's rank (RankMemory on its device) with every other
     rank of `group` (default: the default group) as a CUDA IPC peer: each exports its handles
@@ -84,8 +96,21 @@ def nccl_transport(memory, arena=None, kv=None, group=None, workspace_bytes=None
     if not _m.with_nccl:
         raise RuntimeError("moebius was built without NCCL (moebius.with_nccl is False): "
                            "build it where NCCL is found (MOEBIUS_WITH_NCCL=AUTO or ON)")
+    all_gather = _all_gather_bytes(group)
+    # Checks that can fail on one rank alone run on every rank and are agreed before NCCL's
+    # unique id goes out, and the transport's allocations after: a rank that fails says so to
+    # its peers instead of leaving them blocked in ncclCommInitRank or in the first switch.
+    _agree(all_gather, "" if memory.device >= 0 else
+           f"RankMemory is host memory (device {memory.device}): NCCL needs device memory",
+           "nccl_transport (before the communicator)")
     comm = communicator or nccl_communicator(group, memory.device)
-    if workspace_bytes is None:
-        workspace_bytes = nccl_workspace_bytes(arena, kv) if arena is not None else 0
-    return _m.NcclTransport([memory], [comm], workspace_bytes,
-                            max_cached_plans=max_cached_plans)
+    transport, error = None, ""
+    try:
+        if workspace_bytes is None:
+            workspace_bytes = nccl_workspace_bytes(arena, kv) if arena is not None else 0
+        transport = _m.NcclTransport([memory], [comm], workspace_bytes,
+                                     max_cached_plans=max_cached_plans)
+    except Exception as e:  # noqa: BLE001 - every error is agreed, then raised everywhere
+        error = f"{type(e).__name__}: {e}"
+    _agree(all_gather, error, "nccl_transport (the workspace and the transport)")
+    return transport
