@@ -75,12 +75,12 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
                 "; NHD needs token=", heads * hb, ", head=", hb);
   // tensor_base() is unchecked: the largest base (last layer, last K|V; strides are >= 0)
   // must fit in 64 bits, so that no wrapped base slips past the checks below.
-  const int64_t last_base = detail::checked_add(
+  static_cast<void>(detail::checked_add(
       s.base,
       detail::checked_add(detail::checked_mul(g.num_layers - 1, s.layer, "KV layout base"),
                           detail::checked_mul(g.kv_tensors() - 1, kv, "KV layout base"),
                           "KV layout base"),
-      "KV layout base");
+      "KV layout base"));
   if (N == 0) return;
   MOEBIUS_CHECK(N == 1 || s.page >= pb, errc::invalid_argument, "kv_pool_layout ", v,
                 " view: pages of one tensor overlap: page stride ", s.page, " < page bytes ", pb);
@@ -97,7 +97,7 @@ void check_view(const kv_geometry& g, const kv_pool_layout& l, parallel_mode m) 
   const bool ascending = (kvt == 1 || within >= 0) && (g.num_layers == 1 || across >= 0);
   const bool apart = ascending && (kvt == 1 || within >= extent) &&
                      (g.num_layers == 1 || across >= extent);
-  // Whether tensor k's pages fit the pool and one segment (no overflow: bases <= last_base).
+  // Whether tensor k's pages fit the pool and one segment (no overflow: every base fits).
   auto fits = [&](int64_t k) {
     const int64_t b = tensor_base(g, s, k);
     if (b > l.pool_bytes - extent) return false;
@@ -249,19 +249,11 @@ void validate(const kv_geometry& g, const kv_pool_layout& l) {
   const int64_t split = g.tp_pages_per_ep_page();
   if (split == 1 || g.num_ep_pages == 0) return;
   const int64_t T = g.num_tensors();
-  const int64_t epb = g.ep_page_bytes(), tpb = g.tp_page_bytes();
-  // When every tensor starts at the same byte in both views (the layer and K|V strides lie
-  // outside a page, as in the present layout), TP pages 0..split-1 of a tensor lie inside its
-  // own EP page 0 iff they do for tensor 0: O(1) at any number of layers, where the check
-  // below is O(T log T) in time and O(T) in memory. Otherwise (or when this does not hold)
-  // the check below decides, with its error.
-  const bool same_bases = l.tp.base == l.ep.base && l.tp.layer == l.ep.layer &&
-                          (g.latent() || l.tp.kv == l.ep.kv);
-  if (same_bases && (split - 1) * l.tp.page + tpb <= epb) return;
-  // With the same base and layer stride in both views, layer l of either view is layer 0 moved
-  // by l * layer stride: TP pages of layer 0 inside layer 0's EP pages hold for every layer.
-  // When that does not show it, every tensor decides (O(T log T) time, O(T) memory), with
-  // the error.
+  const int64_t tpb = g.tp_page_bytes();
+  // With the same base and layer stride in both views (the present layout, the presets),
+  // layer l of either view is layer 0 moved by l * layer stride: TP pages of layer 0 inside
+  // layer 0's EP pages hold for every layer, O(kv tensors) at any number of layers. When that
+  // does not show it, every tensor decides (O(T log T) time, O(T) memory), with the error.
   const bool layers_translate = l.tp.base == l.ep.base && l.tp.layer == l.ep.layer;
   if (layers_translate && first_tp_page_outside_ep(g, l, g.kv_tensors()).k < 0) return;
   const tp_page_ref bad = first_tp_page_outside_ep(g, l, T);
