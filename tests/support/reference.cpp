@@ -158,15 +158,15 @@ std::string compare_to_reference(const logical_weights& w, const arena_geometry&
     // Slots 0 and L were free at some cursor and may have staged KV: take their padding from
     // the image, so that only their tensor bytes are compared.
     const int64_t L = g.shape.num_layers;
+    std::vector<bool> tensor(static_cast<size_t>(g.slot_bytes), false);  // same in every slot
+    for (weight_tensor t : all_weight_tensors) {
+      const int ti = static_cast<int>(t);
+      for (int64_t b = 0; b < g.tensor_bytes[ti]; ++b)
+        tensor[static_cast<size_t>(g.tensor_offset[ti] + b)] = true;
+    }
     for (size_t r = 0; r < ranks.size() && r < expected.size(); ++r) {
       if (ranks[r].size() != expected[r].size()) continue;  // reported below
       for (const int64_t slot : {int64_t{0}, L}) {
-        std::vector<bool> tensor(static_cast<size_t>(g.slot_bytes), false);
-        for (weight_tensor t : all_weight_tensors) {
-          const int ti = static_cast<int>(t);
-          for (int64_t b = 0; b < g.tensor_bytes[ti]; ++b)
-            tensor[static_cast<size_t>(g.tensor_offset[ti] + b)] = true;
-        }
         for (int64_t b = 0; b < g.slot_bytes; ++b) {
           const size_t i = static_cast<size_t>(slot * g.slot_bytes + b);
           if (!tensor[static_cast<size_t>(b)]) expected[r][i] = ranks[r][i];

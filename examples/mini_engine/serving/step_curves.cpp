@@ -23,16 +23,23 @@ auto key(const step_curve_point& p) {
   return std::make_tuple(static_cast<int>(p.mode), p.context, p.batch);
 }
 
+// "" when p can be a curve point, else what is wrong with it.
+std::string point_error(const step_curve_point& p) {
+  if (p.batch >= 1 && p.context >= 1 && p.step_ms > 0 && std::isfinite(p.step_ms)) return "";
+  std::ostringstream os;
+  os << "needs batch >= 1, context >= 1 and a positive step_ms (got batch " << p.batch
+     << ", context " << p.context << ", step_ms " << p.step_ms << ")";
+  return os.str();
+}
+
 }  // namespace
 
 step_curves::step_curves(std::vector<step_curve_point> points, std::string deployment)
     : deployment_(std::move(deployment)) {
   for (size_t i = 0; i < points.size(); ++i) {
-    const step_curve_point& p = points[i];
-    MOEBIUS_CHECK(p.batch >= 1 && p.context >= 1 && p.step_ms > 0 && std::isfinite(p.step_ms),
-                  errc::invalid_argument, "step_curves (", deployment_, "): point ", i,
-                  " needs batch >= 1, context >= 1 and a positive step_ms (got batch ", p.batch,
-                  ", context ", p.context, ", step_ms ", p.step_ms, ")");
+    const std::string error = point_error(points[i]);
+    MOEBIUS_CHECK(error.empty(), errc::invalid_argument, "step_curves (", deployment_, "): point ",
+                  i, " ", error);
   }
   std::sort(points.begin(), points.end(),
             [](const step_curve_point& a, const step_curve_point& b) { return key(a) < key(b); });
@@ -79,10 +86,8 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
       MOEBIUS_CHECK(j.at("step_ms").is_number(), errc::invalid_argument,
                     "\"step_ms\" must be a number");
       p.step_ms = j.at("step_ms").get<double>();
-      MOEBIUS_CHECK(p.batch >= 1 && p.context >= 1 && p.step_ms > 0 && std::isfinite(p.step_ms),
-                    errc::invalid_argument,
-                    "needs batch >= 1, context >= 1 and a positive step_ms (got batch ", p.batch,
-                    ", context ", p.context, ", step_ms ", p.step_ms, ")");
+      const std::string error = point_error(p);  // here, so that the error names the line
+      MOEBIUS_CHECK(error.empty(), errc::invalid_argument, error);
       const std::string m = j.at("model").get<std::string>();
       const int64_t p_ranks = integer("P");
       const int64_t l = integer("layers");
