@@ -260,11 +260,19 @@ void hf_checkpoint::resolve(const std::string& index_path,
     bytes_ += e->end - e->begin + (t.scale ? t.scale->end - t.scale->begin : 0);
     tensors_.push_back(std::move(t));
   }
-  // A tensor of a layer that the model does not read is a feature the engine would silently
-  // drop (a bias, a shared expert, a dense MLP): refuse it. Others (rotary tables, a tied
-  // lm_head) are ignored.
+  // A tensor the model does not read is a feature the engine would silently drop (a bias, a
+  // shared expert, a dense MLP, a final norm's bias): refuse it. Only what transformers itself
+  // recomputes or ties is ignored: rotary tables (`*.rotary_emb.inv_freq`, which older
+  // transformers saved) and the lm_head of a model whose embeddings are tied.
+  const bool tied = config_.tie_word_embeddings;
+  auto ignorable = [tied](const std::string& name) {
+    static const std::string rotary = ".rotary_emb.inv_freq";
+    const bool is_rotary =
+        name.size() >= rotary.size() && name.compare(name.size() - rotary.size(), rotary.size(), rotary) == 0;
+    return is_rotary || (tied && name == "lm_head.weight");
+  };
   for (const auto& [name, s] : where)
-    MOEBIUS_CHECK(used.count(name) || name.rfind("model.layers.", 0) != 0, errc::invalid_argument,
+    MOEBIUS_CHECK(used.count(name) || ignorable(name), errc::invalid_argument,
                   "checkpoint ", shards_[static_cast<size_t>(s)]->path(), ": tensor ", name,
                   " is not one this Qwen3-MoE engine reads (it would be ignored: a bias, a "
                   "shared expert, a dense MLP or more layers than config.json's ",

@@ -511,6 +511,42 @@ TEST_CASE("checkpoint: a config the engine cannot run names the field", "[checkp
         std::string::npos);
 }
 
+TEST_CASE("checkpoint: rotary tables and a tied lm_head are ignored, as transformers ignores them",
+          "[checkpoint]") {
+  const uint64_t seed = std::random_device{}();
+  INFO("weights seed " << seed);
+  const model_config c = tiny();
+  const model_weights w = make_weights(c, seed);
+  auto ts = hf_tensors(w, "F32");
+  // Older transformers saved each layer's rotary table; newer ones one for the model.
+  const std::vector<float> inv_freq(static_cast<size_t>(c.head_dim / 2), 0.125f);
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    ts.push_back(encode("model.layers." + std::to_string(i) + ".self_attn.rotary_emb.inv_freq",
+                        {c.head_dim / 2}, inv_freq, "F32"));
+  ts.push_back(encode("model.rotary_emb.inv_freq", {c.head_dim / 2}, inv_freq, "F32"));
+  SECTION("untied: the lm_head is the checkpoint's") {
+    const std::string d = temp_dir("rotary");
+    write_dir(d, config_json(c, "float32", false), ts, 2);
+    const hf_checkpoint ck(d);
+    const model_weights loaded = load_weights(ck, ck.config().model);
+    CHECK(loaded.embed == w.embed);
+    CHECK(loaded.lm_head == w.lm_head);
+    CHECK(loaded.layers.back().q_norm == w.layers.back().q_norm);
+    fs::remove_all(d);
+  }
+  SECTION("tied: an lm_head.weight in the files is ignored, the LM head is the embedding") {
+    json j = config_json(c, "float32", false);
+    j["tie_word_embeddings"] = true;
+    const std::string d = temp_dir("tied");
+    write_dir(d, j, ts, 1);  // ts still holds lm_head.weight, which differs from the embedding
+    REQUIRE(w.lm_head != w.embed);
+    const hf_checkpoint ck(d);
+    const model_weights loaded = load_weights(ck, ck.config().model);
+    CHECK(loaded.lm_head == w.embed);
+    fs::remove_all(d);
+  }
+}
+
 TEST_CASE("checkpoint: bad directories give errors naming the file and the tensor, before "
           "anything loads",
           "[checkpoint]") {
@@ -651,6 +687,16 @@ TEST_CASE("checkpoint: bad directories give errors naming the file and the tenso
                         std::vector<float>(static_cast<size_t>(c.q_dim()), 0.5f), "F32"));
     write_dir(d, cfg, ts, 1);
     expect(d, {"model.layers.0.self_attn.q_proj.bias", "not one this Qwen3-MoE engine reads"});
+  }
+  SECTION("a tensor outside the layers the engine would ignore (a final norm's or lm_head's bias)") {
+    for (const std::string name : {"model.norm.bias", "lm_head.bias"}) {
+      const std::string d = temp_dir("topbias");
+      auto ts = tensors;
+      const int64_t n = name == "lm_head.bias" ? c.vocab : c.hidden;
+      ts.push_back(encode(name, {n}, std::vector<float>(static_cast<size_t>(n), 0.25f), "F32"));
+      write_dir(d, cfg, ts, 2);
+      expect(d, {name, "not one this Qwen3-MoE engine reads"});
+    }
   }
   SECTION("an F8_E4M3 tensor without its scales") {
     const std::string d = temp_dir("noscale");
