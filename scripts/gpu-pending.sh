@@ -17,6 +17,9 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="$root/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+# libnccl.so.2 where the CUDA toolkit has none: the nvidia-nccl wheel beside torch.
+nccl_lib="$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null)"
+[ -n "$nccl_lib" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nccl_lib"
 OUT="${OUT:-$root/gpu-check-out}"
 mkdir -p "$OUT"
 bin=.carry/bin
@@ -24,11 +27,11 @@ parts=("$@")
 ((${#parts[@]})) || parts=(hf soak kv curves30 curves235 kvblocks)
 status=0
 run() {  # name, timeout, command...
-  local name=$1 limit=$2
+  local name=$1 limit=$2 began=$SECONDS
   shift 2
   timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
   local rc=$?
-  echo "$name: exit $rc"
+  echo "$name: exit $rc after $((SECONDS - began)) s"
   tail -n 6 "$OUT/$name.txt"
   ((rc == 0)) || status=1
 }

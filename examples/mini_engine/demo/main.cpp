@@ -893,10 +893,15 @@ int run_demo(demo::options o) {
     std::printf("on the GPU runtime the demo serves the bursty and rollout traces (--trace to "
                 "choose)\n");
   }
-  std::string kv_why = "--kv-pages";
+  std::string kv_why = std::to_string(o.kv_pages) + " EP pages a rank (--kv-pages)";
   if (o.kv_pages == 0) {
     // The run's KV heads only matter for the Qwen3-30B-A3B pricing; lite(): 4.
-    o.kv_pages = use_gpu ? 2048 : h200_kv_pages(priced_of(o, 4), P, 16, &kv_why);
+    if (use_gpu) {
+      o.kv_pages = 2048;
+      kv_why = "2048 EP pages a rank (the GPU runtime's default; --kv-pages to change)";
+    } else {
+      o.kv_pages = h200_kv_pages(priced_of(o, 4), P, 16, &kv_why);
+    }
   }
   std::unique_ptr<hf_checkpoint> checkpoint;
   if (!o.model_dir.empty()) {
@@ -1029,8 +1034,10 @@ int run_demo(demo::options o) {
     ok = ok && outcomes.back().tokens_identical;
   }
 
-  std::printf("\nsummary (%s clock, %s, P=%d):\n", use_model ? "modelled H200" : "measured",
-              use_model ? demo::to_string(o.priced) : "", P);
+  if (use_model)
+    std::printf("\nsummary (modelled H200 clock, %s, P=%d):\n", demo::to_string(o.priced), P);
+  else
+    std::printf("\nsummary (measured clock, P=%d):\n", P);
   int64_t missed = 0;
   for (const trace_outcome& t : outcomes) {
     for (const target_check& c : t.targets) {
