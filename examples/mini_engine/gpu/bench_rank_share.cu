@@ -195,12 +195,17 @@ int main() {
       }
     }
   }
-  // The crossover per context: the smallest batch from which EP stays faster.
+  // The crossover per context: the smallest batch from which EP stays faster, walking down
+  // from the largest batch measured in both modes (larger ones may not fit in one mode's KV).
   for (const int64_t context : contexts) {
     int64_t cross = -1;
+    bool started = false;
     for (auto it = batches.rbegin(); it != batches.rend(); ++it) {
       const auto r = results.find({context, *it});
-      if (r == results.end() || r->second.size() < 2) break;
+      const bool both = r != results.end() && r->second.size() == 2;
+      if (!both && !started) continue;
+      started = true;
+      if (!both) break;
       const point& tp = r->second[static_cast<int>(parallel_mode::tp)];
       const point& ep = r->second[static_cast<int>(parallel_mode::ep)];
       if (ep.compute_ms + ep.comm_ms >= tp.compute_ms + tp.comm_ms) break;

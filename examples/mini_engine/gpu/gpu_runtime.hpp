@@ -67,11 +67,12 @@ struct gpu_runtime_options {
   int64_t slot_alignment = moebius::default_slot_alignment;
 
   // Kernel choices and diagnostics; options_from_env() sets them from the environment.
-  // Decode attention: the split-context GQA kernel on CUDA cores, on tensor cores from buckets
-  // of tensor_core_min_tokens (bf16 KV, head_dim 64 or 128), or the simple kernel.
+  // Decode attention: the split-context GQA kernel on tensor cores from buckets of
+  // tensor_core_min_tokens (bf16 KV, head_dim 64 or 128; default every bucket), on CUDA cores
+  // below that, or the simple kernel.
   bool simple_attention = false;
   bool tensor_core_attention = true;
-  int64_t tensor_core_min_tokens = 16;
+  int64_t tensor_core_min_tokens = 1;
   int64_t attention_splits = 0;  // > 0: that many context ranges (0: from the shape)
   // Expert tiles of n x the rows moe_tile_rows() picks (a power of two, 1..64; experiment:
   // larger tiles re-read an expert's weights in fewer batch entries at large batches, at the
@@ -93,7 +94,8 @@ struct gpu_runtime_options {
 //   MINI_ENGINE_ATTENTION=simple     simple_attention = true
 //                        =split      tensor_core_attention = false (CUDA-core split kernel at
 //                                    every bucket)
-//                        =mma        tensor_core_min_tokens = 1 (tensor cores at every bucket)
+//                        =mma        tensor_core_min_tokens = 1 (tensor cores at every bucket,
+//                                    the default)
 //   MINI_ENGINE_ATTENTION_MMA_MIN_TOKENS=n   tensor_core_min_tokens = max(1, n) (unless mma)
 //   MINI_ENGINE_ATTENTION_SPLITS=n   attention_splits = max(0, n)
 //   MINI_ENGINE_MOE_TILE_SCALE=n     moe_tile_scale = n when n is a power of two in [1, 64]

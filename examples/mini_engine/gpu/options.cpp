@@ -29,7 +29,8 @@ gpu_runtime_options options_from_env() {
   o.tensor_core_min_tokens = [] {
     if (env_is("MINI_ENGINE_ATTENTION", "mma")) return int64_t{1};
     const char* v = std::getenv("MINI_ENGINE_ATTENTION_MMA_MIN_TOKENS");
-    return v != nullptr ? std::max<int64_t>(1, std::strtoll(v, nullptr, 10)) : int64_t{16};
+    return v != nullptr ? std::max<int64_t>(1, std::strtoll(v, nullptr, 10))
+                        : gpu_runtime_options{}.tensor_core_min_tokens;
   }();
   o.attention_splits = [] {
     const char* v = std::getenv("MINI_ENGINE_ATTENTION_SPLITS");

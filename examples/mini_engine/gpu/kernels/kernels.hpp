@@ -123,10 +123,12 @@ struct paged_attention_args {
   // result is as accurate as the fp32 kernel's. Why: at batch 512 (Qwen3-30B-A3B, context
   // 1024) the CUDA-core kernel spends ~30 warp instructions per (position, q head) on 16-lane
   // dot reductions and a softmax repeated on every lane of a position: 1.5 ms per layer
-  // against 0.27 ms of K/V bytes. Below the threshold (batch 1..8 with the default) the
-  // CUDA-core kernel's 4 q heads per block give twice the blocks for the same context.
+  // against 0.27 ms of K/V bytes. The default runs tensor cores at every bucket: at 2-8 tokens
+  // and long contexts the CUDA-core kernel read K/V at 0.27-0.56 TB/s on an H200 (Qwen3-235B
+  // EP rank, 8 tokens, context 8192: 59 ms of attention for 12.6 GB), the tensor-core kernel
+  // at 16 tokens at 1.9 TB/s (docs/BENCHMARKS.md, per-rank step curves).
   bool tensor_cores = true;
-  int64_t tensor_core_min_tokens = 16;
+  int64_t tensor_core_min_tokens = 1;
 };
 void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream);
 // Whether launch_paged_attention runs the tensor-core kernel for these args (a shape property:

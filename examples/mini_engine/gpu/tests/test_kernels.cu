@@ -403,18 +403,22 @@ TEST_CASE("paged attention split count", "[gpu][kernels]") {
   a.splits = 1;
   REQUIRE(paged_attention_splits(a) == 1);
   REQUIRE(paged_attention_workspace_floats(a) == 0);
-  // The tensor-core kernel (bf16, D = 128, from 16 tokens): 4 blocks of 8 q heads per token, at
-  // least 64 positions (4 pages) per range, still enough blocks for 4 per SM.
+  // The tensor-core kernel (bf16, D = 128, from tensor_core_min_tokens: 1 by default): 4 blocks
+  // of 8 q heads per token, at least 64 positions (4 pages) per range, still enough blocks for 4
+  // per SM.
   a.splits = 0;
   a.tensor_cores = true;
   a.geometry.type = dtype::bf16;
   a.tok.tokens = 8;
+  a.tensor_core_min_tokens = 16;
   REQUIRE_FALSE(paged_attention_uses_tensor_cores(a));  // below tensor_core_min_tokens
+  a.tensor_core_min_tokens = paged_attention_args{}.tensor_core_min_tokens;
+  REQUIRE(a.tensor_core_min_tokens == 1);
   int dev = 0, sms = 0;
   REQUIRE(cudaGetDevice(&dev) == cudaSuccess);
   REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess);
   prev = 1 << 30;
-  for (int64_t tokens = 16; tokens <= 512; tokens *= 2) {
+  for (int64_t tokens = 1; tokens <= 512; tokens *= 2) {
     a.tok.tokens = tokens;
     REQUIRE(paged_attention_uses_tensor_cores(a));
     const int64_t s = paged_attention_splits(a);
