@@ -77,10 +77,13 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
         return v.get<int64_t>();
       };
       step_curve_point p;
+      // bench_mini_engine_rank_share writes moebius::to_string's "TP" / "EP"; hand-written
+      // files may use lower case.
       const std::string mode = j.at("mode").get<std::string>();
-      MOEBIUS_CHECK(mode == "tp" || mode == "ep", errc::invalid_argument, "mode \"", mode,
-                    "\" is neither tp nor ep");
-      p.mode = mode == "tp" ? parallel_mode::tp : parallel_mode::ep;
+      const bool tp = mode == "TP" || mode == "tp", ep = mode == "EP" || mode == "ep";
+      MOEBIUS_CHECK(tp || ep, errc::invalid_argument, "mode \"", mode,
+                    "\" is neither TP nor EP");
+      p.mode = tp ? parallel_mode::tp : parallel_mode::ep;
       p.context = integer("context");
       p.batch = integer("batch");
       MOEBIUS_CHECK(j.at("step_ms").is_number(), errc::invalid_argument,
