@@ -208,6 +208,13 @@ tp_page_ref first_tp_page_outside_ep(const kv_geometry& g, const kv_pool_layout&
 kv_strides derive_tp_strides(const kv_geometry& g, const kv_strides& ep) {
   const int64_t split = g.tp_pages_per_ep_page();
   if (split == 1) return ep;
+  // TP's split pages tile one EP page, so the page stride must cover an EP page's bytes even
+  // when the pool has one EP page (where the EP view alone never steps by it). Below that,
+  // every stride inside the page would be taken for one outside it.
+  MOEBIUS_CHECK(g.num_ep_pages == 0 || ep.page >= g.ep_page_bytes(), errc::invalid_argument,
+                "kv_pool_layout: the EP page stride ", ep.page, " is smaller than an EP page (",
+                g.ep_page_bytes(), " bytes); TP's ", split,
+                " pages tile an EP page, so the stride must cover one, even with one EP page");
   kv_strides tp = ep;
   // Inside a page and outside a head: the engine's TP shape has split x the pages of 1/split the
   // heads, so these strides (products of sizes that include the head count) shrink by split.

@@ -984,3 +984,15 @@ TEST_CASE("E83 switcher::switch_to: verify_layer with 1 KV layer under 2 MoE lay
       },
       errc::invalid_argument, "the KV cache needs one layer per MoE layer");
 }
+
+TEST_CASE("E84 derive_tp_strides: one EP page whose page stride is under its bytes", "[error_catalogue]") {
+  check_row(
+      84,
+      [] {
+        auto g = make_kv_geometry(2, 4, 8, 16, 1, 2);
+        auto s = present_kv_layout(g).ep;
+        s.page = 512;
+        (void)(derive_tp_strides(g, s));
+      },
+      errc::invalid_argument, "is smaller than an EP page");
+}

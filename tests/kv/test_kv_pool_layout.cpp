@@ -189,6 +189,19 @@ TEST_CASE("kv_pool_layout validation names the broken constraint", "[kv][layout]
     l.segment_bytes = 4096;
     CHECK(error_of(g, l).empty());
   }
+  // One EP page: its stride is never stepped in EP, but TP tiles the page by it.
+  {
+    const kv_geometry one = make_kv_geometry(2, 4, 8, 16, 1, 2);
+    kv_strides s = present_kv_layout(one).ep;
+    s.page = 512;  // < 1024 bytes of a page
+    try {
+      derive_tp_strides(one, s);
+      FAIL("a page stride under one EP page was taken");
+    } catch (const moebius::error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      CHECK(contains(e.what(), "smaller than an EP page (1024 bytes)"));
+    }
+  }
   // A shrinking stride split does not divide.
   CHECK_THROWS_AS(derive_tp_strides(g, with_ep([](kv_strides& s) { s.page = 1025; }).ep),
                   moebius::error);
