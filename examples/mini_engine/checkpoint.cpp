@@ -1,5 +1,7 @@
 #include "checkpoint.hpp"
 
+#include "read_ahead.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -345,8 +347,11 @@ void hf_checkpoint::load(const model_config& model, weight_sink& sink,
     int64_t shard_bytes = 0;
     {
       const auto m = shards_[s]->map();
+      // The disk reads ahead while the sink converts and uploads (read_ahead.hpp).
+      file_read_ahead ahead(shards_[s]->path(), read_ahead_bytes_);
       for (const tensor_ref& t : tensors_) {
         if (t.shard != static_cast<int>(s)) continue;
+        ahead.consumed(t.entry->begin);  // data offsets trail file offsets by the header
         tensor_source src;
         src.name = t.name;
         src.dtype = t.type;

@@ -77,6 +77,10 @@ class hf_checkpoint {
   // read), tensors in file order; `progress` after each shard.
   void load(const model_config& model, weight_sink& sink,
             const std::function<void(const load_progress&)>& progress = {}) const;
+  // How far a load reads each shard ahead of the tensor it delivers (file_read_ahead: a thread
+  // that fills the page cache while the sink works); 0 turns it off. Default 1 GiB.
+  void set_read_ahead(int64_t bytes) { read_ahead_bytes_ = bytes; }
+  int64_t read_ahead() const { return read_ahead_bytes_; }
 
   struct tensor_ref;  // a tensor of the model: where it lies (checkpoint.cpp)
 
@@ -89,6 +93,7 @@ class hf_checkpoint {
   std::vector<std::unique_ptr<safetensors_file>> shards_;
   std::vector<tensor_ref> tensors_;  // by shard, then offset
   int64_t bytes_ = 0;
+  int64_t read_ahead_bytes_ = int64_t{1} << 30;
 };
 
 // The whole model as logical float weights (the reference and tests: every tensor in

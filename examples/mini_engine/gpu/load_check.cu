@@ -4,12 +4,16 @@
 //   mini_engine_load_check --write DIR [--layers L]   writes random bf16 weights with the real
 //       names, shapes and ~4 GB shards (model-0000k-of-0000n.safetensors + index + config.json);
 //       L < 48 writes the first L layers (the device disk holds ~64 GiB; the full model is 61 GB)
-//   mini_engine_load_check --load DIR [--ranks P]      evicts DIR's files from the page cache
-//       (posix_fadvise DONTNEED), reads every shard once (64 MiB preads: the disk's rate), evicts
+//   mini_engine_load_check --load DIR [--ranks P] [--read-ahead-mib N]
+//       evicts DIR's files from the page cache (posix_fadvise DONTNEED), reads every shard once (64 MiB preads: the disk's rate), evicts
+//       again, maps every shard and reads a byte a page (the loader's page-fault rate), evicts
 //       again, then loads into gpu_runtime (P ranks, virtual on one GPU) printing a line per
-//       shard; reports both times, GB/s and the peak resident host memory (ru_maxrss).
+//       shard; reports the times, GB/s and the peak resident host memory (ru_maxrss).
+//       --read-ahead-mib N: how far the loader reads a shard ahead (hf_checkpoint::set_read_ahead;
+//       0: off, the loader's page faults alone).
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -141,18 +145,44 @@ double read_all(const std::string& dir, int64_t* bytes) {
   return since(t0);
 }
 
+// The same shards through mmap (MADV_SEQUENTIAL, as safetensors_file maps them), one byte read
+// a page: the rate the loader's page faults can reach, against read_all's.
+double map_all(const std::string& dir, int64_t* bytes) {
+  const auto t0 = clk::now();
+  *bytes = 0;
+  uint64_t sum = 0;
+  const long page = ::sysconf(_SC_PAGESIZE);
+  for (const auto& f : fs::directory_iterator(dir)) {
+    if (f.path().extension() != ".safetensors") continue;
+    const int fd = ::open(f.path().c_str(), O_RDONLY);
+    const auto n = static_cast<size_t>(fs::file_size(f.path()));
+    void* p = ::mmap(nullptr, n, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) continue;
+    ::madvise(p, n, MADV_SEQUENTIAL);
+    const auto* b = static_cast<const volatile unsigned char*>(p);
+    for (size_t i = 0; i < n; i += static_cast<size_t>(page)) sum += b[i];
+    ::munmap(p, n);
+    *bytes += static_cast<int64_t>(n);
+  }
+  if (sum == 1) std::printf(" ");  // keeps the reads
+  return since(t0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string write_dir, load_dir;
   int64_t layers = 48;
   int ranks = 1;
+  int64_t read_ahead_mib = -1;  // < 0: the loader's default
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--write") write_dir = argv[i + 1];
     else if (a == "--load") load_dir = argv[i + 1];
     else if (a == "--layers") layers = std::stoll(argv[i + 1]);
     else if (a == "--ranks") ranks = std::stoi(argv[i + 1]);
+    else if (a == "--read-ahead-mib") read_ahead_mib = std::stoll(argv[i + 1]);
   }
   if (!write_dir.empty()) write_checkpoint(write_dir, layers);
   if (load_dir.empty()) return 0;
@@ -162,8 +192,15 @@ int main(int argc, char** argv) {
   std::printf("read  %.2f GB of shards in %.2f s: %.2f GB/s (page cache evicted first)\n",
               static_cast<double>(bytes) / 1e9, read_s, static_cast<double>(bytes) / 1e9 / read_s);
   evict(load_dir);
+  int64_t mapped = 0;
+  const double map_s = map_all(load_dir, &mapped);
+  std::printf("map   %.2f GB of shards in %.2f s: %.2f GB/s (mmap, MADV_SEQUENTIAL, a byte a page; "
+              "page cache evicted first)\n",
+              static_cast<double>(mapped) / 1e9, map_s, static_cast<double>(mapped) / 1e9 / map_s);
+  evict(load_dir);
   const auto t0 = clk::now();
-  const hf_checkpoint ck(load_dir);
+  hf_checkpoint ck(load_dir);
+  if (read_ahead_mib >= 0) ck.set_read_ahead(read_ahead_mib << 20);
   model_config m = ck.config().model;
   m.kv_dtype = moebius::dtype::bf16;
   gpu::gpu_runtime_options o = gpu::options_from_env();
@@ -180,9 +217,11 @@ int main(int argc, char** argv) {
   const double load_s = since(t0);
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
-  std::printf("load  %.2f GB into gpu_runtime (P=%d) in %.2f s: %.2f GB/s, %.2fx the read; peak "
-              "resident host memory %.2f GB (largest shard mapped + staging + slot images)\n",
-              static_cast<double>(ck.bytes()) / 1e9, ranks, load_s,
+  std::printf("load  %.2f GB into gpu_runtime (P=%d, read-ahead %lld MiB) in %.2f s: %.2f GB/s, "
+              "%.2fx the read; peak resident host memory %.2f GB (largest shard mapped + "
+              "staging + slot images)\n",
+              static_cast<double>(ck.bytes()) / 1e9, ranks,
+              static_cast<long long>(ck.read_ahead() >> 20), load_s,
               static_cast<double>(ck.bytes()) / 1e9 / load_s, load_s / read_s,
               static_cast<double>(ru.ru_maxrss) * 1024 / 1e9);
   return 0;
