@@ -1,7 +1,5 @@
 #include "checkpoint.hpp"
 
-#include "read_ahead.hpp"
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -12,6 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+
+#include "read_ahead.hpp"
 
 namespace mini_engine {
 
@@ -269,13 +269,13 @@ void hf_checkpoint::resolve(const std::string& index_path,
   const bool tied = config_.tie_word_embeddings;
   auto ignorable = [tied](const std::string& name) {
     static const std::string rotary = ".rotary_emb.inv_freq";
-    const bool is_rotary =
-        name.size() >= rotary.size() && name.compare(name.size() - rotary.size(), rotary.size(), rotary) == 0;
+    const bool is_rotary = name.size() >= rotary.size() &&
+                           name.compare(name.size() - rotary.size(), rotary.size(), rotary) == 0;
     return is_rotary || (tied && name == "lm_head.weight");
   };
   for (const auto& [name, s] : where)
-    MOEBIUS_CHECK(used.count(name) || ignorable(name), errc::invalid_argument,
-                  "checkpoint ", shards_[static_cast<size_t>(s)]->path(), ": tensor ", name,
+    MOEBIUS_CHECK(used.count(name) || ignorable(name), errc::invalid_argument, "checkpoint ",
+                  shards_[static_cast<size_t>(s)]->path(), ": tensor ", name,
                   " is not one this Qwen3-MoE engine reads (it would be ignored: a bias, a "
                   "shared expert, a dense MLP or more layers than config.json's ",
                   config_.model.num_layers, "?)");

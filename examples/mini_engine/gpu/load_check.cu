@@ -5,10 +5,11 @@
 //       names, shapes and ~4 GB shards (model-0000k-of-0000n.safetensors + index + config.json);
 //       L < 48 writes the first L layers (the device disk holds ~64 GiB; the full model is 61 GB)
 //   mini_engine_load_check --load DIR [--ranks P] [--read-ahead-mib N]
-//       evicts DIR's files from the page cache (posix_fadvise DONTNEED), reads every shard once (64 MiB preads: the disk's rate), evicts
-//       again, maps every shard and reads a byte a page (the loader's page-fault rate), evicts
-//       again, then loads into gpu_runtime (P ranks, virtual on one GPU) printing a line per
-//       shard; reports the times, GB/s and the peak resident host memory (ru_maxrss).
+//       evicts DIR's files from the page cache (posix_fadvise DONTNEED), reads every shard
+//       once (64 MiB preads: the disk's rate), evicts again, maps every shard and reads a byte a
+//       page (the loader's page-fault rate), evicts again, then loads into gpu_runtime (P
+//       ranks, virtual on one GPU) printing a line per shard; reports the times, GB/s and the
+//       peak resident host memory (ru_maxrss).
 //       --read-ahead-mib N: how far the loader reads a shard ahead (hf_checkpoint::set_read_ahead;
 //       0: off, the loader's page faults alone).
 
@@ -182,7 +183,8 @@ int main(int argc, char** argv) {
     else if (a == "--load") load_dir = argv[i + 1];
     else if (a == "--layers") layers = std::stoll(argv[i + 1]);
     else if (a == "--ranks") ranks = std::stoi(argv[i + 1]);
-    else if (a == "--read-ahead-mib") read_ahead_mib = std::stoll(argv[i + 1]);
+    else if (a == "--read-ahead-mib")
+      read_ahead_mib = std::stoll(argv[i + 1]);
   }
   if (!write_dir.empty()) write_checkpoint(write_dir, layers);
   if (load_dir.empty()) return 0;
@@ -194,9 +196,10 @@ int main(int argc, char** argv) {
   evict(load_dir);
   int64_t mapped = 0;
   const double map_s = map_all(load_dir, &mapped);
-  std::printf("map   %.2f GB of shards in %.2f s: %.2f GB/s (mmap, MADV_SEQUENTIAL, a byte a page; "
-              "page cache evicted first)\n",
-              static_cast<double>(mapped) / 1e9, map_s, static_cast<double>(mapped) / 1e9 / map_s);
+  std::printf(
+      "map   %.2f GB of shards in %.2f s: %.2f GB/s (mmap, MADV_SEQUENTIAL, a byte a page; "
+      "page cache evicted first)\n",
+      static_cast<double>(mapped) / 1e9, map_s, static_cast<double>(mapped) / 1e9 / map_s);
   evict(load_dir);
   const auto t0 = clk::now();
   hf_checkpoint ck(load_dir);
@@ -217,12 +220,12 @@ int main(int argc, char** argv) {
   const double load_s = since(t0);
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
-  std::printf("load  %.2f GB into gpu_runtime (P=%d, read-ahead %lld MiB) in %.2f s: %.2f GB/s, "
-              "%.2fx the read; peak resident host memory %.2f GB (largest shard mapped + "
-              "staging + slot images)\n",
-              static_cast<double>(ck.bytes()) / 1e9, ranks,
-              static_cast<long long>(ck.read_ahead() >> 20), load_s,
-              static_cast<double>(ck.bytes()) / 1e9 / load_s, load_s / read_s,
-              static_cast<double>(ru.ru_maxrss) * 1024 / 1e9);
+  std::printf(
+      "load  %.2f GB into gpu_runtime (P=%d, read-ahead %lld MiB) in %.2f s: %.2f GB/s, "
+      "%.2fx the read; peak resident host memory %.2f GB (largest shard mapped + "
+      "staging + slot images)\n",
+      static_cast<double>(ck.bytes()) / 1e9, ranks, static_cast<long long>(ck.read_ahead() >> 20),
+      load_s, static_cast<double>(ck.bytes()) / 1e9 / load_s, load_s / read_s,
+      static_cast<double>(ru.ru_maxrss) * 1024 / 1e9);
   return 0;
 }

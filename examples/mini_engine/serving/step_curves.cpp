@@ -81,8 +81,7 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
       // files may use lower case.
       const std::string mode = j.at("mode").get<std::string>();
       const bool tp = mode == "TP" || mode == "tp", ep = mode == "EP" || mode == "ep";
-      MOEBIUS_CHECK(tp || ep, errc::invalid_argument, "mode \"", mode,
-                    "\" is neither TP nor EP");
+      MOEBIUS_CHECK(tp || ep, errc::invalid_argument, "mode \"", mode, "\" is neither TP nor EP");
       p.mode = tp ? parallel_mode::tp : parallel_mode::ep;
       p.context = integer("context");
       p.batch = integer("batch");

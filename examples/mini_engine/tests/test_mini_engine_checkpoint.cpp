@@ -688,7 +688,8 @@ TEST_CASE("checkpoint: bad directories give errors naming the file and the tenso
     write_dir(d, cfg, ts, 1);
     expect(d, {"model.layers.0.self_attn.q_proj.bias", "not one this Qwen3-MoE engine reads"});
   }
-  SECTION("a tensor outside the layers the engine would ignore (a final norm's or lm_head's bias)") {
+  SECTION(
+      "a tensor outside the layers the engine would ignore (a final norm's or lm_head's bias)") {
     for (const std::string name : {"model.norm.bias", "lm_head.bias"}) {
       const std::string d = temp_dir("topbias");
       auto ts = tensors;

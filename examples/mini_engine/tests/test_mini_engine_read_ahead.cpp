@@ -35,10 +35,12 @@ bool eventually(F&& done) {
 TEST_CASE("file_read_ahead reads ahead of its consumer by its lead, to the end", "[read_ahead]") {
   std::mt19937_64 rng(std::random_device{}());
   const int64_t chunk = 4096 * (1 + static_cast<int64_t>(rng() % 4));
-  const int64_t size = chunk * (20 + static_cast<int64_t>(rng() % 20)) + static_cast<int64_t>(rng() % chunk);
+  const int64_t size =
+      chunk * (20 + static_cast<int64_t>(rng() % 20)) + static_cast<int64_t>(rng() % chunk);
   const int64_t lead = chunk * (2 + static_cast<int64_t>(rng() % 4));
   INFO("size " << size << " chunk " << chunk << " lead " << lead);
-  const fs::path path = fs::temp_directory_path() / ("mini_engine_ra_" + std::to_string(::getpid()));
+  const fs::path path =
+      fs::temp_directory_path() / ("mini_engine_ra_" + std::to_string(::getpid()));
   {
     std::ofstream out(path, std::ios::binary);
     const std::vector<char> bytes(static_cast<size_t>(size), 'x');

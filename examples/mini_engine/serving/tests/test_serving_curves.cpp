@@ -60,8 +60,12 @@ TEST_CASE("step curves: read back and interpolated", "[cpu][curves]") {
   CHECK(falling.step_ms(parallel_mode::ep, 8192, 512) == Approx(29.5));
   // Lines as bench_mini_engine_rank_share writes them: modes "TP" / "EP", skew as a fraction.
   const step_curves bench = parse(
-      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"TP\", \"skew\": 1.000, \"layers\": 94, \"context\": 512, \"batch\": 1, \"rank_batch\": 1, \"compute_ms\": 14.2575, \"comm_priced_ms\": 1.8969, \"step_ms\": 16.1544, \"graph_replays\": 13}\n"
-      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"EP\", \"skew\": 1.000, \"layers\": 94, \"context\": 512, \"batch\": 1, \"rank_batch\": 1, \"compute_ms\": 24.6, \"comm_priced_ms\": 1.9, \"step_ms\": 26.5, \"graph_replays\": 13}\n");
+      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"TP\", \"skew\": 1.000, \"layers\": 94, "
+      "\"context\": 512, \"batch\": 1, \"rank_batch\": 1, \"compute_ms\": 14.2575, "
+      "\"comm_priced_ms\": 1.8969, \"step_ms\": 16.1544, \"graph_replays\": 13}\n"
+      "{\"model\": \"qwen3_235b\", \"P\": 8, \"mode\": \"EP\", \"skew\": 1.000, \"layers\": 94, "
+      "\"context\": 512, \"batch\": 1, \"rank_batch\": 1, \"compute_ms\": 24.6, "
+      "\"comm_priced_ms\": 1.9, \"step_ms\": 26.5, \"graph_replays\": 13}\n");
   CHECK(bench.step_ms(parallel_mode::tp, 1, 512) == Approx(16.1544));
   CHECK(bench.step_ms(parallel_mode::ep, 1, 512) == Approx(26.5));
 }
@@ -74,7 +78,8 @@ TEST_CASE("step curves: malformed files are errors that name the line", "[cpu][c
                       "{\"model\": \"qwen3_30b\", \"P\": 2, \"layers\": 48, \"mode\": \"ep\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
              Catch::Contains("where the file began with qwen3_235b P=8"));
   CHECK_THAT(error_of(std::string(k_file) +
-                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"xp\", \"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
+                      "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"xp\", "
+                      "\"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
              Catch::Contains("neither TP nor EP"));
   CHECK_THAT(error_of(std::string(k_file) +
                       "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 3}\n"),
