@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements still owed by the open issues (2026-12-02), in one script for
 # the device machine, from a carry built here with
-#   scripts/carry-build test_mini_engine_gpu_hf test_mini_engine_gpu_runtime test_serving_soak_gpu test_kv_migration_gpu \
-#     bench_mini_engine_rank_share bench_kv_migration_gpu bench_mini_engine_switch_under_load
+#   scripts/carry-build test_mini_engine_gpu_hf test_mini_engine_gpu_runtime \
+#     test_serving_soak_gpu test_kv_migration_gpu bench_mini_engine_rank_share \
+#     bench_kv_migration_gpu bench_mini_engine_switch_under_load
 # Each part writes into $OUT; parts: hf soak kv curves30 curves235 kvblocks runtime (default:
 # all but runtime, which alone needs most of a call).
 # The step_curves_*.jsonl it writes go into docs/results as they are: the build compiles them
