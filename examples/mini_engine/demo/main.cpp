@@ -952,11 +952,14 @@ int run_demo(demo::options o) {
     model_clock = std::make_unique<h200_step_model>(m, h200_params{}, P, kv_bytes_per_token(w.kv));
     std::ostringstream d;
     d << m;
+    std::ostringstream link;
+    link << h200_params{}.switch_link;
     std::printf("\n  clock: modelled H200 x%d (step_clock.hpp's roofline at DESIGN.md §6-7 rates), "
-                "each step priced as %s (%s), switches by moebius::cost_model at 330 GB/s, steps "
-                "beside a progressive switch's copies by the slowdown curve measured on one H200; "
-                "the host's own time is in the CSV (measured_ms)\n",
-                P, demo::to_string(o.priced), d.str().c_str());
+                "each step priced as %s (%s), switches by moebius::cost_model over the link fitted "
+                "on 18 switches measured on 2x H200 (%s), steps beside a progressive switch's "
+                "copies by the slowdown curve measured on one H200; the host's own time is in the "
+                "CSV (measured_ms)\n",
+                P, demo::to_string(o.priced), d.str().c_str(), link.str().c_str());
     // The priced deployment's name in bench_mini_engine_rank_share's files.
     const std::string bench_model =
         o.priced == demo::priced_kind::qwen3_235b_a22b ? "qwen3_235b" : "qwen3_30b";

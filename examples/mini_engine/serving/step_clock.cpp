@@ -28,10 +28,11 @@ h200_step_model::h200_step_model(priced_model m, h200_params hw, int num_ranks,
   MOEBIUS_CHECK(num_ranks >= 1 && m.num_experts % num_ranks == 0 && m.top_k >= 1 &&
                     m.top_k <= m.num_experts && m.num_kv_heads >= 1 && m.context_scale > 0 &&
                     hw.hbm.bytes_per_s > 0 && hw.nvlink.bytes_per_s > 0 &&
-                    hw.switch_rate.bytes_per_s > 0 && run_kv_bytes_per_token > 0,
+                    run_kv_bytes_per_token > 0,
                 errc::invalid_argument,
                 "h200_step_model: need P | E, 1 <= top_k <= E, H_kv >= 1, positive rates and "
                 "scales (P=", num_ranks, ", E=", m.num_experts, ", top_k=", m.top_k, ")");
+  moebius::validate(hw.switch_link);
 }
 
 double h200_step_model::time_s(parallel_mode mode, double sequences, double tokens,
@@ -98,9 +99,7 @@ double h200_step_model::decode_step_s(parallel_mode mode, int64_t batch, double 
 }
 
 double h200_step_model::priced_switch_s(int64_t kv_sent, int64_t kv_rounds) const {
-  moebius::link_params link;
-  link.bandwidth = hw_.switch_rate;
-  const moebius::cost_model cost(link);
+  const moebius::cost_model cost(hw_.switch_link);
   moebius::switch_workload w;
   w.num_ranks = num_ranks_;
   const double P = num_ranks_;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include <moebius/layout/parallel_mode.hpp>
+#include <moebius/policy/cost_model.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/link_rate.hpp>
@@ -140,8 +141,20 @@ struct h200_params {
   moebius::link_rate nvlink = moebius::link_rate::gb_per_s(389);
   double collective_us = 10;     // latency of one all-reduce or all-to-all
   double step_overhead_us = 50;  // graph launch, sampling, scheduling per step
-  // Whole-switch rate (paper: ~330 GB/s per GPU).
-  moebius::link_rate switch_rate = moebius::link_rate::gb_per_s(330);
+  // Whole switches: moebius::cost_model with the link fitted on the 18 switches bench_switch
+  // measured on 2x H200 (NV18, 2026-11-29; docs/BENCHMARKS.md, "Whole switch": weights and KV
+  // through the switcher, 25-90% KV occupancy): 395 GB/s per GPU and 3.9 ms per switch, the
+  // barrier and launch costs at cost_model's defaults. Scaled to a deployment by its bytes;
+  // the per-GPU rate of an 8-GPU all-to-all over NVSwitch is assumed equal (not measured here).
+  // The paper's 8x H200 figure is ~330 GB/s (152 ms for 50 GB).
+  moebius::link_params switch_link = fitted_h200x2_switch_link();
+
+  static moebius::link_params fitted_h200x2_switch_link() {
+    moebius::link_params l;
+    l.bandwidth = moebius::link_rate::gb_per_s(395);
+    l.fixed_ms = 3.9;
+    return l;
+  }
 };
 
 // A roofline-style decode/prefill step on P H200s, per rank (the busiest), in seconds:
@@ -158,7 +171,7 @@ struct h200_params {
 //   touched experts of T tokens: E (1 - (1 - k/E)^T).
 // So TP wins at small batch (it streams 1/P of every weight), and EP at large batch and long
 // contexts when H_kv < P (TP reads and stores replicated KV heads): DESIGN.md §7's regime.
-// A switch is priced with moebius::cost_model at switch_rate: the priced model's expert bytes
+// A switch is priced with moebius::cost_model over switch_link: the priced model's expert bytes
 // leaving each rank, plus the report's KV bytes scaled by priced/run KV bytes per token.
 // A step during a progressive switch, with `slowdown` (by default the measured H200 curve,
 // overlap_curve.hpp): max(step x slowdown(step, bytes), the copies at the link rate), the
@@ -191,7 +204,7 @@ class h200_step_model final : public step_clock {
   // The curve (pacing), when there is one.
   overlap_slowdown slowdown() const override;
   // As switch_s() would price the switch that moves `run`: the priced experts and the run's KV
-  // scaled to the priced model, through moebius::cost_model at switch_rate.
+  // scaled to the priced model, through moebius::cost_model over switch_link.
   double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
