@@ -5,11 +5,11 @@
 // priced by a link model), and a priced clock that prices decode steps from them.
 //
 // The file: JSON lines, one per (mode, context, batch), with at least
-//   {"model": "qwen3_235b", "P": 8, "mode": "tp", "context": 2048, "batch": 128,
+//   {"model": "qwen3_235b", "P": 8, "mode": "TP", "context": 2048, "batch": 128,
 //    "layers": 94, "skew": 1.0, "compute_ms": 9.81, "comm_priced_ms": 2.77, "step_ms": 12.58}
-// (the bench writes more fields; they are ignored). One deployment per file: every line names
-// the same model, P, layers and skew (skew may be absent: 1). step_ms is the curve: compute measured plus
-// collectives priced, both kept in the file.
+// (the bench writes more fields; they are ignored; mode "TP" / "EP", lower case accepted). One
+// deployment per file: every line names the same model, P, layers and skew (skew may be absent:
+// 1). step_ms is the curve: compute measured plus collectives priced, both kept in the file.
 //
 // Between the points: linear in log2(batch) within a context's row (beyond the largest batch, the
 // last segment's slope in the batch itself; below the smallest, the smallest), then linear in
