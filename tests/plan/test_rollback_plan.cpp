@@ -156,8 +156,13 @@ TEST_CASE("undo of ops that read overlapping source bytes has disjoint destinati
     const int P = 1 + static_cast<int>(rng() % 3);
     const int64_t rows = 1 + static_cast<int64_t>(rng() % 4);
     const int64_t pitch = 8 + static_cast<int64_t>(rng() % 40);
-    const int64_t src_bytes = rows * pitch;  // the read region: rows of `pitch` bytes
-    const int64_t dst_base = src_bytes;      // destinations start after it
+    // Up to three read regions of `rows` rows of `pitch` bytes, a few bytes apart: the undo's
+    // writes on the source rank fall into one cluster per region, as an NHD KV phase's fall
+    // into one per page (rollback_plan decides on first rows in each aligned cluster alone).
+    const int num_regions = 1 + static_cast<int>(rng() % 3);
+    const int64_t region_stride = rows * pitch + static_cast<int64_t>(rng() % 5);
+    const int64_t src_bytes = num_regions * region_stride;
+    const int64_t dst_base = src_bytes;  // destinations start after them
     const int num_ops = 1 + static_cast<int>(rng() % 6);
     plan p;
     p.num_ranks = P;
@@ -169,12 +174,15 @@ TEST_CASE("undo of ops that read overlapping source bytes has disjoint destinati
       copy_op op;
       op.src_rank = src_rank;
       op.dst_rank = static_cast<int>(rng() % static_cast<uint64_t>(P));
+      const int64_t region = static_cast<int64_t>(rng() % static_cast<uint64_t>(num_regions));
       const int64_t begin = static_cast<int64_t>(rng() % static_cast<uint64_t>(pitch));
       op.row_bytes = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(pitch - begin));
       // Mostly every row, so the undo's writes are row-aligned (rollback_plan decides on the
-      // first row); sometimes fewer rows, so they are not (it walks every row).
-      op.rows = rng() % 4 == 0 ? 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(rows)) : rows;
-      op.src_offset = begin;
+      // first row); sometimes fewer rows from any row on, so they are not (it walks every row),
+      // even where ops of the same rows and pitch start a row apart.
+      op.rows = rng() % 2 == 0 ? 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(rows)) : rows;
+      const int64_t first_row = static_cast<int64_t>(rng() % static_cast<uint64_t>(rows - op.rows + 1));
+      op.src_offset = region * region_stride + first_row * pitch + begin;
       op.src_pitch = pitch;
       op.dst_offset = dst_cursor;  // every op writes its own range on every rank
       op.dst_pitch = op.row_bytes;
@@ -202,9 +210,10 @@ TEST_CASE("undo of ops that read overlapping source bytes has disjoint destinati
     for (int64_t b = 0; b < src_bytes; ++b) {
       bool read = false;
       for (const copy_op& op : ph.ops) {
-        const int64_t col = b % pitch;
-        read = read || (b / pitch < op.rows && col >= op.src_offset &&
-                         col < op.src_offset + op.row_bytes);
+        for (int64_t r = 0; r < op.rows; ++r) {
+          const int64_t row_begin = op.src_offset + r * op.src_pitch;
+          read = read || (b >= row_begin && b < row_begin + op.row_bytes);
+        }
       }
       const std::byte want = read ? before[static_cast<size_t>(src_rank)][static_cast<size_t>(b)] : std::byte{0xEE};
       REQUIRE(mem[static_cast<size_t>(src_rank)][static_cast<size_t>(b)] == want);
