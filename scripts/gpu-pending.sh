@@ -4,8 +4,8 @@
 #   scripts/carry-build test_mini_engine_gpu_hf test_mini_engine_gpu_runtime \
 #     test_serving_soak_gpu test_kv_migration_gpu bench_mini_engine_rank_share \
 #     bench_kv_migration_gpu bench_mini_engine_switch_under_load
-# Each part writes into $OUT; parts: hf soak kv curves30 curves235 kvblocks runtime (default:
-# all but runtime, which alone needs most of a call).
+# Each part writes into $OUT; parts: hf soak kv curves30 curves235 kvblocks runtime1 runtime2
+# (default: all but the runtime ones, which each need most of a call).
 # The step_curves_*.jsonl it writes go into docs/results as they are: the build compiles them
 # in and the demo's priced clock then takes its decode steps from them.
 #   hf        issue 21: checkpoints transformers wrote, streamed to the GPU runtime
@@ -14,9 +14,11 @@
 #   curves30  issue 20: per-rank TP/EP step curves, Qwen3-30B-A3B at P = 2 and 4
 #   curves235 issue 20: the same for Qwen3-235B-A22B at P = 8 (the paper's deployment)
 #   kvblocks  issue 19: the progressive switch at P = 4, 90% occupancy, KV kernel grid 16 / 0
-#   runtime   issue 19: test_mini_engine_gpu_runtime whole (virtual ranks, switches beside the
-#             steps, Qwen3-30B-A3B layer shapes); more than 7 minutes on one H200 (2026-12-02:
-#             240 s covered its first 8 test cases, 171 s not quite the last two)
+#   runtime1  issue 19: test_mini_engine_gpu_runtime but its virtual-rank cases
+#   runtime2  issue 19: its virtual-rank cases (switches beside the steps, Qwen3-30B-A3B layer
+#             shapes). The whole file needs more than 7 minutes on one H200 (2026-12-02: 240 s
+#             covered its first 8 test cases, 171 s not quite the last two): one call each, with
+#             each test case's time (--durations)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -63,7 +65,8 @@ for p in "${parts[@]}"; do
           MOEBIUS_BENCH_GIB_PER_STEP=0.25,1 MOEBIUS_BENCH_SUMMARY="$OUT/p4_kvblocks$k.jsonl" \
           run "p4_kvblocks$k" 300 "$bin/bench_mini_engine_switch_under_load"
       done ;;
-    runtime) run runtime 590 "$bin/test_mini_engine_gpu_runtime" ;;
+    runtime1) run runtime1 590 "$bin/test_mini_engine_gpu_runtime" "~[virtual]" --durations yes ;;
+    runtime2) run runtime2 590 "$bin/test_mini_engine_gpu_runtime" "[virtual]" --durations yes ;;
     *) echo "unknown part $p"; status=2 ;;
   esac
 done

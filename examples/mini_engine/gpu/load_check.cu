@@ -133,16 +133,23 @@ void evict(const std::string& dir) {
   }
 }
 
+// fn(path) for each .safetensors shard of dir.
+template <class Fn>
+void for_each_shard(const std::string& dir, Fn fn) {
+  for (const auto& f : fs::directory_iterator(dir)) {
+    if (f.path().extension() == ".safetensors") fn(f.path());
+  }
+}
+
 double read_all(const std::string& dir, int64_t* bytes) {
   std::vector<char> buf(64 << 20);
   const auto t0 = clk::now();
   *bytes = 0;
-  for (const auto& f : fs::directory_iterator(dir)) {
-    if (f.path().extension() != ".safetensors") continue;
-    const int fd = ::open(f.path().c_str(), O_RDONLY);
+  for_each_shard(dir, [&](const fs::path& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
     for (ssize_t n; (n = ::read(fd, buf.data(), buf.size())) > 0;) *bytes += n;
     ::close(fd);
-  }
+  });
   return since(t0);
 }
 
@@ -153,19 +160,18 @@ double map_all(const std::string& dir, int64_t* bytes) {
   *bytes = 0;
   uint64_t sum = 0;
   const long page = ::sysconf(_SC_PAGESIZE);
-  for (const auto& f : fs::directory_iterator(dir)) {
-    if (f.path().extension() != ".safetensors") continue;
-    const int fd = ::open(f.path().c_str(), O_RDONLY);
-    const auto n = static_cast<size_t>(fs::file_size(f.path()));
+  for_each_shard(dir, [&](const fs::path& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    const auto n = static_cast<size_t>(fs::file_size(path));
     void* p = ::mmap(nullptr, n, PROT_READ, MAP_PRIVATE, fd, 0);
     ::close(fd);
-    if (p == MAP_FAILED) continue;
+    if (p == MAP_FAILED) return;
     ::madvise(p, n, MADV_SEQUENTIAL);
     const auto* b = static_cast<const volatile unsigned char*>(p);
     for (size_t i = 0; i < n; i += static_cast<size_t>(page)) sum += b[i];
     ::munmap(p, n);
     *bytes += static_cast<int64_t>(n);
-  }
+  });
   if (sum == 1) std::printf(" ");  // keeps the reads
   return since(t0);
 }
