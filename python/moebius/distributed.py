@@ -76,7 +76,9 @@ def nccl_workspace_bytes(arena, kv=None, rank=None, kv_bytes=None):
 
 def nccl_communicator(group=None, device=None):
     """An NcclCommunicator over the ranks of `group`, this process on `device` (default: the
-    current CUDA device): group rank 0 makes NCCL's unique id and the group broadcasts it."""
+    current CUDA device): group rank 0 makes NCCL's unique id and the group broadcasts it.
+    Joining blocks, with no timeout, until every rank of the group has joined: a rank that
+    fails between the broadcast and its join leaves the others waiting (NCCL's blocking init)."""
     import torch
     dist = _dist()
     if device is None:
