@@ -268,10 +268,7 @@ void hf_checkpoint::resolve(const std::string& index_path,
   // transformers saved) and the lm_head of a model whose embeddings are tied.
   const bool tied = config_.tie_word_embeddings;
   auto ignorable = [tied](const std::string& name) {
-    static const std::string rotary = ".rotary_emb.inv_freq";
-    const bool is_rotary = name.size() >= rotary.size() &&
-                           name.compare(name.size() - rotary.size(), rotary.size(), rotary) == 0;
-    return is_rotary || (tied && name == "lm_head.weight");
+    return name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
   };
   for (const auto& [name, s] : where)
     MOEBIUS_CHECK(used.count(name) || ignorable(name), errc::invalid_argument, "checkpoint ",
