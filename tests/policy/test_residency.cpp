@@ -1,6 +1,8 @@
 // Residency prediction (policy/residency.hpp): the rates against direct sums over the history,
 // the crossing time against a step-by-step simulation of the fluid load, the documented worked
-// example, and the cost gate of switch_policy driven by a predictor.
+// example, and the cost gate of switch_policy driven by a predictor (both directions, its
+// residency, gain, cost and decision recomputed by hand).
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -244,4 +246,108 @@ TEST_CASE("switch_policy: the gate with a residency predictor refuses a short bu
                                                     nullptr});
   p.set_residency_predictor(&pred);
   CHECK_THROWS_AS(p.step(260, parallel_mode::tp, 0), moebius::error);
+}
+
+TEST_CASE("switch_policy: the predictor-driven gate in both directions matches a hand computation",
+          "[policy]") {
+  // The gate's numbers recomputed from the header's definitions alone, on random curves, loads,
+  // rates and costs. The drift is an integer (running = k·S, window 1), so the expected
+  // residency is exact integer arithmetic:
+  //   enter EP at B >= T_h, stays until the load falls under T_l: d < 0: ceil((B - T_l + 1)/-d)
+  //   enter TP at B <  T_l, stays until the load climbs to  T_h: d > 0: ceil((T_h - B)/d)
+  //   otherwise the horizon; clamped to [1, horizon].
+  // The EP -> TP half fails if leaving EP predicts the residency against T_l (the threshold of
+  // the other direction) or with the entering-EP formula, or prices the switch at the cost to
+  // EP.
+  std::mt19937_64 rng(policy_test_seed() + 13);
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  auto real = [&](double lo, double hi) {
+    return std::uniform_real_distribution<double>(lo, hi)(rng);
+  };
+  auto ceil_div = [](int64_t n, int64_t d) { return (n + d - 1) / d; };
+  int64_t to_tp_finite = 0, to_tp_threshold_matters = 0, to_tp_passed = 0, to_tp_refused = 0;
+  int64_t to_ep_finite = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    // EP = ae + se·b, TP = at + st·b: TP cheaper at small batches, EP at large ones.
+    const double ae = real(5, 40), se = real(0.01, 0.08);
+    const double at = real(1, ae), st = real(se + 0.01, 0.3);
+    std::vector<latency_sample> ep_s, tp_s;
+    for (double b : {1.0, 100.0, 1000.0}) {
+      ep_s.push_back({b, ae + se * b});
+      tp_s.push_back({b, at + st * b});
+    }
+    const calibration_result cal = calibrate(ep_s, tp_s);
+
+    switch_policy_config c;
+    c.t_high = uni(20, 600);
+    c.t_low = uni(10, c.t_high - 5);
+    c.down_window = 1;
+    c.rule = down_rule::every;
+    c.cooldown_s = 0;
+    c.gate_margin = uni(0, 1) ? 0.0 : static_cast<double>(uni(1, 10)) / 10.0;
+    residency_config rc;
+    rc.window_steps = 1;
+    rc.horizon_steps = uni(50, 5000);
+    const int64_t lifetime = uni(1, 300), k = uni(0, 20), arrivals = uni(0, 30);
+    residency_predictor pred(rc);
+    pred.observe({0, 1, lifetime, 0});
+    pred.observe({arrivals, 0, 0, k * lifetime});
+    const int64_t d = arrivals - k;  // requests per step, exactly
+
+    const bool to_tp = uni(0, 3) != 0;  // mostly EP -> TP, the direction under test
+    const parallel_mode current = to_tp ? parallel_mode::ep : parallel_mode::tp;
+    const parallel_mode target = to_tp ? parallel_mode::tp : parallel_mode::ep;
+    const int64_t load = to_tp ? uni(0, c.t_low - 1) : uni(c.t_high, 3 * c.t_high);
+    int64_t want_res = rc.horizon_steps;
+    if (to_tp && d > 0) want_res = ceil_div(c.t_high - load, d);
+    if (!to_tp && d < 0) want_res = ceil_div(load - c.t_low + 1, -d);
+    want_res = std::clamp<int64_t>(want_res, 1, rc.horizon_steps);
+    if (to_tp && d > 0 && want_res < rc.horizon_steps) ++to_tp_finite;
+    if (to_tp && d > 0 &&
+        std::clamp<int64_t>(ceil_div(std::max<int64_t>(c.t_low - load, 1), d), 1,
+                            rc.horizon_steps) != want_res) {
+      ++to_tp_threshold_matters;
+    }
+    if (!to_tp && d < 0 && want_res < rc.horizon_steps) ++to_ep_finite;
+
+    const double b = static_cast<double>(load);
+    const double lat_current = to_tp ? ae + se * b : at + st * b;
+    const double lat_target = to_tp ? at + st * b : ae + se * b;
+    const double want_gain = (lat_current - lat_target) * static_cast<double>(want_res);
+    // The costs into each mode differ, and sit clearly on one side of the gain (no ties).
+    const double scale = std::max(std::abs(want_gain), 1.0) / (1.0 + c.gate_margin);
+    const double cost_to_ep = scale * (uni(0, 1) ? real(0.2, 0.9) : real(1.1, 3.0));
+    const double cost_to_tp = scale * (uni(0, 1) ? real(0.2, 0.9) : real(1.1, 3.0));
+    const double want_cost = to_tp ? cost_to_tp : cost_to_ep;
+    const bool want_pass = want_gain >= want_cost * (1.0 + c.gate_margin);
+
+    switch_policy p(c);
+    p.set_cost_gate(&cal.curves, cost_to_ep, cost_to_tp);
+    p.set_residency_predictor(&pred);
+    const switch_decision dec = p.step(load, current, 0.0);
+    const gate_evaluation& g = p.last_gate();
+    INFO("trial " << trial << " " << c << " load " << load << " drift " << d << " horizon "
+                  << rc.horizon_steps << " " << g);
+    REQUIRE(g.evaluated);
+    CHECK(g.target == target);
+    CHECK(g.load == load);
+    CHECK(g.residency_steps == want_res);
+    CHECK(g.gain_ms == Catch::Approx(want_gain).epsilon(1e-9).margin(1e-9));
+    CHECK(g.cost_ms == want_cost);
+    CHECK(g.passed == want_pass);
+    CHECK(dec.do_switch == want_pass);
+    CHECK(dec.target == target);
+    CHECK(dec.reason == (want_pass
+                             ? (to_tp ? decision_reason::below_low : decision_reason::above_high)
+                             : decision_reason::cost_exceeds_gain));
+    if (to_tp) (want_pass ? to_tp_passed : to_tp_refused) += 1;
+  }
+  // The draws reach the cases that tell the thresholds and the outcomes apart.
+  CHECK(to_tp_finite > 40);
+  CHECK(to_tp_threshold_matters > 40);
+  CHECK(to_tp_passed > 20);
+  CHECK(to_tp_refused > 20);
+  CHECK(to_ep_finite > 10);
 }
