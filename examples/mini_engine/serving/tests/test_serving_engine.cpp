@@ -1,8 +1,15 @@
 // The serving loop with the policy: calibration from the clock gives the thresholds, the
 // policy switches at bursts, every request finishes; the CSV and the summary are consistent;
-// the H200 step model has the regime it documents.
+// the H200 step model has the regime it documents; the summary's TTFT, TPOT and throughput are
+// the values a hand model of the loop gives.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "catch.hpp"
 #include "engine.hpp"
@@ -16,6 +23,78 @@ namespace {
 
 int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
   return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
+}
+
+// MOEBIUS_TEST_SEED if set, else std::random_device; printed so that a failure can be replayed.
+uint64_t test_seed() {
+  uint64_t s = 0;
+  if (const char* env = std::getenv("MOEBIUS_TEST_SEED"); env != nullptr && *env != '\0') {
+    s = std::strtoull(env, nullptr, 0);
+  } else {
+    std::random_device rd;
+    s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }
+  std::printf("MOEBIUS_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
+  return s;
+}
+
+// A step costs a + b x (tokens it feeds) + c x (tokens it attends, summed over its items), so
+// that a request's TTFT depends on its prompt and its TPOT on its prompt and output.
+constexpr double k_step_a = 2e-3, k_step_b = 0.5e-3, k_step_c = 0.0625e-3;
+constexpr int64_t k_chunk = 8;  // max_step_tokens: prompts prefill in chunks of 8
+
+class linear_clock final : public step_clock {
+ public:
+  double step_s(const step_cost& c, double) const override {
+    return k_step_a + k_step_b * static_cast<double>(c.new_tokens) +
+           k_step_c * static_cast<double>(c.context_tokens);
+  }
+  double switch_s(const moebius::switch_report&) const override { return 0.0; }
+  const char* name() const override { return "linear"; }
+  bool needs_measurement() const override { return false; }
+};
+
+// A request served alone on linear_clock from `start` (its arrival, or the previous request's
+// finish when it queued behind it), by hand. Prefill chunk k feeds min(8, p - 8k) tokens
+// and attends 8k + that; the last chunk samples the first token. Decode step j (j = 2..n) feeds
+// token j-1 at position p + j - 2, attends p + j - 1 tokens and samples token j. So
+//   TTFT = start - arrival + sum over chunks of (a + b chunk + c (8k + chunk)),
+//   TPOT = (finish - first token) / (n - 1) = a + b + c (p + n/2)   (mean of p + j - 1, j=2..n).
+struct hand_request {
+  double arrival = 0, start = 0, first = 0, finish = 0;
+  int64_t prompt = 0, output = 0, steps = 0;
+};
+
+hand_request by_hand(double arrival, double start, int64_t p, int64_t n) {
+  hand_request h{arrival, start, start, 0, p, n, 0};
+  for (int64_t k = 0; k * k_chunk < p; ++k) {
+    const int64_t chunk = std::min(k_chunk, p - k * k_chunk);
+    h.first += k_step_a + k_step_b * static_cast<double>(chunk) +
+               k_step_c * static_cast<double>(k * k_chunk + chunk);
+    ++h.steps;
+  }
+  h.finish = h.first;
+  for (int64_t j = 2; j <= n; ++j) {
+    h.finish += k_step_a + k_step_b + k_step_c * static_cast<double>(p + j - 1);
+    ++h.steps;
+  }
+  return h;
+}
+
+// The 99th percentile by nearest rank: the smallest sample with at least 99% of the samples at
+// or below it (with 100 samples, the second largest; with 200, the third largest).
+double p99_nearest_rank(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  const size_t n = x.size();
+  for (size_t i = 0; i < n; ++i)
+    if ((i + 1) * 100 >= 99 * n) return x[i];
+  return 0;
+}
+
+// Whether the three largest samples differ: a percentile off by a rank then shows.
+bool top_distinct(std::vector<double> x) {
+  std::sort(x.rbegin(), x.rend());
+  return x.size() >= 3 && x[0] - x[1] > 1e-6 && x[1] - x[2] > 1e-6;
 }
 
 }  // namespace
@@ -111,4 +190,115 @@ TEST_CASE("engine: a measured clock calibrates by running the runtime") {
   CHECK(t > 0);
   CHECK(e.mode() == parallel_mode::tp);
   for (const auto& r : e.get_switcher().kv_tables().ranks) CHECK(r.sequences.empty());
+}
+
+// The summary's metrics against a hand model of the loop. 200 good requests arrive about 0.4 s
+// apart and are served one at a time (max_running 1: a request that arrives while another runs
+// waits for its finish, which its TTFT counts; one that arrives later finds the engine idle),
+// with random prompts of 1-100 tokens; 100 of them answer with one token (a TTFT and no TPOT),
+// 100 with 2-30. A bad request (a token outside the vocab) arrives first and fails: it has no
+// TTFT and is outside the throughput's window. From the hand model's per-request times
+// (by_hand, written apart from the engine's request_result::ttft_s/tpot_s and summarize):
+//   TTFT = first token - arrival, mean and p99 (nearest rank) over the 200 requests;
+//   TPOT = (finish - first token) / (output - 1) over the 100 with output >= 2, mean and p99;
+//   tokens/s = output tokens / (last finish - first good arrival): the idle gaps count, the
+//   time before the first good arrival does not.
+// With 100 and 200 samples and the three largest distinct, nearest rank differs from the
+// largest sample, a rank off by one and an interpolated percentile.
+TEST_CASE("summary metrics: TTFT, TPOT (mean, p99) and tokens/s equal a hand model's") {
+  const uint64_t seed = test_seed();
+  testing::world w = testing::make_world(2, 64, seed);
+  const linear_clock clock;
+  engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
+
+  std::mt19937_64 rng(seed);
+  std::vector<request> reqs;
+  std::vector<hand_request> want;
+  std::vector<double> ttft, tpot;
+  int64_t queued = 0;  // requests that waited for the one before
+  do {
+    queued = 0;
+    reqs.clear();
+    want.clear();
+    ttft.clear();
+    tpot.clear();
+    request bad;
+    bad.id = 0;
+    bad.arrival_s = 0.25;
+    bad.prompt = {1, w.vocab, 2};
+    bad.output_tokens = 4;
+    reqs.push_back(bad);
+    std::vector<int64_t> outputs(200, 1);
+    for (size_t i = 100; i < outputs.size(); ++i)
+      outputs[i] = std::uniform_int_distribution<int64_t>(2, 30)(rng);
+    std::shuffle(outputs.begin(), outputs.end(), rng);
+    for (int64_t i = 1; i <= 200; ++i) {
+      request q;
+      q.id = i;
+      q.arrival_s =
+          0.4 * static_cast<double>(i) + std::uniform_real_distribution<double>(0, 0.2)(rng);
+      const int64_t p = std::uniform_int_distribution<int64_t>(1, 100)(rng);
+      for (int64_t t = 0; t < p; ++t)
+        q.prompt.push_back(std::uniform_int_distribution<int32_t>(0, w.vocab - 1)(rng));
+      q.output_tokens = outputs[static_cast<size_t>(i - 1)];
+      reqs.push_back(q);
+      const double start = want.empty() ? q.arrival_s : std::max(q.arrival_s, want.back().finish);
+      const hand_request h = by_hand(q.arrival_s, start, p, q.output_tokens);
+      queued += start > q.arrival_s;
+      want.push_back(h);
+      ttft.push_back((h.first - h.arrival) * 1e3);
+      if (h.output >= 2)
+        tpot.push_back((h.finish - h.first) / static_cast<double>(h.output - 1) * 1e3);
+    }
+  } while (!top_distinct(ttft) || !top_distinct(tpot) || queued < 10 || queued > 190);
+  REQUIRE(ttft.size() == 200);
+  REQUIRE(tpot.size() == 100);
+
+  engine_options o;
+  o.scheduler.max_step_tokens = k_chunk;
+  o.scheduler.max_running = 1;
+  const run_result r = e.run(reqs, o, "metrics");
+
+  // The loop served each request as the hand model says.
+  REQUIRE(r.requests.size() == 201);
+  CHECK(r.requests[0].failed());
+  CHECK(r.failed_requests == 1);
+  int64_t out_tokens = 0, steps = 0;
+  double last_finish = 0, idle_s = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const request_result& q = r.requests[i + 1];
+    const hand_request& h = want[i];
+    CAPTURE(q.id, h.prompt, h.output);
+    REQUIRE(q.id == static_cast<int64_t>(i) + 1);
+    CHECK(q.arrival_s == h.arrival);
+    CHECK(q.admitted_s == Approx(h.start).epsilon(1e-12));
+    CHECK(q.first_token_s == Approx(h.first).epsilon(1e-12));
+    CHECK(q.finish_s == Approx(h.finish).epsilon(1e-12));
+    CHECK(static_cast<int64_t>(q.generated.size()) == h.output);
+    out_tokens += h.output;
+    steps += h.steps;
+    if (i > 0) idle_s += std::max(0.0, h.arrival - want[i - 1].finish);
+    last_finish = std::max(last_finish, h.finish);
+  }
+  REQUIRE(idle_s > 1);  // the window holds idle time: busy time alone is another figure
+  CHECK(static_cast<int64_t>(r.steps.size()) == steps);
+  CHECK(r.end_s == Approx(last_finish).epsilon(1e-12));
+
+  double ttft_sum = 0, tpot_sum = 0;
+  for (const double x : ttft) ttft_sum += x;
+  for (const double x : tpot) tpot_sum += x;
+  const double window = last_finish - want.front().arrival;  // request 1 is the first good one
+
+  const run_summary s = summarize(r);
+  CHECK(s.requests == 201);
+  CHECK(s.output_tokens == out_tokens);
+  CHECK(s.steps == steps);
+  CHECK(s.duration_s == Approx(last_finish).epsilon(1e-12));
+  CHECK(s.mean_ttft_ms == Approx(ttft_sum / 200).epsilon(1e-9));
+  CHECK(s.p99_ttft_ms == Approx(p99_nearest_rank(ttft)).epsilon(1e-9));
+  CHECK(s.mean_tpot_ms == Approx(tpot_sum / 100).epsilon(1e-9));
+  CHECK(s.p99_tpot_ms == Approx(p99_nearest_rank(tpot)).epsilon(1e-9));
+  CHECK(s.tokens_per_s == Approx(static_cast<double>(out_tokens) / window).epsilon(1e-9));
+  CHECK(s.switches == 0);
+  CHECK(s.switch_total_ms == 0);
 }
