@@ -130,7 +130,9 @@ hf_config parse_hf_config(std::string_view text, const std::string& source) {
   c.num_layers = r.required_int({"num_hidden_layers"});
   c.hidden = r.required_int({"hidden_size"});
   c.num_q_heads = r.required_int({"num_attention_heads"});
-  c.num_kv_heads = r.int_or("num_key_value_heads", c.num_q_heads);
+  // Qwen3MoeConfig's default is 4 KV heads, not one per query head (no fallback to
+  // num_attention_heads, unlike the older Llama-style configs).
+  c.num_kv_heads = r.int_or("num_key_value_heads", 4);
   c.head_dim = r.int_or("head_dim", c.num_q_heads > 0 ? c.hidden / c.num_q_heads : 0);
   c.num_experts = r.required_int({"num_experts", "num_local_experts"});
   c.top_k = r.required_int({"num_experts_per_tok"});

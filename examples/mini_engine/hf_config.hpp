@@ -5,9 +5,10 @@
 // Both spellings the field names come in are read: the published Qwen3 configs
 // (`num_experts`, `rope_theta`, `torch_dtype`) and transformers 5's `save_pretrained`
 // (`num_local_experts`, `rope_parameters: {rope_theta, rope_type}`, `dtype`). Fields that are
-// absent take transformers' Qwen3MoeConfig defaults (head_dim = hidden / heads, rms_norm_eps
-// 1e-6, rope_theta 1e4, norm_topk_prob false, tie_word_embeddings false). A config the engine
-// cannot run is refused with the field and its value named:
+// absent take transformers' Qwen3MoeConfig defaults (num_key_value_heads 4, head_dim =
+// hidden / heads, rms_norm_eps 1e-6, rope_theta 1e4, norm_topk_prob false,
+// tie_word_embeddings false). A config the engine cannot run is refused with the field and its
+// value named:
 //   model_type other than qwen3_moe, mlp_only_layers not empty, decoder_sparse_step != 1,
 //   use_sliding_window true, attention_bias true, rope scaling (rope_scaling set, or a
 //   rope_type other than "default"), shared experts (shared_expert_intermediate_size > 0),
