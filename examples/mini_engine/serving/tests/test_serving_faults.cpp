@@ -7,7 +7,8 @@
 //   3. a start-mode switch that rolls back leaves the run serving in the mode it is in;
 //   4. a request with a token id outside the vocab fails alone, and the engine serves on;
 //   5. output_tokens = INT64_MAX fails alone with a moebius::error's message naming it;
-// and a run that throws part-way (a user callback) leaves the engine empty and ready.
+// and a run that throws part-way (a user callback) leaves the engine empty and ready; an
+// inconsistent switch recovered in the run serves on in the switch's source mode.
 // Every served request is compared token for token with a static run of the good requests.
 #include <algorithm>
 #include <cstdint>
@@ -29,6 +30,7 @@
 #include "paced_clock.hpp"
 #include "same_tokens.hpp"
 #include "small_trace.hpp"
+#include "soak.hpp"
 #include "weights.hpp"
 
 using namespace mini_engine;
@@ -471,5 +473,84 @@ TEST_CASE("a run that throws part-way leaves the engine empty and ready", "[cpu]
     run_result again;
     REQUIRE_NOTHROW(again = e.run(reqs, o, "again"));
     check_same_tokens(again, want);
+  }
+}
+
+// engine_options::reload_experts: an inconsistent switch is recovered in the mode it started
+// from (engine::recover_in_run, recovery_request::mode = the switch's `from`), so the run serves
+// on exactly as before the switch: the engine's mode, the switcher's resting cursor (0 in EP, L
+// in TP) and every step after the switch are in the source mode. Both directions (EP -> TP and
+// TP -> EP failing), both styles; the fault (a barrier timeout: inconsistent) at a random step,
+// and for a progressive switch in a random one of its advances.
+TEST_CASE("an inconsistent switch recovered in the run serves on in its source mode",
+          "[cpu][faults][recovery]") {
+  const uint64_t seed = testing::soak_seed();
+  std::mt19937_64 rng(seed);
+  const int64_t L = 3;
+  for (const switch_style style : {switch_style::stop_the_world, switch_style::progressive}) {
+    for (const parallel_mode source : {parallel_mode::ep, parallel_mode::tp}) {
+      const parallel_mode target =
+          source == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
+      const uint64_t world_seed = rng();
+      CAPTURE(static_cast<int>(style), moebius::to_string(source), world_seed);
+      host_world w = make_host_world(with_layers(L), 2, 96, world_seed);
+      const std::vector<request> reqs =
+          testing::small_trace(world_seed, static_cast<int32_t>(w.c.vocab), 12);
+      const testing::paced_clock clock(1);
+      engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+      engine_options o = testing::small_trace_options();
+      o.start_mode = source;
+      const run_result want = e.run(reqs, o, "static");
+      const int64_t at = std::uniform_int_distribution<int64_t>(3, 12)(rng);
+      const int64_t advance = std::uniform_int_distribution<int64_t>(0, L - 1)(rng);
+      CAPTURE(at, advance);
+      o.how = switching::forced;
+      o.style = style;
+      o.forced_steps = {at};
+      o.reload_experts = reload_from(w);
+      // In the weights (a step may run with no KV live to move); an advance carries both.
+      const moebius::switch_fault timeout{moebius::switch_fault::stage::weights,
+                                          moebius::fault_point{0, 0, moebius::errc::timeout}};
+      if (style == switch_style::stop_the_world) {
+        o.before_switch = [&](moebius::switcher& sw, int64_t) { sw.inject_fault(timeout); };
+      } else {
+        int64_t advances = 0;
+        o.before_advance = [&, advances](moebius::switcher& sw, const moebius::progressive_switch&,
+                                         int64_t) mutable {
+          if (advances++ == advance) sw.inject_fault(timeout);
+        };
+      }
+      run_result got;
+      REQUIRE_NOTHROW(got = e.run(reqs, o, "recovered"));
+      check_same_tokens(got, want);
+      REQUIRE(got.switches.size() == 1);
+      const switch_record& s = got.switches[0];
+      CAPTURE(s.error);
+      CHECK(s.step == at);
+      CHECK(s.from == source);
+      CHECK(s.to == target);
+      CHECK(s.progressive == (style == switch_style::progressive));
+      REQUIRE(s.outcome == switch_outcome::inconsistent);
+      CHECK(s.recovered);
+      CHECK(e.get_switcher().consistent());
+      CHECK(e.mode() == source);
+      CHECK(e.get_switcher().cursor().tp_layers == (source == parallel_mode::tp ? L : 0));
+      // Every step, before, during (a progressive switch's steps read the source's tables) and
+      // after the switch, ran in the source mode, at its resting cursor once the switch ended.
+      int64_t after = 0;
+      for (const step_record& rec : got.steps) {
+        CAPTURE(rec.step);
+        CHECK(rec.mode == source);
+        if (rec.step >= at && !rec.in_switch) {
+          CHECK(rec.cursor == (source == parallel_mode::tp ? L : 0));
+          ++after;
+        }
+      }
+      CHECK(after >= 5);
+      // And the engine serves the next run from there.
+      engine_options again_o = testing::small_trace_options();
+      again_o.start_mode = source;
+      check_same_tokens(e.run(reqs, again_o, "again"), want);
+    }
   }
 }
