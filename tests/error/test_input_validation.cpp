@@ -3,6 +3,7 @@
 // edited after construction, repeated pages and negative capacities. Each must give a clear
 // moebius::error (or, where documented, a correct answer) and never undefined behaviour; the
 // sanitizer stage of scripts/test runs these under ASan + UBSan.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <deque>
@@ -265,7 +266,13 @@ TEST_CASE("the policy decides exactly with loads up to INT64_MAX (saturated wind
       REQUIRE(d.do_switch == want);
       if (d.do_switch) current = d.target;
       REQUIRE(current == ref.mode);
-      REQUIRE(std::isfinite(policy.window_mean()));
+      // The window's mean: its loads since the last switch, each saturated at 2^48.
+      int128 sum = 0;
+      for (int64_t l : ref.window) sum += std::min(l, int64_t{1} << 48);
+      const double mean = ref.window.empty()
+                              ? 0.0
+                              : static_cast<double>(sum) / static_cast<double>(ref.window.size());
+      REQUIRE(policy.window_mean() == Catch::Approx(mean).epsilon(1e-12));
     }
   }
 }
@@ -298,8 +305,14 @@ TEST_CASE("cost model sums of extreme counts do not wrap") {
   w.weight_phases = i64_max;
   w.kv_rounds = i64_max;
   const switch_cost c = m.predict(w);
-  CHECK(c.barrier_ms > 0);
-  CHECK(std::isfinite(c.total_ms()));
+  // (weight_phases + kv_rounds) sync points of 10 us barrier + 5 us launch (the defaults),
+  // summed in floating point: 2 (2^63 - 1) of them, not a wrapped or saturated count.
+  const double syncs = 2.0 * 9223372036854775807.0;
+  CHECK(c.barrier_ms == Catch::Approx(syncs * 10e-3));
+  CHECK(c.launch_ms == Catch::Approx(syncs * 5e-3));
+  CHECK(c.weight_ms == 0);
+  CHECK(c.kv_ms == 0);
+  CHECK(c.total_ms() == Catch::Approx(syncs * 15e-3));
   plan p;
   p.num_ranks = 2;
   copy_op op;
@@ -521,7 +534,12 @@ TEST_CASE("placement refuses negative capacity and counts; extreme counts never 
   CHECK(p.fits);
   CHECK(p.owner[0] != p.owner[1]);
   for (size_t r = 0; r < 2; ++r) CHECK(p.load[r] <= cap[r]);
-  CHECK(std::isfinite(p.imbalance));
+  // Longest first: the two near-2^63 demands on different ranks, the 1-page one on the rank
+  // of the (2^63 - 2)-page one: both ranks hold exactly 2^63 - 1, imbalance max / mean = 1.
+  CHECK(p.owner[2] == p.owner[1]);
+  CHECK(p.load[0] == i64_max);
+  CHECK(p.load[1] == i64_max);
+  CHECK(p.imbalance == Catch::Approx(1.0));
   const int64_t small_cap[] = {i64_max - 2, 3};
   const kv_placement q = place_longest_first(big, {}, small_cap);
   CHECK_FALSE(q.fits);

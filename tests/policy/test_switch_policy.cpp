@@ -233,11 +233,18 @@ TEST_CASE("switch_policy: hysteresis band and cooldown stop flapping", "[policy]
     std::vector<int64_t> loads;
     for (int i = 0; i < 200; ++i) loads.push_back(i % 2 == 0 ? 10 : 1000);
     const trace_result r = run_trace(p, TP, loads);
-    REQUIRE(r.switch_steps.size() >= 10);
+    // Worked by hand: step 1 (1000, in TP) switches; steps 2..8 are the 7 cooldown steps; the
+    // first step after them whose load points the other way is 10 (load 10, in EP); and so on
+    // every 9 steps: 1, 10, 19, ..., 199. Between two switches the rule fires and is held by
+    // the cooldown on the 4 steps of the other load (2, 4, 6, 8): 4 x 22 gaps.
+    std::vector<int64_t> want;
+    for (int64_t s = 1; s < 200; s += 9) want.push_back(s);
+    CHECK(r.switch_steps == want);
     for (size_t i = 1; i < r.switch_steps.size(); ++i) {
       CHECK(r.switch_steps[i] - r.switch_steps[i - 1] > 7);
     }
-    CHECK(p.stats().by_reason[static_cast<int>(decision_reason::cooldown)] > 0);
+    CHECK(p.stats().by_reason[static_cast<int>(decision_reason::cooldown)] == 4 * 22);
+    CHECK(p.stats().switches == 23);
     // Without the cooldown the same trace flaps on every step.
     switch_policy flappy(no_cooldown(256, 205, 1, 1, down_rule::every));
     CHECK(run_trace(flappy, TP, loads).switch_steps.size() == 199);
@@ -249,6 +256,12 @@ TEST_CASE("switch_policy: hysteresis band and cooldown stop flapping", "[policy]
     std::vector<int64_t> loads;
     for (int i = 0; i < 100; ++i) loads.push_back(i % 2 == 0 ? 1000 : 10);
     const trace_result r = run_trace(p, TP, loads, 0.5);  // 10 steps per 5 s
+    // Worked by hand: step 0 (1000, in TP) switches at 0 s; 5 s later is step 10, whose load
+    // (1000) keeps EP, so step 11 (10) switches back at 5.5 s; then every 11 steps: 0, 11,
+    // ..., 99.
+    std::vector<int64_t> want;
+    for (int64_t s = 0; s < 100; s += 11) want.push_back(s);
+    CHECK(r.switch_steps == want);
     REQUIRE(r.switch_steps.size() >= 5);
     CHECK(r.switch_steps[0] == 0);
     for (size_t i = 1; i < r.switch_steps.size(); ++i) {
