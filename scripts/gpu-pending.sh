@@ -5,7 +5,8 @@
 #     test_serving_soak_gpu test_kv_migration_gpu bench_mini_engine_rank_share \
 #     bench_kv_migration_gpu bench_mini_engine_switch_under_load
 # Each part writes into $OUT; parts: hf soak kv curves30 curves235 kvblocks runtime1 runtime2
-# (default: all but the runtime ones, which each need most of a call).
+# region_tp region_ep demo (default: hf soak kv curves30 curves235 kvblocks; the runtime and
+# region ones each need most of a call).
 # The step_curves_*.jsonl it writes go into docs/results as they are: the build compiles them
 # in and the demo's priced clock then takes its decode steps from them.
 #   hf        issue 21: checkpoints transformers wrote, streamed to the GPU runtime
@@ -19,6 +20,10 @@
 #             shapes). The whole file needs more than 7 minutes on one H200 (2026-12-02: 240 s
 #             covered its first 8 test cases, 171 s not quite the last two): one call each, with
 #             each test case's time (--durations)
+#   region_tp issue 31: Qwen3-235B-A22B P = 8 step curves over the whole operating region, TP:
+#   region_ep batch 1..2048 (with 384, 768, 1536 between the powers of two) and context
+#             512..32768, every point whose KV fits the rank's pool (EP in region_ep)
+#   demo      issue 30: moebius_demo on the GPU runtime (greedy tokens of every run compared)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -65,6 +70,13 @@ for p in "${parts[@]}"; do
           MOEBIUS_BENCH_GIB_PER_STEP=0.25,1 MOEBIUS_BENCH_SUMMARY="$OUT/p4_kvblocks$k.jsonl" \
           run "p4_kvblocks$k" 300 "$bin/bench_mini_engine_switch_under_load"
       done ;;
+    region_tp | region_ep)
+      MOEBIUS_BENCH_MODEL=qwen3_235b MOEBIUS_BENCH_P=8 MOEBIUS_BENCH_MODES=${p#region_} \
+        MOEBIUS_BENCH_BATCHES=1,2,4,8,16,32,64,128,256,384,512,768,1024,1536,2048 \
+        MOEBIUS_BENCH_CONTEXTS=512,1024,2048,4096,8192,16384,32768 \
+        MOEBIUS_BENCH_SUMMARY="$OUT/step_region_qwen3_235b_p8_${p#region_}_h200x1.jsonl" \
+        run "$p" 590 "$bin/bench_mini_engine_rank_share" ;;
+    demo) run demo 300 "$bin/moebius_demo" --runtime gpu --out "$OUT/demo_out" ;;
     runtime1) run runtime1 590 "$bin/test_mini_engine_gpu_runtime" "~[virtual]" --durations yes ;;
     runtime2) run runtime2 590 "$bin/test_mini_engine_gpu_runtime" "[virtual]" --durations yes ;;
     *) echo "unknown part $p"; status=2 ;;

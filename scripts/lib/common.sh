@@ -3,9 +3,9 @@
 #
 # Minimum versions: CMake 3.25, a C++20 compiler (GCC 12+ or Clang 16+), Ninja; Catch2 (v2 or
 # v3) for the tests and Google Benchmark for the benchmarks; nlohmann/json (header-only) for the
-# mini-engine's checkpoint loader; CUDA 13 for the GPU parts (nvcc
-# and NCCL come with the CUDA toolkit, not from apt: without them the build is the host library
-# only, MOEBIUS_WITH_CUDA=AUTO).
+# mini-engine's checkpoint loader and traces; CLI11 (header-only) for the demo's command line;
+# CUDA 13 for the GPU parts (nvcc and NCCL come with the CUDA toolkit, not from apt: without
+# them the build is the host library only, MOEBIUS_WITH_CUDA=AUTO).
 #
 # Installing: only what is missing, with apt-get (Debian/Ubuntu). MOEBIUS_SKIP_INSTALL=1 never
 # installs. Where apt-get is absent (or installing is skipped) and the tools are there, the
@@ -78,7 +78,8 @@ moebius_missing_deps() {
   moebius_have_cmake_package benchmark || missing+=("libbenchmark-dev:Google Benchmark (benchmarks)")
   # The mini-engine reads Hugging Face config.json, index and safetensors headers with it.
   moebius_have_cmake_package nlohmann_json ||
-    missing+=("nlohmann-json3-dev:nlohmann/json (the mini-engine's checkpoint loader)")
+    missing+=("nlohmann-json3-dev:nlohmann/json (the mini-engine's checkpoint loader and traces)")
+  moebius_have_cmake_package CLI11 || missing+=("libcli11-dev:CLI11 (the demo's command line)")
   printf '%s\n' "${missing[@]}"
 }
 

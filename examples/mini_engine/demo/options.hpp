@@ -1,9 +1,9 @@
 #pragma once
 
-// moebius_demo's command line, parsed strictly: every value is checked for its type (no
-// trailing garbage: `4x`, `2.9` for an integer), its range and, for sizes, the memory it
-// implies before anything is allocated. A bad command line throws usage_error, which main()
-// reports with exit status 2.
+// moebius_demo's command line: CLI11 finds the options and their values (an unknown option,
+// a missing value or a value given twice is an error), and each value is read strictly: its
+// type (no trailing garbage: `4x`, `2.9` for an integer) and its range. A bad command line
+// throws usage_error, which main() reports with exit status 2.
 
 #include <cstdint>
 #include <stdexcept>
@@ -63,7 +63,7 @@ options parse_options(int argc, const char* const* argv);
 const char* to_string(trace_kind t);
 const char* to_string(priced_kind m);
 
-// The --help text.
-const char* usage_text();
+// The --help text (CLI11's, from the options' own descriptions).
+std::string usage_text();
 
 }  // namespace mini_engine::demo

@@ -12,6 +12,8 @@
 #include <sstream>
 #include <string_view>
 
+#include <nlohmann/json.hpp>
+
 #include <moebius/error.hpp>
 
 namespace mini_engine {
@@ -306,106 +308,95 @@ std::vector<request> read_trace(std::istream& is, uint64_t seed, int32_t vocab,
 
 namespace {
 
-// A strict reader of one flat JSON object of number members: {"name": number, ...}.
-class json_line {
+// One JSONL line read through nlohmann/json's SAX interface: the object must be flat, with
+// number members only, which it collects in order; every error names the line and, where there
+// is one, the member. SAX rather than a parsed json value because it keeps what a value would
+// lose: the text of a number ("2e3" is not an integer) and a member given twice.
+class trace_line_reader final : public nlohmann::json_sax<nlohmann::json> {
  public:
-  json_line(std::string_view text, const std::string& source, int64_t line_no)
-      : s_(text), source_(source), line_(line_no) {}
+  // A member's value: an integer, or a float with its text as written.
+  struct number {
+    bool integral = false;
+    int64_t integer = 0;     // integral
+    double value = 0;        // !integral
+    std::string text;        // as written (floats), or the integer printed
+  };
+  std::vector<std::pair<std::string, number>> members;  // in the line's order
 
-  bool blank() {
-    skip_ws();
-    return i_ == s_.size();
-  }
-
-  // Calls member(name, number_text) for each member, in order.
-  template <class F>
-  void parse(F&& member) {
-    skip_ws();
-    expect('{', "a JSON object starting with '{'");
-    skip_ws();
-    if (peek() == '}') {
-      ++i_;
-    } else {
-      for (;;) {
-        skip_ws();
-        const std::string name = parse_name();
-        skip_ws();
-        expect(':', "':' after \"" + name + "\"");
-        skip_ws();
-        member(name, parse_number(name));
-        skip_ws();
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect('}', "',' or '}' after the value of \"" + name + "\"");
-        break;
-      }
-    }
-    skip_ws();
-    if (i_ != s_.size()) fail("unexpected text after the object: '" + std::string(s_.substr(i_)) + "'");
-  }
+  trace_line_reader(const std::string& source, int64_t line_no)
+      : source_(source), line_(line_no) {}
 
   [[noreturn]] void fail(const std::string& what) const { bad_line(source_, line_, what); }
 
- private:
-  char peek() const { return i_ < s_.size() ? s_[i_] : '\0'; }
-  void skip_ws() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
+  bool null() override { return not_a_number("null"); }
+  bool boolean(bool v) override { return not_a_number(v ? "true" : "false"); }
+  bool number_integer(number_integer_t v) override {
+    return value({true, v, static_cast<double>(v), std::to_string(v)});
   }
-  void expect(char c, const std::string& what) {
-    if (peek() != c) {
-      fail("expected " + what + (i_ < s_.size() ? ", got '" + std::string(1, s_[i_]) + "'"
-                                                 : std::string(", got the end of the line")));
-    }
-    ++i_;
+  bool number_unsigned(number_unsigned_t v) override {
+    if (v > static_cast<uint64_t>(INT64_MAX))
+      return value({false, 0, static_cast<double>(v), std::to_string(v)});
+    return number_integer(static_cast<int64_t>(v));
   }
-  std::string parse_name() {
-    expect('"', "a member name in double quotes");
-    const size_t start = i_;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      const unsigned char c = static_cast<unsigned char>(s_[i_]);
-      if (c == '\\' || c < 0x20 || c >= 0x7f) fail("member names must be plain ASCII without escapes");
-      ++i_;
-    }
-    if (i_ == s_.size()) fail("unterminated member name");
-    const std::string name(s_.substr(start, i_ - start));
-    ++i_;
-    return name;
+  bool number_float(number_float_t v, const string_t& text) override {
+    return value({false, 0, v, text});
   }
-  // JSON number grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
-  std::string parse_number(const std::string& name) {
-    const size_t start = i_;
-    auto digits = [&] {
-      const size_t d = i_;
-      while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') ++i_;
-      return i_ - d;
-    };
-    if (peek() == '-') ++i_;
-    if (peek() == '0') {
-      ++i_;
-    } else if (digits() == 0) {
-      size_t end = i_;
-      while (end < s_.size() && s_[end] != ',' && s_[end] != '}') ++end;
-      fail(name + ": '" + std::string(s_.substr(start, end - start)) + "' is not a JSON number");
-    }
-    if (peek() == '.') {
-      ++i_;
-      if (digits() == 0) fail(name + ": a digit must follow '.'");
-    }
-    if (peek() == 'e' || peek() == 'E') {
-      ++i_;
-      if (peek() == '+' || peek() == '-') ++i_;
-      if (digits() == 0) fail(name + ": a digit must follow the exponent");
-    }
-    return std::string(s_.substr(start, i_ - start));
+  bool string(string_t& v) override { return not_a_number("\"" + v + "\""); }
+  bool binary(binary_t&) override { return not_a_number("binary"); }
+  bool start_object(std::size_t) override {
+    if (depth_ > 0) return not_a_number("an object");
+    if (done_) fail("unexpected text after the object");
+    ++depth_;
+    return true;
+  }
+  bool key(string_t& name) override {
+    key_ = name;
+    in_value_ = true;
+    return true;
+  }
+  bool end_object() override {
+    --depth_;
+    done_ = true;
+    return true;
+  }
+  bool start_array(std::size_t) override { return not_a_number("an array"); }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&,
+                   const nlohmann::detail::exception& e) override {
+    // nlohmann's message without its "[json.exception.parse_error.101] " prefix.
+    std::string what = e.what();
+    if (const size_t close = what.find("] "); what.front() == '[' && close != std::string::npos)
+      what = what.substr(close + 2);
+    if (done_) fail("unexpected text after the object: " + what);
+    if (depth_ == 0) fail("expected a JSON object: " + what);
+    if (in_value_) fail(key_ + ": not a JSON number: " + what);
+    fail((key_.empty() ? std::string("in the object") : "after the value of \"" + key_ + "\"") +
+         ": " + what);
   }
 
-  std::string_view s_;
+ private:
+  bool value(const number& v) {
+    if (depth_ == 0) fail("expected a JSON object, got '" + v.text + "'");
+    in_value_ = false;
+    members.emplace_back(key_, v);
+    return true;
+  }
+  bool not_a_number(const std::string& what) {
+    if (depth_ == 0) fail("expected a JSON object, got " + what);
+    fail(key_ + ": '" + what + "' is not a JSON number");
+  }
+
   const std::string& source_;
   int64_t line_;
-  size_t i_ = 0;
+  std::string key_;
+  int depth_ = 0;
+  bool in_value_ = false;  // a member's name is read, its value not yet
+  bool done_ = false;      // the object is closed
 };
+
+bool blank(std::string_view line) {
+  return line.find_first_not_of(" \t\r") == std::string_view::npos;
+}
 
 }  // namespace
 
@@ -418,31 +409,30 @@ std::vector<request> read_trace_jsonl(std::istream& is, uint64_t seed, int32_t v
   int64_t line_no = 0;
   while (std::getline(is, line)) {
     ++line_no;
-    json_line j(line, source, line_no);
-    if (j.blank()) continue;
+    if (blank(line)) continue;
     bool seen[3] = {false, false, false};
     double arrival = 0;
     int64_t counts[3] = {0, 0, 0};
-    j.parse([&](const std::string& name, const std::string& number) {
+    trace_line_reader reader(source, line_no);
+    nlohmann::json::sax_parse(line, &reader);
+    for (const auto& [name, v] : reader.members) {
       int k = 0;
       while (k < 3 && name != names[k]) ++k;
       if (k == 3) {
-        j.fail("unknown member \"" + name +
-               "\" (expected arrival_s, prompt_tokens, output_tokens)");
+        reader.fail("unknown member \"" + name +
+                    "\" (expected arrival_s, prompt_tokens, output_tokens)");
       }
-      if (seen[k]) j.fail(name + ": appears twice");
+      if (seen[k]) reader.fail(name + ": appears twice");
       seen[k] = true;
       if (k == 0) {
-        arrival = parse_time(number, source, line_no);
+        arrival = parse_time(v.text, source, line_no);
       } else {
-        if (number.find_first_of(".eE") != std::string::npos) {
-          j.fail(name + ": " + number + " is not an integer");
-        }
-        counts[k] = parse_count(number, names[k], source, line_no);
+        if (!v.integral) reader.fail(name + ": " + v.text + " is not an integer");
+        counts[k] = parse_count(v.text, names[k], source, line_no);
       }
-    });
+    }
     for (int k = 0; k < 3; ++k) {
-      if (!seen[k]) j.fail(std::string(names[k]) + ": missing");
+      if (!seen[k]) reader.fail(std::string(names[k]) + ": missing");
     }
     request r;
     r.id = static_cast<int64_t>(out.size());

@@ -12,10 +12,10 @@
 //   arrival_s      seconds from the start of the trace: a JSON number, finite, >= 0
 //   prompt_tokens  a JSON integer (no fraction or exponent) in [1, 2^20], read as 64-bit
 //   output_tokens  a JSON integer in [1, 2^20]: tokens to generate
-// Blank lines are skipped; anything else (another member, a member twice or missing, a string
-// or null value, a negative or non-finite number, text after the object) is an error naming the
-// source, the line and the member. The parser is a strict one for this flat object (no nesting,
-// no string escapes: member names are plain ASCII), not a general JSON reader.
+// Blank lines are skipped; anything else (another member, a member twice or missing, a string,
+// null, object or array value, a negative or non-finite number, text after the object) is an
+// error naming the source, the line and the member. Lines are read by nlohmann/json (its SAX
+// interface, so a number keeps its text and a member given twice is seen).
 //
 // Text format: one request per line, `arrival_s prompt_tokens output_tokens`, blank lines and
 // `#` comments (whole-line or trailing) ignored. The prompt's token ids are not in the file:

@@ -216,9 +216,9 @@ TEST_CASE("JSONL trace: every malformed line is an error naming the line and mem
   CHECK_THAT(jsonl_error("{\"arrival_s\": -1, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
              Contains("arrival_s: -1 must be finite and >= 0"));
   CHECK_THAT(jsonl_error("{\"arrival_s\": 1e999, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
-             Contains("arrival_s: 1e999 must be finite"));
+             Contains("arrival_s") && Contains("overflow parsing '1e999'"));
   CHECK_THAT(jsonl_error("{\"arrival_s\": NaN, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
-             Contains("arrival_s: 'NaN' is not a JSON number"));
+             Contains("arrival_s: not a JSON number") && Contains("invalid literal"));
   CHECK_THAT(jsonl_error("{\"arrival_s\": \"0\", \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
              Contains("arrival_s") && Contains("is not a JSON number"));
   CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2}\n"),
@@ -231,12 +231,12 @@ TEST_CASE("JSONL trace: every malformed line is an error naming the line and mem
   CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2, \"output_tokens\": 1} x\n"),
              Contains("unexpected text after the object"));
   CHECK_THAT(jsonl_error("{\"arrival_s\": 0, \"prompt_tokens\": 2, \"output_tokens\": 1\n"),
-             Contains("expected ',' or '}'"));
+             Contains("after the value of \"output_tokens\"") && Contains("expected '}'"));
   CHECK_THAT(jsonl_error("0 2 1\n"), Contains("expected a JSON object"));
   CHECK_THAT(jsonl_error("{\"arrival_s\": 01, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
-             Contains("expected ',' or '}'"));  // a leading zero ends the number
+             Contains("after the value of \"arrival_s\""));  // a leading zero ends the number
   CHECK_THAT(jsonl_error("{\"arrival_s\": 1., \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
-             Contains("a digit must follow '.'"));
+             Contains("expected digit after '.'"));
   CHECK_THAT(jsonl_error("{\"arrival_s\": null, \"prompt_tokens\": 2, \"output_tokens\": 1}\n"),
              Contains("'null' is not a JSON number"));
 }

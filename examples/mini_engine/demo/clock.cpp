@@ -1,0 +1,123 @@
+#include "clock.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <moebius/error.hpp>
+#include <optional>
+#include <sstream>
+
+#include "step_curves.hpp"
+
+namespace mini_engine::demo {
+
+priced_model priced_of(const options& o, int64_t run_kv_heads) {
+  priced_model m;
+  if (o.priced == priced_kind::qwen3_235b_a22b) {
+    m = qwen3_235b_a22b_priced();
+  } else {
+    m.num_kv_heads = run_kv_heads;  // the run's KV heads (H_kv < P: TP replicates)
+  }
+  m.context_scale = o.context_scale;
+  return m;
+}
+
+int64_t h200_kv_pages(const priced_model& m, int P, int64_t page_size, std::string* why) {
+  const double wb = static_cast<double>(m.weight_bytes);
+  const double L = static_cast<double>(m.num_layers), H = static_cast<double>(m.hidden);
+  const double expert = 3.0 * H * static_cast<double>(m.intermediate) * wb;
+  const double experts = L * (static_cast<double>(m.num_experts) / P + 1.0) * expert;
+  const double attention = L *
+                           (2.0 * static_cast<double>(m.num_q_heads * m.head_dim) * H +
+                            2.0 * static_cast<double>(m.num_kv_heads * m.head_dim) * H) *
+                           wb;
+  const double embed = 2.0 * static_cast<double>(m.vocab) * H * wb;
+  const double weights = experts + attention + embed;
+  const double budget = 0.9 * 141e9 - weights;
+  const double token =
+      L * 2.0 * static_cast<double>(m.num_kv_heads * m.head_dim * m.kv_bytes) * m.context_scale;
+  const int64_t pages = std::max<int64_t>(
+      16, static_cast<int64_t>(budget / (token * static_cast<double>(page_size))));
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "%lld EP pages per rank: (0.9 x 141 GB - %.1f GB of weights per rank) / (%.1f KB "
+                "of priced KV per run token x %lld tokens a page)",
+                static_cast<long long>(pages), weights / 1e9, token / 1e3,
+                static_cast<long long>(page_size));
+  *why = buf;
+  return pages;
+}
+
+namespace {
+
+// The H200 model of the priced deployment, its decode steps from measured curves when `o`
+// names them or the deployment has committed ones.
+demo_clock priced_clock(const options& o, const world& w, int P) {
+  demo_clock out;
+  out.priced = true;
+  const priced_model m = priced_of(o, w.kv.num_kv_heads);
+  out.model = std::make_unique<h200_step_model>(m, h200_params{}, P, kv_bytes_per_token(w.kv));
+  std::ostringstream d;
+  d << m;
+  std::ostringstream link;
+  link << h200_params{}.switch_link;
+  std::printf(
+      "\n  clock: modelled H200 x%d (step_clock.hpp's roofline at DESIGN.md §6-7 rates), "
+      "each step priced as %s (%s), switches by moebius::cost_model over the link fitted "
+      "on 18 switches measured on 2x H200 (%s), steps beside a progressive switch's "
+      "copies by the slowdown curve measured on one H200; the host's own time is in the "
+      "CSV (measured_ms)\n",
+      P, to_string(o.priced), d.str().c_str(), link.str().c_str());
+  // The priced deployment's name in bench_mini_engine_rank_share's files.
+  const std::string bench_model =
+      o.priced == priced_kind::qwen3_235b_a22b ? "qwen3_235b" : "qwen3_30b";
+  std::optional<step_curves> curves;
+  if (o.curves.empty())
+    curves = step_curves::measured(bench_model, P);
+  else if (o.curves != "roofline")
+    curves = step_curves::from_file(o.curves);
+  if (!curves) {
+    if (o.curves.empty())
+      std::printf(
+          "  decode steps from the roofline: no measured step curves of %s at P=%d "
+          "under docs/results (step_curves_*.jsonl, bench_mini_engine_rank_share)\n",
+          bench_model.c_str(), P);
+    out.clock = std::move(out.model);
+    return out;
+  }
+  const std::string& from = o.curves.empty() ? curves->deployment() : o.curves;
+  MOEBIUS_CHECK(curves->num_ranks() == P, moebius::errc::invalid_argument, "--curves ", from,
+                ": measured for P=", curves->num_ranks(), ", the demo runs P=", P);
+  MOEBIUS_CHECK(curves->num_layers() == m.num_layers, moebius::errc::invalid_argument, "--curves ",
+                from, ": measured with ", curves->num_layers(), " layers, the clock prices ",
+                to_string(o.priced), " (", m.num_layers,
+                " layers): curves of another model, or of a shortened one");
+  std::printf(
+      "  decode steps instead from %s: per-rank compute measured on one GPU, "
+      "collectives priced by a link model (bench_mini_engine_rank_share)\n",
+      curves->deployment().c_str());
+  out.clock = std::make_unique<curves_step_clock>(std::move(*curves), *out.model);
+  return out;
+}
+
+}  // namespace
+
+demo_clock make_clock(const options& o, const world& w, int P) {
+  if (o.clock == clock_kind::model || (o.clock == clock_kind::automatic && !w.on_gpu))
+    return priced_clock(o, w, P);
+  // --clock measured with --curves is a usage error (options.cpp); here the automatic clock
+  // measured because a GPU is there.
+  MOEBIUS_CHECK(o.curves.empty(), moebius::errc::invalid_argument, "--curves ", o.curves,
+                ": step curves price the modelled clock, and this run measures its steps on "
+                "the GPU (--clock model uses them)");
+  demo_clock out;
+  out.clock = std::make_unique<measured_clock>();
+  if (w.on_gpu)
+    std::printf(
+        "\n  clock: measured on the GPUs (each step's CUDA events, the longest rank; "
+        "switches and copies: their measured time)\n");
+  else
+    std::printf("\n  clock: measured (on the host all ranks run on one core: no GPU crossover)\n");
+  return out;
+}
+
+}  // namespace mini_engine::demo

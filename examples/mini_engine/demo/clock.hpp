@@ -1,0 +1,38 @@
+#pragma once
+
+// The clock the demo's runs are timed on: priced (an H200 model of the deployment, its decode
+// steps from the measured per-rank step curves when there are any) or measured (the host's or
+// the GPUs' own time). What each prices is printed when it is chosen.
+
+#include <memory>
+#include <string>
+
+#include "options.hpp"
+#include "step_clock.hpp"
+#include "world.hpp"
+
+namespace mini_engine::demo {
+
+struct demo_clock {
+  std::unique_ptr<h200_step_model> model;  // under a curves clock: outlives it
+  std::unique_ptr<step_clock> clock;
+  bool priced = false;
+};
+
+// The priced model of the H200 clock; `run_kv_heads`: the served model's KV heads (they
+// matter for the Qwen3-30B-A3B pricing only, where H_kv < P makes TP replicate them).
+priced_model priced_of(const options& o, int64_t run_kv_heads);
+
+// EP KV pages per rank an H200 holds for the priced model: 90% of its 141 GB (the rest:
+// activations, CUDA graphs, fragmentation) less the rank's EP weights (its 1/P of the experts,
+// one spare expert slot, the whole attention and embeddings: Qwen3-235B-A22B at P=8, 73 GB,
+// DESIGN.md §7), divided by the priced EP KV bytes of one run token (all L layers, K and V, all
+// H_kv heads, times the context scale) and the page size. `why` receives the sum, in words.
+//   Qwen3-235B-A22B, P=8, context x32, 16-token pages: (126.9 - 73.2) GB / (192.5 KB x 32 x 16)
+//   = 544 pages per rank.
+int64_t h200_kv_pages(const priced_model& m, int P, int64_t page_size, std::string* why);
+
+// The clock `o` asks for on world `w` with P ranks (printed, with what it prices).
+demo_clock make_clock(const options& o, const world& w, int P);
+
+}  // namespace mini_engine::demo

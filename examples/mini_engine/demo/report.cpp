@@ -1,0 +1,232 @@
+#include "report.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "timeline_svg.hpp"
+
+namespace mini_engine::demo {
+
+namespace {
+
+using moebius::parallel_mode;
+
+double p99(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(v.size())));
+  return v[std::max<size_t>(rank, 1) - 1];
+}
+
+struct switch_steps {
+  double normal_max_ms = 0, normal_p99_ms = 0, switch_max_ms = 0, switch_p99_ms = 0;
+  double mean_length_steps = 0;  // steps per committed switch (stop-the-world: 1)
+};
+
+switch_steps switch_steps_of(const run_result& r) {
+  std::vector<double> normal, during;
+  for (const step_record& s : r.steps) {
+    if (s.switched)
+      during.push_back(s.step_ms + s.switch_ms);
+    else if (s.in_switch)
+      during.push_back(s.step_ms);
+    else
+      normal.push_back(s.step_ms);
+  }
+  switch_steps out;
+  out.normal_p99_ms = p99(normal);
+  out.switch_p99_ms = p99(during);
+  for (double x : normal) out.normal_max_ms = std::max(out.normal_max_ms, x);
+  for (double x : during) out.switch_max_ms = std::max(out.switch_max_ms, x);
+  int64_t n = 0, steps = 0;
+  for (const switch_record& w : r.switches) {
+    if (w.outcome != moebius::switch_outcome::committed) continue;
+    ++n;
+    steps += w.progressive ? w.steps : 1;
+  }
+  out.mean_length_steps = n > 0 ? static_cast<double>(steps) / static_cast<double>(n) : 0;
+  return out;
+}
+
+bool is_switching(run_kind k) {
+  return k != run_kind::static_tp && k != run_kind::static_ep;
+}
+
+}  // namespace
+
+void print_table(const std::vector<run_outcome>& runs, const std::string& clock) {
+  std::printf("\n  %-11s %10s %10s %10s %10s %9s %8s %17s %7s\n", "run", "mean TTFT", "p99 TTFT",
+              "mean TPOT", "p99 TPOT", "tokens/s", "switches", "switch total/mean", "host s");
+  for (const run_outcome& r : runs) {
+    const run_summary& s = r.summary;
+    char sw[64];
+    if (s.switches > 0) {
+      std::snprintf(sw, sizeof sw, "%.0f / %.1f ms", s.switch_total_ms, s.switch_mean_ms);
+    } else {
+      std::snprintf(sw, sizeof sw, "-");
+    }
+    std::printf("  %-11s %7.1f ms %7.1f ms %7.2f ms %7.2f ms %9.0f %8lld %17s %7.1f\n",
+                label_of(r.kind), s.mean_ttft_ms, s.p99_ttft_ms, s.mean_tpot_ms, s.p99_tpot_ms,
+                s.tokens_per_s, static_cast<long long>(s.switches), sw, r.wall_s);
+  }
+  std::printf("  (times on the %s clock; 'host s' is the wall time this machine took)\n",
+              clock.c_str());
+}
+
+void print_switch_steps(const std::vector<run_outcome>& runs) {
+  std::printf("\n  %-11s %23s %23s %14s\n", "run", "normal steps max / p99",
+              "switch steps max / p99", "switch length");
+  for (const run_outcome& r : runs) {
+    const switch_steps w = switch_steps_of(r.result);
+    char len[32] = "-", sw[48] = "-";
+    if (w.mean_length_steps > 0) {
+      std::snprintf(len, sizeof len, "%.1f steps", w.mean_length_steps);
+      std::snprintf(sw, sizeof sw, "%.2f / %.2f ms", w.switch_max_ms, w.switch_p99_ms);
+    }
+    char normal[48];
+    std::snprintf(normal, sizeof normal, "%.2f / %.2f ms", w.normal_max_ms, w.normal_p99_ms);
+    std::printf("  %-11s %23s %23s %14s\n", label_of(r.kind), normal, sw, len);
+  }
+  std::printf(
+      "  (a stop-the-world switch counts as one step: the step after it, plus the switch)\n");
+}
+
+const run_outcome& best_static(const std::vector<run_outcome>& runs) {
+  const run_outcome* tp = find_run(runs, run_kind::static_tp);
+  const run_outcome* ep = find_run(runs, run_kind::static_ep);
+  if (tp == nullptr || ep == nullptr)
+    throw std::logic_error("best_static: a static run is missing");
+  return tp->summary.tokens_per_s >= ep->summary.tokens_per_s ? *tp : *ep;
+}
+
+void print_beside_best(const std::vector<run_outcome>& runs, const run_outcome& best) {
+  const run_summary& b = best.summary;
+  std::printf("\n  best static (%s, by tokens/s) beside switching:\n", label_of(best.kind));
+  for (const run_outcome& r : runs) {
+    if (!is_switching(r.kind)) continue;
+    const run_summary& x = r.summary;
+    std::printf(
+        "    %-11s %.3fx tokens/s, p99 TTFT %.1f vs %.1f ms, p99 TPOT %.2f vs %.2f ms, "
+        "%lld switches (%.0f ms)\n",
+        label_of(r.kind), b.tokens_per_s > 0 ? x.tokens_per_s / b.tokens_per_s : 0, x.p99_ttft_ms,
+        b.p99_ttft_ms, x.p99_tpot_ms, b.p99_tpot_ms, static_cast<long long>(x.switches),
+        x.switch_total_ms);
+  }
+}
+
+void print_bound(const run_outcome& best, const moebius::calibration_result& cal,
+                 const step_clock& clock, int P, int64_t num_layers) {
+  double total = 0, saved = 0;
+  for (const step_record& st : best.result.steps) {
+    total += st.step_ms;
+    if (st.sequences <= 0) continue;
+    const double n = static_cast<double>(st.sequences);
+    const parallel_mode other =
+        st.mode == parallel_mode::tp ? parallel_mode::ep : parallel_mode::tp;
+    saved += std::max(0.0, cal.curves.latency_ms(st.mode, n) - cal.curves.latency_ms(other, n));
+  }
+  moebius::layer_bytes none;
+  none.weight_bytes_sent.assign(static_cast<size_t>(P), 0);
+  none.kv_bytes_sent.assign(static_cast<size_t>(P), 0);
+  const double one = clock.predicted_switch_s(none, num_layers) * 1e3;
+  std::printf(
+      "  bound: every step of %s in its faster mode would save at most %.0f ms of its "
+      "%.0f ms of steps (%.1f%%, i.e. <= %.3fx tokens/s); one switch costs >= %.0f ms "
+      "(weights alone), a round trip >= %.0f ms (step time only: a mode's larger KV "
+      "pool, which admits more at once, is not in it)\n",
+      best.result.name.c_str(), saved, total, total > 0 ? saved / total * 100 : 0,
+      total > saved ? total / (total - saved) : 0, one, 2 * one);
+}
+
+void print_gate(const run_result& r, const moebius::latency_curves* curves, int64_t peak_load) {
+  if (r.gate.empty()) return;
+  int64_t passed = 0;
+  for (const switch_record& s : r.switches) passed += s.gate.evaluated && s.gate.passed;
+  std::printf("    %s: gate let %lld switch%s through, refused %lld decision%s", r.name.c_str(),
+              static_cast<long long>(passed), passed == 1 ? "" : "es",
+              static_cast<long long>(r.gate_refusals), r.gate_refusals == 1 ? "" : "s");
+  if (r.gate_refusals > 0) {
+    std::ostringstream g;
+    g << r.last_refusal;
+    std::printf("; last refused: %s", g.str().c_str());
+  }
+  if (!r.switches.empty() && r.switches.front().gate.evaluated) {
+    std::ostringstream g;
+    g << r.switches.front().gate;
+    std::printf("; first let through: %s", g.str().c_str());
+  }
+  std::printf("\n");
+  if (curves != nullptr && peak_load > 0) {
+    const double b = static_cast<double>(peak_load);
+    const double tp = curves->tp.at(b), ep = curves->ep.at(b);
+    std::printf(
+        "    at the peak load %lld the calibrated steps are TP %.2f ms, EP %.2f ms (%+.1f%%)\n",
+        static_cast<long long>(peak_load), tp, ep, (ep - tp) / tp * 100.0);
+  }
+}
+
+void write_run_files(const std::string& dir, const std::vector<run_outcome>& runs) {
+  std::filesystem::create_directories(dir);
+  const std::string csv_path = dir + "/steps.csv", svg_path = dir + "/timeline.svg";
+  std::ofstream csv(csv_path);
+  for (size_t k = 0; k < runs.size(); ++k) {
+    std::ostringstream part;
+    write_steps_csv(part, runs[k].result);
+    std::string text = part.str();
+    if (k > 0) text = text.substr(text.find('\n') + 1);  // one header
+    csv << text;
+  }
+  if (!csv) throw std::runtime_error("cannot write " + csv_path);
+  std::ofstream svg(svg_path);
+  std::vector<const run_result*> panels;
+  for (const run_outcome& r : runs) panels.push_back(&r.result);
+  write_timeline_svg(svg, panels);
+  if (!svg) throw std::runtime_error("cannot write " + svg_path);
+  std::printf("  wrote %s and %s\n", csv_path.c_str(), svg_path.c_str());
+}
+
+void progress_printer::install(engine_options& o) {
+  o.progress_every_steps = 1;
+  o.on_progress = [this](const progress_info& p) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    if (std::chrono::duration<double>(now - last_).count() < 5.0) return;
+    last_ = now;
+    std::printf(
+        "    [%s] step %6lld  t=%7.3f s  running %4lld  done %5lld/%lld  %s  switches %lld\n",
+        p.run->c_str(), static_cast<long long>(p.step), p.now_s, static_cast<long long>(p.running),
+        static_cast<long long>(p.finished), static_cast<long long>(p.total),
+        moebius::to_string(p.mode), static_cast<long long>(p.switches));
+    std::fflush(stdout);
+  };
+}
+
+void print_summary(const std::vector<trace_outcome>& outcomes, bool priced,
+                   const char* priced_model, int P) {
+  if (priced)
+    std::printf("\nsummary (modelled H200 clock, %s, P=%d):\n", priced_model, P);
+  else
+    std::printf("\nsummary (measured clock, P=%d):\n", P);
+  int64_t missed = 0;
+  for (const trace_outcome& t : outcomes) {
+    for (const target_check& c : t.targets) {
+      std::printf("  %-10s %s\n", t.name.c_str(), c.line.c_str());
+      missed += !c.met;
+    }
+  }
+  if (missed > 0) {
+    std::printf(
+        "  %lld target%s missed on this clock. Each trace's 'bound' line says why in "
+        "numbers: even switching for free, every step in its faster mode, would gain at "
+        "most that share on this priced model, less than the target asks; the gate "
+        "keeps switching off where it cannot pay (docs/BENCHMARKS.md)\n",
+        static_cast<long long>(missed), missed == 1 ? "" : "s");
+  }
+}
+
+}  // namespace mini_engine::demo

@@ -1,0 +1,76 @@
+#pragma once
+
+// The world the demo serves in: the runtime (the host runtime's P virtual ranks, or the GPU
+// runtime), its memory, its descriptors and the transport its switches move bytes over. Every
+// build axis of the demo (a CUDA build, a build with the GPU runtime) is decided in world.cpp
+// and nowhere else: the experiments and the report see a world, never a preprocessor branch.
+
+#include <functional>
+#include <memory>
+#include <moebius/kv/kv_geometry.hpp>
+#include <moebius/layout/arena_geometry.hpp>
+#include <moebius/memory/rank_memory.hpp>
+#include <moebius/transport/transport.hpp>
+#include <string>
+#include <vector>
+
+#include "checkpoint.hpp"
+#include "options.hpp"
+#include "step.hpp"
+#include "trace.hpp"
+
+namespace mini_engine::demo {
+
+struct world {
+  std::unique_ptr<runtime> rt;
+  std::vector<moebius::rank_memory> memory;
+  moebius::arena_geometry arena;
+  moebius::kv_geometry kv;
+  int32_t vocab = 0;
+  std::string description;
+  bool on_gpu = false;
+  std::function<std::unique_ptr<moebius::transport>()> make_transport;
+};
+
+// Geometry of the host deployment, computed without allocating; a model that cannot split
+// over P ranks, or sizes that overflow, are usage errors.
+struct host_plan {
+  moebius::arena_geometry arena;
+  moebius::kv_geometry kv;
+  int32_t vocab = 0;
+  int64_t weight_bytes = 0;  // logical weights held beside the arena
+};
+
+// Before the first CUDA call: a hardware queue per virtual rank's stream (the transport's
+// barriers spin; cuda_peer_transport.hpp). Nothing in a build without the GPU runtime.
+void prepare_process();
+
+// GPUs this process sees (0 without CUDA).
+int count_gpus();
+
+// Whether this build has the GPU runtime (CUDA and NCCL).
+bool has_gpu_runtime();
+
+// The host deployment `o` asks for, served as `ck` describes it (null: the lite() model).
+host_plan plan_host(const options& o, const hf_checkpoint* ck);
+
+// Throws usage_error when P host runtimes of `p` would need more than half this machine's
+// memory.
+void check_memory(const host_plan& p, int P);
+
+// The host runtime on P = o.ranks virtual ranks: `ck`'s weights streamed from its shards
+// (`progress`: a line per shard), else lite() with random weights from o.seed.
+world make_host_world(const options& o, const host_plan& p, const hf_checkpoint* ck, bool progress);
+
+// The GPU runtime on P ranks (more than the GPUs: virtual ranks on GPU 0), its page tables as
+// long as the longest request of `traces`. Throws usage_error in a build without it.
+world make_gpu_world(const options& o, int P, const std::vector<request>& traces,
+                     const hf_checkpoint* ck);
+
+// Each rank's arena as host bytes (device memory is copied back first).
+std::vector<std::vector<std::byte>> arena_bytes(const world& w);
+
+// KV bytes a token takes on one rank in EP (every tensor, all KV heads).
+int64_t kv_bytes_per_token(const moebius::kv_geometry& g);
+
+}  // namespace mini_engine::demo
