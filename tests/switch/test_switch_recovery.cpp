@@ -106,11 +106,26 @@ TEST_CASE("recover after a stop-the-world switch left the switcher inconsistent"
           "[switch][recovery]") {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed);
-  int cases = 0;
-  for (int iter = 0; iter < 6; ++iter) {
-    const int P = std::vector<int>{2, 4, 8}[static_cast<size_t>(iter % 3)];
+  // Each kind of fault runs `want` times with each recovery mode, and every P at least once,
+  // whatever the seed: a world whose switch the capacity check refuses (replicated KV heads
+  // need more TP pages than EP) is replaced by a fresh one instead of skipping its cases.
+  enum kind : int { weights_timeout, weights_undo, kv_timeout, kv_last_round_undo, num_kinds };
+  static constexpr const char* kind_names[] = {"weights timeout", "weights undo fails",
+                                               "KV timeout", "last KV round's undo fails"};
+  constexpr int want = 2, max_draws = 200;
+  int ran[num_kinds][2] = {};  // [kind][recovery mode: 0 EP, 1 TP]
+  bool p_ran[3] = {};          // P = 2, 4, 8
+  auto short_of = [&](int k) { return std::min(ran[k][0], ran[k][1]) < want; };
+  auto unfinished = [&] {
+    bool any = !(p_ran[0] && p_ran[1] && p_ran[2]);
+    for (int k = 0; k < num_kinds; ++k) any = any || short_of(k);
+    return any;
+  };
+  int draws = 0;
+  for (; draws < max_draws && unfinished(); ++draws) {
+    const int P = std::vector<int>{2, 4, 8}[static_cast<size_t>(draws % 3)];
     world w = make_world(rng, P, 0.3);
-    INFO("seed " << seed << " iter " << iter << " " << w.shape << " " << w.kv);
+    INFO("seed " << seed << " draw " << draws << " " << w.shape << " " << w.kv);
     host_transport t(w.memory);
     const kv_state tables = w.tables;
     const rank_images pools = w.pools;
@@ -118,73 +133,76 @@ TEST_CASE("recover after a stop-the-world switch left the switcher inconsistent"
     const std::vector<int64_t> ids = live_ids(tables);
     REQUIRE(!ids.empty());
     const int64_t L = w.shape.num_layers;
-    const parallel_mode mode = iter % 2 ? parallel_mode::tp : parallel_mode::ep;
+    const kv_capacity_report cap = switcher(w.weights, w.kv, t, tables, arena_cursor{0})
+                                       .check(parallel_mode::tp);
+    if (!cap.fits) continue;  // refused for capacity: nothing to recover from; draw again
+    const int64_t rounds = cap.rounds;
+    REQUIRE(rounds >= 1);
+    p_ran[P == 2 ? 0 : P == 4 ? 1 : 2] = true;
 
-    // 1. A barrier timeout in the weights: the KV never moved, every sequence is kept.
-    {
-      switcher sw(w.weights, w.kv, t, tables, arena_cursor{0});
-      const int64_t k = std::uniform_int_distribution<int64_t>(0, L - 1)(rng);
-      sw.inject_fault(switch_fault{switch_fault::stage::weights, fault_point{k, 0, errc::timeout}});
-      const switch_report r = sw.switch_to(parallel_mode::tp);
-      if (r.outcome == switch_outcome::refused_capacity) continue;
-      INFO(r);
-      REQUIRE(r.outcome == switch_outcome::inconsistent);
-      recover_and_check(w, t, sw, mode, kv_before, ids, true);
-      ++cases;
-    }
-    // 2. A weights fault whose undo fails (L >= 2: the undo has weights to move back).
-    if (L >= 2) {
+    for (int k = 0; k < num_kinds; ++k) {
+      if (!short_of(k)) continue;
+      if (k == weights_undo && L < 2) continue;  // the undo needs weights to move back
+      const int m = ran[k][0] <= ran[k][1] ? 0 : 1;
+      const parallel_mode mode = m ? parallel_mode::tp : parallel_mode::ep;
+      INFO(kind_names[k] << ", recovered in " << to_string(mode));
       reset(w, pools);
       switcher sw(w.weights, w.kv, t, tables, arena_cursor{0});
-      sw.inject_fault(switch_fault{switch_fault::stage::weights, fault_point{L - 1, 0}});
-      sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{0, 0}});
-      const switch_report r = sw.switch_to(parallel_mode::tp);
-      INFO(r);
-      REQUIRE(r.outcome == switch_outcome::inconsistent);
-      CHECK(r.error.find("undo failed") != std::string::npos);
-      recover_and_check(w, t, sw, mode, kv_before, ids, true);
-      ++cases;
-    }
-    // 3. A barrier timeout in a KV round: that KV is unknown, every sequence is lost.
-    {
-      reset(w, pools);
-      switcher sw(w.weights, w.kv, t, tables, arena_cursor{0});
-      sw.inject_fault(switch_fault{switch_fault::stage::kv, fault_point{0, 0, errc::timeout}});
-      const switch_report r = sw.switch_to(parallel_mode::tp);
-      INFO(r);
-      REQUIRE(r.outcome == switch_outcome::inconsistent);
-      recover_and_check(w, t, sw, mode, kv_before, ids, false);
-      ++cases;
-    }
-    // 4. A fault in the last KV round whose undo fails. With earlier rounds done their undo is
-    // what failed: lost. With one round, none completed: a failed round wrote only free pages,
-    // the undo moved no KV, and the weights' undo failed: kept.
-    {
-      reset(w, pools);
-      switcher probe(w.weights, w.kv, t, tables, arena_cursor{0});
-      const int64_t rounds = probe.check(parallel_mode::tp).rounds;
-      REQUIRE(rounds >= 1);
-      switcher sw(w.weights, w.kv, t, tables, arena_cursor{0});
-      sw.inject_fault(switch_fault{switch_fault::stage::kv, fault_point{rounds - 1, 1}});
-      sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{0, 0}});
-      const switch_report r = sw.switch_to(parallel_mode::tp);
-      INFO(r);
-      if (r.outcome == switch_outcome::inconsistent) {
-        CHECK(r.kv_rounds_completed == rounds - 1);
-        recover_and_check(w, t, sw, mode, kv_before, ids, rounds == 1);
-        ++cases;
+      bool expect_kept = true;
+      switch (k) {
+        case weights_timeout: {  // the KV never moved: every sequence is kept
+          const int64_t at = std::uniform_int_distribution<int64_t>(0, L - 1)(rng);
+          sw.inject_fault(
+              switch_fault{switch_fault::stage::weights, fault_point{at, 0, errc::timeout}});
+          break;
+        }
+        case weights_undo:  // a weights fault whose undo fails: the KV never moved
+          sw.inject_fault(switch_fault{switch_fault::stage::weights, fault_point{L - 1, 0}});
+          sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{0, 0}});
+          break;
+        case kv_timeout:  // a barrier timeout in a KV round: that KV is unknown, all lost
+          sw.inject_fault(switch_fault{switch_fault::stage::kv, fault_point{0, 0, errc::timeout}});
+          expect_kept = false;
+          break;
+        case kv_last_round_undo:
+          // With earlier rounds done their undo is what failed: lost. With one round, none
+          // completed: a failed round wrote only free pages, the undo moved no KV, and the
+          // weights' undo failed: kept.
+          sw.inject_fault(switch_fault{switch_fault::stage::kv, fault_point{rounds - 1, 1}});
+          sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{0, 0}});
+          expect_kept = rounds == 1;
+          break;
       }
+      const switch_report r = sw.switch_to(parallel_mode::tp);
+      INFO(r);
+      // A fault on op 1 of a round with one op never fires: that world does not count.
+      if (k == kv_last_round_undo && r.outcome == switch_outcome::committed) continue;
+      REQUIRE(r.outcome == switch_outcome::inconsistent);
+      if (k == weights_undo) CHECK(r.error.find("undo failed") != std::string::npos);
+      if (k == kv_last_round_undo) CHECK(r.kv_rounds_completed == rounds - 1);
+      recover_and_check(w, t, sw, mode, kv_before, ids, expect_kept);
+      ++ran[k][m];
     }
   }
-  CHECK(cases >= 10);
+  INFO("seed " << seed << ": " << draws << " worlds drawn");
+  REQUIRE(draws < max_draws);
+  for (int k = 0; k < num_kinds; ++k) {
+    INFO(kind_names[k]);
+    CHECK(ran[k][0] == want);
+    CHECK(ran[k][1] == want);
+  }
 }
 
 TEST_CASE("recover after a progressive switch left the switcher inconsistent",
           "[switch][recovery][progressive]") {
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed + 1);
-  int cases = 0;
-  for (int iter = 0; iter < 10; ++iter) {
+  // Three recoveries in each mode, whatever the seed: a world whose switch is refused for
+  // capacity is replaced by a fresh one.
+  constexpr int want = 3, max_draws = 100;
+  int ran[2] = {};  // [recovery mode: 0 EP, 1 TP]
+  int iter = 0;
+  for (; iter < max_draws && std::min(ran[0], ran[1]) < want; ++iter) {
     const int P = std::vector<int>{2, 4}[static_cast<size_t>(iter % 2)];
     world w = make_world(rng, P, 0.25, true);
     INFO("seed " << seed << " iter " << iter << " " << w.shape << " " << w.kv);
@@ -207,11 +225,14 @@ TEST_CASE("recover after a progressive switch left the switcher inconsistent",
     REQUIRE(s.report().outcome == switch_outcome::inconsistent);
     CHECK(s.report().cursor.tp_layers == before);
     // The advance's own layer may have moved its KV past the timeout: all lost.
-    recover_and_check(w, t, sw, iter % 2 ? parallel_mode::tp : parallel_mode::ep, kv_before, ids,
-                      false);
-    ++cases;
+    const int m = ran[0] <= ran[1] ? 0 : 1;
+    recover_and_check(w, t, sw, m ? parallel_mode::tp : parallel_mode::ep, kv_before, ids, false);
+    ++ran[m];
   }
-  CHECK(cases >= 6);
+  INFO("seed " << seed << ": " << iter << " worlds drawn");
+  REQUIRE(iter < max_draws);
+  CHECK(ran[0] == want);
+  CHECK(ran[1] == want);
 }
 
 TEST_CASE("recover: refused when there is nothing to recover, retried when the reload fails",
