@@ -149,13 +149,40 @@ TEST_CASE("engine with the policy: calibrated thresholds, switches at bursts, al
   o.scheduler.max_running = 160;
   o.scheduler.max_step_tokens = 512;
   o.validate_every_step = true;
-  int64_t progress_calls = 0;
+  std::vector<progress_info> progress;  // .run points into the run: checked while it runs
+  int64_t bad_names = 0;
   o.progress_every_steps = 50;
-  o.on_progress = [&](const progress_info&) { ++progress_calls; };
+  o.on_progress = [&](const progress_info& p) {
+    progress.push_back(p);
+    bad_names += *p.run != "switching";
+  };
 
   const std::vector<request> reqs = testing::burst_trace(9, w.vocab);
   const run_result r = e.run(reqs, o, "switching");
-  CHECK(progress_calls > 0);
+  // One progress call after each served step whose index is a multiple of 50, saying where
+  // that step left the run.
+  std::vector<const step_record*> every_50;
+  for (const step_record& rec : r.steps)
+    if (rec.step % 50 == 0) every_50.push_back(&rec);
+  REQUIRE(progress.size() == every_50.size());
+  REQUIRE(progress.size() >= 2);
+  CHECK(bad_names == 0);
+  for (size_t i = 0; i < progress.size(); ++i) {
+    const progress_info& p = progress[i];
+    const step_record& rec = *every_50[i];
+    CAPTURE(rec.step);
+    CHECK(p.step == rec.step);
+    CHECK(p.total == static_cast<int64_t>(reqs.size()));
+    CHECK(p.mode == rec.mode);
+    CHECK(p.now_s == Approx(rec.start_s + rec.step_ms * 1e-3).epsilon(1e-12));
+    int64_t finished = 0, running = 0;  // after the step: admitted by its start, not finished
+    for (const request_result& q : r.requests) {
+      finished += q.finish_s <= p.now_s;
+      running += q.admitted_s <= rec.start_s && q.finish_s > p.now_s;
+    }
+    CHECK(p.finished == finished);
+    CHECK(p.running == running);
+  }
   CHECK(r.clock.starts_with("modelled H200"));
   int64_t committed = 0;
   for (const switch_record& s : r.switches) committed += s.outcome == moebius::switch_outcome::committed;
@@ -168,12 +195,36 @@ TEST_CASE("engine with the policy: calibrated thresholds, switches at bursts, al
   const run_summary s = summarize(r);
   CHECK(s.requests == static_cast<int64_t>(reqs.size()));
   CHECK(s.switches == committed);
-  CHECK(s.p99_ttft_ms >= s.mean_ttft_ms);
-  CHECK(s.mean_tpot_ms > 0);
-  CHECK(s.tokens_per_s > 0);
   int64_t out_tokens = 0;
   for (const request& q : reqs) out_tokens += q.output_tokens;
   CHECK(s.output_tokens == out_tokens);
+  // The metrics from the requests' times (the hand-model case below checks those times).
+  std::vector<double> ttft, tpot;
+  double first_arrival = r.end_s, last_finish = 0;
+  for (const request_result& q : r.requests) {
+    ttft.push_back((q.first_token_s - q.arrival_s) * 1e3);
+    if (q.output_tokens >= 2)
+      tpot.push_back((q.finish_s - q.first_token_s) / static_cast<double>(q.output_tokens - 1) *
+                     1e3);
+    first_arrival = std::min(first_arrival, q.arrival_s);
+    last_finish = std::max(last_finish, q.finish_s);
+  }
+  REQUIRE(tpot.size() >= 100);
+  double ttft_sum = 0, tpot_sum = 0;
+  for (const double x : ttft) ttft_sum += x;
+  for (const double x : tpot) tpot_sum += x;
+  CHECK(r.end_s == last_finish);
+  CHECK(s.mean_ttft_ms == Approx(ttft_sum / static_cast<double>(ttft.size())).epsilon(1e-9));
+  CHECK(s.p99_ttft_ms == Approx(p99_nearest_rank(ttft)).epsilon(1e-9));
+  CHECK(s.mean_tpot_ms == Approx(tpot_sum / static_cast<double>(tpot.size())).epsilon(1e-9));
+  CHECK(s.p99_tpot_ms == Approx(p99_nearest_rank(tpot)).epsilon(1e-9));
+  CHECK(s.tokens_per_s ==
+        Approx(static_cast<double>(out_tokens) / (last_finish - first_arrival)).epsilon(1e-9));
+  double switch_ms = 0;
+  for (const switch_record& w : r.switches)
+    if (w.outcome == moebius::switch_outcome::committed) switch_ms += w.clock_ms;
+  CHECK(s.switch_total_ms == Approx(switch_ms).epsilon(1e-9));
+  CHECK(s.switch_mean_ms == Approx(switch_ms / static_cast<double>(committed)).epsilon(1e-9));
 
   std::ostringstream csv;
   write_steps_csv(csv, r);

@@ -236,7 +236,7 @@ TEST_CASE("a start-mode switch that rolls back serves in the mode it is in", "[c
   REQUIRE_NOTHROW(r = e.run(reqs, o, "start in TP, rolled back"));
   check_same_tokens(r, ep);
   CHECK(e.mode() == parallel_mode::ep);
-  REQUIRE(!r.switches.empty());
+  REQUIRE(r.switches.size() == 1);  // the start-mode switch alone (no switching)
   CHECK(r.switches[0].outcome == switch_outcome::rolled_back);
   // And the next run gets there.
   const run_result tp = e.run(reqs, o, "start in TP");
@@ -420,6 +420,7 @@ TEST_CASE("lost sequences can fail instead; without reload_experts, engine::reco
   CHECK(got.switches[0].recovered);
   const int64_t lost = got.switches[0].lost_sequences;
   CHECK(lost >= 1);
+  CHECK(lost == got.switches[0].running);  // a KV timeout: every live sequence's KV is lost
   CHECK(got.failed_requests == lost);
   REQUIRE(got.requests.size() == ep.requests.size());
   for (size_t i = 0; i < got.requests.size(); ++i) {
