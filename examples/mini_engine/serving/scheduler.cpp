@@ -77,9 +77,28 @@ scheduler::scheduler(const kv_geometry& g, std::vector<request> requests,
     requests_.push_back(std::move(r));
   }
   num_failed_ = static_cast<int64_t>(failed.size());
+  const int64_t closed = std::count_if(requests_.begin(), requests_.end(),
+                                       [](const request& r) { return r.rollout_step >= 0; });
+  MOEBIUS_CHECK(closed == 0 || closed == static_cast<int64_t>(requests_.size()),
+                errc::invalid_argument, "scheduler: ", closed, " of ", requests_.size(),
+                " requests have a rollout_step: a closed-loop rollout gives every request one, "
+                "an open-loop trace none");
   std::stable_sort(requests_.begin(), requests_.end(), [](const request& a, const request& b) {
+    if (a.rollout_step != b.rollout_step) return a.rollout_step < b.rollout_step;
     return a.arrival_s < b.arrival_s || (a.arrival_s == b.arrival_s && a.id < b.id);
   });
+  if (closed > 0) {
+    // Dense steps in order; every step but the first waits for the one before it.
+    relative_arrival_s_.resize(requests_.size());
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      if (i == 0 || requests_[i].rollout_step != requests_[i - 1].rollout_step)
+        steps_.push_back({i, i, 0});
+      steps_.back().end = i + 1;
+      ++steps_.back().left;
+      relative_arrival_s_[i] = requests_[i].arrival_s;
+      if (steps_.size() > 1) requests_[i].arrival_s = std::numeric_limits<double>::infinity();
+    }
+  }
   results_.reserve(requests_.size() + failed.size());
   for (request_result& x : failed) results_.push_back(std::move(x));
   for (const request& r : requests_) {
@@ -96,6 +115,21 @@ scheduler::scheduler(const kv_geometry& g, std::vector<request> requests,
     MOEBIUS_CHECK(results_[i].id != results_[i - 1].id, errc::invalid_argument,
                   "request id ", results_[i].id, " appears twice");
   }
+}
+
+void scheduler::start_steps_after(int64_t k, double now_s) {
+  for (size_t next = static_cast<size_t>(k) + 1; next < steps_.size(); ++next) {
+    const rollout_step_state& st = steps_[next];
+    for (size_t i = st.begin; i < st.end; ++i) {
+      requests_[i].arrival_s = now_s + relative_arrival_s_[i];
+      auto res = std::lower_bound(results_.begin(), results_.end(), requests_[i].id,
+                                  [](const request_result& x, int64_t id) { return x.id < id; });
+      res->arrival_s = requests_[i].arrival_s;
+    }
+    if (st.left > 0) break;
+  }
+  // A step starting later than requests already queued behind it cannot happen: every later
+  // step still holds +inf arrivals, so requests_ stays sorted by arrival.
 }
 
 double scheduler::next_arrival_s() const {
@@ -249,6 +283,10 @@ int64_t scheduler::lose_kv(kv_state& kv, std::span<const int64_t> lost, bool res
   for (size_t i = 0; i < running_.size(); ++i) {
     if (drop[i]) {
       ++num_failed_;
+      // A failed request ends its rollout step as a finished one would (at the last step's
+      // time: the loss happened in a switch after it).
+      if (running_[i].step >= 0 && --steps_[static_cast<size_t>(running_[i].step)].left == 0)
+        start_steps_after(running_[i].step, last_step_s_);
       continue;
     }
     if (out != i) running_[out] = std::move(running_[i]);
@@ -330,6 +368,11 @@ step_batch scheduler::next_step(kv_state& kv, double now_s) {
     auto res = std::lower_bound(results_.begin(), results_.end(), r.id,
                                 [](const request_result& x, int64_t id) { return x.id < id; });
     s.result_idx = res - results_.begin();
+    if (!steps_.empty()) {
+      s.step = std::upper_bound(steps_.begin(), steps_.end(), next_waiting_,
+                                [](size_t i, const rollout_step_state& st) { return i < st.end; }) -
+               steps_.begin();
+    }
     s.tokens.reserve(static_cast<size_t>(s.prompt + r.output_tokens));
     s.tokens = r.prompt;
     running_.push_back(std::move(s));
@@ -416,6 +459,7 @@ std::vector<int64_t> scheduler::record_step(const step_batch& b,
                                             std::span<const int32_t> next_tokens, double now_s) {
   MOEBIUS_CHECK(next_tokens.size() == b.items.size(), errc::invalid_argument,
                 "finish_step: ", next_tokens.size(), " tokens for ", b.items.size(), " items");
+  last_step_s_ = now_s;
   std::vector<int64_t> finished;
   std::vector<bool> retire(running_.size(), false);
   for (size_t i = 0; i < b.items.size(); ++i) {
@@ -436,6 +480,8 @@ std::vector<int64_t> scheduler::record_step(const step_batch& b,
       ++num_finished_;
       retire[static_cast<size_t>(b.running_idx[i])] = true;
       finished.push_back(res.id);
+      if (s.step >= 0 && --steps_[static_cast<size_t>(s.step)].left == 0)
+        start_steps_after(s.step, now_s);
     } else {
       s.tokens.push_back(next_tokens[i]);  // within the capacity reserved at admission
     }

@@ -26,6 +26,11 @@
 // by those sizes (ep_placement, handed to the switcher), so after any switch the reservations
 // on every rank fit that rank and no sequence can find its next page missing.
 //
+// A closed-loop RL rollout (every request has a request::rollout_step): the steps run in order,
+// and a step's requests arrive request::arrival_s after the last request of the steps before it
+// has finished (its results' arrival_s say when that was); until then they are not waiting. A
+// trace gives every request a step or none (errc::invalid_argument).
+//
 // Requests are validated before anything is admitted (validate_request): a bad one either fails
 // alone (its result says why, naming it; it is never admitted and gets no token) or refuses the
 // whole run, as scheduler_options::bad_requests says.
@@ -210,8 +215,13 @@ class scheduler {
     int64_t prompt = 0;
     int64_t final_tokens = 0;     // prompt + output - 1: the most it will hold
     int resume_owner = -1;        // EP: the owner a resumed sequence (lose_kv) was given
+    int64_t step = -1;            // a closed-loop rollout's step (dense index), else -1
     bool decoding() const { return in_kv >= prompt; }
   };
+
+  // A closed-loop rollout: step `k` has finished at `now_s`; the steps after it that have no
+  // request left start then too.
+  void start_steps_after(int64_t k, double now_s);
 
   // Pages left per rank after the running sequences' reservations, in kv.mode.
   std::vector<int64_t> unreserved(const moebius::kv_state& kv) const;
@@ -221,8 +231,18 @@ class scheduler {
 
   moebius::kv_geometry g_;
   scheduler_options options_;
-  std::vector<request> requests_;        // sorted by (arrival, id)
+  std::vector<request> requests_;        // sorted by (arrival, id); a rollout: (step, arrival, id)
   size_t next_waiting_ = 0;              // requests_[next_waiting_..] wait
+  // A closed-loop rollout, per dense step: [begin, end) of its requests in requests_, the
+  // requests not yet finished, and their arrivals relative to the step's start (requests_
+  // holds +inf until the step starts, then start + relative).
+  struct rollout_step_state {
+    size_t begin = 0, end = 0;
+    int64_t left = 0;
+  };
+  std::vector<rollout_step_state> steps_;
+  std::vector<double> relative_arrival_s_;  // per requests_ index (closed loop only)
+  double last_step_s_ = 0;                  // the time of the last step recorded
   std::vector<request_result> results_;  // sorted by id
   std::vector<running_seq> running_;     // in admission order
   int64_t num_finished_ = 0;

@@ -23,6 +23,7 @@ using moebius::errc;
 namespace {
 
 constexpr int64_t max_tokens_per_field = int64_t{1} << 20;
+constexpr int64_t max_rollout_step = int64_t{1} << 20;
 
 void check_range(const char* what, int64_t lo, int64_t hi) {
   MOEBIUS_CHECK(lo >= 1 && lo <= hi, errc::invalid_argument, what,
@@ -206,13 +207,17 @@ std::vector<request> production_trace(uint64_t seed, const production_options& o
 }
 
 void write_trace_jsonl(std::ostream& os, const std::vector<request>& requests) {
-  char buf[128];
+  char buf[160];
   for (const request& r : requests) {
-    std::snprintf(buf, sizeof buf,
-                  "{\"arrival_s\": %.6f, \"prompt_tokens\": %lld, \"output_tokens\": %lld}\n",
-                  r.arrival_s, static_cast<long long>(r.prompt.size()),
-                  static_cast<long long>(r.output_tokens));
-    os << buf;
+    int n = std::snprintf(buf, sizeof buf,
+                          "{\"arrival_s\": %.6f, \"prompt_tokens\": %lld, \"output_tokens\": %lld",
+                          r.arrival_s, static_cast<long long>(r.prompt.size()),
+                          static_cast<long long>(r.output_tokens));
+    if (r.rollout_step >= 0) {
+      n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), ", \"rollout_step\": %lld",
+                         static_cast<long long>(r.rollout_step));
+    }
+    os << buf << "}\n";
   }
 }
 
@@ -403,31 +408,39 @@ bool blank(std::string_view line) {
 std::vector<request> read_trace_jsonl(std::istream& is, uint64_t seed, int32_t vocab,
                                       const std::string& source) {
   MOEBIUS_CHECK(vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", vocab, ")");
-  static constexpr const char* names[3] = {"arrival_s", "prompt_tokens", "output_tokens"};
+  // The three required members, then the optional one.
+  static constexpr const char* names[4] = {"arrival_s", "prompt_tokens", "output_tokens",
+                                           "rollout_step"};
   std::vector<request> out;
   std::string line;
   int64_t line_no = 0;
   while (std::getline(is, line)) {
     ++line_no;
     if (blank(line)) continue;
-    bool seen[3] = {false, false, false};
+    bool seen[4] = {false, false, false, false};
     double arrival = 0;
-    int64_t counts[3] = {0, 0, 0};
+    int64_t counts[4] = {0, 0, 0, -1};
     trace_line_reader reader(source, line_no);
     nlohmann::json::sax_parse(line, &reader);
     for (const auto& [name, v] : reader.members) {
       int k = 0;
-      while (k < 3 && name != names[k]) ++k;
-      if (k == 3) {
+      while (k < 4 && name != names[k]) ++k;
+      if (k == 4) {
         reader.fail("unknown member \"" + name +
-                    "\" (expected arrival_s, prompt_tokens, output_tokens)");
+                    "\" (expected arrival_s, prompt_tokens, output_tokens, rollout_step)");
       }
       if (seen[k]) reader.fail(name + ": appears twice");
       seen[k] = true;
       if (k == 0) {
         arrival = parse_time(v.text, source, line_no);
+      } else if (!v.integral) {
+        reader.fail(name + ": " + v.text + " is not an integer");
+      } else if (k == 3) {
+        if (v.integer < 0 || v.integer > max_rollout_step)
+          reader.fail(name + ": " + v.text + " is outside [0, " +
+                      std::to_string(max_rollout_step) + "]");
+        counts[k] = v.integer;
       } else {
-        if (!v.integral) reader.fail(name + ": " + v.text + " is not an integer");
         counts[k] = parse_count(v.text, names[k], source, line_no);
       }
     }
@@ -438,12 +451,22 @@ std::vector<request> read_trace_jsonl(std::istream& is, uint64_t seed, int32_t v
     r.id = static_cast<int64_t>(out.size());
     r.arrival_s = arrival;
     r.output_tokens = counts[2];
+    r.rollout_step = counts[3];
     r.prompt = draw_prompt(seed, r.id, counts[1], vocab);
     out.push_back(std::move(r));
   }
   MOEBIUS_CHECK(!is.bad(), errc::invalid_argument, source, ": read error after line ", line_no);
-  std::stable_sort(out.begin(), out.end(),
-                   [](const request& a, const request& b) { return a.arrival_s < b.arrival_s; });
+  // A rollout's steps in order, each by arrival; an open-loop trace by arrival.
+  int64_t closed = 0;
+  for (const request& r : out) closed += r.rollout_step >= 0;
+  MOEBIUS_CHECK(closed == 0 || closed == static_cast<int64_t>(out.size()), errc::invalid_argument,
+                source, ": ", closed, " of ", out.size(),
+                " requests have a rollout_step: give every request one (a closed-loop rollout) "
+                "or none (an open-loop trace)");
+  std::stable_sort(out.begin(), out.end(), [](const request& a, const request& b) {
+    return a.rollout_step != b.rollout_step ? a.rollout_step < b.rollout_step
+                                            : a.arrival_s < b.arrival_s;
+  });
   return out;
 }
 

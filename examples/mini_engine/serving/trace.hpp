@@ -4,7 +4,7 @@
 // traffic, an RL rollout, a steady Poisson load, a production-shaped load) and two file
 // formats for users' own traces, JSONL (preferred) and whitespace-separated text.
 //
-// JSONL format (`.jsonl`): one JSON object per line, exactly these three members, in any order:
+// JSONL format (`.jsonl`): one JSON object per line, these members in any order:
 //
 //   {"arrival_s": 0.0, "prompt_tokens": 128, "output_tokens": 64}
 //   {"arrival_s": 0.25, "prompt_tokens": 32, "output_tokens": 200}
@@ -12,6 +12,11 @@
 //   arrival_s      seconds from the start of the trace: a JSON number, finite, >= 0
 //   prompt_tokens  a JSON integer (no fraction or exponent) in [1, 2^20], read as 64-bit
 //   output_tokens  a JSON integer in [1, 2^20]: tokens to generate
+//   rollout_step   optional, a JSON integer in [0, 2^20]: the request belongs to step k of a
+//                  closed-loop RL rollout and arrives arrival_s after every request of the
+//                  steps before k has finished (RL training: a step's rollouts are generated
+//                  when the policy update of the previous step is done), so one file holds a
+//                  whole multi-step rollout
 // Blank lines are skipped; anything else (another member, a member twice or missing, a string,
 // null, object or array value, a negative or non-finite number, text after the object) is an
 // error naming the source, the line and the member. Lines are read by nlohmann/json (its SAX
@@ -37,6 +42,9 @@ struct request {
   double arrival_s = 0;          // seconds from the start of the trace
   std::vector<int32_t> prompt;   // token ids, [prompt_tokens]
   int64_t output_tokens = 1;     // tokens to generate (>= 1; the first one ends the prefill)
+  // A closed-loop RL rollout's step (-1: an open-loop request): the requests of step k arrive
+  // arrival_s after every request of step k - 1 has finished.
+  int64_t rollout_step = -1;
 };
 
 // Quiet periods with a few requests, then bursts with many (Poisson arrivals in each).

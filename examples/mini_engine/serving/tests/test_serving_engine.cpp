@@ -353,3 +353,68 @@ TEST_CASE("summary metrics: TTFT, TPOT (mean, p99) and tokens/s equal a hand mod
   CHECK(s.switches == 0);
   CHECK(s.switch_total_ms == 0);
 }
+
+TEST_CASE("closed-loop rollout: step k arrives when step k - 1 has finished, as if served alone") {
+  const uint64_t seed = test_seed();
+  testing::world w = testing::make_world(2, 64, seed);
+  const linear_clock clock;
+  engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
+  std::mt19937_64 rng(seed);
+  const int64_t num_steps = std::uniform_int_distribution<int64_t>(2, 4)(rng);
+  engine_options o;
+  o.scheduler.max_step_tokens = k_chunk;
+  o.scheduler.max_running = std::uniform_int_distribution<int64_t>(1, 8)(rng);
+  // Steps of 3-12 requests, arrivals 0-50 ms into their step, written in a shuffled order.
+  std::vector<std::vector<request>> steps(static_cast<size_t>(num_steps));
+  std::vector<request> all;
+  int64_t id = 0;
+  for (int64_t k = 0; k < num_steps; ++k) {
+    const int64_t n = std::uniform_int_distribution<int64_t>(3, 12)(rng);
+    for (int64_t i = 0; i < n; ++i) {
+      request q;
+      q.id = id++;
+      q.arrival_s = std::uniform_real_distribution<double>(0, 0.05)(rng);
+      q.rollout_step = 10 * k + 3;  // any increasing values: steps are taken in their order
+      const int64_t p = std::uniform_int_distribution<int64_t>(1, 20)(rng);
+      for (int64_t t = 0; t < p; ++t)
+        q.prompt.push_back(std::uniform_int_distribution<int32_t>(0, w.vocab - 1)(rng));
+      q.output_tokens = std::uniform_int_distribution<int64_t>(1, 12)(rng);
+      steps[static_cast<size_t>(k)].push_back(q);
+      all.push_back(q);
+    }
+  }
+  std::shuffle(all.begin(), all.end(), rng);
+  const run_result closed = e.run(all, o, "closed loop");
+  REQUIRE(closed.requests.size() == all.size());
+  CHECK(closed.failed_requests == 0);
+
+  // The reference: each step served alone as an open-loop trace from t = 0; in the closed
+  // loop the same step runs the same way from the moment the step before it finished.
+  double start = 0;
+  for (int64_t k = 0; k < num_steps; ++k) {
+    std::vector<request> alone = steps[static_cast<size_t>(k)];
+    for (request& q : alone) q.rollout_step = -1;
+    const run_result ref = e.run(alone, o, "alone");
+    double finish = 0;
+    for (const request_result& a : ref.requests) {
+      CAPTURE(k, a.id);
+      const request_result& c = closed.requests[static_cast<size_t>(a.id)];
+      REQUIRE(c.id == a.id);
+      CHECK(c.arrival_s == Approx(start + a.arrival_s).epsilon(1e-12));
+      CHECK(c.admitted_s >= start);
+      CHECK(c.admitted_s == Approx(start + a.admitted_s).epsilon(1e-12));
+      CHECK(c.first_token_s == Approx(start + a.first_token_s).epsilon(1e-12));
+      CHECK(c.finish_s == Approx(start + a.finish_s).epsilon(1e-12));
+      CHECK(c.generated == a.generated);
+      finish = std::max(finish, c.finish_s);
+    }
+    start = finish;  // the next step arrives from here
+  }
+  CHECK(closed.end_s == Approx(start).epsilon(1e-12));
+
+  // A trace that mixes closed-loop and open-loop requests is refused by name.
+  std::vector<request> mixed = {steps[0][0], steps[0][1]};
+  mixed[1].rollout_step = -1;
+  CHECK_THROWS_WITH(e.run(mixed, o, "mixed"),
+                    Catch::Matchers::Contains("1 of 2 requests have a rollout_step"));
+}

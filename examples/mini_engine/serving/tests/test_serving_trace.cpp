@@ -291,3 +291,54 @@ TEST_CASE("steady and production traces: reproducible, sorted, shaped as documen
   badp.rate_period_s = 0;
   CHECK_THROWS_AS(production_trace(1, badp), moebius::error);
 }
+
+TEST_CASE("JSONL trace: rollout_step is optional, round-trips, orders the steps, and is checked") {
+  using Catch::Matchers::Contains;
+  // Two steps, written out of order: step 1 first, step 0 with arrivals out of order.
+  const std::string text =
+      "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 7, \"rollout_step\": 1}\n"
+      "{\"rollout_step\": 0, \"arrival_s\": 0.5, \"prompt_tokens\": 2, \"output_tokens\": 5}\n"
+      "{\"arrival_s\": 0, \"prompt_tokens\": 4, \"output_tokens\": 6, \"rollout_step\": 0}\n";
+  std::istringstream in(text);
+  const auto r = read_trace_jsonl(in, 3, 50);
+  REQUIRE(r.size() == 3);
+  // Sorted by (step, arrival); ids in file order.
+  CHECK(r[0].id == 2);
+  CHECK(r[0].rollout_step == 0);
+  CHECK(r[1].id == 1);
+  CHECK(r[1].rollout_step == 0);
+  CHECK(r[1].arrival_s == 0.5);
+  CHECK(r[2].id == 0);
+  CHECK(r[2].rollout_step == 1);
+  CHECK(r[2].output_tokens == 7);
+  // Written and read back: the same requests, the step kept.
+  std::stringstream j;
+  write_trace_jsonl(j, r);
+  CHECK_THAT(j.str(), Contains("\"rollout_step\": 1}"));
+  const auto back = read_trace_jsonl(j, 3, 50);
+  REQUIRE(back.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(back[i].rollout_step == r[i].rollout_step);
+    CHECK(back[i].arrival_s == r[i].arrival_s);
+    CHECK(back[i].output_tokens == r[i].output_tokens);
+    CHECK(back[i].prompt.size() == r[i].prompt.size());
+  }
+  // Open-loop requests carry no step and write none.
+  std::istringstream open("{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 7}\n");
+  const auto o = read_trace_jsonl(open, 3, 50);
+  CHECK(o.at(0).rollout_step == -1);
+  std::ostringstream w;
+  write_trace_jsonl(w, o);
+  CHECK(w.str().find("rollout_step") == std::string::npos);
+  // Bad steps, and a file that mixes both kinds.
+  const std::string head = "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 7, ";
+  CHECK_THAT(jsonl_error(head + "\"rollout_step\": -1}\n"),
+             Contains("rollout_step: -1 is outside [0, 1048576]"));
+  CHECK_THAT(jsonl_error(head + "\"rollout_step\": 1.5}\n"),
+             Contains("rollout_step: 1.5 is not an integer"));
+  CHECK_THAT(jsonl_error(head + "\"rollout_step\": \"2\"}\n"),
+             Contains("rollout_step: '\"2\"' is not a JSON number"));
+  CHECK_THAT(jsonl_error(head + "\"rollout_step\": 0}\n" +
+                         "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 7}\n"),
+             Contains("1 of 2 requests have a rollout_step"));
+}

@@ -1,0 +1,181 @@
+#include "paper_traces.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <moebius/error.hpp>
+#include <random>
+
+namespace mini_engine {
+
+using moebius::errc;
+
+namespace {
+
+// z with Phi(z) = p, for 0 < p < 1 (Acklam's rational approximation refined by one Halley
+// step: below 1e-12 relative error, far under what a trace needs).
+double normal_quantile(double p) {
+  static constexpr double a[] = {-3.969683028665376e+01, 2.209460984245205e+02,
+                                 -2.759285104469687e+02, 1.383577518672690e+02,
+                                 -3.066479806614716e+01, 2.506628277459239e+00};
+  static constexpr double b[] = {-5.447609879822406e+01, 1.615858368580409e+02,
+                                 -1.556989798598866e+02, 6.680131188771972e+01,
+                                 -1.328068155288572e+01};
+  static constexpr double c[] = {-7.784894002430293e-03, -3.223964580411365e-01,
+                                 -2.400758277161838e+00, -2.549732539343734e+00,
+                                 4.374664141464968e+00,  2.938163982698783e+00};
+  static constexpr double d[] = {7.784695709041462e-03, 3.224671290700398e-01,
+                                 2.445134137142996e+00, 3.754408661907416e+00};
+  double x;
+  if (p < 0.02425) {
+    const double q = std::sqrt(-2 * std::log(p));
+    x = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+        ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+  } else if (p > 1 - 0.02425) {
+    const double q = std::sqrt(-2 * std::log(1 - p));
+    x = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+        ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+  } else {
+    const double q = p - 0.5, r = q * q;
+    x = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+        (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1);
+  }
+  const double e = 0.5 * std::erfc(-x / std::sqrt(2.0)) - p;
+  const double u = e * std::sqrt(2 * M_PI) * std::exp(x * x / 2);
+  return x - u / (1 + x * u / 2);
+}
+
+// A log-normal draw with the given mean (not median) and sigma of the log, rounded and
+// clamped to [1, max].
+int64_t lognormal_length(std::mt19937_64& rng, double mean, double sigma, int64_t max) {
+  std::lognormal_distribution<double> d(std::log(mean) - 0.5 * sigma * sigma, sigma);
+  return std::clamp<int64_t>(std::llround(d(rng)), 1, max);
+}
+
+}  // namespace
+
+void validate(const paper_bursty_options& o) {
+  MOEBIUS_CHECK(o.target_requests >= 1, errc::invalid_argument,
+                "paper_bursty_options: target_requests must be >= 1 (got ", o.target_requests, ")");
+  MOEBIUS_CHECK(std::isfinite(o.duration_s) && o.duration_s > 0, errc::invalid_argument,
+                "paper_bursty_options: duration_s must be finite and > 0 (got ", o.duration_s, ")");
+  MOEBIUS_CHECK(std::isfinite(o.quiet_rate) && o.quiet_rate >= 0, errc::invalid_argument,
+                "paper_bursty_options: quiet_rate must be finite and >= 0 (got ", o.quiet_rate,
+                ")");
+  for (const double r : o.flood_rates) {
+    MOEBIUS_CHECK(std::isfinite(r) && r > o.quiet_rate, errc::invalid_argument,
+                  "paper_bursty_options: each flood rate must be finite and above quiet_rate ",
+                  o.quiet_rate, " (got ", r, ")");
+  }
+  MOEBIUS_CHECK(std::isfinite(o.quiet_between_s) && o.quiet_between_s >= 0 &&
+                    o.quiet_between_s < o.duration_s,
+                errc::invalid_argument, "paper_bursty_options: quiet_between_s must be in [0, ",
+                o.duration_s, ") (got ", o.quiet_between_s, ")");
+  MOEBIUS_CHECK(o.prompt_mean >= 1 && o.output_mean >= 1 && std::isfinite(o.prompt_mean) &&
+                    std::isfinite(o.output_mean),
+                errc::invalid_argument, "paper_bursty_options: the mean lengths must be >= 1 (got ",
+                o.prompt_mean, ", ", o.output_mean, ")");
+  MOEBIUS_CHECK(std::isfinite(o.length_sigma) && o.length_sigma >= 0, errc::invalid_argument,
+                "paper_bursty_options: length_sigma must be >= 0 (got ", o.length_sigma, ")");
+  MOEBIUS_CHECK(o.prompt_max >= 1 && o.output_max >= 1 && o.vocab >= 1, errc::invalid_argument,
+                "paper_bursty_options: prompt_max, output_max and vocab must be >= 1");
+}
+
+void validate(const paper_rollout_options& o) {
+  MOEBIUS_CHECK(o.steps >= 1 && o.prompts_per_step >= 1, errc::invalid_argument,
+                "paper_rollout_options: steps and prompts_per_step must be >= 1 (got ", o.steps,
+                ", ", o.prompts_per_step, ")");
+  MOEBIUS_CHECK(o.output_cap >= 2, errc::invalid_argument,
+                "paper_rollout_options: output_cap must be >= 2 (got ", o.output_cap, ")");
+  MOEBIUS_CHECK(std::isfinite(o.output_median) && o.output_median >= 1 &&
+                    o.output_median < static_cast<double>(o.output_cap),
+                errc::invalid_argument, "paper_rollout_options: output_median must be in [1, ",
+                o.output_cap, ") (got ", o.output_median, ")");
+  MOEBIUS_CHECK(o.cut_share > 0 && o.cut_share < 0.5, errc::invalid_argument,
+                "paper_rollout_options: cut_share must be in (0, 0.5) (got ", o.cut_share, ")");
+  MOEBIUS_CHECK(1 <= o.prompt_min && o.prompt_min <= o.prompt_max && o.vocab >= 1,
+                errc::invalid_argument,
+                "paper_rollout_options: need 1 <= prompt_min <= prompt_max and vocab >= 1 (got ",
+                o.prompt_min, ", ", o.prompt_max, ", ", o.vocab, ")");
+}
+
+double paper_flood_length_s(const paper_bursty_options& o) {
+  validate(o);
+  // quiet_rate (duration - 2 t) + (r1 + r2) t = target_requests
+  const double t = (static_cast<double>(o.target_requests) - o.quiet_rate * o.duration_s) /
+                   (o.flood_rates[0] + o.flood_rates[1] - 2 * o.quiet_rate);
+  MOEBIUS_CHECK(t > 0 && 2 * t + o.quiet_between_s <= o.duration_s, errc::invalid_argument,
+                "paper_bursty_options: no flood length fits: ", o.target_requests,
+                " requests at quiet ", o.quiet_rate, "/s and floods ", o.flood_rates[0], "/s and ",
+                o.flood_rates[1], "/s need floods of ", t, " s each, with ", o.quiet_between_s,
+                " s between them in ", o.duration_s, " s");
+  return t;
+}
+
+std::vector<trace_period> paper_bursty_periods(const paper_bursty_options& o) {
+  const double flood = paper_flood_length_s(o);
+  const double edge = (o.duration_s - 2 * flood - o.quiet_between_s) / 2;
+  std::vector<trace_period> p;
+  double t = 0;
+  auto add = [&](double len, double rate, bool is_flood) {
+    if (len > 0) p.push_back({t, t + len, rate, is_flood});
+    t += len;
+  };
+  add(edge, o.quiet_rate, false);
+  add(flood, o.flood_rates[0], true);
+  add(o.quiet_between_s, o.quiet_rate, false);
+  add(flood, o.flood_rates[1], true);
+  add(o.duration_s - t, o.quiet_rate, false);  // the tail: what is left (edge, up to rounding)
+  return p;
+}
+
+double paper_rollout_sigma(const paper_rollout_options& o) {
+  validate(o);
+  return std::log(static_cast<double>(o.output_cap) / o.output_median) /
+         normal_quantile(1 - o.cut_share);
+}
+
+std::vector<request> paper_bursty_trace(uint64_t seed, const paper_bursty_options& o) {
+  const std::vector<trace_period> periods = paper_bursty_periods(o);
+  std::mt19937_64 rng(seed);
+  std::vector<request> out;
+  for (const trace_period& p : periods) {
+    if (p.rate <= 0) continue;
+    std::exponential_distribution<double> gap(p.rate);
+    for (double a = p.start_s + gap(rng); a < p.end_s; a += gap(rng)) {
+      request r;
+      r.id = static_cast<int64_t>(out.size());
+      r.arrival_s = a;
+      const int64_t prompt = lognormal_length(rng, o.prompt_mean, o.length_sigma, o.prompt_max);
+      r.output_tokens = lognormal_length(rng, o.output_mean, o.length_sigma, o.output_max);
+      r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+std::vector<request> paper_rollout_trace(uint64_t seed, const paper_rollout_options& o) {
+  const double sigma = paper_rollout_sigma(o);
+  std::mt19937_64 rng(seed);
+  std::lognormal_distribution<double> output(std::log(o.output_median), sigma);
+  std::uniform_int_distribution<int64_t> prompt_len(o.prompt_min, o.prompt_max);
+  std::vector<request> out;
+  out.reserve(static_cast<size_t>(o.steps * o.prompts_per_step));
+  for (int64_t step = 0; step < o.steps; ++step) {
+    for (int64_t i = 0; i < o.prompts_per_step; ++i) {
+      request r;
+      r.id = static_cast<int64_t>(out.size());
+      r.arrival_s = 0;
+      r.rollout_step = step;
+      const int64_t prompt = prompt_len(rng);
+      const double len = std::round(output(rng));
+      r.output_tokens =
+          static_cast<int64_t>(std::clamp(len, 1.0, static_cast<double>(o.output_cap)));
+      r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+}  // namespace mini_engine

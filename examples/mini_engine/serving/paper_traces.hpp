@@ -1,0 +1,85 @@
+#pragma once
+
+// Traces shaped like the paper's two experiments (Moebius §9.2 and §9.3; DESIGN.md §8), drawn
+// from a seed at their full size. Every parameter below names its source; where the paper
+// gives no figure the derivation is written out, and nothing is tuned to a result.
+//
+// Bursty serving (paper §9.2): 3,107 ChatBot Arena requests replayed over 375 s, two floods
+// (80 and 120 requests/s) around ~300 s of quiet at ~5 requests/s; the figure puts the first
+// flood at the start and the second at the end.
+//   - Flood length (not in the paper): the requests the quiet rate leaves to the floods, at
+//     the floods' rates, equal time each: 5 (375 - 2t) + 80 t + 120 t = 3107 gives t = 6.48 s.
+//   - Layout: lead-in quiet, flood 1, `quiet_between_s` (300 s, paper), flood 2, tail quiet;
+//     the lead-in and tail split what is left of 375 s equally (31 s each).
+//   - Lengths: LMSYS-Chat-1M (Zheng et al., ICLR 2024, Table 1: 69.5 tokens a prompt, 214.5 a
+//     response on average), log-normal with sigma 1.0 of the log: the spread Magpie's table
+//     gives for LMSYS-Chat-1M turns (260 +- 347 tokens: a coefficient of variation of 1.33,
+//     sigma = sqrt(ln(1 + 1.33^2)) = 1.01). Not modelled: a multi-turn conversation's history
+//     in the prompt (2.0 turns on average), prefix reuse.
+//   - Arrivals: Poisson within each period.
+//
+// RL rollout (paper §9.3): DeepMath, `steps` (9) rollout steps of `prompts_per_step` (2,048)
+// prompts each, at most `output_cap` (32,768) output tokens; step k starts when every request
+// of step k - 1 has finished (request::rollout_step).
+//   - Output lengths: log-normal, its median `output_median` and its sigma set so that a share
+//     `cut_share` of responses reaches the cap (cut there): sigma = ln(cap / median) /
+//     z(1 - cut_share). Defaults: a 2% cut (the fewest the sources report) and the median,
+//     2,000, that then gives the mean of DeepMath-103K's R1 solutions, about 4.5k tokens
+//     (4-4.6k, DESIGN.md §8; the capped mean of this log-normal is 4.47k). The sweep covers
+//     medians 4k-10k and cut shares 2-20% (issue 31): recipes cap at 10k-40k and cut a few
+//     to tens of percent.
+//   - Prompt lengths: uniform in [prompt_min, prompt_max] (64-512; no source: a math problem
+//     is a few hundred tokens, under 3% of a mean response, so its shape hardly matters).
+
+#include <cstdint>
+#include <vector>
+
+#include "trace.hpp"
+
+namespace mini_engine {
+
+struct paper_bursty_options {
+  int64_t target_requests = 3107;     // paper §9.2 (the flood length is derived from it)
+  double duration_s = 375;            // paper §9.2
+  double quiet_rate = 5;              // requests/s, paper §9.2
+  double flood_rates[2] = {80, 120};  // requests/s, paper §9.2
+  double quiet_between_s = 300;       // paper §9.2
+  double prompt_mean = 69.5, output_mean = 214.5;  // LMSYS-Chat-1M, Table 1
+  double length_sigma = 1.0;                       // Magpie's table (see above)
+  int64_t prompt_max = 8192, output_max = 4096;    // clamps (0.01% and 0.2% of draws)
+  int32_t vocab = 1024;
+};
+
+struct paper_rollout_options {
+  int64_t steps = 9;                // paper §9.3
+  int64_t prompts_per_step = 2048;  // paper §9.3
+  int64_t output_cap = 32768;       // paper §9.3
+  double output_median = 2000;      // see above: capped mean 4.47k (DeepMath-103K R1)
+  double cut_share = 0.02;          // share of responses cut at the cap
+  int64_t prompt_min = 64, prompt_max = 512;
+  int32_t vocab = 1024;
+};
+
+// The flood length the options imply (6.48 s at the defaults), and the periods in order:
+// {start_s, end_s, rate}. Throws errc::invalid_argument when no flood length fits.
+struct trace_period {
+  double start_s = 0, end_s = 0, rate = 0;
+  bool flood = false;
+};
+double paper_flood_length_s(const paper_bursty_options& o);
+std::vector<trace_period> paper_bursty_periods(const paper_bursty_options& o);
+
+// The log-normal sigma that puts `cut_share` of draws at or over `cap` with median `median`.
+double paper_rollout_sigma(const paper_rollout_options& o);
+
+// Throw errc::invalid_argument naming the field unless the options make sense (rates >= 0,
+// durations > 0, means > 0, median < cap, 0 < cut_share < 0.5, 1 <= min <= max, vocab >= 1).
+void validate(const paper_bursty_options& o);
+void validate(const paper_rollout_options& o);
+
+// Requests sorted by arrival, ids 0, 1, ... in that order; the same seed, the same trace.
+std::vector<request> paper_bursty_trace(uint64_t seed, const paper_bursty_options& o = {});
+// Every request arrives at 0 within its step (rollout_step 0 .. steps - 1, in step order).
+std::vector<request> paper_rollout_trace(uint64_t seed, const paper_rollout_options& o = {});
+
+}  // namespace mini_engine
