@@ -21,7 +21,7 @@
 #             covered its first 8 test cases, 171 s not quite the last two): one call each, with
 #             each test case's time (--durations)
 #   region_tp issue 31: Qwen3-235B-A22B P = 8 step curves over the whole operating region, TP:
-#   region_ep batch 1..2048 (with 384, 768, 1536 between the powers of two) and context
+#   region_ep batch 1..2048 (with 48, 96, 192, 384, 768, 1536: the pools full) and context
 #             512..32768, every point whose KV fits the rank's pool (EP in region_ep)
 #   demo      issue 30: moebius_demo on the GPU runtime (greedy tokens of every run compared)
 set -uo pipefail
@@ -72,7 +72,7 @@ for p in "${parts[@]}"; do
       done ;;
     region_tp | region_ep)
       MOEBIUS_BENCH_MODEL=qwen3_235b MOEBIUS_BENCH_P=8 MOEBIUS_BENCH_MODES=${p#region_} \
-        MOEBIUS_BENCH_BATCHES=1,2,4,8,16,32,64,128,256,384,512,768,1024,1536,2048 \
+        MOEBIUS_BENCH_BATCHES=1,2,4,8,16,32,48,64,96,128,192,256,384,512,768,1024,1536,2048 \
         MOEBIUS_BENCH_CONTEXTS=512,1024,2048,4096,8192,16384,32768 \
         MOEBIUS_BENCH_SUMMARY="$OUT/step_region_qwen3_235b_p8_${p#region_}_h200x1.jsonl" \
         run "$p" 590 "$bin/bench_mini_engine_rank_share" ;;
