@@ -301,8 +301,9 @@ std::vector<moebius::rank_memory> host_runtime::memory() {
   return m;
 }
 
-std::vector<int32_t> host_runtime::step(const step_layout& layout, std::span<const step_item> items,
-                                        std::vector<std::vector<float>>* logits) {
+std::vector<int32_t> host_runtime::compute(const step_layout& layout,
+                                           std::span<const step_item> items,
+                                           std::vector<std::vector<float>>* logits) {
   const model_config& c = weights_.config;
   // The table sets the step reads: one (static) or both (hybrid, step.hpp).
   MOEBIUS_CHECK(layout.hybrid() || (layout.tables != nullptr && layout.tp_tables == nullptr &&

@@ -62,7 +62,7 @@ struct host_runtime_options {
   int64_t slot_alignment = 4096;
 };
 
-class host_runtime : public runtime {
+class host_runtime : public synchronous_runtime {
  public:
   // Validates the weights and the config over options.num_ranks, lays out the arena and the
   // KV pool, and places the experts at options.cursor. Keeps the non-expert weights; the
@@ -80,12 +80,6 @@ class host_runtime : public runtime {
   host_runtime(const model_config& config, const host_runtime_options& options,
                const std::function<void(weight_sink&)>& load);
 
-  // One forward step (step.hpp). Throws errc::invalid_argument, before writing anything,
-  // when the tables are invalid, the cursor is outside [0, L], a token is outside the vocab,
-  // or an item's sequence is not in the tables with room for its tokens.
-  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits = nullptr) override;
-
   int64_t vocab_size() const override { return weights_.config.vocab; }
 
   // Rank r's arena and KV pool, for a moebius::host_transport.
@@ -97,6 +91,13 @@ class host_runtime : public runtime {
 
   // Rewrites every layer's experts where `cursor` puts them (tests; a reload).
   void place_experts(const model_weights& weights, moebius::arena_cursor cursor);
+
+ protected:
+  // One forward step (step.hpp), computed when it is enqueued. Throws errc::invalid_argument,
+  // before writing anything, when the tables are invalid, the cursor is outside [0, L], a token
+  // is outside the vocab, or an item's sequence is not in the tables with room for its tokens.
+  std::vector<int32_t> compute(const step_layout& layout, std::span<const step_item> items,
+                               std::vector<std::vector<float>>* logits) override;
 
  private:
   struct token_ref {

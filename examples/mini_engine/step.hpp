@@ -6,10 +6,10 @@
 // weights (experts in the Moebius arena, the rest beside it) and computes.
 
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <vector>
 
+#include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/switch/progressive.hpp>
@@ -71,59 +71,130 @@ struct step_layout {
   }
 };
 
-// The next advance of a progressive switch, enqueued beside a step so that its copies run while
-// the step computes (DESIGN.md §7, "Overlap"). The step runs at the cursor from before that
-// advance: the layers it moves still run in the source mode, and its copies wait for the step's
-// layer events where moebius::copy_waits says, so that they overwrite nothing the step still
-// reads and carry the token the step writes.
-struct copies_beside {
-  // Called exactly once per step, after the step's work is enqueued and before the runtime
-  // waits for it, with the step's layer events (moebius::step_layer_events: per layer and rank,
-  // an event recorded after that layer on the stream it ran on); nullptr when the step has
-  // already finished (nothing to wait for). The caller enqueues the advance here
-  // (progressive_switch::advance(n, streams, events)).
-  std::function<void(const moebius::step_layer_events* step_events)> enqueue;
-  // Called when the step must run again after `enqueue` (the GPU runtime reruns a step whose
-  // routing overflowed its graphs' expert capacity): the first pass's copies may already have
-  // overwritten what it read, so the caller waits for the advance to settle and returns the
-  // layout to rerun at (the cursor it reached, or the one it rolled back to). The rerun
-  // writes every layer's K/V of the step's positions again.
-  std::function<step_layout()> settle;
+// What a step is asked to do beyond its items.
+struct step_options {
+  // Record, after each layer on every rank's stream, the event moebius::step_layer_events
+  // holds: a progressive switch's next advance will be enqueued beside this step and its
+  // copies wait for them (DESIGN.md §7, "Overlap").
+  bool layer_events = false;
+  // The eager rerun of a step whose routing overflowed (step_result::overflowed): it writes
+  // every layer's K/V of the step's positions again and is timed from the first pass's start.
+  bool rerun = false;
+  // When not null, receives per sampled item in order the vocab-sized row of logits.
+  std::vector<std::vector<float>>* logits = nullptr;
 };
 
+// A step the runtime has enqueued and not yet finished (runtime::enqueue). Its items (and the
+// tables its layout points to) must stay alive until runtime::finish.
+struct pending_step {
+  // Per layer and rank, an event recorded after that layer on the stream it ran on, when the
+  // step was asked for them (step_options::layer_events) and has layer boundaries to give:
+  // copies enqueued beside it wait on these (moebius::copy_waits). Null when the step has
+  // already run to its end (a runtime that computes at enqueue: the host runtime) or runs as
+  // one piece (a static layout on the GPU: one whole-model graph): copies must then follow
+  // runtime::finish.
+  const moebius::step_layer_events* layer_events = nullptr;
+  int64_t serial = 0;  // the runtime's count of enqueued steps: finish() checks it
+};
+
+// What a finished step gave.
+struct step_result {
+  // Per item, the greedy next token (-1 where sample is false); empty when overflowed.
+  std::vector<int32_t> tokens;
+  // The routing overflowed the expert capacity the step's graphs were captured with (the GPU
+  // runtime: 1.25x the balanced load): its outputs are incomplete. The caller runs it again
+  // (step_options::rerun), at the layout the switch beside it has settled at, if any: the
+  // first pass's copies may have overwritten what it read. Only runtimes with graphs do this.
+  bool overflowed = false;
+  // Seconds the step took as the runtime measured it itself (the GPU runtime: CUDA events on
+  // every rank's stream, the longest rank; a rerun: both passes), or < 0: the serving loop
+  // then times it on the host.
+  double measured_s = -1;
+};
+
+// A model runtime: one step at a time, in two phases so that the caller can put work beside
+// it (a progressive switch's copies). The caller orders everything; a runtime never calls back:
+//
+//   pending_step p = rt.enqueue(layout, items, {.layer_events = true});
+//   session.advance(n, {}, p.layer_events);    // copies beside the step (or after finish
+//   step_result r = rt.finish(p);              //   when p.layer_events is null)
+//   if (r.overflowed) { session.wait(); r = rt.finish(p = rt.enqueue(again, items, {.rerun = true})); }
 class runtime {
  public:
   virtual ~runtime() = default;
 
-  // Runs one forward step of every item. Before the call the serving loop has already grown
-  // each item's page tables (hybrid: both sets) to hold start_position + tokens.size() tokens; the step writes
-  // the new tokens' K and V into those pages and attends over all of them. Returns, per item,
-  // the greedy next token (-1 for items with sample == false). When `logits` is not null it
-  // receives, per sampled item in order, the vocab-sized row of logits.
-  virtual std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                                    std::vector<std::vector<float>>* logits = nullptr) = 0;
+  // Enqueues one forward step of every item and returns before it has finished where the
+  // runtime can (the GPU runtime; the host runtime computes here). Before the call the caller
+  // has grown each item's page tables (hybrid: both sets) to hold start_position +
+  // tokens.size() tokens; the step writes the new tokens' K and V into those pages and attends
+  // over all of them. One step at a time: finish() it before the next enqueue(). Throws
+  // moebius::error (errc::invalid_argument) on items or a layout the runtime cannot run, and
+  // errc::internal when a step is still pending; nothing is enqueued then.
+  virtual pending_step enqueue(const step_layout& layout, std::span<const step_item> items,
+                               const step_options& options = {}) = 0;
+  // Waits for the step `p` and returns what it gave. Throws errc::invalid_argument when `p`
+  // is not the pending step.
+  virtual step_result finish(const pending_step& p) = 0;
 
-  // Seconds the last step() took as the runtime measured it itself (the GPU runtime: CUDA
-  // events around the step on every rank's stream, the longest rank), or < 0 when it does
-  // not measure: the serving loop then times step() on the host.
-  virtual double measured_step_s() const { return -1; }
-
-  // step() with the next advance of a progressive switch beside it (copies_beside). By default
-  // the step runs to its end and then `copies.enqueue(nullptr)` is called: the copies run after
-  // the step (the host runtime, whose copies and steps share one CPU). A runtime that runs the
-  // copies on the device beside the step overrides this and says so in overlaps_copies().
-  virtual std::vector<int32_t> step_beside(const step_layout& layout,
-                                           std::span<const step_item> items,
-                                           const copies_beside& copies,
-                                           std::vector<std::vector<float>>* logits = nullptr) {
-    std::vector<int32_t> tokens = step(layout, items, logits);
-    copies.enqueue(nullptr);
-    return tokens;
+  // enqueue() and finish(), and the rerun when the routing overflowed (at the same layout:
+  // nothing runs beside it): the tokens per item. For callers with nothing to put beside.
+  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
+                            std::vector<std::vector<float>>* logits = nullptr) {
+    step_options o;
+    o.logits = logits;
+    step_result r = finish(enqueue(layout, items, o));
+    if (r.overflowed) {
+      o.rerun = true;
+      r = finish(enqueue(layout, items, o));
+    }
+    last_measured_s_ = r.measured_s;
+    return std::move(r.tokens);
   }
+  // measured_s of the last step() (< 0 before one, or when the runtime does not measure).
+  double measured_step_s() const { return last_measured_s_; }
+
+  // Whether copies enqueued beside a step run while it computes (the GPU runtime, on copy
+  // streams), rather than after it (the host runtime: steps and copies share one CPU).
   virtual bool overlaps_copies() const { return false; }
   // Token ids a step accepts: [0, vocab_size()); 0 when the runtime does not say (the serving
   // loop then cannot refuse a bad id at admission, and the step refuses it when it runs).
   virtual int64_t vocab_size() const { return 0; }
+
+ private:
+  double last_measured_s_ = -1;
+};
+
+// A runtime that computes a whole step when it is enqueued (on the host: nothing to overlap).
+// Implementers write compute(); pending steps carry no layer events and never overflow.
+class synchronous_runtime : public runtime {
+ public:
+  pending_step enqueue(const step_layout& layout, std::span<const step_item> items,
+                       const step_options& options = {}) final {
+    MOEBIUS_CHECK(!pending_, moebius::errc::internal,
+                  "runtime::enqueue: step ", serial_, " is still pending (finish it first)");
+    tokens_ = compute(layout, items, options.logits);
+    pending_ = true;
+    return pending_step{nullptr, ++serial_};
+  }
+  step_result finish(const pending_step& p) final {
+    MOEBIUS_CHECK(pending_ && p.serial == serial_, moebius::errc::invalid_argument,
+                  "runtime::finish: step ", p.serial, " is not the pending step (", serial_,
+                  pending_ ? ")" : ", finished)");
+    pending_ = false;
+    step_result r;
+    r.tokens = std::move(tokens_);
+    return r;
+  }
+
+ protected:
+  // Runs one step to its end (runtime::enqueue's contract) and returns the tokens per item.
+  virtual std::vector<int32_t> compute(const step_layout& layout, std::span<const step_item> items,
+                                       std::vector<std::vector<float>>* logits) = 0;
+
+ private:
+  std::vector<int32_t> tokens_;
+  bool pending_ = false;
+  int64_t serial_ = 0;
 };
 
 }  // namespace mini_engine

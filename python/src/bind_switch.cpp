@@ -135,7 +135,7 @@ void bind_switch(nb::module_& m) {
       m, "ProgressiveSwitch",
       "A progressive switch in flight (Switcher.begin): advance() a few layers per decode\n"
       "step on the caller's streams, serve hybrid steps (layer l in TP iff l < cursor, with\n"
-      "tables(mode) of its mode), poll() until 'ready', finish() or abort(). Leaving a\n"
+      "tables(mode) of its mode), poll() until 'ready' (or wait()), finish() or abort(). Leaving a\n"
       "`with` block (or dropping the last reference) while it is open aborts it.")
       .def_prop_ro("open", &progressive_switch::open)
       .def_prop_ro("report", [](const progressive_switch& p) { return to_dict(p.report()); })
@@ -173,6 +173,14 @@ void bind_switch(nb::module_& m) {
           "'in_flight' (copies running), 'ready' (the cursor moved past the advance's layers)\n"
           "or 'ended' (the advance failed and was rolled back, or left the switcher\n"
           "inconsistent: see report).")
+      .def(
+          "wait",
+          [](progressive_switch& p) {
+            nb::gil_scoped_release release;
+            return std::string(to_string(p.wait()));
+          },
+          "Blocks until the outstanding advance has finished: 'ready', or 'ended' when it\n"
+          "failed (as poll() would say). Without one outstanding, returns at once.")
       .def(
           "finish",
           [](progressive_switch& p) {

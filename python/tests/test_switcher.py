@@ -95,7 +95,8 @@ def test_progressive_switch(rng):
         np.testing.assert_array_equal(data, before[seq_id])
     with sw.begin(EP) as back:
         assert back.advance(1) == [1]  # TP->EP moves the last layer first
-        assert back.poll() == "ready" and back.cursor == 1
+        assert back.wait() == "ready" and back.cursor == 1  # blocks until the advance is done
+        assert back.wait() == "ready" and back.poll() == "ready"  # nothing outstanding
     # Leaving the block aborted the open switch.
     assert sw.last_report["outcome"] == "rolled_back" and sw.mode == TP and sw.cursor == 2
     assert sw.begin(TP).report["outcome"] == "already_there"

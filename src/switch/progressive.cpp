@@ -140,6 +140,12 @@ progress_state progressive_switch::poll() {
   return s;
 }
 
+progress_state progressive_switch::wait() {
+  if (!open()) return progress_state::ended;
+  txn_->wait();
+  return poll();  // nothing outstanding now: ready, or ended (and closed) on a failure
+}
+
 switch_report progressive_switch::finish() {
   if (!open()) return report_;
   txn_->finish();

@@ -6,7 +6,7 @@
 // Qwen3-30B-A3B shapes (bf16), P virtual ranks on one GPU (MOEBIUS_BENCH_P, default 2): every
 // rank's steps and copies share that GPU's HBM and SMs (the contention each of P GPUs would see),
 // never NVLink. Context 1024. A progressive switch runs as the serving loop runs it: each
-// advance is enqueued beside a decode step (gpu_runtime::step_beside: the copies run on the
+// advance is enqueued beside a decode step (step_beside.hpp: the copies run on the
 // transport's streams while the step computes, each layer's copy waiting for the step's event
 // of the layer copy_waits names), and the loop waits for the copies once the step is done. A
 // step during the switch costs its device time (CUDA events, waits included) plus that wait
@@ -44,6 +44,7 @@
 
 #include "bench_decode_batch.hpp"
 #include "gpu_runtime.hpp"
+#include "step_beside.hpp"
 
 using namespace mini_engine;
 using namespace mini_engine::gpu;
@@ -180,23 +181,20 @@ int main() {
             }
             std::vector<double> during;
             const auto t0 = host_clock::now();
-            auto wait_for_copies = [&] {
-              while (session.open() && session.poll() == moebius::progress_state::in_flight) {
-              }
-            };
+            auto wait_for_copies = [&] { session.wait(); };
             while (session.open() && session.layers_remaining() > 0) {
-              copies_beside copies;
-              copies.enqueue = [&](const moebius::step_layer_events* events) {
+              const auto advance = [&](const moebius::step_layer_events* events) {
                 session.advance(pr.layers_per_step, {}, events);
               };
-              copies.settle = [&]() -> step_layout {
+              const auto settle = [&]() -> step_layout {
                 wait_for_copies();
                 return session.open() ? step_layout::during(session.view())
                                       : step_layout{&sw.kv_tables(), sw.cursor()};
               };
-              rt.step_beside(step_layout::during(session.view()), load.items, copies);
+              const step_beside_result sb = step_beside(
+                  rt, step_layout::during(session.view()), load.items, advance, settle);
               load.advance();
-              const double device_ms = rt.measured_step_s() * 1e3;
+              const double device_ms = sb.step.measured_s * 1e3;
               const auto tw = host_clock::now();
               wait_for_copies();
               const double wait_ms = ms_since(tw);

@@ -37,27 +37,14 @@ void gpu_runtime::impl::forward(const pass& ps, bool optimistic) {
   lm_head(ps);
 }
 
-// Beside copies (step_beside) the advance's copy of a layer waits for the step's event of the
-// layer copy_waits names: recorded here, on each rank's stream after its work of layer li (the
-// per-layer graphs of virtual ranks fork back to every rank's stream after each launch).
+// A step asked for layer events (step_options::layer_events): each rank's stream records
+// layer li's event after its work of the layer (the per-layer graphs of virtual ranks fork
+// back to every rank's stream after each launch); an advance beside the step waits on them.
 void gpu_runtime::impl::record_layer_done(int64_t li) {
-  if (beside == nullptr) return;
+  if (!record_events) return;
   each_rank([&](int, rank_state& rs) {
     MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.layer_done[static_cast<size_t>(li)], rs.stream));
   });
-}
-
-void gpu_runtime::impl::enqueue_beside() {
-  const copies_beside* b = std::exchange(beside, nullptr);
-  if (b == nullptr) return;
-  try {
-    b->enqueue(&*layer_events);
-  } catch (...) {
-    // The advance was refused or failed to start: let the step finish before the error
-    // leaves (nothing of it may still run when the caller handles it).
-    each_rank([&](int, rank_state& rs) { cudaStreamSynchronize(rs.stream); });
-    throw;
-  }
 }
 
 // The embedding, in the first layer's mode (its input block and rows).

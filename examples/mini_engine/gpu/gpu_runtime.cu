@@ -12,21 +12,15 @@ using moebius::dtype;
 using moebius::errc;
 using moebius::parallel_mode;
 
-// One step (step.hpp): the token layout and input block of every mode it uses, a graph
-// replay (whole-model, or per layer for a hybrid decode step) or the same code eagerly, and
-// the greedy tokens (and logits) read back.
-std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
-                                             std::span<const step_item> items,
-                                             std::vector<std::vector<float>>* logits_out,
-                                             step_run how) {
+// One step (step.hpp), enqueued: the token layout and input block of every mode it uses, a
+// graph replay (whole-model, or per layer for a hybrid decode step) or the same code eagerly,
+// all launched on every rank's stream; finish() waits and reads the greedy tokens back.
+pending_step gpu_runtime::impl::enqueue(const step_layout& layout,
+                                        std::span<const step_item> items,
+                                        const step_options& opts) {
+  MOEBIUS_CHECK(!flight.pending, errc::internal, "gpu_runtime::enqueue: step ", flight.serial,
+                " is still pending (finish it first)");
   const bool hybrid = layout.hybrid();
-  // Beside copies, a step without layer boundaries (a pure layout: one whole-model graph)
-  // finishes first and the copies follow it (copies_beside: nullptr events).
-  if (how.copies != nullptr && !hybrid) {
-    std::vector<int32_t> tokens = step(layout, items, logits_out);
-    how.copies->enqueue(nullptr);
-    return tokens;
-  }
   MOEBIUS_CHECK(hybrid || layout.tables != nullptr, errc::invalid_argument,
                 "gpu_runtime::step: no page tables");
   moebius::validate(arena, layout.cursor);
@@ -38,7 +32,8 @@ std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
   }
   // The mode of every layer (static: the tables' mode; hybrid: TP below the cursor), and
   // each used mode's layout and input block, with as many rows as its largest rank holds.
-  pass ps;
+  pass& ps = flight.ps;
+  ps = pass{};
   ps.cursor = layout.cursor;
   ps.attn = layer_modes(layout, c.num_layers);
   bool used[2] = {false, false};
@@ -57,7 +52,7 @@ std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
   prof_on = o.profile;  // a profiled step runs eagerly (events between the stages)
   for (rank_state& rs : ranks) rs.prof.used = 0;
   // Graphs round the rows up to their bucket; the maps below index the bucket's rows.
-  const bool graphs_allowed = decode && !how.rerun;
+  const bool graphs_allowed = decode && !opts.rerun;
   const graph_set* gs = graphs_allowed && pure ? whole_model_graph(ps) : nullptr;
   const std::vector<const graph_set*> layer_gs =
       graphs_allowed && hybrid ? layer_graphs_of(ps, used) : std::vector<const graph_set*>{};
@@ -65,33 +60,54 @@ std::vector<int32_t> gpu_runtime::impl::step(const step_layout& layout,
     write_hand_off_maps(lay[mode_index(parallel_mode::tp)], lay[mode_index(parallel_mode::ep)],
                         items, ps.rows[mode_index(parallel_mode::ep)]);
   // The row each sampled item's logits come from, in the last layer's layout: (rank, row).
-  const std::vector<std::pair<int, int64_t>> sample_at =
-      last_token_rows(lay[mode_index(last)], items);
+  flight.sample_at = last_token_rows(lay[mode_index(last)], items);
   each_rank([&](int r, rank_state& rs) {
     // A rerun is timed from the first pass's start: the step took both.
-    if (!how.rerun) MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_begin, rs.stream));
+    if (!opts.rerun) MOEBIUS_CUDA_CHECK(cudaEventRecord(rs.step_begin, rs.stream));
     mark(rs, -1);
     upload_inputs(rs, r, used, lay, ps.rows);
     mark(rs, st_upload);
   });
-  if (hybrid && !how.rerun) ++hybrid_steps;
-  beside = how.copies;  // the layers record their events; enqueue_beside hands them out
-  bool overflowed = false;
-  if (gs != nullptr || !layer_gs.empty()) {
-    overflowed = replay(gs, layer_gs, ps);
+  if (hybrid && !opts.rerun) ++hybrid_steps;
+  // Layer events only where a step has layer boundaries to give: a static layout finishes as
+  // one piece (one whole-model graph), and copies beside it follow finish().
+  record_events = opts.layer_events && hybrid;
+  flight.replayed = gs != nullptr || !layer_gs.empty();
+  if (flight.replayed) {
+    launch_graphs(gs, layer_gs, ps);
     if (hybrid) ++hybrid_graph_steps;
   } else {
     forward(ps, false);
-    enqueue_beside();
     ++eager;
   }
-  if (overflowed && how.copies != nullptr) {
-    // The copies beside the first pass may have overwritten what it read: rerun at the layout
-    // the advance settled at (copies_beside::settle), every layer eagerly.
-    const step_layout again = how.copies->settle();
-    return step(again, items, logits_out, step_run{nullptr, true});
+  const bool events = record_events;
+  record_events = false;
+  flight.items.assign(items.begin(), items.end());
+  flight.logits = opts.logits;
+  flight.pending = true;
+  return pending_step{events ? &*layer_events : nullptr, ++flight.serial};
+}
+
+// Waits for the pending step: its routing's overflow flags after a graph replay (then the
+// caller reruns it), else its tokens and device time.
+step_result gpu_runtime::impl::finish(const pending_step& p) {
+  MOEBIUS_CHECK(flight.pending && p.serial == flight.serial, errc::invalid_argument,
+                "gpu_runtime::finish: step ", p.serial, " is not the pending step (",
+                flight.serial, flight.pending ? ")" : ", finished)");
+  flight.pending = false;
+  step_result r;
+  if (flight.replayed && replay_overflowed()) {
+    // Routing beyond the graph's expert capacity on some rank: the step's outputs are
+    // incomplete. The caller runs it again eagerly with the worst-case capacity (rerun): it
+    // writes every layer's K/V of the step's positions again (the first pass's values after
+    // the overflow were wrong), and reads nothing else the first pass wrote.
+    prof_on = false;
+    r.overflowed = true;
+    return r;
   }
-  return read_results(ps, items, sample_at, logits_out);
+  r.tokens = read_results(flight.ps, flight.items, flight.sample_at, flight.logits);
+  r.measured_s = last_step_s;
+  return r;
 }
 
 // A pure decode step's whole-model graph: the smallest bucket of its mode that holds its rows
@@ -131,11 +147,11 @@ std::vector<const graph_set*> gpu_runtime::impl::layer_graphs_of(pass& ps, const
   return layer_gs;
 }
 
-// Replays the step's graphs (whole-model `gs`, or per-layer `layer_gs` with the hand-off
-// eagerly between them) and reruns the step eagerly with the worst-case expert capacity when
-// some rank's routing overflowed the graphs'.
-bool gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const graph_set*>& layer_gs,
-                               const pass& ps) {
+// Launches the step's graphs (whole-model `gs`, or per-layer `layer_gs` with the hand-off
+// eagerly between them) on every rank, each rank's overflow flag cleared first.
+void gpu_runtime::impl::launch_graphs(const graph_set* gs,
+                                      const std::vector<const graph_set*>& layer_gs,
+                                      const pass& ps) {
   // Every rank's graph is launched before anything waits: the graphs' NCCL calls need
   // all ranks running (a copy to pageable memory would block the host on rank 0 first).
   each_rank([&](int, rank_state& rs) {
@@ -150,9 +166,11 @@ bool gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const grap
     launch(*layer_gs[l]);
     record_layer_done(static_cast<int64_t>(l));
   }
-  // Beside copies: the advance goes onto its streams now, while the graphs run.
-  const bool copies_beside = beside != nullptr;
-  enqueue_beside();
+}
+
+// Waits for the replayed step on every rank; true when some rank's routing overflowed the
+// graphs' expert capacity.
+bool gpu_runtime::impl::replay_overflowed() {
   std::vector<int32_t> overflow(static_cast<size_t>(P), 0);
   each_rank([&](int r, rank_state& rs) {
     MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));
@@ -160,14 +178,9 @@ bool gpu_runtime::impl::replay(const graph_set* gs, const std::vector<const grap
         cudaMemcpy(&overflow[static_cast<size_t>(r)], rs.moe.overflow, 4, cudaMemcpyDeviceToHost));
   });
   ++replays;
-  // Routing beyond the graph's expert capacity on some rank: the step's outputs are
-  // incomplete. Run it again eagerly with the worst-case capacity: it writes every
-  // layer's K/V of the step's positions again (the first pass's values after the
-  // overflow were wrong), and reads nothing else the first pass wrote.
   if (!std::any_of(overflow.begin(), overflow.end(), [](int32_t f) { return f != 0; }))
     return false;
   ++reruns;
-  if (!copies_beside) forward(ps, false);  // else the caller reruns where the copies settled
   return true;
 }
 
@@ -284,16 +297,13 @@ gpu_runtime::gpu_runtime(const model_config& config, uint64_t seed,
 
 gpu_runtime::~gpu_runtime() = default;
 
-std::vector<int32_t> gpu_runtime::step(const step_layout& layout, std::span<const step_item> items,
-                                       std::vector<std::vector<float>>* logits) {
-  return impl_->step(layout, items, logits);
+pending_step gpu_runtime::enqueue(const step_layout& layout, std::span<const step_item> items,
+                                  const step_options& options) {
+  return impl_->enqueue(layout, items, options);
 }
 
-std::vector<int32_t> gpu_runtime::step_beside(const step_layout& layout,
-                                              std::span<const step_item> items,
-                                              const copies_beside& copies,
-                                              std::vector<std::vector<float>>* logits) {
-  return impl_->step(layout, items, logits, step_run{&copies, false});
+step_result gpu_runtime::finish(const pending_step& p) {
+  return impl_->finish(p);
 }
 
 std::vector<moebius::rank_memory> gpu_runtime::memory() const {
@@ -347,9 +357,6 @@ void gpu_runtime::set_hybrid_eager(bool eager) {
 }
 gpu_runtime::graph_stats gpu_runtime::graph_statistics() const {
   return impl_->graphs.stats;
-}
-double gpu_runtime::measured_step_s() const {
-  return impl_->last_step_s;
 }
 bool gpu_runtime::profiling() const {
   return impl_->o.profile;

@@ -129,24 +129,21 @@ class gpu_runtime : public runtime {
   gpu_runtime(const gpu_runtime&) = delete;
   gpu_runtime& operator=(const gpu_runtime&) = delete;
 
-  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits = nullptr) override;
-  // A hybrid step with the next advance's copies beside it (step.hpp, copies_beside): after
-  // each layer every rank's stream records the layer's event; once the whole step is enqueued
-  // (graphs or eager) copies.enqueue gets the events and enqueues the advance on the
-  // transport's streams, so the copies run while the step computes; then the step is waited
-  // for. When its routing overflowed the graphs' expert capacity, copies.settle() gives the
-  // layout to rerun at and the step runs again there, eagerly (timed from the first pass).
-  // A pure (non-hybrid) layout runs first and calls copies.enqueue(nullptr) after.
-  std::vector<int32_t> step_beside(const step_layout& layout, std::span<const step_item> items,
-                                   const copies_beside& copies,
-                                   std::vector<std::vector<float>>* logits = nullptr) override;
+  // One step in two phases (step.hpp). enqueue() launches it on every rank's stream (graph
+  // replay, or eagerly) and returns; with step_options::layer_events a hybrid step records,
+  // after each layer, every rank's event (pending_step::layer_events), so that an advance
+  // enqueued beside it runs its copies while it computes; a static layout runs as one piece
+  // (no events: copies follow finish()). finish() waits for it, reads the tokens back and
+  // its device time (CUDA events from its first upload to its last download on every rank's
+  // stream, the longest rank); after a graph replay whose routing overflowed the graphs'
+  // expert capacity it says so (step_result::overflowed) and the caller reruns it eagerly
+  // (step_options::rerun, timed from the first pass's start).
+  pending_step enqueue(const step_layout& layout, std::span<const step_item> items,
+                       const step_options& options = {}) override;
+  step_result finish(const pending_step& p) override;
   bool overlaps_copies() const override { return true; }
   // The model's vocabulary (step.hpp: token ids a step accepts).
   int64_t vocab_size() const override;
-  // Device time of the last step (CUDA events from its first upload to its last download on
-  // every rank's stream; the longest rank), -1 before the first.
-  double measured_step_s() const override;
 
   // Rank r's arena and KV pool on its device (r, or 0 for virtual ranks; moebius transports:
   // cuda_peer_transport::single_process takes both, virtual ranks after

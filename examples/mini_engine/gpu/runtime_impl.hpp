@@ -107,8 +107,8 @@ struct rank_state {
   int64_t input_count = 0;
   // CUDA events around the last step (measured_step_s).
   cudaEvent_t step_begin = nullptr, step_end = nullptr;
-  // A step beside copies (step_beside): layer_done[l] is recorded on `stream` after layer l
-  // (the step's moebius::step_layer_events; the copies of the advance beside it wait on them).
+  // A step asked for layer events (step_options::layer_events): layer_done[l] is recorded on
+  // `stream` after layer l (moebius::step_layer_events; copies beside the step wait on them).
   std::vector<cudaEvent_t> layer_done;
   stage_marks prof;  // the stage profile's events (options.profile)
   // Split-context attention: partial softmax states (paged_attention_workspace_floats).
@@ -132,11 +132,15 @@ struct pass {
   int64_t rows[2] = {0, 0};  // rows per rank of each mode's token layout (mode_index)
 };
 
-// How impl::step runs: `copies` beside it (step_beside), or as the eager rerun of a step beside
-// copies (every layer with the worst-case expert capacity, timed from the first pass's start).
-struct step_run {
-  const copies_beside* copies = nullptr;
-  bool rerun = false;
+// The step between impl::enqueue and impl::finish (one at a time).
+struct in_flight_step {
+  bool pending = false;
+  int64_t serial = 0;          // steps enqueued so far (pending_step::serial)
+  pass ps;
+  std::vector<step_item> items;  // the caller keeps their tokens alive until finish
+  std::vector<std::pair<int, int64_t>> sample_at;
+  std::vector<std::vector<float>>* logits = nullptr;
+  bool replayed = false;       // graphs launched: finish reads the overflow flags first
 };
 
 struct gpu_runtime::impl {
@@ -162,9 +166,9 @@ struct gpu_runtime::impl {
   // set_hybrid_eager(true): hybrid steps run eagerly although their graphs exist.
   bool hybrid_eager = false;
   double last_step_s = -1;  // device time of the last step (CUDA events)
-  // The step in progress runs beside copies (step_beside): its layers record layer_done and,
-  // once it is enqueued, beside->enqueue is called (enqueue_beside). Null otherwise.
-  const copies_beside* beside = nullptr;
+  in_flight_step flight;
+  // While a step asked for layer events is enqueued: its layers record layer_done.
+  bool record_events = false;
   std::optional<moebius::step_layer_events> layer_events;  // every rank's layer_done
 
   bool prof_on = false;         // inside a profiled step (o.profile)
@@ -326,17 +330,18 @@ struct gpu_runtime::impl {
                      const int64_t rows[2]);
 
   // ---- gpu_runtime.cu ----------------------------------------------------------------------
-  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits_out, step_run how = {});
-  // Beside copies: layer li's event on every rank's stream (after its work there).
+  pending_step enqueue(const step_layout& layout, std::span<const step_item> items,
+                       const step_options& opts);
+  step_result finish(const pending_step& p);
+  // With record_events: layer li's event on every rank's stream (after its work there).
   void record_layer_done(int64_t li);
-  // Beside copies, once the step is enqueued: hands the layer events to `beside` (once).
-  void enqueue_beside();
   const graph_set* whole_model_graph(pass& ps);
   std::vector<const graph_set*> layer_graphs_of(pass& ps, const bool used[2]);
-  // Replays; true when some rank's routing overflowed the graphs' expert capacity (the step
-  // must run again: replay reruns it eagerly itself unless copies run beside it).
-  bool replay(const graph_set* gs, const std::vector<const graph_set*>& layer_gs, const pass& ps);
+  void launch_graphs(const graph_set* gs, const std::vector<const graph_set*>& layer_gs,
+                     const pass& ps);
+  // Waits for a replayed step; true when some rank's routing overflowed the graphs' expert
+  // capacity (the step must run again, eagerly: step_options::rerun).
+  bool replay_overflowed();
   std::vector<int32_t> read_results(const pass& ps, std::span<const step_item> items,
                                     const std::vector<std::pair<int, int64_t>>& sample_at,
                                     std::vector<std::vector<float>>* logits_out);

@@ -65,7 +65,8 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   ranks.resize(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) init_rank(r);
   if (P > 1 && !virt) init_nccl();
-  // The layer events a step beside copies hands out (step_beside), local rank r = rank r.
+  // The layer events a step asked for them hands out (step_options::layer_events), local rank r
+  // = rank r.
   layer_events.emplace(c.num_layers, static_cast<size_t>(P));
   for (int r = 0; r < P; ++r)
     for (int64_t l = 0; l < c.num_layers; ++l)

@@ -14,6 +14,7 @@
 #include <moebius/switch/pacing.hpp>
 
 #include "kv_pages.hpp"
+#include "step_beside.hpp"
 
 namespace mini_engine {
 
@@ -406,8 +407,7 @@ void engine::enqueue_advance(run_state& st, step_record& rec,
 
 double engine::wait_for_advance(run_state& st) {
   const auto t0 = host_clock::now();
-  while (st.session->open() && st.session->poll() == moebius::progress_state::in_flight) {
-  }
+  st.session->wait();
   return seconds_since(t0);
 }
 
@@ -455,33 +455,37 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   step_cost cost;
   if (!b.empty()) {
     const auto t0 = host_clock::now();
+    step_result done;
     if (frozen) {
-      double enqueue_s = 0;
-      copies_beside beside;
-      beside.enqueue = [&](const moebius::step_layer_events* events) {
-        const auto te = host_clock::now();
-        enqueue_advance(st, rec, events);
-        enqueue_s = seconds_since(te);
-      };
-      beside.settle = [&]() -> step_layout {
-        wait_for_advance(st);
-        if (!st.session->open()) return step_layout{&switcher_.kv_tables(), switcher_.cursor()};
-        return step_layout::during(st.session->view());
-      };
-      tokens = runtime_.step_beside(layout, b.items, beside);
+      const step_beside_result r = step_beside(
+          runtime_, layout, b.items,
+          [&](const moebius::step_layer_events* events) { enqueue_advance(st, rec, events); },
+          [&]() -> step_layout {
+            wait_for_advance(st);
+            if (!st.session->open())
+              return step_layout{&switcher_.kv_tables(), switcher_.cursor()};
+            return step_layout::during(st.session->view());
+          });
+      done = r.step;
       measured = seconds_since(t0);
       // Where the copies ran after the step (a runtime that does not overlap them), the
       // host's time for the step holds them: they count as copies.
       if (!runtime_.overlaps_copies()) {
-        measured = std::max(0.0, measured - enqueue_s);
-        copies.measured_s = enqueue_s;
+        measured = std::max(0.0, measured - r.advance_s);
+        copies.measured_s = r.advance_s;
       }
     } else {
-      tokens = runtime_.step(layout, b.items);
+      done = runtime_.finish(runtime_.enqueue(layout, b.items));
+      if (done.overflowed) {  // nothing beside it: the rerun is at the same layout
+        step_options rerun;
+        rerun.rerun = true;
+        done = runtime_.finish(runtime_.enqueue(layout, b.items, rerun));
+      }
       measured = seconds_since(t0);
     }
+    tokens = std::move(done.tokens);
     // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
-    if (runtime_.measured_step_s() >= 0) measured = runtime_.measured_step_s();
+    if (done.measured_s >= 0) measured = done.measured_s;
     cost.mode = tables.mode;
     if (frozen && switcher_.cursor().tp_layers * 2 >= arena_.shape.num_layers)
       cost.mode = parallel_mode::tp;  // a hybrid step: priced as its majority mode

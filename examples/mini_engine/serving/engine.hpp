@@ -8,10 +8,10 @@
 //   loop: [policy.step(load, mode, now) -> switcher.switch_to(target)]  (or a forced switch)
 //         [progressive: session = switcher.begin(target) once; then each step is a hybrid
 //          step on session.view() with the next paced advance enqueued beside it
-//          (runtime::step_beside: its copies run while the step computes), the loop waiting
+//          (step_beside.hpp: its copies run while the step computes), the loop waiting
 //          for the copies once the step is done; finish() after the last layer; DESIGN.md §7]
 //         batch = scheduler.next_step(tables, now)      (admit, grow page tables)
-//         tokens = runtime.step({tables, cursor}, batch) (timed)
+//         tokens = runtime.finish(runtime.enqueue({tables, cursor}, batch)) (timed)
 //         now += clock.step_s(cost, measured); scheduler.finish_step(batch, tokens, now)
 //
 // The load the policy sees is the number of sequences that want to run: running plus arrived
@@ -283,7 +283,7 @@ class engine {
   // After the step: ends the session when the advance failed (rolled back) or a test aborts.
   void close_advance(run_state& st, const step_record& rec);
   // Runs one step and records it; during a progressive switch a hybrid step with the next
-  // advance beside it (runtime::step_beside), then the wait for its copies. False when nothing
+  // advance beside it (step_beside.hpp), then the wait for its copies. False when nothing
   // could run (only future arrivals: the idle jump takes over).
   bool serve_step(run_state& st, step_record& rec);
   void end_progressive(run_state& st);

@@ -58,8 +58,9 @@ float* fake_runtime::k_at(int rank, parallel_mode m, int64_t layer, int64_t page
   return reinterpret_cast<float*>(pools_[static_cast<size_t>(rank)].data() + off);
 }
 
-std::vector<int32_t> fake_runtime::step(const step_layout& layout, std::span<const step_item> items,
-                                        std::vector<std::vector<float>>* logits) {
+std::vector<int32_t> fake_runtime::compute(const step_layout& layout,
+                                           std::span<const step_item> items,
+                                           std::vector<std::vector<float>>* logits) {
   MOEBIUS_CHECK(!layout.hybrid() && layout.tables != nullptr, moebius::errc::invalid_argument,
                 "fake_runtime: hybrid steps (a progressive switch) are not supported; serve "
                 "progressive switches on host_runtime");

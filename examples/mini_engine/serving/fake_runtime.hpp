@@ -23,21 +23,22 @@
 
 namespace mini_engine {
 
-class fake_runtime final : public runtime {
+class fake_runtime final : public synchronous_runtime {
  public:
   // Throws errc::invalid_argument unless kv.type is fp32, the rank counts agree and the
   // layer counts agree.
   fake_runtime(const moebius::arena_geometry& arena, const moebius::kv_geometry& kv,
                int32_t vocab);
 
-  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits = nullptr) override;
-
   int64_t vocab_size() const override { return vocab_; }
 
   std::vector<moebius::rank_memory> memory();
   const moebius::arena_geometry& arena() const { return arena_; }
   const moebius::kv_geometry& kv() const { return kv_; }
+
+ protected:
+  std::vector<int32_t> compute(const step_layout& layout, std::span<const step_item> items,
+                               std::vector<std::vector<float>>* logits) override;
 
  private:
   float* k_at(int rank, moebius::parallel_mode m, int64_t layer, int64_t page, int64_t head_in_page,

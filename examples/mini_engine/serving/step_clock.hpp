@@ -30,7 +30,7 @@ struct step_cost {
 };
 
 // The copies of one progressive-switch advance, as the serving loop ran them: enqueued beside a
-// step (runtime::step_beside), waited for once the step was done.
+// step (step_beside.hpp), waited for once the step was done.
 struct switch_copies {
   // Host seconds the loop waited for them after the step: on a runtime that overlaps them
   // (the GPU), only the part that outlasted the step; on one that does not (the host), all.

@@ -10,6 +10,7 @@
 //     const layer_completion& c = s.advance(n, copy_streams);  // enqueues, never waits
 //     step(s.view(), c);        // waits on c.event(l, r) only before a layer l it reads
 //     if (s.poll() == progress_state::ended) break;            // failed: rolled back
+//     // ... or, with nothing else to do before the next advance: s.wait()
 //   }
 //   switch_report r = s.finish();   // waits, verifies, commits (or rolls back)
 //
@@ -18,8 +19,8 @@
 // The tables are frozen from begin() to finish(): a sequence may fill the tokens its tables
 // already hold (reserve them before begin()), new sequences wait for finish(), and the
 // switcher refuses mutable access meanwhile. Layers of an outstanding advance are in flight:
-// order the step's reads and KV writes of those layers after their events (or poll() until
-// ready before the step). A failure anywhere follows the switcher's failure protocol
+// order the step's reads and KV writes of those layers after their events (or wait() for the
+// advance before the step). A failure anywhere follows the switcher's failure protocol
 // (switcher.hpp): everything is put back (rolled_back) or the switcher is inconsistent.
 
 #include <cstdint>
@@ -142,6 +143,10 @@ class progressive_switch {
   // Never blocks. When the outstanding advance has just finished, the cursor moves past its
   // layers (ready); when it failed, the switch is undone and the session ends (ended).
   progress_state poll();
+  // Blocks until the outstanding advance has finished (ready: the cursor is past its layers)
+  // or failed (ended: undone, as poll() would find it). Without one outstanding, returns at
+  // once what poll() would; on an ended session, ended.
+  progress_state wait();
   // Advances every remaining layer, waits, verifies and commits (or rolls back); ends the
   // session. On an ended session returns its report.
   switch_report finish();

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gpu_runtime.hpp"
+#include "step_beside.hpp"
 #include "runtime_test_model.hpp"
 #include "tests/catch.hpp"
 
@@ -97,7 +98,7 @@ struct serve_result {
 // each step, hybrid steps meanwhile, finish after the step that reaches the last layer); every
 // sequence's pages for the whole run are reserved before begin (the tables are frozen).
 // `beside` (progressive only): each advance is enqueued beside the step instead of before it
-// (gpu_runtime::step_beside: its copies run while the step computes, waiting for the step's
+// (step_beside.hpp: its copies run while the step computes, waiting for the step's
 // layer events), the loop waits for them after the step; a fault can be injected into one
 // advance, whose switch then rolls back and serving goes on in the source mode.
 struct overlap_options {
@@ -191,23 +192,20 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
     const step_layout layout = hybrid ? step_layout::during(session->view()) : step_layout{&kv, cur};
     std::vector<int32_t> next;
     if (hybrid && beside != nullptr) {
-      copies_beside copies;
-      copies.enqueue = [&](const moebius::step_layer_events* events) {
+      const auto advance = [&](const moebius::step_layer_events* events) {
         REQUIRE(events != nullptr);  // a hybrid step hands out its layer events
         if (beside->advances++ == beside->fault_advance)
           sw->inject_fault(moebius::switch_fault{moebius::switch_fault::stage::weights,
                                                  moebius::fault_point{beside->fault_phase, 0}});
         session->advance(progressive_layers, {}, events);
       };
-      copies.settle = [&]() -> step_layout {
-        while (session->open() && session->poll() == moebius::progress_state::in_flight) {
-        }
+      const auto settle = [&]() -> step_layout {
+        session->wait();
         if (!session->open()) return step_layout{&sw->kv_tables(), sw->cursor()};
         return step_layout::during(session->view());
       };
-      next = rt.step_beside(layout, items, copies, &logits);
-      while (session->open() && session->poll() == moebius::progress_state::in_flight) {
-      }
+      next = step_beside(rt, layout, items, advance, settle, &logits).step.tokens;
+      session->wait();
       if (!session->open()) {  // the advance failed: everything moved is back
         INFO(session->report());
         REQUIRE(session->report().outcome == moebius::switch_outcome::rolled_back);

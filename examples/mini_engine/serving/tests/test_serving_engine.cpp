@@ -221,8 +221,8 @@ TEST_CASE("engine with the policy: calibrated thresholds, switches at bursts, al
   CHECK(s.tokens_per_s ==
         Approx(static_cast<double>(out_tokens) / (last_finish - first_arrival)).epsilon(1e-9));
   double switch_ms = 0;
-  for (const switch_record& w : r.switches)
-    if (w.outcome == moebius::switch_outcome::committed) switch_ms += w.clock_ms;
+  for (const switch_record& sr : r.switches)
+    if (sr.outcome == moebius::switch_outcome::committed) switch_ms += sr.clock_ms;
   CHECK(s.switch_total_ms == Approx(switch_ms).epsilon(1e-9));
   CHECK(s.switch_mean_ms == Approx(switch_ms / static_cast<double>(committed)).epsilon(1e-9));
 

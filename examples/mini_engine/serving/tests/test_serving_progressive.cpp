@@ -38,33 +38,43 @@ using testing::check_same_tokens;
 
 namespace {
 
-// The host runtime, with every step beside a switch's copies run twice: once at its layout,
-// then (after the advance is enqueued) again at the layout copies_beside::settle() returns,
-// as the GPU runtime reruns a step whose routing overflowed its graphs' capacity. The rerun's
-// tokens are the step's: it writes every layer's K/V of the step's positions again.
+// The host runtime, with every step beside a switch's copies (asked for layer events) reported
+// overflowed, as the GPU runtime reports a step whose routing overflowed its graphs' capacity:
+// the serving loop then waits for the advance and runs the step again where it settled
+// (step_options::rerun). The first pass ran (it wrote K/V); the rerun's tokens are the step's:
+// it writes every layer's K/V of the step's positions again.
 class rerunning_runtime final : public runtime {
  public:
   explicit rerunning_runtime(runtime& inner) : inner_(inner) {}
-  std::vector<int32_t> step(const step_layout& layout, std::span<const step_item> items,
-                            std::vector<std::vector<float>>* logits) override {
-    return inner_.step(layout, items, logits);
-  }
-  std::vector<int32_t> step_beside(const step_layout& layout, std::span<const step_item> items,
-                                   const copies_beside& copies,
-                                   std::vector<std::vector<float>>* logits) override {
-    ++beside_;
-    inner_.step(layout, items, nullptr);
-    copies.enqueue(nullptr);
-    const step_layout again = copies.settle();
+  pending_step enqueue(const step_layout& layout, std::span<const step_item> items,
+                       const step_options& options) override {
+    overflow_ = options.layer_events && !options.rerun;
+    if (overflow_) {
+      ++beside_;
+      first_cursor_ = layout.cursor.tp_layers;
+    }
     // Settled: the cursor moved past the advance's layers, or the switch rolled back.
-    cursors_moved_ += again.cursor.tp_layers != layout.cursor.tp_layers;
-    return inner_.step(again, items, logits);
+    if (options.rerun) cursors_moved_ += layout.cursor.tp_layers != first_cursor_;
+    step_options inner = options;
+    inner.layer_events = false;
+    if (overflow_) inner.logits = nullptr;
+    return inner_.enqueue(layout, items, inner);
+  }
+  step_result finish(const pending_step& p) override {
+    step_result r = inner_.finish(p);
+    if (overflow_) {
+      r.tokens.clear();
+      r.overflowed = true;
+    }
+    return r;
   }
   int64_t beside() const { return beside_; }
   int64_t cursors_moved() const { return cursors_moved_; }
 
  private:
   runtime& inner_;
+  bool overflow_ = false;
+  int64_t first_cursor_ = 0;
   int64_t beside_ = 0, cursors_moved_ = 0;
 };
 
