@@ -175,6 +175,8 @@ struct engine::run_state {
   int64_t layers = 1;          // paced layers per step
   moebius::pacing_params pacing;
   int64_t tokens_before = 0;   // tokens produced when it began
+  // Sequences finished during it: their pages go back when it has ended (frozen_pages).
+  std::vector<int64_t> deferred_release;
 };
 
 moebius::switch_report engine::switch_untimed(parallel_mode target) {
@@ -431,7 +433,7 @@ void engine::end_progressive(run_state& st) {
   s.clock_ms = (st.now - s.start_s) * 1e3;
   s.tokens = tokens_produced(st.sched) - st.tokens_before;
   if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
-  st.sched.release_deferred(switcher_.mutable_kv_tables());
+  release_deferred(switcher_.mutable_kv_tables(), st.deferred_release);
 }
 
 bool engine::serve_step(run_state& st, step_record& rec) {
@@ -440,10 +442,14 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   const bool frozen = st.session.has_value();
   std::optional<moebius::switch_step_view> view;
   if (frozen) view = st.session->view();
-  const kv_state& tables = frozen ? view->tables(view->source()) : switcher_.kv_tables();
+  std::optional<growing_pages> growing;
+  std::optional<frozen_pages> held;
+  page_source& pages = frozen
+      ? static_cast<page_source&>(held.emplace(view->tables(view->source()), st.deferred_release))
+      : growing.emplace(kv_, switcher_.mutable_kv_tables());
+  const kv_state& tables = pages.tables();
   rec.start_s = st.now;
-  const step_batch b = frozen ? st.sched.next_step_frozen(tables)
-                              : st.sched.next_step(switcher_.mutable_kv_tables(), st.now);
+  const step_batch b = st.sched.next_step(pages, st.now);
   if (b.empty() && !frozen) return false;
   const step_layout layout =
       frozen ? step_layout::during(*view) : step_layout{&tables, switcher_.cursor()};
@@ -520,10 +526,7 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.measured_ms = measured * 1e3;
   st.out.stalls += b.stalled;
   st.now += dt;
-  if (!b.empty()) {
-    if (frozen) st.sched.finish_step_frozen(b, tokens, st.now);
-    else st.sched.finish_step(b, tokens, switcher_.mutable_kv_tables(), st.now);
-  }
+  if (!b.empty()) st.sched.finish_step(b, tokens, pages, st.now);
   if (frozen) {
     ++st.out.switches[st.switch_idx].steps;
     close_advance(st, rec);

@@ -296,37 +296,24 @@ int64_t scheduler::lose_kv(kv_state& kv, std::span<const int64_t> lost, bool res
   return affected;
 }
 
-namespace {
-
-// Tokens sequence `id` holds in `kv` (0 when absent): on its EP owner, or on every TP rank.
-int64_t held_tokens(const kv_state& kv, int64_t id) {
-  for (int r = 0; r < static_cast<int>(kv.ranks.size()); ++r)
-    if (const moebius::kv_sequence* q = find_sequence(kv, r, id)) return q->num_tokens;
-  return 0;
-}
-
-}  // namespace
-
-step_batch scheduler::next_step(kv_state& kv, double now_s) {
+step_batch scheduler::next_step(page_source& pages, double now_s) {
   step_batch b;
   int64_t budget = options_.max_step_tokens;
+  const kv_state& kv = pages.tables();
 
-  // Grows seq's tables for `n` more tokens and adds the item; false (nothing changed) when a
-  // page is missing.
+  // Adds up to `n` tokens of sequence `slot`, as many as `pages` grants; false (a stall,
+  // counted) when it grants none.
   auto add = [&](int64_t slot, int64_t n, int owner) {
     running_seq& s = running_[static_cast<size_t>(slot)];
-    const int64_t id = results_[static_cast<size_t>(s.result_idx)].id;
-    try {
-      // A sequence may already hold more (reserve_for_switch): then nothing grows.
-      if (held_tokens(kv, id) < s.in_kv + n) reserve_tokens(g_, kv, id, s.in_kv + n, owner);
-    } catch (const moebius::error& e) {
-      if (e.code() != errc::capacity) throw;
-      ++results_[static_cast<size_t>(s.result_idx)].stalls;
+    request_result& res = results_[static_cast<size_t>(s.result_idx)];
+    n = pages.grant(res.id, s.in_kv, n, owner);
+    if (n <= 0) {
+      ++res.stalls;
       ++b.stalled;
       return false;
     }
     step_item it;
-    it.seq_id = id;
+    it.seq_id = res.id;
     it.tokens = std::span<const int32_t>(s.tokens.data() + s.in_kv, static_cast<size_t>(n));
     it.start_position = s.in_kv;
     it.sample = s.in_kv + n >= s.prompt;
@@ -349,21 +336,21 @@ step_batch scheduler::next_step(kv_state& kv, double now_s) {
     if (!s.decoding()) add(static_cast<int64_t>(i), std::min(budget, s.prompt - s.in_kv), s.resume_owner);
   }
   // 3. Admission, first come first served.
-  while (budget > 0 && next_waiting_ < requests_.size() &&
+  while (pages.admits() && budget > 0 && next_waiting_ < requests_.size() &&
          requests_[next_waiting_].arrival_s <= now_s &&
          static_cast<int64_t>(running_.size()) < options_.max_running) {
     const request& r = requests_[next_waiting_];
     running_seq s;
     s.prompt = static_cast<int64_t>(r.prompt.size());
     s.final_tokens = s.prompt + r.output_tokens - 1;
-    const int64_t pages = pages_needed(g_, kv.mode, s.final_tokens);
+    const int64_t need = pages_needed(g_, kv.mode, s.final_tokens);
     const std::vector<int64_t> left = unreserved(kv);
     int owner = -1;
     if (kv.mode == parallel_mode::tp) {
-      if (*std::min_element(left.begin(), left.end()) < pages) break;
+      if (*std::min_element(left.begin(), left.end()) < need) break;
     } else {
       owner = static_cast<int>(std::max_element(left.begin(), left.end()) - left.begin());
-      if (left[static_cast<size_t>(owner)] < pages) break;
+      if (left[static_cast<size_t>(owner)] < need) break;
     }
     auto res = std::lower_bound(results_.begin(), results_.end(), r.id,
                                 [](const request_result& x, int64_t id) { return x.id < id; });
@@ -391,7 +378,7 @@ step_batch scheduler::next_step(kv_state& kv, double now_s) {
     ++next_waiting_;
   }
   b.num_sequences = static_cast<int64_t>(b.items.size());
-  MOEBIUS_CHECK(!b.empty() || running_.empty(), errc::capacity, "scheduler: ", running_.size(),
+  MOEBIUS_CHECK(!b.empty() || running_.empty() || !pages.admits(), errc::capacity, "scheduler: ", running_.size(),
                 " running sequences and none can grow: the KV pool is exhausted (a switch moved "
                 "more reservations onto a rank than it holds)");
   return b;
@@ -407,52 +394,9 @@ void scheduler::reserve_for_switch(kv_state& kv, int64_t steps) {
   }
 }
 
-step_batch scheduler::next_step_frozen(const kv_state& kv) {
-  step_batch b;
-  int64_t budget = options_.max_step_tokens;
-  auto add = [&](size_t slot, int64_t n) {
-    running_seq& s = running_[slot];
-    request_result& res = results_[static_cast<size_t>(s.result_idx)];
-    n = std::min(n, held_tokens(kv, res.id) - s.in_kv);
-    if (n <= 0) {
-      ++res.stalls;
-      ++b.stalled;
-      return;
-    }
-    step_item it;
-    it.seq_id = res.id;
-    it.tokens = std::span<const int32_t>(s.tokens.data() + s.in_kv, static_cast<size_t>(n));
-    it.start_position = s.in_kv;
-    it.sample = s.in_kv + n >= s.prompt;
-    b.items.push_back(it);
-    b.running_idx.push_back(static_cast<int64_t>(slot));
-    budget -= n;
-    b.context_tokens += s.in_kv + n;
-    if (s.decoding()) ++b.decode_tokens;
-    else b.prefill_tokens += n;
-  };
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i)
-    if (running_[i].decoding()) add(i, 1);
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i)
-    if (!running_[i].decoding()) add(i, std::min(budget, running_[i].prompt - running_[i].in_kv));
-  b.num_sequences = static_cast<int64_t>(b.items.size());
-  return b;
-}
-
-void scheduler::release_deferred(kv_state& kv) {
-  for (int64_t id : deferred_release_) release_sequence(kv, id);
-  deferred_release_.clear();
-}
-
 void scheduler::finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
-                            kv_state& kv, double now_s) {
-  for (const int64_t id : record_step(b, next_tokens, now_s)) release_sequence(kv, id);
-}
-
-void scheduler::finish_step_frozen(const step_batch& b, std::span<const int32_t> next_tokens,
-                                   double now_s) {
-  const std::vector<int64_t> finished = record_step(b, next_tokens, now_s);
-  deferred_release_.insert(deferred_release_.end(), finished.begin(), finished.end());
+                            page_source& pages, double now_s) {
+  for (const int64_t id : record_step(b, next_tokens, now_s)) pages.release(id);
 }
 
 std::vector<int64_t> scheduler::record_step(const step_batch& b,

@@ -49,6 +49,7 @@
 #include <moebius/kv/page_table.hpp>
 #include <moebius/kv/placement.hpp>
 
+#include "page_source.hpp"
 #include "step.hpp"
 #include "trace.hpp"
 
@@ -132,33 +133,24 @@ class scheduler {
   scheduler(const moebius::kv_geometry& g, std::vector<request> requests,
             scheduler_options options = {});
 
-  // Admits what has arrived by `now_s`, grows the page tables in `kv` (the switcher's tables,
-  // in their current mode) for every item, and returns the next step's batch. Empty when
-  // nothing runs (then advance the clock to next_arrival_s()).
-  step_batch next_step(moebius::kv_state& kv, double now_s);
-
-  // --- During a progressive switch the page tables are frozen (switcher.hpp) -------------
-  // reserve_for_switch: before switcher::begin(), grows every running sequence's tables for
-  // the tokens it can write in the next `steps` steps (decode: one a step; prefill: the rest
-  // of its prompt, then one a step), clamped to its largest (prompt + output - 1). Throws
-  // errc::capacity when the pages are not there (what was reserved stays: it is within the
-  // admission's reservation, and the tables stay valid).
-  void reserve_for_switch(moebius::kv_state& kv, int64_t steps);
-  // next_step_frozen: a batch that writes only tokens the frozen tables already hold: no
-  // admission, no page taken; a sequence whose held tokens are used up waits (counted as a
-  // stall). May be empty while sequences run. finish_step_frozen records such a step and
-  // defers the release of finished sequences' pages (it gets no tables to release them from);
-  // release_deferred() returns them once the switch has finished or rolled back (on the
-  // tables then current).
-  step_batch next_step_frozen(const moebius::kv_state& kv);
-  void finish_step_frozen(const step_batch& b, std::span<const int32_t> next_tokens,
-                          double now_s);
-  void release_deferred(moebius::kv_state& kv);
-
+  // The next step's batch from `pages` (page_source.hpp): decode, then prefill chunks, then
+  // (when the pages admit) admission of what has arrived by `now_s`, each item within the
+  // tokens `pages` grants it. Growing pages: empty only when nothing runs (then advance the
+  // clock to next_arrival_s()); errc::capacity when sequences run and none can grow. Frozen
+  // pages (a progressive switch): a sequence whose held tokens are used up waits (a stall);
+  // the batch may be empty while sequences run.
+  step_batch next_step(page_source& pages, double now_s);
   // Records a step that ended at `now_s`: the runtime's tokens for `b` (one per item, -1
-  // where no sample), then retires finished requests and releases their pages.
-  void finish_step(const step_batch& b, std::span<const int32_t> next_tokens,
-                   moebius::kv_state& kv, double now_s);
+  // where no sample), then retires finished requests and hands their pages back to `pages`.
+  void finish_step(const step_batch& b, std::span<const int32_t> next_tokens, page_source& pages,
+                   double now_s);
+
+  // Before switcher::begin(): grows every running sequence's tables for the tokens it can
+  // write in the next `steps` steps (decode: one a step; prefill: the rest of its prompt, then
+  // one a step), clamped to its largest (prompt + output - 1), so that it can go on during the
+  // switch on the frozen tables. Throws errc::capacity when the pages are not there (what was
+  // reserved stays: it is within the admission's reservation, and the tables stay valid).
+  void reserve_for_switch(moebius::kv_state& kv, int64_t steps);
 
   // Every request finished or failed.
   bool done() const {
@@ -247,7 +239,6 @@ class scheduler {
   std::vector<running_seq> running_;     // in admission order
   int64_t num_finished_ = 0;
   int64_t num_failed_ = 0;
-  std::vector<int64_t> deferred_release_;  // finished during a switch, pages not yet freed
 };
 
 }  // namespace mini_engine

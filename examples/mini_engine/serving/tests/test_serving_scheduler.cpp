@@ -47,11 +47,12 @@ std::vector<request_result> drive(const moebius::kv_geometry& g, parallel_mode m
   std::map<int64_t, int64_t> chunks;
   scheduler s(g, std::move(reqs), o);
   moebius::kv_state kv = empty_state(g, m);
+  growing_pages pages(g, kv);
   double now = 0;
   for (int64_t step = 0; !s.done(); ++step) {
     REQUIRE(step < 100000);
     if (s.num_running() == 0) now = std::max(now, s.next_arrival_s());
-    const step_batch b = s.next_step(kv, now);
+    const step_batch b = s.next_step(pages, now);
     CHECK(b.stalled == 0);  // admission reserved every page a sequence will need
     int64_t tokens = 0;
     std::vector<int32_t> next;
@@ -74,7 +75,7 @@ std::vector<request_result> drive(const moebius::kv_geometry& g, parallel_mode m
     CHECK(tokens <= o.max_step_tokens);
     CHECK(s.num_running() <= o.max_running);
     now += 1;
-    s.finish_step(b, next, kv, now);
+    s.finish_step(b, next, pages, now);
     moebius::validate(g, kv);
   }
   for (const auto& r : kv.ranks) {
