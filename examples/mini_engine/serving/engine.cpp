@@ -102,6 +102,13 @@ int64_t mean_context(const std::vector<request>& requests) {
   return std::max<int64_t>(1, sum / static_cast<int64_t>(requests.size()));
 }
 
+// How a switch ended, from the switcher's report into the run's record.
+void record_outcome(switch_record& s, const moebius::switch_report& r) {
+  s.outcome = r.outcome;
+  s.error = r.error;
+  s.measured_ms = r.total_ms;
+}
+
 int64_t tokens_produced(const scheduler& sched) {
   int64_t n = 0;
   for (const request_result& q : sched.results()) n += static_cast<int64_t>(q.generated.size());
@@ -323,7 +330,7 @@ void engine::start_switch(run_state& st, parallel_mode target, step_record& rec)
     st.out.switches.push_back(std::move(s));
     return;
   }
-  if (st.options.before_switch) st.options.before_switch(switcher_, rec.step);
+  if (st.options.test_hooks.before_switch) st.options.test_hooks.before_switch(switcher_, rec.step);
   verify_written_ = st.sched.written_tokens();
   const bool progressive = st.options.style == switch_style::progressive &&
                            begin_progressive(st, target, s);
@@ -369,9 +376,7 @@ bool engine::begin_progressive(run_state& st, parallel_mode target, switch_recor
     const moebius::switch_report& r = session.report();
     MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
                   "engine::run '", st.name, "': begin left the engine inconsistent: ", r.error);
-    s.outcome = r.outcome;
-    s.error = r.error;
-    s.measured_ms = r.total_ms;
+    record_outcome(s, r);
     return true;  // decided progressive, and it did not start: no stop-the-world retry
   }
   s.progressive = true;
@@ -387,9 +392,7 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
   const moebius::switch_report r = switcher_.switch_to(target);
   s.from = r.from;
   s.to = r.to;
-  s.outcome = r.outcome;
-  s.error = r.error;
-  s.measured_ms = r.total_ms;
+  record_outcome(s, r);
   s.clock_ms = clock_.switch_s(r) * 1e3;
   if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
   st.now += s.clock_ms * 1e-3;
@@ -402,7 +405,7 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
 void engine::enqueue_advance(run_state& st, step_record& rec,
                              const moebius::step_layer_events* step_events) {
   const engine_options& o = st.options;
-  if (o.before_advance) o.before_advance(switcher_, *st.session, rec.step);
+  if (o.test_hooks.before_advance) o.test_hooks.before_advance(switcher_, *st.session, rec.step);
   // The transport's own streams: distinct from the runtime's compute streams.
   rec.layers = static_cast<int64_t>(st.session->advance(st.layers, {}, step_events).layers().size());
 }
@@ -417,7 +420,8 @@ void engine::close_advance(run_state& st, const step_record& rec) {
   const engine_options& o = st.options;
   if (!st.session->open()) {  // the advance failed: rolled back
     end_progressive(st);
-  } else if (o.abort_after_advance && o.abort_after_advance(*st.session, rec.step)) {
+  } else if (o.test_hooks.abort_after_advance &&
+             o.test_hooks.abort_after_advance(*st.session, rec.step)) {
     st.session->abort();
     end_progressive(st);
   }
@@ -427,9 +431,7 @@ void engine::end_progressive(run_state& st) {
   const moebius::switch_report r = st.session->report();
   st.session.reset();
   switch_record& s = st.out.switches[st.switch_idx];
-  s.outcome = r.outcome;
-  s.error = r.error;
-  s.measured_ms = r.total_ms;
+  record_outcome(s, r);
   s.clock_ms = (st.now - s.start_s) * 1e3;
   s.tokens = tokens_produced(st.sched) - st.tokens_before;
   if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
@@ -596,9 +598,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       switch_record s;
       s.from = from;
       s.to = o.start_mode;
-      s.outcome = r.outcome;
-      s.error = r.error;
-      s.measured_ms = r.total_ms;
+      record_outcome(s, r);
       if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
       st.out.switches.push_back(std::move(s));
     }

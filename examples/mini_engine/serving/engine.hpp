@@ -96,6 +96,17 @@ struct cost_gate_options {
   int64_t calibration_context = 0;
 };
 
+// Where tests reach into a run: fault injection and aborts. Serving leaves them unset.
+struct engine_test_hooks {
+  // Called before each switch of the run starts, either style (inject a fault here).
+  std::function<void(moebius::switcher&, int64_t step)> before_switch;
+  // Progressive: called before each advance (inject a fault here), and after it (return true
+  // to abort the switch at the cursor reached).
+  std::function<void(moebius::switcher&, const moebius::progressive_switch&, int64_t step)>
+      before_advance;
+  std::function<bool(const moebius::progressive_switch&, int64_t step)> abort_after_advance;
+};
+
 struct engine_options {
   scheduler_options scheduler;
   moebius::parallel_mode start_mode = moebius::parallel_mode::ep;
@@ -116,13 +127,7 @@ struct engine_options {
   // step are cut until both hold, down to one (a switch must end).
   double max_overlap_slowdown = 1.10;
   double max_overlap_extra_ms = 5.0;
-  // Progressive, tests: called before each advance (inject a fault here), and after it
-  // (return true to abort the switch at the cursor reached).
-  std::function<void(moebius::switcher&, const moebius::progressive_switch&, int64_t step)>
-      before_advance;
-  std::function<bool(const moebius::progressive_switch&, int64_t step)> abort_after_advance;
-  // Tests: called before each switch of the run starts, either style (inject a fault here).
-  std::function<void(moebius::switcher&, int64_t step)> before_switch;
+  engine_test_hooks test_hooks;
   // Passed to the switcher (switcher_options::verify and verify_layer): layout-independent
   // checksums (switch/checksum.hpp). The tables they are given hold only the tokens each
   // sequence had written when the switch began (written_prefix in kv_pages.hpp): the room

@@ -154,14 +154,14 @@ inline void soak_round(engine& e, const moebius::kv_geometry& kv, int64_t num_la
     }
   };
   if (o.style == switch_style::stop_the_world) {
-    o.before_switch = [&](moebius::switcher& sw, int64_t) { inject(sw, num_layers); };
+    o.test_hooks.before_switch = [&](moebius::switcher& sw, int64_t) { inject(sw, num_layers); };
   } else {
-    o.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& s, int64_t) {
+    o.test_hooks.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& s, int64_t) {
       const moebius::switch_report& r = s.report();
       inject(sw, std::min(per_step, s.layers_remaining()) *
                      (1 + r.kv_rounds / std::max<int64_t>(1, r.weight_phases)));
     };
-    o.abort_after_advance = [&](const moebius::progressive_switch&, int64_t) { return chance(0.08); };
+    o.test_hooks.abort_after_advance = [&](const moebius::progressive_switch&, int64_t) { return chance(0.08); };
   }
   run_result got;
   try {

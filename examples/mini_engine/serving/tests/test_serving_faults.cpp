@@ -167,7 +167,7 @@ TEST_CASE("a per-layer verify checks each layer as it moves and catches a corrup
   // Flip one written K element of the layer the first switch moves last, before it moves: that
   // layer's check fails at the advance that moved it, and the switch rolls back.
   bool corrupted = false;
-  o.before_advance = [&](moebius::switcher&, const moebius::progressive_switch& s, int64_t) {
+  o.test_hooks.before_advance = [&](moebius::switcher&, const moebius::progressive_switch& s, int64_t) {
     if (corrupted || s.layers_remaining() != L) return;
     const moebius::switch_step_view v = s.view();
     const moebius::kv_state& t = v.tables(v.source());
@@ -368,9 +368,9 @@ TEST_CASE("inconsistent switches are recovered in the run; lost sequences resume
         }
       };
       if (style == switch_style::stop_the_world) {
-        o.before_switch = [&](moebius::switcher& sw, int64_t) { inject(sw, 2); };
+        o.test_hooks.before_switch = [&](moebius::switcher& sw, int64_t) { inject(sw, 2); };
       } else {
-        o.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& s, int64_t) {
+        o.test_hooks.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& s, int64_t) {
           const moebius::switch_report& r = s.report();
           inject(sw, 1 + r.kv_rounds / std::max<int64_t>(1, r.weight_phases));
         };
@@ -408,7 +408,7 @@ TEST_CASE("lost sequences can fail instead; without reload_experts, engine::reco
   o.how = switching::forced;
   o.forced_steps = {6};
   // A timeout in the KV: every live sequence loses its KV.
-  o.before_switch = [](moebius::switcher& sw, int64_t) {
+  o.test_hooks.before_switch = [](moebius::switcher& sw, int64_t) {
     sw.inject_fault(moebius::switch_fault{moebius::switch_fault::stage::kv,
                                           moebius::fault_point{0, 0, moebius::errc::timeout}});
   };
@@ -513,10 +513,10 @@ TEST_CASE("an inconsistent switch recovered in the run serves on in its source m
       const moebius::switch_fault timeout{moebius::switch_fault::stage::weights,
                                           moebius::fault_point{0, 0, moebius::errc::timeout}};
       if (style == switch_style::stop_the_world) {
-        o.before_switch = [&](moebius::switcher& sw, int64_t) { sw.inject_fault(timeout); };
+        o.test_hooks.before_switch = [&](moebius::switcher& sw, int64_t) { sw.inject_fault(timeout); };
       } else {
         int64_t advances = 0;
-        o.before_advance = [&, advances](moebius::switcher& sw, const moebius::progressive_switch&,
+        o.test_hooks.before_advance = [&, advances](moebius::switcher& sw, const moebius::progressive_switch&,
                                          int64_t) mutable {
           if (advances++ == advance) sw.inject_fault(timeout);
         };

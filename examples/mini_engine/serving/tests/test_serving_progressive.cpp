@@ -129,11 +129,11 @@ void serve_progressive(int P, uint64_t seed, trouble t, bool rerun = false) {
   o.start_mode = seed % 2 ? parallel_mode::ep : parallel_mode::tp;
   int64_t injected = 0;
   if (t == trouble::abort) {
-    o.abort_after_advance = [&](const moebius::progressive_switch&, int64_t) {
+    o.test_hooks.abort_after_advance = [&](const moebius::progressive_switch&, int64_t) {
       return std::bernoulli_distribution(0.3)(rng);
     };
   } else if (t == trouble::fault) {
-    o.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& session,
+    o.test_hooks.before_advance = [&](moebius::switcher& sw, const moebius::progressive_switch& session,
                            int64_t) {
       if (!std::bernoulli_distribution(0.3)(rng)) return;
       const moebius::switch_report& r = session.report();
