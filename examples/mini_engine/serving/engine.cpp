@@ -1,4 +1,4 @@
-#include "engine.hpp"
+#include "engine_run_state.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -21,14 +21,13 @@ namespace mini_engine {
 using moebius::errc;
 using moebius::kv_state;
 using moebius::parallel_mode;
+using detail::host_clock;
+using detail::no_live_sequences;
+using detail::record_outcome;
+using detail::seconds_since;
+using detail::tokens_produced;
 
 namespace {
-
-using host_clock = std::chrono::steady_clock;
-
-double seconds_since(host_clock::time_point t0) {
-  return std::chrono::duration<double>(host_clock::now() - t0).count();
-}
 
 parallel_mode other(parallel_mode m) {
   return m == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
@@ -51,33 +50,13 @@ int64_t used_pages_all(const moebius::kv_geometry& g, const kv_state& s) {
   return used;
 }
 
-bool no_live_sequences(const kv_state& s) {
-  return std::all_of(s.ranks.begin(), s.ranks.end(),
-                     [](const moebius::kv_rank_state& r) { return r.sequences.empty(); });
-}
-
-// The policy's capacity check: the switcher's (today's tables) and the scheduler's
-// (every running sequence at its largest).
-struct capacity_context {
-  const moebius::switcher* sw;
-  const scheduler* sched;
-};
-
 bool fits(void* c, parallel_mode target) {
-  const auto* ctx = static_cast<const capacity_context*>(c);
+  const auto* ctx = static_cast<const detail::capacity_context*>(c);
   return ctx->sw->check(target).fits && ctx->sched->fits_at_largest(ctx->sw->kv_tables(), target);
 }
 
-// The gate's switch cost: what the clock predicts for the switch the switcher would run now
-// (weights and the live KV), in ms.
-struct cost_context {
-  const moebius::switcher* sw;
-  const step_clock* clock;
-  int64_t num_layers;
-};
-
 double predicted_switch_ms(void* c, parallel_mode target) {
-  const auto* ctx = static_cast<const cost_context*>(c);
+  const auto* ctx = static_cast<const detail::cost_context*>(c);
   try {
     return ctx->clock->predicted_switch_s(ctx->sw->layer_bytes_of(target), ctx->num_layers) * 1e3;
   } catch (const moebius::error& e) {
@@ -100,19 +79,6 @@ int64_t mean_context(const std::vector<request>& requests) {
   int64_t sum = 0;
   for (const request& r : requests) sum += static_cast<int64_t>(r.prompt.size()) + r.output_tokens / 2;
   return std::max<int64_t>(1, sum / static_cast<int64_t>(requests.size()));
-}
-
-// How a switch ended, from the switcher's report into the run's record.
-void record_outcome(switch_record& s, const moebius::switch_report& r) {
-  s.outcome = r.outcome;
-  s.error = r.error;
-  s.measured_ms = r.total_ms;
-}
-
-int64_t tokens_produced(const scheduler& sched) {
-  int64_t n = 0;
-  for (const request_result& q : sched.results()) n += static_cast<int64_t>(q.generated.size());
-  return n;
 }
 
 }  // namespace
@@ -152,39 +118,6 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
                   return o;
                 }()) {}
 
-// What one run() carries from step to step.
-struct engine::run_state {
-  run_state(const moebius::kv_geometry& kv, std::vector<request> requests,
-            const engine_options& o, const scheduler_options& so, const std::string& run_name)
-      : options(o), name(run_name), sched(kv, std::move(requests), so) {}
-
-  const engine_options& options;
-  const std::string& name;
-  scheduler sched;
-  capacity_context capacity{nullptr, nullptr};
-  std::optional<moebius::switch_policy> policy;
-  // The cost gate: its curves, residency predictor, cost estimate and what the predictor has
-  // been told (arrivals and completions are observed as differences of these counts).
-  moebius::latency_curves curves;
-  std::optional<moebius::residency_predictor> residency;
-  cost_context cost{nullptr, nullptr, 0};
-  int64_t seen_arrived = 0, seen_finished = 0, seen_finished_tokens = 0;
-  moebius::gate_evaluation pending_gate;  // the gate's reasoning for the switch decided now
-  run_result out;
-  double now = 0;
-  size_t next_forced = 0;
-  double last_step_s = 0;  // the last normal step on the serving clock (pacing)
-  int64_t total = 0;
-
-  // The progressive switch in flight, if any.
-  std::optional<moebius::progressive_switch> session;
-  size_t switch_idx = 0;       // its switch_record
-  int64_t layers = 1;          // paced layers per step
-  moebius::pacing_params pacing;
-  int64_t tokens_before = 0;   // tokens produced when it began
-  // Sequences finished during it: their pages go back when it has ended (frozen_pages).
-  std::vector<int64_t> deferred_release;
-};
 
 moebius::switch_report engine::switch_untimed(parallel_mode target) {
   if (switcher_.mode() == target) {
@@ -338,54 +271,8 @@ void engine::start_switch(run_state& st, parallel_mode target, step_record& rec)
   st.out.switches.push_back(std::move(s));
 }
 
-bool engine::begin_progressive(run_state& st, parallel_mode target, switch_record& s) {
-  // Pacing from the last step's time, the clock's link and the bytes per layer the switcher
-  // will move (planned with its own options).
-  std::optional<moebius::layer_bytes> bytes;
-  try {
-    bytes = switcher_.layer_bytes_of(target);
-  } catch (const moebius::error& e) {
-    if (e.code() != errc::capacity) throw;
-    return false;
-  }
-  const int64_t L = arena_.shape.num_layers;
-  st.pacing.step_s = st.last_step_s > 0 ? st.last_step_s : 0.01;
-  st.pacing.link = clock_.link();
-  st.pacing.link_fraction = st.options.copy_link_fraction;
-  st.pacing.bytes_per_layer = clock_.layer_bytes(*bytes, L);
-  st.layers = moebius::layers_per_step(st.pacing, L);
-  // The measured overlap slowdown, when the clock has one (step_clock::slowdown()): no more
-  // layers per step than keep a step within max_overlap_slowdown of its time alone and within
-  // max_overlap_extra_ms of it, and at least one (a switch must end).
-  if (const overlap_slowdown slow = clock_.slowdown(); slow.known()) {
-    const auto too_slow = [&](int64_t layers) {
-      const double f = slow.at(st.pacing.step_s, layers * st.pacing.bytes_per_layer);
-      return f > st.options.max_overlap_slowdown ||
-             (f - 1) * st.pacing.step_s * 1e3 > st.options.max_overlap_extra_ms;
-    };
-    while (st.layers > 1 && too_slow(st.layers)) --st.layers;
-  }
-  try {
-    st.sched.reserve_for_switch(switcher_.mutable_kv_tables(), (L + st.layers - 1) / st.layers);
-  } catch (const moebius::error& e) {
-    if (e.code() != errc::capacity) throw;
-    return false;  // the pages are not there: stop the world instead
-  }
-  moebius::progressive_switch session = switcher_.begin(target);
-  if (!session.open()) {
-    const moebius::switch_report& r = session.report();
-    MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                  "engine::run '", st.name, "': begin left the engine inconsistent: ", r.error);
-    record_outcome(s, r);
-    return true;  // decided progressive, and it did not start: no stop-the-world retry
-  }
-  s.progressive = true;
-  s.layers_per_step = st.layers;
-  st.session.emplace(std::move(session));
-  st.switch_idx = st.out.switches.size();
-  st.tokens_before = tokens_produced(st.sched);
-  return true;
-}
+
+
 
 void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& s,
                             step_record& rec) {
@@ -402,41 +289,6 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
   }
 }
 
-void engine::enqueue_advance(run_state& st, step_record& rec,
-                             const moebius::step_layer_events* step_events) {
-  const engine_options& o = st.options;
-  if (o.test_hooks.before_advance) o.test_hooks.before_advance(switcher_, *st.session, rec.step);
-  // The transport's own streams: distinct from the runtime's compute streams.
-  rec.layers = static_cast<int64_t>(st.session->advance(st.layers, {}, step_events).layers().size());
-}
-
-double engine::wait_for_advance(run_state& st) {
-  const auto t0 = host_clock::now();
-  st.session->wait();
-  return seconds_since(t0);
-}
-
-void engine::close_advance(run_state& st, const step_record& rec) {
-  const engine_options& o = st.options;
-  if (!st.session->open()) {  // the advance failed: rolled back
-    end_progressive(st);
-  } else if (o.test_hooks.abort_after_advance &&
-             o.test_hooks.abort_after_advance(*st.session, rec.step)) {
-    st.session->abort();
-    end_progressive(st);
-  }
-}
-
-void engine::end_progressive(run_state& st) {
-  const moebius::switch_report r = st.session->report();
-  st.session.reset();
-  switch_record& s = st.out.switches[st.switch_idx];
-  record_outcome(s, r);
-  s.clock_ms = (st.now - s.start_s) * 1e3;
-  s.tokens = tokens_produced(st.sched) - st.tokens_before;
-  if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
-  release_deferred(switcher_.mutable_kv_tables(), st.deferred_release);
-}
 
 bool engine::serve_step(run_state& st, step_record& rec) {
   // During a progressive switch the tables are frozen: the step reads both sets through the
@@ -603,7 +455,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       st.out.switches.push_back(std::move(s));
     }
   }
-  st.capacity = capacity_context{&switcher_, &st.sched};
+  st.capacity = detail::capacity_context{&switcher_, &st.sched};
   if (o.how == switching::policy) {
     moebius::switch_policy_config config = o.policy;
     if (gated) config.gate_margin = o.gate.margin;
@@ -611,7 +463,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     if (gated) {
       st.curves = curves;
       st.residency.emplace(o.gate.residency);
-      st.cost = cost_context{&switcher_, &clock_, arena_.shape.num_layers};
+      st.cost = detail::cost_context{&switcher_, &clock_, arena_.shape.num_layers};
       st.policy->set_cost_gate(&st.curves,
                                moebius::switch_cost_estimate{&predicted_switch_ms, &st.cost});
       st.policy->set_residency_predictor(&*st.residency);
@@ -662,135 +514,6 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   st.out.failed_requests = st.sched.num_failed();
   st.out.end_s = st.now;
   return std::move(st.out);
-}
-
-double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context) {
-  MOEBIUS_CHECK(batch >= 1 && context >= 1, errc::invalid_argument,
-                "decode_step_s: need batch >= 1 and context >= 1 (got ", batch, ", ", context, ")");
-  step_cost cost;
-  cost.mode = mode;
-  cost.num_ranks = kv_.num_ranks;
-  cost.num_sequences = batch;
-  cost.new_tokens = batch;
-  cost.context_tokens = batch * (context + 1);
-  if (!clock_.needs_measurement()) return clock_.step_s(cost, 0.0);
-
-  MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::invalid_argument,
-                "decode_step_s: the KV tables still hold live sequences");
-  const moebius::switch_report r = switch_untimed(mode);
-  MOEBIUS_CHECK(r.outcome == moebius::switch_outcome::committed ||
-                    r.outcome == moebius::switch_outcome::already_there,
-                errc::internal, "decode_step_s: the switch to ", moebius::to_string(mode),
-                " with no live sequence failed (", moebius::to_string(r.outcome), "): ", r.error);
-  kv_state& tables = switcher_.mutable_kv_tables();
-  // Placeholder sequences far above any request id; EP owners round-robin.
-  constexpr int64_t first_id = int64_t{1} << 60;
-  const std::vector<int32_t> token(1, 0);
-  std::vector<step_item> items;
-  // The placeholders go whatever happens (a pool too small for them, a step that throws).
-  auto release_all = [&] {
-    for (int64_t i = 0; i < batch; ++i) release_sequence(tables, first_id + i);
-  };
-  for (int64_t i = 0; i < batch; ++i) {
-    try {
-      reserve_tokens(kv_, tables, first_id + i, context + 1, static_cast<int>(i % kv_.num_ranks));
-    } catch (...) {
-      release_all();
-      throw;
-    }
-    step_item it;
-    it.seq_id = first_id + i;
-    it.tokens = token;
-    it.start_position = context;
-    it.sample = true;
-    items.push_back(it);
-  }
-  const auto t0 = host_clock::now();
-  try {
-    runtime_.step(step_layout{&tables, switcher_.cursor()}, items);
-  } catch (...) {
-    release_all();
-    throw;
-  }
-  const double measured =
-      runtime_.measured_step_s() >= 0 ? runtime_.measured_step_s() : seconds_since(t0);
-  release_all();
-  return clock_.step_s(cost, measured);
-}
-
-moebius::calibration_result calibrate_engine(engine& e, std::span<const int64_t> batches,
-                                             int64_t context,
-                                             const moebius::calibration_options& options) {
-  std::vector<moebius::latency_sample> ep, tp;
-  for (const int64_t b : batches) {
-    ep.push_back({static_cast<double>(b), e.decode_step_s(parallel_mode::ep, b, context) * 1e3});
-    tp.push_back({static_cast<double>(b), e.decode_step_s(parallel_mode::tp, b, context) * 1e3});
-  }
-  return moebius::calibrate(ep, tp, options);
-}
-
-run_summary summarize(const run_result& r) {
-  run_summary s;
-  s.requests = static_cast<int64_t>(r.requests.size());
-  s.steps = static_cast<int64_t>(r.steps.size());
-  s.duration_s = r.end_s;
-  std::vector<double> ttft, tpot;
-  double tpot_sum = 0;
-  int64_t tpot_n = 0;
-  for (const request_result& q : r.requests) {
-    s.output_tokens += static_cast<int64_t>(q.generated.size());
-    if (q.first_token_s >= 0) ttft.push_back(q.ttft_s() * 1e3);
-    if (q.finished() && q.output_tokens > 1) {
-      tpot_sum += q.tpot_s() * 1e3;
-      tpot.push_back(q.tpot_s() * 1e3);
-      ++tpot_n;
-    }
-  }
-  if (!ttft.empty()) {
-    double sum = 0;
-    for (double x : ttft) sum += x;
-    s.mean_ttft_ms = sum / static_cast<double>(ttft.size());
-    std::sort(ttft.begin(), ttft.end());
-    // Nearest rank: the smallest value with at least 99% of the samples at or below it.
-    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(ttft.size())));
-    s.p99_ttft_ms = ttft[std::max<size_t>(rank, 1) - 1];
-  }
-  s.mean_tpot_ms = tpot_n > 0 ? tpot_sum / static_cast<double>(tpot_n) : 0;
-  if (!tpot.empty()) {
-    std::sort(tpot.begin(), tpot.end());
-    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(tpot.size())));
-    s.p99_tpot_ms = tpot[std::max<size_t>(rank, 1) - 1];
-  }
-  // Throughput over the time requests were present: first arrival to last finish.
-  double first_arrival = r.end_s;
-  for (const request_result& q : r.requests)
-    if (!q.failed()) first_arrival = std::min(first_arrival, q.arrival_s);
-  const double span = r.end_s - first_arrival;
-  s.tokens_per_s = span > 0 ? static_cast<double>(s.output_tokens) / span : 0;
-  for (const switch_record& w : r.switches) {
-    if (w.outcome != moebius::switch_outcome::committed) continue;
-    ++s.switches;
-    s.switch_total_ms += w.clock_ms;
-  }
-  s.switch_mean_ms = s.switches > 0 ? s.switch_total_ms / static_cast<double>(s.switches) : 0;
-  return s;
-}
-
-void write_steps_csv(std::ostream& os, const run_result& r) {
-  os << "run,step,start_s,mode,sequences,decode_tokens,prefill_tokens,context_tokens,running,"
-        "waiting,stalled,kv_used_pages,step_ms,measured_ms,switched,switch_ms\n";
-  char buf[320];
-  for (const step_record& s : r.steps) {
-    std::snprintf(buf, sizeof buf, "%s,%lld,%.6f,%s,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%.4f,%.4f,%d,%.4f\n",
-                  r.name.c_str(), static_cast<long long>(s.step), s.start_s,
-                  moebius::to_string(s.mode), static_cast<long long>(s.sequences),
-                  static_cast<long long>(s.decode_tokens), static_cast<long long>(s.prefill_tokens),
-                  static_cast<long long>(s.context_tokens), static_cast<long long>(s.running),
-                  static_cast<long long>(s.waiting), static_cast<long long>(s.stalled),
-                  static_cast<long long>(s.kv_used_pages), s.step_ms, s.measured_ms,
-                  s.switched ? 1 : 0, s.switch_ms);
-    os << buf;
-  }
 }
 
 }  // namespace mini_engine

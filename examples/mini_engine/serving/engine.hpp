@@ -43,8 +43,9 @@
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/transport.hpp>
 
-#include "step.hpp"
+#include "run_report.hpp"
 #include "scheduler.hpp"
+#include "step.hpp"
 #include "step_clock.hpp"
 #include "trace.hpp"
 
@@ -145,77 +146,6 @@ struct engine_options {
   lost_kv_policy lost_kv = lost_kv_policy::resume;
 };
 
-// One step, as the CSV records it.
-struct step_record {
-  int64_t step = 0;
-  double start_s = 0;                   // serving clock at the step's start
-  moebius::parallel_mode mode = moebius::parallel_mode::ep;
-  int64_t sequences = 0, decode_tokens = 0, prefill_tokens = 0, context_tokens = 0;
-  int64_t running = 0, waiting = 0, stalled = 0;
-  int64_t kv_used_pages = 0;            // sum over ranks, in `mode`'s pages
-  double step_ms = 0;                   // on the serving clock
-  double measured_ms = 0;               // host (or GPU) time of runtime.step()
-  bool switched = false;                // a switch ran before this step
-  double switch_ms = 0;                 // its time on the serving clock
-  // Progressive: the step ran during a switch (hybrid) with the copies of `layers` layers
-  // beside it; copy_ms is what the clock charges for those copies alone and step_ms what it
-  // charges for both (step_clock::switch_step_s: measured, the step's device time plus the wait
-  // for copies that outlasted it; priced, by the measured slowdown curve).
-  bool in_switch = false;
-  int64_t layers = 0;
-  int64_t cursor = 0;                   // arena cursor (TP layers) the step ran at
-  double copy_ms = 0;
-};
-
-struct switch_record {
-  int64_t step = 0;                     // ran before this step
-  double start_s = 0;
-  moebius::parallel_mode from = moebius::parallel_mode::ep, to = moebius::parallel_mode::ep;
-  moebius::switch_outcome outcome = moebius::switch_outcome::committed;
-  double clock_ms = 0, measured_ms = 0;
-  int64_t running = 0, prefilling = 0;  // sequences live, and of them mid chunked prefill
-  std::string error;
-  // Progressive: steps served during the switch, layers advanced per step (paced), tokens
-  // produced meanwhile. clock_ms is then begin to finish on the serving clock.
-  bool progressive = false;
-  int64_t steps = 0, layers_per_step = 0, tokens = 0;
-  // The cost gate's reasoning when it let this switch through (evaluated false: no gate).
-  moebius::gate_evaluation gate;
-  // Outcome inconsistent: the engine recovered (engine_options::reload_experts) and the
-  // sequences whose K/V was lost (resumed or failed, as lost_kv says).
-  bool recovered = false;
-  int64_t lost_sequences = 0;
-};
-
-struct run_result {
-  std::string name;
-  std::string clock;                    // step_clock::name()
-  std::vector<step_record> steps;
-  std::vector<switch_record> switches;  // committed or not
-  std::vector<request_result> requests; // sorted by id
-  double end_s = 0;
-  int64_t stalls = 0;
-  int64_t failed_requests = 0;          // requests with request_result::error set
-  // Policy runs: the policy as configured, the gate's curves (if any), the decisions the gate
-  // refused, and the last refusal's reasoning.
-  std::string policy;
-  std::string gate;
-  int64_t gate_refusals = 0;
-  moebius::gate_evaluation last_refusal;
-};
-
-struct run_summary {
-  int64_t requests = 0, output_tokens = 0, steps = 0;
-  double mean_ttft_ms = 0, p99_ttft_ms = 0, mean_tpot_ms = 0, p99_tpot_ms = 0, tokens_per_s = 0;
-  int64_t switches = 0;                 // committed
-  double switch_total_ms = 0, switch_mean_ms = 0;
-  double duration_s = 0;
-};
-
-run_summary summarize(const run_result& r);
-
-// step,start_s,mode,sequences,... one line per step (header first).
-void write_steps_csv(std::ostream& os, const run_result& r);
 
 // What engine::run does with requests and switches that go wrong (docs/ERRORS.md, "The serving
 // loop"):

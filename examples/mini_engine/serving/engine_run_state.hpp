@@ -1,0 +1,100 @@
+#pragma once
+
+// What one engine::run carries from step to step, and the small pieces the engine's files
+// share (engine.cpp: the loop; progressive_driver.cpp: a progressive switch;
+// engine_calibration.cpp: decode steps for the calibration). Internal to the serving loop.
+
+#include <algorithm>
+#include <chrono>
+#include <moebius/policy/residency.hpp>
+#include <moebius/policy/switch_policy.hpp>
+#include <moebius/switch/pacing.hpp>
+#include <moebius/switch/progressive.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine.hpp"
+
+namespace mini_engine::detail {
+
+using host_clock = std::chrono::steady_clock;
+
+inline double seconds_since(host_clock::time_point t0) {
+  return std::chrono::duration<double>(host_clock::now() - t0).count();
+}
+
+// The policy's capacity check: the switcher's (today's tables) and the scheduler's
+// (every running sequence at its largest).
+struct capacity_context {
+  const moebius::switcher* sw;
+  const scheduler* sched;
+};
+
+// The gate's switch cost: what the clock predicts for the switch the switcher would run now
+// (weights and the live KV), in ms.
+struct cost_context {
+  const moebius::switcher* sw;
+  const step_clock* clock;
+  int64_t num_layers;
+};
+
+// How a switch ended, from the switcher's report into the run's record.
+inline void record_outcome(switch_record& s, const moebius::switch_report& r) {
+  s.outcome = r.outcome;
+  s.error = r.error;
+  s.measured_ms = r.total_ms;
+}
+
+// Whether the tables hold no sequence on any rank.
+inline bool no_live_sequences(const moebius::kv_state& s) {
+  return std::all_of(s.ranks.begin(), s.ranks.end(),
+                     [](const moebius::kv_rank_state& r) { return r.sequences.empty(); });
+}
+
+// Tokens the run's requests have produced so far.
+inline int64_t tokens_produced(const scheduler& sched) {
+  int64_t n = 0;
+  for (const request_result& q : sched.results()) n += static_cast<int64_t>(q.generated.size());
+  return n;
+}
+
+}  // namespace mini_engine::detail
+
+namespace mini_engine {
+
+// What one run() carries from step to step.
+struct engine::run_state {
+  run_state(const moebius::kv_geometry& kv, std::vector<request> requests, const engine_options& o,
+            const scheduler_options& so, const std::string& run_name)
+      : options(o), name(run_name), sched(kv, std::move(requests), so) {}
+
+  const engine_options& options;
+  const std::string& name;
+  scheduler sched;
+  detail::capacity_context capacity{nullptr, nullptr};
+  std::optional<moebius::switch_policy> policy;
+  // The cost gate: its curves, residency predictor, cost estimate and what the predictor has
+  // been told (arrivals and completions are observed as differences of these counts).
+  moebius::latency_curves curves;
+  std::optional<moebius::residency_predictor> residency;
+  detail::cost_context cost{nullptr, nullptr, 0};
+  int64_t seen_arrived = 0, seen_finished = 0, seen_finished_tokens = 0;
+  moebius::gate_evaluation pending_gate;  // the gate's reasoning for the switch decided now
+  run_result out;
+  double now = 0;
+  size_t next_forced = 0;
+  double last_step_s = 0;  // the last normal step on the serving clock (pacing)
+  int64_t total = 0;
+
+  // The progressive switch in flight, if any.
+  std::optional<moebius::progressive_switch> session;
+  size_t switch_idx = 0;  // its switch_record
+  int64_t layers = 1;     // paced layers per step
+  moebius::pacing_params pacing;
+  int64_t tokens_before = 0;  // tokens produced when it began
+  // Sequences finished during it: their pages go back when it has ended (frozen_pages).
+  std::vector<int64_t> deferred_release;
+};
+
+}  // namespace mini_engine
