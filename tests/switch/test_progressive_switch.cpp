@@ -461,3 +461,68 @@ TEST_CASE("the pacing input is planned with the switcher's own options",
   }
   CHECK(checked > 0);
 }
+
+TEST_CASE("wait() ends an advance as poll() does: ready past its layers, or ended and undone",
+          "[switch][progressive][fault]") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  int readies = 0, ends = 0, faulted = 0;
+  for (int iter = 0; iter < 8; ++iter) {
+    const int P = std::vector<int>{2, 4}[static_cast<size_t>(iter % 2)];
+    world w = make_world(rng, P, 0.45, true);
+    INFO("seed " << seed << " iter " << iter << " " << w.shape << " " << w.kv);
+    host_transport t(w.memory);
+    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
+    const snapshot before = take(w, sw);
+    progressive_switch s = sw.begin(parallel_mode::tp);
+    if (!s.open()) {  // TP cannot hold this KV: refused, nothing to wait for
+      CHECK(s.report().outcome == switch_outcome::refused_capacity);
+      CHECK(s.wait() == progress_state::ended);
+      continue;
+    }
+    const int64_t per_layer =
+        1 + s.report().kv_rounds / std::max<int64_t>(s.report().weight_phases, 1);
+    // Nothing outstanding: wait() returns at once with what poll() says.
+    CHECK(s.wait() == progress_state::ready);
+    CHECK(sw.cursor().tp_layers == 0);
+    const bool fault = (iter / 2) % 2 == 1;  // P = 2 and 4 each with and without a fault
+    faulted += fault;
+    while (s.layers_remaining() > 0) {
+      const int64_t n = std::uniform_int_distribution<int64_t>(1, 2)(rng);
+      const int64_t layers = std::min(n, s.layers_remaining());
+      // EP -> TP moves layers in ascending order: the cursor ends past them.
+      const int64_t cursor_after = s.view().cursor().tp_layers + layers;
+      if (fault && s.layers_remaining() <= 2) {
+        sw.inject_fault(switch_fault{
+            switch_fault::stage::weights,
+            fault_point{std::uniform_int_distribution<int64_t>(0, layers * per_layer - 1)(rng),
+                        0}});
+      }
+      s.advance(n);
+      const progress_state got = s.wait();
+      if (got == progress_state::ended) {
+        CHECK_FALSE(s.open());
+        CHECK(s.report().outcome == switch_outcome::rolled_back);
+        CHECK(diff(w, sw, before) == "");
+        CHECK(s.wait() == progress_state::ended);  // an ended session stays ended
+        ++ends;
+        break;
+      }
+      REQUIRE(got == progress_state::ready);
+      CHECK(s.view().cursor().tp_layers == cursor_after);
+      CHECK(s.poll() == progress_state::ready);  // nothing left outstanding
+      CHECK(s.wait() == progress_state::ready);
+      CHECK(s.view().cursor().tp_layers == cursor_after);
+      ++readies;
+    }
+    if (s.open()) {
+      CHECK_FALSE(fault);
+      CHECK(s.finish().outcome == switch_outcome::committed);
+      CHECK(sw.cursor().tp_layers == w.shape.num_layers);
+    } else {
+      CHECK(fault);
+    }
+  }
+  CHECK(readies > 0);
+  CHECK(ends == faulted);  // every fault ended its switch, undone
+}
