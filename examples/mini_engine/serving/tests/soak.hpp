@@ -25,23 +25,13 @@
 #include "catch.hpp"
 #include "engine.hpp"
 #include "paced_clock.hpp"
+#include "test_seed.hpp"
 #include "trace.hpp"
 
 namespace mini_engine::testing {
 
-// The soak's seed: MOEBIUS_TEST_SEED if set, else std::random_device; printed
-// ("MOEBIUS_TEST_SEED=<n>") so that a failing soak can be replayed.
-inline uint64_t soak_seed() {
-  uint64_t s = 0;
-  if (const char* env = std::getenv("MOEBIUS_TEST_SEED"); env != nullptr && *env != '\0') {
-    s = std::strtoull(env, nullptr, 0);
-  } else {
-    std::random_device rd;
-    s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
-  std::printf("MOEBIUS_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
+// The soak's seed (test_seed.hpp).
+inline uint64_t soak_seed() { return test_seed(); }
 
 struct soak_counts {
   int64_t rounds = 0, requests = 0, bad_requests = 0, switches = 0, committed = 0,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "test_seed.hpp"
 #include "engine.hpp"
 #include "small_trace.hpp"
 #include "world.hpp"
@@ -23,19 +24,6 @@ namespace {
 
 int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
   return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
-}
-
-// MOEBIUS_TEST_SEED if set, else std::random_device; printed so that a failure can be replayed.
-uint64_t test_seed() {
-  uint64_t s = 0;
-  if (const char* env = std::getenv("MOEBIUS_TEST_SEED"); env != nullptr && *env != '\0') {
-    s = std::strtoull(env, nullptr, 0);
-  } else {
-    std::random_device rd;
-    s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
-  std::printf("MOEBIUS_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-  return s;
 }
 
 // A step costs a + b x (tokens it feeds) + c x (tokens it attends, summed over its items), so
@@ -257,7 +245,7 @@ TEST_CASE("engine: a measured clock calibrates by running the runtime") {
 // With 100 and 200 samples and the three largest distinct, nearest rank differs from the
 // largest sample, a rank off by one and an interpolated percentile.
 TEST_CASE("summary metrics: TTFT, TPOT (mean, p99) and tokens/s equal a hand model's") {
-  const uint64_t seed = test_seed();
+  const uint64_t seed = testing::test_seed();
   testing::world w = testing::make_world(2, 64, seed);
   const linear_clock clock;
   engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
@@ -355,7 +343,7 @@ TEST_CASE("summary metrics: TTFT, TPOT (mean, p99) and tokens/s equal a hand mod
 }
 
 TEST_CASE("closed-loop rollout: step k arrives when step k - 1 has finished, as if served alone") {
-  const uint64_t seed = test_seed();
+  const uint64_t seed = testing::test_seed();
   testing::world w = testing::make_world(2, 64, seed);
   const linear_clock clock;
   engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});

@@ -4,30 +4,18 @@
 // log-normal moments), not by the generators' code; tolerances are 5 standard deviations of
 // the sampled statistic. And the statistics a trace prints are checked against a hand count.
 #include <cmath>
-#include <cstdlib>
 #include <moebius/error.hpp>
 #include <random>
 #include <sstream>
 
 #include "catch.hpp"
+#include "test_seed.hpp"
 #include "paper_traces.hpp"
 #include "trace_stats.hpp"
 
 using namespace mini_engine;
 
 namespace {
-
-uint64_t test_seed() {
-  uint64_t s = 0;
-  if (const char* env = std::getenv("MOEBIUS_TEST_SEED"); env != nullptr && *env != '\0') {
-    s = std::strtoull(env, nullptr, 0);
-  } else {
-    std::random_device rd;
-    s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
-  std::printf("MOEBIUS_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-  return s;
-}
 
 double phi(double z) {
   return 0.5 * std::erfc(-z / std::sqrt(2.0));
@@ -36,7 +24,7 @@ double phi(double z) {
 }  // namespace
 
 TEST_CASE("paper bursty trace: the paper's totals, two floods at 80 and 120/s, LMSYS lengths") {
-  const uint64_t seed = test_seed();
+  const uint64_t seed = testing::test_seed();
   const paper_bursty_options o;
   // The flood length from the paper's totals, by hand: 5 (375 - 2t) + 200 t = 3107.
   const double flood = (3107.0 - 5 * 375.0) / (80 + 120 - 10.0);
@@ -100,7 +88,7 @@ TEST_CASE("paper bursty trace: the paper's totals, two floods at 80 and 120/s, L
 }
 
 TEST_CASE("paper rollout trace: 9 closed-loop steps of 2048, the cut share at the cap, the mean") {
-  const uint64_t seed = test_seed();
+  const uint64_t seed = testing::test_seed();
   std::mt19937_64 rng(seed);
   // The default and a random point of the sweep (median 4k-10k, cut share 2-20%).
   for (int k = 0; k < 2; ++k) {
