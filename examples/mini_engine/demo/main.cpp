@@ -35,10 +35,12 @@
 #include <memory>
 #include <moebius/error.hpp>
 #include <new>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "clock.hpp"
+#include "deployment.hpp"
 #include "engine.hpp"
 #include "experiments.hpp"
 #include "options.hpp"
@@ -114,6 +116,19 @@ std::vector<world> make_worlds(const options& o, bool use_gpu, int P, const hf_c
   return worlds;
 }
 
+// The deployment the paper ran (Qwen3-235B-A22B, P = 8, 0.85 of an H200): what each layout
+// holds per rank and in tokens and sequences (serving/deployment.hpp). The host demo's own
+// pool above is sized as the priced clock scales its context, not as this.
+void print_paper_deployment() {
+  std::printf("  the paper's deployment (serving/deployment.hpp):\n");
+  for (const deployment_kind k :
+       {deployment_kind::static_tp, deployment_kind::static_ep, deployment_kind::switching}) {
+    std::ostringstream d;
+    d << make_deployment(qwen3_235b_a22b(), k);
+    std::printf("    %s\n", d.str().c_str());
+  }
+}
+
 int run_demo(options o) {
   const auto t_start = wall::now();
   if (!o.write_trace.empty()) return write_trace_file(o);
@@ -145,6 +160,7 @@ int run_demo(options o) {
   world& w = worlds.front();
   std::printf("  runtime: %s\n", w.description.c_str());
   std::printf("  KV pool: %s\n", kv_why.c_str());
+  if (!use_gpu && o.priced == priced_kind::qwen3_235b_a22b) print_paper_deployment();
 
   bool ok = true;
   if (o.reshard_stage) {

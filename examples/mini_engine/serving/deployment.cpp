@@ -1,0 +1,136 @@
+#include "deployment.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <moebius/error.hpp>
+#include <moebius/layout/arena_geometry.hpp>
+#include <moebius/memory/memory_budget.hpp>
+#include <ostream>
+
+namespace mini_engine {
+
+using moebius::errc;
+using moebius::parallel_mode;
+
+namespace {
+
+// KV bytes a rank stores per token it holds: every layer, K and V, the KV heads of the layout
+// (EP: all H_kv; TP: H_kv / P, or one replicated head when H_kv < P).
+int64_t kv_bytes_per_token(const model_config& c, parallel_mode m, int P) {
+  const int64_t heads =
+      m == parallel_mode::ep ? c.num_kv_heads : std::max<int64_t>(1, c.num_kv_heads / P);
+  return c.num_layers * 2 * heads * c.head_dim * moebius::dtype_bytes(c.kv_dtype);
+}
+
+layout_capacity capacity_of(const model_config& c, const deployment_options& o, parallel_mode m,
+                            int64_t weight_bytes) {
+  layout_capacity l;
+  l.mode = m;
+  l.num_ranks = o.num_ranks;
+  l.max_running = o.max_running;
+  l.weight_bytes = weight_bytes;
+  const double budget = o.memory_fraction * o.device_bytes - static_cast<double>(weight_bytes);
+  l.kv_pool_bytes = budget > 0 ? static_cast<int64_t>(budget) : 0;
+  l.kv_bytes_per_token = kv_bytes_per_token(c, m, o.num_ranks);
+  const int64_t per_rank = l.kv_pool_bytes / l.kv_bytes_per_token;
+  l.tokens = m == parallel_mode::ep ? per_rank * o.num_ranks : per_rank;
+  return l;
+}
+
+}  // namespace
+
+const char* to_string(deployment_kind k) {
+  switch (k) {
+    case deployment_kind::static_tp:
+      return "static TP";
+    case deployment_kind::static_ep:
+      return "static EP";
+    case deployment_kind::switching:
+      return "switching";
+  }
+  return "unknown";
+}
+
+int64_t layout_capacity::sequences(int64_t context) const {
+  MOEBIUS_CHECK(context >= 1, errc::invalid_argument, "sequences: context must be >= 1 (got ",
+                context, ")");
+  const int64_t per_rank_tokens = kv_pool_bytes / kv_bytes_per_token;
+  const int64_t fit = mode == parallel_mode::ep ? (per_rank_tokens / context) * num_ranks
+                                                : per_rank_tokens / context;
+  return std::min(fit, max_running);
+}
+
+deployment make_deployment(const model_config& model, deployment_kind kind,
+                           const deployment_options& o) {
+  validate(model, o.num_ranks);
+  MOEBIUS_CHECK(o.memory_fraction > 0 && o.memory_fraction <= 1, errc::invalid_argument,
+                "deployment: memory_fraction must be in (0, 1] (got ", o.memory_fraction, ")");
+  MOEBIUS_CHECK(o.device_bytes > 0 && std::isfinite(o.device_bytes), errc::invalid_argument,
+                "deployment: device_bytes must be finite and > 0 (got ", o.device_bytes, ")");
+  MOEBIUS_CHECK(o.max_running >= 1, errc::invalid_argument,
+                "deployment: max_running must be >= 1 (got ", o.max_running, ")");
+  const moebius::arena_geometry arena =
+      moebius::make_arena_geometry(expert_shape_of(model), o.num_ranks, 256, 4096);
+  moebius::attention_shape a;
+  a.num_layers = model.num_layers;
+  a.hidden = model.hidden;
+  a.num_q_heads = model.num_q_heads;
+  a.num_kv_heads = model.num_kv_heads;
+  a.head_dim = model.head_dim;
+  a.weight_dtype = moebius::dtype::bf16;
+  moebius::dense_shape dense;
+  dense.vocab = model.vocab;
+  dense.num_experts = model.num_experts;
+  const moebius::memory_budget b = moebius::make_memory_budget(arena, a, dense, 0, {});
+  // EP holds the whole attention and dense weights; TP its head slice and, vocab-parallel as
+  // SGLang and vLLM shard them, 1/P of the embedding and LM head (and of the rest of the dense
+  // weights, a rounding error beside them); switching holds EP's and the arena's spare slot.
+  const int64_t ep = b.expert_bytes + b.attention_bytes + b.dense_bytes;
+  const int64_t tp = b.expert_bytes + b.static_tp_attention_bytes + b.dense_bytes / o.num_ranks;
+  const int64_t sw = b.arena_bytes + b.attention_bytes + b.dense_bytes;
+  deployment d;
+  d.kind = kind;
+  d.model = model;
+  d.options = o;
+  switch (kind) {
+    case deployment_kind::static_ep:
+      d.ep = capacity_of(model, o, parallel_mode::ep, ep);
+      break;
+    case deployment_kind::static_tp:
+      d.tp = capacity_of(model, o, parallel_mode::tp, tp);
+      break;
+    case deployment_kind::switching:
+      d.ep = capacity_of(model, o, parallel_mode::ep, sw);
+      d.tp = capacity_of(model, o, parallel_mode::tp, sw);
+      break;
+  }
+  return d;
+}
+
+std::ostream& operator<<(std::ostream& os, const deployment& d) {
+  char buf[320];
+  std::snprintf(buf, sizeof buf, "%s (P=%d, %.0f%% of %.1f GB): ", to_string(d.kind),
+                d.options.num_ranks, d.options.memory_fraction * 100, d.options.device_bytes / 1e9);
+  os << buf;
+  bool first = true;
+  for (const parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+    const layout_capacity& l = d.in(m);
+    if (l.kv_bytes_per_token == 0) continue;  // a static deployment's other layout
+    std::snprintf(
+        buf, sizeof buf,
+        "%s%s %.1f GB of weights and %.1f GB of KV a rank, %.1f KB a token: %.2fM "
+        "tokens%s, sequences of 4k / 16k / 32k: %lld / %lld / %lld",
+        first ? "" : "; ", moebius::to_string(m), static_cast<double>(l.weight_bytes) / 1e9,
+        static_cast<double>(l.kv_pool_bytes) / 1e9, static_cast<double>(l.kv_bytes_per_token) / 1e3,
+        static_cast<double>(l.tokens) / 1e6,
+        m == parallel_mode::ep ? " in all" : " (every rank holds every sequence)",
+        static_cast<long long>(l.sequences(4096)), static_cast<long long>(l.sequences(16384)),
+        static_cast<long long>(l.sequences(32768)));
+    os << buf;
+    first = false;
+  }
+  return os;
+}
+
+}  // namespace mini_engine
