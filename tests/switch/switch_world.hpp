@@ -66,22 +66,15 @@ inline kv_state random_ep_tables(const kv_geometry& g, double occupancy, std::mt
   return make_kv_state(g, parallel_mode::ep, std::move(tables));
 }
 
-// `same_layers`: as many KV layers as MoE layers (a progressive switch moves them together).
-inline world make_world(std::mt19937_64& rng, int P, double occupancy, bool same_layers = false) {
+// A world of the given arena and KV geometries (the ranks are kv.num_ranks): reference experts
+// in EP, a pool of random bytes, random EP tables using about `occupancy` of it.
+inline world make_world(std::mt19937_64& rng, const arena_geometry& weights, const kv_geometry& kv,
+                        double occupancy) {
+  const int P = kv.num_ranks;
   world w;
-  w.shape = testing::random_shape(rng, P, false);
-  w.weights = make_arena_geometry(w.shape, P);
-  const int64_t head_choices[] = {1, 2, 4, 8};
-  int64_t heads = 0;
-  do {  // H_kv and P must nest: P | H_kv or H_kv | P
-    heads = head_choices[std::uniform_int_distribution<int>(0, 3)(rng)];
-  } while (!(heads % P == 0 || P % heads == 0));
-  const int64_t kv_layers =
-      same_layers ? w.shape.num_layers : std::uniform_int_distribution<int64_t>(1, 3)(rng);
-  w.kv = make_kv_geometry(kv_layers, heads,
-                          std::uniform_int_distribution<int64_t>(1, 8)(rng),
-                          std::uniform_int_distribution<int64_t>(1, 8)(rng),
-                          std::uniform_int_distribution<int64_t>(4, 24)(rng), P);
+  w.shape = weights.shape;
+  w.weights = weights;
+  w.kv = kv;
   w.logical = testing::random_weights(w.shape, rng);
   testing::load_reference(w.logical, w.weights, arena_cursor{0}, w.arenas);
   w.pools.assign(static_cast<size_t>(P), std::vector<std::byte>(static_cast<size_t>(w.kv.pool_bytes())));
@@ -95,6 +88,23 @@ inline world make_world(std::mt19937_64& rng, int P, double occupancy, bool same
     w.memory[static_cast<size_t>(r)].spaces[1] = w.pools[static_cast<size_t>(r)];
   }
   return w;
+}
+
+// `same_layers`: as many KV layers as MoE layers (a progressive switch moves them together).
+inline world make_world(std::mt19937_64& rng, int P, double occupancy, bool same_layers = false) {
+  const expert_shape shape = testing::random_shape(rng, P, false);
+  const int64_t head_choices[] = {1, 2, 4, 8};
+  int64_t heads = 0;
+  do {  // H_kv and P must nest: P | H_kv or H_kv | P
+    heads = head_choices[std::uniform_int_distribution<int>(0, 3)(rng)];
+  } while (!(heads % P == 0 || P % heads == 0));
+  const int64_t kv_layers =
+      same_layers ? shape.num_layers : std::uniform_int_distribution<int64_t>(1, 3)(rng);
+  const kv_geometry kv = make_kv_geometry(kv_layers, heads,
+                                          std::uniform_int_distribution<int64_t>(1, 8)(rng),
+                                          std::uniform_int_distribution<int64_t>(1, 8)(rng),
+                                          std::uniform_int_distribution<int64_t>(4, 24)(rng), P);
+  return make_world(rng, make_arena_geometry(shape, P), kv, occupancy);
 }
 
 // Bytes of every page in use, per rank, in table order: equal before and after means the

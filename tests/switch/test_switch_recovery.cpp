@@ -10,7 +10,10 @@
 #include <stdexcept>
 #include <vector>
 
+#include "kv/kv_reference.hpp"
 #include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/kv_migration.hpp"
+#include "moebius/plan/rollback.hpp"
 #include "moebius/switch/switcher.hpp"
 #include "moebius/transport/host_transport.hpp"
 #include "support/catch.hpp"
@@ -61,8 +64,10 @@ arena_cursor resting(const world& w, parallel_mode m) {
 // Recovers `sw` in `mode` and checks the result: consistent, the reference experts at the
 // resting cursor, and either every sequence kept with its K/V (checksum as before) or every
 // one lost and the tables empty. Then a switch both ways commits and keeps what is left.
-void recover_and_check(world& w, host_transport& t, switcher& sw, parallel_mode mode,
-                       uint64_t kv_before, const std::vector<int64_t>& ids, bool expect_kept) {
+// `after_recover` (optional) checks more right after the recovery. Returns the recovery's report.
+recovery_report recover_and_check(world& w, host_transport& t, switcher& sw, parallel_mode mode,
+                       uint64_t kv_before, const std::vector<int64_t>& ids, bool expect_kept,
+                       const std::function<void()>& after_recover = {}) {
   REQUIRE_FALSE(sw.consistent());
   CHECK(sw.switch_to(other(sw.mode())).outcome == switch_outcome::inconsistent);  // refused
   recovery_request q;
@@ -71,6 +76,7 @@ void recover_and_check(world& w, host_transport& t, switcher& sw, parallel_mode 
   const recovery_report r = sw.recover(q);
   INFO(r.error);
   REQUIRE(r.recovered);
+  CHECK(r.mode == mode);
   CHECK(sw.consistent());
   CHECK(sw.mode() == mode);
   CHECK(sw.cursor() == resting(w, mode));
@@ -88,6 +94,7 @@ void recover_and_check(world& w, host_transport& t, switcher& sw, parallel_mode 
     CHECK(r.lost == ids);
     CHECK(live_ids(sw.kv_tables()).empty());
   }
+  if (after_recover) after_recover();
   const uint64_t kv_now = kv_checksum(w.kv, sw.kv_tables(), w.pool_spans());
   for (const parallel_mode m : {other(mode), mode}) {
     const switch_report s = sw.switch_to(m);
@@ -98,6 +105,7 @@ void recover_and_check(world& w, host_transport& t, switcher& sw, parallel_mode 
     CHECK(kv_checksum(w.kv, sw.kv_tables(), w.pool_spans()) == kv_now);
   }
   (void)t;
+  return r;
 }
 
 }  // namespace
@@ -264,4 +272,137 @@ TEST_CASE("recover: refused when there is nothing to recover, retried when the r
   CHECK(sw.mode() == parallel_mode::tp);
   CHECK(compare_to_reference(w.logical, w.weights, sw.cursor(), w.arenas,
                               testing::padding_rule::end_slots_unknown) == "");
+}
+
+// The undo of a unit whose KV moved in two or more rounds: a near-full pool makes the EP->TP
+// migration take several rounds; every round completes, then the verify hook reports a
+// different checksum (as corruption would), so the undo reverses every round.
+//   undo fails in the KV: the fault hits a later phase of the KV undo, after its first phase
+//     ran: the KV is partly reversed, every sequence is lost; the experts come back from the
+//     reference byte for byte.
+//   undo fails after the KV: the KV undo (every round) completes, the weights' undo fails:
+//     every sequence is kept, and every live K/V byte is where the tables say and equals the
+//     independent reference (kv_reference.hpp), in the EP layout or, recovered in TP, the TP one.
+TEST_CASE("recover after the undo of a multi-round KV migration failed (near-full pool)",
+          "[switch][recovery][rounds]") {
+  const uint64_t seed = test_seed();
+  std::mt19937_64 rng(seed + 3);
+  enum kind : int { undo_fails_in_kv, undo_fails_after_kv, num_kinds };
+  static constexpr const char* kind_names[] = {"the KV undo fails", "the weights' undo fails"};
+  constexpr int want = 2, max_draws = 300, min_rounds = 3;
+  int ran[num_kinds][2] = {};  // [kind][recovery mode: 0 EP, 1 TP]
+  auto short_of = [&](int k) { return std::min(ran[k][0], ran[k][1]) < want; };
+  int draws = 0, refused = 0, few_rounds = 0;
+  for (; draws < max_draws && (short_of(undo_fails_in_kv) || short_of(undo_fails_after_kv));
+       ++draws) {
+    const int P = std::vector<int>{2, 4}[static_cast<size_t>(draws % 2)];
+    // Small experts in 4 KiB slots, KV pages of about half a slot (the switch stages through
+    // the free slot: about two pages), P | H_kv (TP holds what EP holds), 90-100% of the pool
+    // in use: the migration takes several rounds.
+    std::uniform_int_distribution<int64_t> pick(1, 4);
+    expert_shape shape;
+    shape.num_layers = pick(rng);
+    shape.num_experts = P * (1 + pick(rng) % 2);
+    shape.hidden = 2 * pick(rng);
+    shape.intermediate = P * pick(rng);
+    const int64_t layers = 1 + pick(rng) % 2, heads = P * (1 + pick(rng) % 2), page = pick(rng),
+                  pages = 4 * (1 + pick(rng));
+    const kv_layout inner = pick(rng) % 2 ? kv_layout::hnd : kv_layout::nhd;
+    const int64_t per_dim = kv_staging_slot_bytes(make_kv_geometry(layers, heads, 1, page, pages, P),
+                                                  parallel_mode::tp);
+    const arena_geometry weights = make_arena_geometry(shape, P, 256, 4096);
+    const int64_t dim = std::max<int64_t>(1, weights.slot_bytes / (2 * per_dim));
+    world w = make_world(rng, weights,
+                         make_kv_geometry(layers, heads, dim, page, pages, P, dtype::bf16, inner),
+                         std::uniform_real_distribution<double>(0.9, 1.0)(rng));
+    INFO("seed " << seed << " draw " << draws << " " << w.shape << " " << w.kv);
+    host_transport t(w.memory);
+    const kv_state tables = w.tables;
+    const std::vector<int64_t> ids = live_ids(tables);
+    REQUIRE(!ids.empty());
+    const kv_capacity_report cap = switcher(w.weights, w.kv, t, tables, arena_cursor{0})
+                                       .check(parallel_mode::tp);
+    if (!cap.fits) {
+      ++refused;
+      continue;
+    }
+    if (cap.rounds < min_rounds) {
+      ++few_rounds;
+      continue;
+    }
+    // The migration as the switcher plans it (staging in the arena slot free at the TP
+    // resting cursor), and its undo: the KV undo fault goes to the last phase with ops, past
+    // the first (an undo phase ran).
+    const int64_t L = w.shape.num_layers;
+    kv_migration_options opt;
+    opt.staging = {memory_space::arena,
+                   w.weights.slot_offset(arena_geometry::free_slot(arena_cursor{L})),
+                   w.weights.slot_bytes};
+    const kv_migration mig = plan_kv_migration(w.kv, tables, parallel_mode::tp, opt);
+    REQUIRE(mig.stats.rounds == cap.rounds);
+    const plan undo = rollback_plan(mig.copies, cap.rounds);
+    int64_t undo_phase = -1;
+    for (size_t k = 1; k < undo.phases.size(); ++k)
+      if (!undo.phases[k].ops.empty()) undo_phase = static_cast<int64_t>(k);
+    REQUIRE(undo_phase >= 1);
+    const fault_point kv_undo_fault{
+        undo_phase,
+        static_cast<int64_t>(undo.phases[static_cast<size_t>(undo_phase)].ops.size() / 2)};
+
+    // Every live page holds the independent reference; free pages keep their random bytes.
+    content_map content;
+    for (const int64_t id : ids) content[id] = seq_content{};
+    fill_reference(w.kv, tables, content, w.pools);
+    const rank_images pools = w.pools;
+    const uint64_t kv_before = kv_checksum(w.kv, tables, w.pool_spans());
+
+    for (int k = 0; k < num_kinds; ++k) {
+      if (!short_of(k)) continue;
+      const int m = ran[k][0] <= ran[k][1] ? 0 : 1;
+      const parallel_mode mode = m ? parallel_mode::tp : parallel_mode::ep;
+      INFO(kind_names[k] << ", " << cap.rounds << " rounds, recovered in " << to_string(mode));
+      reset(w, pools);
+      // The first switch's verify differs after the move; later switches verify honestly.
+      int verify_calls = 0;
+      bool corrupt = true;
+      switcher_options sw_opt;
+      sw_opt.verify = [&](arena_cursor c, const kv_state& s) {
+        return corrupt ? static_cast<uint64_t>(++verify_calls) : state_checksum(w, c, s);
+      };
+      switcher sw(w.weights, w.kv, t, tables, arena_cursor{0}, sw_opt);
+      if (k == undo_fails_in_kv) {
+        sw.inject_fault(switch_fault{switch_fault::stage::undo, kv_undo_fault});
+      } else {  // the KV undo runs whole (a fault it never reaches), the weights' undo fails
+        sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{int64_t{1} << 40, 0}});
+        sw.inject_fault(switch_fault{switch_fault::stage::undo, fault_point{0, 0}});
+      }
+      const switch_report r = sw.switch_to(parallel_mode::tp);
+      corrupt = false;
+      INFO(r);
+      ++ran[k][m];
+      CHECK(r.outcome == switch_outcome::inconsistent);
+      if (r.outcome != switch_outcome::inconsistent) continue;  // the other kind still runs
+      CHECK(r.error.find("checksum") != std::string::npos);
+      CHECK(r.error.find("undo failed") != std::string::npos);
+      CHECK(r.kv_rounds_completed == cap.rounds);
+      CHECK(sw.mode() == parallel_mode::ep);  // the tables of record are still the source's
+      const bool kept = k == undo_fails_after_kv;
+      const recovery_report rec =
+          recover_and_check(w, t, sw, mode, kv_before, ids, kept, [&] {
+            CHECK(sw.kv_tables().mode == mode);
+            if (kept) CHECK(check_reference(w.kv, sw.kv_tables(), content, w.pools) == "");
+            if (kept && mode == parallel_mode::ep) CHECK(sw.kv_tables() == tables);
+          });
+      // The KV was intact in EP: recovering in TP moves it there with the migration's plan.
+      CHECK(rec.kv_plans_run == (kept && mode == parallel_mode::tp ? 1 : 0));
+    }
+  }
+  INFO("seed " << seed << ": " << draws << " worlds drawn, " << refused << " refused, "
+               << few_rounds << " with fewer than " << min_rounds << " rounds");
+  REQUIRE(draws < max_draws);
+  for (int k = 0; k < num_kinds; ++k) {
+    INFO(kind_names[k]);
+    CHECK(ran[k][0] == want);
+    CHECK(ran[k][1] == want);
+  }
 }
