@@ -287,6 +287,64 @@ TEST_CASE("KV TP->EP with replicas rolls back after every round (full pool, one 
   CHECK(planned > 16);
 }
 
+// The same property beyond two replicas per head: H_kv = 1, 2 on P = 8 (8 and 4 replicas)
+// and on P = 4 (4 and 2), beside Qwen3's H_kv = 4 on P = 8. Each owner reads a slice from one
+// replica; the others are dropped (first round) or freed with the slice's last read, and each
+// is re-created on rollback from a replica that is read. A restore taken from a replica that
+// is itself dropped (e.g. "the other one of its pair", right only with two replicas) brings
+// back bytes a later round overwrote. Every prefix of every plan must roll back exactly.
+TEST_CASE("KV TP->EP with 2, 4 and 8 replicas per head rolls back after every round",
+          "[kv][migration][rollback][replicas]") {
+  std::mt19937_64 rng(kv_test_seed() + 15);
+  struct shape {
+    int64_t heads;
+    int ranks;
+  };
+  static constexpr shape shapes[] = {{1, 8}, {2, 8}, {4, 8}, {1, 4}, {2, 4}};
+  for (const shape& sh : shapes) {
+    int64_t planned = 0, multi_round = 0;
+    for (int iter = 0; iter < 100 && (planned < 8 || (sh.heads > 1 && multi_round < 4)); ++iter) {
+      const kv_geometry g = make_kv_geometry(
+          uni(rng, 1, 2), sh.heads, pick_one(rng, {int64_t{1}, int64_t{2}}),
+          pick_one(rng, {int64_t{1}, int64_t{4}, int64_t{16}}), uni(rng, 4, 16), sh.ranks,
+          dtype::fp8_e5m2, uni(rng, 0, 1) ? kv_layout::hnd : kv_layout::nhd);
+      REQUIRE(g.tp_replicas() == sh.ranks / sh.heads);
+      kv_case c = random_kv_case(rng, g, parallel_mode::tp, pick_one(rng, {0.5, 0.9, 1.0}), 4096);
+      kv_migration_options opt;
+      opt.staging = {memory_space::arena, 0,
+                     uni(rng, 0, 2) * kv_staging_slot_bytes(g, parallel_mode::ep)};
+      if (!check_kv_capacity(g, c.state, parallel_mode::ep, opt).fits) continue;
+      const kv_migration mig = plan_kv_migration(g, c.state, parallel_mode::ep, opt);
+      ++planned;
+      if (mig.stats.rounds >= 2) ++multi_round;
+      INFO("H_kv " << sh.heads << " P " << sh.ranks << " iter " << iter << " " << g
+                   << " occupancy " << c.occupancy << " " << mig.stats);
+      REQUIRE(find_phase_hazard(mig.copies) == "");
+      const memory start = make_memory(rng, c, opt.staging.bytes);
+      REQUIRE(check_reference(g, c.state, c.content, start.kv) == "");
+      for (int64_t k = 0; k <= static_cast<int64_t>(mig.copies.phases.size()); ++k) {
+        INFO("rollback after " << k << " of " << mig.copies.phases.size() << " rounds");
+        memory m = start;
+        host_transport tr(m.spans());
+        plan prefix = mig.copies;
+        prefix.phases.resize(static_cast<size_t>(k));
+        tr.execute(prefix);
+        if (k == static_cast<int64_t>(mig.copies.phases.size()))
+          REQUIRE(check_reference(g, mig.new_state, c.content, m.kv) == "");
+        tr.execute(rollback_plan(mig.copies, k));
+        // Every replica of every head, on every rank, back byte for byte.
+        REQUIRE(check_reference(g, c.state, c.content, m.kv) == "");
+      }
+    }
+    INFO("H_kv " << sh.heads << " P " << sh.ranks << ": " << planned << " planned, "
+                 << multi_round << " in two or more rounds");
+    CHECK(planned >= 8);
+    // H_kv = 1: a TP page is the whole EP page, every owner keeps its own replica in place
+    // (one round, the others dropped and restored on rollback).
+    if (sh.heads > 1) CHECK(multi_round >= 4);
+  }
+}
+
 TEST_CASE("KV switches succeed at 90% occupancy", "[kv][rounds]") {
   std::mt19937_64 rng(kv_test_seed() + 5);
   static constexpr int ranks[] = {2, 4, 8};
