@@ -497,7 +497,8 @@ TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate
     FAIL("no sequence");
     return c.state.ranks[0].sequences[0];
   };
-  auto expect_reject = [&](kv_state bad, const char* what) {
+  // `says`: what the message must name (the broken constraint).
+  auto expect_reject = [&](kv_state bad, const char* what, const char* says) {
     INFO(what);
     try {
       (void)plan_kv_migration(g, bad, parallel_mode::tp);
@@ -505,7 +506,7 @@ TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate
     } catch (const moebius::error& e) {
       CHECK(e.code() == errc::invalid_argument);
       INFO(e.what());
-      CHECK(std::string(e.what()).size() > 20);
+      CHECK(std::string(e.what()).find(says) != std::string::npos);
     }
     REQUIRE(m.kv == before);
   };
@@ -516,7 +517,7 @@ TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate
     q.pages[0] = g.num_ep_pages;
     bad = c.state;
     q.pages[0] = keep;
-    expect_reject(bad, "page id out of range");
+    expect_reject(bad, "page id out of range", "outside [0, 32) (EP pages per rank)");
   }
   {
     kv_sequence& q = first();
@@ -525,16 +526,19 @@ TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate
     q.num_tokens = (q.num_pages() - 1) * g.page_size;
     kv_state bad = c.state;
     q = keep;
-    expect_reject(bad, "last page length 0");
+    expect_reject(bad, "last page length 0",
+                  "needs 1 <= last_page_len <= page_size (last_page_len=0, page_size=16)");
     q.last_page_len = g.page_size + 1;
     q.num_tokens = q.num_pages() * g.page_size + 1;
     bad = c.state;
     q = keep;
-    expect_reject(bad, "last page length > page size");
+    expect_reject(bad, "last page length > page size",
+                  "needs 1 <= last_page_len <= page_size (last_page_len=17, page_size=16)");
     q.num_tokens += g.page_size;
     bad = c.state;
     q = keep;
-    expect_reject(bad, "sequence longer than its pages");
+    expect_reject(bad, "sequence longer than its pages",
+                  "needs num_tokens == (pages-1)*page_size + last_page_len");
   }
   {
     // A page used twice without being marked shared (on any rank with a sequence: a full
@@ -551,7 +555,7 @@ TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate
       r.sequences.push_back(q);
       break;
     }
-    expect_reject(bad, "page used twice unshared");
+    expect_reject(bad, "page used twice unshared", "is used twice");
   }
   {
     kv_state bad = c.state;
@@ -560,7 +564,7 @@ TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate
         r.free_pages.pop_back();
         break;
       }
-    expect_reject(bad, "leaked page");
+    expect_reject(bad, "leaked page", "is neither free nor in use (leaked)");
   }
   {
     kv_state bad = c.state;
@@ -570,7 +574,7 @@ TEST_CASE("KV invalid tables are rejected before anything moves", "[kv][validate
         std::sort(r.free_pages.begin(), r.free_pages.end());
         break;
       }
-    expect_reject(bad, "page both free and used");
+    expect_reject(bad, "page both free and used", "is both free and in use");
   }
   // Bad geometry: P must divide H_kv; H_kv must divide P.
   CHECK_THROWS_AS(make_kv_geometry(1, 6, 8, 16, 4, 4), moebius::error);
