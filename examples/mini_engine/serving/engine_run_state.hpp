@@ -1,7 +1,7 @@
 #pragma once
 
 // What one engine::run carries from step to step, and the small pieces the engine's files
-// share (engine.cpp: the loop; progressive_driver.cpp: a progressive switch;
+// share (engine.cpp: the loop; progressive_driver.cpp: a progressive switch; engine_recovery.cpp;
 // engine_calibration.cpp: decode steps for the calibration). Internal to the serving loop.
 
 #include <algorithm>

@@ -26,7 +26,7 @@
 //     z(1 - cut_share). Defaults: a 2% cut (the fewest the sources report) and the median,
 //     2,000, that then gives the mean of DeepMath-103K's R1 solutions, about 4.5k tokens
 //     (4-4.6k, DESIGN.md §8; the capped mean of this log-normal is 4.47k). The sweep covers
-//     medians 4k-10k and cut shares 2-20% (issue 31): recipes cap at 10k-40k and cut a few
+//     medians 4k-10k and cut shares 2-20%: recipes cap at 10k-40k and cut a few
 //     to tens of percent.
 //   - Prompt lengths: uniform in [prompt_min, prompt_max] (64-512; no source: a math problem
 //     is a few hundred tokens, under 3% of a mean response, so its shape hardly matters).

@@ -117,19 +117,17 @@ scheduler::scheduler(const kv_geometry& g, std::vector<request> requests,
   }
 }
 
-void scheduler::start_steps_after(int64_t k, double now_s) {
-  for (size_t next = static_cast<size_t>(k) + 1; next < steps_.size(); ++next) {
-    const rollout_step_state& st = steps_[next];
-    for (size_t i = st.begin; i < st.end; ++i) {
-      requests_[i].arrival_s = now_s + relative_arrival_s_[i];
-      auto res = std::lower_bound(results_.begin(), results_.end(), requests_[i].id,
-                                  [](const request_result& x, int64_t id) { return x.id < id; });
-      res->arrival_s = requests_[i].arrival_s;
-    }
-    if (st.left > 0) break;
+void scheduler::start_next_step(int64_t k, double now_s) {
+  const size_t next = static_cast<size_t>(k) + 1;
+  if (next >= steps_.size()) return;
+  // Every step holds at least one request (steps_ is built from requests_), so the step after
+  // it waits for it in turn; requests_ stays sorted by arrival: later steps are still at +inf.
+  for (size_t i = steps_[next].begin; i < steps_[next].end; ++i) {
+    requests_[i].arrival_s = now_s + relative_arrival_s_[i];
+    auto res = std::lower_bound(results_.begin(), results_.end(), requests_[i].id,
+                                [](const request_result& x, int64_t id) { return x.id < id; });
+    res->arrival_s = requests_[i].arrival_s;
   }
-  // A step starting later than requests already queued behind it cannot happen: every later
-  // step still holds +inf arrivals, so requests_ stays sorted by arrival.
 }
 
 double scheduler::next_arrival_s() const {
@@ -286,7 +284,7 @@ int64_t scheduler::lose_kv(kv_state& kv, std::span<const int64_t> lost, bool res
       // A failed request ends its rollout step as a finished one would (at the last step's
       // time: the loss happened in a switch after it).
       if (running_[i].step >= 0 && --steps_[static_cast<size_t>(running_[i].step)].left == 0)
-        start_steps_after(running_[i].step, last_step_s_);
+        start_next_step(running_[i].step, last_step_s_);
       continue;
     }
     if (out != i) running_[out] = std::move(running_[i]);
@@ -425,7 +423,7 @@ std::vector<int64_t> scheduler::record_step(const step_batch& b,
       retire[static_cast<size_t>(b.running_idx[i])] = true;
       finished.push_back(res.id);
       if (s.step >= 0 && --steps_[static_cast<size_t>(s.step)].left == 0)
-        start_steps_after(s.step, now_s);
+        start_next_step(s.step, now_s);
     } else {
       s.tokens.push_back(next_tokens[i]);  // within the capacity reserved at admission
     }

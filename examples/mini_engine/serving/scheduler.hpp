@@ -211,9 +211,9 @@ class scheduler {
     bool decoding() const { return in_kv >= prompt; }
   };
 
-  // A closed-loop rollout: step `k` has finished at `now_s`; the steps after it that have no
-  // request left start then too.
-  void start_steps_after(int64_t k, double now_s);
+  // A closed-loop rollout: step `k` has finished at `now_s`; the next step's requests arrive
+  // from then on.
+  void start_next_step(int64_t k, double now_s);
 
   // Pages left per rank after the running sequences' reservations, in kv.mode.
   std::vector<int64_t> unreserved(const moebius::kv_state& kv) const;
