@@ -297,8 +297,9 @@ TEST_CASE("recover after the undo of a multi-round KV migration failed (near-ful
        ++draws) {
     const int P = std::vector<int>{2, 4}[static_cast<size_t>(draws % 2)];
     // Small experts in 4 KiB slots, KV pages of about half a slot (the switch stages through
-    // the free slot: about two pages), P | H_kv (TP holds what EP holds), 90-100% of the pool
-    // in use: the migration takes several rounds.
+    // the free slot: about two pages, in either direction: the check after the recovery switches
+    // both ways, and a TP->EP staging slot is larger than an EP->TP one), P | H_kv (TP holds what
+    // EP holds), 90-100% of the pool in use: the migration takes several rounds.
     std::uniform_int_distribution<int64_t> pick(1, 4);
     expert_shape shape;
     shape.num_layers = pick(rng);
@@ -308,8 +309,9 @@ TEST_CASE("recover after the undo of a multi-round KV migration failed (near-ful
     const int64_t layers = 1 + pick(rng) % 2, heads = P * (1 + pick(rng) % 2), page = pick(rng),
                   pages = 4 * (1 + pick(rng));
     const kv_layout inner = pick(rng) % 2 ? kv_layout::hnd : kv_layout::nhd;
-    const int64_t per_dim = kv_staging_slot_bytes(make_kv_geometry(layers, heads, 1, page, pages, P),
-                                                  parallel_mode::tp);
+    const kv_geometry unit_dim = make_kv_geometry(layers, heads, 1, page, pages, P);
+    const int64_t per_dim = std::max(kv_staging_slot_bytes(unit_dim, parallel_mode::tp),
+                                     kv_staging_slot_bytes(unit_dim, parallel_mode::ep));
     const arena_geometry weights = make_arena_geometry(shape, P, 256, 4096);
     const int64_t dim = std::max<int64_t>(1, weights.slot_bytes / (2 * per_dim));
     world w = make_world(rng, weights,
