@@ -1,0 +1,188 @@
+// The simulated runtime (sim_runtime.hpp) behind the real serving loop gives, on a trace the
+// host runtime serves, the host runtime's event log on the same priced clock: every step (its
+// start, mode, batch, prefill and decode tokens, context, running and waiting counts, KV pages,
+// priced time, switch and cursor), every switch (direction, outcome, priced time, steps, gate
+// reasoning) and every request's admission, first token and finish, in static runs, forced
+// switches both ways (stop-the-world and progressive) and policy runs with the cost gate. The
+// host runtime computes every token and moves every byte (host_transport); the simulated one
+// computes nothing and moves nothing (dry_run_transport), so the equal logs show that the
+// serving loop's decisions never depend on what a runtime computes. And a step the tables do
+// not hold is refused by the simulated runtime, as a runtime must.
+#include <random>
+#include <sstream>
+#include <string>
+
+#include <moebius/transport/dry_run_transport.hpp>
+
+#include "catch.hpp"
+#include "engine.hpp"
+#include "sim_runtime.hpp"
+#include "small_trace.hpp"
+#include "test_seed.hpp"
+#include "world.hpp"
+
+using namespace mini_engine;
+using moebius::parallel_mode;
+
+namespace {
+
+int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
+  return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
+}
+
+// The event log of a run: everything but measured host times, tokens and error texts, one
+// line per step, switch and request (a difference is printed as the first line that differs).
+std::vector<std::string> event_log(const run_result& r) {
+  std::vector<std::string> log;
+  for (const step_record& s : r.steps) {
+    std::ostringstream o;
+    o.precision(17);
+    o << "step " << s.step << " t " << s.start_s << " " << moebius::to_string(s.mode) << " seq "
+      << s.sequences << " dec " << s.decode_tokens << " pre " << s.prefill_tokens << " ctx "
+      << s.context_tokens << " run " << s.running << " wait " << s.waiting << " stall "
+      << s.stalled << " pages " << s.kv_used_pages << " ms " << s.step_ms << " sw "
+      << s.switched << " " << s.switch_ms << " in " << s.in_switch << " layers " << s.layers
+      << " cursor " << s.cursor << " copy " << s.copy_ms;
+    log.push_back(o.str());
+  }
+  for (const switch_record& s : r.switches) {
+    std::ostringstream o;
+    o.precision(17);
+    o << "switch at " << s.step << " t " << s.start_s << " " << moebius::to_string(s.from) << "->"
+      << moebius::to_string(s.to) << " " << moebius::to_string(s.outcome) << " ms " << s.clock_ms
+      << " running " << s.running << " prefilling " << s.prefilling << " progressive "
+      << s.progressive << " steps " << s.steps << " per step " << s.layers_per_step
+      << " tokens " << s.tokens << " gate " << s.gate.evaluated << " " << s.gate.gain_ms << " "
+      << s.gate.cost_ms;
+    log.push_back(o.str());
+  }
+  for (const request_result& q : r.requests) {
+    std::ostringstream o;
+    o.precision(17);
+    o << "request " << q.id << " arrival " << q.arrival_s << " admitted " << q.admitted_s
+      << " first " << q.first_token_s << " finish " << q.finish_s << " out " << q.output_tokens
+      << " generated " << q.generated.size() << " admissions " << q.admissions << " stalls "
+      << q.stalls;
+    log.push_back(o.str());
+  }
+  std::ostringstream o;
+  o.precision(17);
+  o << "end " << r.end_s << " stalls " << r.stalls << " failed " << r.failed_requests
+    << " refusals " << r.gate_refusals;
+  log.push_back(o.str());
+  return log;
+}
+
+void check_same_log(const run_result& host, const run_result& sim) {
+  const std::vector<std::string> a = event_log(host), b = event_log(sim);
+  CAPTURE(host.name);
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    if (a[i] != b[i]) {
+      INFO("line " << i << "\n host: " << a[i] << "\n sim:  " << b[i]);
+      FAIL_CHECK("the event logs differ");
+      return;
+    }
+  }
+  CHECK(a.size() == b.size());
+}
+
+}  // namespace
+
+TEST_CASE("the simulated runtime gives the host runtime's event log") {
+  const uint64_t seed = testing::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int round = 0; round < 4; ++round) {
+    const int P = round % 2 ? 4 : 2;
+    testing::world w = testing::make_world(P, 400, seed + static_cast<uint64_t>(round));
+    sim_runtime sim(w.arena, w.kv, w.vocab);
+    moebius::dry_run_transport dry(P, sim.spaces());
+    priced_model m;
+    m.num_kv_heads = w.kv.num_kv_heads;
+    const h200_step_model clock(m, h200_params{}, P, kv_bytes_per_token(w.kv));
+    engine host(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
+    engine simulated(sim, dry, w.arena, w.kv, clock, moebius::arena_cursor{0});
+    const uint64_t trace_seed = rng();
+    INFO("seed " << seed << " round " << round << " P " << P << " trace seed " << trace_seed
+                 << " runtime " << w.name);
+    const std::vector<request> reqs = round < 2 ? testing::small_trace(trace_seed, w.vocab, 12)
+                                                : testing::burst_trace(trace_seed, w.vocab);
+
+    engine_options base = testing::small_trace_options();
+    base.scheduler.max_running = round < 2 ? 6 : 48;
+    base.scheduler.max_step_tokens = round < 2 ? 8 : 128;
+    std::vector<std::pair<std::string, engine_options>> runs;
+    runs.push_back({"static EP", base});
+    runs.push_back({"static TP", base});
+    runs.back().second.start_mode = parallel_mode::tp;
+    engine_options forced = base;
+    forced.how = switching::forced;
+    for (int64_t s = 3; s < 400; s += 1 + static_cast<int64_t>(rng() % 12)) forced.forced_steps.push_back(s);
+    runs.push_back({"forced stop-the-world", forced});
+    runs.push_back({"forced progressive", forced});
+    runs.back().second.style = switch_style::progressive;
+    const std::vector<int64_t> batches = {1, 2, 4, 8, 16, 32, 64};
+    const moebius::calibration_result cal = calibrate_engine(host, batches, 40);
+    if (cal.has_thresholds) {
+      engine_options pol = base;
+      pol.how = switching::policy;
+      pol.policy = moebius::apply_calibration(cal, moebius::interactive_config(cal.t_high));
+      pol.policy.cooldown_s = 0.02;
+      pol.policy.down_window = 4;
+      pol.start_mode = parallel_mode::tp;
+      runs.push_back({"policy", pol});
+      runs.push_back({"policy progressive", pol});
+      runs.back().second.style = switch_style::progressive;
+    }
+    int64_t switches = 0;
+    for (const auto& [name, o] : runs) {
+      const run_result a = host.run(reqs, o, name);
+      const run_result b = simulated.run(reqs, o, name);
+      check_same_log(a, b);
+      for (const switch_record& s : a.switches)
+        switches += s.outcome == moebius::switch_outcome::committed;
+      // The host runtime's tokens are a model's; the simulated ones are not, but as many.
+      for (size_t i = 0; i < a.requests.size(); ++i)
+        CHECK(a.requests[i].generated.size() == b.requests[i].generated.size());
+    }
+    CHECK(switches >= 4);
+  }
+}
+
+TEST_CASE("the simulated runtime refuses a step its tables do not hold") {
+  testing::world w = testing::make_world(2, 32, 1);
+  sim_runtime sim(w.arena, w.kv, w.vocab);
+  moebius::kv_state ep = moebius::make_kv_state(w.kv, parallel_mode::ep,
+                                                {{}, {}});
+  // Sequence 7 on rank 1 with 5 tokens.
+  moebius::kv_sequence q;
+  q.seq_id = 7;
+  q.pages = {0, 1};
+  q.num_tokens = w.kv.page_size + 1;
+  q.last_page_len = 1;
+  ep.ranks[1].sequences.push_back(q);
+  std::erase(ep.ranks[1].free_pages, 0);
+  std::erase(ep.ranks[1].free_pages, 1);
+  moebius::validate(w.kv, ep);
+  const std::vector<int32_t> one = {3};
+  const step_layout at{&ep, moebius::arena_cursor{0}};
+  step_item fits{7, one, q.num_tokens - 1, true};
+  const std::vector<int32_t> t = sim.step(at, std::span(&fits, 1));
+  REQUIRE(t.size() == 1);
+  CHECK(t[0] == static_cast<int32_t>((7u * 31u + static_cast<uint64_t>(q.num_tokens)) %
+                                     static_cast<uint64_t>(w.vocab)));
+  step_item beyond{7, one, q.num_tokens, true};
+  CHECK_THROWS_WITH(sim.step(at, std::span(&beyond, 1)), Catch::Matchers::Contains("holds"));
+  step_item missing{8, one, 0, true};
+  CHECK_THROWS_WITH(sim.step(at, std::span(&missing, 1)), Catch::Matchers::Contains("on 0 ranks"));
+  // In TP every rank must hold it.
+  moebius::kv_state tp = ep;
+  tp.mode = parallel_mode::tp;
+  CHECK_THROWS_WITH(sim.step(step_layout{&tp, moebius::arena_cursor{w.arena.shape.num_layers}},
+                             std::span(&fits, 1)),
+                    Catch::Matchers::Contains("on 1 ranks of the TP tables (2 expected)"));
+  std::vector<std::vector<float>> logits;
+  step_options with_logits;
+  with_logits.logits = &logits;
+  CHECK_THROWS_WITH(sim.finish(sim.enqueue(at, std::span(&fits, 1), with_logits)),
+                    Catch::Matchers::Contains("no logits"));
+}
