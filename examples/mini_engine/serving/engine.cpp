@@ -281,6 +281,11 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   switch_copies copies;
   step_cost cost;
   if (!b.empty()) {
+    // Data-parallel attention: in EP each rank runs its own items (read before the step: a
+    // progressive switch that ends during it takes its tables along).
+    std::vector<rank_work> ep_split;
+    if (frozen || tables.mode == parallel_mode::ep)
+      ep_split = ep_rank_work(frozen ? view->tables(parallel_mode::ep) : tables, b.items);
     const auto t0 = host_clock::now();
     step_result done;
     if (frozen) {
@@ -320,6 +325,7 @@ bool engine::serve_step(run_state& st, step_record& rec) {
     cost.num_sequences = b.num_sequences;
     cost.new_tokens = b.decode_tokens + b.prefill_tokens;
     cost.context_tokens = b.context_tokens;
+    if (cost.mode == parallel_mode::ep) cost.ranks = std::move(ep_split);
   } else {
     enqueue_advance(st, rec, nullptr);  // nothing to run: the copies alone
   }

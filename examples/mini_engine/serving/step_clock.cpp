@@ -69,6 +69,38 @@ double h200_step_model::time_s(parallel_mode mode, double sequences, double toke
   return bytes / hbm + collectives + hw_.step_overhead_us * 1e-6;
 }
 
+std::vector<rank_work> ep_rank_work(const moebius::kv_state& ep_tables,
+                                    std::span<const step_item> items) {
+  MOEBIUS_CHECK(ep_tables.mode == parallel_mode::ep, errc::invalid_argument,
+                "ep_rank_work: the tables are not EP");
+  std::vector<rank_work> out(ep_tables.ranks.size());
+  // Items by sequence id, then one merge per rank against its tables (sorted by seq_id).
+  std::vector<size_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return items[a].seq_id < items[b].seq_id; });
+  std::vector<char> owned(items.size(), 0);
+  for (size_t r = 0; r < ep_tables.ranks.size(); ++r) {
+    const std::vector<moebius::kv_sequence>& seqs = ep_tables.ranks[r].sequences;
+    size_t s = 0;
+    for (const size_t i : order) {
+      while (s < seqs.size() && seqs[s].seq_id < items[i].seq_id) ++s;
+      if (s == seqs.size()) break;
+      if (seqs[s].seq_id != items[i].seq_id) continue;
+      const int64_t n = static_cast<int64_t>(items[i].tokens.size());
+      out[r].sequences += 1;
+      out[r].new_tokens += n;
+      out[r].context_tokens += items[i].start_position + n;
+      owned[i] = 1;
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    MOEBIUS_CHECK(owned[i], errc::invalid_argument, "ep_rank_work: no rank holds sequence ",
+                  items[i].seq_id);
+  }
+  return out;
+}
+
 double h200_step_model::step_s(const step_cost& c, double) const {
   return time_s(c.mode, static_cast<double>(c.num_sequences), static_cast<double>(c.new_tokens),
                 static_cast<double>(c.context_tokens));

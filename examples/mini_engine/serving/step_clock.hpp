@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <span>
 #include <string>
+#include <vector>
 
 #include <moebius/layout/parallel_mode.hpp>
 #include <moebius/policy/cost_model.hpp>
@@ -17,8 +19,15 @@
 #include <moebius/transport/link_rate.hpp>
 
 #include "overlap_curve.hpp"
+#include "step.hpp"
 
 namespace mini_engine {
+
+// One rank's share of an EP step: the items whose sequences it owns (data-parallel attention).
+struct rank_work {
+  int64_t sequences = 0, new_tokens = 0, context_tokens = 0;
+  friend bool operator==(const rank_work&, const rank_work&) = default;
+};
 
 // What a step did, in the units a step-time model needs.
 struct step_cost {
@@ -27,7 +36,15 @@ struct step_cost {
   int64_t num_sequences = 0;   // items of the step
   int64_t new_tokens = 0;      // decode tokens + prefill chunk tokens
   int64_t context_tokens = 0;  // sum over items of the tokens attended (start + new)
+  // EP: per rank, the items it owns (ep_rank_work); empty in TP, where every rank runs every
+  // item, and where the caller did not split the step.
+  std::vector<rank_work> ranks;
 };
+
+// The EP split of a step's items: per rank of `ep_tables` (EP page tables), the items whose
+// sequence it holds. Throws errc::invalid_argument for an item no rank holds.
+std::vector<rank_work> ep_rank_work(const moebius::kv_state& ep_tables,
+                                    std::span<const step_item> items);
 
 // The copies of one progressive-switch advance, as the serving loop ran them: enqueued beside a
 // step (step_beside.hpp), waited for once the step was done.

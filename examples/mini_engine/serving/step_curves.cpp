@@ -160,6 +160,10 @@ step_curves step_curves::from_file(const std::string& path) {
   return from_jsonl(in, path);
 }
 
+double step_curves::smallest_context(moebius::parallel_mode m) const {
+  return static_cast<double>(rows_[m == parallel_mode::tp ? 1 : 0].front().context);
+}
+
 double step_curves::row_ms(const row& r, double batch) {
   const std::vector<step_curve_point>& pts = r.points;
   if (pts.size() == 1 || batch <= static_cast<double>(pts.front().batch)) return pts.front().step_ms;
@@ -198,14 +202,40 @@ curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& 
       model_(model),
       name_("per-rank step curves of " + curves_.deployment() +
             " for decode steps (compute measured on one GPU, collectives priced by a link "
-            "model); prefill, switches and overlap: " +
+            "model; EP steps by their busiest rank; a prefill chunk's tokens as extra rows of the "
+            "curve at its smallest context, not measured); switches and overlap: " +
             model.name()) {}
 
+double curves_step_clock::rows_ms(parallel_mode m, double sequences, double rows,
+                                  double context) const {
+  const double decode = curves_.step_ms(m, sequences, context);
+  if (rows <= sequences) return decode;
+  // The prefill increment: the extra rows' cost at the smallest measured context (a prefill
+  // chunk's attention is compute-bound over its own tokens, not a read of the KV per row).
+  const double ctx0 = curves_.smallest_context(m);
+  return decode + std::max(0.0, curves_.step_ms(m, rows, ctx0) - curves_.step_ms(m, sequences, ctx0));
+}
+
 double curves_step_clock::step_s(const step_cost& c, double measured_s) const {
-  if (c.num_sequences <= 0 || c.new_tokens != c.num_sequences) return model_.step_s(c, measured_s);
-  const double context = static_cast<double>(c.context_tokens) /
-                         static_cast<double>(c.num_sequences) * model_.model().context_scale;
-  return curves_.step_ms(c.mode, static_cast<double>(c.num_sequences), context) * 1e-3;
+  if (c.num_sequences <= 0) return model_.step_s(c, measured_s);
+  const double scale = model_.model().context_scale;
+  if (c.mode == parallel_mode::ep && !c.ranks.empty()) {
+    // Data-parallel attention: the step waits for its busiest rank, each rank priced as if
+    // every rank held its share (the curves' batch is the deployment's: P x the rank's).
+    const double P = static_cast<double>(c.ranks.size());
+    double worst = 0;
+    for (const rank_work& r : c.ranks) {
+      if (r.sequences <= 0) continue;
+      const double seqs = static_cast<double>(r.sequences);
+      worst = std::max(worst, rows_ms(c.mode, P * seqs, P * static_cast<double>(r.new_tokens),
+                                      static_cast<double>(r.context_tokens) / seqs * scale));
+    }
+    return worst * 1e-3;
+  }
+  const double seqs = static_cast<double>(c.num_sequences);
+  return rows_ms(c.mode, seqs, static_cast<double>(c.new_tokens),
+                 static_cast<double>(c.context_tokens) / seqs * scale) *
+         1e-3;
 }
 
 double curves_step_clock::switch_s(const moebius::switch_report& r) const { return model_.switch_s(r); }

@@ -61,6 +61,8 @@ class step_curves {
 
   // The step of `batch` sequences at `context` tokens each, in ms (see the top).
   double step_ms(moebius::parallel_mode m, double batch, double context) const;
+  // The smallest context measured in mode `m`.
+  double smallest_context(moebius::parallel_mode m) const;
   // "qwen3_235b P=8 L=94 skew 1 (<source>)".
   const std::string& deployment() const { return deployment_; }
   int num_ranks() const { return num_ranks_; }
@@ -83,10 +85,17 @@ class step_curves {
   int64_t num_layers_ = 0;
 };
 
-// The priced clock with measured curves: decode steps (every item one new token) from `curves`
-// at the step's batch and its mean context scaled by the priced model's context_scale; prefill
-// steps, switches, the link and the overlap slowdown from `model` (h200_step_model, which says
-// so in its own name). The clock's name says both.
+// The priced clock with measured curves. A step from `curves`: its sequences at their mean
+// context (scaled by the priced model's context_scale), plus, when it prefills (more new tokens
+// than sequences), the prefill increment: curve(rows) - curve(sequences) at the smallest
+// measured context (the chunk's GEMM rows; its attention runs over its own tokens, not a KV read
+// per row), never below the decode step; rows beyond the largest measured batch follow the
+// last segment's slope (extrapolated, as step_ms says). An EP step that says how its items
+// split over the ranks (step_cost::ranks) is priced by its busiest rank, each rank at P times
+// its own sequences and rows (the curves' batch is the deployment's): the experts' share of
+// that rank is then priced as if every rank were as busy. Switches, the link and the overlap
+// slowdown from `model` (h200_step_model, which says so in its own name). The clock's name
+// says both.
 class curves_step_clock final : public step_clock {
  public:
   curves_step_clock(step_curves curves, const h200_step_model& model);
@@ -96,6 +105,7 @@ class curves_step_clock final : public step_clock {
   const char* name() const override { return name_.c_str(); }
   bool needs_measurement() const override { return false; }
   int64_t layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const override;
+  const step_curves& curves() const { return curves_; }
   moebius::link_rate link() const override;
   double copies_s(const switch_copies& copies) const override;
   // As h200_step_model's, with this clock's step: max(step x slowdown, copies).
@@ -105,6 +115,9 @@ class curves_step_clock final : public step_clock {
   overlap_slowdown slowdown() const override;
 
  private:
+  // ms of a step of `sequences` at `context` with `rows` new tokens (>= sequences).
+  double rows_ms(moebius::parallel_mode m, double sequences, double rows, double context) const;
+
   step_curves curves_;
   const h200_step_model& model_;
   std::string name_;

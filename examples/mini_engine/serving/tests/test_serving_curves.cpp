@@ -1,6 +1,7 @@
 // Measured per-rank step curves (step_curves.hpp): the bench's JSON lines read back, the
 // interpolation against values worked out by hand, every malformed input a clear error, and the
 // priced clock that takes decode steps from the curves and everything else from the H200 model.
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -129,15 +130,71 @@ TEST_CASE("the curves clock: decode steps from the curves, the rest from the mod
   decode.num_sequences = decode.new_tokens = 2;
   decode.context_tokens = 2 * 256;  // 256 a sequence, priced x4: context 1024
   CHECK(clock.step_s(decode, 0) == Approx(18e-3));
+  // A prefill of 38 more tokens: the decode step plus the extra rows at the smallest context
+  // (512): beyond batch 4 the last segment's slope, 4/3 ms a row: 14 + 36 x 4/3 = 62 ms at 40
+  // rows, 12 ms at 2 (log2 midway): 18 + 50 = 68 ms.
   step_cost prefill = decode;
   prefill.new_tokens = 40;
-  CHECK(clock.step_s(prefill, 0) == Approx(model.step_s(prefill, 0)));
+  CHECK(clock.step_s(prefill, 0) == Approx(68e-3));
+  // Never below the decode step, whatever the curve does.
+  CHECK(clock.step_s(prefill, 0) >= clock.step_s(decode, 0));
   const switch_copies copies{0.0, int64_t{1} << 30};
   const double slow = model.slowdown().at(18e-3, copies.bytes);
   CHECK(clock.switch_step_s(decode, 0, copies) ==
         Approx(std::max(18e-3 * slow, model.copies_s(copies))));
   CHECK(clock.link().bytes_per_s == model.link().bytes_per_s);
   CHECK(!clock.needs_measurement());
+}
+
+TEST_CASE("the curves clock prices an EP step by its busiest rank", "[cpu][curves]") {
+  // EP at context 512: 10 ms at batch 8, 40 ms at 64 (the deployment's batch: 1 and 8 a rank).
+  const step_curves curves({{parallel_mode::tp, 512, 1, 5},
+                            {parallel_mode::ep, 512, 8, 10},
+                            {parallel_mode::ep, 512, 64, 40}},
+                           "test");
+  priced_model pm;
+  pm.context_scale = 1;
+  const h200_step_model model(pm, h200_params{}, 8, 1024);
+  const curves_step_clock clock(curves, model);
+  step_cost c;
+  c.mode = parallel_mode::ep;
+  c.num_ranks = 8;
+  c.num_sequences = c.new_tokens = 9;
+  c.context_tokens = 9 * 512;
+  // Without the split: the deployment's 9 sequences, log2 between 8 and 64.
+  CHECK(clock.step_s(c, 0) == Approx((10 + 30 * (std::log2(9.0) - 3) / 3) * 1e-3));
+  // Rank 3 holds 8 of them: priced as 64 (every rank as busy), 40 ms; rank 0's one, 10 ms.
+  c.ranks.assign(8, rank_work{});
+  c.ranks[0] = {1, 1, 512};
+  c.ranks[3] = {8, 8, 8 * 512};
+  CHECK(clock.step_s(c, 0) == Approx(40e-3));
+  // Rank 0 prefills 7 more tokens: 8 rows on it, 64 in the curve's terms: 10 + (40 - 10).
+  c.ranks[0] = {1, 8, 512 + 7};
+  c.new_tokens = 16;
+  CHECK(clock.step_s(c, 0) == Approx(40e-3));
+  c.ranks[0] = {1, 16, 512 + 15};  // 128 rows: past the last point, 30/56 ms a row beyond 64
+  CHECK(clock.step_s(c, 0) == Approx((10 + (40 + 30.0 / 56 * 64 - 10)) * 1e-3));
+}
+
+TEST_CASE("ep_rank_work splits a step's items by their EP owner", "[cpu][curves]") {
+  const moebius::kv_geometry g = moebius::make_kv_geometry(1, 2, 4, 4, 8, 2);
+  moebius::kv_sequence a, b;
+  a.seq_id = 3;
+  a.pages = {0};
+  a.num_tokens = a.last_page_len = 2;
+  b.seq_id = 5;
+  b.pages = {1, 2};
+  b.num_tokens = 7;
+  b.last_page_len = 3;
+  const moebius::kv_state s = moebius::make_kv_state(g, parallel_mode::ep, {{b}, {a}});
+  const std::vector<int32_t> one = {1}, three = {1, 2, 3};
+  const step_item items[] = {{3, one, 1, true}, {5, three, 4, true}};
+  const std::vector<rank_work> w = ep_rank_work(s, items);
+  REQUIRE(w.size() == 2);
+  CHECK(w[0] == rank_work{1, 3, 7});
+  CHECK(w[1] == rank_work{1, 1, 2});
+  const step_item stranger[] = {{9, one, 0, true}};
+  CHECK_THROWS_WITH(ep_rank_work(s, stranger), Catch::Contains("no rank holds sequence 9"));
 }
 
 TEST_CASE("step curves: a deployment's curves found among files, or none", "[cpu][curves]") {
