@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "paper_traces.hpp"
 #include "report.hpp"
 
 namespace mini_engine::demo {
@@ -206,6 +207,16 @@ std::vector<request> make_trace(const options& o, trace_kind kind, int32_t vocab
       t.production.prompt_scale = o.context_scale;
       t.production.vocab = vocab;
       return production_trace(o.seed, t.production);
+    case trace_kind::paper_bursty: {
+      paper_bursty_options b;
+      b.vocab = vocab;
+      return paper_bursty_trace(o.seed, b);
+    }
+    case trace_kind::paper_rollout: {
+      paper_rollout_options r;
+      r.vocab = vocab;
+      return paper_rollout_trace(o.seed, r);
+    }
     case trace_kind::file:
       try {
         return read_trace_file(o.trace_file, o.seed, vocab);

@@ -44,6 +44,7 @@
 #include "engine.hpp"
 #include "experiments.hpp"
 #include "options.hpp"
+#include "paper.hpp"
 #include "report.hpp"
 #include "reshard_stage.hpp"
 #include "world.hpp"
@@ -132,6 +133,7 @@ void print_paper_deployment() {
 int run_demo(options o) {
   const auto t_start = wall::now();
   if (!o.write_trace.empty()) return write_trace_file(o);
+  if (o.runtime == runtime_kind::sim) return run_paper_experiments(o);
   std::printf("moebius demo: a mini-engine serving while Moebius switches it between TP and EP\n");
   const bool use_gpu = choose_gpu(o);
   // GPU: 2 ranks (one per GPU with two GPUs or more, virtual on one GPU), or --gpu-ranks.

@@ -1,6 +1,7 @@
 #include "options.hpp"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -82,10 +83,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
     app.add_option_function<std::string>(name, std::forward<decltype(read)>(read), help)
         ->type_name(type);
   };
-  text("--runtime", "auto|host|gpu", "which runtime (auto: gpu when GPUs are present)",
+  text("--runtime", "auto|host|gpu|sim",
+       "which runtime (auto: gpu when GPUs are present); sim: the paper's two experiments at "
+       "the paper's scale on the simulated runtime (steps priced by measured curves)",
        [&o](const std::string& v) {
-         o.runtime = parse_choice("--runtime", v, {"auto", "host", "gpu"},
-                                  {runtime_kind::automatic, runtime_kind::host, runtime_kind::gpu});
+         o.runtime = parse_choice("--runtime", v, {"auto", "host", "gpu", "sim"},
+                                  {runtime_kind::automatic, runtime_kind::host, runtime_kind::gpu,
+                                   runtime_kind::sim});
        });
   text("--ranks", "P", "host ranks, 1..64 (default 8; the model must split over P)",
        [&o](const std::string& v) { o.ranks = static_cast<int>(parse_int("--ranks", v, 1, 64)); });
@@ -112,8 +116,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
                o.traces.push_back(trace_kind::steady);
              else if (v == "production")
                o.traces.push_back(trace_kind::production);
+             else if (v == "paper-bursty")
+               o.traces.push_back(trace_kind::paper_bursty);
+             else if (v == "paper-rollout")
+               o.traces.push_back(trace_kind::paper_rollout);
              else if (v.empty()) {
-               fail("--trace", "needs all, bursty, rollout, steady, production or a file name");
+               fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
+                               "paper-rollout or a file name");
              } else {
                if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
                o.traces.push_back(trace_kind::file);
@@ -121,9 +130,10 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
              }
            }
          },
-         "the workload (default all: the four in turn; FILE: .jsonl, or text lines 'arrival_s "
-         "prompt output'; may be repeated)")
-      ->type_name("all|bursty|rollout|steady|production|FILE")
+         "the workload (default all: the four in turn; with --runtime sim paper-bursty and "
+         "paper-rollout, the paper's experiments at full size; FILE: .jsonl, or text lines "
+         "'arrival_s prompt output'; may be repeated)")
+      ->type_name("all|bursty|rollout|steady|production|paper-bursty|paper-rollout|FILE")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   text("--model", "qwen3-235b-a22b|qwen3-30b-a3b|DIR",
@@ -198,6 +208,11 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        });
   app.add_flag_callback(
       "--no-reshard", [&o] { o.reshard_stage = false; }, "skip the verified-reshard stage");
+  text("--results", "FILE", "write every metric of every run as JSON to FILE (--runtime sim)",
+       [&o](const std::string& v) {
+         if (v.empty()) fail("--results", "needs a file name");
+         o.results_file = v;
+       });
 }
 
 // Constraints between options, once all are read.
@@ -207,6 +222,23 @@ void check_together(options& o, bool max_batch_set) {
          "step curves price the modelled clock, and --clock measured measures its "
          "steps (--clock model uses them)");
   }
+  const bool paper_trace =
+      std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_bursty) != o.traces.end() ||
+      std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) != o.traces.end();
+  if (o.runtime == runtime_kind::sim) {
+    if (!o.traces_given) o.traces = {trace_kind::paper_bursty, trace_kind::paper_rollout};
+    for (const trace_kind t : o.traces) {
+      if (t != trace_kind::paper_bursty && t != trace_kind::paper_rollout && t != trace_kind::file)
+        fail("--trace", std::string(to_string(t)) +
+                            " is the host demo's small trace; the simulated runtime serves "
+                            "paper-bursty, paper-rollout or a FILE");
+    }
+  } else if (paper_trace && o.write_trace.empty()) {
+    fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
+                    "(--runtime sim)");
+  }
+  if (!o.results_file.empty() && o.runtime != runtime_kind::sim)
+    fail("--results", "is written by the simulated runtime's experiments (--runtime sim)");
   if (!o.write_trace.empty() && o.traces.size() != 1) {
     fail("--write-trace", "needs exactly one --trace");
   }
@@ -234,6 +266,10 @@ const char* to_string(trace_kind t) {
       return "production";
     case trace_kind::file:
       return "file";
+    case trace_kind::paper_bursty:
+      return "paper-bursty";
+    case trace_kind::paper_rollout:
+      return "paper-rollout";
   }
   return "unknown";
 }

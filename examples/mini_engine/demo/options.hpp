@@ -17,8 +17,10 @@ class usage_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class runtime_kind : uint8_t { automatic, host, gpu };
-enum class trace_kind : uint8_t { bursty, rollout, steady, production, file };
+enum class runtime_kind : uint8_t { automatic, host, gpu, sim };
+// paper_bursty, paper_rollout: the paper's experiments at full size (serving/paper_traces.hpp),
+// for the simulated runtime.
+enum class trace_kind : uint8_t { bursty, rollout, steady, production, file, paper_bursty, paper_rollout };
 // The model the H200 clock prices each step as.
 enum class priced_kind : uint8_t { qwen3_30b_a3b, qwen3_235b_a22b };
 enum class clock_kind : uint8_t { automatic, model, measured };
@@ -53,6 +55,7 @@ struct options {
   // deployment's curves committed under docs/results when there are any, else the roofline.
   std::string curves;
   std::string out_dir = "moebius_demo_out";
+  std::string results_file;  // --results FILE: every metric of every run as JSON
   bool reshard_stage = true;
   bool help = false;
 };

@@ -144,10 +144,49 @@ constexpr embedded_curves measured_curves[] = {
     {nullptr, nullptr},
 };
 
+constexpr embedded_curves region_curves[] = {
+#include "measured_step_region.inc"
+    {nullptr, nullptr},
+};
+
 }  // namespace
 
 std::span<const embedded_curves> step_curves::measured_files() {
   return {measured_curves, std::size(measured_curves) - 1};
+}
+
+std::span<const embedded_curves> step_curves::region_files() {
+  return {region_curves, std::size(region_curves) - 1};
+}
+
+std::optional<step_curves> step_curves::merge(std::span<const embedded_curves> files,
+                                              const std::string& model, int P) {
+  std::string text, sources;
+  for (const embedded_curves& f : files) {
+    if (f.text == nullptr) continue;
+    // The file's deployment, from its first line (a file holds one; from_jsonl checks the rest).
+    std::istringstream in(f.text);
+    std::string first;
+    while (std::getline(in, first) && first.find_first_not_of(" \t\r") == std::string::npos) {
+    }
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(first);
+    } catch (const nlohmann::json::exception& e) {
+      MOEBIUS_FAIL(errc::invalid_argument, "line 1 of ", f.source, ": ", e.what());
+    }
+    if (j.value("model", std::string()) != model || j.value("P", 0) != P) continue;
+    text += f.text;
+    if (text.back() != '\n') text += '\n';
+    sources += (sources.empty() ? "" : " + ") + std::string(f.source);
+  }
+  if (text.empty()) return std::nullopt;
+  std::istringstream in(text);
+  return from_jsonl(in, sources);  // a mode missing from every file: an error naming them
+}
+
+std::optional<step_curves> step_curves::region(const std::string& model, int P) {
+  return merge(region_files(), model, P);
 }
 
 std::optional<step_curves> step_curves::measured(const std::string& model, int P) {

@@ -58,6 +58,15 @@ class step_curves {
   // compiled in at build time (so that a priced clock has them on any machine).
   static std::optional<step_curves> measured(const std::string& model, int P);
   static std::span<const embedded_curves> measured_files();
+  // The curves over the operating region of `model` at P ranks (docs/results/step_region_*.jsonl:
+  // one file per mode, merged), or nullopt when none was measured.
+  static std::optional<step_curves> region(const std::string& model, int P);
+  static std::span<const embedded_curves> region_files();
+  // Every file among `files` of `model` at P (by its first line), merged into one set of
+  // curves (a file per mode): nullopt when none is; errc::invalid_argument naming the files
+  // when they lack a mode or disagree on the deployment.
+  static std::optional<step_curves> merge(std::span<const embedded_curves> files,
+                                          const std::string& model, int P);
 
   // The step of `batch` sequences at `context` tokens each, in ms (see the top).
   double step_ms(moebius::parallel_mode m, double batch, double context) const;
