@@ -1,0 +1,168 @@
+// The paper's metrics (paper_metrics.hpp) against values worked out by hand on small runs built
+// here, floods found in generated arrivals, and the simulated deployment's geometry against the
+// deployment's capacities (sim_deployment.hpp).
+#include <cmath>
+#include <random>
+
+#include "catch.hpp"
+#include "deployment.hpp"
+#include "paper_metrics.hpp"
+#include "paper_traces.hpp"
+#include "sim_deployment.hpp"
+#include "test_seed.hpp"
+
+using namespace mini_engine;
+using moebius::parallel_mode;
+
+namespace {
+
+request open_request(int64_t id, double arrival, int64_t output) {
+  request r;
+  r.id = id;
+  r.arrival_s = arrival;
+  r.prompt = {1, 2};
+  r.output_tokens = output;
+  return r;
+}
+
+request_result result_of(const request& q, double first, double finish) {
+  request_result r;
+  r.id = q.id;
+  r.arrival_s = q.arrival_s;
+  r.admitted_s = q.arrival_s;
+  r.first_token_s = first;
+  r.finish_s = finish;
+  r.output_tokens = q.output_tokens;
+  r.admissions = 1;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("floods are found in the arrivals of a paper-shaped bursty trace") {
+  const uint64_t seed = testing::test_seed();
+  INFO("seed " << seed);
+  paper_bursty_options o;
+  const std::vector<request> t = paper_bursty_trace(seed, o);
+  const std::vector<arrival_period> f = find_floods(t);
+  const std::vector<trace_period> truth = paper_bursty_periods(o);
+  std::vector<trace_period> floods;
+  for (const trace_period& p : truth)
+    if (p.flood) floods.push_back(p);
+  REQUIRE(f.size() == floods.size());
+  for (size_t i = 0; i < f.size(); ++i) {
+    // Whole seconds from the first arrival: within a second of the truth at each end.
+    CHECK(std::abs(f[i].start_s - floods[i].start_s) <= 1.0);
+    CHECK(std::abs(f[i].end_s - floods[i].end_s) <= 1.0);
+  }
+  // A steady trace has none; a rollout (closed loop) has none.
+  std::vector<request> steady;
+  for (int64_t i = 0; i < 600; ++i) steady.push_back(open_request(i, 0.1 * static_cast<double>(i), 3));
+  CHECK(find_floods(steady).empty());
+  paper_rollout_options r;
+  r.steps = 2;
+  r.prompts_per_step = 16;
+  CHECK(find_floods(paper_rollout_trace(seed, r)).empty());
+}
+
+TEST_CASE("paper metrics of a small run, worked by hand") {
+  // Quiet at 1/s for 10 s, a flood of 10 in [4, 5), ids by arrival.
+  std::vector<request> trace;
+  for (int64_t i = 0; i < 10; ++i) trace.push_back(open_request(i, static_cast<double>(i) + 0.5, 11));
+  for (int64_t i = 0; i < 10; ++i) trace.push_back(open_request(10 + i, 4.0 + 0.05 * static_cast<double>(i), 1));
+  const std::vector<arrival_period> f = find_floods(trace);
+  REQUIRE(f.size() == 1);
+  // Windows of 1 s from the first arrival (0.5 s): the flood and the quiet arrival at 3.5 s
+  // share [3.5, 4.5).
+  CHECK(f[0].start_s == Approx(3.5));
+  CHECK(f[0].end_s == Approx(4.5));
+  run_result r;
+  r.end_s = 20;
+  for (const request& q : trace) {
+    // Quiet: TTFT 0.1 s, 10 more tokens over 0.5 s (TPOT 50 ms); flood: TTFT 3 s.
+    const bool flood = q.id >= 10;
+    const double first = q.arrival_s + (flood ? 3.0 : 0.1);
+    r.requests.push_back(result_of(q, first, flood ? first : first + 0.5));
+  }
+  // Request 3 arrives at 3.5: in the flood's window, with quiet latencies.
+  const paper_metrics m = paper_metrics_of(trace, r, f);
+  CHECK(m.flood.requests == 11);
+  CHECK(m.quiet.requests == 9);
+  CHECK(m.flood.mean_ttft_ms == Approx((10 * 3000.0 + 100) / 11));
+  CHECK(m.flood.p99_ttft_ms == Approx(3000));
+  CHECK(m.quiet.mean_tpot_ms == Approx(50));
+  CHECK(m.quiet.p99_tpot_ms == Approx(50));
+  CHECK(m.all.mean_tpot_ms == Approx(50));  // single-token answers have no TPOT
+  CHECK(m.tokens_per_s == Approx((10 * 11 + 10) / 20.0));
+  // Interactive (450 ms, 40 ms): none (quiet TPOT 50 ms, flood TTFT 3 s); server (2 s, 200
+  // ms): the 10 quiet ones.
+  CHECK(m.goodput_rps[0] == Approx(0.0));
+  CHECK(m.goodput_rps[1] == Approx(10 / 20.0));
+  CHECK(m.rollout_step_s.empty());
+  switch_record s;
+  s.clock_ms = 30;
+  r.switches = {s, s};
+  r.switches[1].outcome = moebius::switch_outcome::rolled_back;
+  const paper_metrics n = paper_metrics_of(trace, r, f);
+  CHECK(n.switches == 1);
+  CHECK(n.switch_total_ms == Approx(30));
+  r.requests.pop_back();
+  CHECK_THROWS_WITH(paper_metrics_of(trace, r, f), Catch::Matchers::Contains("19 results"));
+}
+
+TEST_CASE("rollout step times and the per-step oracle, worked by hand") {
+  // Two steps of two requests; step 1 starts when step 0's last request finished.
+  std::vector<request> trace;
+  for (int64_t i = 0; i < 4; ++i) {
+    request q = open_request(i, 0, 5);
+    q.rollout_step = i / 2;
+    trace.push_back(q);
+  }
+  auto run = [&](double s0_end, double s1_len) {
+    run_result r;
+    r.requests.push_back(result_of(trace[0], 1, s0_end - 2));
+    r.requests.push_back(result_of(trace[1], 1, s0_end));
+    request q2 = trace[2], q3 = trace[3];
+    q2.arrival_s = q3.arrival_s = s0_end;
+    r.requests.push_back(result_of(q2, s0_end + 1, s0_end + s1_len));
+    r.requests.push_back(result_of(q3, s0_end + 1, s0_end + s1_len - 3));
+    r.end_s = s0_end + s1_len;
+    return paper_metrics_of(trace, r, {});
+  };
+  const paper_metrics tp = run(10, 30), ep = run(20, 15);
+  REQUIRE(tp.rollout_step_s.size() == 2);
+  CHECK(tp.rollout_step_s[0] == Approx(10));
+  CHECK(tp.rollout_step_s[1] == Approx(30));
+  CHECK(tp.rollout_total_s == Approx(40));
+  CHECK(ep.rollout_total_s == Approx(35));
+  CHECK(per_step_oracle_s(tp, ep) == Approx(10 + 15));
+}
+
+TEST_CASE("the simulated deployment holds the deployment's KV capacity") {
+  for (const deployment_kind k :
+       {deployment_kind::static_tp, deployment_kind::static_ep, deployment_kind::switching}) {
+    const deployment d = make_deployment(qwen3_235b_a22b(), k);
+    const sim_geometry g = make_sim_geometry(d);
+    CAPTURE(to_string(k));
+    const int64_t page = g.kv.page_size;
+    const int64_t tp_tokens = g.kv.num_tp_pages() * page;
+    const int64_t ep_tokens = g.kv.num_ep_pages * page * g.kv.num_ranks;
+    // Within a page a rank (the pools are cut to whole pages).
+    if (k != deployment_kind::static_tp) {
+      CHECK(ep_tokens <= d.ep.tokens);
+      CHECK(ep_tokens > d.ep.tokens - page * g.kv.num_ranks);
+    }
+    if (k != deployment_kind::static_ep) {
+      CHECK(tp_tokens <= d.tp.tokens);
+      CHECK(tp_tokens > d.tp.tokens - 4 * page * 2);  // EP pages hold H_kv / (H_kv/P or 1) TP pages
+    }
+    // The arena's slot stages 64 EP pages of every tensor.
+    CHECK(g.arena.slot_bytes >= 64 * g.kv.num_tensors() * g.kv.ep_page_bytes());
+    CHECK(g.kv_bytes_per_token == 2 * g.kv.num_layers * 4 * 128 * 2);
+    CHECK(g.arena.shape.num_layers == g.kv.num_layers);
+  }
+  sim_options bad;
+  bad.page_size = 0;
+  CHECK_THROWS_WITH(make_sim_geometry(make_deployment(qwen3_235b_a22b(), deployment_kind::switching), bad),
+                    Catch::Matchers::Contains("page_size"));
+}
