@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <moebius/error.hpp>
+#include <cstddef>
 #include <utility>
+#include <vector>
 
 namespace mini_engine {
 
@@ -28,8 +30,11 @@ void grow(kv_rank_state& r, int64_t seq_id, int64_t num_tokens, int64_t page_siz
     it = r.sequences.insert(it, std::move(fresh));
   }
   const int64_t need = moebius::pages_for_tokens(num_tokens, page_size) - it->num_pages();
-  it->pages.insert(it->pages.end(), r.free_pages.begin(), r.free_pages.begin() + need);
-  r.free_pages.erase(r.free_pages.begin(), r.free_pages.begin() + need);
+  // The highest free pages, highest first, from the back of the ascending list (see the header).
+  for (int64_t i = 0; i < need; ++i) {
+    it->pages.push_back(r.free_pages.back());
+    r.free_pages.pop_back();
+  }
   it->num_tokens = num_tokens;
   it->last_page_len = num_tokens - (it->num_pages() - 1) * page_size;
 }
@@ -95,7 +100,10 @@ void release_sequence(moebius::kv_state& s, int64_t seq_id) {
   for (auto& r : s.ranks) {
     auto it = seq_lower_bound(r.sequences, seq_id);
     if (it == r.sequences.end() || it->seq_id != seq_id) continue;
-    // Pages shared with other sequences' prefixes stay in use.
+    // Pages shared with other sequences' prefixes stay in use. The freed pages are merged into
+    // the ascending free list at once (one pass over it, not one insertion a page).
+    std::vector<int64_t> freed;
+    freed.reserve(static_cast<size_t>(it->num_pages()));
     for (int64_t i = 0; i < it->num_pages(); ++i) {
       const int64_t page = it->pages[static_cast<size_t>(i)];
       bool shared = false;
@@ -105,9 +113,12 @@ void release_sequence(moebius::kv_state& s, int64_t seq_id) {
               std::find(other.pages.begin(), other.pages.begin() + other.shared_prefix_pages,
                         page) != other.pages.begin() + other.shared_prefix_pages)
             shared = true;
-      if (!shared)
-        r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), page), page);
+      if (!shared) freed.push_back(page);
     }
+    std::sort(freed.begin(), freed.end());
+    const auto middle = static_cast<std::ptrdiff_t>(r.free_pages.size());
+    r.free_pages.insert(r.free_pages.end(), freed.begin(), freed.end());
+    std::inplace_merge(r.free_pages.begin(), r.free_pages.begin() + middle, r.free_pages.end());
     r.sequences.erase(it);
   }
 }

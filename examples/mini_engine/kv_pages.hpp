@@ -2,13 +2,16 @@
 
 // Page bookkeeping of the mini-engine's KV cache over moebius::kv_state: the serving loop
 // grows and retires sequences between steps (and between switches, on the switcher's
-// mutable_kv_tables()); the runtimes read the page ids. Pages come from the front of each
-// rank's ascending free list (lowest ids first) and go back in order, so every state this
-// file produces passes moebius::validate(g, s).
+// mutable_kv_tables()); the runtimes read the page ids. Pages come from the back of each
+// rank's ascending free list (highest ids first: taking them costs only the pages taken, where
+// taking from the front shifted the whole list, most of a long run's time at 10^4 pages a
+// rank) and go back merged in order, so every state this file produces passes
+// moebius::validate(g, s).
 //
-//   page_size 4, EP, P=2, empty: reserve_tokens(g, s, 7, 6, 1) -> rank 1 holds seq 7 with
-//   pages {0, 1}, last_page_len 2; reserve_tokens(g, s, 7, 9, 0) -> seq 7 (still on rank 1)
-//   gains page 2, last_page_len 1; release_sequence(s, 7) -> rank 1's free list is whole.
+//   page_size 4, 8 pages a rank, EP, P=2, empty: reserve_tokens(g, s, 7, 6, 1) -> rank 1
+//   holds seq 7 with pages {7, 6}, last_page_len 2; reserve_tokens(g, s, 7, 9, 0) -> seq 7
+//   (still on rank 1) gains page 5, last_page_len 1; release_sequence(s, 7) -> rank 1's free
+//   list is whole.
 
 #include <cstdint>
 #include <span>

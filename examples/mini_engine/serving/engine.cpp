@@ -52,7 +52,9 @@ int64_t used_pages_all(const moebius::kv_geometry& g, const kv_state& s) {
 
 bool fits(void* c, parallel_mode target) {
   const auto* ctx = static_cast<const detail::capacity_context*>(c);
-  return ctx->sw->check(target).fits && ctx->sched->fits_at_largest(ctx->sw->kv_tables(), target);
+  // The scheduler's check first: it sums pages, where the switcher's plans the whole migration
+  // (which, asked every step while the target cannot hold the KV, dominated a long run).
+  return ctx->sched->fits_at_largest(ctx->sw->kv_tables(), target) && ctx->sw->check(target).fits;
 }
 
 double predicted_switch_ms(void* c, parallel_mode target) {
