@@ -54,7 +54,7 @@ bool fits(void* c, parallel_mode target) {
   const auto* ctx = static_cast<const detail::capacity_context*>(c);
   // The scheduler's check first: it sums pages, where the switcher's plans the whole migration
   // (which, asked every step while the target cannot hold the KV, dominated a long run).
-  return ctx->sched->fits_at_largest(ctx->sw->kv_tables(), target) && ctx->sw->check(target).fits;
+  return ctx->sched->fits_reservations(ctx->sw->kv_tables(), target) && ctx->sw->check(target).fits;
 }
 
 double predicted_switch_ms(void* c, parallel_mode target) {
@@ -159,7 +159,7 @@ void engine::end_run(std::optional<run_state>& st) noexcept {
 }
 
 bool engine::reservations_fit(run_state& st, parallel_mode target, switch_record& s) {
-  if (st.sched.fits_at_largest(switcher_.kv_tables(), target)) return true;
+  if (st.sched.fits_reservations(switcher_.kv_tables(), target)) return true;
   s.outcome = moebius::switch_outcome::refused_capacity;
   std::ostringstream why;
   why << "refused: the " << st.sched.num_running() << " running sequences, each at its largest, "
@@ -350,10 +350,12 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.running = st.sched.num_running();
   rec.waiting = st.sched.num_waiting(st.now);
   rec.stalled = b.stalled;
+  rec.preempted = b.preempted;
   rec.kv_used_pages = used_pages_all(kv_, tables);
   rec.step_ms = dt * 1e3;
   rec.measured_ms = measured * 1e3;
   st.out.stalls += b.stalled;
+  st.out.preemptions += b.preempted;
   st.now += dt;
   if (!b.empty()) st.sched.finish_step(b, tokens, pages, st.now);
   if (frozen) {

@@ -22,7 +22,7 @@ struct step_record {
   double start_s = 0;  // serving clock at the step's start
   moebius::parallel_mode mode = moebius::parallel_mode::ep;
   int64_t sequences = 0, decode_tokens = 0, prefill_tokens = 0, context_tokens = 0;
-  int64_t running = 0, waiting = 0, stalled = 0;
+  int64_t running = 0, waiting = 0, stalled = 0, preempted = 0;
   int64_t kv_used_pages = 0;  // sum over ranks, in `mode`'s pages
   double step_ms = 0;         // on the serving clock
   double measured_ms = 0;     // host (or GPU) time of runtime.step()
@@ -66,6 +66,7 @@ struct run_result {
   std::vector<request_result> requests;  // sorted by id
   double end_s = 0;
   int64_t stalls = 0;
+  int64_t preemptions = 0;      // admission_policy::known: running sequences preempted
   int64_t failed_requests = 0;  // requests with request_result::error set
   // Policy runs: the policy as configured, the gate's curves (if any), the decisions the gate
   // refused, and the last refusal's reasoning.

@@ -21,6 +21,8 @@ void validate(const scheduler_options& o) {
                 "): every running sequence must be able to decode in one step");
   MOEBIUS_CHECK(o.vocab >= 0, errc::invalid_argument, "scheduler: vocab must be >= 0 (0: not "
                 "checked; got ", o.vocab, ")");
+  MOEBIUS_CHECK(o.watermark >= 0 && o.watermark < 1, errc::invalid_argument,
+                "scheduler: watermark must be in [0, 1) (got ", o.watermark, ")");
 }
 
 void validate_request(const kv_geometry& g, const request& r, int64_t vocab) {
@@ -131,12 +133,14 @@ void scheduler::start_next_step(int64_t k, double now_s) {
 }
 
 double scheduler::next_arrival_s() const {
+  // A preempted sequence has arrived (it ran): it waits from its arrival on.
+  if (!preempted_.empty()) return results_[static_cast<size_t>(preempted_.front().result_idx)].arrival_s;
   return next_waiting_ < requests_.size() ? requests_[next_waiting_].arrival_s
                                           : std::numeric_limits<double>::infinity();
 }
 
 int64_t scheduler::num_waiting(double now_s) const {
-  int64_t n = 0;
+  int64_t n = static_cast<int64_t>(preempted_.size());
   for (size_t i = next_waiting_; i < requests_.size() && requests_[i].arrival_s <= now_s; ++i) ++n;
   return n;
 }
@@ -146,11 +150,17 @@ int64_t scheduler::num_prefilling() const {
                        [](const running_seq& s) { return !s.decoding(); });
 }
 
+int64_t scheduler::reserved_tokens(const running_seq& s) const {
+  if (options_.admission == admission_policy::oracle) return s.final_tokens;
+  // Prompt and generated tokens: the next decode writes the last of them.
+  return std::min(s.final_tokens, static_cast<int64_t>(s.tokens.size()));
+}
+
 std::vector<int64_t> scheduler::unreserved(const kv_state& kv) const {
   const int P = g_.num_ranks;
   std::vector<int64_t> left(static_cast<size_t>(P), g_.num_pages(kv.mode));
   for (const running_seq& s : running_) {
-    const int64_t pages = pages_needed(g_, kv.mode, s.final_tokens);
+    const int64_t pages = pages_needed(g_, kv.mode, reserved_tokens(s));
     if (kv.mode == parallel_mode::tp) {
       for (int64_t& l : left) l -= pages;
     } else {
@@ -167,7 +177,7 @@ std::vector<int64_t> scheduler::unreserved(const kv_state& kv) const {
   return left;
 }
 
-bool scheduler::fits_at_largest(const kv_state& kv, parallel_mode target) const {
+bool scheduler::fits_reservations(const kv_state& kv, parallel_mode target) const {
   const int64_t cap = g_.num_pages(target);
   if (target == parallel_mode::ep && kv.mode == parallel_mode::tp) {
     // The placement the switch will use (the switcher plans with ep_placement).
@@ -175,7 +185,7 @@ bool scheduler::fits_at_largest(const kv_state& kv, parallel_mode target) const 
   }
   std::vector<int64_t> need;
   need.reserve(running_.size());
-  for (const running_seq& s : running_) need.push_back(pages_needed(g_, target, s.final_tokens));
+  for (const running_seq& s : running_) need.push_back(pages_needed(g_, target, reserved_tokens(s)));
   if (target == parallel_mode::tp) {
     int64_t sum = 0;
     for (int64_t n : need) sum += n;
@@ -195,12 +205,12 @@ moebius::kv_placement scheduler::ep_placement(const kv_state& kv) const {
   std::vector<moebius::kv_demand> demands;
   std::vector<int64_t> groups;
   moebius::kv_demands_of(g_, kv, demands, groups);
-  // Each running sequence at its largest (EP pages; never less than it holds now).
+  // Each running sequence at its reservation (EP pages; never less than it holds now).
   std::vector<std::pair<int64_t, int64_t>> largest;  // (seq_id, pages), sorted by id
   largest.reserve(running_.size());
   for (const running_seq& s : running_) {
     largest.emplace_back(results_[static_cast<size_t>(s.result_idx)].id,
-                         pages_needed(g_, parallel_mode::ep, s.final_tokens));
+                         pages_needed(g_, parallel_mode::ep, reserved_tokens(s)));
   }
   std::sort(largest.begin(), largest.end());
   for (moebius::kv_demand& d : demands) {
@@ -260,13 +270,13 @@ int64_t scheduler::lose_kv(kv_state& kv, std::span<const int64_t> lost, bool res
       reserve_tokens(g_, kv, results_[static_cast<size_t>(running_[i].result_idx)].id, 1, -1);
   } else {
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      return running_[a].final_tokens > running_[b].final_tokens;
+      return reserved_tokens(running_[a]) > reserved_tokens(running_[b]);
     });
     for (const size_t i : order) {
       running_seq& s = running_[i];
       const std::vector<int64_t> left = unreserved(kv);  // counts those placed so far
       const int owner = static_cast<int>(std::max_element(left.begin(), left.end()) - left.begin());
-      if (left[static_cast<size_t>(owner)] >= pages_needed(g_, kv.mode, s.final_tokens)) {
+      if (left[static_cast<size_t>(owner)] >= pages_needed(g_, kv.mode, reserved_tokens(s))) {
         s.resume_owner = owner;
         reserve_tokens(g_, kv, results_[static_cast<size_t>(s.result_idx)].id, 1, owner);
         continue;
@@ -294,22 +304,68 @@ int64_t scheduler::lose_kv(kv_state& kv, std::span<const int64_t> lost, bool res
   return affected;
 }
 
+int64_t scheduler::preemption_victim(const kv_state& kv, int64_t slot, int rank,
+                                     const std::vector<bool>& in_batch,
+                                     const std::vector<bool>& preempted) const {
+  auto holds_there = [&](int64_t k) {
+    const int64_t id = results_[static_cast<size_t>(running_[static_cast<size_t>(k)].result_idx)].id;
+    if (rank < 0) return held_tokens(kv, id) > 0;
+    return find_sequence(kv, rank, id) != nullptr;
+  };
+  for (int64_t k = static_cast<int64_t>(running_.size()) - 1; k >= 0; --k) {
+    if (k == slot) return holds_there(k) ? k : -1;
+    if (in_batch[static_cast<size_t>(k)] || preempted[static_cast<size_t>(k)]) continue;
+    if (holds_there(k)) return k;
+  }
+  return -1;
+}
+
+void scheduler::preempt(int64_t slot, page_source& pages) {
+  running_seq& s = running_[static_cast<size_t>(slot)];
+  request_result& res = results_[static_cast<size_t>(s.result_idx)];
+  pages.release(res.id);
+  ++res.preemptions;
+  ++num_preemptions_;
+  // Recomputed as a prefill of every token it has (as lose_kv resumes): its sample is the token
+  // it would have decoded next. (running_[slot] is left empty: the caller drops it.)
+  running_seq q = std::move(s);
+  q.prompt = static_cast<int64_t>(q.tokens.size());
+  q.in_kv = 0;
+  q.resume_owner = -1;
+  preempted_.push_front(std::move(q));
+}
+
 step_batch scheduler::next_step(page_source& pages, double now_s) {
   step_batch b;
   int64_t budget = options_.max_step_tokens;
   const kv_state& kv = pages.tables();
+  const bool may_preempt = options_.admission == admission_policy::known && pages.admits();
+  std::vector<bool> in_batch(running_.size(), false), preempted(running_.size(), false);
 
-  // Adds up to `n` tokens of sequence `slot`, as many as `pages` grants; false (a stall,
-  // counted) when it grants none.
-  auto add = [&](int64_t slot, int64_t n, int owner) {
+  // Adds up to `n` tokens of running sequence `slot`, as many as `pages` grants. When it grants
+  // none to a sequence that runs (not one being admitted): with known admission, preempts the
+  // newest sequence on its rank and asks again (false when `slot` itself was preempted); else
+  // false, a stall (counted).
+  auto add = [&](int64_t slot, int64_t n, int owner, bool admitting) {
     running_seq& s = running_[static_cast<size_t>(slot)];
     request_result& res = results_[static_cast<size_t>(s.result_idx)];
-    n = pages.grant(res.id, s.in_kv, n, owner);
-    if (n <= 0) {
+    int64_t granted = pages.grant(res.id, s.in_kv, n, owner);
+    while (granted <= 0 && may_preempt && !admitting) {
+      const int rank = kv.mode == parallel_mode::tp ? -1 : std::max(owner, owner_of(kv, res.id));
+      const int64_t victim = preemption_victim(kv, slot, rank, in_batch, preempted);
+      if (victim < 0) break;
+      preempt(victim, pages);
+      preempted[static_cast<size_t>(victim)] = true;
+      ++b.preempted;
+      if (victim == slot) return false;
+      granted = pages.grant(res.id, s.in_kv, n, owner);
+    }
+    if (granted <= 0) {
       ++res.stalls;
       ++b.stalled;
       return false;
     }
+    n = granted;
     step_item it;
     it.seq_id = res.id;
     it.tokens = std::span<const int32_t>(s.tokens.data() + s.in_kv, static_cast<size_t>(n));
@@ -317,6 +373,7 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
     it.sample = s.in_kv + n >= s.prompt;
     b.items.push_back(it);
     b.running_idx.push_back(slot);
+    in_batch[static_cast<size_t>(slot)] = true;
     budget -= n;
     b.context_tokens += s.in_kv + n;
     if (s.decoding()) ++b.decode_tokens;
@@ -326,22 +383,58 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
 
   // 1. Decode, 2. prefill chunks of admitted sequences (admission order).
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
-    if (running_[i].decoding()) add(static_cast<int64_t>(i), 1, -1);
+    if (running_[i].decoding() && !preempted[i]) add(static_cast<int64_t>(i), 1, -1, false);
   }
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
     const running_seq& s = running_[i];
     // in_kv == 0: a resumed sequence (lose_kv) starts its recompute on its reserved owner.
-    if (!s.decoding()) add(static_cast<int64_t>(i), std::min(budget, s.prompt - s.in_kv), s.resume_owner);
+    if (!s.decoding() && !preempted[i])
+      add(static_cast<int64_t>(i), std::min(budget, s.prompt - s.in_kv), s.resume_owner, false);
   }
-  // 3. Admission, first come first served.
-  while (pages.admits() && budget > 0 && next_waiting_ < requests_.size() &&
-         requests_[next_waiting_].arrival_s <= now_s &&
+  // The preempted leave the running set (items keep their slots: remapped).
+  if (b.preempted > 0) {
+    std::vector<int64_t> slot_of(running_.size(), -1);
+    size_t out = 0;
+    for (size_t i = 0; i < running_.size(); ++i) {
+      if (preempted[i]) continue;
+      slot_of[i] = static_cast<int64_t>(out);
+      if (out != i) running_[out] = std::move(running_[i]);  // the token buffers do not move
+      ++out;
+    }
+    running_.resize(out);
+    for (int64_t& slot : b.running_idx) slot = slot_of[static_cast<size_t>(slot)];
+  }
+  // 3. Admission, first come first served: preempted sequences first (none in a step that
+  // preempted, as vLLM), then new requests.
+  const double watermark = options_.admission == admission_policy::known ? options_.watermark : 0;
+  const int64_t watermark_pages =
+      static_cast<int64_t>(std::ceil(watermark * static_cast<double>(g_.num_pages(kv.mode))));
+  while (pages.admits() && b.preempted == 0 && budget > 0 &&
          static_cast<int64_t>(running_.size()) < options_.max_running) {
-    const request& r = requests_[next_waiting_];
+    const bool resumed = !preempted_.empty();
+    if (!resumed && (next_waiting_ >= requests_.size() || requests_[next_waiting_].arrival_s > now_s))
+      break;
     running_seq s;
-    s.prompt = static_cast<int64_t>(r.prompt.size());
-    s.final_tokens = s.prompt + r.output_tokens - 1;
-    const int64_t need = pages_needed(g_, kv.mode, s.final_tokens);
+    if (resumed) {
+      s = preempted_.front();
+    } else {
+      const request& r = requests_[next_waiting_];
+      s.prompt = static_cast<int64_t>(r.prompt.size());
+      s.final_tokens = s.prompt + r.output_tokens - 1;
+      s.result_idx = std::lower_bound(results_.begin(), results_.end(), r.id,
+                                      [](const request_result& x, int64_t id) { return x.id < id; }) -
+                     results_.begin();
+      if (!steps_.empty()) {
+        s.step = std::upper_bound(steps_.begin(), steps_.end(), next_waiting_,
+                                  [](size_t i, const rollout_step_state& st) { return i < st.end; }) -
+                 steps_.begin();
+      }
+      s.tokens.reserve(static_cast<size_t>(s.prompt + r.output_tokens));
+      s.tokens = r.prompt;
+    }
+    // Pages for its reservation, and the watermark beside sequences that run.
+    const int64_t need = pages_needed(g_, kv.mode, reserved_tokens(s)) +
+                         (running_.empty() ? 0 : watermark_pages);
     const std::vector<int64_t> left = unreserved(kv);
     int owner = -1;
     if (kv.mode == parallel_mode::tp) {
@@ -350,30 +443,25 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
       owner = static_cast<int>(std::max_element(left.begin(), left.end()) - left.begin());
       if (left[static_cast<size_t>(owner)] < need) break;
     }
-    auto res = std::lower_bound(results_.begin(), results_.end(), r.id,
-                                [](const request_result& x, int64_t id) { return x.id < id; });
-    s.result_idx = res - results_.begin();
-    if (!steps_.empty()) {
-      s.step = std::upper_bound(steps_.begin(), steps_.end(), next_waiting_,
-                                [](size_t i, const rollout_step_state& st) { return i < st.end; }) -
-               steps_.begin();
-    }
-    s.tokens.reserve(static_cast<size_t>(s.prompt + r.output_tokens));
-    s.tokens = r.prompt;
+    request_result& res = results_[static_cast<size_t>(s.result_idx)];
     running_.push_back(std::move(s));
+    in_batch.push_back(false);
+    preempted.push_back(false);
     const int64_t slot = static_cast<int64_t>(running_.size()) - 1;
-    if (!add(slot, std::min(budget, running_.back().prompt), owner)) {
+    if (!add(slot, std::min(budget, running_.back().prompt), owner, true)) {
       // Reserved pages exist on paper but not in the free lists (a switch moved owners):
-      // the request goes back to the head of the queue, never admitted.
+      // the request goes back to the head of the queue, not admitted.
+      if (resumed) preempted_.front() = std::move(running_.back());
       running_.pop_back();
       --b.stalled;
-      --res->stalls;
+      --res.stalls;
       break;
     }
-    res->admitted_s = now_s;
-    ++res->admissions;
+    if (res.admitted_s < 0) res.admitted_s = now_s;
+    ++res.admissions;
     ++b.admitted;
-    ++next_waiting_;
+    if (resumed) preempted_.pop_front();
+    else ++next_waiting_;
   }
   b.num_sequences = static_cast<int64_t>(b.items.size());
   MOEBIUS_CHECK(!b.empty() || running_.empty() || !pages.admits(), errc::capacity, "scheduler: ", running_.size(),

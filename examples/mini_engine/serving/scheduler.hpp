@@ -10,21 +10,29 @@
 //   3. admission: waiting requests that have arrived, first come first served (no overtaking,
 //      so a long prompt cannot starve), while a sequence slot, budget and KV pages remain;
 //      each admitted request starts its first chunk in this step.
-// Admission reserves (in its bookkeeping, not in the page tables) the pages the request needs
-// at its largest, prompt + output - 1 tokens (the last sampled token is never written), on
-// its EP owner or on every TP rank; page tables grow only as tokens are written, so the
-// tables always describe exactly the KV the runtime wrote (what a switch moves). The EP owner
-// is the rank with the most pages left after the running sequences' reservations.
+// Admission reserves (in its bookkeeping, not in the page tables) a running sequence's pages on
+// its EP owner or on every TP rank, as scheduler_options::admission says:
+//   oracle  at its largest, prompt + output - 1 tokens (the last sampled token is never
+//           written): an output length no engine knows, so nothing is ever preempted;
+//   known   what is known, as vLLM and SGLang do: the tokens it has (prompt and generated); a
+//           request is admitted while its prompt fits beside those and a watermark of free
+//           pages; a sequence whose next tokens find no page preempts the newest running
+//           sequence on its rank (itself when it is the newest): vLLM's recompute preemption,
+//           see admission_policy.
+// Page tables grow only as tokens are written, so the tables always describe exactly the KV
+// the runtime wrote (what a switch moves). The EP owner is the rank with the most pages left
+// after the running sequences' reservations.
 //
 // A switch can change the reservations (EP owners are chosen by the switcher's placement,
 // TP holds every sequence on every rank): a sequence whose next token finds no page waits a
 // step (a stall, counted) and keeps its place; it is never restarted. A batch that is empty
 // while sequences run is a deadlock and throws errc::capacity.
 //
-// Reservations survive switches: the engine switches only when every running sequence, grown to
-// its largest, fits the target mode (fits_at_largest), and a TP->EP switch places the sequences
+// Reservations survive switches: the engine switches only when every running sequence's
+// reservation fits the target mode (fits_reservations), and a TP->EP switch places the sequences
 // by those sizes (ep_placement, handed to the switcher), so after any switch the reservations
-// on every rank fit that rank and no sequence can find its next page missing.
+// on every rank fit that rank (oracle: no sequence can find its next page missing; known: one
+// that grows past them preempts, as without a switch).
 //
 // A closed-loop RL rollout (every request has a request::rollout_step): the steps run in order,
 // and a step's requests arrive request::arrival_s after the last request of the steps before it
@@ -35,10 +43,13 @@
 // alone (its result says why, naming it; it is never admitted and gets no token) or refuses the
 // whole run, as scheduler_options::bad_requests says.
 //
-// Invariants (tested): every good request is admitted once and finishes once with exactly
-// output_tokens tokens; tokens are produced in order; at the end every page is free.
+// Invariants (tested): every good request is admitted once (known: once more after each
+// preemption) and finishes once with exactly output_tokens tokens; tokens are produced in order
+// (a preempted sequence's recompute samples the token it would have decoded next: greedy tokens
+// are those of the oracle admission); at the end every page is free.
 
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <span>
 #include <string>
@@ -61,6 +72,15 @@ enum class bad_request_policy : uint8_t {
   refuse_run,    // the constructor throws the request's error: nothing of the run is admitted
 };
 
+// How admission reserves KV pages (the header's comment says what each does).
+enum class admission_policy : uint8_t {
+  oracle,  // each request at its largest: never preempts (the mini-engine's tests, the default)
+  // What is known; preemption by recompute, newest first (vLLM's scheduler: the victim is the
+  // last of the running queue; its blocks are freed and it returns to the head of the waiting
+  // queue; no request is admitted in a step that preempted).
+  known,
+};
+
 struct scheduler_options {
   int64_t max_step_tokens = 256;  // token budget of one step: decode tokens + prefill chunks
   int64_t max_running = 64;       // sequences admitted at once (<= max_step_tokens)
@@ -68,9 +88,14 @@ struct scheduler_options {
   // runtime::vocab_size(); the runtime checks ids again when its step runs).
   int64_t vocab = 0;
   bad_request_policy bad_requests = bad_request_policy::fail_request;
+  admission_policy admission = admission_policy::oracle;
+  // admission_policy::known: the share of a rank's pages a new admission leaves free while
+  // sequences run, so that those do not preempt at once (vLLM's block manager: watermark 0.01).
+  double watermark = 0.01;
 };
 
-// Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens and vocab >= 0.
+// Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens, vocab >= 0 and
+// watermark is in [0, 1).
 void validate(const scheduler_options& o);
 
 // Throws moebius::error naming the request and the broken rule unless `r` can be served on the KV
@@ -91,7 +116,8 @@ struct request_result {
   double finish_s = -1;       // end of the step that sampled its last token
   int64_t prompt_tokens = 0;
   int64_t output_tokens = 0;
-  int64_t admissions = 0;     // 1 once admitted; never more (no restart)
+  int64_t admissions = 0;     // 1 once admitted; one more after each preemption
+  int64_t preemptions = 0;    // times its KV was freed for another's (admission_policy::known)
   int64_t stalls = 0;         // steps it waited for a KV page after admission
   int64_t resumes = 0;        // times its KV was lost (a failed switch) and recomputed
   std::vector<int32_t> generated;  // greedy tokens, in order
@@ -119,6 +145,7 @@ struct step_batch {
   int64_t context_tokens = 0;        // sum over items of start_position + new tokens
   int64_t admitted = 0;              // requests admitted by this step
   int64_t stalled = 0;               // sequences skipped for want of a KV page
+  int64_t preempted = 0;             // running sequences preempted by this step (known)
 
   bool empty() const { return items.empty(); }
 };
@@ -159,22 +186,24 @@ class scheduler {
   // Arrival of the first request not yet admitted (+inf when none waits).
   double next_arrival_s() const;
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
-  // Requests that have arrived by `now_s` and wait for admission.
+  // Requests that have arrived by `now_s` and wait for admission (preempted ones included).
   int64_t num_waiting(double now_s) const;
+  // Preemptions so far (admission_policy::known).
+  int64_t num_preemptions() const { return num_preemptions_; }
   int64_t num_finished() const { return num_finished_; }
   int64_t num_failed() const { return num_failed_; }
   // Running sequences whose prompt is not yet wholly in the KV cache (mid chunked prefill).
   int64_t num_prefilling() const;
 
-  // Whether every running sequence, grown to its largest, fits the KV pool in mode `target`
-  // (TP: on every rank; EP: first-fit decreasing over the ranks). A switch the policy
-  // proposes should pass this as well as the switcher's check of the current tables.
-  // TP -> EP: the placement is ep_placement(kv).
-  bool fits_at_largest(const moebius::kv_state& kv, moebius::parallel_mode target) const;
+  // Whether every running sequence's reservation (oracle: at its largest; known: the tokens it
+  // has) fits the KV pool in mode `target` (TP: on every rank; EP: first-fit decreasing over
+  // the ranks). A switch the policy proposes should pass this as well as the switcher's check
+  // of the current tables. TP -> EP: the placement is ep_placement(kv).
+  bool fits_reservations(const moebius::kv_state& kv, moebius::parallel_mode target) const;
   // The owners a TP -> EP switch of the TP tables `kv` should give its sequences, indexed like
   // moebius::kv_demands_of(kv) (kv_migration_options::placement): longest-first by each running
-  // sequence's pages at its largest (a table the scheduler does not run counts as it stands),
-  // every rank's whole EP pool as capacity. fits is false when they do not fit.
+  // sequence's reserved pages (a table the scheduler does not run counts as it stands), every
+  // rank's whole EP pool as capacity. fits is false when they do not fit.
   moebius::kv_placement ep_placement(const moebius::kv_state& kv) const;
   // Tokens whose K/V the runtime has written, per running sequence: (seq_id, tokens), sorted by
   // id. The tables may hold more (reserved for a progressive switch, not yet written).
@@ -215,8 +244,20 @@ class scheduler {
   // from then on.
   void start_next_step(int64_t k, double now_s);
 
+  // Tokens the admission policy reserves for a running sequence (the header's comment).
+  int64_t reserved_tokens(const running_seq& s) const;
   // Pages left per rank after the running sequences' reservations, in kv.mode.
   std::vector<int64_t> unreserved(const moebius::kv_state& kv) const;
+  // admission_policy::known: the running sequence to preempt so that `slot` (not in this step's
+  // batch yet) can grow on `rank` (-1: TP, every rank): the newest that holds pages there and is
+  // not in the batch (`in_batch`) or preempted already; `slot` itself when none is newer; -1
+  // when even `slot` holds nothing to free.
+  int64_t preemption_victim(const moebius::kv_state& kv, int64_t slot, int rank,
+                            const std::vector<bool>& in_batch,
+                            const std::vector<bool>& preempted) const;
+  // Frees running_[slot]'s pages through `pages` and queues it at the head of preempted_ to be
+  // recomputed (every token it has, as a prefill) when it is admitted again.
+  void preempt(int64_t slot, page_source& pages);
   // Records a step's tokens, retires finished requests; returns their ids (pages to release).
   std::vector<int64_t> record_step(const step_batch& b, std::span<const int32_t> next_tokens,
                                    double now_s);
@@ -237,6 +278,9 @@ class scheduler {
   double last_step_s_ = 0;                  // the time of the last step recorded
   std::vector<request_result> results_;  // sorted by id
   std::vector<running_seq> running_;     // in admission order
+  // Preempted sequences (known), admitted before any new request: the head first.
+  std::deque<running_seq> preempted_;
+  int64_t num_preemptions_ = 0;
   int64_t num_finished_ = 0;
   int64_t num_failed_ = 0;
 };

@@ -151,6 +151,11 @@ double h200_step_model::priced_switch_s(int64_t kv_sent, int64_t kv_rounds) cons
 }
 
 double h200_step_model::switch_s(const moebius::switch_report& r) const {
+  // Nothing moved: the refusal is the host's planning, not the device's time (charging its
+  // measured host time made a priced run depend on the host's speed).
+  if (r.outcome == moebius::switch_outcome::refused_capacity ||
+      r.outcome == moebius::switch_outcome::already_there)
+    return 0;
   if (r.outcome != moebius::switch_outcome::committed) return r.total_ms * 1e-3;
   int64_t kv_sent = 0;
   for (int64_t b : r.kv_bytes_sent) kv_sent = std::max(kv_sent, b);

@@ -189,7 +189,8 @@ struct h200_params {
 // So TP wins at small batch (it streams 1/P of every weight), and EP at large batch and long
 // contexts when H_kv < P (TP reads and stores replicated KV heads): DESIGN.md §7's regime.
 // A switch is priced with moebius::cost_model over switch_link: the priced model's expert bytes
-// leaving each rank, plus the report's KV bytes scaled by priced/run KV bytes per token.
+// leaving each rank, plus the report's KV bytes scaled by priced/run KV bytes per token; a
+// switch refused for capacity (nothing moved) as 0, a failed one at its measured time.
 // A step during a progressive switch, with `slowdown` (by default the measured H200 curve,
 // overlap_curve.hpp): max(step x slowdown(step, bytes), the copies at the link rate), the
 // copies beside the step as a GPU runs them; without a curve: the copies, then the step.

@@ -36,12 +36,14 @@ const moebius::kv_sequence* table_of(const moebius::kv_state& s, int64_t id) {
   return nullptr;
 }
 
-// Runs `reqs` to the end on a step clock of 1 per step; checks the invariants at every step.
+// Runs `reqs` to the end on a step clock of 1 per step; checks the invariants at every step
+// (known admission: a preempted sequence restarts at position 0 with every token it had).
 std::vector<request_result> drive(const moebius::kv_geometry& g, parallel_mode m,
                                   std::vector<request> reqs, scheduler_options o,
                                   int64_t* chunked = nullptr) {
   std::map<int64_t, int64_t> prompt_len;
   for (const request& r : reqs) prompt_len[r.id] = static_cast<int64_t>(r.prompt.size());
+  std::map<int64_t, int64_t> prefill_len = prompt_len;  // tokens before its first sample
   std::map<int64_t, std::vector<int32_t>> history;  // tokens fed to the model per id
   for (const request& r : reqs) history[r.id] = {};
   std::map<int64_t, int64_t> chunks;
@@ -59,6 +61,19 @@ std::vector<request_result> drive(const moebius::kv_geometry& g, parallel_mode m
     for (const step_item& it : b.items) {
       tokens += static_cast<int64_t>(it.tokens.size());
       std::vector<int32_t>& h = history[it.seq_id];
+      if (o.admission == admission_policy::known && it.start_position == 0 && !h.empty()) {
+        // Re-admitted after a preemption: a prefill of every token it had (prompt, generated).
+        // Every token it had: its prefill (a prompt, or a recompute cut short), or what it fed
+        // and the token sampled last.
+        REQUIRE(static_cast<int64_t>(it.tokens.size()) <=
+                std::max<int64_t>(prefill_len[it.seq_id], static_cast<int64_t>(h.size()) + 1));
+        const size_t n = std::min(it.tokens.size(), h.size());
+        CHECK(std::equal(it.tokens.begin(), it.tokens.begin() + static_cast<std::ptrdiff_t>(n),
+                         h.begin()));
+        prefill_len[it.seq_id] =
+            std::max<int64_t>(prefill_len[it.seq_id], static_cast<int64_t>(h.size()) + 1);
+        h.clear();
+      }
       REQUIRE(it.start_position == static_cast<int64_t>(h.size()));  // in order, no restart
       h.insert(h.end(), it.tokens.begin(), it.tokens.end());
       const moebius::kv_sequence* q = table_of(kv, it.seq_id);
@@ -66,7 +81,7 @@ std::vector<request_result> drive(const moebius::kv_geometry& g, parallel_mode m
       CHECK(q->num_tokens == static_cast<int64_t>(h.size()));  // tables = tokens written
       if (m == parallel_mode::ep) CHECK(owner_of(kv, it.seq_id) >= 0);
       if (it.start_position < prompt_len[it.seq_id]) ++chunks[it.seq_id];
-      CHECK(it.sample == (static_cast<int64_t>(h.size()) >= prompt_len[it.seq_id]));
+      CHECK(it.sample == (static_cast<int64_t>(h.size()) >= prefill_len[it.seq_id]));
       // The sampled token is the k-th generated one: k = tokens beyond the prompt.
       next.push_back(it.sample ? rule(it.seq_id, static_cast<int64_t>(h.size()) -
                                                      prompt_len[it.seq_id])
@@ -242,4 +257,91 @@ TEST_CASE("scheduler: admission waits for KV capacity, then admits") {
   const auto res = drive(g, parallel_mode::ep, reqs, scheduler_options{});
   CHECK(res[1].admitted_s >= res[0].finish_s);
   CHECK(res[2].admitted_s >= res[1].finish_s);
+}
+
+TEST_CASE("scheduler: known admission preempts the newest and recomputes it, worked by hand") {
+  // One rank of 3 pages of 4 tokens; two requests of prompt 4 and 6 output tokens (9 tokens,
+  // 3 pages at their largest: the oracle would admit one at a time).
+  //   step 0: both admitted on what is known (4 tokens, a page each), both prefill and sample;
+  //   step 1: A decodes into its 2nd page (the last free one); B finds none: B is the newest,
+  //           so B is preempted (its page freed); nothing is admitted in this step;
+  //   steps 2-4: A decodes; B (5 tokens known, 2 pages) waits: A reserves 2 of the 3;
+  //   step 5: A takes its 3rd page and samples its 6th token: finished, released;
+  //   step 6: B re-admitted: a prefill of its 5 tokens samples its 2nd token;
+  //   steps 7-10: B decodes its 3rd..6th.
+  const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 3, 1, moebius::dtype::fp32);
+  std::vector<request> reqs(2);
+  for (int i = 0; i < 2; ++i) {
+    reqs[static_cast<size_t>(i)].id = i;
+    reqs[static_cast<size_t>(i)].prompt.assign(4, 1 + i);
+    reqs[static_cast<size_t>(i)].output_tokens = 6;
+  }
+  scheduler_options o;
+  o.max_step_tokens = 8;
+  o.max_running = 2;
+  o.admission = admission_policy::known;
+  o.watermark = 0;
+  const auto res = drive(g, parallel_mode::ep, reqs, o);
+  // The clock is 1 a step: a token sampled in step k is stamped k + 1.
+  CHECK(res[0].admissions == 1);
+  CHECK(res[0].preemptions == 0);
+  CHECK(res[0].first_token_s == 1);
+  CHECK(res[0].finish_s == 6);
+  CHECK(res[1].admissions == 2);
+  CHECK(res[1].preemptions == 1);
+  CHECK(res[1].admitted_s == 0);  // its first admission
+  CHECK(res[1].first_token_s == 1);
+  CHECK(res[1].finish_s == 11);
+  for (const request_result& r : res) {
+    REQUIRE(r.generated.size() == 6);
+    for (int64_t k = 0; k < 6; ++k) CHECK(r.generated[static_cast<size_t>(k)] == rule(r.id, k));
+  }
+  // The oracle admission serves them one after the other, never preempting.
+  o.admission = admission_policy::oracle;
+  const auto one_by_one = drive(g, parallel_mode::ep, reqs, o);
+  CHECK(one_by_one[0].finish_s == 6);
+  CHECK(one_by_one[1].admitted_s == 6);
+  CHECK(one_by_one[1].preemptions == 0);
+  o.watermark = 1;
+  CHECK_THROWS_WITH(scheduler(g, reqs, o), Catch::Matchers::Contains("watermark must be in [0, 1)"));
+}
+
+TEST_CASE("scheduler: known admission gives the oracle's tokens, preempting instead of stalling") {
+  int64_t preemptions = 0;
+  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+    for (uint64_t seed = 1; seed <= 8; ++seed) {
+      std::mt19937_64 rng(seed * 7919);
+      const int P = std::uniform_int_distribution<int>(0, 1)(rng) ? 2 : 4;
+      const int64_t pages = std::uniform_int_distribution<int64_t>(8, 16)(rng);
+      const auto g = moebius::make_kv_geometry(2, 2, 8, 4, pages, P, moebius::dtype::fp32);
+      bursty_options t;
+      t.duration_s = 4;
+      t.quiet_s = 1;
+      t.burst_s = 1;
+      t.burst_rate = 40;
+      t.prompt_min = 1;
+      t.prompt_max = 12;
+      t.output_min = 1;
+      t.output_max = 20;
+      t.vocab = 97;
+      std::vector<request> reqs = bursty_trace(seed, t);
+      scheduler_options o;
+      o.max_step_tokens = std::uniform_int_distribution<int64_t>(8, 32)(rng);
+      o.max_running = std::uniform_int_distribution<int64_t>(2, o.max_step_tokens)(rng);
+      o.watermark = std::uniform_int_distribution<int>(0, 1)(rng) ? 0.0 : 0.1;
+      CAPTURE(m, seed, P, pages, o.max_step_tokens, o.max_running, o.watermark);
+      const auto oracle = drive(g, m, reqs, o);
+      o.admission = admission_policy::known;
+      const auto known = drive(g, m, reqs, o);  // checks no stall, tables, no leak
+      REQUIRE(known.size() == oracle.size());
+      for (size_t i = 0; i < known.size(); ++i) {
+        CAPTURE(known[i].id);
+        CHECK(known[i].finished());
+        CHECK(known[i].admissions == 1 + known[i].preemptions);
+        CHECK(known[i].generated == oracle[i].generated);
+        preemptions += known[i].preemptions;
+      }
+    }
+  }
+  CHECK(preemptions > 0);
 }
