@@ -293,6 +293,7 @@ trace_outcome serve_trace(const options& o, trace_kind kind, world& w, engine& e
   engine_options base;
   base.scheduler.max_running = o.max_batch;
   base.scheduler.max_step_tokens = o.step_tokens;
+  base.scheduler.admission = o.oracle_admission ? admission_policy::oracle : admission_policy::known;
   set_progress(base);
   const engine_options switching_opts = switching_options(o, kind, w, cal, base);
   const std::vector<run_outcome> runs = serve_runs(trace, plan_runs(o, base, switching_opts), pool);

@@ -208,6 +208,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        });
   app.add_flag_callback(
       "--no-reshard", [&o] { o.reshard_stage = false; }, "skip the verified-reshard stage");
+  text("--admission", "known|oracle",
+       "how admission reserves KV pages: known (the default, as vLLM and SGLang: the tokens a "
+       "request has; a sequence that finds no page preempts the newest, recomputed later) or "
+       "oracle (each request's true output length, which no engine knows: never preempts)",
+       [&o](const std::string& v) {
+         o.oracle_admission = parse_choice("--admission", v, {"known", "oracle"}, {false, true});
+       });
   text("--results", "FILE", "write every metric of every run as JSON to FILE (--runtime sim)",
        [&o](const std::string& v) {
          if (v.empty()) fail("--results", "needs a file name");

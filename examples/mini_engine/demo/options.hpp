@@ -56,6 +56,9 @@ struct options {
   std::string curves;
   std::string out_dir = "moebius_demo_out";
   std::string results_file;  // --results FILE: every metric of every run as JSON
+  // How admission reserves KV pages (serving/scheduler.hpp): what is known, with preemption by
+  // recompute as vLLM and SGLang do (the default), or each request's true output (an oracle).
+  bool oracle_admission = false;
   bool reshard_stage = true;
   bool help = false;
 };

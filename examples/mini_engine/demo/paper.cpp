@@ -253,6 +253,13 @@ int run_paper_experiments(const options& o) {
       "test_serving_sim); collectives priced by a link model; each of the 8 GPUs emulated by "
       "the one rank measured; at most %lld running, %lld tokens a step (chunked prefill)\n",
       static_cast<long long>(k_max_running), static_cast<long long>(k_step_tokens));
+  std::printf("  admission: %s\n",
+              o.oracle_admission
+                  ? "oracle (each request's true output length reserved: never preempts; no "
+                    "engine knows it)"
+                  : "on what is known, as vLLM and SGLang (prompt and generated tokens, a 1% "
+                    "watermark; a sequence that finds no page preempts the newest, which is "
+                    "recomputed when re-admitted)");
 
   progress_printer progress;
   nlohmann::json results = nlohmann::json::array();
@@ -288,6 +295,7 @@ int run_paper_experiments(const options& o) {
     engine_options base;
     base.scheduler.max_running = k_max_running;
     base.scheduler.max_step_tokens = k_step_tokens;
+    base.scheduler.admission = o.oracle_admission ? admission_policy::oracle : admission_policy::known;
     progress.install(base);
     base.progress_every_steps = 2000;
     const engine_options so = switching_options(cal, rollout, base);
@@ -310,8 +318,9 @@ int run_paper_experiments(const options& o) {
     for (const run_outcome& r : runs) {
       m.push_back(paper_metrics_of(trace, r.result, floods));
       ok = ok && r.result.failed_requests == 0;
-      std::printf("  %s: served in %.1f s of host time (%lld steps)\n", label_of(r.kind), r.wall_s,
-                  static_cast<long long>(r.result.steps.size()));
+      std::printf("  %s: served in %.1f s of host time (%lld steps, %lld preemptions)\n",
+                  label_of(r.kind), r.wall_s, static_cast<long long>(r.result.steps.size()),
+                  static_cast<long long>(r.result.preemptions));
     }
     if (rollout) {
       print_rollout_table(runs, m);
