@@ -69,14 +69,18 @@ std::vector<arrival_period> find_floods(const std::vector<request>& trace, doubl
   const double median = static_cast<double>(sorted[windows / 2]);
   const double threshold = std::max(1.0, flood_factor * median);
   std::vector<arrival_period> floods;
+  // Adjacent windows merged by index (comparing t0 + w + 1 with t0 + (w + 1) in floating point
+  // split a flood in two when the sums rounded apart).
+  size_t last = windows;  // the last flood window, `windows` when none yet
   for (size_t w = 0; w < windows; ++w) {
     if (static_cast<double>(count[w]) < threshold) continue;
-    const double start = t0 + static_cast<double>(w), end = start + 1;
-    if (!floods.empty() && floods.back().end_s >= start) {
+    const double end = t0 + static_cast<double>(w + 1);
+    if (!floods.empty() && last + 1 == w) {
       floods.back().end_s = end;
     } else {
-      floods.push_back({start, end});
+      floods.push_back({t0 + static_cast<double>(w), end});
     }
+    last = w;
   }
   return floods;
 }
