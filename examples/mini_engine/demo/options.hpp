@@ -59,6 +59,9 @@ struct options {
   // How admission reserves KV pages (serving/scheduler.hpp): what is known, with preemption by
   // recompute as vLLM and SGLang do (the default), or each request's true output (an oracle).
   bool oracle_admission = false;
+  // --runtime sim: each collective's latency in the step curves, us (< 0: as the curves priced
+  // it, step_curves::priced_collective_us), for the results' sensitivity to it.
+  double collective_us = -1;
   bool reshard_stage = true;
   bool help = false;
 };

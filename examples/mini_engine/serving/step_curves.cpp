@@ -222,6 +222,33 @@ double step_curves::row_ms(const row& r, double batch) {
   return b.step_ms + slope * (batch - static_cast<double>(b.batch));
 }
 
+step_curves step_curves::with_collective_latency(double latency_us) const {
+  MOEBIUS_CHECK(std::isfinite(latency_us) && latency_us >= 0 && latency_us <= 1e4,
+                errc::invalid_argument, "step curves: a collective's latency must be in [0, "
+                "10000] us (got ", latency_us, ")");
+  MOEBIUS_CHECK(num_layers_ >= 1, errc::invalid_argument,
+                "step curves: repricing the collectives needs the layers the curves were "
+                "measured with (", deployment_, " does not say)");
+  const double shift_ms =
+      2.0 * static_cast<double>(num_layers_) * (latency_us - priced_collective_us) * 1e-3;
+  step_curves c = *this;
+  for (std::vector<row>& rows : c.rows_) {
+    for (row& r : rows) {
+      for (step_curve_point& p : r.points) {
+        p.step_ms += shift_ms;
+        MOEBIUS_CHECK(p.step_ms > 0, errc::invalid_argument, "step curves: the ",
+                      moebius::to_string(p.mode), " step at batch ", p.batch, ", context ",
+                      p.context, " falls to ", p.step_ms, " ms with collectives at ", latency_us,
+                      " us");
+      }
+    }
+  }
+  std::ostringstream d;
+  d << deployment_ << ", collectives repriced at " << latency_us << " us each";
+  c.deployment_ = d.str();
+  return c;
+}
+
 double step_curves::step_ms(parallel_mode m, double batch, double context) const {
   const std::vector<row>& rows = rows_[m == parallel_mode::tp ? 1 : 0];
   if (context <= static_cast<double>(rows.front().context)) return row_ms(rows.front(), batch);
