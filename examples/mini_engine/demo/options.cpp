@@ -208,10 +208,17 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        });
   app.add_flag_callback(
       "--no-reshard", [&o] { o.reshard_stage = false; }, "skip the verified-reshard stage");
-  text("--collective-us", "US",
-       "--runtime sim: price each collective (TP all-reduce, EP dispatch or combine) at US "
-       "microseconds of latency instead of the curves' 10, [0, 10000]",
-       [&o](const std::string& v) { o.collective_us = parse_double("--collective-us", v, 0, 1e4); });
+  text("--collective-us", "US|TP_US,EP_US",
+       "--runtime sim: price each collective at US microseconds of latency instead of the "
+       "curves' 10, or TP's all-reduce at TP_US and EP's dispatch and combine at EP_US; each "
+       "in [0, 10000]",
+       [&o](const std::string& v) {
+         const size_t comma = v.find(',');
+         o.collective_us_tp = parse_double("--collective-us", v.substr(0, comma), 0, 1e4);
+         o.collective_us_ep = comma == std::string::npos
+                                  ? o.collective_us_tp
+                                  : parse_double("--collective-us", v.substr(comma + 1), 0, 1e4);
+       });
   text("--admission", "known|oracle",
        "how admission reserves KV pages: known (the default, as vLLM and SGLang: the tokens a "
        "request has; a sequence that finds no page preempts the newest, recomputed later) or "
@@ -248,7 +255,7 @@ void check_together(options& o, bool max_batch_set) {
     fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
                     "(--runtime sim)");
   }
-  if (o.collective_us >= 0 && o.runtime != runtime_kind::sim)
+  if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)
     fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)
     fail("--results", "is written by the simulated runtime's experiments (--runtime sim)");

@@ -59,9 +59,10 @@ struct options {
   // How admission reserves KV pages (serving/scheduler.hpp): what is known, with preemption by
   // recompute as vLLM and SGLang do (the default), or each request's true output (an oracle).
   bool oracle_admission = false;
-  // --runtime sim: each collective's latency in the step curves, us (< 0: as the curves priced
-  // it, step_curves::priced_collective_us), for the results' sensitivity to it.
-  double collective_us = -1;
+  // --runtime sim: each collective's latency in the step curves, us, TP's all-reduce and EP's
+  // dispatch or combine (< 0: as the curves priced it, step_curves::priced_collective_us), for
+  // the results' sensitivity to it.
+  double collective_us_tp = -1, collective_us_ep = -1;
   bool reshard_stage = true;
   bool help = false;
 };

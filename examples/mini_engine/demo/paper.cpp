@@ -81,7 +81,8 @@ paper_clock make_paper_clock(const options& o) {
   if (!curves)
     throw usage_error("--runtime sim: no step curves of qwen3_235b at P=8 over the operating "
                       "region (docs/results/step_region_*.jsonl); give --curves FILE");
-  if (o.collective_us >= 0) curves = curves->with_collective_latency(o.collective_us);
+  if (o.collective_us_tp >= 0)
+    curves = curves->with_collective_latency(o.collective_us_tp, o.collective_us_ep);
   priced_model m = qwen3_235b_a22b_priced();
   m.context_scale = 1;
   const sim_geometry g = make_sim_geometry(make_deployment(qwen3_235b_a22b(), deployment_kind::switching));

@@ -222,18 +222,20 @@ double step_curves::row_ms(const row& r, double batch) {
   return b.step_ms + slope * (batch - static_cast<double>(b.batch));
 }
 
-step_curves step_curves::with_collective_latency(double latency_us) const {
-  MOEBIUS_CHECK(std::isfinite(latency_us) && latency_us >= 0 && latency_us <= 1e4,
-                errc::invalid_argument, "step curves: a collective's latency must be in [0, "
-                "10000] us (got ", latency_us, ")");
+step_curves step_curves::with_collective_latency(double tp_us, double ep_us) const {
+  for (const double us : {tp_us, ep_us}) {
+    MOEBIUS_CHECK(std::isfinite(us) && us >= 0 && us <= 1e4, errc::invalid_argument,
+                  "step curves: a collective's latency must be in [0, 10000] us (got ", us, ")");
+  }
   MOEBIUS_CHECK(num_layers_ >= 1, errc::invalid_argument,
                 "step curves: repricing the collectives needs the layers the curves were "
                 "measured with (", deployment_, " does not say)");
-  const double shift_ms =
-      2.0 * static_cast<double>(num_layers_) * (latency_us - priced_collective_us) * 1e-3;
   step_curves c = *this;
-  for (std::vector<row>& rows : c.rows_) {
-    for (row& r : rows) {
+  for (const parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+    const double latency_us = m == parallel_mode::tp ? tp_us : ep_us;
+    const double shift_ms =
+        2.0 * static_cast<double>(num_layers_) * (latency_us - priced_collective_us) * 1e-3;
+    for (row& r : c.rows_[m == parallel_mode::tp ? 1 : 0]) {
       for (step_curve_point& p : r.points) {
         p.step_ms += shift_ms;
         MOEBIUS_CHECK(p.step_ms > 0, errc::invalid_argument, "step curves: the ",
@@ -244,7 +246,8 @@ step_curves step_curves::with_collective_latency(double latency_us) const {
     }
   }
   std::ostringstream d;
-  d << deployment_ << ", collectives repriced at " << latency_us << " us each";
+  d << deployment_ << ", collectives repriced at " << tp_us << " us (TP) / " << ep_us
+    << " us (EP) each";
   c.deployment_ = d.str();
   return c;
 }

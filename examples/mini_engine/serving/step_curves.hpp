@@ -82,17 +82,18 @@ class step_curves {
 
   // The latency per collective the bench priced (h200_params::collective_us, 10 us: assumed).
   static constexpr double priced_collective_us = 10;
-  // These curves with each collective's latency priced at `latency_us` instead: every step has
-  // two collectives a layer in either mode (TP two all-reduces; EP a dispatch and a combine),
-  // so each point moves by 2 x layers x (latency_us - priced_collective_us). Measured
+  // These curves with each collective's latency priced at `tp_us` (TP's all-reduces) and
+  // `ep_us` (EP's dispatch and combine) instead: every step has two collectives a layer in
+  // either mode, so each point moves by 2 x layers x (its mode's latency -
+  // priced_collective_us). Measured
   // small-message latencies on NVLink are well above the assumed 10 us (DeepEP's low-latency
   // dispatch and combine of 128 tokens at EP 8: 77 and 114 us, H800, RDMA; its README), and
   // the paper's quiet TPOT gap (TP 37, EP 52 ms) is larger than the compute alone: the results'
   // sensitivity to it is shown by serving the same trace at several latencies (demo
-  // --collective-us). Throws errc::invalid_argument when latency_us is not in [0, 10^4] or
+  // --collective-us). Throws errc::invalid_argument when a latency is not in [0, 10^4] or
   // the curves do not know their layers (built from points); a step that would fall to 0 or
   // below is refused by name.
-  step_curves with_collective_latency(double latency_us) const;
+  step_curves with_collective_latency(double tp_us, double ep_us) const;
 
  private:
   // The points of one mode and context, ascending in batch.

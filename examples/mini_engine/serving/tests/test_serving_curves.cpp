@@ -74,23 +74,27 @@ TEST_CASE("step curves: read back and interpolated", "[cpu][curves]") {
 TEST_CASE("step curves: collectives repriced at another latency", "[cpu][curves]") {
   const step_curves c = parse(k_file);
   // 94 layers, two collectives each: 188 x (30 - 10) us = 3.76 ms more at every point.
-  const step_curves slow = c.with_collective_latency(30);
+  const step_curves slow = c.with_collective_latency(30, 30);
   CHECK(slow.step_ms(parallel_mode::tp, 1, 512) == Approx(13.76));
   CHECK(slow.step_ms(parallel_mode::tp, 2, 1024) == Approx(21.76));
   CHECK(slow.step_ms(parallel_mode::ep, 64, 100) == Approx(15.76));
-  CHECK(slow.deployment() == "qwen3_235b P=8 L=94 skew 1 (test.jsonl), collectives repriced at 30 us each");
+  CHECK(slow.deployment() == "qwen3_235b P=8 L=94 skew 1 (test.jsonl), collectives repriced at 30 us (TP) / 30 us (EP) each");
+  // Per mode: TP at 15 us (+0.94 ms), EP at 95 us (+15.98 ms).
+  const step_curves split = c.with_collective_latency(15, 95);
+  CHECK(split.step_ms(parallel_mode::tp, 1, 512) == Approx(10.94));
+  CHECK(split.step_ms(parallel_mode::ep, 1, 512) == Approx(27.98));
   // At 0 us: 1.88 ms less; at 10 us: unchanged.
-  CHECK(c.with_collective_latency(0).step_ms(parallel_mode::tp, 4, 1536) == Approx(28 - 1.88));
-  CHECK(c.with_collective_latency(10).step_ms(parallel_mode::tp, 2, 512) == Approx(12));
-  CHECK_THROWS_WITH(c.with_collective_latency(-1), Catch::Contains("must be in [0, 10000] us"));
-  CHECK_THROWS_WITH(c.with_collective_latency(std::nan("")), Catch::Contains("must be in [0, 10000] us"));
+  CHECK(c.with_collective_latency(0, 0).step_ms(parallel_mode::tp, 4, 1536) == Approx(28 - 1.88));
+  CHECK(c.with_collective_latency(10, 10).step_ms(parallel_mode::tp, 2, 512) == Approx(12));
+  CHECK_THROWS_WITH(c.with_collective_latency(-1, 10), Catch::Contains("must be in [0, 10000] us"));
+  CHECK_THROWS_WITH(c.with_collective_latency(10, std::nan("")), Catch::Contains("must be in [0, 10000] us"));
   // A 1 ms step with 94 layers of collectives cannot lose 1.88 ms.
   const step_curves tiny = parse(
       "{\"model\": \"m\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 1}\n"
       "{\"model\": \"m\", \"P\": 8, \"layers\": 94, \"mode\": \"tp\", \"context\": 512, \"batch\": 1, \"step_ms\": 9}\n");
-  CHECK_THROWS_WITH(tiny.with_collective_latency(0), Catch::Contains("EP step at batch 1, context 512 falls to"));
+  CHECK_THROWS_WITH(tiny.with_collective_latency(10, 0), Catch::Contains("EP step at batch 1, context 512 falls to"));
   const step_curves points({{parallel_mode::ep, 512, 1, 5}, {parallel_mode::tp, 512, 1, 4}}, "hand");
-  CHECK_THROWS_WITH(points.with_collective_latency(20), Catch::Contains("needs the layers"));
+  CHECK_THROWS_WITH(points.with_collective_latency(20, 20), Catch::Contains("needs the layers"));
 }
 
 TEST_CASE("step curves: malformed files are errors that name the line", "[cpu][curves]") {
