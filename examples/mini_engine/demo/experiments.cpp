@@ -215,6 +215,8 @@ std::vector<request> make_trace(const options& o, trace_kind kind, int32_t vocab
     case trace_kind::paper_rollout: {
       paper_rollout_options r;
       r.vocab = vocab;
+      if (o.rollout_median >= 0) r.output_median = o.rollout_median;
+      if (o.rollout_cut >= 0) r.cut_share = o.rollout_cut;
       return paper_rollout_trace(o.seed, r);
     }
     case trace_kind::file:

@@ -219,6 +219,17 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
                                   ? o.collective_us_tp
                                   : parse_double("--collective-us", v.substr(comma + 1), 0, 1e4);
        });
+  text("--rollout-median", "TOKENS",
+       "paper-rollout: the median output length, [64, 32000] (default 2000: DeepMath-103K's R1 "
+       "mean with a 2% cut; the paper-shaped sweep covers 4k-10k)",
+       [&o](const std::string& v) { o.rollout_median = parse_double("--rollout-median", v, 64, 32000); });
+  text("--rollout-cut", "SHARE",
+       "paper-rollout: the share of responses cut at 32,768 tokens, (0, 0.5) (default 0.02; the "
+       "sweep covers 0.02-0.2)",
+       [&o](const std::string& v) {
+         o.rollout_cut = parse_double("--rollout-cut", v, 0, 0.5);
+         if (o.rollout_cut <= 0 || o.rollout_cut >= 0.5) fail("--rollout-cut", "must be in (0, 0.5)");
+       });
   text("--admission", "known|oracle",
        "how admission reserves KV pages: known (the default, as vLLM and SGLang: the tokens a "
        "request has; a sequence that finds no page preempts the newest, recomputed later) or "
@@ -255,6 +266,10 @@ void check_together(options& o, bool max_batch_set) {
     fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
                     "(--runtime sim)");
   }
+  if ((o.rollout_median >= 0 || o.rollout_cut >= 0) &&
+      std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) == o.traces.end())
+    fail(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",
+         "shapes the paper-rollout trace, which is not served");
   if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)
     fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)

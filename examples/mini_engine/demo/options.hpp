@@ -63,6 +63,9 @@ struct options {
   // dispatch or combine (< 0: as the curves priced it, step_curves::priced_collective_us), for
   // the results' sensitivity to it.
   double collective_us_tp = -1, collective_us_ep = -1;
+  // paper-rollout's shape for the sensitivity sweep (serving/paper_traces.hpp; < 0: its own).
+  double rollout_median = -1;  // output tokens
+  double rollout_cut = -1;     // share of responses cut at the cap
   bool reshard_stage = true;
   bool help = false;
 };
