@@ -120,3 +120,20 @@ moebius_find_nvcc() {
 }
 
 moebius_jobs() { nproc 2>/dev/null || echo 2; }
+
+# The Python packages the scripts use, from PyPI at these versions, in one virtual environment
+# (build-python/venv): nanobind and scikit-build-core build the package, numpy and pytest test it,
+# matplotlib draws the demo's figures (examples/mini_engine/demo/plot_runs.py); its own
+# dependencies are pinned too, so that a fresh machine draws with what was tested.
+moebius_python_pins=(nanobind==3.1.0 scikit-build-core==1.1.2 numpy==2.4.6 pytest==9.2.0
+                     matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0
+                     kiwisolver==1.5.1 packaging==26.4 pillow==13.0.0 pyparsing==3.3.3
+                     python-dateutil==4.0.0)
+moebius_venv="$moebius_root/build-python/venv"
+# Makes (or updates) that environment with MOEBIUS_PYTHON (default python3); returns non-zero
+# when it cannot (no venv module, no PyPI).
+moebius_python_venv() {
+  "${MOEBIUS_PYTHON:-python3}" -m venv "$moebius_venv" >/dev/null 2>&1 &&
+    "$moebius_venv/bin/python" -m pip install -q --disable-pip-version-check \
+      "${moebius_python_pins[@]}"
+}

@@ -182,12 +182,16 @@ void write_run_files(const std::string& dir, const std::vector<run_outcome>& run
     csv << text;
   }
   if (!csv) throw std::runtime_error("cannot write " + csv_path);
+  const std::string requests_path = dir + "/requests.csv";
+  std::ofstream requests(requests_path);
+  for (size_t k = 0; k < runs.size(); ++k) write_requests_csv(requests, runs[k].result, k == 0);
+  if (!requests) throw std::runtime_error("cannot write " + requests_path);
   std::ofstream svg(svg_path);
   std::vector<const run_result*> panels;
   for (const run_outcome& r : runs) panels.push_back(&r.result);
   write_timeline_svg(svg, panels);
   if (!svg) throw std::runtime_error("cannot write " + svg_path);
-  std::printf("  wrote %s and %s\n", csv_path.c_str(), svg_path.c_str());
+  std::printf("  wrote %s, %s and %s\n", csv_path.c_str(), requests_path.c_str(), svg_path.c_str());
 }
 
 void progress_printer::install(engine_options& o) {

@@ -1,6 +1,7 @@
 #include "timeline_svg.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <ostream>
 #include <string>
@@ -62,13 +63,31 @@ void write_timeline_svg(std::ostream& os, const std::vector<const run_result*>& 
     }
     os << "<rect x=\"" << left << "\" y=\"" << y0 << "\" width=\"" << plot_w << "\" height=\""
        << panel_h << "\" fill=\"none\" stroke=\"#888\"/>\n";
-    // Batch and step time as polylines.
+    // Batch and step time as polylines, at most their range per half pixel: a run of a million
+    // steps draws what a screen shows (the envelope), not a million points.
     for (const int series : {0, 1}) {
       os << "<polyline fill=\"none\" stroke=\"" << (series == 0 ? "#1f5fbf" : "#e08020")
          << "\" stroke-width=\"1\" points=\"";
-      for (const step_record& s : r.steps) {
-        os << fmt("%.2f", X(s.start_s)) << ','
-           << fmt("%.2f", series == 0 ? YB(static_cast<double>(s.sequences)) : YT(s.step_ms)) << ' ';
+      auto y_of = [&](const step_record& s) {
+        return series == 0 ? YB(static_cast<double>(s.sequences)) : YT(s.step_ms);
+      };
+      size_t a = 0;
+      while (a < r.steps.size()) {
+        const long column = std::lround(2 * X(r.steps[a].start_s));
+        double lo = y_of(r.steps[a]), hi = lo, last = lo;
+        size_t b = a + 1;
+        for (; b < r.steps.size() && std::lround(2 * X(r.steps[b].start_s)) == column; ++b) {
+          last = y_of(r.steps[b]);
+          lo = std::min(lo, last);
+          hi = std::max(hi, last);
+        }
+        const std::string x = fmt("%.2f", X(r.steps[a].start_s));
+        os << x << ',' << fmt("%.2f", y_of(r.steps[a])) << ' ';
+        if (b - a > 1) {
+          os << x << ',' << fmt("%.2f", lo) << ' ' << x << ',' << fmt("%.2f", hi) << ' ' << x << ','
+             << fmt("%.2f", last) << ' ';
+        }
+        a = b;
       }
       os << "\"/>\n";
     }

@@ -2,7 +2,8 @@
 
 // An SVG timeline of serving runs, written directly (no plotting dependency): per run a
 // panel with the mode as background bands (TP / EP), the batch (sequences per step) as a
-// line, the step time as a second line on its own axis, and a mark at each switch.
+// line, the step time as a second line on its own axis (each line at most its range per half
+// pixel), and a mark at each switch.
 
 #include <iosfwd>
 #include <vector>

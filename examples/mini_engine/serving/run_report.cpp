@@ -72,4 +72,19 @@ void write_steps_csv(std::ostream& os, const run_result& r) {
   }
 }
 
+void write_requests_csv(std::ostream& os, const run_result& r, bool header) {
+  if (header)
+    os << "run,id,arrival_s,admitted_s,first_token_s,finish_s,prompt_tokens,output_tokens,"
+          "preemptions,failed\n";
+  char buf[320];
+  for (const request_result& q : r.requests) {
+    std::snprintf(buf, sizeof buf, "%s,%lld,%.6f,%.6f,%.6f,%.6f,%lld,%lld,%lld,%d\n",
+                  r.name.c_str(), static_cast<long long>(q.id), q.arrival_s, q.admitted_s,
+                  q.first_token_s, q.finish_s, static_cast<long long>(q.prompt_tokens),
+                  static_cast<long long>(q.output_tokens), static_cast<long long>(q.preemptions),
+                  q.failed() ? 1 : 0);
+    os << buf;
+  }
+}
+
 }  // namespace mini_engine

@@ -88,5 +88,9 @@ run_summary summarize(const run_result& r);
 
 // step,start_s,mode,sequences,... one line per step (header first).
 void write_steps_csv(std::ostream& os, const run_result& r);
+// One line per request of `r`: run, id, arrival, admission, first and last token (s, -1 when
+// none), prompt and output tokens, preemptions, failed (0/1). With a header unless `header` is
+// false.
+void write_requests_csv(std::ostream& os, const run_result& r, bool header = true);
 
 }  // namespace mini_engine

@@ -1,13 +1,15 @@
 // The paper's metrics (paper_metrics.hpp) against values worked out by hand on small runs built
-// here, floods found in generated arrivals, and the simulated deployment's geometry against the
-// deployment's capacities (sim_deployment.hpp).
+// here, floods found in generated arrivals, the simulated deployment's geometry against the
+// deployment's capacities (sim_deployment.hpp), and the requests' CSV the figures are drawn from.
 #include <cmath>
 #include <random>
+#include <sstream>
 
 #include "catch.hpp"
 #include "deployment.hpp"
 #include "paper_metrics.hpp"
 #include "paper_traces.hpp"
+#include "run_report.hpp"
 #include "sim_deployment.hpp"
 #include "test_seed.hpp"
 
@@ -166,3 +168,29 @@ TEST_CASE("the simulated deployment holds the deployment's KV capacity") {
   CHECK_THROWS_WITH(make_sim_geometry(make_deployment(qwen3_235b_a22b(), deployment_kind::switching), bad),
                     Catch::Matchers::Contains("page_size"));
 }
+
+TEST_CASE("the requests' CSV, line by line") {
+  run_result r;
+  r.name = "static EP";
+  request_result a = result_of(open_request(7, 0.25, 3), 0.5, 0.75);
+  a.prompt_tokens = 2;
+  a.preemptions = 1;
+  request_result b;  // failed before admission
+  b.id = 9;
+  b.arrival_s = 1;
+  b.prompt_tokens = 4;
+  b.output_tokens = 5;
+  b.error = "request 9: no";
+  r.requests = {a, b};
+  std::ostringstream with, without;
+  write_requests_csv(with, r);
+  write_requests_csv(without, r, false);
+  const std::string body =
+      "static EP,7,0.250000,0.250000,0.500000,0.750000,2,3,1,0\n"
+      "static EP,9,1.000000,-1.000000,-1.000000,-1.000000,4,5,0,1\n";
+  CHECK(without.str() == body);
+  CHECK(with.str() ==
+        "run,id,arrival_s,admitted_s,first_token_s,finish_s,prompt_tokens,output_tokens,"
+        "preemptions,failed\n" + body);
+}
+
