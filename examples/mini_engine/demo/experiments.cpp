@@ -151,6 +151,8 @@ const char* label_of(run_kind k) {
       return "progressive";
     case run_kind::no_gate:
       return "no gate";
+    case run_kind::paper_policy:
+      return "paper policy";
   }
   return "unknown";
 }

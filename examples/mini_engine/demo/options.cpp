@@ -230,6 +230,10 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
          o.rollout_cut = parse_double("--rollout-cut", v, 0, 0.5);
          if (o.rollout_cut <= 0 || o.rollout_cut >= 0.5) fail("--rollout-cut", "must be in (0, 0.5)");
        });
+  app.add_flag_callback(
+      "--search", [&o] { o.search = true; },
+      "--runtime sim, rollout traces: the offline ceiling, one switch point per rollout step "
+      "searched over a grid of thresholds (ten more runs of the trace)");
   text("--admission", "known|oracle",
        "how admission reserves KV pages: known (the default, as vLLM and SGLang: the tokens a "
        "request has; a sequence that finds no page preempts the newest, recomputed later) or "
@@ -270,6 +274,8 @@ void check_together(options& o, bool max_batch_set) {
       std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) == o.traces.end())
     fail(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",
          "shapes the paper-rollout trace, which is not served");
+  if (o.search && o.runtime != runtime_kind::sim)
+    fail("--search", "searches the simulated runtime's rollout runs (--runtime sim)");
   if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)
     fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)

@@ -59,6 +59,9 @@ struct options {
   // How admission reserves KV pages (serving/scheduler.hpp): what is known, with preemption by
   // recompute as vLLM and SGLang do (the default), or each request's true output (an oracle).
   bool oracle_admission = false;
+  // --runtime sim, rollout traces: search one switch point per rollout step over a grid of
+  // thresholds (the offline ceiling, paper.hpp).
+  bool search = false;
   // --runtime sim: each collective's latency in the step curves, us, TP's all-reduce and EP's
   // dispatch or combine (< 0: as the curves priced it, step_curves::priced_collective_us), for
   // the results' sensitivity to it.

@@ -233,6 +233,68 @@ void print_rollout_table(const std::vector<run_outcome>& runs, const std::vector
       "up to 1.31x the worse, ahead of the per-step oracle\n");
 }
 
+// The offline ceiling of a closed-loop rollout: one switch point per rollout step. Every step
+// starts at a load of 2,048 (in EP, or switching there at once) and may switch to TP once the
+// load falls under b: the paper's rollout rule at T_h = T_l = b, rules alone. Each b of the grid
+// serves the whole trace once, and each rollout step takes the b that served it fastest; the
+// steps are independent (each starts when the last has finished, and the rule sends it to EP at
+// once whatever the last one ended in), so that sum is a schedule's time: the search's best.
+struct search_result {
+  std::vector<int64_t> grid;
+  std::vector<paper_metrics> runs;  // per b
+  size_t best_single = 0;           // the b whose whole run was fastest
+  std::vector<size_t> best_per_step;
+  double per_step_total_s = 0;
+};
+
+search_result search_rollout(const std::vector<request>& trace, const engine_options& base,
+                             const std::vector<arrival_period>& floods, const step_clock& clock) {
+  search_result s;
+  s.grid = {32, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
+  std::vector<run_spec> specs;
+  std::vector<sim_world> worlds;
+  for (const int64_t b : s.grid) {
+    engine_options e = base;
+    e.how = switching::policy;
+    e.policy = moebius::rollout_config(b, 8);
+    e.gate.enabled = false;
+    e.start_mode = parallel_mode::ep;
+    specs.push_back({run_kind::paper_policy, e});
+    worlds.push_back(make_sim_world(deployment_kind::switching, clock));
+  }
+  const std::vector<run_outcome> runs = serve(trace, specs, worlds);
+  for (const run_outcome& r : runs) s.runs.push_back(paper_metrics_of(trace, r.result, floods));
+  for (size_t i = 1; i < s.runs.size(); ++i)
+    if (s.runs[i].rollout_total_s < s.runs[s.best_single].rollout_total_s) s.best_single = i;
+  const size_t steps = s.runs.front().rollout_step_s.size();
+  for (size_t k = 0; k < steps; ++k) {
+    size_t best = 0;
+    for (size_t i = 1; i < s.runs.size(); ++i)
+      if (s.runs[i].rollout_step_s[k] < s.runs[best].rollout_step_s[k]) best = i;
+    s.best_per_step.push_back(best);
+    s.per_step_total_s += s.runs[best].rollout_step_s[k];
+  }
+  return s;
+}
+
+void print_search(const search_result& s, double best_static_s, double switching_s) {
+  std::printf("\n  offline search: the rollout rule at T_h = T_l = b, rules alone, the trace served "
+              "once per b:\n   ");
+  for (size_t i = 0; i < s.grid.size(); ++i)
+    std::printf(" b=%lld %.0f s%s", static_cast<long long>(s.grid[i]), s.runs[i].rollout_total_s,
+                i + 1 < s.grid.size() ? "," : "\n");
+  std::printf("    best single b = %lld: %.1f s, %.3fx the better static layout\n",
+              static_cast<long long>(s.grid[s.best_single]), s.runs[s.best_single].rollout_total_s,
+              best_static_s / s.runs[s.best_single].rollout_total_s);
+  std::printf("    best b per rollout step (");
+  for (size_t k = 0; k < s.best_per_step.size(); ++k)
+    std::printf("%lld%s", static_cast<long long>(s.grid[s.best_per_step[k]]),
+                k + 1 < s.best_per_step.size() ? ", " : "");
+  std::printf("): %.1f s, %.3fx the better static layout; the switching run takes %.3fx its time\n",
+              s.per_step_total_s, best_static_s / s.per_step_total_s,
+              switching_s / s.per_step_total_s);
+}
+
 }  // namespace
 
 int run_paper_experiments(const options& o) {
@@ -282,7 +344,8 @@ int run_paper_experiments(const options& o) {
       std::printf("  flood found in the arrivals: %.0f-%.0f s\n", p.start_s, p.end_s);
 
     const std::vector<run_kind> kinds = {run_kind::static_tp, run_kind::static_ep,
-                                         run_kind::switching, run_kind::progressive};
+                                         run_kind::switching, run_kind::progressive,
+                                         run_kind::paper_policy};
     std::vector<sim_world> worlds;
     for (const run_kind k : kinds) worlds.push_back(make_sim_world(deployment_of(k), *clock.clock));
     const int64_t context = mean_context(trace);
@@ -314,6 +377,10 @@ int run_paper_experiments(const options& o) {
     specs[0].options.start_mode = parallel_mode::tp;
     specs[1].options.start_mode = parallel_mode::ep;
     specs[3].options.style = switch_style::progressive;
+    // The paper's policy: its rules as written (load: running + waiting, capped at 2,048), no
+    // cost gate.
+    specs.push_back({run_kind::paper_policy, so});
+    specs[4].options.gate.enabled = false;
     const std::vector<run_outcome> runs = serve(trace, specs, worlds);
 
     std::vector<paper_metrics> m;
@@ -330,6 +397,23 @@ int run_paper_experiments(const options& o) {
       print_bursty_table(runs, m);
     }
     print_gate(runs[2].result, &cal.curves, 0);
+    if (o.search && rollout) {
+      const search_result s = search_rollout(trace, base, floods, *clock.clock);
+      print_search(s, std::min(m[0].rollout_total_s, m[1].rollout_total_s), m[2].rollout_total_s);
+      nlohmann::json j;
+      j["trace"] = name;
+      j["run"] = "offline search";
+      j["grid"] = s.grid;
+      std::vector<double> totals;
+      for (const paper_metrics& r : s.runs) totals.push_back(r.rollout_total_s);
+      j["grid_total_s"] = totals;
+      j["best_single_b"] = s.grid[s.best_single];
+      std::vector<int64_t> per_step;
+      for (const size_t i : s.best_per_step) per_step.push_back(s.grid[i]);
+      j["best_b_per_step"] = per_step;
+      j["rollout_total_s"] = s.per_step_total_s;
+      results.push_back(std::move(j));
+    }
     const std::string dir = o.out_dir + "/" + (kind == trace_kind::file ? "file" : to_string(kind));
     write_run_files(dir, runs);
     for (size_t i = 0; i < runs.size(); ++i) {
