@@ -3,8 +3,23 @@
 #include <algorithm>
 #include <cmath>
 #include <ostream>
+#include <string>
 
 namespace mini_engine {
+
+namespace {
+
+// A CSV field (RFC 4180): quoted, with its quotes doubled, when it holds a comma, a quote or a
+// line break ("GPU runtime, measured" is one field).
+std::string csv_field(const std::string& v) {
+  if (v.find_first_of(",\"\r\n") == std::string::npos) return v;
+  std::string q = "\"";
+  for (const char ch : v) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+  return q + "\"";
+}
+
+}  // namespace
+
 
 run_summary summarize(const run_result& r) {
   run_summary s;
@@ -59,8 +74,8 @@ void write_steps_csv(std::ostream& os, const run_result& r) {
   char buf[320];
   for (const step_record& s : r.steps) {
     std::snprintf(buf, sizeof buf,
-                  "%s,%lld,%.6f,%s,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%.4f,%.4f,%d,%.4f\n",
-                  r.name.c_str(), static_cast<long long>(s.step), s.start_s,
+                  "%lld,%.6f,%s,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%.4f,%.4f,%d,%.4f\n",
+                  static_cast<long long>(s.step), s.start_s,
                   moebius::to_string(s.mode), static_cast<long long>(s.sequences),
                   static_cast<long long>(s.decode_tokens), static_cast<long long>(s.prefill_tokens),
                   static_cast<long long>(s.context_tokens), static_cast<long long>(s.running),
@@ -68,7 +83,7 @@ void write_steps_csv(std::ostream& os, const run_result& r) {
                   static_cast<long long>(s.preempted),
                   static_cast<long long>(s.kv_used_pages), s.step_ms, s.measured_ms,
                   s.switched ? 1 : 0, s.switch_ms);
-    os << buf;
+    os << csv_field(r.name) << ',' << buf;
   }
 }
 
@@ -78,12 +93,12 @@ void write_requests_csv(std::ostream& os, const run_result& r, bool header) {
           "preemptions,failed\n";
   char buf[320];
   for (const request_result& q : r.requests) {
-    std::snprintf(buf, sizeof buf, "%s,%lld,%.6f,%.6f,%.6f,%.6f,%lld,%lld,%lld,%d\n",
-                  r.name.c_str(), static_cast<long long>(q.id), q.arrival_s, q.admitted_s,
+    std::snprintf(buf, sizeof buf, "%lld,%.6f,%.6f,%.6f,%.6f,%lld,%lld,%lld,%d\n",
+                  static_cast<long long>(q.id), q.arrival_s, q.admitted_s,
                   q.first_token_s, q.finish_s, static_cast<long long>(q.prompt_tokens),
                   static_cast<long long>(q.output_tokens), static_cast<long long>(q.preemptions),
                   q.failed() ? 1 : 0);
-    os << buf;
+    os << csv_field(r.name) << ',' << buf;
   }
 }
 

@@ -192,5 +192,18 @@ TEST_CASE("the requests' CSV, line by line") {
   CHECK(with.str() ==
         "run,id,arrival_s,admitted_s,first_token_s,finish_s,prompt_tokens,output_tokens,"
         "preemptions,failed\n" + body);
+  // A name with a comma or a quote is one quoted field (RFC 4180), in both CSVs.
+  r.name = "GPU, \"measured\"";
+  r.requests.resize(1);
+  step_record s;
+  s.step = 3;
+  s.sequences = 2;
+  r.steps = {s};
+  std::ostringstream quoted, steps;
+  write_requests_csv(quoted, r, false);
+  write_steps_csv(steps, r);
+  CHECK(quoted.str() == "\"GPU, \"\"measured\"\"\",7,0.250000,0.250000,0.500000,0.750000,2,3,1,0\n");
+  CHECK(steps.str().substr(steps.str().find('\n') + 1) ==
+        "\"GPU, \"\"measured\"\"\",3,0.000000,EP,2,0,0,0,0,0,0,0,0,0.0000,0.0000,0,0.0000\n");
 }
 
