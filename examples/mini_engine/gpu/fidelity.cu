@@ -1,18 +1,23 @@
 // How far the simulated runtime is from a run it simulates, per metric (DESIGN.md §8): on one
-// GPU, the GPU runtime at P = 1 (Qwen3-30B-A3B layer shapes with MOEBIUS_FIDELITY_LAYERS layers,
-// default 8; bf16 dense, experts and KV; random weights drawn on the device)
-//   1. measures its own decode-step curves: the wall clock of a step as the serving loop waits
-//      for it (inputs, upload, graph replay, tokens back), the median of 7 after 2 warm-ups, at
-//      batches 1..512 and contexts 128, 512, 2048;
-//   2. serves a bursty trace on the measured clock (every step timed);
-//   3. the simulated runtime serves the same trace with the same scheduler and pool, each step
-//      priced by the curves of 1 (curves_step_clock: a prefill chunk as the curve's extra rows
-//      at its smallest context, as the paper-scale experiments price it).
+// GPU, the GPU runtime at P = 1, or P = 2 virtual ranks (Qwen3-30B-A3B layer shapes with
+// MOEBIUS_FIDELITY_LAYERS layers, default 8; bf16 dense, experts and KV; random weights drawn on
+// the device)
+//   1. measures its own decode-step curves per mode: the wall clock of a step as the serving
+//      loop waits for it (inputs, upload, graph replay, tokens back), the median of 7 after 2
+//      warm-ups, at batches 1..512 and contexts 128, 512, 2048;
+//   2. serves a bursty trace on the measured clock (every step timed); at P = 2 with a
+//      stop-the-world switch forced every 400 steps (the virtual ranks' copies over the GPU's
+//      own memory, each switch timed);
+//   3. the simulated runtime serves the same trace with the same scheduler, pool and forced
+//      switches, each step priced by the curves of 1 (curves_step_clock: a prefill chunk as the
+//      curve's extra rows at its smallest context, as the paper-scale experiments price it) and
+//      each switch by the cost model over the link measured on 2x H200 (h200_params).
 // Printed and written to $OUT/fidelity.json (or ./fidelity.json): each metric of both runs and
-// the simulation's error, separately: mean and p99 TTFT, mean and p99 TPOT, throughput and the
-// run's length. What this does not check: collectives and switches (P = 1 has neither; the
-// paper-scale curves price collectives by a link model), and the paper's model and P.
-// Environment: MOEBIUS_FIDELITY_LAYERS (8), MOEBIUS_FIDELITY_SEED (1: the trace).
+// the simulation's error, separately: mean and p99 TTFT, mean and p99 TPOT, throughput, the
+// run's length, and at P = 2 the switches' total time. What this does not check: collectives
+// over NVLink (virtual ranks share one GPU's memory), and the paper's model and P.
+// Environment: MOEBIUS_FIDELITY_LAYERS (8), MOEBIUS_FIDELITY_SEED (1: the trace),
+// MOEBIUS_FIDELITY_P (1 or 2).
 
 #include <cuda_runtime.h>
 
@@ -28,6 +33,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <moebius/transport/cuda_peer_transport.hpp>
 #include <moebius/transport/dry_run_transport.hpp>
 
 #include "bench_decode_batch.hpp"
@@ -48,12 +54,14 @@ constexpr int64_t k_max_running = 256;    // sequences at once
 constexpr int64_t k_page_size = 16;       // the runtime's (kv geometry)
 constexpr int64_t k_longest = 2560;       // tokens of the longest request (prompt + output)
 
-// The decode step's wall clock at batch B and context C, median of 7 after 2 warm-ups.
-double measure_step_ms(gpu::gpu_runtime& rt, int64_t B, int64_t C, int64_t vocab) {
-  const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), parallel_mode::ep, B, C + 1);
+// The decode step's wall clock in mode `m` at batch B and context C, median of 7 after 2
+// warm-ups.
+double measure_step_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t B, int64_t C, int64_t vocab,
+                       int64_t layers) {
+  const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, B, C + 1);
   std::vector<int32_t> tokens;
   const std::vector<step_item> items = gpu::bench::decode_items(B, C, vocab, tokens);
-  const step_layout layout{&tables, moebius::arena_cursor{0}};
+  const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
   for (int w = 0; w < 2; ++w) rt.step(layout, items);
   std::vector<double> ms;
   for (int i = 0; i < 7; ++i) {
@@ -86,44 +94,54 @@ nlohmann::json metrics(const run_summary& s, const run_result& r) {
   return {{"mean_ttft_ms", s.mean_ttft_ms}, {"p99_ttft_ms", s.p99_ttft_ms},
           {"mean_tpot_ms", s.mean_tpot_ms}, {"p99_tpot_ms", s.p99_tpot_ms},
           {"tokens_per_s", s.tokens_per_s}, {"end_s", r.end_s},
-          {"steps", static_cast<int64_t>(r.steps.size())}, {"preemptions", r.preemptions}};
+          {"steps", static_cast<int64_t>(r.steps.size())}, {"preemptions", r.preemptions},
+          {"switches", s.switches}, {"switch_total_ms", s.switch_total_ms}};
 }
 
 }  // namespace
 
 int main() {
+  moebius::request_hardware_queues_for_virtual_ranks();  // before the first CUDA call
   if (!gpu::bench::prepare_gpu_bench()) return 0;
   model_config c = qwen3_30b_a3b();
   c.num_layers = gpu::bench::env_int("MOEBIUS_FIDELITY_LAYERS", 8);
   const uint64_t seed = static_cast<uint64_t>(gpu::bench::env_int("MOEBIUS_FIDELITY_SEED", 1));
+  const int P = static_cast<int>(gpu::bench::env_int("MOEBIUS_FIDELITY_P", 1));
+  if (P != 1 && P != 2) {
+    std::printf("MOEBIUS_FIDELITY_P=%d: 1 or 2\n", P);
+    return 2;
+  }
 
   gpu::gpu_runtime_options o = gpu::options_from_env();
-  o.num_ranks = 1;
+  o.num_ranks = P;  // P = 2 on one GPU: virtual ranks
   o.dense_dtype = moebius::dtype::bf16;
-  o.hybrid_graphs = false;  // P = 1: no switch, no hybrid step
+  o.hybrid_graphs = false;  // stop-the-world switches only: no hybrid step
   o.max_tokens = k_max_tokens;
   o.buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
   o.max_pages_per_seq = (k_longest + k_page_size - 1) / k_page_size;
   // The curves' largest point: 512 sequences of 2,049 tokens.
   o.num_ep_pages = 512 * ((2048 + 1 + k_page_size - 1) / k_page_size);
-  std::printf("fidelity: GPU runtime P=1, Qwen3-30B-A3B layer shapes, %lld layers, bf16\n",
-              static_cast<long long>(c.num_layers));
+  std::printf("fidelity: GPU runtime P=%d%s, Qwen3-30B-A3B layer shapes, %lld layers, bf16\n",
+              P, P > 1 ? " (virtual ranks on one GPU)" : "", static_cast<long long>(c.num_layers));
   gpu::gpu_runtime rt(c, uint64_t{12345}, o);
   rt.fill_kv_random(777);
 
-  // 1. The curves (EP; at P = 1 TP runs the same kernels on the same shapes: given the same
-  // points, as step_curves needs both modes).
+  // 1. The curves, per mode (at P = 1 TP runs the same kernels on the same shapes: EP's points
+  // stand for both, as step_curves needs both modes).
   std::vector<step_curve_point> points;
-  for (const int64_t C : {128, 512, 2048}) {
-    for (int64_t B = 1; B <= 512; B *= 2) {
-      const double ms = measure_step_ms(rt, B, C, c.vocab);
-      std::printf("  curve: context %5lld batch %4lld: %8.3f ms\n", static_cast<long long>(C),
-                  static_cast<long long>(B), ms);
-      points.push_back({parallel_mode::ep, C, B, ms});
-      points.push_back({parallel_mode::tp, C, B, ms});
+  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+    if (P == 1 && m == parallel_mode::tp) break;
+    for (const int64_t C : {128, 512, 2048}) {
+      for (int64_t B = 1; B <= 512; B *= 2) {
+        const double ms = measure_step_ms(rt, m, B, C, c.vocab, c.num_layers);
+        std::printf("  curve %s: context %5lld batch %4lld: %8.3f ms\n", moebius::to_string(m),
+                    static_cast<long long>(C), static_cast<long long>(B), ms);
+        points.push_back({m, C, B, ms});
+        if (P == 1) points.push_back({parallel_mode::tp, C, B, ms});
+      }
     }
   }
-  step_curves curves(points, "the GPU runtime's own (P=1, measured here)");
+  step_curves curves(points, "the GPU runtime's own (measured here)");
 
   // 2. The GPU runtime serves the trace on the measured clock.
   const std::vector<request> trace = fidelity_trace(seed, c.vocab);
@@ -132,12 +150,16 @@ int main() {
   eo.scheduler.max_step_tokens = k_max_tokens;
   eo.scheduler.admission = admission_policy::known;
   eo.start_mode = parallel_mode::ep;
+  if (P > 1) {
+    eo.how = switching::forced;
+    for (int64_t step = 400; step < 100000; step += 400) eo.forced_steps.push_back(step);
+  }
   sim_runtime sim(rt.arena(), rt.kv(), static_cast<int32_t>(c.vocab));
-  moebius::dry_run_transport no_switches(1, sim.spaces());
   const measured_clock measured;
   run_result gpu_run;
   {
-    engine e(rt, no_switches, rt.arena(), rt.kv(), measured, moebius::arena_cursor{0});
+    moebius::cuda_peer_transport copies = moebius::cuda_peer_transport::single_process(rt.memory());
+    engine e(rt, copies, rt.arena(), rt.kv(), measured, moebius::arena_cursor{0});
     gpu_run = e.run(trace, eo, "GPU runtime (measured)");
   }
 
@@ -146,14 +168,23 @@ int main() {
   m.num_layers = c.num_layers;
   m.context_scale = 1;
   const moebius::kv_geometry& g = rt.kv();
-  const h200_step_model model(m, h200_params{}, 1, g.num_tensors() * g.heads_per_ep_page() * g.head_bytes());
+  m.hidden = c.hidden;
+  m.num_q_heads = c.num_q_heads;
+  m.num_kv_heads = c.num_kv_heads;
+  m.head_dim = c.head_dim;
+  m.num_experts = c.num_experts;
+  m.top_k = c.top_k;
+  m.intermediate = c.intermediate;
+  m.vocab = c.vocab;
+  const h200_step_model model(m, h200_params{}, P, g.num_tensors() * g.heads_per_ep_page() * g.head_bytes());
   const curves_step_clock priced(curves, model);
-  moebius::dry_run_transport dry(1, sim.spaces());
+  moebius::dry_run_transport dry(P, sim.spaces());
   engine s(sim, dry, rt.arena(), rt.kv(), priced, moebius::arena_cursor{0});
   const run_result sim_run = s.run(trace, eo, "simulated (priced by the curves)");
 
   const run_summary a = summarize(gpu_run), b = summarize(sim_run);
   nlohmann::json j = {{"layers", c.num_layers},
+                      {"P", P},
                       {"requests", static_cast<int64_t>(trace.size())},
                       {"seed", seed},
                       {"curves", points.size() / 2},
@@ -176,6 +207,23 @@ int main() {
   write_steps_csv(csv, gpu_run);
   std::ofstream csv2(std::string(out != nullptr && *out != '\0' ? out : ".") + "/fidelity_sim_steps.csv");
   write_steps_csv(csv2, sim_run);
+  // Each committed switch: measured against priced (the same switch in both runs when both
+  // committed the same ones).
+  std::vector<double> gpu_switch, sim_switch;
+  for (const switch_record& x : gpu_run.switches)
+    if (x.outcome == moebius::switch_outcome::committed) gpu_switch.push_back(x.clock_ms);
+  for (const switch_record& x : sim_run.switches)
+    if (x.outcome == moebius::switch_outcome::committed) sim_switch.push_back(x.clock_ms);
+  if (!gpu_switch.empty()) {
+    std::printf("  switches committed: %zu measured, %zu simulated; ms each, measured / priced:",
+                gpu_switch.size(), sim_switch.size());
+    for (size_t i = 0; i < std::min(gpu_switch.size(), sim_switch.size()); ++i)
+      std::printf(" %.1f/%.1f", gpu_switch[i], sim_switch[i]);
+    std::printf("\n");
+    nlohmann::json sw = {{"measured_ms", gpu_switch}, {"priced_ms", sim_switch}};
+    j["switches_each"] = sw;
+    std::ofstream(path) << j.dump(2) << "\n";
+  }
   std::printf("  wrote %s\n", path.c_str());
   return 0;
 }
