@@ -9,12 +9,13 @@
 // is simulated, said wherever a figure is printed: tokens are not computed; the collectives are
 // priced by a link model; each of the 8 GPUs is emulated by the one rank measured.
 //
-// Per trace (paper-bursty, paper-rollout, or a --trace FILE), four runs, each on its own
+// Per trace (paper-bursty, paper-rollout, or a --trace FILE), five runs, each on its own
 // deployment: static TP (its own pool, sized after TP's weights), static EP (its own), and the
 // switching deployment (EP's footprint plus the spare slot) switching by the calibrated policy
-// with its cost gate, stop-the-world and progressive. Then the paper's metrics per phase
-// (paper_metrics.hpp) in a table beside the paper's figures, the steps as CSV, and every metric
-// as JSON (--results FILE).
+// with its cost gate, stop-the-world and progressive, and by the paper's rules alone. Then the
+// paper's metrics per phase (paper_metrics.hpp) in a table beside the paper's figures, the steps
+// and requests as CSV, and every metric as JSON (--results FILE); with --search, a rollout's
+// offline ceiling (one switch point per rollout step, searched over ten thresholds).
 
 #include <string>
 #include <vector>
