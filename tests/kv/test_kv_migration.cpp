@@ -175,18 +175,20 @@ TEST_CASE("KV EP->TP->EP round trips keep every token of every head", "[kv][migr
     INFO("iter " << iter << " " << g << " occupancy " << c.occupancy << " seqs "
                  << c.content.size() << " staging slots " << slots);
     REQUIRE(check_reference(g, c.state, c.content, m.kv) == "");
-    bool every_rank_has_a_free_page = true;
-    for (const kv_rank_state& rs : c.state.ranks)
-      every_rank_has_a_free_page = every_rank_has_a_free_page && !rs.free_pages.empty();
     const step_result to_tp = migrate_and_check(c, m, parallel_mode::tp, opt);
     // EP->TP fits whenever the TP view holds the KV at up to 90% of its pages. NHD must copy
-    // the owner's own slice out before its EP page frees, so a full rank then needs one free
-    // page or a staging slot.
+    // the owner's own slice out before its EP page frees, so it needs a staging slot
+    // (kv_migration.hpp): a free page on every rank is not enough, since other ranks' pieces
+    // may fill a rank's free pages before its own slices leave (seed 15944162787897394137,
+    // iteration 46: NHD, P=8, H_kv=4, 26% occupancy, stuck after 3 rounds).
     const bool headroom = to_tp.rep.pages_needed * 10 <= to_tp.rep.pages_available * 9;
-    if (to_tp.rep.holds && headroom &&
-        (g.layout == kv_layout::hnd || slots > 0 || every_rank_has_a_free_page)) {
+    if (to_tp.rep.holds && headroom && (g.layout == kv_layout::hnd || slots > 0)) {
       INFO(to_tp.rep.reason);
       REQUIRE(to_tp.rep.fits);
+    } else if (to_tp.rep.holds && !to_tp.rep.fits) {
+      // Refused with its reason: stuck, naming the ranks, and what would unblock it.
+      CHECK_THAT(to_tp.rep.reason, Catch::Matchers::Contains("is stuck after") &&
+                                       Catch::Matchers::Contains("lend a staging region"));
     }
     // Without replication (P | H_kv) TP holds everything EP holds.
     if (!g.latent() && g.num_kv_heads >= g.num_ranks) REQUIRE(to_tp.rep.holds);
@@ -382,7 +384,9 @@ TEST_CASE("KV capacity check: Qwen3 replication halves what TP holds", "[kv][cap
   kv_case lo = random_kv_case(rng, g, parallel_mode::ep, 0.45, 4096);
   const kv_capacity_report a = check_kv_capacity(g, lo.state, parallel_mode::tp);
   INFO(a.reason << " occupancy " << lo.occupancy);
-  CHECK(a.holds == (lo.occupancy <= 0.5));
+  // Up to 50% of the EP pool it holds. (Just above, it may still hold: seed
+  // 15040159445931164224 draws 0.504 and holds; the exact bound near 50% is not asserted.)
+  if (lo.occupancy <= 0.5) CHECK(a.holds);
   if (lo.occupancy <= 0.45) CHECK(a.fits);
   kv_case hi = random_kv_case(rng, g, parallel_mode::ep, 0.7, 4096);
   const kv_capacity_report b = check_kv_capacity(g, hi.state, parallel_mode::tp);

@@ -36,6 +36,7 @@ inline uint64_t soak_seed() { return test_seed(); }
 struct soak_counts {
   int64_t rounds = 0, requests = 0, bad_requests = 0, switches = 0, committed = 0,
           rolled_back = 0, refused = 0, recovered = 0, lost_sequences = 0, resumes = 0;
+  int64_t capacity_failures = 0;  // good requests lost in a recovery with no room to recompute
 };
 
 // A bad request of kind `kind` (0..6) with id `id`, built from a good one; returns the text its
@@ -94,8 +95,10 @@ inline void soak_round(engine& e, const moebius::kv_geometry& kv, int64_t num_la
   t.output_min = 1;
   t.output_max = std::min<int64_t>(uniform(2, 14), rank_tokens - t.prompt_max);
   t.vocab = vocab;
-  const std::vector<request> good = bursty_trace(rng(), t);
-  REQUIRE(!good.empty());
+  // A second of Poisson arrivals at these rates is empty about once in a thousand draws
+  // (seed 8387735279421677364, round 128): draw again.
+  std::vector<request> good;
+  while (good.empty()) good = bursty_trace(rng(), t);
 
   engine_options o;
   o.scheduler.max_step_tokens = uniform(4, 16);
@@ -163,6 +166,7 @@ inline void soak_round(engine& e, const moebius::kv_geometry& kv, int64_t num_la
   // Every request is there once; good ones with the static tokens, bad ones failed.
   REQUIRE(got.requests.size() == mixed.size());
   size_t gi = 0;
+  const int64_t failures_before = n.capacity_failures;
   for (const request_result& q : got.requests) {
     CAPTURE(q.id, q.error);
     const auto b = std::find_if(bad.begin(), bad.end(), [&](const auto& x) { return x.first == q.id; });
@@ -176,14 +180,25 @@ inline void soak_round(engine& e, const moebius::kv_geometry& kv, int64_t num_la
     REQUIRE(gi < want.requests.size());
     const request_result& w = want.requests[gi++];
     REQUIRE(q.id == w.id);
-    CHECK_FALSE(q.failed());
+    if (q.failed()) {
+      // The one way a good request may fail (scheduler::lose_kv): its KV was lost in a failed
+      // switch and, after the recovery, no rank has room to recompute it at its largest (the
+      // owners are placed greedily, largest first; seed 12140234902125827356, round 12). Its
+      // tokens so far are the static run's.
+      CHECK(q.error.find("no rank has room to recompute it after the recovery (capacity)") !=
+            std::string::npos);
+      REQUIRE(q.generated.size() <= w.generated.size());
+      CHECK(std::equal(q.generated.begin(), q.generated.end(), w.generated.begin()));
+      ++n.capacity_failures;
+      continue;
+    }
     CHECK(q.finished());
     CHECK(q.admissions == 1);
     CHECK(q.generated == w.generated);
     n.resumes += q.resumes;
   }
   CHECK(gi == want.requests.size());
-  CHECK(got.failed_requests == static_cast<int64_t>(bad.size()));
+  CHECK(got.failed_requests == static_cast<int64_t>(bad.size()) + n.capacity_failures - failures_before);
   // The pool's accounting is exact: every page of every rank free, in order, in the end mode.
   const moebius::kv_state& tables = e.get_switcher().kv_tables();
   for (const moebius::kv_rank_state& r : tables.ranks) {

@@ -91,5 +91,5 @@ TEST_CASE("soak: faults, tight pools and bad requests never change a good reques
     CHECK(n.recovered >= rounds);
     CHECK(n.resumes >= 1);
   }
-  CHECK(n.resumes == n.lost_sequences);
+  CHECK(n.resumes + n.capacity_failures == n.lost_sequences);  // each lost one resumed, or failed for room
 }

@@ -100,5 +100,5 @@ TEST_CASE("soak on the GPU runtime: faults, tight pools and bad requests keep ev
               static_cast<long long>(n.refused), static_cast<long long>(n.recovered),
               static_cast<long long>(n.lost_sequences), static_cast<long long>(n.resumes));
   CHECK(n.committed >= rounds);
-  CHECK(n.resumes == n.lost_sequences);
+  CHECK(n.resumes + n.capacity_failures == n.lost_sequences);  // each lost one resumed, or failed for room
 }
