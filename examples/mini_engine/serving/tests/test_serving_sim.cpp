@@ -87,6 +87,46 @@ void check_same_log(const run_result& host, const run_result& sim) {
   CHECK(a.size() == b.size());
 }
 
+// One world served twice: by its host runtime over a host transport, and by the simulated
+// runtime over a dry-run transport, both on the same priced clock.
+struct host_and_sim {
+  host_and_sim(int P, int64_t ep_pages, uint64_t seed)
+      : w(testing::make_world(P, ep_pages, seed)),
+        sim(w.arena, w.kv, w.vocab),
+        dry(P, sim.spaces()),
+        clock(model_of(w.kv), h200_params{}, P, kv_bytes_per_token(w.kv)),
+        host(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0}),
+        simulated(sim, dry, w.arena, w.kv, clock, moebius::arena_cursor{0}) {}
+  static priced_model model_of(const moebius::kv_geometry& kv) {
+    priced_model m;
+    m.num_kv_heads = kv.num_kv_heads;
+    return m;
+  }
+  testing::world w;
+  sim_runtime sim;
+  moebius::dry_run_transport dry;
+  h200_step_model clock;
+  engine host, simulated;
+};
+
+// Static EP and TP, then stop-the-world and progressive switches forced at random steps from 3
+// below `last_step` (drawn from `rng`).
+std::vector<std::pair<std::string, engine_options>> static_and_forced_runs(
+    const engine_options& base, std::mt19937_64& rng, int64_t last_step) {
+  std::vector<std::pair<std::string, engine_options>> runs;
+  runs.push_back({"static EP", base});
+  runs.push_back({"static TP", base});
+  runs.back().second.start_mode = parallel_mode::tp;
+  engine_options forced = base;
+  forced.how = switching::forced;
+  for (int64_t s = 3; s < last_step; s += 1 + static_cast<int64_t>(rng() % 12))
+    forced.forced_steps.push_back(s);
+  runs.push_back({"forced stop-the-world", forced});
+  runs.push_back({"forced progressive", forced});
+  runs.back().second.style = switch_style::progressive;
+  return runs;
+}
+
 }  // namespace
 
 TEST_CASE("the simulated runtime gives the host runtime's event log") {
@@ -94,14 +134,10 @@ TEST_CASE("the simulated runtime gives the host runtime's event log") {
   std::mt19937_64 rng(seed);
   for (int round = 0; round < 4; ++round) {
     const int P = round % 2 ? 4 : 2;
-    testing::world w = testing::make_world(P, 400, seed + static_cast<uint64_t>(round));
-    sim_runtime sim(w.arena, w.kv, w.vocab);
-    moebius::dry_run_transport dry(P, sim.spaces());
-    priced_model m;
-    m.num_kv_heads = w.kv.num_kv_heads;
-    const h200_step_model clock(m, h200_params{}, P, kv_bytes_per_token(w.kv));
-    engine host(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
-    engine simulated(sim, dry, w.arena, w.kv, clock, moebius::arena_cursor{0});
+    host_and_sim pair(P, 400, seed + static_cast<uint64_t>(round));
+    const testing::world& w = pair.w;
+    engine& host = pair.host;
+    engine& simulated = pair.simulated;
     const uint64_t trace_seed = rng();
     INFO("seed " << seed << " round " << round << " P " << P << " trace seed " << trace_seed
                  << " runtime " << w.name);
@@ -111,16 +147,7 @@ TEST_CASE("the simulated runtime gives the host runtime's event log") {
     engine_options base = testing::small_trace_options();
     base.scheduler.max_running = round < 2 ? 6 : 48;
     base.scheduler.max_step_tokens = round < 2 ? 8 : 128;
-    std::vector<std::pair<std::string, engine_options>> runs;
-    runs.push_back({"static EP", base});
-    runs.push_back({"static TP", base});
-    runs.back().second.start_mode = parallel_mode::tp;
-    engine_options forced = base;
-    forced.how = switching::forced;
-    for (int64_t s = 3; s < 400; s += 1 + static_cast<int64_t>(rng() % 12)) forced.forced_steps.push_back(s);
-    runs.push_back({"forced stop-the-world", forced});
-    runs.push_back({"forced progressive", forced});
-    runs.back().second.style = switch_style::progressive;
+    std::vector<std::pair<std::string, engine_options>> runs = static_and_forced_runs(base, rng, 400);
     const std::vector<int64_t> batches = {1, 2, 4, 8, 16, 32, 64};
     const moebius::calibration_result cal = calibrate_engine(host, batches, 40);
     if (cal.has_thresholds) {
@@ -158,14 +185,10 @@ TEST_CASE("known admission: the simulated runtime gives the host runtime's event
     const int P = round % 2 ? 4 : 2;
     // 12 pages of 4 tokens a rank: a request reaches 47 tokens, so sequences admitted on what
     // is known outgrow the pool and preempt.
-    testing::world w = testing::make_world(P, 12, seed + 100 + static_cast<uint64_t>(round));
-    sim_runtime sim(w.arena, w.kv, w.vocab);
-    moebius::dry_run_transport dry(P, sim.spaces());
-    priced_model m;
-    m.num_kv_heads = w.kv.num_kv_heads;
-    const h200_step_model clock(m, h200_params{}, P, kv_bytes_per_token(w.kv));
-    engine host(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
-    engine simulated(sim, dry, w.arena, w.kv, clock, moebius::arena_cursor{0});
+    host_and_sim pair(P, 12, seed + 100 + static_cast<uint64_t>(round));
+    const testing::world& w = pair.w;
+    engine& host = pair.host;
+    engine& simulated = pair.simulated;
     const uint64_t trace_seed = rng();
     INFO("seed " << seed << " round " << round << " P " << P << " trace seed " << trace_seed);
     const std::vector<request> reqs = testing::burst_trace(trace_seed, w.vocab);
@@ -173,16 +196,7 @@ TEST_CASE("known admission: the simulated runtime gives the host runtime's event
     base.scheduler.max_running = 16;
     base.scheduler.max_step_tokens = 64;
     base.scheduler.admission = admission_policy::known;
-    std::vector<std::pair<std::string, engine_options>> runs;
-    runs.push_back({"static EP", base});
-    runs.push_back({"static TP", base});
-    runs.back().second.start_mode = parallel_mode::tp;
-    engine_options forced = base;
-    forced.how = switching::forced;
-    for (int64_t s = 3; s < 300; s += 1 + static_cast<int64_t>(rng() % 12)) forced.forced_steps.push_back(s);
-    runs.push_back({"forced stop-the-world", forced});
-    runs.push_back({"forced progressive", forced});
-    runs.back().second.style = switch_style::progressive;
+    const std::vector<std::pair<std::string, engine_options>> runs = static_and_forced_runs(base, rng, 300);
     for (const auto& [name, o] : runs) {
       const run_result a = host.run(reqs, o, name);
       const run_result b = simulated.run(reqs, o, name);
