@@ -71,23 +71,23 @@ void write_timeline_svg(std::ostream& os, const std::vector<const run_result*>& 
       auto y_of = [&](const step_record& s) {
         return series == 0 ? YB(static_cast<double>(s.sequences)) : YT(s.step_ms);
       };
-      size_t a = 0;
-      while (a < r.steps.size()) {
-        const long column = std::lround(2 * X(r.steps[a].start_s));
-        double lo = y_of(r.steps[a]), hi = lo, last = lo;
-        size_t b = a + 1;
-        for (; b < r.steps.size() && std::lround(2 * X(r.steps[b].start_s)) == column; ++b) {
-          last = y_of(r.steps[b]);
+      size_t first = 0;
+      while (first < r.steps.size()) {
+        const long column = std::lround(2 * X(r.steps[first].start_s));
+        double lo = y_of(r.steps[first]), hi = lo, last = lo;
+        size_t end = first + 1;
+        for (; end < r.steps.size() && std::lround(2 * X(r.steps[end].start_s)) == column; ++end) {
+          last = y_of(r.steps[end]);
           lo = std::min(lo, last);
           hi = std::max(hi, last);
         }
-        const std::string x = fmt("%.2f", X(r.steps[a].start_s));
-        os << x << ',' << fmt("%.2f", y_of(r.steps[a])) << ' ';
-        if (b - a > 1) {
+        const std::string x = fmt("%.2f", X(r.steps[first].start_s));
+        os << x << ',' << fmt("%.2f", y_of(r.steps[first])) << ' ';
+        if (end - first > 1) {
           os << x << ',' << fmt("%.2f", lo) << ' ' << x << ',' << fmt("%.2f", hi) << ' ' << x << ','
              << fmt("%.2f", last) << ' ';
         }
-        a = b;
+        first = end;
       }
       os << "\"/>\n";
     }

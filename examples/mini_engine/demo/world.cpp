@@ -248,8 +248,4 @@ std::vector<std::vector<std::byte>> arena_bytes(const world& w) {
   return out;
 }
 
-int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
-  return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
-}
-
 }  // namespace mini_engine::demo

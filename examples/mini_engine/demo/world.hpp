@@ -70,7 +70,4 @@ world make_gpu_world(const options& o, int P, const std::vector<request>& traces
 // Each rank's arena as host bytes (device memory is copied back first).
 std::vector<std::vector<std::byte>> arena_bytes(const world& w);
 
-// KV bytes a token takes on one rank in EP (every tensor, all KV heads).
-int64_t kv_bytes_per_token(const moebius::kv_geometry& g);
-
 }  // namespace mini_engine::demo

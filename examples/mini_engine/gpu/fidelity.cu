@@ -167,7 +167,6 @@ int main() {
   priced_model m;
   m.num_layers = c.num_layers;
   m.context_scale = 1;
-  const moebius::kv_geometry& g = rt.kv();
   m.hidden = c.hidden;
   m.num_q_heads = c.num_q_heads;
   m.num_kv_heads = c.num_kv_heads;
@@ -176,7 +175,7 @@ int main() {
   m.top_k = c.top_k;
   m.intermediate = c.intermediate;
   m.vocab = c.vocab;
-  const h200_step_model model(m, h200_params{}, P, g.num_tensors() * g.heads_per_ep_page() * g.head_bytes());
+  const h200_step_model model(m, h200_params{}, P, kv_bytes_per_token(rt.kv()));
   const curves_step_clock priced(curves, model);
   moebius::dry_run_transport dry(P, sim.spaces());
   engine s(sim, dry, rt.arena(), rt.kv(), priced, moebius::arena_cursor{0});

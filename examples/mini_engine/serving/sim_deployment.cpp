@@ -6,6 +6,8 @@
 #include <moebius/error.hpp>
 #include <moebius/kv/kv_migration.hpp>
 
+#include "step_clock.hpp"
+
 namespace mini_engine {
 
 using moebius::errc;
@@ -34,7 +36,7 @@ sim_geometry make_sim_geometry(const deployment& d, const sim_options& o) {
   g.kind = d.kind;
   g.kv = moebius::make_kv_geometry(o.run_layers, c.num_kv_heads, c.head_dim, o.page_size,
                                    ep_pages, P, moebius::dtype::bf16);
-  g.kv_bytes_per_token = g.kv.num_tensors() * g.kv.heads_per_ep_page() * g.kv.head_bytes();
+  g.kv_bytes_per_token = kv_bytes_per_token(g.kv);
   // Experts: E/P a rank in EP, each 3 x hidden x intermediate bf16; one slot (a layer's share)
   // stages staging_pages EP pages of every KV tensor: E/P x 6 x H x I >= that.
   const int64_t staging = o.staging_pages * moebius::kv_staging_slot_bytes(g.kv, parallel_mode::ep);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <moebius/kv/kv_geometry.hpp>
 #include <moebius/layout/parallel_mode.hpp>
 #include <moebius/policy/cost_model.hpp>
 #include <moebius/switch/pacing.hpp>
@@ -194,6 +195,12 @@ struct h200_params {
 // A step during a progressive switch, with `slowdown` (by default the measured H200 curve,
 // overlap_curve.hpp): max(step x slowdown(step, bytes), the copies at the link rate), the
 // copies beside the step as a GPU runs them; without a curve: the copies, then the step.
+// KV bytes a token takes on its EP rank in the pool `g` (every layer, K and V, all KV heads):
+// the run_kv_bytes_per_token h200_step_model scales a switch's KV bytes by.
+inline int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
+  return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
+}
+
 class h200_step_model final : public step_clock {
  public:
   // `run_kv_bytes_per_token`: KV bytes per token of the model actually run (all layers, K and

@@ -22,10 +22,6 @@ using moebius::parallel_mode;
 
 namespace {
 
-int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
-  return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
-}
-
 // A step costs a + b x (tokens it feeds) + c x (tokens it attends, summed over its items), so
 // that a request's TTFT depends on its prompt and its TPOT on its prompt and output.
 constexpr double k_step_a = 2e-3, k_step_b = 0.5e-3, k_step_c = 0.0625e-3;

@@ -22,10 +22,6 @@ using moebius::parallel_mode;
 
 namespace {
 
-int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
-  return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
-}
-
 bool gate_forced_off() {
   const char* v = std::getenv("MINI_ENGINE_TEST_GATE_OFF");
   return v != nullptr && std::string(v) == "1";

@@ -27,10 +27,6 @@ using moebius::parallel_mode;
 
 namespace {
 
-int64_t kv_bytes_per_token(const moebius::kv_geometry& g) {
-  return g.num_tensors() * g.heads_per_ep_page() * g.head_bytes();
-}
-
 // The event log of a run: everything but measured host times, tokens and error texts, one
 // line per step, switch and request (a difference is printed as the first line that differs).
 std::vector<std::string> event_log(const run_result& r) {
