@@ -46,4 +46,5 @@
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"
 #include "moebius/policy/residency.hpp"
+#include "moebius/policy/throughput_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"

@@ -51,7 +51,8 @@ void bind_policy(nb::module_& m) {
       .value("below_low", decision_reason::below_low)
       .value("cooldown", decision_reason::cooldown)
       .value("capacity_refused", decision_reason::capacity_refused)
-      .value("cost_exceeds_gain", decision_reason::cost_exceeds_gain);
+      .value("cost_exceeds_gain", decision_reason::cost_exceeds_gain)
+      .value("admission_blocked", decision_reason::admission_blocked);
 
   nb::class_<switch_policy_config>(
       m, "SwitchPolicyConfig",
@@ -68,6 +69,8 @@ void bind_policy(nb::module_& m) {
       .def_rw("expected_residency_steps", &switch_policy_config::expected_residency_steps)
       .def_rw("gate_margin", &switch_policy_config::gate_margin,
               "the share by which a switch's predicted gain must exceed its predicted cost")
+      .def_rw("enter_on_blocked_admission", &switch_policy_config::enter_on_blocked_admission,
+              "in TP, requests waiting with the pool full count as a load at or above t_high")
       .def("validate", [](const switch_policy_config& c) { validate(c); },
            "Raises moebius.Error(code='invalid_argument') naming the broken constraint.")
       .def("__repr__", &printed<switch_policy_config>);
@@ -127,12 +130,15 @@ void bind_policy(nb::module_& m) {
            "lambda m: switcher.check(m)['fits']); None: always fits.")
       .def(
           "step",
-          [](py_switch_policy& p, int64_t load, parallel_mode current, double now_s) {
-            return p.policy.step(load, current, now_s);
+          [](py_switch_policy& p, int64_t load, parallel_mode current, double now_s,
+             bool admission_blocked) {
+            return p.policy.step(load, current, now_s, admission_blocked);
           },
           nb::arg("load"), nb::arg("current"), nb::arg("now_s"),
+          nb::arg("admission_blocked") = false,
           "One engine step: `load` active sequences, the mode the engine runs now, a\n"
-          "monotonic time in seconds. Returns a SwitchDecision (truthy when it says switch).")
+          "monotonic time in seconds, whether requests wait with the pool full (counts with\n"
+          "enter_on_blocked_admission). Returns a SwitchDecision (truthy when it says switch).")
       .def(
           "set_residency_predictor",
           [](py_switch_policy& p, const residency_predictor* r) {

@@ -77,14 +77,19 @@ std::ostream& operator<<(std::ostream& os, const switch_policy_config& c) {
             << ", up_window=" << c.up_window << ", W=" << c.down_window << " (" << to_string(c.rule)
             << "), cooldown=" << c.cooldown_steps << " steps/" << c.cooldown_s
             << " s, residency=" << c.expected_residency_steps << " steps, gate margin "
-            << c.gate_margin << "}";
+            << c.gate_margin << (c.enter_on_blocked_admission ? ", EP on blocked admission" : "")
+            << "}";
 }
 
 std::ostream& operator<<(std::ostream& os, const gate_evaluation& g) {
   if (!g.evaluated) return os << "gate{not evaluated}";
-  return os << "gate{to " << to_string(g.target) << " at load " << g.load << ": gain "
-            << g.gain_ms << " ms over " << g.residency_steps << " steps vs cost " << g.cost_ms
-            << " ms: " << (g.passed ? "pays" : "refused") << "}";
+  os << "gate{to " << to_string(g.target) << " at load " << g.load;
+  if (g.current_batch > 0 || g.target_batch > 0)
+    os << " (batch " << g.current_batch << " now, " << g.target_batch << " in "
+       << to_string(g.target) << ", " << g.waiting << " waiting)";
+  os << ": gain " << g.gain_ms << " ms over " << g.residency_steps << " steps";
+  if (g.residency_from[0] != '\0') os << " (" << g.residency_from << ")";
+  return os << " vs cost " << g.cost_ms << " ms: " << (g.passed ? "pays" : "refused") << "}";
 }
 
 std::ostream& operator<<(std::ostream& os, const switch_decision& d) {
@@ -121,6 +126,7 @@ void switch_policy::set_cost_gate(const latency_curves* curves, switch_cost_esti
 }
 
 bool switch_policy::gate_active() const {
+  if (gate_.fn != nullptr) return true;
   return curves_ != nullptr && (residency_ != nullptr || config_.expected_residency_steps > 0);
 }
 
@@ -160,6 +166,15 @@ bool switch_policy::in_cooldown(double now_s) const {
 bool switch_policy::gain_exceeds_cost(parallel_mode current, parallel_mode target,
                                       int64_t load) {
   if (!gate_active()) return true;
+  if (gate_.fn != nullptr) {
+    gate_evaluation g;
+    g.evaluated = true;
+    g.target = target;
+    g.load = load;
+    g.passed = gate_.fn(gate_.context, current, target, load, g);
+    last_gate_ = g;
+    return g.passed;
+  }
   // The residency ends when the load crosses back: under T_l after entering EP, up to T_h
   // after entering TP (the thresholds of the rules that would switch back).
   const int64_t residency =
@@ -185,7 +200,8 @@ bool switch_policy::gain_exceeds_cost(parallel_mode current, parallel_mode targe
   return g.passed;
 }
 
-switch_decision switch_policy::step(int64_t load, parallel_mode current, double now_s) {
+switch_decision switch_policy::step(int64_t load, parallel_mode current, double now_s,
+                                    bool admission_blocked) {
   MOEBIUS_CHECK(load >= 0, errc::invalid_argument, "load must be >= 0 (load=", load, ")");
   detail::check_enum(current, "switch_policy::step current (parallel_mode)");
   // A NaN time compares false against everything: the seconds cooldown would never hold.
@@ -203,7 +219,8 @@ switch_decision switch_policy::step(int64_t load, parallel_mode current, double 
   last_mode_ = current;
 
   // Observe.
-  above_run_ = load >= config_.t_high ? above_run_ + 1 : 0;
+  const bool blocked = admission_blocked && config_.enter_on_blocked_admission;
+  above_run_ = load >= config_.t_high || blocked ? above_run_ + 1 : 0;
   below_run_ = load < config_.t_low ? below_run_ + 1 : 0;
   if (ring_count_ == config_.down_window) {
     ring_sum_ -= ring_[ring_head_];
@@ -219,7 +236,8 @@ switch_decision switch_policy::step(int64_t load, parallel_mode current, double 
   if (current == parallel_mode::tp) {
     if (above_run_ >= config_.up_window) {
       d.target = parallel_mode::ep;
-      d.reason = decision_reason::above_high;
+      d.reason = load >= config_.t_high ? decision_reason::above_high
+                                        : decision_reason::admission_blocked;
     }
   } else if (ring_count_ == config_.down_window) {
     const bool below = config_.rule == down_rule::mean

@@ -18,10 +18,17 @@
 //            current mode) no switch is proposed for `cooldown_steps` steps and
 //            `cooldown_s` seconds (paper: 5 s). Windows restart at a switch: only
 //            observations made in the current mode count.
+//   Blocked admission (enter_on_blocked_admission, off in the paper's policy): in TP, an
+//            observation with requests waiting while TP's KV pool admits none of them counts
+//            as one at or above T_h (reason admission_blocked): the pool, not the batch, is
+//            what limits TP then, and EP's data-parallel attention holds more sequences.
 //   Capacity: before proposing a switch the policy asks the capacity check whether the
 //            target mode can hold every live sequence's KV; if not it stays and says so.
 //   Rollout (paper eq. 13): T_l = T_h, W = 1: in an RL rollout the load only decays, so
 //            switch to TP as soon as the count drops under T_h (`rollout_config()`).
+//   Gate hook (set_gate): instead of the step-time gate below, a caller's own weighing of the
+//            switch (the mini-engine's throughput gate, throughput_gate.hpp), asked at the
+//            same point and recorded the same way.
 //   Cost gate (DESIGN.md §7, "a switch must pay for itself"): with step-latency curves and
 //            the switch's predicted cost attached (set_cost_gate), a switch a rule proposes
 //            goes ahead only when
@@ -80,6 +87,8 @@ struct switch_policy_config {
   // The share by which the gain must exceed the predicted cost (0.5: by half again), for what
   // the predictions leave out (the residency's spread, a cost model off by tens of percent).
   double gate_margin = 0.0;
+  // Enter EP also when admission is blocked in TP (see above; step()'s admission_blocked).
+  bool enter_on_blocked_admission = false;
 };
 
 // T_l = round(0.8 · T_h) (paper §7.1): interactive_config(256) -> T_h 256, T_l 205.
@@ -105,9 +114,10 @@ enum class decision_reason : uint8_t {
   cooldown,            // a rule fired but the cooldown has not elapsed
   capacity_refused,    // a rule fired but the target mode cannot hold the live KV
   cost_exceeds_gain,   // a rule fired but the predicted switch cost exceeds the gain
+  admission_blocked,   // TP -> EP: requests wait and TP's pool admits none (up_window times)
 };
 
-inline constexpr int num_decision_reasons = 6;
+inline constexpr int num_decision_reasons = 7;
 
 constexpr bool is_valid(decision_reason r) {
   return static_cast<uint8_t>(r) < num_decision_reasons;
@@ -121,6 +131,7 @@ constexpr const char* to_string(decision_reason r) {
     case decision_reason::cooldown: return "cooldown";
     case decision_reason::capacity_refused: return "capacity_refused";
     case decision_reason::cost_exceeds_gain: return "cost_exceeds_gain";
+    case decision_reason::admission_blocked: return "admission_blocked";
   }
   return "unknown";
 }
@@ -166,6 +177,20 @@ struct gate_evaluation {
   double gain_ms = 0;          // (latency(current) - latency(target)) * residency_steps
   double cost_ms = 0;          // predicted switch cost (before the margin)
   bool passed = false;
+  // A throughput gate (throughput_gate.hpp) also says what it weighed; 0 / "" otherwise.
+  int64_t current_batch = 0;   // the batch the current mode runs
+  int64_t target_batch = 0;    // the batch the target's pool would admit
+  int64_t waiting = 0;         // requests waiting for admission
+  const char* residency_from = "";  // "known work", "queue", "predictor", "fixed"
+};
+
+// Asked instead of the step-time gate when set (switch_policy::set_gate): fills `out` (its
+// evaluated, target and load are set by the policy) and returns whether the switch pays. A
+// plain function pointer and context, as capacity_check.
+struct switch_gate {
+  bool (*fn)(void* context, parallel_mode current, parallel_mode target, int64_t load,
+             gate_evaluation& out) = nullptr;
+  void* context = nullptr;
 };
 
 std::ostream& operator<<(std::ostream& os, const gate_evaluation& g);
@@ -193,7 +218,10 @@ class switch_policy {
   // that names neither EP nor TP, or a non-finite now_s (a NaN time would silently disable
   // the seconds cooldown). Any load >= 0 is accepted: the window saturates each load at
   // 2^48 (>= T_l · W for every valid config, so no decision changes) and never overflows.
-  switch_decision step(int64_t load, parallel_mode current, double now_s);
+  // `admission_blocked`: requests wait and the pool admitted none of them at the last step
+  // (counts only with config().enter_on_blocked_admission, in TP).
+  switch_decision step(int64_t load, parallel_mode current, double now_s,
+                       bool admission_blocked = false);
 
   // Attaches the cost gate: step-latency curves of both modes and the predicted time of a
   // switch into each mode (cost_model.hpp). `curves` must outlive the policy; nullptr
@@ -206,7 +234,11 @@ class switch_policy {
   // Predicts the residency for the gate (the engine feeds it each step); must outlive the
   // policy; nullptr: expected_residency_steps.
   void set_residency_predictor(const residency_predictor* predictor) { residency_ = predictor; }
-  // Whether a gate is in force (curves attached, and a predictor or a fixed residency).
+  // A caller's gate in place of the step-time gate (switch_gate); {} detaches it. Its context
+  // must outlive the policy.
+  void set_gate(switch_gate gate) { gate_ = gate; }
+  // Whether a gate is in force (a switch_gate, or curves attached and a predictor or a fixed
+  // residency).
   bool gate_active() const;
   const gate_evaluation& last_gate() const { return last_gate_; }
 
@@ -228,6 +260,7 @@ class switch_policy {
   const latency_curves* curves_ = nullptr;
   double switch_ms_[2]{};  // indexed by parallel_mode
   switch_cost_estimate estimate_;
+  switch_gate gate_;
   const residency_predictor* residency_ = nullptr;
   gate_evaluation last_gate_;
 
