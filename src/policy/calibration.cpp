@@ -112,7 +112,9 @@ crossover find_crossover(const latency_curves& curves) {
     const double d1 = diff(grid[i + 1]);
     if ((d0 < 0) != (d1 < 0)) {
       ++x.num_crossings;
-      if (!found && d0 < 0) {  // TP faster below, EP not slower above: eq. 5's crossing
+      // TP faster below, EP not slower above: eq. 5's crossing. The last one: above it EP
+      // stays faster; an earlier one is a near-tie at small batch that TP wins again past it.
+      if (d0 < 0) {
         found = true;
         x.batch = grid[i] + (grid[i + 1] - grid[i]) * (-d0) / (d1 - d0);
       }

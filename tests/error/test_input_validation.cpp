@@ -58,7 +58,7 @@ TEST_CASE("is_valid accepts exactly the declared values of every public enum") {
     CHECK(is_valid(static_cast<kv_layout>(u)) == (v <= 1));
     CHECK(is_valid(static_cast<kv_tensor>(u)) == (v <= 1));
     CHECK(is_valid(static_cast<down_rule>(u)) == (v <= 1));
-    CHECK(is_valid(static_cast<decision_reason>(u)) == (v <= 5));
+    CHECK(is_valid(static_cast<decision_reason>(u)) == (v <= 6));
     CHECK(is_valid(static_cast<curve_fit>(u)) == (v <= 1));
     CHECK(is_valid(static_cast<crossover_status>(u)) == (v <= 3));
     CHECK(is_valid(static_cast<switch_outcome>(u)) == (v <= 5));

@@ -111,6 +111,25 @@ TEST_CASE("calibration: recovers a known crossover from noisy samples", "[calibr
   }
 }
 
+TEST_CASE("calibration: piecewise curves that touch at small batch cross for good later",
+          "[calibration]") {
+  // TP 10 + 0.1·b; EP 1 ms over it at batch 8 and 0.5 ms under at 16 (a near-tie), over it
+  // again from 32, and 20 + 0.05·b from 128: tp - ep changes sign three times, and B* is the
+  // last upward crossing, at 200 (where 10 + 0.1·b = 20 + 0.05·b).
+  const std::vector<latency_sample> tp = {{1, 10.1}, {8, 10.8}, {16, 11.6}, {32, 13.2},
+                                          {128, 22.8}, {512, 61.2}};
+  const std::vector<latency_sample> ep = {{1, 20.05}, {8, 11.8}, {16, 11.1}, {32, 21.6},
+                                          {128, 26.4}, {512, 45.6}};
+  calibration_options pw;
+  pw.fit = curve_fit::piecewise_linear;
+  const calibration_result r = calibrate(ep, tp, pw);
+  INFO(r);
+  REQUIRE(r.cross.status == crossover_status::found);
+  CHECK(r.cross.num_crossings == 3);
+  // Between 128 and 512 both are linear: 22.8 + 0.1(b-128) = 26.4 + 0.05(b-128) -> b = 200.
+  CHECK(r.cross.batch == Catch::Approx(200).epsilon(1e-9));
+}
+
 TEST_CASE("calibration: piecewise curve with a kink", "[calibration]") {
   // TP flat at 30 ms up to 128 then +0.25 ms per sequence; EP 40 ms flat. Crossing where
   // 30 + 0.25 (b - 128) = 40: b = 168, between the knots 128 and 256.

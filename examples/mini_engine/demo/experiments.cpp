@@ -146,9 +146,9 @@ const char* label_of(run_kind k) {
     case run_kind::static_ep:
       return "static EP";
     case run_kind::switching:
-      return "switching";
+      return "ours";
     case run_kind::progressive:
-      return "progressive";
+      return "ours progressive";
     case run_kind::no_gate:
       return "no gate";
     case run_kind::paper_policy:

@@ -23,8 +23,9 @@ namespace mini_engine::demo {
 // baseline; the host demo's no_gate is the same policy under its own name).
 enum class run_kind : uint8_t { static_tp, static_ep, switching, progressive, no_gate, paper_policy };
 
-// "static TP", "static EP", "switching", "progressive", "no gate", "paper policy": the runs'
-// names in tables.
+// "static TP", "static EP", "ours", "ours progressive", "no gate", "paper policy": the runs'
+// names in tables (switching and progressive: the engine's own policy and gate, stop-the-world
+// and progressive switches).
 const char* label_of(run_kind k);
 
 // The traces (fixed shapes, the same for every deployment; sizes kept small enough for the

@@ -234,6 +234,10 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
       "--search", [&o] { o.search = true; },
       "--runtime sim, rollout traces: the offline ceiling, one switch point per rollout step "
       "searched over a grid of thresholds (ten more runs of the trace)");
+  app.add_flag_callback(
+      "--explain", [&o] { o.explain = true; },
+      "--runtime sim: log every decision of the policy runs in which a rule fired, taken or "
+      "refused, with the gate's numbers (decisions.txt beside steps.csv; the first lines printed)");
   text("--admission", "known|oracle",
        "how admission reserves KV pages: known (the default, as vLLM and SGLang: the tokens a "
        "request has; a sequence that finds no page preempts the newest, recomputed later) or "
@@ -274,6 +278,8 @@ void check_together(options& o, bool max_batch_set) {
       std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) == o.traces.end())
     fail(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",
          "shapes the paper-rollout trace, which is not served");
+  if (o.explain && o.runtime != runtime_kind::sim)
+    fail("--explain", "logs the simulated runtime's policy runs (--runtime sim)");
   if (o.search && o.runtime != runtime_kind::sim)
     fail("--search", "searches the simulated runtime's rollout runs (--runtime sim)");
   if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)

@@ -62,6 +62,8 @@ struct options {
   // --runtime sim, rollout traces: search one switch point per rollout step over a grid of
   // thresholds (the offline ceiling, paper.hpp).
   bool search = false;
+  // --runtime sim: every decision of the policy runs in which a rule fired (decisions.txt).
+  bool explain = false;
   // --runtime sim: each collective's latency in the step curves, us, TP's all-reduce and EP's
   // dispatch or combine (< 0: as the curves priced it, step_curves::priced_collective_us), for
   // the results' sensitivity to it.

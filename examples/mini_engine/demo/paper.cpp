@@ -108,8 +108,9 @@ bool is_rollout(const std::vector<request>& trace) {
   return !trace.empty() && trace.front().rollout_step >= 0;
 }
 
-// The switching runs' policy: calibrated on the curves at the trace's mean context; the paper's
-// rules (interactive: T_l = 0.8 T_h, cooldown 5 s; rollout: eq. 13), the cost gate on.
+// Our policy: the paper's rules (interactive: T_l = 0.8 T_h, cooldown 5 s; rollout: eq. 13) at
+// the thresholds of the calibrated crossover, EP also on blocked admission, the start mode from
+// the initial load, and the throughput gate (engine.hpp: admission, queueing and known work).
 engine_options switching_options(const moebius::calibration_result& cal, bool rollout,
                                  const engine_options& base) {
   engine_options so = base;
@@ -128,8 +129,62 @@ engine_options switching_options(const moebius::calibration_result& cal, bool ro
     so.policy.cooldown_s = k_cooldown_s;
   }
   so.start_mode = parallel_mode::tp;
+  so.start_from_load = true;
+  so.policy.enter_on_blocked_admission = true;
+  so.gate.kind = gate_kind::throughput;
   so.gate.curves = cal.curves;
   return so;
+}
+
+// The paper's policy as written (§7.1, eq. 13): its rules at the same thresholds, the load it
+// uses (running + waiting, capped at 2,048), no gate, no blocked-admission rule, starting in TP.
+engine_options paper_policy_options(const engine_options& ours) {
+  engine_options p = ours;
+  p.gate.enabled = false;
+  p.policy.enter_on_blocked_admission = false;
+  p.start_from_load = false;
+  p.start_mode = parallel_mode::tp;
+  return p;
+}
+
+// The bound a free switch would reach on a closed-loop trace, capacity ignored: every step of
+// the static EP run priced in both modes by the clock, the faster taken, no switch charged.
+// (EP's own trajectory: the batch each step ran as EP's pool admitted it.)
+double free_switch_bound_s(const run_result& ep, const step_clock& clock) {
+  double total = 0;
+  for (const step_record& r : ep.steps) {
+    step_cost tp;
+    tp.mode = parallel_mode::tp;
+    tp.num_ranks = 8;
+    tp.num_sequences = r.sequences;
+    tp.new_tokens = r.decode_tokens + r.prefill_tokens;
+    tp.context_tokens = r.context_tokens;
+    total += std::min(r.step_ms * 1e-3, clock.step_s(tp, 0));
+  }
+  return total;
+}
+
+// Each policy run's decisions (engine_options::explain) into `dir`/decisions.txt; the first
+// lines of the first such run printed.
+void write_decisions(const std::string& dir, const std::vector<run_outcome>& runs) {
+  const std::string path = dir + "/decisions.txt";
+  std::ofstream f(path);
+  bool printed = false;
+  for (const run_outcome& r : runs) {
+    if (r.result.decisions.empty()) continue;
+    f << "== " << label_of(r.kind) << ": " << r.result.policy << "; " << r.result.gate << "\n";
+    for (const decision_record& d : r.result.decisions) f << d << "\n";
+    if (printed) continue;
+    printed = true;
+    std::printf("\n  decisions of %s (%zu records; all in %s):\n", label_of(r.kind),
+                r.result.decisions.size(), path.c_str());
+    for (size_t i = 0; i < std::min<size_t>(r.result.decisions.size(), 8); ++i) {
+      std::ostringstream line;
+      line << r.result.decisions[i];
+      std::printf("    %s\n", line.str().c_str());
+    }
+  }
+  if (!f) throw std::runtime_error("cannot write " + path);
 }
 
 // Serves each spec on its own deployment, two at a time (two cores).
@@ -349,8 +404,12 @@ int run_paper_experiments(const options& o) {
     std::vector<sim_world> worlds;
     for (const run_kind k : kinds) worlds.push_back(make_sim_world(deployment_of(k), *clock.clock));
     const int64_t context = mean_context(trace);
+    // The crossover where the curves themselves cross (piecewise through the measured points),
+    // not where two fitted lines do.
+    moebius::calibration_options calibration;
+    calibration.fit = moebius::curve_fit::piecewise_linear;
     const moebius::calibration_result cal =
-        calibrate_engine(*worlds[2].eng, calibration_batches(), context);
+        calibrate_engine(*worlds[2].eng, calibration_batches(), context, calibration);
     {
       std::ostringstream d;
       d << cal;
@@ -363,12 +422,14 @@ int run_paper_experiments(const options& o) {
     base.scheduler.admission = o.oracle_admission ? admission_policy::oracle : admission_policy::known;
     progress.install(base);
     base.progress_every_steps = 2000;
-    const engine_options so = switching_options(cal, rollout, base);
+    engine_options so = switching_options(cal, rollout, base);
+    so.explain = o.explain;
     {
       std::ostringstream d;
       d << so.policy;
-      std::printf("  switching runs: %s; cost gate on (margin %.2f)\n", d.str().c_str(),
-                  so.gate.margin);
+      std::printf("  policy runs: %s; ours: throughput gate (margin %.2f), start mode from the "
+                  "initial load; paper policy: the rules alone, starting in TP\n",
+                  d.str().c_str(), so.gate.margin);
     }
     std::vector<run_spec> specs = {{run_kind::static_tp, base},
                                    {run_kind::static_ep, base},
@@ -377,10 +438,7 @@ int run_paper_experiments(const options& o) {
     specs[0].options.start_mode = parallel_mode::tp;
     specs[1].options.start_mode = parallel_mode::ep;
     specs[3].options.style = switch_style::progressive;
-    // The paper's policy: its rules as written (load: running + waiting, capped at 2,048), no
-    // cost gate.
-    specs.push_back({run_kind::paper_policy, so});
-    specs[4].options.gate.enabled = false;
+    specs.push_back({run_kind::paper_policy, paper_policy_options(so)});
     const std::vector<run_outcome> runs = serve(trace, specs, worlds);
 
     std::vector<paper_metrics> m;
@@ -393,6 +451,10 @@ int run_paper_experiments(const options& o) {
     }
     if (rollout) {
       print_rollout_table(runs, m);
+      const double bound = free_switch_bound_s(runs[1].result, *clock.clock);
+      std::printf("  a free switch at every step, capacity ignored (static EP's steps each priced in "
+                  "both modes, the faster taken): %.1f s, %.3fx the better static layout\n",
+                  bound, std::min(m[0].rollout_total_s, m[1].rollout_total_s) / bound);
     } else {
       print_bursty_table(runs, m);
     }
@@ -416,6 +478,7 @@ int run_paper_experiments(const options& o) {
     }
     const std::string dir = o.out_dir + "/" + (kind == trace_kind::file ? "file" : to_string(kind));
     write_run_files(dir, runs);
+    if (o.explain) write_decisions(dir, runs);
     for (size_t i = 0; i < runs.size(); ++i) {
       nlohmann::json j = metrics_json(m[i]);
       j["trace"] = name;

@@ -29,10 +29,6 @@ using detail::tokens_produced;
 
 namespace {
 
-parallel_mode other(parallel_mode m) {
-  return m == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
-}
-
 kv_state empty_tables(const moebius::kv_geometry& g, parallel_mode m) {
   kv_state s;
   s.mode = m;
@@ -50,22 +46,6 @@ int64_t used_pages_all(const moebius::kv_geometry& g, const kv_state& s) {
   return used;
 }
 
-bool fits(void* c, parallel_mode target) {
-  const auto* ctx = static_cast<const detail::capacity_context*>(c);
-  // The scheduler's check first: it sums pages, where the switcher's plans the whole migration
-  // (which, asked every step while the target cannot hold the KV, dominated a long run).
-  return ctx->sched->fits_reservations(ctx->sw->kv_tables(), target) && ctx->sw->check(target).fits;
-}
-
-double predicted_switch_ms(void* c, parallel_mode target) {
-  const auto* ctx = static_cast<const detail::cost_context*>(c);
-  try {
-    return ctx->clock->predicted_switch_s(ctx->sw->layer_bytes_of(target), ctx->num_layers) * 1e3;
-  } catch (const moebius::error& e) {
-    if (e.code() != errc::capacity) throw;
-    return 1e12;  // the target cannot hold the KV (the capacity check refuses it first)
-  }
-}
 
 // Decode-step batches for the gate's calibration: 1, 2, 4, ... below max_running, and it.
 std::vector<int64_t> calibration_batches(int64_t max_running) {
@@ -170,53 +150,6 @@ bool engine::reservations_fit(run_state& st, parallel_mode target, switch_record
   why << "): after the switch some could not grow";
   s.error = why.str();
   return false;
-}
-
-std::optional<parallel_mode> engine::decide(run_state& st, int64_t step) {
-  const engine_options& o = st.options;
-  if (st.residency) {
-    // What happened since the last decision: arrivals, completions and the steps those ran
-    // (a request's decode steps: its output tokens).
-    const int64_t finished = st.sched.num_finished();
-    const int64_t arrived = finished + st.sched.num_running() + st.sched.num_waiting(st.now);
-    moebius::step_observation obs;
-    obs.arrivals = std::max<int64_t>(0, arrived - st.seen_arrived);
-    obs.completions = finished - st.seen_finished;
-    if (obs.completions > 0) {
-      int64_t finished_tokens = 0;
-      for (const request_result& q : st.sched.results()) {
-        if (q.finished()) finished_tokens += q.output_tokens;
-      }
-      obs.completed_steps = finished_tokens - st.seen_finished_tokens;
-      st.seen_finished_tokens = finished_tokens;
-    }
-    obs.running = st.sched.num_running();
-    st.residency->observe(obs);
-    st.seen_arrived = std::max(st.seen_arrived, arrived);
-    st.seen_finished = finished;
-  }
-  if (st.session) return std::nullopt;
-  if (o.how == switching::policy) {
-    const int64_t load = std::min(st.sched.num_running() + st.sched.num_waiting(st.now),
-                                  o.scheduler.max_running);
-    const moebius::switch_decision d = st.policy->step(load, switcher_.mode(), st.now);
-    if (d.reason == moebius::decision_reason::cost_exceeds_gain) {
-      ++st.out.gate_refusals;
-      st.out.last_refusal = st.policy->last_gate();
-    }
-    if (d.do_switch && d.target != switcher_.mode()) {
-      st.pending_gate = st.policy->gate_active() ? st.policy->last_gate() : moebius::gate_evaluation{};
-      return d.target;
-    }
-  } else if (o.how == switching::forced) {
-    while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
-      ++st.next_forced;
-    }
-    if (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] == step) {
-      return other(switcher_.mode());
-    }
-  }
-  return std::nullopt;
 }
 
 void engine::start_switch(run_state& st, parallel_mode target, step_record& rec) {
@@ -350,6 +283,7 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.running = st.sched.num_running();
   rec.waiting = st.sched.num_waiting(st.now);
   rec.stalled = b.stalled;
+  st.admission_blocked = b.admission_blocked;
   rec.preempted = b.preempted;
   rec.kv_used_pages = used_pages_all(kv_, tables);
   rec.step_ms = dt * 1e3;
@@ -410,6 +344,9 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   // Requests are validated (token ids against the runtime's vocab) before anything else.
   scheduler_options so = o.scheduler;
   if (so.vocab == 0) so.vocab = runtime_.vocab_size();
+  const parallel_mode start = o.how == switching::policy && o.start_from_load
+                                  ? detail::start_mode_from_load(requests, o.policy.t_high)
+                                  : o.start_mode;
   std::optional<run_state> state;
   const run_cleanup cleanup{*this, state};
   state.emplace(kv_, std::move(requests), o, so, name);
@@ -421,38 +358,19 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   // run serves in the mode it is in (recorded as switch 0).
   {
     const parallel_mode from = switcher_.mode();
-    const moebius::switch_report r = switch_untimed(o.start_mode);
+    const moebius::switch_report r = switch_untimed(start);
     if (r.outcome != moebius::switch_outcome::committed &&
         r.outcome != moebius::switch_outcome::already_there) {
       switch_record s;
       s.from = from;
-      s.to = o.start_mode;
+      s.to = start;
       record_outcome(s, r);
       if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
       st.out.switches.push_back(std::move(s));
     }
   }
   st.capacity = detail::capacity_context{&switcher_, &st.sched};
-  if (o.how == switching::policy) {
-    moebius::switch_policy_config config = o.policy;
-    if (gated) config.gate_margin = o.gate.margin;
-    st.policy.emplace(config, moebius::capacity_check{&fits, &st.capacity});
-    if (gated) {
-      st.curves = curves;
-      st.residency.emplace(o.gate.residency);
-      st.cost = detail::cost_context{&switcher_, &clock_, arena_.shape.num_layers};
-      st.policy->set_cost_gate(&st.curves,
-                               moebius::switch_cost_estimate{&predicted_switch_ms, &st.cost});
-      st.policy->set_residency_predictor(&*st.residency);
-      std::ostringstream g;
-      g << "EP " << st.curves.ep << "; TP " << st.curves.tp << "; margin " << o.gate.margin
-        << "; " << o.gate.residency;
-      st.out.gate = g.str();
-    }
-    std::ostringstream p;
-    p << config;
-    st.out.policy = p.str();
-  }
+  if (o.how == switching::policy) setup_policy(st, curves);
   st.out.name = name;
   st.out.clock = clock_.name();
   st.total = static_cast<int64_t>(st.sched.results().size());

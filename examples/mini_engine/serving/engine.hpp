@@ -39,6 +39,7 @@
 #include <moebius/policy/calibration.hpp>
 #include <moebius/policy/residency.hpp>
 #include <moebius/policy/switch_policy.hpp>
+#include <moebius/policy/throughput_gate.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/transport.hpp>
@@ -83,9 +84,24 @@ struct progress_info {
   moebius::parallel_mode mode = moebius::parallel_mode::ep;
 };
 
+// What the cost gate weighs.
+enum class gate_kind : uint8_t {
+  // moebius::throughput_gate (policy/throughput_gate.hpp): each mode at the batch its pool
+  // admits, the residency from known work (a rollout's survivors) or the queue's drain or the
+  // predictor; the terms switchable (cost_gate_options::terms).
+  throughput,
+  // switch_policy's own: (latency(current, load) - latency(target, load)) x the predictor's
+  // residency, both modes at the same batch.
+  step_time,
+};
+
+const char* to_string(gate_kind k);
+
 // The cost gate of a policy run (switching::policy).
 struct cost_gate_options {
   bool enabled = true;   // off: the policy's rules alone (and its own expected_residency_steps)
+  gate_kind kind = gate_kind::throughput;
+  moebius::gate_terms terms;  // gate_kind::throughput: which terms it weighs
   // The share by which the predicted gain must exceed the predicted cost (sets the policy's
   // gate_margin): covers the residency's spread and a cost model off by tens of percent.
   double margin = 0.25;
@@ -113,6 +129,11 @@ struct engine_options {
   moebius::parallel_mode start_mode = moebius::parallel_mode::ep;
   switching how = switching::never;
   moebius::switch_policy_config policy;  // switching::policy
+  // switching::policy: start in EP when the requests that have arrived at the first arrival
+  // reach T_h (a rollout's batch), else in TP, instead of start_mode.
+  bool start_from_load = false;
+  // switching::policy: record every decision in which a rule fired (run_result::decisions).
+  bool explain = false;
   cost_gate_options gate;                 // switching::policy: the cost gate (on by default)
   std::vector<int64_t> forced_steps;     // switching::forced: step indices, ascending
   bool validate_every_step = false;      // moebius::validate(kv, tables) after every step
@@ -200,6 +221,9 @@ class engine {
   // Outcome inconsistent: recovers in s.from (engine_options::reload_experts) and hands the
   // lost sequences to the scheduler; throws errc::internal when it cannot.
   void recover_in_run(run_state& st, const moebius::switch_report& r, switch_record& s);
+  // The run's policy, its gate (the curves it weighs with) and what feeds them
+  // (engine_policy.cpp).
+  void setup_policy(run_state& st, const moebius::latency_curves& curves);
   // The mode to switch to before this step, if any (never while a progressive switch runs).
   std::optional<moebius::parallel_mode> decide(run_state& st, int64_t step);
   // Runs (stop the world) or begins (progressive) the switch to `target`; records it.

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <moebius/policy/residency.hpp>
 #include <moebius/policy/switch_policy.hpp>
+#include <moebius/policy/throughput_gate.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/progressive.hpp>
 #include <optional>
@@ -38,6 +39,34 @@ struct cost_context {
   const step_clock* clock;
   int64_t num_layers;
 };
+
+// The throughput gate's view of the run (engine_policy.cpp): what it reads when a rule fires.
+struct gate_context {
+  const scheduler* sched = nullptr;
+  const moebius::kv_geometry* kv = nullptr;
+  const moebius::latency_curves* curves = nullptr;
+  const moebius::residency_predictor* residency = nullptr;
+  const moebius::switch_policy_config* policy = nullptr;  // T_h, T_l: the residency's bounds
+  const cost_context* cost = nullptr;
+  moebius::gate_terms terms;
+  double margin = 0;
+  int64_t max_running = 1;
+  double watermark = 0;       // the share of each pool admission keeps free
+  const double* now = nullptr;  // the run's clock
+};
+
+// switch_gate::fn over a gate_context: builds the serving_load and weighs the switch.
+bool throughput_gate(void* context, moebius::parallel_mode current, moebius::parallel_mode target,
+                     int64_t load, moebius::gate_evaluation& out);
+// The switch's predicted cost in ms (switch_cost_estimate::fn over a cost_context).
+double predicted_switch_ms(void* context, moebius::parallel_mode target);
+// The serving_load the gate weighs (exposed for tests): the scheduler's work at *now, each
+// pool's capacity, the known residency of a rollout, the predictor's.
+moebius::serving_load serving_load_of(const gate_context& g, moebius::parallel_mode target,
+                                      int64_t load);
+// The start mode that follows the initial load: EP when the requests that arrive at the first
+// arrival (a rollout: its first step's) reach t_high.
+moebius::parallel_mode start_mode_from_load(const std::vector<request>& requests, int64_t t_high);
 
 // How a switch ended, from the switcher's report into the run's record.
 inline void record_outcome(switch_record& s, const moebius::switch_report& r) {
@@ -81,6 +110,8 @@ struct engine::run_state {
   detail::cost_context cost{nullptr, nullptr, 0};
   int64_t seen_arrived = 0, seen_finished = 0, seen_finished_tokens = 0;
   moebius::gate_evaluation pending_gate;  // the gate's reasoning for the switch decided now
+  detail::gate_context gate;               // gate_kind::throughput
+  bool admission_blocked = false;          // the last step's (step_batch::admission_blocked)
   run_result out;
   double now = 0;
   size_t next_forced = 0;

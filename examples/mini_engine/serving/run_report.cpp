@@ -20,6 +20,14 @@ std::string csv_field(const std::string& v) {
 
 }  // namespace
 
+std::ostream& operator<<(std::ostream& os, const decision_record& d) {
+  os << "step " << d.step << " at " << d.now_s << " s in " << moebius::to_string(d.mode)
+     << ": load " << d.load << " (" << d.running << " running, " << d.waiting << " waiting"
+     << (d.admission_blocked ? ", admission blocked" : "") << "): " << d.decision;
+  if (d.gate.evaluated) os << "; " << d.gate;
+  if (d.repeats > 0) os << " (and the same on " << d.repeats << " more steps)";
+  return os;
+}
 
 run_summary summarize(const run_result& r) {
   run_summary s;

@@ -58,6 +58,24 @@ struct switch_record {
   int64_t lost_sequences = 0;
 };
 
+// One decision of a policy run in which a rule fired (engine_options::explain): what the policy
+// saw and what it decided, with the gate's numbers when it weighed the switch. A run of the same
+// decision on consecutive steps is one record (repeats counts the steps after the first).
+struct decision_record {
+  int64_t step = 0;
+  double now_s = 0;
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;  // the mode the engine ran in
+  int64_t load = 0, running = 0, waiting = 0;
+  bool admission_blocked = false;
+  moebius::switch_decision decision;
+  moebius::gate_evaluation gate;  // evaluated only when the gate weighed it
+  int64_t repeats = 0;
+};
+
+// "step 120 at 3.41 s in TP: load 300 (280 running, 20 waiting, admission blocked): switch to EP
+// (above_high); gate{...}"
+std::ostream& operator<<(std::ostream& os, const decision_record& d);
+
 struct run_result {
   std::string name;
   std::string clock;  // step_clock::name()
@@ -74,6 +92,7 @@ struct run_result {
   std::string gate;
   int64_t gate_refusals = 0;
   moebius::gate_evaluation last_refusal;
+  std::vector<decision_record> decisions;  // engine_options::explain
 };
 
 struct run_summary {

@@ -145,6 +145,27 @@ int64_t scheduler::num_waiting(double now_s) const {
   return n;
 }
 
+work_view scheduler::work(double now_s) const {
+  work_view w;
+  w.running = num_running();
+  w.generated.reserve(running_.size());
+  for (const running_seq& s : running_) {
+    w.running_tokens += static_cast<int64_t>(s.tokens.size());
+    w.generated.push_back(
+        static_cast<int64_t>(results_[static_cast<size_t>(s.result_idx)].generated.size()));
+  }
+  for (const running_seq& s : preempted_) w.waiting_tokens += static_cast<int64_t>(s.tokens.size());
+  w.waiting = static_cast<int64_t>(preempted_.size());
+  for (size_t i = next_waiting_; i < requests_.size() && requests_[i].arrival_s <= now_s; ++i) {
+    w.waiting_tokens += static_cast<int64_t>(requests_[i].prompt.size());
+    ++w.waiting;
+  }
+  w.finished = num_finished_;
+  w.finished_output_tokens = finished_output_tokens_;
+  w.rollout = !steps_.empty();
+  return w;
+}
+
 int64_t scheduler::num_prefilling() const {
   return std::count_if(running_.begin(), running_.end(),
                        [](const running_seq& s) { return !s.decoding(); });
@@ -335,10 +356,16 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
     const std::vector<int64_t> left = unreserved(kv);
     int owner = -1;
     if (kv.mode == parallel_mode::tp) {
-      if (*std::min_element(left.begin(), left.end()) < need) break;
+      if (*std::min_element(left.begin(), left.end()) < need) {
+        b.admission_blocked = true;
+        break;
+      }
     } else {
       owner = static_cast<int>(std::max_element(left.begin(), left.end()) - left.begin());
-      if (left[static_cast<size_t>(owner)] < need) break;
+      if (left[static_cast<size_t>(owner)] < need) {
+        b.admission_blocked = true;
+        break;
+      }
     }
     request_result& res = results_[static_cast<size_t>(s.result_idx)];
     running_.push_back(std::move(s));
@@ -360,6 +387,8 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
     if (resumed) preempted_.pop_front();
     else ++next_waiting_;
   }
+  // A step that preempted admits nothing: the preempted sequence waits with the pool full.
+  if (b.preempted > 0) b.admission_blocked = true;
   b.num_sequences = static_cast<int64_t>(b.items.size());
   MOEBIUS_CHECK(!b.empty() || running_.empty() || !pages.admits(), errc::capacity, "scheduler: ", running_.size(),
                 " running sequences and none can grow: the KV pool is exhausted (a switch moved "
@@ -405,6 +434,7 @@ std::vector<int64_t> scheduler::record_step(const step_batch& b,
     if (static_cast<int64_t>(res.generated.size()) == res.output_tokens) {
       res.finish_s = now_s;
       ++num_finished_;
+      finished_output_tokens_ += res.output_tokens;
       retire[static_cast<size_t>(b.running_idx[i])] = true;
       finished.push_back(res.id);
       if (s.step >= 0 && --steps_[static_cast<size_t>(s.step)].left == 0)

@@ -145,9 +145,25 @@ struct step_batch {
   int64_t context_tokens = 0;        // sum over items of start_position + new tokens
   int64_t admitted = 0;              // requests admitted by this step
   int64_t stalled = 0;               // sequences skipped for want of a KV page
+  // Admission stopped because the pool could not take the next waiting request (not the
+  // batch cap or the step's token budget): requests wait with the pool full.
+  bool admission_blocked = false;
   int64_t preempted = 0;             // running sequences preempted by this step (known)
 
   bool empty() const { return items.empty(); }
+};
+
+// What the serving loop's gate weighs (engine.hpp: the throughput gate): the live sequences
+// and the queue, as an engine knows them (no request's output length).
+struct work_view {
+  int64_t running = 0;
+  int64_t waiting = 0;               // arrived and not admitted (preempted ones included)
+  int64_t running_tokens = 0;        // tokens the running sequences hold (prompt and generated)
+  int64_t waiting_tokens = 0;        // tokens the waiting would hold at admission
+  std::vector<int64_t> generated;    // per running sequence: tokens it has generated so far
+  int64_t finished = 0;              // requests finished so far
+  int64_t finished_output_tokens = 0;  // their output tokens
+  bool rollout = false;              // a closed-loop rollout: no request arrives on its own
 };
 
 class scheduler {
@@ -188,9 +204,12 @@ class scheduler {
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   // Requests that have arrived by `now_s` and wait for admission (preempted ones included).
   int64_t num_waiting(double now_s) const;
+  // The live sequences and the queue at `now_s` (O(running + waiting)).
+  work_view work(double now_s) const;
   // Preemptions so far (admission_policy::known).
   int64_t num_preemptions() const { return num_preemptions_; }
   int64_t num_finished() const { return num_finished_; }
+  int64_t finished_output_tokens() const { return finished_output_tokens_; }
   int64_t num_failed() const { return num_failed_; }
   // Running sequences whose prompt is not yet wholly in the KV cache (mid chunked prefill).
   int64_t num_prefilling() const;
@@ -282,6 +301,7 @@ class scheduler {
   std::deque<running_seq> preempted_;
   int64_t num_preemptions_ = 0;
   int64_t num_finished_ = 0;
+  int64_t finished_output_tokens_ = 0;
   int64_t num_failed_ = 0;
 };
 

@@ -1,0 +1,257 @@
+// The serving loop's side of the switch policy: the policy and its gate set up for a run, the
+// decision before each step with what feeds it (the residency predictor, the capacity check,
+// the throughput gate's serving_load, the switch's predicted cost), and the decision log.
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include <moebius/error.hpp>
+
+#include "engine_run_state.hpp"
+
+namespace mini_engine {
+
+using moebius::parallel_mode;
+
+const char* to_string(gate_kind k) {
+  switch (k) {
+    case gate_kind::throughput: return "throughput";
+    case gate_kind::step_time: return "step_time";
+  }
+  return "unknown";
+}
+
+namespace detail {
+
+namespace {
+
+// Tokens the pool of mode `m` holds for admission: EP, every rank's pages (data-parallel
+// attention: a sequence lives on one rank); TP, one rank's (every rank holds every sequence).
+double pool_tokens(const moebius::kv_geometry& g, parallel_mode m, double watermark) {
+  const double ranks = m == parallel_mode::ep ? static_cast<double>(g.num_ranks) : 1.0;
+  return ranks * static_cast<double>(g.num_pages(m)) * static_cast<double>(g.page_size) *
+         (1.0 - watermark);
+}
+
+// Expected decode tokens still to come for a sequence that has generated `generated`: at least
+// what it has generated (a heavy-tailed length: a sequence that has run g tokens runs about g
+// more) and at least the mean output of the requests finished so far (`prior`).
+double expected_remaining(int64_t generated, double prior) {
+  return std::max(static_cast<double>(generated), prior);
+}
+
+// The known residency of a closed-loop rollout (no request arrives on its own): in TP, until
+// the last survivor of the rollout step ends (the next step's batch sends the engine back to
+// EP); in EP, until the live count falls under T_l. In steps.
+int64_t rollout_residency(const work_view& w, parallel_mode target, int64_t t_low, double prior) {
+  std::vector<double> left;
+  left.reserve(static_cast<size_t>(w.running + w.waiting));
+  for (const int64_t g : w.generated) left.push_back(expected_remaining(g, prior));
+  for (int64_t q = 0; q < w.waiting; ++q) left.push_back(prior);
+  if (left.empty()) return 1;
+  std::sort(left.begin(), left.end());
+  double steps = left.back();
+  if (target == parallel_mode::ep) {
+    const int64_t live = static_cast<int64_t>(left.size());
+    steps = live < t_low ? 1.0 : left[static_cast<size_t>(live - t_low)];
+  }
+  return std::max<int64_t>(1, static_cast<int64_t>(std::min(std::ceil(steps), 1e12)));
+}
+
+}  // namespace
+
+double predicted_switch_ms(void* c, parallel_mode target) {
+  const auto* ctx = static_cast<const cost_context*>(c);
+  try {
+    return ctx->clock->predicted_switch_s(ctx->sw->layer_bytes_of(target), ctx->num_layers) * 1e3;
+  } catch (const moebius::error& e) {
+    if (e.code() != moebius::errc::capacity) throw;
+    return 1e12;  // the target cannot hold the KV (the capacity check refuses it first)
+  }
+}
+
+moebius::serving_load serving_load_of(const gate_context& g, parallel_mode target, int64_t load) {
+  const work_view w = g.sched->work(*g.now);
+  moebius::serving_load l;
+  l.running = w.running;
+  l.waiting = w.waiting;
+  l.max_running = g.max_running;
+  const int64_t live = w.running + w.waiting;
+  const double per_sequence =
+      live > 0 ? std::max(1.0, static_cast<double>(w.running_tokens + w.waiting_tokens) /
+                                   static_cast<double>(live))
+               : 1.0;
+  auto admits = [&](parallel_mode m) {
+    return static_cast<int64_t>(std::min(pool_tokens(*g.kv, m, g.watermark) / per_sequence, 1e15));
+  };
+  l.admits_ep = admits(parallel_mode::ep);
+  l.admits_tp = admits(parallel_mode::tp);
+  double mean_generated = 0;
+  for (const int64_t x : w.generated) mean_generated += static_cast<double>(x);
+  if (w.running > 0) mean_generated /= static_cast<double>(w.running);
+  const double prior = w.finished > 0 ? static_cast<double>(w.finished_output_tokens) /
+                                            static_cast<double>(w.finished)
+                                      : std::max(1.0, mean_generated);
+  l.queue_tokens = static_cast<double>(w.waiting) * prior;
+  if (w.rollout) l.known_residency_steps = rollout_residency(w, target, g.policy->t_low, prior);
+  const int64_t boundary = target == parallel_mode::ep ? g.policy->t_low : g.policy->t_high;
+  l.predicted_residency_steps =
+      g.residency != nullptr ? g.residency->steps_until_cross(load, boundary)
+                             : std::max<int64_t>(1, g.policy->expected_residency_steps);
+  return l;
+}
+
+bool throughput_gate(void* context, parallel_mode current, parallel_mode target, int64_t load,
+                     moebius::gate_evaluation& out) {
+  const auto* g = static_cast<const gate_context*>(context);
+  const moebius::serving_load l = serving_load_of(*g, target, load);
+  out = moebius::weigh_switch(*g->curves, current, target, l,
+                              predicted_switch_ms(const_cast<cost_context*>(g->cost), target),
+                              g->margin, g->terms);
+  out.load = load;
+  return out.passed;
+}
+
+parallel_mode start_mode_from_load(const std::vector<request>& requests, int64_t t_high) {
+  if (requests.empty()) return parallel_mode::tp;
+  // The first arrivals: a rollout's first step, else every request at the earliest arrival.
+  int64_t first_step = -1;
+  double first_s = requests.front().arrival_s;
+  for (const request& r : requests) {
+    if (r.rollout_step >= 0 && (first_step < 0 || r.rollout_step < first_step)) first_step = r.rollout_step;
+    first_s = std::min(first_s, r.arrival_s);
+  }
+  int64_t n = 0;
+  for (const request& r : requests) {
+    if (first_step >= 0 ? r.rollout_step == first_step : r.arrival_s <= first_s) ++n;
+  }
+  return n >= t_high ? parallel_mode::ep : parallel_mode::tp;
+}
+
+}  // namespace detail
+
+namespace {
+
+bool fits(void* c, parallel_mode target) {
+  const auto* ctx = static_cast<const detail::capacity_context*>(c);
+  // The scheduler's check first: it sums pages, where the switcher's plans the whole migration
+  // (which, asked every step while the target cannot hold the KV, dominated a long run).
+  return ctx->sched->fits_reservations(ctx->sw->kv_tables(), target) && ctx->sw->check(target).fits;
+}
+
+// Appends `d` to the log, or counts it as a repeat of the last record when it decided the same
+// (same reason and target, no gate weighed).
+void log_decision(std::vector<decision_record>& log, decision_record d) {
+  if (!log.empty() && !d.gate.evaluated && !log.back().gate.evaluated &&
+      log.back().decision.reason == d.decision.reason &&
+      log.back().decision.target == d.decision.target && log.back().mode == d.mode) {
+    ++log.back().repeats;
+    return;
+  }
+  log.push_back(std::move(d));
+}
+
+}  // namespace
+
+void engine::setup_policy(run_state& st, const moebius::latency_curves& curves) {
+  const engine_options& o = st.options;
+  const bool gated = o.gate.enabled;
+  moebius::switch_policy_config config = o.policy;
+  if (gated) config.gate_margin = o.gate.margin;
+  st.policy.emplace(config, moebius::capacity_check{&fits, &st.capacity});
+  if (gated) {
+    st.curves = curves;
+    st.residency.emplace(o.gate.residency);
+    st.cost = detail::cost_context{&switcher_, &clock_, arena_.shape.num_layers};
+    if (o.gate.kind == gate_kind::throughput) {
+      detail::gate_context& g = st.gate;
+      g.sched = &st.sched;
+      g.kv = &kv_;
+      g.curves = &st.curves;
+      g.residency = &*st.residency;
+      g.policy = &st.policy->config();
+      g.cost = &st.cost;
+      g.terms = o.gate.terms;
+      g.margin = o.gate.margin;
+      g.max_running = o.scheduler.max_running;
+      g.watermark = o.scheduler.admission == admission_policy::known ? o.scheduler.watermark : 0;
+      g.now = &st.now;
+      st.policy->set_gate(moebius::switch_gate{&detail::throughput_gate, &st.gate});
+    } else {
+      st.policy->set_cost_gate(&st.curves,
+                               moebius::switch_cost_estimate{&detail::predicted_switch_ms, &st.cost});
+      st.policy->set_residency_predictor(&*st.residency);
+    }
+    std::ostringstream g;
+    g << to_string(o.gate.kind) << " gate";
+    if (o.gate.kind == gate_kind::throughput) g << " (" << o.gate.terms << ")";
+    g << "; EP " << st.curves.ep << "; TP " << st.curves.tp << "; margin " << o.gate.margin
+      << "; " << o.gate.residency;
+    st.out.gate = g.str();
+  }
+  std::ostringstream p;
+  p << config;
+  st.out.policy = p.str();
+}
+
+std::optional<parallel_mode> engine::decide(run_state& st, int64_t step) {
+  const engine_options& o = st.options;
+  if (st.residency) {
+    // What happened since the last decision: arrivals, completions and the steps those ran
+    // (a request's decode steps: its output tokens).
+    const int64_t finished = st.sched.num_finished();
+    const int64_t arrived = finished + st.sched.num_running() + st.sched.num_waiting(st.now);
+    moebius::step_observation obs;
+    obs.arrivals = std::max<int64_t>(0, arrived - st.seen_arrived);
+    obs.completions = finished - st.seen_finished;
+    if (obs.completions > 0) {
+      const int64_t finished_tokens = st.sched.finished_output_tokens();
+      obs.completed_steps = finished_tokens - st.seen_finished_tokens;
+      st.seen_finished_tokens = finished_tokens;
+    }
+    obs.running = st.sched.num_running();
+    st.residency->observe(obs);
+    st.seen_arrived = std::max(st.seen_arrived, arrived);
+    st.seen_finished = finished;
+  }
+  if (st.session) return std::nullopt;
+  if (o.how == switching::policy) {
+    const int64_t running = st.sched.num_running();
+    const int64_t waiting = st.sched.num_waiting(st.now);
+    const int64_t load = std::min(running + waiting, o.scheduler.max_running);
+    const bool blocked = st.admission_blocked && waiting > 0;
+    const moebius::switch_decision d = st.policy->step(load, switcher_.mode(), st.now, blocked);
+    const bool weighed = d.reason == moebius::decision_reason::cost_exceeds_gain || d.do_switch;
+    if (d.reason == moebius::decision_reason::cost_exceeds_gain) {
+      ++st.out.gate_refusals;
+      st.out.last_refusal = st.policy->last_gate();
+    }
+    if (o.explain && d.reason != moebius::decision_reason::hold) {
+      decision_record r;
+      r.step = step;
+      r.now_s = st.now;
+      r.mode = switcher_.mode();
+      r.load = load;
+      r.running = running;
+      r.waiting = waiting;
+      r.admission_blocked = blocked;
+      r.decision = d;
+      if (weighed && st.policy->gate_active()) r.gate = st.policy->last_gate();
+      log_decision(st.out.decisions, std::move(r));
+    }
+    if (d.do_switch && d.target != switcher_.mode()) {
+      st.pending_gate = st.policy->gate_active() ? st.policy->last_gate() : moebius::gate_evaluation{};
+      return d.target;
+    }
+  } else if (o.how == switching::forced) {
+    while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
+      ++st.next_forced;
+    }
+    if (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] == step) {
+      return switcher_.mode() == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace mini_engine
