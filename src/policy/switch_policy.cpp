@@ -89,6 +89,7 @@ std::ostream& operator<<(std::ostream& os, const gate_evaluation& g) {
        << to_string(g.target) << ", " << g.waiting << " waiting)";
   os << ": gain " << g.gain_ms << " ms over " << g.residency_steps << " steps";
   if (g.residency_from[0] != '\0') os << " (" << g.residency_from << ")";
+  if (!g.priced) return os << " vs at least " << g.cost_ms << " ms: refused before planning}";
   return os << " vs cost " << g.cost_ms << " ms: " << (g.passed ? "pays" : "refused") << "}";
 }
 
@@ -161,6 +162,20 @@ bool switch_policy::in_cooldown(double now_s) const {
   // a caller that passes no meaningful time is never blocked by it).
   return stats_.steps - 1 - last_switch_step_ <= config_.cooldown_steps ||
          (config_.cooldown_s > 0.0 && now_s - last_switch_s_ < config_.cooldown_s);
+}
+
+bool switch_policy::gains_anything(parallel_mode current, parallel_mode target, int64_t load) {
+  if (gate_.gains == nullptr) return true;
+  gate_evaluation g;
+  g.evaluated = true;
+  g.target = target;
+  g.load = load;
+  g.priced = false;
+  if (gate_.gains(gate_.context, current, target, load, g)) return true;
+  g.priced = false;
+  g.passed = false;
+  last_gate_ = g;
+  return false;
 }
 
 bool switch_policy::gain_exceeds_cost(parallel_mode current, parallel_mode target,
@@ -252,6 +267,8 @@ switch_decision switch_policy::step(int64_t load, parallel_mode current, double 
   if (d.reason != decision_reason::hold) {
     if (in_cooldown(now_s)) {
       d.reason = decision_reason::cooldown;
+    } else if (!gains_anything(current, d.target, load)) {
+      d.reason = decision_reason::cost_exceeds_gain;
     } else if (!capacity_.fits(d.target)) {
       d.reason = decision_reason::capacity_refused;
     } else if (!gain_exceeds_cost(current, d.target, load)) {

@@ -286,3 +286,50 @@ TEST_CASE("switch policy: a gate hook replaces the step-time gate", "[policy][ga
   p.set_gate({});
   CHECK_FALSE(p.gate_active());
 }
+
+TEST_CASE("switch policy: a gate's gains is asked before the capacity check", "[policy][gate]") {
+  struct counts {
+    int capacity = 0, gains = 0, fn = 0;
+    bool gain = false;
+  } n;
+  capacity_check cap;
+  cap.context = &n;
+  cap.fn = [](void* ctx, parallel_mode) {
+    ++static_cast<counts*>(ctx)->capacity;
+    return true;
+  };
+  switch_gate gate;
+  gate.context = &n;
+  gate.gains = [](void* ctx, parallel_mode, parallel_mode, int64_t, gate_evaluation& out) {
+    auto* c = static_cast<counts*>(ctx);
+    ++c->gains;
+    out.gain_ms = c->gain ? 5 : -5;
+    return c->gain;
+  };
+  gate.fn = [](void* ctx, parallel_mode, parallel_mode, int64_t, gate_evaluation& out) {
+    ++static_cast<counts*>(ctx)->fn;
+    out.cost_ms = 1;
+    return true;
+  };
+  switch_policy_config cfg = interactive_config(100);
+  cfg.cooldown_s = 0;
+  switch_policy p(cfg, cap);
+  p.set_gate(gate);
+  const switch_decision no = p.step(150, parallel_mode::tp, 0);
+  CHECK(no.reason == decision_reason::cost_exceeds_gain);
+  CHECK(n.gains == 1);
+  CHECK(n.capacity == 0);  // never planned
+  CHECK(n.fn == 0);        // never priced
+  CHECK_FALSE(p.last_gate().priced);
+  CHECK(p.last_gate().gain_ms == -5);
+  std::ostringstream os;
+  os << p.last_gate();
+  CHECK(os.str().find("refused before planning") != std::string::npos);
+  n.gain = true;
+  const switch_decision yes = p.step(150, parallel_mode::tp, 1);
+  CHECK(yes.do_switch);
+  CHECK(n.gains == 2);
+  CHECK(n.capacity == 1);
+  CHECK(n.fn == 1);
+  CHECK(p.last_gate().priced);
+}

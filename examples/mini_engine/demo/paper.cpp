@@ -244,11 +244,11 @@ nlohmann::json metrics_json(const paper_metrics& m) {
 }
 
 void print_bursty_table(const std::vector<run_outcome>& runs, const std::vector<paper_metrics>& m) {
-  std::printf("\n  %-12s %21s %21s %17s %17s %9s\n", "run", "flood TTFT mean/p99",
+  std::printf("\n  %-16s %21s %21s %17s %17s %9s\n", "run", "flood TTFT mean/p99",
               "quiet TPOT mean/p99", "switches (total)", "goodput int/srv", "tokens/s");
   for (size_t i = 0; i < runs.size(); ++i) {
     const paper_metrics& x = m[i];
-    std::printf("  %-12s %9.2f s %8.2f s %8.1f ms %7.1f ms %6lld (%6.0f ms) %7.2f %7.2f/s %9.0f\n",
+    std::printf("  %-16s %9.2f s %8.2f s %8.1f ms %7.1f ms %6lld (%6.0f ms) %7.2f %7.2f/s %9.0f\n",
                 label_of(runs[i].kind), x.flood.mean_ttft_ms / 1e3, x.flood.p99_ttft_ms / 1e3,
                 x.quiet.mean_tpot_ms, x.quiet.p99_tpot_ms, static_cast<long long>(x.switches),
                 x.switch_total_ms, x.goodput_rps[0], x.goodput_rps[1], x.tokens_per_s);

@@ -112,6 +112,22 @@ bool throughput_gate(void* context, parallel_mode current, parallel_mode target,
   return out.passed;
 }
 
+bool throughput_gate_gains(void* context, parallel_mode current, parallel_mode target,
+                           int64_t load, moebius::gate_evaluation& out) {
+  const auto* g = static_cast<const gate_context*>(context);
+  // The least the switch can cost: its weights with no KV (no plan needed).
+  moebius::layer_bytes weights_only;
+  weights_only.weight_bytes_sent.assign(static_cast<size_t>(g->kv->num_ranks), 0);
+  weights_only.kv_bytes_sent.assign(static_cast<size_t>(g->kv->num_ranks), 0);
+  const double least_ms =
+      g->cost->clock->predicted_switch_s(weights_only, g->cost->num_layers) * 1e3;
+  out = moebius::weigh_switch(*g->curves, current, target, serving_load_of(*g, target, load),
+                              least_ms, g->margin, g->terms);
+  out.load = load;
+  out.priced = false;
+  return out.passed;
+}
+
 parallel_mode start_mode_from_load(const std::vector<request>& requests, int64_t t_high) {
   if (requests.empty()) return parallel_mode::tp;
   // The first arrivals: a rollout's first step, else every request at the earliest arrival.
@@ -176,7 +192,8 @@ void engine::setup_policy(run_state& st, const moebius::latency_curves& curves) 
       g.max_running = o.scheduler.max_running;
       g.watermark = o.scheduler.admission == admission_policy::known ? o.scheduler.watermark : 0;
       g.now = &st.now;
-      st.policy->set_gate(moebius::switch_gate{&detail::throughput_gate, &st.gate});
+      st.policy->set_gate(moebius::switch_gate{&detail::throughput_gate,
+                                               &detail::throughput_gate_gains, &st.gate});
     } else {
       st.policy->set_cost_gate(&st.curves,
                                moebius::switch_cost_estimate{&detail::predicted_switch_ms, &st.cost});

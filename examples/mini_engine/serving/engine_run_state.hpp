@@ -58,6 +58,11 @@ struct gate_context {
 // switch_gate::fn over a gate_context: builds the serving_load and weighs the switch.
 bool throughput_gate(void* context, moebius::parallel_mode current, moebius::parallel_mode target,
                      int64_t load, moebius::gate_evaluation& out);
+// switch_gate::gains over a gate_context: the same weighing against the least the switch can
+// cost (its weights alone), which needs no plan.
+bool throughput_gate_gains(void* context, moebius::parallel_mode current,
+                           moebius::parallel_mode target, int64_t load,
+                           moebius::gate_evaluation& out);
 // The switch's predicted cost in ms (switch_cost_estimate::fn over a cost_context).
 double predicted_switch_ms(void* context, moebius::parallel_mode target);
 // The serving_load the gate weighs (exposed for tests): the scheduler's work at *now, each

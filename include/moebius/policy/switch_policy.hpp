@@ -28,7 +28,8 @@
 //            switch to TP as soon as the count drops under T_h (`rollout_config()`).
 //   Gate hook (set_gate): instead of the step-time gate below, a caller's own weighing of the
 //            switch (the mini-engine's throughput gate, throughput_gate.hpp), asked at the
-//            same point and recorded the same way.
+//            same point and recorded the same way; its optional `gains` is asked before the
+//            capacity check (a switch with no gain at all is refused without planning it).
 //   Cost gate (DESIGN.md §7, "a switch must pay for itself"): with step-latency curves and
 //            the switch's predicted cost attached (set_cost_gate), a switch a rule proposes
 //            goes ahead only when
@@ -182,14 +183,24 @@ struct gate_evaluation {
   int64_t target_batch = 0;    // the batch the target's pool would admit
   int64_t waiting = 0;         // requests waiting for admission
   const char* residency_from = "";  // "known work", "queue", "predictor", "fixed"
+  // false: refused by switch_gate::gains before the switch was planned; cost_ms is then the
+  // least it could cost
+  bool priced = true;
 };
 
 // Asked instead of the step-time gate when set (switch_policy::set_gate): fills `out` (its
 // evaluated, target and load are set by the policy) and returns whether the switch pays. A
 // plain function pointer and context, as capacity_check.
+//   gains (optional): whether the gain could pay the least the switch can cost (e.g. its
+//   weights alone, no KV); asked before the capacity check, so that a switch that could not
+//   pay even that is refused (cost_exceeds_gain, `out` with priced false and that least cost)
+//   without planning it (a capacity check and a cost estimate each plan the whole KV
+//   migration, which a rule that fires on every step would otherwise do on every step).
 struct switch_gate {
   bool (*fn)(void* context, parallel_mode current, parallel_mode target, int64_t load,
              gate_evaluation& out) = nullptr;
+  bool (*gains)(void* context, parallel_mode current, parallel_mode target, int64_t load,
+                gate_evaluation& out) = nullptr;
   void* context = nullptr;
 };
 
@@ -254,6 +265,7 @@ class switch_policy {
   void restart_windows(int64_t step_idx, double now_s);
   bool in_cooldown(double now_s) const;
   bool gain_exceeds_cost(parallel_mode current, parallel_mode target, int64_t load);
+  bool gains_anything(parallel_mode current, parallel_mode target, int64_t load);
 
   switch_policy_config config_;
   capacity_check capacity_;
