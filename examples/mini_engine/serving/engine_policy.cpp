@@ -156,9 +156,11 @@ bool fits(void* c, parallel_mode target) {
 }
 
 // Appends `d` to the log, or counts it as a repeat of the last record when it decided the same
-// (same reason and target, no gate weighed).
+// (same reason and target in the same mode) without a priced gate in either: a rule refused
+// before planning on every step of a long tail is one record with its count.
 void log_decision(std::vector<decision_record>& log, decision_record d) {
-  if (!log.empty() && !d.gate.evaluated && !log.back().gate.evaluated &&
+  auto unpriced = [](const decision_record& r) { return !r.gate.evaluated || !r.gate.priced; };
+  if (!log.empty() && unpriced(d) && unpriced(log.back()) &&
       log.back().decision.reason == d.decision.reason &&
       log.back().decision.target == d.decision.target && log.back().mode == d.mode) {
     ++log.back().repeats;

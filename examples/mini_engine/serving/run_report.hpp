@@ -60,7 +60,8 @@ struct switch_record {
 
 // One decision of a policy run in which a rule fired (engine_options::explain): what the policy
 // saw and what it decided, with the gate's numbers when it weighed the switch. A run of the same
-// decision on consecutive steps is one record (repeats counts the steps after the first).
+// decision on consecutive steps, none priced, is one record with the first step's numbers
+// (repeats counts the steps after it).
 struct decision_record {
   int64_t step = 0;
   double now_s = 0;

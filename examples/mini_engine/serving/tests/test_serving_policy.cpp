@@ -158,6 +158,20 @@ TEST_CASE("policy: the admission term sends a long-context flood under T_h to EP
   INFO("ours:\n" << decisions(with) << "without the admission term:\n" << decisions(without));
   CHECK(committed_to(with, parallel_mode::ep) >= 1);
   CHECK(committed_to(without, parallel_mode::ep) == 0);
+  // The decision log (engine_options::explain) holds the switch with the gate's numbers: the
+  // batch each mode's pool admits, TP's the smaller.
+  const auto taken = std::find_if(with.decisions.begin(), with.decisions.end(),
+                                  [](const decision_record& d) { return d.decision.do_switch; });
+  REQUIRE(taken != with.decisions.end());
+  CHECK(taken->decision.target == parallel_mode::ep);
+  CHECK(taken->gate.evaluated);
+  CHECK(taken->gate.passed);
+  CHECK(taken->gate.current_batch < taken->gate.target_batch);
+  CHECK(taken->gate.gain_ms >= taken->gate.cost_ms * 1.25);
+  std::ostringstream line;
+  line << *taken;
+  CHECK(line.str().find("switch to EP") != std::string::npos);
+  CHECK(line.str().find(": pays}") != std::string::npos);
   CHECK(with.end_s < without.end_s * 0.95);
   CHECK(mean_ttft_s(with) < mean_ttft_s(without));
 }
