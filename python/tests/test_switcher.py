@@ -155,6 +155,17 @@ def test_policy():
     assert e.value.code == "invalid_argument"
     assert policy.last_gate["evaluated"] is False  # no curves attached: no gate
 
+    # Blocked admission (requests wait with TP's pool full) enters EP under T_h only when asked.
+    paper = moebius.SwitchPolicy(moebius.interactive_config(256))
+    assert not paper.step(40, TP, 0.0, admission_blocked=True)
+    ours_cfg = moebius.interactive_config(256)
+    ours_cfg.enter_on_blocked_admission = True
+    assert "EP on blocked admission" in repr(ours_cfg)
+    ours = moebius.SwitchPolicy(ours_cfg)
+    d = ours.step(40, TP, 0.0, admission_blocked=True)
+    assert d and d.target == EP and d.reason == moebius.DecisionReason.admission_blocked
+    assert ours.stats["by_reason"]["admission_blocked"] == 1
+
 
 def test_residency_predictor():
     config = moebius.ResidencyConfig()
