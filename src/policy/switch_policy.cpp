@@ -131,6 +131,14 @@ bool switch_policy::gate_active() const {
   return curves_ != nullptr && (residency_ != nullptr || config_.expected_residency_steps > 0);
 }
 
+void switch_policy::set_thresholds(int64_t t_high, int64_t t_low) {
+  switch_policy_config c = config_;
+  c.t_high = t_high;
+  c.t_low = t_low;
+  validate(c);
+  config_ = c;
+}
+
 void switch_policy::reset() {
   stats_ = {};
   seen_mode_ = false;

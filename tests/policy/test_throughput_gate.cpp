@@ -333,3 +333,18 @@ TEST_CASE("switch policy: a gate's gains is asked before the capacity check", "[
   CHECK(n.fn == 1);
   CHECK(p.last_gate().priced);
 }
+
+TEST_CASE("switch policy: thresholds moved while it runs", "[policy][gate]") {
+  switch_policy_config cfg = interactive_config(200);
+  cfg.cooldown_s = 0;
+  switch_policy p(cfg);
+  CHECK_FALSE(p.step(300, parallel_mode::ep, 0).do_switch);  // in EP, 300 >= T_l: stay
+  p.set_thresholds(500, 400);
+  CHECK(p.config().t_high == 500);
+  CHECK(p.config().t_low == 400);
+  CHECK_FALSE(p.step(450, parallel_mode::tp, 1).do_switch);  // under the new T_h
+  CHECK(p.step(500, parallel_mode::tp, 2).do_switch);
+  CHECK_THROWS_AS(p.set_thresholds(100, 200), moebius::error);  // T_l > T_h
+  CHECK_THROWS_AS(p.set_thresholds(0, 0), moebius::error);
+  CHECK(p.config().t_high == 500);  // unchanged by a refused call
+}

@@ -390,6 +390,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     }
     if (!serve_step(st, rec)) continue;
     if (o.validate_every_step) moebius::validate(kv_, switcher_.kv_tables());
+    observe_step(st, rec);
     st.out.steps.push_back(rec);
     report_progress(st, step);
   }

@@ -102,6 +102,16 @@ struct cost_gate_options {
   bool enabled = true;   // off: the policy's rules alone (and its own expected_residency_steps)
   gate_kind kind = gate_kind::throughput;
   moebius::gate_terms terms;  // gate_kind::throughput: which terms it weighs
+  // Correct the curves by what the steps take: per mode, the mean over its recent steps (an
+  // exponential mean, 1/64 a step) of the step's time on the serving clock over the curve's
+  // at its rows (decode and prefill tokens), which folds in what the calibration's evenly
+  // spread decode steps leave out (in EP a prefill chunk on its owner's rank alone, the
+  // busiest rank setting the step; contexts other than the calibration's). A mode not yet
+  // seen takes the other's factor, EP's with the recent prefill on one rank (the curve at
+  // b + P p rows against b + p: b decode, p prefill tokens a step). Every 64 steps the gate
+  // weighs with the corrected curves and the policy's thresholds follow their crossover
+  // (T_h = ceil(1.25 B*), T_l = 0.8 T_h, or T_h when the run's T_l = T_h: a rollout).
+  bool correct_curves = true;
   // The share by which the predicted gain must exceed the predicted cost (sets the policy's
   // gate_margin): covers the residency's spread and a cost model off by tens of percent.
   double margin = 0.25;
@@ -226,6 +236,8 @@ class engine {
   void setup_policy(run_state& st, const moebius::latency_curves& curves);
   // The mode to switch to before this step, if any (never while a progressive switch runs).
   std::optional<moebius::parallel_mode> decide(run_state& st, int64_t step);
+  // After a step served outside a switch: its time against the curves (correct_curves).
+  void observe_step(run_state& st, const step_record& rec);
   // Runs (stop the world) or begins (progressive) the switch to `target`; records it.
   void start_switch(run_state& st, moebius::parallel_mode target, step_record& rec);
   // Paces, reserves the frozen tables' pages and opens the session; false when the switch

@@ -179,6 +179,7 @@ void engine::setup_policy(run_state& st, const moebius::latency_curves& curves) 
   st.policy.emplace(config, moebius::capacity_check{&fits, &st.capacity});
   if (gated) {
     st.curves = curves;
+    st.base_curves = curves;
     st.residency.emplace(o.gate.residency);
     st.cost = detail::cost_context{&switcher_, &clock_, arena_.shape.num_layers};
     if (o.gate.kind == gate_kind::throughput) {
@@ -211,6 +212,76 @@ void engine::setup_policy(run_state& st, const moebius::latency_curves& curves) 
   std::ostringstream p;
   p << config;
   st.out.policy = p.str();
+}
+
+namespace {
+
+constexpr double k_ratio_weight = 1.0 / 64;   // the exponential mean's weight of one step
+constexpr int64_t k_correction_every = 64;    // steps between two corrections
+
+int mode_index(parallel_mode m) { return m == parallel_mode::ep ? 0 : 1; }
+
+// `c` scaled by `factor`: through the same points (its knots, or a line's two ends).
+moebius::latency_curve scaled(const moebius::latency_curve& c, double factor) {
+  std::vector<moebius::latency_sample> points;
+  if (c.kind() == moebius::curve_fit::piecewise_linear) {
+    for (const moebius::latency_sample& k : c.knots()) points.push_back({k.batch, k.ms * factor});
+  } else {
+    for (const double b : {c.min_batch(), c.max_batch()}) points.push_back({b, c.at(b) * factor});
+  }
+  return moebius::latency_curve::fit(points, c.kind());
+}
+
+}  // namespace
+
+void engine::observe_step(run_state& st, const step_record& rec) {
+  const engine_options& o = st.options;
+  if (!st.policy || !o.gate.enabled || !o.gate.correct_curves || rec.in_switch ||
+      rec.sequences <= 0)
+    return;
+  const int m = mode_index(rec.mode);
+  // The curve at the step's rows (decode tokens and prefill chunk tokens, as the calibration's
+  // decode steps would run them spread evenly): the ratio is what the spread, the contexts and
+  // the clock add, not the step's share of prefill (which TP's first steps are full of).
+  const double rows = static_cast<double>(std::max<int64_t>(1, rec.decode_tokens + rec.prefill_tokens));
+  const double predicted_ms = st.base_curves.latency_ms(rec.mode, rows);
+  if (!(predicted_ms > 0) || !(rec.step_ms > 0)) return;
+  const double ratio = rec.step_ms / predicted_ms;
+  st.decode_rows += k_ratio_weight * (static_cast<double>(rec.decode_tokens) - st.decode_rows);
+  st.prefill_rows += k_ratio_weight * (static_cast<double>(rec.prefill_tokens) - st.prefill_rows);
+  st.step_ratio[m] = st.ratio_seen[m] ? st.step_ratio[m] + k_ratio_weight * (ratio - st.step_ratio[m])
+                                      : ratio;
+  st.ratio_seen[m] = true;
+  if (++st.steps_since_correction < k_correction_every) return;
+  st.steps_since_correction = 0;
+  // A mode not seen yet: EP's step as TP's would be with the recent steps' prefill rows on one
+  // rank (an EP step is its busiest rank's: a chunk runs on its owner alone, where TP spreads
+  // it), the curve at b + P p rows against b + p.
+  const double b = std::max(1.0, st.decode_rows), p = std::max(0.0, st.prefill_rows);
+  const double ep_over_tp = st.base_curves.ep.at(b + static_cast<double>(kv_.num_ranks) * p) /
+                            st.base_curves.ep.at(b + p);
+  const double r_ep = st.ratio_seen[0] ? st.step_ratio[0] : st.step_ratio[1] * ep_over_tp;
+  const double r_tp = st.ratio_seen[1] ? st.step_ratio[1] : st.step_ratio[0] / ep_over_tp;
+  st.curves.ep = scaled(st.base_curves.ep, r_ep);
+  st.curves.tp = scaled(st.base_curves.tp, r_tp);
+  const moebius::crossover x = moebius::find_crossover(st.curves);
+  if (x.status != moebius::crossover_status::found) return;  // thresholds stay where they are
+  const moebius::calibration_options shape;                  // the paper's: 1.25 B*, 0.8 T_h
+  const bool rollout = o.policy.t_low == o.policy.t_high;
+  const auto t_high = static_cast<int64_t>(
+      std::min(std::ceil(x.batch * (1.0 + shape.margin) - 1e-9), static_cast<double>(int64_t{1} << 40)));
+  const int64_t t_low =
+      rollout ? t_high
+              : std::clamp<int64_t>(std::llround(shape.low_ratio * static_cast<double>(t_high)), 1,
+                                    t_high);
+  const moebius::switch_policy_config& now = st.policy->config();
+  if (t_high == now.t_high && t_low == now.t_low) return;
+  st.policy->set_thresholds(std::max<int64_t>(1, t_high), std::max<int64_t>(1, t_low));
+  ++st.out.threshold_moves;
+  std::ostringstream c;
+  c << "x" << r_ep << " EP, x" << r_tp << " TP: B* " << x.batch << ", T_h " << now.t_high
+    << ", T_l " << now.t_low;
+  st.out.correction = c.str();
 }
 
 std::optional<parallel_mode> engine::decide(run_state& st, int64_t step) {

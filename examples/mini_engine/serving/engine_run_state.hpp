@@ -116,6 +116,13 @@ struct engine::run_state {
   int64_t seen_arrived = 0, seen_finished = 0, seen_finished_tokens = 0;
   moebius::gate_evaluation pending_gate;  // the gate's reasoning for the switch decided now
   detail::gate_context gate;               // gate_kind::throughput
+  // correct_curves: the calibrated curves, and per mode (indexed by parallel_mode) the mean
+  // ratio of a step's time to theirs and whether any step has been seen.
+  moebius::latency_curves base_curves;
+  double step_ratio[2] = {1, 1};
+  bool ratio_seen[2] = {false, false};
+  int64_t steps_since_correction = 0;
+  double decode_rows = 0, prefill_rows = 0;  // recent steps' decode and prefill tokens (means)
   bool admission_blocked = false;          // the last step's (step_batch::admission_blocked)
   run_result out;
   double now = 0;

@@ -94,6 +94,10 @@ struct run_result {
   int64_t gate_refusals = 0;
   moebius::gate_evaluation last_refusal;
   std::vector<decision_record> decisions;  // engine_options::explain
+  // cost_gate_options::correct_curves: how often the thresholds moved, and the last correction
+  // ("x1.07 EP, x1.02 TP: B* 212, T_h 265, T_l 212").
+  int64_t threshold_moves = 0;
+  std::string correction;
 };
 
 struct run_summary {

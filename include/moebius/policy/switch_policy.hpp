@@ -253,6 +253,11 @@ class switch_policy {
   bool gate_active() const;
   const gate_evaluation& last_gate() const { return last_gate_; }
 
+  // New thresholds from here on (an engine that corrects its curves by what its steps take
+  // moves the crossover); the windows, cooldown and stats stay. Throws errc::invalid_argument
+  // unless 0 < t_low <= t_high <= 2^40 (nothing changes then).
+  void set_thresholds(int64_t t_high, int64_t t_low);
+
   // Forgets history, cooldown and stats (e.g. at the start of a rollout step).
   void reset();
 
