@@ -1,5 +1,7 @@
 #include "experiments.hpp"
 
+#include <algorithm>
+
 #include <chrono>
 #include <cstdio>
 #include <exception>
@@ -54,9 +56,11 @@ void print_trace_stats(const std::vector<request>& trace, const options& o, trac
           : "");
 }
 
-// The options of the switching runs: forced on the GPU, else the calibrated policy with its
-// gate (rollout rules for the rollout trace), else (no crossover measured) the faster mode.
-engine_options switching_options(const options& o, trace_kind kind, const world& w,
+// The options of the switching runs: forced on the GPU, else our calibrated policy with its
+// gate (rollout rules for a trace with rollout steps, a trace file's included; EP on blocked
+// admission; the start mode from the initial load), else (no crossover measured) the faster
+// mode.
+engine_options switching_options(const options& o, bool rollout, const world& w,
                                  const moebius::calibration_result& cal, const engine_options& base,
                                  const switching_settings& s = {}) {
   engine_options so = base;
@@ -79,7 +83,7 @@ engine_options switching_options(const options& o, trace_kind kind, const world&
     return so;
   }
   so.how = switching::policy;
-  if (kind == trace_kind::rollout) {
+  if (rollout) {
     so.policy = moebius::apply_calibration(
         cal, moebius::rollout_config(cal.t_high, s.rollout_cooldown_steps));
     so.policy.t_low = so.policy.t_high;
@@ -90,6 +94,8 @@ engine_options switching_options(const options& o, trace_kind kind, const world&
     so.policy.down_window = s.interactive_down_window;
   }
   so.start_mode = parallel_mode::tp;
+  so.start_from_load = true;
+  so.policy.enter_on_blocked_admission = true;
   so.gate.enabled = o.gate;
   so.gate.curves = cal.curves;  // the calibration printed before
   std::ostringstream d;
@@ -287,7 +293,10 @@ trace_outcome serve_trace(const options& o, trace_kind kind, world& w, engine& e
   // The calibration at the trace's mean context (prompt + half the output).
   const int64_t context = std::max<int64_t>(
       1, (prompt_tokens + output_tokens / 2) / static_cast<int64_t>(trace.size()));
-  const moebius::calibration_result cal = calibrate_engine(e, batches, context);
+  // The crossover where the curves themselves cross (piecewise through the points).
+  moebius::calibration_options calibration;
+  calibration.fit = moebius::curve_fit::piecewise_linear;
+  const moebius::calibration_result cal = calibrate_engine(e, batches, context, calibration);
   {
     std::ostringstream d;
     d << cal;
@@ -299,7 +308,9 @@ trace_outcome serve_trace(const options& o, trace_kind kind, world& w, engine& e
   base.scheduler.max_step_tokens = o.step_tokens;
   base.scheduler.admission = o.oracle_admission ? admission_policy::oracle : admission_policy::known;
   set_progress(base);
-  const engine_options switching_opts = switching_options(o, kind, w, cal, base);
+  const bool rollout = std::any_of(trace.begin(), trace.end(),
+                                   [](const request& r) { return r.rollout_step >= 0; });
+  const engine_options switching_opts = switching_options(o, rollout, w, cal, base);
   const std::vector<run_outcome> runs = serve_runs(trace, plan_runs(o, base, switching_opts), pool);
 
   // The proof: the switching runs' greedy tokens are the static runs', request by request.
