@@ -308,7 +308,9 @@ trace_outcome serve_trace(const options& o, trace_kind kind, world& w, engine& e
   base.scheduler.max_step_tokens = o.step_tokens;
   base.scheduler.admission = o.oracle_admission ? admission_policy::oracle : admission_policy::known;
   set_progress(base);
-  const bool rollout = std::any_of(trace.begin(), trace.end(),
+  // The rollout trace (one batch at t = 0), or any trace with rollout steps.
+  const bool rollout = kind == trace_kind::rollout ||
+                       std::any_of(trace.begin(), trace.end(),
                                    [](const request& r) { return r.rollout_step >= 0; });
   const engine_options switching_opts = switching_options(o, rollout, w, cal, base);
   const std::vector<run_outcome> runs = serve_runs(trace, plan_runs(o, base, switching_opts), pool);

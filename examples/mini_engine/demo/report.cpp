@@ -161,11 +161,10 @@ void print_gate(const run_result& r, const moebius::latency_curves* curves, int6
     std::printf("; first let through: %s", g.str().c_str());
   }
   std::printf("\n");
-  if (r.threshold_moves > 0)
-    std::printf("    %s: the curves corrected by the steps moved the thresholds %lld time%s; "
-                "last: %s\n",
-                r.name.c_str(), static_cast<long long>(r.threshold_moves),
-                r.threshold_moves == 1 ? "" : "s", r.correction.c_str());
+  if (r.corrections > 0)
+    std::printf("    %s: the gate's curves corrected by what the steps took (%lld times); last: "
+                "%s\n",
+                r.name.c_str(), static_cast<long long>(r.corrections), r.correction.c_str());
   if (curves != nullptr && peak_load > 0) {
     const double b = static_cast<double>(peak_load);
     const double tp = curves->tp.at(b), ep = curves->ep.at(b);

@@ -109,8 +109,9 @@ struct cost_gate_options {
   // busiest rank setting the step; contexts other than the calibration's). A mode not yet
   // seen takes the other's factor, EP's with the recent prefill on one rank (the curve at
   // b + P p rows against b + p: b decode, p prefill tokens a step). Every 64 steps the gate
-  // weighs with the corrected curves and the policy's thresholds follow their crossover
-  // (T_h = ceil(1.25 B*), T_l = 0.8 T_h, or T_h when the run's T_l = T_h: a rollout).
+  // takes the corrected curves; the rules keep the calibrated thresholds. (1/64: the
+  // residency predictor's weight of one completion; 64 steps: a few seconds of serving.
+  // Neither is tuned.)
   bool correct_curves = true;
   // The share by which the predicted gain must exceed the predicted cost (sets the policy's
   // gate_margin): covers the residency's spread and a cost model off by tens of percent.

@@ -264,23 +264,14 @@ void engine::observe_step(run_state& st, const step_record& rec) {
   const double r_tp = st.ratio_seen[1] ? st.step_ratio[1] : st.step_ratio[0] / ep_over_tp;
   st.curves.ep = scaled(st.base_curves.ep, r_ep);
   st.curves.tp = scaled(st.base_curves.tp, r_tp);
+  // The rules keep the calibrated thresholds (moving them under a running load makes the
+  // rules fire back and forth); the gate weighs with the corrected curves.
+  ++st.out.corrections;
   const moebius::crossover x = moebius::find_crossover(st.curves);
-  if (x.status != moebius::crossover_status::found) return;  // thresholds stay where they are
-  const moebius::calibration_options shape;                  // the paper's: 1.25 B*, 0.8 T_h
-  const bool rollout = o.policy.t_low == o.policy.t_high;
-  const auto t_high = static_cast<int64_t>(
-      std::min(std::ceil(x.batch * (1.0 + shape.margin) - 1e-9), static_cast<double>(int64_t{1} << 40)));
-  const int64_t t_low =
-      rollout ? t_high
-              : std::clamp<int64_t>(std::llround(shape.low_ratio * static_cast<double>(t_high)), 1,
-                                    t_high);
-  const moebius::switch_policy_config& now = st.policy->config();
-  if (t_high == now.t_high && t_low == now.t_low) return;
-  st.policy->set_thresholds(std::max<int64_t>(1, t_high), std::max<int64_t>(1, t_low));
-  ++st.out.threshold_moves;
   std::ostringstream c;
-  c << "x" << r_ep << " EP, x" << r_tp << " TP: B* " << x.batch << ", T_h " << now.t_high
-    << ", T_l " << now.t_low;
+  c << "x" << r_ep << " EP, x" << r_tp << " TP";
+  if (x.status == moebius::crossover_status::found) c << ", crossing at " << x.batch;
+  else c << ", " << moebius::to_string(x.status);
   st.out.correction = c.str();
 }
 

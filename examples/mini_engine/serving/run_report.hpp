@@ -94,9 +94,9 @@ struct run_result {
   int64_t gate_refusals = 0;
   moebius::gate_evaluation last_refusal;
   std::vector<decision_record> decisions;  // engine_options::explain
-  // cost_gate_options::correct_curves: how often the thresholds moved, and the last correction
-  // ("x1.07 EP, x1.02 TP: B* 212, T_h 265, T_l 212").
-  int64_t threshold_moves = 0;
+  // cost_gate_options::correct_curves: how often the gate's curves were corrected, and the
+  // last correction ("x1.07 EP, x1.02 TP, crossing at 212").
+  int64_t corrections = 0;
   std::string correction;
 };
 
