@@ -108,10 +108,9 @@ struct cost_gate_options {
   // spread decode steps leave out (in EP a prefill chunk on its owner's rank alone, the
   // busiest rank setting the step; contexts other than the calibration's). A mode not yet
   // seen takes the other's factor, EP's with the recent prefill on one rank (the curve at
-  // b + P p rows against b + p: b decode, p prefill tokens a step). Every 64 steps the gate
-  // takes the corrected curves; the rules keep the calibrated thresholds. (1/64: the
-  // residency predictor's weight of one completion; 64 steps: a few seconds of serving.
-  // Neither is tuned.)
+  // b + P p rows against b + p: b decode, p prefill tokens a step). After every step the
+  // gate takes the corrected curves; the rules keep the calibrated thresholds. (1/64: the
+  // residency predictor's weight of one completion; not tuned.)
   bool correct_curves = true;
   // The share by which the predicted gain must exceed the predicted cost (sets the policy's
   // gate_margin): covers the residency's spread and a cost model off by tens of percent.

@@ -216,8 +216,12 @@ void engine::setup_policy(run_state& st, const moebius::latency_curves& curves) 
 
 namespace {
 
-constexpr double k_ratio_weight = 1.0 / 64;   // the exponential mean's weight of one step
-constexpr int64_t k_correction_every = 64;    // steps between two corrections
+// The exponential means' weight of one step (ratios and rows alike): the residency
+// predictor's weight of one completion, ~64 steps of memory. The correction runs after every
+// step: curves corrected a few seconds late let a flood's first switch through on stale ones.
+constexpr double k_ratio_weight = 1.0 / 64;
+constexpr double k_rows_weight = k_ratio_weight;
+constexpr int64_t k_correction_every = 1;  // steps between two corrections
 
 int mode_index(parallel_mode m) { return m == parallel_mode::ep ? 0 : 1; }
 
@@ -247,8 +251,8 @@ void engine::observe_step(run_state& st, const step_record& rec) {
   const double predicted_ms = st.base_curves.latency_ms(rec.mode, rows);
   if (!(predicted_ms > 0) || !(rec.step_ms > 0)) return;
   const double ratio = rec.step_ms / predicted_ms;
-  st.decode_rows += k_ratio_weight * (static_cast<double>(rec.decode_tokens) - st.decode_rows);
-  st.prefill_rows += k_ratio_weight * (static_cast<double>(rec.prefill_tokens) - st.prefill_rows);
+  st.decode_rows += k_rows_weight * (static_cast<double>(rec.decode_tokens) - st.decode_rows);
+  st.prefill_rows += k_rows_weight * (static_cast<double>(rec.prefill_tokens) - st.prefill_rows);
   st.step_ratio[m] = st.ratio_seen[m] ? st.step_ratio[m] + k_ratio_weight * (ratio - st.step_ratio[m])
                                       : ratio;
   st.ratio_seen[m] = true;
