@@ -147,23 +147,6 @@ engine_options paper_policy_options(const engine_options& ours) {
   return p;
 }
 
-// The bound a free switch would reach on a closed-loop trace, capacity ignored: every step of
-// the static EP run priced in both modes by the clock, the faster taken, no switch charged.
-// (EP's own trajectory: the batch each step ran as EP's pool admitted it.)
-double free_switch_bound_s(const run_result& ep, const step_clock& clock) {
-  double total = 0;
-  for (const step_record& r : ep.steps) {
-    step_cost tp;
-    tp.mode = parallel_mode::tp;
-    tp.num_ranks = 8;
-    tp.num_sequences = r.sequences;
-    tp.new_tokens = r.decode_tokens + r.prefill_tokens;
-    tp.context_tokens = r.context_tokens;
-    total += std::min(r.step_ms * 1e-3, clock.step_s(tp, 0));
-  }
-  return total;
-}
-
 // Each policy run's decisions (engine_options::explain) into `dir`/decisions.txt; the first
 // lines of the first such run printed.
 void write_decisions(const std::string& dir, const std::vector<run_outcome>& runs) {
@@ -451,7 +434,7 @@ int run_paper_experiments(const options& o) {
     }
     if (rollout) {
       print_rollout_table(runs, m);
-      const double bound = free_switch_bound_s(runs[1].result, *clock.clock);
+      const double bound = free_switch_bound_s(runs[1].result, *clock.clock, 8);
       std::printf("  a free switch at every step, capacity ignored (static EP's steps each priced in "
                   "both modes, the faster taken): %.1f s, %.3fx the better static layout\n",
                   bound, std::min(m[0].rollout_total_s, m[1].rollout_total_s) / bound);

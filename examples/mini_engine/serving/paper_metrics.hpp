@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "run_report.hpp"
+#include "step_clock.hpp"
 #include "trace.hpp"
 
 namespace mini_engine {
@@ -74,5 +75,11 @@ paper_metrics paper_metrics_of(const std::vector<request>& trace, const run_resu
 // The per-rollout-step oracle of the paper (§9.3): the sum over steps of the faster of the two
 // static runs' step times. Throws errc::invalid_argument unless both have the same steps.
 double per_step_oracle_s(const paper_metrics& tp, const paper_metrics& ep);
+
+// The bound a free switch would reach on a closed-loop trace, capacity ignored: every step of
+// the static EP run `ep` priced in both modes by `clock` (TP at `num_ranks` ranks), the faster
+// taken, no switch charged; EP's own trajectory (the batch each step ran as EP's pool admitted
+// it). Seconds.
+double free_switch_bound_s(const run_result& ep, const step_clock& clock, int num_ranks);
 
 }  // namespace mini_engine
