@@ -246,7 +246,7 @@ TEST_CASE("free-switch bound: every step of the EP run at the faster of its time
     expected += std::min(r.step_ms, tp_ms) * 1e-3;
     ep.steps.push_back(r);
   }
-  CHECK(free_switch_bound_s(ep, clock, 8) == Catch::Approx(expected).epsilon(1e-12));
+  CHECK(free_switch_bound_s(ep, clock, 8) == Approx(expected).epsilon(1e-12));
   REQUIRE(clock.asked.size() == static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
     const step_cost& c = clock.asked[static_cast<size_t>(i)];
