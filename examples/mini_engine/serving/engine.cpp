@@ -408,6 +408,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   moebius::validate(kv_, switcher_.kv_tables());
   st.out.requests = st.sched.results();
   st.out.failed_requests = st.sched.num_failed();
+  describe_correction(st);
   st.out.end_s = st.now;
   return std::move(st.out);
 }

@@ -238,6 +238,8 @@ class engine {
   std::optional<moebius::parallel_mode> decide(run_state& st, int64_t step);
   // After a step served outside a switch: its time against the curves (correct_curves).
   void observe_step(run_state& st, const step_record& rec);
+  // The last correction in the run's report (run_result::correction), at its end.
+  void describe_correction(run_state& st);
   // Runs (stop the world) or begins (progressive) the switch to `target`; records it.
   void start_switch(run_state& st, moebius::parallel_mode target, step_record& rec);
   // Paces, reserves the frozen tables' pages and opens the session; false when the switch

@@ -270,10 +270,17 @@ void engine::observe_step(run_state& st, const step_record& rec) {
   st.curves.tp = scaled(st.base_curves.tp, r_tp);
   // The rules keep the calibrated thresholds (moving them under a running load makes the
   // rules fire back and forth); the gate weighs with the corrected curves.
+  // The report's line is written once, at the run's end (describe_correction), not per step.
   ++st.out.corrections;
+  st.last_factor[0] = r_ep;
+  st.last_factor[1] = r_tp;
+}
+
+void engine::describe_correction(run_state& st) {
+  if (st.out.corrections == 0) return;
   const moebius::crossover x = moebius::find_crossover(st.curves);
   std::ostringstream c;
-  c << "x" << r_ep << " EP, x" << r_tp << " TP";
+  c << "x" << st.last_factor[0] << " EP, x" << st.last_factor[1] << " TP";
   if (x.status == moebius::crossover_status::found) c << ", crossing at " << x.batch;
   else c << ", " << moebius::to_string(x.status);
   st.out.correction = c.str();

@@ -123,6 +123,7 @@ struct engine::run_state {
   bool ratio_seen[2] = {false, false};
   int64_t steps_since_correction = 0;
   double decode_rows = 0, prefill_rows = 0;  // recent steps' decode and prefill tokens (means)
+  double last_factor[2] = {1, 1};  // the last correction's factors (EP, TP), for the report
   bool admission_blocked = false;          // the last step's (step_batch::admission_blocked)
   run_result out;
   double now = 0;
