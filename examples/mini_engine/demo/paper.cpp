@@ -98,12 +98,6 @@ std::vector<int64_t> calibration_batches() {
   return b;
 }
 
-int64_t mean_context(const std::vector<request>& trace) {
-  int64_t tokens = 0;
-  for (const request& r : trace) tokens += static_cast<int64_t>(r.prompt.size()) + r.output_tokens / 2;
-  return std::max<int64_t>(1, tokens / static_cast<int64_t>(trace.size()));
-}
-
 bool is_rollout(const std::vector<request>& trace) {
   return !trace.empty() && trace.front().rollout_step >= 0;
 }
@@ -386,7 +380,7 @@ int run_paper_experiments(const options& o) {
                                          run_kind::paper_policy};
     std::vector<sim_world> worlds;
     for (const run_kind k : kinds) worlds.push_back(make_sim_world(deployment_of(k), *clock.clock));
-    const int64_t context = mean_context(trace);
+    const int64_t context = mean_decode_context(trace);
     // The crossover where the curves themselves cross (piecewise through the measured points),
     // not where two fitted lines do.
     moebius::calibration_options calibration;

@@ -14,6 +14,7 @@
 #include <moebius/switch/pacing.hpp>
 
 #include "kv_pages.hpp"
+#include "trace_stats.hpp"
 #include "step_beside.hpp"
 
 namespace mini_engine {
@@ -53,14 +54,6 @@ std::vector<int64_t> calibration_batches(int64_t max_running) {
   for (int64_t x = 1; x < max_running; x *= 2) b.push_back(x);
   b.push_back(std::max<int64_t>(max_running, 2));
   return b;
-}
-
-// Mean prompt + half the output over the trace: the context a decode step sees on average.
-int64_t mean_context(const std::vector<request>& requests) {
-  if (requests.empty()) return 1;
-  int64_t sum = 0;
-  for (const request& r : requests) sum += static_cast<int64_t>(r.prompt.size()) + r.output_tokens / 2;
-  return std::max<int64_t>(1, sum / static_cast<int64_t>(requests.size()));
 }
 
 }  // namespace
@@ -337,7 +330,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       curves = *o.gate.curves;
     } else {
       const int64_t context =
-          o.gate.calibration_context > 0 ? o.gate.calibration_context : mean_context(requests);
+          o.gate.calibration_context > 0 ? o.gate.calibration_context : mean_decode_context(requests);
       curves = calibrate_engine(*this, calibration_batches(o.scheduler.max_running), context).curves;
     }
   }

@@ -84,4 +84,11 @@ std::ostream& operator<<(std::ostream& os, const trace_statistics& s) {
   return os;
 }
 
+int64_t mean_decode_context(const std::vector<request>& trace) {
+  if (trace.empty()) return 1;
+  int64_t sum = 0;
+  for (const request& r : trace) sum += static_cast<int64_t>(r.prompt.size()) + r.output_tokens / 2;
+  return std::max<int64_t>(1, sum / static_cast<int64_t>(trace.size()));
+}
+
 }  // namespace mini_engine

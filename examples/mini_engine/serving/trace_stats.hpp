@@ -35,4 +35,8 @@ trace_statistics statistics_of(const std::vector<request>& trace, int64_t output
 // "3107 requests over 374.9 s (mean 8.3/s, peak 131/s in 1 s); prompt mean 69 p50 42 ...".
 std::ostream& operator<<(std::ostream& os, const trace_statistics& s);
 
+// Mean prompt + half the output over the trace: the context a decode step sees on average (the
+// calibration's context); at least 1, and 1 for an empty trace.
+int64_t mean_decode_context(const std::vector<request>& trace);
+
 }  // namespace mini_engine

@@ -21,6 +21,7 @@
 #include "sim_runtime.hpp"
 #include "step_curves.hpp"
 #include "test_seed.hpp"
+#include "trace_stats.hpp"
 
 using namespace mini_engine;
 using moebius::parallel_mode;
@@ -101,13 +102,6 @@ run_result serve(deployment_kind k, const std::vector<request>& trace, const eng
                  const std::string& name) {
   paper_world w = make_world(k);
   return w.eng->run(trace, o, name);
-}
-
-// Mean prompt + half the output: the context the demo calibrates at (demo/paper.cpp).
-int64_t mean_context_of(const std::vector<request>& trace) {
-  int64_t tokens = 0;
-  for (const request& r : trace) tokens += static_cast<int64_t>(r.prompt.size()) + r.output_tokens / 2;
-  return std::max<int64_t>(1, tokens / static_cast<int64_t>(trace.size()));
 }
 
 double mean_ttft_s(const run_result& r) {
@@ -264,7 +258,7 @@ TEST_CASE("policy: a short paper-shaped bursty trace; ours loses to neither stat
   bo.quiet_between_s = 60;
   bo.target_requests = 1180;  // 5 (75 - 2t) + 200 t = 1180 at t = 4.6 s a flood
   const std::vector<request> trace = paper_bursty_trace(mini_engine::testing::test_seed(), bo);
-  engine_options o = ours(mean_context_of(trace), false);
+  engine_options o = ours(mean_decode_context(trace), false);
   o.policy.cooldown_s = 5;
   const run_result with = serve(deployment_kind::switching, trace, o, "ours");
   engine_options stat = base_options();
