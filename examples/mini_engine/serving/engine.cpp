@@ -54,17 +54,16 @@ bool fits(void* c, parallel_mode target) {
   const auto* ctx = static_cast<const detail::capacity_context*>(c);
   // The scheduler's check first: it sums pages, where the switcher's plans the whole migration
   // (which, asked every step while the target cannot hold the KV, dominated a long run).
-  return ctx->sched->fits_reservations(ctx->sw->kv_tables(), target) && ctx->sw->check(target).fits;
+  return ctx->sched->fits_reservations(ctx->sw->kv_tables(), target) &&
+         ctx->plans->of(target).capacity.fits;
 }
 
 double predicted_switch_ms(void* c, parallel_mode target) {
   const auto* ctx = static_cast<const detail::cost_context*>(c);
-  try {
-    return ctx->clock->predicted_switch_s(ctx->sw->layer_bytes_of(target), ctx->num_layers) * 1e3;
-  } catch (const moebius::error& e) {
-    if (e.code() != errc::capacity) throw;
-    return 1e12;  // the target cannot hold the KV (the capacity check refuses it first)
-  }
+  const moebius::switch_plan& p = ctx->plans->of(target);  // the capacity check's, planned once
+  // Without a per-layer plan the target cannot hold the KV (the capacity check refuses it first).
+  if (!p.layer_kv) return 1e12;
+  return ctx->clock->predicted_switch_s(p.bytes_per_layer, ctx->num_layers) * 1e3;
 }
 
 // Decode-step batches for the gate's calibration: 1, 2, 4, ... below max_running, and it.
@@ -245,7 +244,7 @@ void engine::start_switch(run_state& st, parallel_mode target, step_record& rec)
 
 void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& s,
                             step_record& rec) {
-  const moebius::switch_report r = switcher_.switch_to(target);
+  const moebius::switch_report r = switcher_.switch_to(st.plans.of(target));
   s.from = r.from;
   s.to = r.to;
   record_outcome(s, r);
@@ -412,7 +411,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   if (so.vocab == 0) so.vocab = runtime_.vocab_size();
   std::optional<run_state> state;
   const run_cleanup cleanup{*this, state};
-  state.emplace(kv_, std::move(requests), o, so, name);
+  state.emplace(kv_, std::move(requests), o, so, name, switcher_);
   run_state& st = *state;
   verify_ = o.verify;
   verify_layer_ = o.verify_layer;
@@ -432,7 +431,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       st.out.switches.push_back(std::move(s));
     }
   }
-  st.capacity = detail::capacity_context{&switcher_, &st.sched};
+  st.capacity = detail::capacity_context{&switcher_, &st.sched, &st.plans};
   if (o.how == switching::policy) {
     moebius::switch_policy_config config = o.policy;
     if (gated) config.gate_margin = o.gate.margin;
@@ -440,7 +439,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     if (gated) {
       st.curves = curves;
       st.residency.emplace(o.gate.residency);
-      st.cost = detail::cost_context{&switcher_, &clock_, arena_.shape.num_layers};
+      st.cost = detail::cost_context{&st.plans, &clock_, arena_.shape.num_layers};
       st.policy->set_cost_gate(&st.curves,
                                moebius::switch_cost_estimate{&predicted_switch_ms, &st.cost});
       st.policy->set_residency_predictor(&*st.residency);
