@@ -54,7 +54,8 @@ switch_plan switcher::plan(parallel_mode target) const {
   kv_migration_options layer_opt = st.kv_options(arena_cursor{0}, placement);
   layer_opt.staging.offset = 0;
   p.layer_kv = plan_kv(one_layer, st.kv, target, layer_opt, p.layer_capacity);
-  p.weights = std::make_shared<const moebius::plan>(plan_weight_switch(st.weights, p.start, p.goal));
+  p.weights =
+      std::make_shared<const moebius::plan>(plan_weight_switch(st.weights, p.start, p.goal));
   if (p.layer_kv) {
     p.bytes_per_layer = detail::layer_traffic(st.weights, target,
                                               st.kv.mode != target ? &p.layer_kv->copies : nullptr);

@@ -455,7 +455,7 @@ uint64_t switch_transaction::checksum(arena_cursor c, const kv_state& tables,
 
 void switch_transaction::end(switch_outcome outcome) {
   rep_.outcome = outcome;
-  rep_.total_ms = ms_between(t0_, clock_type::now());
+  rep_.total_ms = rep_.plan_ms + ms_between(t0_, clock_type::now());
   ended_ = true;
   current_.reset();
   queued_.clear();

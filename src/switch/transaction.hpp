@@ -13,12 +13,12 @@
 //
 // Why per-layer KV plans are valid. A page id names the same page in every layer, so the KV
 // migration's page-state evolution (which page is free in which round) is the same for every
-// layer. The migration is therefore planned once (switch_plan::layer_kv), for a one-layer geometry (layer 0's tensors,
-// staging at offset 0), and shifted to layer l: pool offsets by l's tensor offset, staging
-// offsets to the arena slot that is free right after l's weights moved (EP->TP: layer l goes
-// from slot l+1 to slot l, so slot l+1 comes free; TP->EP: from slot l to l+1, slot l comes
-// free). Each shifted plan only touches layer l's KV and the free slot, and drains its staging
-// before the next layer's weights write that slot.
+// layer. The migration is therefore planned once (switch_plan::layer_kv), for a one-layer
+// geometry (layer 0's tensors, staging at offset 0), and shifted to layer l: pool offsets by
+// l's tensor offset, staging offsets to the arena slot that is free right after l's weights
+// moved (EP->TP: layer l goes from slot l+1 to slot l, so slot l+1 comes free; TP->EP: from
+// slot l to l+1, slot l comes free). Each shifted plan only touches layer l's KV and the free
+// slot, and drains its staging before the next layer's weights write that slot.
 //
 // Progress is counted in phases of the whole switch: units laid end to end, each unit's weight
 // phases then its KV rounds. `phases_done` says how far the switch got; the cursor at any
