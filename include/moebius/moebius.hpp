@@ -37,6 +37,7 @@
 #include "moebius/switch/pacing.hpp"
 #include "moebius/switch/progressive.hpp"
 #include "moebius/switch/switch_observer.hpp"
+#include "moebius/switch/switch_plan.hpp"
 #include "moebius/switch/switch_report.hpp"
 #include "moebius/switch/switch_stats.hpp"
 #include "moebius/switch/switcher.hpp"

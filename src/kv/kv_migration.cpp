@@ -60,10 +60,9 @@ kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_state& s,
   return check_kv_capacity(g, present_kv_layout(g), s, target, opt);
 }
 
-kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout& layout,
-                                     const kv_state& s, parallel_mode target,
-                                     const kv_migration_options& opt) {
-  const kv_detail::outcome o = kv_detail::run(g, layout, s, target, opt);
+namespace {
+
+kv_capacity_report capacity_of(const kv_detail::outcome& o) {
   kv_capacity_report rep;
   rep.fits = o.ok;
   rep.holds = o.holds;
@@ -72,6 +71,24 @@ kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout&
   rep.pages_available = o.pages_available;
   rep.reason = o.reason;
   return rep;
+}
+
+}  // namespace
+
+kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout& layout,
+                                     const kv_state& s, parallel_mode target,
+                                     const kv_migration_options& opt) {
+  return capacity_of(kv_detail::run(g, layout, s, target, opt));
+}
+
+kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_state& s,
+                                           parallel_mode target,
+                                           const kv_migration_options& opt) {
+  kv_detail::outcome o = kv_detail::run(g, present_kv_layout(g), s, target, opt);
+  kv_migration_attempt a;
+  a.capacity = capacity_of(o);
+  if (o.ok) a.migration = std::move(o.result);
+  return a;
 }
 
 kv_migration plan_kv_migration(const kv_geometry& g, const kv_state& s, parallel_mode target,

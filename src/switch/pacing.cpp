@@ -6,6 +6,7 @@
 #include "moebius/error.hpp"
 #include "moebius/plan/plan.hpp"
 #include "moebius/plan/weight_plan.hpp"
+#include "layer_traffic.hpp"
 
 namespace moebius {
 namespace {
@@ -50,6 +51,29 @@ int64_t layer_bytes::busiest() const {
   return best;
 }
 
+namespace detail {
+
+layer_bytes layer_traffic(const arena_geometry& weights, parallel_mode target,
+                          const plan* layer_kv) {
+  // The first layer the switch moves: EP->TP takes layer 0 from cursor 0 to 1, TP->EP the
+  // last layer from cursor L to L-1. Every layer's plan is this one shifted by slots.
+  const int64_t L = weights.shape.num_layers;
+  const plan w = target == parallel_mode::tp ? plan_weight_switch(weights, {0}, {1})
+                                             : plan_weight_switch(weights, {L}, {L - 1});
+  const auto P = static_cast<size_t>(weights.num_ranks);
+  layer_bytes out;
+  out.weight_bytes_sent = traffic_of(w).bytes_sent;
+  out.weight_bytes_sent.resize(P, 0);
+  out.kv_bytes_sent.assign(P, 0);
+  if (layer_kv != nullptr) {
+    out.kv_bytes_sent = traffic_of(*layer_kv).bytes_sent;
+    out.kv_bytes_sent.resize(P, 0);
+  }
+  return out;
+}
+
+}  // namespace detail
+
 layer_bytes switch_layer_bytes(const arena_geometry& weights, const kv_geometry& kv,
                                const kv_state& tables, parallel_mode target,
                                const kv_migration_options& kv_options) {
@@ -58,23 +82,11 @@ layer_bytes switch_layer_bytes(const arena_geometry& weights, const kv_geometry&
                 kv.num_ranks);
   MOEBIUS_CHECK(weights.shape.num_layers >= 1, errc::invalid_argument,
                 "switch_layer_bytes: the arena has no layer");
-  // The first layer the switch moves: EP->TP takes layer 0 from cursor 0 to 1, TP->EP the
-  // last layer from cursor L to L-1. Every layer's plan is this one shifted by slots.
-  const int64_t L = weights.shape.num_layers;
-  const plan w = target == parallel_mode::tp ? plan_weight_switch(weights, {0}, {1})
-                                             : plan_weight_switch(weights, {L}, {L - 1});
-  layer_bytes out;
-  out.weight_bytes_sent = traffic_of(w).bytes_sent;
-  out.weight_bytes_sent.resize(static_cast<size_t>(weights.num_ranks), 0);
-  out.kv_bytes_sent.assign(static_cast<size_t>(weights.num_ranks), 0);
-  if (tables.mode != target) {
-    kv_geometry one_layer = kv;
-    one_layer.num_layers = 1;
-    const kv_migration m = plan_kv_migration(one_layer, tables, target, kv_options);
-    out.kv_bytes_sent = traffic_of(m.copies).bytes_sent;
-    out.kv_bytes_sent.resize(static_cast<size_t>(weights.num_ranks), 0);
-  }
-  return out;
+  if (tables.mode == target) return detail::layer_traffic(weights, target, nullptr);
+  kv_geometry one_layer = kv;
+  one_layer.num_layers = 1;
+  const kv_migration m = plan_kv_migration(one_layer, tables, target, kv_options);
+  return detail::layer_traffic(weights, target, &m.copies);
 }
 
 }  // namespace moebius

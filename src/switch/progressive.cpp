@@ -9,6 +9,7 @@
 #include "moebius/error.hpp"
 #include "moebius/switch/switch_observer.hpp"
 #include "moebius/switch/switcher.hpp"
+#include "switch_state.hpp"
 #include "transaction.hpp"
 
 namespace moebius {
@@ -58,7 +59,7 @@ event_handle step_layer_events::get(int64_t layer, size_t local_index) const {
   return events_[static_cast<size_t>(layer) * num_local_ + local_index];
 }
 
-progressive_switch::progressive_switch(switcher& owner,
+progressive_switch::progressive_switch(detail::switch_state& owner,
                                        std::unique_ptr<detail::switch_transaction> txn,
                                        switch_report report)
     : owner_(&owner), txn_(std::move(txn)), report_(std::move(report)) {}
@@ -95,10 +96,10 @@ const switch_report& progressive_switch::report() const {
 
 void progressive_switch::close() {
   report_ = txn_->report();
-  owner_->last_report_ = report_;
-  owner_->open_ = nullptr;
+  owner_->last_report = report_;
+  owner_->open = nullptr;
   // An inconsistent end stays with the switcher: recover() rebuilds from it.
-  if (report_.outcome == switch_outcome::inconsistent) owner_->wreck_ = std::move(txn_);
+  if (report_.outcome == switch_outcome::inconsistent) owner_->wreck = std::move(txn_);
   txn_.reset();
   notify_switch_observer(report_, switch_style::progressive);
 }

@@ -1,11 +1,13 @@
 #include "moebius/switch/switcher.hpp"
 
+#include <atomic>
 #include <utility>
 
 #include "moebius/detail/enum_check.hpp"
 #include "moebius/detail/nvtx.hpp"
 #include "moebius/error.hpp"
 #include "moebius/switch/switch_observer.hpp"
+#include "switch_state.hpp"
 #include "transaction.hpp"
 
 namespace moebius {
@@ -13,10 +15,6 @@ namespace {
 
 using detail::clock_type;
 using detail::switch_transaction;
-
-arena_cursor resting_cursor(const arena_geometry& g, parallel_mode m) {
-  return arena_cursor{m == parallel_mode::tp ? g.shape.num_layers : 0};
-}
 
 // Armed faults are for one switch only, reached or not.
 struct disarm_on_exit {
@@ -31,167 +29,225 @@ const switch_report& ended(switch_report& last, const switch_report& rep) {
   return last;
 }
 
+// Opens `rep` for running `p` and says whether to run it: not when the report is already
+// final, refused because the switcher is inconsistent, or already_there.
+bool open_report(const detail::switch_state& st, const switch_plan& p, switch_report& rep) {
+  rep = switch_report{};
+  rep.from = st.kv.mode;
+  rep.to = p.to;
+  rep.cursor = st.cursor;
+  if (!st.consistent) {
+    rep.outcome = switch_outcome::inconsistent;
+    rep.error = "refused: the switcher is inconsistent since an earlier failure (" +
+                st.inconsistency + "); reload the experts and the KV pool first";
+    return false;
+  }
+  validate(st.kv_geom, st.kv);
+  if (p.already_there()) {
+    rep.outcome = switch_outcome::already_there;
+    return false;
+  }
+  return true;
+}
+
+uint64_t next_switcher_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 }  // namespace
+
+namespace detail {
+
+switch_state::switch_state(const arena_geometry& w, const kv_geometry& kv_g, transport& t,
+                           kv_state kv_tables, arena_cursor c, switcher_options o)
+    : weights(w),
+      kv_geom(kv_g),
+      mover(t),
+      options(std::move(o)),
+      id(next_switcher_id()),
+      kv(std::move(kv_tables)),
+      cursor(c) {}
+
+switch_state::~switch_state() = default;
+
+kv_migration_options switch_state::kv_options(arena_cursor weights_at,
+                                              const kv_placement* placement) const {
+  kv_migration_options opt;
+  opt.max_rounds = options.max_kv_rounds;
+  opt.placement = placement;
+  if (options.stage_kv_in_free_slot) {
+    opt.staging.space = memory_space::arena;
+    opt.staging.offset = weights.slot_offset(arena_geometry::free_slot(weights_at));
+    opt.staging.bytes = weights.slot_bytes;
+  }
+  return opt;
+}
+
+}  // namespace detail
 
 switcher::switcher(const arena_geometry& weights, const kv_geometry& kv, transport& t,
                    kv_state kv_tables, arena_cursor cursor, switcher_options options)
-    : weights_(weights),
-      kv_geometry_(kv),
-      transport_(t),
-      kv_(std::move(kv_tables)),
-      cursor_(cursor),
-      options_(std::move(options)) {
-  validate(weights_, cursor_);
-  validate(kv_geometry_);
-  validate(kv_geometry_, kv_);
-  MOEBIUS_CHECK(weights_.num_ranks == t.num_ranks() && kv_geometry_.num_ranks == t.num_ranks(),
+    : state_(std::make_unique<detail::switch_state>(weights, kv, t, std::move(kv_tables), cursor,
+                                                    std::move(options))) {
+  const detail::switch_state& st = *state_;
+  validate(st.weights, st.cursor);
+  validate(st.kv_geom);
+  validate(st.kv_geom, st.kv);
+  MOEBIUS_CHECK(st.weights.num_ranks == t.num_ranks() && st.kv_geom.num_ranks == t.num_ranks(),
                 errc::invalid_argument, "switcher: rank counts differ (weights P=",
-                weights_.num_ranks, ", kv P=", kv_geometry_.num_ranks,
+                st.weights.num_ranks, ", kv P=", st.kv_geom.num_ranks,
                 ", transport P=", t.num_ranks(), ")");
-  MOEBIUS_CHECK(cursor_ == resting_cursor(weights_, kv_.mode), errc::invalid_argument,
+  MOEBIUS_CHECK(st.cursor == st.resting(st.kv.mode), errc::invalid_argument,
                 "switcher: the arena cursor must match the KV mode (cursor tp_layers=",
-                cursor_.tp_layers, ", KV mode ", to_string(kv_.mode), " needs ",
-                resting_cursor(weights_, kv_.mode).tp_layers, ")");
+                st.cursor.tp_layers, ", KV mode ", to_string(st.kv.mode), " needs ",
+                st.resting(st.kv.mode).tp_layers, ")");
 }
 
 switcher::~switcher() = default;
 
+parallel_mode switcher::mode() const { return state_->kv.mode; }
+arena_cursor switcher::cursor() const { return state_->cursor; }
+const kv_state& switcher::kv_tables() const { return state_->kv; }
+bool switcher::in_progress() const { return state_->open != nullptr; }
+bool switcher::consistent() const { return state_->consistent; }
+const switch_report& switcher::last_report() const { return state_->last_report; }
+
+void switcher::inject_fault(std::optional<switch_fault> fault) {
+  if (fault) state_->faults.push_back(*fault);
+  else state_->faults.clear();
+}
+
 kv_state& switcher::mutable_kv_tables() {
-  MOEBIUS_CHECK(open_ == nullptr, errc::invalid_argument,
+  MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
                 "mutable_kv_tables: a progressive switch is open and its tables are frozen until "
                 "finish() or abort(); read them through the session's view()");
-  return kv_;
+  state_->move_on("mutable_kv_tables() handed the KV tables out");
+  return state_->kv;
 }
 
-kv_migration_options switcher::kv_options(arena_cursor weights_at, parallel_mode target,
-                                          kv_placement& placement) const {
-  kv_migration_options opt;
-  opt.max_rounds = options_.max_kv_rounds;
-  if (options_.ep_placement && target == parallel_mode::ep && kv_.mode == parallel_mode::tp) {
-    placement = options_.ep_placement(kv_);
-    opt.placement = &placement;
+std::string switcher::why_stale(const switch_plan& p) const {
+  const detail::switch_state& st = *state_;
+  if (p.origin.switcher_id != st.id) {
+    return "it was planned on another switcher (id " + std::to_string(p.origin.switcher_id) +
+           ", this one " + std::to_string(st.id) + ")";
   }
-  if (options_.stage_kv_in_free_slot) {
-    opt.staging.space = memory_space::arena;
-    opt.staging.offset = weights_.slot_offset(arena_geometry::free_slot(weights_at));
-    opt.staging.bytes = weights_.slot_bytes;
+  if (p.origin.generation != st.generation) {
+    return "it was planned at state generation " + std::to_string(p.origin.generation) +
+           ", the switcher is at " + std::to_string(st.generation) + " (last: " + st.change +
+           ")";
   }
-  return opt;
-}
-
-kv_migration_options switcher::one_layer_kv_options(parallel_mode target,
-                                                     kv_placement& placement) const {
-  // Planned for layer 0 with staging at offset 0; each layer's plan is shifted to its own free
-  // slot (src/switch/transaction.hpp).
-  kv_migration_options opt = kv_options(arena_cursor{0}, target, placement);
-  opt.staging.offset = 0;
-  return opt;
+  if (!is_valid(p.to) || p.from != st.kv.mode || !(p.start == st.cursor) ||
+      !(p.goal == st.resting(p.to))) {
+    return std::string("it does not match the switcher: it moves ") + to_string(p.from) +
+           " at cursor " + std::to_string(p.start.tp_layers) + " to cursor " +
+           std::to_string(p.goal.tp_layers) + ", the switcher is in " + to_string(st.kv.mode) +
+           " at cursor " + std::to_string(st.cursor.tp_layers);
+  }
+  return "";
 }
 
 kv_capacity_report switcher::check(parallel_mode target) const {
   detail::check_enum(target, "switcher::check target (parallel_mode)");
-  kv_placement placement;
-  return check_kv_capacity(kv_geometry_, kv_, target,
-                           kv_options(resting_cursor(weights_, target), target, placement));
+  return plan(target).capacity;
 }
 
 layer_bytes switcher::layer_bytes_of(parallel_mode target) const {
   detail::check_enum(target, "switcher::layer_bytes_of target (parallel_mode)");
-  kv_placement placement;
-  return switch_layer_bytes(weights_, kv_geometry_, kv_, target,
-                            one_layer_kv_options(target, placement));
-}
-
-std::optional<arena_cursor> switcher::open_report(switch_report& rep,
-                                                  parallel_mode target) const {
-  rep = switch_report{};
-  rep.from = mode();
-  rep.to = target;
-  rep.cursor = cursor_;
-  if (!consistent_) {
-    rep.outcome = switch_outcome::inconsistent;
-    rep.error = "refused: the switcher is inconsistent since an earlier failure (" +
-                inconsistency_ + "); reload the experts and the KV pool first";
-    return std::nullopt;
-  }
-  validate(kv_geometry_, kv_);
-  const arena_cursor goal = resting_cursor(weights_, target);
-  if (kv_.mode == target && cursor_ == goal) {
-    rep.outcome = switch_outcome::already_there;
-    return std::nullopt;
-  }
-  return goal;
+  switch_plan p = plan(target);
+  MOEBIUS_CHECK(p.layer_kv != nullptr, errc::capacity, "KV migration ", to_string(p.from), "->",
+                to_string(p.to), " impossible: ", p.layer_capacity.reason);
+  return std::move(p.bytes_per_layer);
 }
 
 switch_report switcher::switch_to(parallel_mode target) {
-  const disarm_on_exit disarm{faults_};
   detail::check_enum(target, "switcher::switch_to target (parallel_mode)");
-  MOEBIUS_CHECK(open_ == nullptr, errc::invalid_argument,
+  MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
+                "switch_to: a progressive switch is in progress; finish() or abort() it first");
+  return switch_to(plan(target));
+}
+
+switch_report switcher::switch_to(const switch_plan& p) {
+  detail::switch_state& st = *state_;
+  const disarm_on_exit disarm{st.faults};
+  MOEBIUS_CHECK(st.open == nullptr, errc::invalid_argument,
                 "switch_to: a progressive switch is in progress; finish() or abort() it first");
   // verify_layer pairs layer l's experts with layer l's K/V: a KV layer without an MoE layer
   // would go unchecked while the report says verified.
-  MOEBIUS_CHECK(!options_.verify_layer || kv_geometry_.num_layers == weights_.shape.num_layers,
+  MOEBIUS_CHECK(!st.options.verify_layer || st.kv_geom.num_layers == st.weights.shape.num_layers,
                 errc::invalid_argument,
                 "switch_to: switcher_options::verify_layer checks each layer's experts and K/V "
                 "together, so the KV cache needs one layer per MoE layer (KV layers ",
-                kv_geometry_.num_layers, ", MoE layers ", weights_.shape.num_layers, ")");
+                st.kv_geom.num_layers, ", MoE layers ", st.weights.shape.num_layers, ")");
+  const std::string stale = why_stale(p);
+  MOEBIUS_CHECK(stale.empty(), errc::invalid_argument, "switch_to: the plan is stale: ", stale,
+                "; plan again (switcher::plan)");
   const auto t0 = clock_type::now();
   const detail::nvtx_range switch_range("moebius/switch");
   switch_report rep;
-  const std::optional<arena_cursor> goal = open_report(rep, target);
-  if (!goal) {
-    rep.total_ms = std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
-    return ended(last_report_, rep);
+  if (!open_report(st, p, rep)) {
+    rep.total_ms = detail::ms_between(t0, clock_type::now());
+    return ended(st.last_report, rep);
   }
   // One transaction, the whole switch as one unit: begin + advance(all) + finish.
   std::unique_ptr<switch_transaction> txn =
-      switch_transaction::open(*this, target, *goal, switch_transaction::style::whole, rep, t0);
-  if (!txn) return ended(last_report_, rep);
+      switch_transaction::open(st, p, switch_transaction::style::whole, rep, t0);
+  if (!txn) return ended(st.last_report, rep);
   txn->finish();
-  const switch_report& r = ended(last_report_, txn->report());
-  if (r.outcome == switch_outcome::inconsistent) wreck_ = std::move(txn);
+  const switch_report& r = ended(st.last_report, txn->report());
+  if (r.outcome == switch_outcome::inconsistent) st.wreck = std::move(txn);
   return r;
 }
 
 recovery_report switcher::recover(const recovery_request& request) {
+  detail::switch_state& st = *state_;
   detail::check_enum(request.mode, "switcher::recover mode (parallel_mode)");
-  MOEBIUS_CHECK(open_ == nullptr, errc::invalid_argument,
+  MOEBIUS_CHECK(st.open == nullptr, errc::invalid_argument,
                 "recover: a progressive switch is open; it ends before the switcher can be "
                 "inconsistent");
-  MOEBIUS_CHECK(!consistent_ && wreck_ != nullptr, errc::invalid_argument,
+  MOEBIUS_CHECK(!st.consistent && st.wreck != nullptr, errc::invalid_argument,
                 "recover: the switcher is consistent (mode ", to_string(mode()),
                 "); there is nothing to recover");
   MOEBIUS_CHECK(static_cast<bool>(request.reload_experts), errc::invalid_argument,
                 "recover: needs reload_experts: after an inconsistent switch no byte of the arena "
                 "is trusted, so the experts come from the caller's source of truth");
-  recovery_report r = wreck_->recover(request);
-  if (r.recovered) wreck_.reset();
+  recovery_report r = st.wreck->recover(request);
+  st.move_on(std::string("recover() ran in ") + to_string(request.mode));
+  if (r.recovered) st.wreck.reset();
   return r;
 }
 
 progressive_switch switcher::begin(parallel_mode target) {
   detail::check_enum(target, "switcher::begin target (parallel_mode)");
-  MOEBIUS_CHECK(open_ == nullptr, errc::invalid_argument,
+  MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
                 "begin: a progressive switch is already in progress");
-  MOEBIUS_CHECK(kv_geometry_.num_layers == weights_.shape.num_layers, errc::invalid_argument,
+  return begin(plan(target));
+}
+
+progressive_switch switcher::begin(const switch_plan& p) {
+  detail::switch_state& st = *state_;
+  MOEBIUS_CHECK(st.open == nullptr, errc::invalid_argument,
+                "begin: a progressive switch is already in progress");
+  MOEBIUS_CHECK(st.kv_geom.num_layers == st.weights.shape.num_layers, errc::invalid_argument,
                 "begin: a progressive switch moves each layer's weights and KV together, so the "
-                "KV cache needs one layer per MoE layer (KV layers ", kv_geometry_.num_layers,
-                ", MoE layers ", weights_.shape.num_layers, ")");
+                "KV cache needs one layer per MoE layer (KV layers ", st.kv_geom.num_layers,
+                ", MoE layers ", st.weights.shape.num_layers, ")");
+  const std::string stale = why_stale(p);
+  MOEBIUS_CHECK(stale.empty(), errc::invalid_argument, "begin: the plan is stale: ", stale,
+                "; plan again (switcher::plan)");
   const auto t0 = clock_type::now();
   switch_report rep;
-  const std::optional<arena_cursor> goal = open_report(rep, target);
   std::unique_ptr<switch_transaction> txn;
-  if (goal) {
-    txn = switch_transaction::open(*this, target, *goal, switch_transaction::style::per_layer,
-                                   rep, t0);
+  if (open_report(st, p, rep)) {
+    txn = switch_transaction::open(st, p, switch_transaction::style::per_layer, rep, t0);
   }
   if (!txn) {
-    faults_.clear();
-    last_report_ = rep;
-    notify_switch_observer(last_report_, switch_style::progressive);
+    st.faults.clear();
+    st.last_report = rep;
+    notify_switch_observer(st.last_report, switch_style::progressive);
   }
-  open_ = txn.get();
-  return progressive_switch(*this, std::move(txn), std::move(rep));
+  st.open = txn.get();
+  return progressive_switch(st, std::move(txn), std::move(rep));
 }
 
 }  // namespace moebius

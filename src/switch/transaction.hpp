@@ -1,7 +1,9 @@
 #pragma once
 
-// The switch transaction (switcher.hpp): plan, run, verify, commit or undo. Both switch styles
-// are one transaction; they differ only in how the work is cut:
+// The switch transaction (switcher.hpp): run a switch_plan, verify, commit or undo; after an
+// inconsistent end, recover (recovery.cpp). It plans nothing: switcher::plan did
+// (switch_plan.cpp), and it changes the switcher's state (switch_state.hpp) that it is lent.
+// Both switch styles are one transaction; they differ only in how the work is cut:
 //
 //   whole      (switcher::switch_to) one unit: the weights of every layer (one phase each),
 //              then all layers' KV in one migration; run as two plans, weights then KV.
@@ -11,12 +13,12 @@
 //
 // Why per-layer KV plans are valid. A page id names the same page in every layer, so the KV
 // migration's page-state evolution (which page is free in which round) is the same for every
-// layer. The migration is therefore planned once, for a one-layer geometry (layer 0's tensors,
-// staging at offset 0), and shifted to layer l: pool offsets by l's tensor offset, staging
-// offsets to the arena slot that is free right after l's weights moved (EP->TP: layer l goes
-// from slot l+1 to slot l, so slot l+1 comes free; TP->EP: from slot l to l+1, slot l comes
-// free). Each shifted plan only touches layer l's KV and the free slot, and drains its staging
-// before the next layer's weights write that slot.
+// layer. The migration is therefore planned once (switch_plan::layer_kv), for a one-layer
+// geometry (layer 0's tensors, staging at offset 0), and shifted to layer l: pool offsets by
+// l's tensor offset, staging offsets to the arena slot that is free right after l's weights
+// moved (EP->TP: layer l goes from slot l+1 to slot l, so slot l+1 comes free; TP->EP: from
+// slot l to l+1, slot l comes free). Each shifted plan only touches layer l's KV and the free
+// slot, and drains its staging before the next layer's weights write that slot.
 //
 // Progress is counted in phases of the whole switch: units laid end to end, each unit's weight
 // phases then its KV rounds. `phases_done` says how far the switch got; the cursor at any
@@ -27,6 +29,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -38,23 +41,39 @@
 #include "moebius/switch/pacing.hpp"
 #include "moebius/switch/progressive.hpp"
 #include "moebius/switch/switch_report.hpp"
+#include "moebius/switch/switch_plan.hpp"
 #include "moebius/switch/switcher.hpp"
+#include "switch_state.hpp"
 
 namespace moebius::detail {
 
 using clock_type = std::chrono::steady_clock;
 
+inline double ms_between(clock_type::time_point a, clock_type::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// A plan's failure as the transaction needs it: its text, and whether an undo can be trusted.
+// A barrier timed out (a slow peer may still pass it and write past the reached phase), or the
+// device or the communicator failed: the bytes after completed_phases() are unknown. Injected
+// faults and rejected plans are exact. (undo.cpp)
+struct failure_info {
+  std::string text;
+  bool state_unknown = false;
+};
+failure_info classify(const std::exception_ptr& e);
+
 class switch_transaction {
  public:
   enum class style : uint8_t { whole, per_layer };
 
-  // Plans a switch of `sw` to `target` (resting cursor `goal`) from `rep`, which open_report
-  // has opened. Returns nullptr with `rep` final when the switch is refused (capacity) or the
-  // verify hook failed before anything moved; otherwise the transaction, whose report (a copy
-  // of `rep` from here on) has outcome in_progress.
-  static std::unique_ptr<switch_transaction> open(switcher& sw, parallel_mode target,
-                                                  arena_cursor goal, style how,
-                                                  switch_report& rep, clock_type::time_point t0);
+  // Runs `p` on `st` (p current, and not already_there: the switcher checked) from `rep`, which
+  // the switcher has opened. Returns nullptr with `rep` final when the plan refused this style
+  // (capacity) or the verify hook failed before anything moved; otherwise the transaction, whose
+  // report (a copy of `rep` from here on) has outcome in_progress.
+  static std::unique_ptr<switch_transaction> open(switch_state& st, const switch_plan& p,
+                                                  style how, switch_report& rep,
+                                                  clock_type::time_point t0);
 
   const switch_report& report() const { return rep_; }
   bool ended() const { return ended_; }
@@ -78,8 +97,9 @@ class switch_transaction {
   void finish();
   // Waits, then undoes everything that completed. Ends the transaction.
   void abort(const std::string& why);
-  // After the transaction ended inconsistent (switcher::recover): rebuilds the KV tables in
-  // request.mode from what is intact, reloads the experts, and makes the switcher consistent.
+  // After the transaction ended inconsistent (switcher::recover; recovery.cpp): rebuilds the KV
+  // tables in request.mode from what is intact, reloads the experts, and makes the switcher
+  // consistent.
   recovery_report recover(const recovery_request& request);
 
  private:
@@ -90,6 +110,8 @@ class switch_transaction {
     int64_t kv_rounds = 0;
     int64_t weight_phases() const;
     int64_t phases() const { return weight_phases() + kv_rounds; }
+    // The layer a per_layer unit moves: EP->TP layer `from` (into slot from), TP->EP layer `to`.
+    int64_t layer() const { return to.tp_layers > from.tp_layers ? from.tp_layers : to.tp_layers; }
   };
   // A plan given to the transport, covering phases [first_phase, first_phase + phases) of the
   // switch.
@@ -101,15 +123,32 @@ class switch_transaction {
     std::vector<int64_t> marks;  // phase marks within `work` (transport::mark_phases)
     std::vector<transport::phase_wait> waits;  // within `work` (wait_before_phases)
   };
+  // What an inconsistent end leaves for recover(): the phases of the switch whose bytes are
+  // unknown ([unknown_first, unknown_end), a barrier timeout or device error), and the unit
+  // whose undo failed (units after it were undone; its KV undo failed or not).
+  struct wreck_log {
+    int64_t unknown_first = -1, unknown_end = -1;
+    int64_t undo_failed_unit = -1;
+    bool undo_failed_in_kv = false;
+  };
+  // recover()'s KV part, once done (a retry after a failed reload only reloads).
+  struct recovered_kv {
+    bool settled = false;
+    parallel_mode mode = parallel_mode::ep;
+    kv_state tables;
+    std::vector<int64_t> kept, lost;
+    int64_t plans_run = 0;
+  };
 
-  switch_transaction(switcher& sw, parallel_mode target, arena_cursor goal, style how,
-                     const switch_report& rep, clock_type::time_point t0);
-  bool plan_switch();  // false: refused (rep final)
+  switch_transaction(switch_state& st, const switch_plan& p, style how, const switch_report& rep,
+                     clock_type::time_point t0);
+  bool take_plan(const switch_plan& p);  // false: refused, or verify failed (rep final)
 
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
   // The cursor once the first `phases` phases of the switch completed.
   arena_cursor cursor_at(int64_t phases) const;
-  plan weight_plan_of(const unit& u) const;
+  // Unit u's weights: whole, the plan's; per_layer, its phase u.
+  std::shared_ptr<const plan> weight_plan_of(size_t u) const;
   // Unit u's KV plan: whole, the planned migration itself; per_layer, layer 0's shifted.
   std::shared_ptr<const plan> kv_plan_of(size_t u) const;
 
@@ -128,21 +167,19 @@ class switch_transaction {
   // layout, or nowhere (its bytes unknown).
   enum class kv_at : uint8_t { source, target, unknown };
   kv_at kv_of_unit(size_t u) const;
-  // recover()'s KV part: settled_tables_, kept_, lost_ in `mode` (runs the moves it needs).
+  // recover()'s KV part: recovered_ in `mode` (runs the moves it needs).
   void rebuild_kv(parallel_mode mode);
   void end(switch_outcome outcome);
   uint64_t checksum(arena_cursor c, const kv_state& tables, std::string& failure);
   // verify_layer of layer `layer` in `mode` through `tables` (time counted as verify_ms).
   uint64_t layer_checksum(int64_t layer, parallel_mode mode, const kv_state& tables,
                           std::string& failure);
-  // The layer unit u moves (EP->TP: u.from, TP->EP: u.to).
-  int64_t layer_of(const unit& u) const;
   // verify_layer after the move of every completed unit not yet checked (all units: whole);
   // false when one differs (the switch failed and was undone).
   bool verify_moved_layers();
   void arm(switch_fault::stage stage);
 
-  switcher& sw_;
+  switch_state& st_;
   parallel_mode target_;
   arena_cursor start_, goal_;
   style how_;
@@ -150,8 +187,8 @@ class switch_transaction {
   clock_type::time_point t0_;
 
   std::vector<unit> units_;
-  std::shared_ptr<const plan> kv_;  // whole: all layers' migration; per_layer: layer 0's
-  std::shared_ptr<const plan> whole_weights_;  // whole: every layer's weights, planned once
+  std::shared_ptr<const plan> kv_;       // whole: all layers' migration; per_layer: layer 0's
+  std::shared_ptr<const plan> weights_;  // every layer's weights, one phase per layer
   kv_state target_tables_;
   layer_bytes bytes_per_layer_;  // per_layer only
   uint64_t checksum_before_ = 0;
@@ -168,18 +205,8 @@ class switch_transaction {
   layer_completion completion_;
   bool ended_ = false;
 
-  // What an inconsistent end leaves for recover(): the phases of the switch whose bytes are
-  // unknown ([unknown_first_, unknown_end_), a barrier timeout or device error), and the unit
-  // whose undo failed (units after it were undone; its KV undo failed or not).
-  int64_t unknown_first_ = -1, unknown_end_ = -1;
-  int64_t undo_failed_unit_ = -1;
-  bool undo_failed_in_kv_ = false;
-  // recover()'s KV part, once done (a retry after a failed reload only reloads).
-  bool kv_settled_ = false;
-  parallel_mode settled_mode_ = parallel_mode::ep;
-  kv_state settled_tables_;
-  std::vector<int64_t> kept_, lost_;
-  int64_t plans_run_ = 0;
+  wreck_log wreck_;
+  recovered_kv recovered_;
 };
 
 }  // namespace moebius::detail

@@ -14,6 +14,7 @@
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/memory/rank_memory.hpp"
 #include "moebius/switch/checksum.hpp"
+#include "moebius/switch/switch_report.hpp"
 #include "support/reference.hpp"
 
 namespace moebius::testing {
@@ -107,6 +108,15 @@ inline world make_world(std::mt19937_64& rng, int P, double occupancy, bool same
   return make_world(rng, make_arena_geometry(shape, P), kv, occupancy);
 }
 
+// A P=2 world with H_kv=1 at 95% occupancy, which TP cannot hold: every head lives on both TP
+// ranks, so TP holds half of what EP holds.
+inline world make_world_tp_cannot_hold(std::mt19937_64& rng, bool same_layers = false) {
+  for (;;) {
+    world w = make_world(rng, 2, 0.95, same_layers);
+    if (w.kv.num_kv_heads == 1) return w;
+  }
+}
+
 // Bytes of every page in use, per rank, in table order: equal before and after means the
 // live KV is byte-identical (free pages may hold anything).
 inline std::vector<std::vector<std::byte>> live_kv_bytes(const world& w, const kv_state& s) {
@@ -144,10 +154,21 @@ inline std::string arena_diff(const world& w, const rank_images& a, const rank_i
   return "";
 }
 
+// "" when `b` moved what `a` moved: outcome, weight phases, KV rounds and bytes sent per rank;
+// otherwise the first field that differs.
+inline std::string moves_diff(const switch_report& a, const switch_report& b) {
+  if (a.outcome != b.outcome) return "outcome";
+  if (a.weight_phases != b.weight_phases) return "weight_phases";
+  if (a.kv_rounds != b.kv_rounds) return "kv_rounds";
+  if (a.weight_bytes_sent != b.weight_bytes_sent) return "weight_bytes_sent";
+  if (a.kv_bytes_sent != b.kv_bytes_sent) return "kv_bytes_sent";
+  return "";
+}
+
 inline uint64_t state_checksum(const world& w, arena_cursor c, const kv_state& s) {
   const auto arenas = w.arena_spans();
-  const auto pools = w.pool_spans();
-  uint64_t sum = kv_checksum(w.kv, s, pools);
+  const auto pool_images = w.pool_spans();
+  uint64_t sum = kv_checksum(w.kv, s, pool_images);
   for (int64_t l = 0; l < w.shape.num_layers; ++l) sum += 31 * weight_checksum(w.weights, c, l, arenas);
   return sum;
 }

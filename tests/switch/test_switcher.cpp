@@ -7,6 +7,7 @@
 #include <span>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "moebius/kv/kv_geometry.hpp"
@@ -18,6 +19,7 @@
 #include "support/catch.hpp"
 #include "support/reference.hpp"
 
+#include "forwarding_transport.hpp"
 #include "switch_world.hpp"
 
 namespace {
@@ -230,12 +232,7 @@ TEST_CASE("verify_layer needs one KV layer per MoE layer", "[switch][validate]")
 TEST_CASE("a refused switch moves nothing", "[switch]") {
   const uint64_t seed = testing::test_seed();
   std::mt19937_64 rng(seed);
-  // H_kv=1 on P=2: every head lives on both TP ranks, so TP holds half of what EP holds.
-  world w;
-  for (;;) {
-    w = make_world(rng, 2, 0.95);
-    if (w.kv.num_kv_heads == 1) break;
-  }
+  world w = make_world_tp_cannot_hold(rng);
   host_transport t(w.memory);
   switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0});
   const rank_images arenas = w.arenas, pools = w.pools;
@@ -316,19 +313,16 @@ TEST_CASE("a failed undo leaves the switcher inconsistent and it refuses to swit
 
 namespace {
 // host_transport whose phase `k` ends in a barrier timeout, as a stalled peer would cause.
-class timing_out_transport final : public transport {
+class timing_out_transport final : public forwarding_transport {
  public:
-  timing_out_transport(std::vector<rank_memory> ranks, int64_t k) : inner_(ranks), k_(k) {}
-  int num_ranks() const override { return inner_.num_ranks(); }
-  std::vector<int> local_ranks() const override { return inner_.local_ranks(); }
-  void validate(const plan& p) const override { inner_.validate(p); }
+  timing_out_transport(std::vector<rank_memory> ranks, int64_t k)
+      : forwarding_transport(std::move(ranks)), k_(k) {}
   void enqueue(const plan& p, std::span<const stream_handle> streams) override {
     ++executes_;
     times_out_ = static_cast<int64_t>(p.phases.size()) > k_;
     if (times_out_) inner_.inject_fault(fault_point{k_, 0});
     inner_.enqueue(p, streams);
   }
-  bool poll() override { return inner_.poll(); }
   void wait() override {
     try {
       inner_.wait();
@@ -337,21 +331,10 @@ class timing_out_transport final : public transport {
       MOEBIUS_FAIL(errc::timeout, "rank 0 timed out at the barrier closing phase ", k_);
     }
   }
-  int64_t completed_phases() const override { return inner_.completed_phases(); }
   void inject_fault(std::optional<fault_point>) override {}
-  void mark_phases(std::span<const int64_t> after_phases) override {
-    inner_.mark_phases(after_phases);
-  }
-  event_handle phase_event(size_t mark, size_t local_index) const override {
-    return inner_.phase_event(mark, local_index);
-  }
-  void wait_before_phases(std::span<const phase_wait> waits) override {
-    inner_.wait_before_phases(waits);
-  }
   int executes() const { return executes_; }
 
  private:
-  host_transport inner_;
   int64_t k_;
   int executes_ = 0;
   bool times_out_ = false;

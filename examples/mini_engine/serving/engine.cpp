@@ -171,7 +171,7 @@ void engine::start_switch(run_state& st, parallel_mode target, step_record& rec)
 
 void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& s,
                             step_record& rec) {
-  const moebius::switch_report r = switcher_.switch_to(target);
+  const moebius::switch_report r = switcher_.switch_to(st.plans.of(target));
   s.from = r.from;
   s.to = r.to;
   record_outcome(s, r);
@@ -342,7 +342,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                                   : o.start_mode;
   std::optional<run_state> state;
   const run_cleanup cleanup{*this, state};
-  state.emplace(kv_, std::move(requests), o, so, name);
+  state.emplace(kv_, std::move(requests), o, so, name, switcher_);
   run_state& st = *state;
   verify_ = o.verify;
   verify_layer_ = o.verify_layer;
@@ -362,7 +362,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       st.out.switches.push_back(std::move(s));
     }
   }
-  st.capacity = detail::capacity_context{&switcher_, &st.sched};
+  st.capacity = detail::capacity_context{&switcher_, &st.sched, &st.plans};
   if (o.how == switching::policy) setup_policy(st, curves);
   st.out.name = name;
   st.out.clock = clock_.name();

@@ -5,8 +5,10 @@
 // a moebius::switch_policy that decides between two steps whether to switch. Each step and
 // each switch advances the serving clock by what a step_clock says it took.
 //
-//   loop: [policy.step(load, mode, now) -> switcher.switch_to(target)]  (or a forced switch)
-//         [progressive: session = switcher.begin(target) once; then each step is a hybrid
+//   loop: [policy.step(load, mode, now) -> switcher.switch_to(plan)]  (or a forced switch;
+//          plan = switcher.plan(target), made once per decision: the policy's capacity check
+//          and cost gate read it)
+//         [progressive: session = switcher.begin(plan) once; then each step is a hybrid
 //          step on session.view() with the next paced advance enqueued beside it
 //          (step_beside.hpp: its copies run while the step computes), the loop waiting
 //          for the copies once the step is done; finish() after the last layer; DESIGN.md §7]

@@ -62,12 +62,10 @@ int64_t rollout_residency(const work_view& w, parallel_mode target, int64_t t_lo
 
 double predicted_switch_ms(void* c, parallel_mode target) {
   const auto* ctx = static_cast<const cost_context*>(c);
-  try {
-    return ctx->clock->predicted_switch_s(ctx->sw->layer_bytes_of(target), ctx->num_layers) * 1e3;
-  } catch (const moebius::error& e) {
-    if (e.code() != moebius::errc::capacity) throw;
-    return 1e12;  // the target cannot hold the KV (the capacity check refuses it first)
-  }
+  const moebius::switch_plan& p = ctx->plans->of(target);  // the capacity check's, planned once
+  // Without a per-layer plan the target cannot hold the KV (the capacity check refuses it first).
+  if (!p.layer_kv) return 1e12;
+  return ctx->clock->predicted_switch_s(p.bytes_per_layer, ctx->num_layers) * 1e3;
 }
 
 moebius::serving_load serving_load_of(const gate_context& g, parallel_mode target, int64_t load) {
@@ -152,7 +150,8 @@ bool fits(void* c, parallel_mode target) {
   const auto* ctx = static_cast<const detail::capacity_context*>(c);
   // The scheduler's check first: it sums pages, where the switcher's plans the whole migration
   // (which, asked every step while the target cannot hold the KV, dominated a long run).
-  return ctx->sched->fits_reservations(ctx->sw->kv_tables(), target) && ctx->sw->check(target).fits;
+  return ctx->sched->fits_reservations(ctx->sw->kv_tables(), target) &&
+         ctx->plans->of(target).capacity.fits;
 }
 
 // Appends `d` to the log, or counts it as a repeat of the last record when it decided the same
@@ -181,7 +180,7 @@ void engine::setup_policy(run_state& st, const moebius::latency_curves& curves) 
     st.curves = curves;
     st.base_curves = curves;
     st.residency.emplace(o.gate.residency);
-    st.cost = detail::cost_context{&switcher_, &clock_, arena_.shape.num_layers};
+    st.cost = detail::cost_context{&st.plans, &clock_, arena_.shape.num_layers};
     if (o.gate.kind == gate_kind::throughput) {
       detail::gate_context& g = st.gate;
       g.sched = &st.sched;

@@ -11,6 +11,8 @@
 #include <moebius/policy/throughput_gate.hpp>
 #include <moebius/switch/pacing.hpp>
 #include <moebius/switch/progressive.hpp>
+#include <moebius/switch/switch_plan.hpp>
+#include <moebius/switch/switcher.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,17 +27,35 @@ inline double seconds_since(host_clock::time_point t0) {
   return std::chrono::duration<double>(host_clock::now() - t0).count();
 }
 
-// The policy's capacity check: the switcher's (today's tables) and the scheduler's
+// The switch planned once per decision (moebius::switch_plan): the capacity check plans it,
+// and the cost gate's estimate, the pacing and begin/switch_to use that plan. Planned again
+// only for another target or once the switcher's state has moved on (a step took pages, a
+// switch ran, the progressive path reserved pages): the plan would be stale.
+class switch_plans {
+ public:
+  explicit switch_plans(const moebius::switcher& sw) : sw_(&sw) {}
+  const moebius::switch_plan& of(moebius::parallel_mode target) {
+    if (!plan_ || plan_->to != target || !sw_->why_stale(*plan_).empty()) plan_ = sw_->plan(target);
+    return *plan_;
+  }
+
+ private:
+  const moebius::switcher* sw_;
+  std::optional<moebius::switch_plan> plan_;
+};
+
+// The policy's capacity check: the switcher's plan (today's tables) and the scheduler's
 // (every running sequence at its largest).
 struct capacity_context {
   const moebius::switcher* sw;
   const scheduler* sched;
+  switch_plans* plans;
 };
 
 // The gate's switch cost: what the clock predicts for the switch the switcher would run now
-// (weights and the live KV), in ms.
+// (weights and the live KV), in ms, from the plan the capacity check made.
 struct cost_context {
-  const moebius::switcher* sw;
+  switch_plans* plans;
   const step_clock* clock;
   int64_t num_layers;
 };
@@ -100,13 +120,14 @@ namespace mini_engine {
 // What one run() carries from step to step.
 struct engine::run_state {
   run_state(const moebius::kv_geometry& kv, std::vector<request> requests, const engine_options& o,
-            const scheduler_options& so, const std::string& run_name)
-      : options(o), name(run_name), sched(kv, std::move(requests), so) {}
+            const scheduler_options& so, const std::string& run_name, const moebius::switcher& sw)
+      : options(o), name(run_name), sched(kv, std::move(requests), so), plans(sw) {}
 
   const engine_options& options;
   const std::string& name;
   scheduler sched;
-  detail::capacity_context capacity{nullptr, nullptr};
+  detail::switch_plans plans;  // the switch of this decision, planned once
+  detail::capacity_context capacity{nullptr, nullptr, nullptr};
   std::optional<moebius::switch_policy> policy;
   // The cost gate: its curves, residency predictor, cost estimate and what the predictor has
   // been told (arrivals and completions are observed as differences of these counts).

@@ -19,19 +19,14 @@ using moebius::parallel_mode;
 
 bool engine::begin_progressive(run_state& st, parallel_mode target, switch_record& s) {
   // Pacing from the last step's time, the clock's link and the bytes per layer the switcher
-  // will move (planned with its own options).
-  std::optional<moebius::layer_bytes> bytes;
-  try {
-    bytes = switcher_.layer_bytes_of(target);
-  } catch (const moebius::error& e) {
-    if (e.code() != errc::capacity) throw;
-    return false;
-  }
+  // will move: the plan of this decision (the capacity check's, when the policy decided).
+  const moebius::switch_plan& planned = st.plans.of(target);
+  if (!planned.layer_kv) return false;  // the target cannot hold one layer's KV
   const int64_t L = arena_.shape.num_layers;
   st.pacing.step_s = st.last_step_s > 0 ? st.last_step_s : 0.01;
   st.pacing.link = clock_.link();
   st.pacing.link_fraction = st.options.copy_link_fraction;
-  st.pacing.bytes_per_layer = clock_.layer_bytes(*bytes, L);
+  st.pacing.bytes_per_layer = clock_.layer_bytes(planned.bytes_per_layer, L);
   st.layers = moebius::layers_per_step(st.pacing, L);
   // The measured overlap slowdown, when the clock has one (step_clock::slowdown()): no more
   // layers per step than keep a step within max_overlap_slowdown of its time alone and within
@@ -50,7 +45,9 @@ bool engine::begin_progressive(run_state& st, parallel_mode target, switch_recor
     if (e.code() != errc::capacity) throw;
     return false;  // the pages are not there: stop the world instead
   }
-  moebius::progressive_switch session = switcher_.begin(target);
+  // The reservation changed the tables the KV plan moves (pacing keeps the bytes it was paced
+  // on): begin runs the plan of the reserved tables.
+  moebius::progressive_switch session = switcher_.begin(st.plans.of(target));
   if (!session.open()) {
     const moebius::switch_report& r = session.report();
     MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,

@@ -41,6 +41,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <optional>
 #include <string>
 
 #include "moebius/kv/kv_geometry.hpp"
@@ -93,6 +94,17 @@ struct kv_capacity_report {
   int64_t pages_available = 0;  // pages per rank of the target view
   std::string reason;       // why not, naming the rank and the numbers; "" when fits
 };
+
+// One run of the planner: the capacity check's answer and, when it fits, the migration it
+// planned (what check_kv_capacity and plan_kv_migration each return half of). For a caller that
+// needs both, e.g. a switch planned once (switch/switch_plan.hpp). Throws as check_kv_capacity.
+struct kv_migration_attempt {
+  kv_capacity_report capacity;
+  std::optional<kv_migration> migration;  // set iff capacity.fits
+};
+kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_state& s,
+                                           parallel_mode target,
+                                           const kv_migration_options& opt = {});
 
 // Whether `s` can migrate to `target` and in how many rounds; moves and changes nothing.
 // Throws errc::invalid_argument for an invalid state (validate()).

@@ -2,9 +2,11 @@
 
 // A progressive switch (DESIGN.md §7): the arena cursor advances a few layers per decode step,
 // each layer's weights and then that layer's KV, while the engine keeps decoding with hybrid
-// steps. switcher::begin(target) opens it and returns this move-only session:
+// steps. switcher::begin(plan) opens it (begin(target): plan, then begin) and returns this
+// move-only session:
 //
-//   progressive_switch s = sw.begin(parallel_mode::tp);     // plans; moves nothing
+//   const switch_plan p = sw.plan(parallel_mode::tp);       // moves nothing
+//   progressive_switch s = sw.begin(p);                      // runs exactly p
 //   int64_t n = layers_per_step({step_s, link, 0.55, s.bytes_per_layer().busiest()});
 //   while (s.layers_remaining() > 0) {
 //     const layer_completion& c = s.advance(n, copy_streams);  // enqueues, never waits
@@ -39,6 +41,7 @@ namespace moebius {
 class switcher;
 namespace detail {
 class switch_transaction;
+struct switch_state;
 }
 
 // The layers one advance() enqueued and, per layer and local rank, the event that fires once
@@ -155,12 +158,12 @@ class progressive_switch {
   switch_report abort();
 
  private:
-  friend class switcher;
-  progressive_switch(switcher& owner, std::unique_ptr<detail::switch_transaction> txn,
+  friend class switcher;  // opens sessions (begin)
+  progressive_switch(detail::switch_state& owner, std::unique_ptr<detail::switch_transaction> txn,
                      switch_report report);
   void close();  // hands the ended transaction's report to the switcher
 
-  switcher* owner_ = nullptr;
+  detail::switch_state* owner_ = nullptr;  // the switcher's state
   std::unique_ptr<detail::switch_transaction> txn_;
   switch_report report_;  // a session that never opened, or has ended
 };

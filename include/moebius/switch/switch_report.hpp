@@ -50,9 +50,11 @@ struct switch_report {
   kv_capacity_report capacity;
 
   // Host wall time of each stage, in milliseconds (a stage that did not run is 0).
-  // capacity_ms: the detailed capacity report of a refused switch (an accepted one checks
-  // capacity while planning, inside plan_ms). A progressive switch's advances carry weights
-  // and KV together and are timed by the engine, not here: its weights_ms and kv_ms are 0.
+  // plan_ms: switcher::plan's time for the plan this switch ran (switch_plan::plan_ms, spent
+  // before the call when a plan was passed in; total_ms counts it too); capacity_ms: that
+  // time instead when the plan refused the switch (capacity). A progressive switch's advances
+  // carry weights and KV together and are timed by the engine, not here: its weights_ms and
+  // kv_ms are 0.
   double capacity_ms = 0, plan_ms = 0, weights_ms = 0, kv_ms = 0, verify_ms = 0, undo_ms = 0,
          total_ms = 0;
   bool verified = false;  // the verify hook ran and its checksums matched

@@ -4,16 +4,21 @@
 // the layout state of the arena (its cursor) and of the KV pool (page tables and free lists),
 // and runs one switch transaction on any transport:
 //
-//   plan (capacity check, weight and KV plans) -> run (expert weights layer by layer, each
-//   layer's or all layers' KV in rounds) -> verify (optional hook) -> commit (new tables,
-//   cursor, flip of the runtime selector) or undo
+//   plan (switcher::plan: capacity check, per-layer bytes, weight and KV plans; moves nothing)
+//   -> run (expert weights layer by layer, each layer's or all layers' KV in rounds) -> verify
+//   (optional hook) -> commit (new tables, cursor, flip of the runtime selector) or undo
 //
-// in one of two styles that share that transaction:
-//   switch_to(target)   stop the world: the whole switch between two decode steps;
-//   begin(target)       progressive: a session (switch/progressive.hpp) that moves a few layers
+// The plan is a value (switch/switch_plan.hpp), made once per decision: check(target) and
+// layer_bytes_of(target) are views of plan(target), and switch_to(plan) / begin(plan) run that
+// plan without planning again. A plan made before the state moved on (mutable_kv_tables(), a
+// switch, recover()) is stale and refused by name. It runs in one of two styles that share
+// the transaction:
+//   switch_to(plan)     stop the world: the whole switch between two decode steps;
+//   begin(plan)         progressive: a session (switch/progressive.hpp) that moves a few layers
 //                       per decode step while the engine keeps serving with hybrid steps.
-// switch_to() is begin + advance(every layer) + finish, with all layers' weights first and
-// then all layers' KV in one migration (fewer barriers than layer by layer).
+// switch_to(target) and begin(target) plan, then run. switch_to() is begin + advance(every
+// layer) + finish, with all layers' weights first and then all layers' KV in one migration
+// (fewer barriers than layer by layer).
 //
 // Failure protocol. Every phase of every plan writes only bytes that were free before it
 // (plan/rollback.hpp), so after a failure at any phase the transaction runs the exact reverse
@@ -41,6 +46,7 @@
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/switch/pacing.hpp"
 #include "moebius/switch/progressive.hpp"
+#include "moebius/switch/switch_plan.hpp"
 #include "moebius/switch/switch_report.hpp"
 #include "moebius/transport/transport.hpp"
 
@@ -75,8 +81,9 @@ struct switcher_options {
   // TP -> EP: the owner of each live sequence, indexed like kv_demands_of(tp_tables)
   // (kv_migration_options::placement), instead of longest-first by the pages in use. An engine
   // that reserves room for its sequences to grow places them by what they will hold, so that
-  // no owner ends up holding more reservations than pages. Used by check(), layer_bytes_of()
-  // and both switch styles; a placement with fits == false refuses the switch (capacity).
+  // no owner ends up holding more reservations than pages. Called once by plan(), whose KV
+  // plans both use it (switch_plan::ep_placement); a placement with fits == false refuses the
+  // switch (capacity).
   std::function<kv_placement(const kv_state& tp_tables)> ep_placement;
 };
 
@@ -115,7 +122,7 @@ struct recovery_report {
 };
 
 namespace detail {
-class switch_transaction;
+struct switch_state;
 }
 
 class switcher {
@@ -134,41 +141,61 @@ class switcher {
   // The runtime selector: the mode the engine must run in now (meaningless once
   // consistent() is false). During a progressive switch: the mode it started from (its
   // session's step view says the mode of each layer).
-  parallel_mode mode() const { return kv_.mode; }
-  arena_cursor cursor() const { return cursor_; }
-  const kv_state& kv_tables() const { return kv_; }
-  // The engine adds and retires sequences between switches; the tables must stay valid.
+  parallel_mode mode() const;
+  arena_cursor cursor() const;
+  const kv_state& kv_tables() const;
+  // The engine adds and retires sequences between switches; the tables must stay valid. Every
+  // call makes the plans made before it stale (the caller may change the tables).
   // Throws errc::invalid_argument while a progressive switch is open: its tables are frozen
   // (the session's step view gives read-only access to both sets).
   kv_state& mutable_kv_tables();
 
-  // Whether a switch to `target` would be accepted by the capacity check; moves nothing.
-  // Throws errc::invalid_argument for a target that names neither EP nor TP.
+  // Plans a switch to `target` from today's tables and cursor with this switcher's own options
+  // (switch/switch_plan.hpp): the capacity verdicts, the bytes per layer, the EP placement and
+  // the weight and KV plans both switch styles run; moves nothing. A refusal is in the plan
+  // (capacity.fits, layer_capacity.fits false), not thrown. Throws errc::invalid_argument for a
+  // target that names neither EP nor TP, or when the KV tables are invalid.
+  //   P=2, L=4, EP -> TP: start cursor 0, goal 4, weights 4 phases (layers 0, 1, 2, 3).
+  switch_plan plan(parallel_mode target) const;
+  // "" when `p` can run now; otherwise why it is stale: planned on another switcher, or before
+  // the state moved on (a mutable_kv_tables() call, a switch, a recover(): named).
+  std::string why_stale(const switch_plan& p) const;
+
+  // Whether a switch to `target` would be accepted by the capacity check; moves nothing:
+  // plan(target).capacity.
   kv_capacity_report check(parallel_mode target) const;
 
-  // What each layer of a progressive switch to `target` would send per rank, from today's
-  // tables and planned with this switcher's own options (the pacing input,
-  // moebius/switch/pacing.hpp). Throws errc::capacity when the target cannot hold the live KV.
+  // What each layer of a progressive switch to `target` would send per rank (the pacing input,
+  // moebius/switch/pacing.hpp): plan(target).bytes_per_layer. Throws errc::capacity when the
+  // target cannot hold the live KV (plan(target).layer_capacity refused).
   layer_bytes layer_bytes_of(parallel_mode target) const;
 
-  // Switches everything to `target` (see the failure protocol above). Never throws once bytes
-  // may move: a transport error, a fault, a verify mismatch or a throwing verify hook all
-  // end in the report. Throws errc::invalid_argument for a target that names neither EP nor
-  // TP, when a progressive switch is open, or when the KV tables are invalid (nothing moved).
+  // Switches everything as `p` says (see the failure protocol above), running `p`'s weight plan
+  // and all-layers KV plan. Never throws once bytes may move: a transport error, a fault, a
+  // verify mismatch or a throwing verify hook all end in the report. A plan whose capacity
+  // refused gives the refused_capacity report, moving nothing. Throws errc::invalid_argument
+  // for a stale plan (why_stale), when a progressive switch is open, or when the KV tables are
+  // invalid (nothing moved).
+  switch_report switch_to(const switch_plan& p);
+  // switch_to(plan(target)); also throws errc::invalid_argument for a target that names neither
+  // EP nor TP.
   switch_report switch_to(parallel_mode target);
 
-  // Opens a progressive switch to `target` (switch/progressive.hpp): capacity check and plans,
-  // nothing moves. The session is open when its report's outcome is in_progress; otherwise it
-  // says why not (already_there, refused_capacity, inconsistent, or rolled_back when the verify
-  // hook failed). Needs one KV layer per MoE layer (each layer's weights and KV move together):
-  // errc::invalid_argument otherwise, for a bad target, or when a session is already open.
+  // Opens a progressive switch as `p` says (switch/progressive.hpp), running `p`'s weight plan
+  // and one-layer KV plan; nothing moves. The session is open when its report's outcome is
+  // in_progress; otherwise it says why not (already_there, refused_capacity when
+  // p.layer_capacity refused, inconsistent, or rolled_back when the verify hook failed). Needs
+  // one KV layer per MoE layer (each layer's weights and KV move together):
+  // errc::invalid_argument otherwise, for a stale plan, or when a session is already open.
   // The session must not outlive the switcher.
+  progressive_switch begin(const switch_plan& p);
+  // begin(plan(target)); also throws errc::invalid_argument for a bad target.
   progressive_switch begin(parallel_mode target);
-  bool in_progress() const { return open_ != nullptr; }
+  bool in_progress() const;
 
   // False after an `inconsistent` outcome: switch_to() and begin() then refuse, moving nothing,
   // until recover() succeeds.
-  bool consistent() const { return consistent_; }
+  bool consistent() const;
 
   // After an `inconsistent` outcome: rebuilds a consistent state in request.mode without a
   // restart. Which KV is intact follows from how far the switch got: a layer whose KV plan
@@ -186,42 +213,14 @@ class switcher {
   //   P=2, EP->TP stop the world, the KV's undo failed: every sequence lost, EP tables empty.
   recovery_report recover(const recovery_request& request);
   // The report of the last switch that ended (either style).
-  const switch_report& last_report() const { return last_report_; }
+  const switch_report& last_report() const;
 
   // Arms a one-shot fault for one stage of the next switch (tests of the failure protocol);
   // several calls arm several stages; std::nullopt disarms them all.
-  void inject_fault(std::optional<switch_fault> fault) {
-    if (fault) faults_.push_back(*fault);
-    else faults_.clear();
-  }
+  void inject_fault(std::optional<switch_fault> fault);
 
  private:
-  friend class detail::switch_transaction;
-  friend class progressive_switch;
-
-  // The KV planner's options for a switch to `target` with the weights at `weights_at`;
-  // `placement` holds the ep_placement hook's answer for as long as the options are used.
-  kv_migration_options kv_options(arena_cursor weights_at, parallel_mode target,
-                                  kv_placement& placement) const;
-  kv_migration_options one_layer_kv_options(parallel_mode target, kv_placement& placement) const;
-  // Opens `rep` for a switch to `target` and returns the resting cursor of `target`, or
-  // nothing when the report is already final: refused because the switcher is inconsistent,
-  // or already_there.
-  std::optional<arena_cursor> open_report(switch_report& rep, parallel_mode target) const;
-
-  arena_geometry weights_;
-  kv_geometry kv_geometry_;
-  transport& transport_;
-  kv_state kv_;
-  arena_cursor cursor_;
-  switcher_options options_;
-  std::vector<switch_fault> faults_;
-  bool consistent_ = true;
-  std::string inconsistency_;
-  const detail::switch_transaction* open_ = nullptr;  // the open progressive switch
-  // The transaction that ended inconsistent (what recover() rebuilds from).
-  std::unique_ptr<detail::switch_transaction> wreck_;
-  switch_report last_report_;
+  std::unique_ptr<detail::switch_state> state_;
 };
 
 }  // namespace moebius

@@ -154,8 +154,8 @@ serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::arena_cur
     const bool hybrid = session.has_value();
     if (hybrid && beside == nullptr) {
       session->advance(progressive_layers);
-      moebius::progress_state state = session->poll();
-      while (state == moebius::progress_state::in_flight) state = session->poll();
+      // Blocks on the advance's copies (no spin on poll()).
+      const moebius::progress_state state = session->wait();
       REQUIRE(state == moebius::progress_state::ready);  // the advance committed its layers
       if (after_move) after_move(session->view().cursor());
     }

@@ -1,0 +1,76 @@
+#pragma once
+
+// A switch planned once (switcher::plan): the capacity verdict with its numbers, what each layer
+// sends (the pacing input), the EP placement used, and the weight and KV plans the transaction
+// runs, stamped with the switcher state it was planned on. An engine plans once per decision and
+// hands the same plan to its capacity check, its cost estimate, its pacing and to
+// switcher::switch_to(plan) / begin(plan), which run exactly it (no planning of their own):
+//
+//   const switch_plan p = sw.plan(parallel_mode::tp);     // moves nothing
+//   if (!p.capacity.fits) ...                             // the capacity check (sw.check)
+//   pacing.bytes_per_layer = p.bytes_per_layer.busiest(); // the pacing (sw.layer_bytes_of)
+//   progressive_switch s = sw.begin(p);                   // or sw.switch_to(p)
+//
+// A plan is valid for the state it was made on only: every mutable_kv_tables() call, every
+// switch that ran (committed, rolled back or inconsistent) and every recover() moves the
+// switcher's state generation on, and switch_to/begin then refuse the plan (errc::invalid_argument,
+// "stale", with what moved the state on; switcher::why_stale says it without throwing).
+//
+// Two KV plans, because the two switch styles cut the KV differently (switcher.hpp):
+// switch_to moves all layers' KV in one migration staged in the target's free slot (`kv`,
+// verdict `capacity`); a progressive switch moves one layer at a time, layer 0's migration
+// shifted to each layer (`layer_kv`, verdict `layer_capacity`). Both place sequences alike
+// (`ep_placement`) and evolve the same page states; only the staging room differs (a slot holds
+// more one-layer pieces), so `layer_capacity` may fit where `capacity` does not.
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+
+#include "moebius/kv/kv_migration.hpp"
+#include "moebius/kv/placement.hpp"
+#include "moebius/layout/arena_geometry.hpp"
+#include "moebius/plan/plan.hpp"
+#include "moebius/switch/pacing.hpp"
+
+namespace moebius {
+
+// The switcher state a plan was made on.
+struct switch_plan_origin {
+  uint64_t switcher_id = 0;  // which switcher (each has its own)
+  uint64_t generation = 0;   // its state generation then (see above)
+};
+
+// Made by switcher::plan; read it, copy it, print it; edit nothing (switch_to and begin trust
+// it once its origin matches). Copies share the plans (immutable).
+struct switch_plan {
+  switch_plan_origin origin;
+  parallel_mode from = parallel_mode::ep;  // the mode the switcher was in
+  parallel_mode to = parallel_mode::ep;    // the target
+  arena_cursor start, goal;                // where the arena rests now, and in `to`
+  // Stop the world (switch_to): the capacity verdict of all layers' KV in one migration. This is
+  // switcher::check(to).
+  kv_capacity_report capacity;
+  // Progressive (begin): the verdict of one layer's migration.
+  kv_capacity_report layer_capacity;
+  // What each layer sends per rank (switcher::layer_bytes_of(to)); empty when layer_capacity
+  // refused.
+  layer_bytes bytes_per_layer;
+  // TP -> EP with switcher_options::ep_placement: the owners the hook gave, used by both KV
+  // plans; empty otherwise (longest-first inside the planner).
+  kv_placement ep_placement;
+  // Every layer's weights from `start` to `goal`, one phase per layer in the order the layers
+  // move (EP->TP ascending, TP->EP descending): a progressive switch's i-th layer runs phase i.
+  std::shared_ptr<const plan> weights;
+  std::shared_ptr<const kv_migration> kv;        // null when capacity refused
+  std::shared_ptr<const kv_migration> layer_kv;  // layer 0, staging at arena offset 0; null when
+                                                 // layer_capacity refused
+  double plan_ms = 0;  // host time it took
+
+  bool already_there() const { return from == to && start == goal; }
+};
+
+// One line: direction, origin, both verdicts, rounds and the busiest rank's bytes per layer.
+std::ostream& operator<<(std::ostream& os, const switch_plan& p);
+
+}  // namespace moebius

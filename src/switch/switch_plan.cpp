@@ -1,0 +1,81 @@
+// switcher::plan: a switch planned once (moebius/switch/switch_plan.hpp), and its printing.
+
+#include "moebius/switch/switch_plan.hpp"
+
+#include <ostream>
+
+#include "moebius/detail/enum_check.hpp"
+#include "moebius/detail/nvtx.hpp"
+#include "moebius/plan/weight_plan.hpp"
+#include "moebius/switch/switcher.hpp"
+#include "layer_traffic.hpp"
+#include "switch_state.hpp"
+#include "transaction.hpp"
+
+namespace moebius {
+namespace {
+
+// One run of the KV planner: its verdict, and the migration when it fits.
+std::shared_ptr<const kv_migration> plan_kv(const kv_geometry& g, const kv_state& tables,
+                                            parallel_mode target,
+                                            const kv_migration_options& opt,
+                                            kv_capacity_report& verdict) {
+  kv_migration_attempt a = try_plan_kv_migration(g, tables, target, opt);
+  verdict = std::move(a.capacity);
+  if (!a.migration) return nullptr;
+  return std::make_shared<const kv_migration>(std::move(*a.migration));
+}
+
+}  // namespace
+
+switch_plan switcher::plan(parallel_mode target) const {
+  detail::check_enum(target, "switcher::plan target (parallel_mode)");
+  const detail::switch_state& st = *state_;
+  const auto t0 = detail::clock_type::now();
+  const detail::nvtx_range range("moebius/switch/plan");
+  switch_plan p;
+  p.origin = {st.id, st.generation};
+  p.from = st.kv.mode;
+  p.to = target;
+  p.start = st.cursor;
+  p.goal = st.resting(target);
+  // TP -> EP: the hook's owners, asked once for both KV plans.
+  const kv_placement* placement = nullptr;
+  if (st.options.ep_placement && target == parallel_mode::ep && st.kv.mode == parallel_mode::tp) {
+    p.ep_placement = st.options.ep_placement(st.kv);
+    placement = &p.ep_placement;
+  }
+  // Stop the world: every layer's KV in one migration, staged in the target's free slot.
+  p.kv = plan_kv(st.kv_geom, st.kv, target, st.kv_options(p.goal, placement), p.capacity);
+  // Progressive: layer 0's KV, staging at offset 0; each layer's plan is this one shifted to
+  // its own free slot (src/switch/transaction.hpp).
+  kv_geometry one_layer = st.kv_geom;
+  one_layer.num_layers = 1;
+  kv_migration_options layer_opt = st.kv_options(arena_cursor{0}, placement);
+  layer_opt.staging.offset = 0;
+  p.layer_kv = plan_kv(one_layer, st.kv, target, layer_opt, p.layer_capacity);
+  p.weights =
+      std::make_shared<const moebius::plan>(plan_weight_switch(st.weights, p.start, p.goal));
+  if (p.layer_kv) {
+    p.bytes_per_layer = detail::layer_traffic(st.weights, target,
+                                              st.kv.mode != target ? &p.layer_kv->copies : nullptr);
+  }
+  p.plan_ms = detail::ms_between(t0, detail::clock_type::now());
+  return p;
+}
+
+std::ostream& operator<<(std::ostream& os, const switch_plan& p) {
+  os << "switch_plan{" << to_string(p.from) << "->" << to_string(p.to) << " cursor "
+     << p.start.tp_layers << "->" << p.goal.tp_layers << ", switcher " << p.origin.switcher_id
+     << " generation " << p.origin.generation << "; stop the world: "
+     << (p.capacity.fits ? "fits" : "refused");
+  if (p.capacity.fits) os << " in " << p.capacity.rounds << " KV rounds";
+  os << "; per layer: " << (p.layer_capacity.fits ? "fits" : "refused");
+  if (p.layer_capacity.fits) {
+    os << " in " << p.layer_capacity.rounds << " KV rounds, busiest rank "
+       << p.bytes_per_layer.busiest() << " B a layer";
+  }
+  return os << "; " << p.plan_ms << " ms}";
+}
+
+}  // namespace moebius
