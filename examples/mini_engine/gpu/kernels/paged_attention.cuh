@@ -1,0 +1,75 @@
+#pragma once
+
+// Internals of the paged decode attention, shared by its three files: attention.cu (kv_append,
+// the simple kernel, the split count and launch_paged_attention, which picks a kernel),
+// attention_split.cu (the CUDA-core split kernel and the merge of its ranges) and
+// attention_tc.cu (the tensor-core split kernel).
+
+#include "common.cuh"
+#include "kernels.hpp"
+
+namespace mini_engine::gpu {
+
+constexpr int k_attention_warps = 4;
+constexpr int k_vec = 8;        // elements per lane per position (16 bytes of bf16)
+constexpr int k_max_group = 4;  // q heads per block held in registers (8: 208 registers)
+constexpr int k_tc_rows = 8;    // q heads per block of the tensor-core kernel (mma rows 0..7)
+
+struct split_params {
+  int32_t splits = 1;
+  int32_t pages_per_split = 1;  // splits * pages_per_split >= table_stride
+};
+
+// What one block of a split kernel works on: token t, page head kvh, position range `range`,
+// chunk `chunk` of up to `rows` q heads of that page head.
+struct split_block {
+  int64_t t, kvh, chunk;
+  int32_t range;
+  int32_t begin, end;  // the token's positions in the range: [begin, end)
+  int64_t h0;          // the chunk's q heads: h0 .. h0 + G - 1
+  int G;
+};
+
+// The block index of the split kernels decoded: blockIdx.x = ((t * page_heads + kvh) * splits
+// + range) * chunks + chunk, chunks of up to `rows` q heads (k_max_group; the tensor-core
+// kernel: k_tc_rows). Range r of token t holds positions [r * span, min((r + 1) * span,
+// pos[t] + 1)), span = pages_per_split * page_size. False when the block has nothing to do:
+// a token past num_tokens, a range past the token's context (the merge reads no such range),
+// a chunk past the page head's q heads; the block then exits.
+//   page_size 16, pages_per_split 2 (span 32), pos[t] = 40: range 0 is [0, 32), range 1
+//   [32, 41), ranges 2.. none.
+__device__ __forceinline__ bool split_block_of(const paged_attention_args& a,
+                                               const split_params& sp, int rows, split_block& blk) {
+  const int64_t page_heads = (a.q_heads + a.group - 1) / a.group;
+  const int64_t chunks = ((a.group < a.q_heads ? a.group : a.q_heads) + rows - 1) / rows;
+  // Chunks of one range are adjacent (their second reads of K/V hit L2).
+  int64_t b = blockIdx.x;
+  blk.chunk = b % chunks;
+  b /= chunks;
+  blk.range = static_cast<int32_t>(b % sp.splits);
+  b /= sp.splits;
+  blk.kvh = b % page_heads;
+  blk.t = b / page_heads;
+  if (blk.t >= detail::real_rows(a.tok.num_tokens, a.tok.tokens)) return false;
+  const int32_t span = sp.pages_per_split * static_cast<int32_t>(a.geometry.page_size);
+  const int32_t last = a.tok.pos[blk.t];
+  blk.begin = blk.range * span;
+  blk.end = min(last + 1, blk.begin + span);
+  if (blk.begin >= blk.end) return false;
+  blk.h0 = blk.kvh * a.group + blk.chunk * rows;
+  const int64_t h_end = min(min((blk.kvh + 1) * a.group, a.q_heads), blk.h0 + rows);
+  blk.G = static_cast<int>(h_end - blk.h0);
+  return blk.G > 0;
+}
+
+// The launchers of the split kernels, for launch_paged_attention (a split count from
+// split_params_of): the CUDA-core one, the tensor-core one (bf16 pool, head_dim 64 or 128),
+// and the merge of their ranges when sp.splits > 1.
+void launch_paged_attention_split(const paged_attention_args& a, const split_params& sp,
+                                  cudaStream_t stream);
+void launch_paged_attention_tc(const paged_attention_args& a, const split_params& sp,
+                               cudaStream_t stream);
+void launch_paged_attention_merge(const paged_attention_args& a, const split_params& sp,
+                                  cudaStream_t stream);
+
+}  // namespace mini_engine::gpu
