@@ -84,7 +84,13 @@ kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout&
 kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_state& s,
                                            parallel_mode target,
                                            const kv_migration_options& opt) {
-  kv_detail::outcome o = kv_detail::run(g, present_kv_layout(g), s, target, opt);
+  return try_plan_kv_migration(g, present_kv_layout(g), s, target, opt);
+}
+
+kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_pool_layout& layout,
+                                           const kv_state& s, parallel_mode target,
+                                           const kv_migration_options& opt) {
+  kv_detail::outcome o = kv_detail::run(g, layout, s, target, opt);
   kv_migration_attempt a;
   a.capacity = capacity_of(o);
   if (o.ok) a.migration = std::move(o.result);

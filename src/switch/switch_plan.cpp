@@ -3,6 +3,7 @@
 #include "moebius/switch/switch_plan.hpp"
 
 #include <ostream>
+#include <string>
 
 #include "moebius/detail/enum_check.hpp"
 #include "moebius/detail/nvtx.hpp"
@@ -16,11 +17,11 @@ namespace moebius {
 namespace {
 
 // One run of the KV planner: its verdict, and the migration when it fits.
-std::shared_ptr<const kv_migration> plan_kv(const kv_geometry& g, const kv_state& tables,
-                                            parallel_mode target,
+std::shared_ptr<const kv_migration> plan_kv(const kv_geometry& g, const kv_pool_layout& layout,
+                                            const kv_state& tables, parallel_mode target,
                                             const kv_migration_options& opt,
                                             kv_capacity_report& verdict) {
-  kv_migration_attempt a = try_plan_kv_migration(g, tables, target, opt);
+  kv_migration_attempt a = try_plan_kv_migration(g, layout, tables, target, opt);
   verdict = std::move(a.capacity);
   if (!a.migration) return nullptr;
   return std::make_shared<const kv_migration>(std::move(*a.migration));
@@ -46,14 +47,23 @@ switch_plan switcher::plan(parallel_mode target) const {
     placement = &p.ep_placement;
   }
   // Stop the world: every layer's KV in one migration, staged in the target's free slot.
-  p.kv = plan_kv(st.kv_geom, st.kv, target, st.kv_options(p.goal, placement), p.capacity);
+  p.kv = plan_kv(st.kv_geom, st.kv_layout, st.kv, target, st.kv_options(p.goal, placement), p.capacity);
   // Progressive: layer 0's KV, staging at offset 0; each layer's plan is this one shifted to
   // its own free slot (src/switch/transaction.hpp).
   kv_geometry one_layer = st.kv_geom;
   one_layer.num_layers = 1;
   kv_migration_options layer_opt = st.kv_options(arena_cursor{0}, placement);
   layer_opt.staging.offset = 0;
-  p.layer_kv = plan_kv(one_layer, st.kv, target, layer_opt, p.layer_capacity);
+  // Layer 0 of the same layout: every layer is layer 0 moved by the layout's layer stride,
+  // which needs one stride in both views (layers that interleave inside a page have two).
+  if (st.kv_layout.ep.layer == st.kv_layout.tp.layer) {
+    p.layer_kv = plan_kv(one_layer, st.kv_layout, st.kv, target, layer_opt, p.layer_capacity);
+  } else {
+    p.layer_capacity.reason = "the KV layout's layers interleave inside a page (layer stride EP " +
+                              std::to_string(st.kv_layout.ep.layer) + ", TP " +
+                              std::to_string(st.kv_layout.tp.layer) +
+                              "): no layer's KV moves on its own";
+  }
   p.weights =
       std::make_shared<const moebius::plan>(plan_weight_switch(st.weights, p.start, p.goal));
   if (p.layer_kv) {

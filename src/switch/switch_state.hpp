@@ -14,6 +14,7 @@
 
 #include "moebius/kv/kv_geometry.hpp"
 #include "moebius/kv/kv_migration.hpp"
+#include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/switch/switch_report.hpp"
@@ -33,6 +34,7 @@ struct switch_state {
 
   const arena_geometry weights;
   const kv_geometry kv_geom;
+  const kv_pool_layout kv_layout;  // switcher_options::kv_layout, or the present layout
   transport& mover;  // moves the bytes: the transport of every plan
   const switcher_options options;
   const uint64_t id;  // switch_plan_origin::switcher_id

@@ -63,6 +63,7 @@ switch_state::switch_state(const arena_geometry& w, const kv_geometry& kv_g, tra
                            kv_state kv_tables, arena_cursor c, switcher_options o)
     : weights(w),
       kv_geom(kv_g),
+      kv_layout(o.kv_layout ? *o.kv_layout : present_kv_layout(kv_g)),
       mover(t),
       options(std::move(o)),
       id(next_switcher_id()),
@@ -94,6 +95,7 @@ switcher::switcher(const arena_geometry& weights, const kv_geometry& kv, transpo
   validate(st.weights, st.cursor);
   validate(st.kv_geom);
   validate(st.kv_geom, st.kv);
+  validate(st.kv_geom, st.kv_layout);
   MOEBIUS_CHECK(st.weights.num_ranks == t.num_ranks() && st.kv_geom.num_ranks == t.num_ranks(),
                 errc::invalid_argument, "switcher: rank counts differ (weights P=",
                 st.weights.num_ranks, ", kv P=", st.kv_geom.num_ranks,
@@ -108,6 +110,7 @@ switcher::~switcher() = default;
 
 parallel_mode switcher::mode() const { return state_->kv.mode; }
 arena_cursor switcher::cursor() const { return state_->cursor; }
+const kv_pool_layout& switcher::kv_layout() const { return state_->kv_layout; }
 const kv_state& switcher::kv_tables() const { return state_->kv; }
 bool switcher::in_progress() const { return state_->open != nullptr; }
 bool switcher::consistent() const { return state_->consistent; }
@@ -232,6 +235,12 @@ progressive_switch switcher::begin(const switch_plan& p) {
                 "begin: a progressive switch moves each layer's weights and KV together, so the "
                 "KV cache needs one layer per MoE layer (KV layers ", st.kv_geom.num_layers,
                 ", MoE layers ", st.weights.shape.num_layers, ")");
+  // Each layer's KV plan is layer 0's shifted by one layer stride (transaction.cpp), which
+  // needs the same stride in both views.
+  MOEBIUS_CHECK(st.kv_layout.ep.layer == st.kv_layout.tp.layer, errc::invalid_argument,
+                "begin: the KV layout's layers interleave inside a page (layer stride EP ",
+                st.kv_layout.ep.layer, ", TP ", st.kv_layout.tp.layer,
+                "), so one layer's KV cannot move on its own; switch with switch_to()");
   const std::string stale = why_stale(p);
   MOEBIUS_CHECK(stale.empty(), errc::invalid_argument, "begin: the plan is stale: ", stale,
                 "; plan again (switcher::plan)");

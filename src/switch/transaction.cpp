@@ -19,10 +19,11 @@ void append(plan& to, const plan& from) {
 }
 
 // `layer0` (a plan over layer 0's KV tensors with staging at arena offset 0) moved to `layer`
-// with staging at `staging_offset`.
-plan shift_kv_plan(const plan& layer0, const kv_geometry& g, int64_t layer,
+// with staging at `staging_offset`. Both views of a pool layout share its layer stride
+// (derive_tp_strides keeps every stride outside a page), so one shift serves both directions.
+plan shift_kv_plan(const plan& layer0, const kv_pool_layout& layout, int64_t layer,
                    int64_t staging_offset) {
-  const int64_t pool_shift = g.tensor_offset(layer, kv_tensor::k);
+  const int64_t pool_shift = layer * layout.ep.layer;
   plan out = layer0;
   auto shift = [&](copy_op& op) {
     op.src_offset += op.src_space == memory_space::kv_pool ? pool_shift : staging_offset;
@@ -198,7 +199,7 @@ std::shared_ptr<const plan> switch_transaction::kv_plan_of(size_t u) const {
   if (how_ == style::whole) return kv_;
   const unit& un = units_[u];
   return std::make_shared<const plan>(shift_kv_plan(
-      *kv_, st_.kv_geom, un.layer(), st_.weights.slot_offset(arena_geometry::free_slot(un.to))));
+      *kv_, st_.kv_layout, un.layer(), st_.weights.slot_offset(arena_geometry::free_slot(un.to))));
 }
 
 switch_step_view switch_transaction::view() const {

@@ -105,6 +105,10 @@ struct kv_migration_attempt {
 kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_state& s,
                                            parallel_mode target,
                                            const kv_migration_options& opt = {});
+// The same over a pool in any validated layout (kv_pool_layout.hpp).
+kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_pool_layout& layout,
+                                           const kv_state& s, parallel_mode target,
+                                           const kv_migration_options& opt = {});
 
 // Whether `s` can migrate to `target` and in how many rounds; moves and changes nothing.
 // Throws errc::invalid_argument for an invalid state (validate()).

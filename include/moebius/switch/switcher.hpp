@@ -37,11 +37,13 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "moebius/kv/kv_geometry.hpp"
 #include "moebius/kv/kv_migration.hpp"
+#include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/switch/pacing.hpp"
@@ -85,6 +87,12 @@ struct switcher_options {
   // plans both use it (switch_plan::ep_placement); a placement with fits == false refuses the
   // switch (capacity).
   std::function<kv_placement(const kv_state& tp_tables)> ep_placement;
+  // Where the KV pool's bytes lie (kv_pool_layout.hpp): the cache as the engine's attention
+  // kernels read it, so that every page and head slice lands where those kernels look for it.
+  // Empty: the present layout (present_kv_layout). Every plan, stop-the-world and per layer,
+  // is made over it; a progressive switch shifts layer 0's plan by the layout's layer stride.
+  // The constructor validates it against the KV geometry (errc::invalid_argument).
+  std::optional<kv_pool_layout> kv_layout;
 };
 
 // A test hook: a fault injected into one stage of the next switch.
@@ -144,6 +152,8 @@ class switcher {
   parallel_mode mode() const;
   arena_cursor cursor() const;
   const kv_state& kv_tables() const;
+  // The KV pool's layout every plan is made over (switcher_options::kv_layout).
+  const kv_pool_layout& kv_layout() const;
   // The engine adds and retires sequences between switches; the tables must stay valid. Every
   // call makes the plans made before it stale (the caller may change the tables).
   // Throws errc::invalid_argument while a progressive switch is open: its tables are frozen
