@@ -1,0 +1,59 @@
+#pragma once
+
+// What the fault tests share (test_serving_faults.cpp, test_serving_faults_recovery.cpp): the
+// host runtime on its own weights with a host transport over its memory, and counting a run's
+// switches.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <moebius/switch/switcher.hpp>
+#include <moebius/transport/host_transport.hpp>
+
+#include "engine.hpp"
+#include "host_runtime.hpp"
+#include "model_config.hpp"
+#include "weights.hpp"
+
+namespace mini_engine::testing {
+
+struct host_world {
+  model_config c;
+  model_weights weights;  // the host copy recovery reloads the experts from
+  std::unique_ptr<host_runtime> rt;
+  std::unique_ptr<moebius::host_transport> transport;
+};
+
+inline host_world make_host_world(const model_config& c, int P, int64_t ep_pages, uint64_t seed) {
+  host_world w;
+  w.c = c;
+  validate(w.c, P);
+  host_runtime_options o;
+  o.num_ranks = P;
+  o.num_ep_pages = ep_pages;
+  w.weights = make_weights(w.c, seed);
+  w.rt = std::make_unique<host_runtime>(w.weights, o);
+  w.transport = std::make_unique<moebius::host_transport>(w.rt->memory());
+  return w;
+}
+
+inline model_config with_layers(int64_t layers) {
+  model_config c = tiny();
+  c.num_layers = layers;
+  return c;
+}
+
+inline int64_t count(const run_result& r, moebius::switch_outcome o) {
+  int64_t n = 0;
+  for (const switch_record& s : r.switches) n += s.outcome == o;
+  return n;
+}
+
+inline std::vector<int64_t> every_other_step(int64_t from, int64_t to, int64_t every) {
+  std::vector<int64_t> s;
+  for (int64_t i = from; i < to; i += every) s.push_back(i);
+  return s;
+}
+
+}  // namespace mini_engine::testing
