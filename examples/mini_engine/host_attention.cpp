@@ -31,14 +31,14 @@ void host_runtime::attend(int64_t layer, int rank, parallel_mode mode,
   const int64_t end = item.start_position + n;  // positions [0, end) are attended
   MOEBIUS_CHECK(seq.num_tokens >= end, errc::invalid_argument, "step: sequence ", seq.seq_id,
                 " on rank ", rank, " holds ", seq.num_tokens, " tokens, the step needs ", end);
-  std::byte* pool = pools_[static_cast<size_t>(rank)].data();
+  std::byte* pool = pool_of(rank);
   const int64_t first = item_first_[static_cast<size_t>(item_index)];
   // Head index within a page: EP pages hold every head, TP pages this rank's slice.
   const int64_t page_head0 =
       mode == parallel_mode::ep ? 0 : g.tp_slice_of_rank(rank) * g.heads_per_tp_page();
   auto at = [&](kv_tensor t, int64_t head, int64_t pos) {
-    return pool + g.offset(mode, layer, t, seq.pages[static_cast<size_t>(pos / ps)],
-                           head - page_head0, pos % ps, 0);
+    return pool + kv_layout_.offset(mode, layer, t, seq.pages[static_cast<size_t>(pos / ps)],
+                                    head - page_head0, pos % ps, 0);
   };
 
   // 1. K and V of the new tokens for heads [kv0, kv1): projection, k_norm, RoPE, store.

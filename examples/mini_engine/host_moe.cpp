@@ -80,7 +80,7 @@ void host_runtime::run_expert(int64_t layer, parallel_mode mode, int rank, int64
   const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, b = c.fp8_block;
   const int64_t p0 = expert_first_[static_cast<size_t>(e)],
                 p1 = expert_first_[static_cast<size_t>(e + 1)];
-  const std::byte* arena = arenas_[static_cast<size_t>(rank)].data();
+  const std::byte* arena = arena_of(rank);
   const bool fp8 = c.fp8_experts();
   const bool f32 = c.expert_dtype == dtype::fp32;  // read in place, no decode
   const int64_t eb = moebius::dtype_bytes(c.expert_dtype);

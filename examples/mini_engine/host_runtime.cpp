@@ -31,10 +31,14 @@ void host_runtime::lay_out(const host_runtime_options& options) {
                                                  options.tensor_alignment, options.slot_alignment);
   moebius::validate(arena_geometry_, options.cursor);
   kv_geometry_ = kv_geometry_of(c, options.num_ranks, options.num_ep_pages);
-  arenas_.assign(static_cast<size_t>(options.num_ranks),
-                 std::vector<std::byte>(static_cast<size_t>(arena_geometry_.total_bytes())));
-  pools_.assign(static_cast<size_t>(options.num_ranks),
-                std::vector<std::byte>(static_cast<size_t>(kv_geometry_.pool_bytes())));
+  kv_layout_ = moebius::kv_preset_layout(options.kv_preset, kv_geometry_);
+  MOEBIUS_CHECK(kv_layout_.pool_bytes == kv_geometry_.pool_bytes() && kv_layout_.segment_bytes == 0,
+                errc::invalid_argument, "host_runtime: the ", moebius::to_string(options.kv_preset),
+                " layout needs a pool of ", kv_layout_.pool_bytes, " bytes in one allocation; the "
+                "memory owner allocates ", kv_geometry_.pool_bytes());
+  memory_ = std::make_unique<moebius::host_deployment_memory>(arena_geometry_, kv_geometry_,
+                                                              moebius::memory_fill::zero,
+                                                              options.cursor);
   const int64_t D = c.head_dim;
   inv_freq_.resize(static_cast<size_t>(D / 2));
   for (int64_t i = 0; i < D / 2; ++i)
@@ -86,7 +90,7 @@ host_runtime::host_runtime(const model_config& config, const host_runtime_option
   class sink final : public weight_sink {
    public:
     sink(host_runtime& rt, moebius::arena_cursor cursor) : rt_(rt), cursor_(cursor) {
-      spans_.assign(rt.arenas_.begin(), rt.arenas_.end());
+      spans_ = rt.arena_spans();
       const model_config& m = rt.weights_.config;
       seen_.assign(static_cast<size_t>(3 + m.num_layers * (9 + 3 * m.num_experts)), 0);
     }
@@ -170,15 +174,24 @@ void host_runtime::place_experts(const model_weights& weights, moebius::arena_cu
                     weights.config.intermediate == config().intermediate &&
                     weights.config.expert_dtype == config().expert_dtype,
                 errc::invalid_argument, "host_runtime::place_experts: weights of another model");
-  std::vector<std::span<std::byte>> spans(arenas_.begin(), arenas_.end());
-  mini_engine::place_experts(weights, arena_geometry_, cursor, spans);
+  mini_engine::place_experts(weights, arena_geometry_, cursor, arena_spans());
 }
 
-std::vector<moebius::rank_memory> host_runtime::memory() {
-  std::vector<moebius::rank_memory> m;
-  for (size_t r = 0; r < arenas_.size(); ++r)
-    m.push_back(moebius::rank_memory::host(arenas_[r], pools_[r]));
-  return m;
+std::vector<moebius::rank_memory> host_runtime::memory() { return memory_->ranks(); }
+
+std::byte* host_runtime::arena_of(int rank) const {
+  return memory_->memory(rank).space(moebius::memory_space::arena).data();
+}
+
+std::byte* host_runtime::pool_of(int rank) const {
+  return memory_->memory(rank).space(moebius::memory_space::kv_pool).data();
+}
+
+std::vector<std::span<std::byte>> host_runtime::arena_spans() const {
+  std::vector<std::span<std::byte>> s;
+  for (int r = 0; r < num_ranks(); ++r)
+    s.emplace_back(arena_of(r), static_cast<size_t>(arena_geometry_.total_bytes()));
+  return s;
 }
 
 std::vector<int32_t> host_runtime::compute(const step_layout& layout,

@@ -40,8 +40,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <moebius/kv/kv_geometry.hpp>
+#include <moebius/kv/kv_pool_layout.hpp>
 #include <moebius/layout/arena_geometry.hpp>
+#include <moebius/memory/deployment_memory.hpp>
 #include <moebius/memory/rank_memory.hpp>
 #include <span>
 #include <vector>
@@ -60,6 +63,11 @@ struct host_runtime_options {
   moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
   int64_t tensor_alignment = 256;   // arena layout (small slots keep host images small)
   int64_t slot_alignment = 4096;
+  // How the KV pool lies (kv_pool_layout.hpp): attention reads and writes K/V through this
+  // layout, so the runtime serves the cache of vLLM or SGLang as they lay it out (a preset
+  // with packed buffers: the memory owner allocates kv_geometry::pool_bytes()). sglang_mha
+  // needs an NHD geometry; present and the vLLM presets take either.
+  moebius::kv_preset kv_preset = moebius::kv_preset::present;
 };
 
 class host_runtime : public synchronous_runtime {
@@ -84,6 +92,10 @@ class host_runtime : public synchronous_runtime {
 
   // Rank r's arena and KV pool, for a moebius::host_transport.
   std::vector<moebius::rank_memory> memory();
+  // The library's owner of that memory (moebius::host_deployment_memory): typed views.
+  const moebius::deployment_memory& deployment() const { return *memory_; }
+  // The pool's layout (options.kv_preset), for switcher_options::kv_layout.
+  const moebius::kv_pool_layout& kv_layout() const { return kv_layout_; }
   const moebius::arena_geometry& arena() const { return arena_geometry_; }
   const moebius::kv_geometry& kv() const { return kv_geometry_; }
   const model_config& config() const { return weights_.config; }
@@ -135,8 +147,12 @@ class host_runtime : public synchronous_runtime {
   std::vector<double> lm_head_;
   moebius::arena_geometry arena_geometry_;
   moebius::kv_geometry kv_geometry_;
-  std::vector<std::vector<std::byte>> arenas_;  // [P][total_bytes]
-  std::vector<std::vector<std::byte>> pools_;   // [P][pool_bytes]
+  // Every rank's arena and KV pool, allocated once by the library's memory owner, zeroed.
+  std::unique_ptr<moebius::host_deployment_memory> memory_;
+  moebius::kv_pool_layout kv_layout_;
+  std::byte* arena_of(int rank) const;
+  std::byte* pool_of(int rank) const;
+  std::vector<std::span<std::byte>> arena_spans() const;
   std::vector<double> inv_freq_;                // [D/2] RoPE frequencies
 
   // Per-step scratch, grown as needed (no allocation inside the loops).

@@ -73,17 +73,18 @@ uint64_t weight_checksum(const arena_geometry& g, arena_cursor cursor, int64_t l
 namespace {
 
 // Layers [layer0, layer1) of kv_checksum.
-uint64_t kv_layers_checksum(const kv_geometry& g, const kv_state& s, int64_t layer0,
-                            int64_t layer1,
+uint64_t kv_layers_checksum(const kv_geometry& g, const kv_pool_layout& layout,
+                            const kv_state& s, int64_t layer0, int64_t layer1,
                             std::span<const std::span<const std::byte>> rank_pools) {
   validate(g, s);
+  validate(g, layout);
   MOEBIUS_CHECK(static_cast<int64_t>(rank_pools.size()) == g.num_ranks, errc::invalid_argument,
                 "kv_checksum needs one pool per rank (got ", rank_pools.size(), ", P=",
                 g.num_ranks, ")");
   for (const auto& pool : rank_pools) {
-    MOEBIUS_CHECK(static_cast<int64_t>(pool.size()) >= g.pool_bytes(), errc::out_of_range,
-                  "a pool of ", pool.size(), " bytes is smaller than the geometry's ",
-                  g.pool_bytes());
+    MOEBIUS_CHECK(static_cast<int64_t>(pool.size()) >= layout.pool_bytes, errc::out_of_range,
+                  "a pool of ", pool.size(), " bytes is smaller than the layout's ",
+                  layout.pool_bytes);
   }
   const int64_t eb = dtype_bytes(g.type);
   const int64_t heads = g.heads_per_ep_page();
@@ -98,8 +99,8 @@ uint64_t kv_layers_checksum(const kv_geometry& g, const kv_state& s, int64_t lay
           const int64_t page = seq.pages[static_cast<size_t>(token / g.page_size)];
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t d = 0; d < g.head_dim; ++d) {
-              const int64_t off = g.offset(s.mode, layer, static_cast<kv_tensor>(kt), page, h,
-                                           token % g.page_size, d);
+              const int64_t off = layout.offset(s.mode, layer, static_cast<kv_tensor>(kt), page,
+                                                h, token % g.page_size, d);
               const uint64_t coord = static_cast<uint64_t>(
                   (((layer * 2 + kt) * seq.num_tokens + token) * heads + head0 + h) *
                       g.head_dim + d);
@@ -147,15 +148,25 @@ uint64_t kv_layers_checksum(const kv_geometry& g, const kv_state& s, int64_t lay
 
 uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
                      std::span<const std::span<const std::byte>> rank_pools) {
-  return kv_layers_checksum(g, s, 0, g.num_layers, rank_pools);
+  return kv_checksum(g, present_kv_layout(g), s, rank_pools);
 }
 
 uint64_t kv_layer_checksum(const kv_geometry& g, const kv_state& s, int64_t layer,
                            std::span<const std::span<const std::byte>> rank_pools) {
+  return kv_layer_checksum(g, present_kv_layout(g), s, layer, rank_pools);
+}
+
+uint64_t kv_checksum(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                     std::span<const std::span<const std::byte>> rank_pools) {
+  return kv_layers_checksum(g, layout, s, 0, g.num_layers, rank_pools);
+}
+
+uint64_t kv_layer_checksum(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                           int64_t layer, std::span<const std::span<const std::byte>> rank_pools) {
   MOEBIUS_CHECK(layer >= 0 && layer < g.num_layers, errc::invalid_argument,
                 "kv_layer_checksum: layer must lie in [0, L) (layer=", layer, ", L=",
                 g.num_layers, ")");
-  return kv_layers_checksum(g, s, layer, layer + 1, rank_pools);
+  return kv_layers_checksum(g, layout, s, layer, layer + 1, rank_pools);
 }
 
 }  // namespace moebius

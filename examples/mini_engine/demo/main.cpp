@@ -179,7 +179,8 @@ int run_demo(options o) {
   for (world& x : worlds) {
     transports.push_back(x.make_transport());
     engines.push_back(std::make_unique<engine>(*x.rt, *transports.back(), x.arena, x.kv,
-                                               *clock.clock, moebius::arena_cursor{0}));
+                                               *clock.clock, moebius::arena_cursor{0},
+                                               x.kv_layout));
     pool.push_back(engines.back().get());
   }
 

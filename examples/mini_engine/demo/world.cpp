@@ -142,6 +142,7 @@ world make_host_world(const options& o, const host_plan& p, const hf_checkpoint*
   w.memory = rt->memory();
   w.arena = rt->arena();
   w.kv = rt->kv();
+  w.kv_layout = rt->kv_layout();
   std::ostringstream d;
   if (ck)
     d << "host runtime, checkpoint " << ck->source() << " (" << c << "), " << o.ranks
@@ -201,6 +202,7 @@ world make_gpu_world(const options& o, int P, const std::vector<request>& traces
   w.memory = rt->memory();
   w.arena = rt->arena();
   w.kv = rt->kv();
+  w.kv_layout = rt->kv_layout();
   w.vocab = static_cast<int32_t>(c.vocab);
   std::ostringstream d;
   d << "GPU runtime, " << (ck ? "checkpoint " + ck->source() : std::string("small model")) << " ("

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <moebius/kv/kv_geometry.hpp>
+#include <moebius/kv/kv_pool_layout.hpp>
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/memory/rank_memory.hpp>
 #include <moebius/transport/transport.hpp>
@@ -26,6 +27,7 @@ struct world {
   std::vector<moebius::rank_memory> memory;
   moebius::arena_geometry arena;
   moebius::kv_geometry kv;
+  moebius::kv_pool_layout kv_layout;  // how the runtime's pool lies: every switch honours it
   int32_t vocab = 0;
   std::string description;
   bool on_gpu = false;

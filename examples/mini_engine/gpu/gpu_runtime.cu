@@ -307,11 +307,11 @@ step_result gpu_runtime::finish(const pending_step& p) {
 }
 
 std::vector<moebius::rank_memory> gpu_runtime::memory() const {
-  std::vector<moebius::rank_memory> m;
-  for (const rank_state& rs : impl_->ranks)
-    m.push_back(moebius::rank_memory::on_device(rs.device, rs.arena, impl_->arena.total_bytes(),
-                                                rs.kv_pool, impl_->kv.pool_bytes()));
-  return m;
+  return impl_->memory->ranks();
+}
+const moebius::deployment_memory& gpu_runtime::deployment() const { return *impl_->memory; }
+moebius::kv_pool_layout gpu_runtime::kv_layout() const {
+  return moebius::present_kv_layout(impl_->kv);
 }
 const moebius::arena_geometry& gpu_runtime::arena() const {
   return impl_->arena;

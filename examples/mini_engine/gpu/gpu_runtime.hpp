@@ -28,7 +28,9 @@
 #include <functional>
 #include <memory>
 #include <moebius/kv/kv_geometry.hpp>
+#include <moebius/kv/kv_pool_layout.hpp>
 #include <moebius/layout/arena_geometry.hpp>
+#include <moebius/memory/deployment_memory.hpp>
 #include <moebius/memory/rank_memory.hpp>
 #include <span>
 #include <string>
@@ -149,8 +151,14 @@ class gpu_runtime : public runtime {
   // cuda_peer_transport::single_process takes both, virtual ranks after
   // request_hardware_queues_for_virtual_ranks()).
   std::vector<moebius::rank_memory> memory() const;
+  // The library's owner of that memory (moebius::device_deployment_memory): typed views of
+  // the arena and the pool.
+  const moebius::deployment_memory& deployment() const;
   const moebius::arena_geometry& arena() const;
   const moebius::kv_geometry& kv() const;
+  // The pool's layout, for switcher_options::kv_layout: the present one, which is what the
+  // attention kernels read (runtime_impl.hpp says why no other).
+  moebius::kv_pool_layout kv_layout() const;
   int num_ranks() const;
   // Whether the ranks are virtual (all on device 0, collectives over device memory; P > 1).
   bool virtual_ranks() const;

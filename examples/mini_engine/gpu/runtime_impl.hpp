@@ -29,7 +29,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <moebius/cuda/check.hpp>
+#include <moebius/memory/device_deployment_memory.hpp>
 #include <moebius/switch/progressive.hpp>
 #include <optional>
 #include <moebius/kv/kv_geometry.hpp>
@@ -151,6 +153,11 @@ struct gpu_runtime::impl {
   bool virt = false;
   moebius::arena_geometry arena;
   moebius::kv_geometry kv;
+  // Every rank's arena and KV pool (ranks[r].arena and .kv_pool point into it). The pool is
+  // in the present layout (kv_pool_layout.hpp): the attention kernels' vector loads read a
+  // page head as one HND block at kv_geometry::offset, so a layout of another engine would
+  // need kernels of that engine.
+  std::unique_ptr<moebius::device_deployment_memory> memory;
   int64_t T_max = 0, qkv_ld = 0, max_pages = 0;
   moe_tokens row_layout;  // packed row layout (tokens set per use)
   // Dtype of the expert GEMMs' inputs (packed rows, x_perm, act) and weights: the expert

@@ -62,6 +62,13 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   qkv_ld = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
   row_layout = moe_token_layout(0, c.hidden, c.top_k, ct);
   lay_out_buffers();
+  // The arena and KV pool of every rank from the library's memory owner: allocated once, never
+  // moved (the captured graphs read their addresses), zero-filled.
+  std::vector<int> devices_of_ranks(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) devices_of_ranks[static_cast<size_t>(r)] = virt ? 0 : r;
+  memory = std::make_unique<moebius::device_deployment_memory>(arena, kv, devices_of_ranks,
+                                                               std::vector<int>{}, moebius::memory_fill::zero,
+                                                               o.cursor);
   ranks.resize(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) init_rank(r);
   if (P > 1 && !virt) init_nccl();
@@ -188,8 +195,8 @@ void gpu_runtime::impl::init_rank(int r) {
   MINI_ENGINE_CUBLAS_CHECK(
       cublasSetWorkspace(rs.blas, rs.cublas_workspace, cublas_workspace_bytes));
   MINI_ENGINE_CUBLAS_CHECK(cublasSetStream(rs.blas, rs.stream));
-  rs.arena = device_alloc<std::byte>(arena.total_bytes(), rs.owned);
-  rs.kv_pool = device_alloc<std::byte>(kv.pool_bytes(), rs.owned);
+  rs.arena = memory->memory(r).space(moebius::memory_space::arena).data();
+  rs.kv_pool = memory->memory(r).space(moebius::memory_space::kv_pool).data();
   rs.input_count = buffer_sizes.input_count;
   for (int m = 0; m < 2; ++m) {
     MOEBIUS_CUDA_CHECK(cudaMallocHost(&rs.pinned[m], static_cast<size_t>(rs.input_count) * 4));

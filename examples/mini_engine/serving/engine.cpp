@@ -60,15 +60,16 @@ std::vector<int64_t> calibration_batches(int64_t max_running) {
 
 engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry& arena,
                const moebius::kv_geometry& kv, const step_clock& clock,
-               moebius::arena_cursor cursor)
+               moebius::arena_cursor cursor, std::optional<moebius::kv_pool_layout> kv_layout)
     : runtime_(rt),
       arena_(arena),
       kv_(kv),
       clock_(clock),
       switcher_(arena, kv, t,
                 empty_tables(kv, cursor.tp_layers == 0 ? parallel_mode::ep : parallel_mode::tp),
-                cursor, [this] {
+                cursor, [this, &kv_layout] {
                   moebius::switcher_options o;
+                  o.kv_layout = kv_layout;
                   // The checks see only the tokens written when the switch began (engine.hpp).
                   o.verify = [this](moebius::arena_cursor c, const kv_state& s) -> uint64_t {
                     return verify_ ? verify_(c, written_prefix(kv_, s, verify_written_)) : 0;

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include <moebius/kv/kv_geometry.hpp>
+#include <moebius/kv/kv_pool_layout.hpp>
 #include <moebius/layout/arena_geometry.hpp>
 #include <moebius/policy/calibration.hpp>
 #include <moebius/policy/residency.hpp>
@@ -195,8 +196,11 @@ class engine {
  public:
   // The runtime's arena must rest at `cursor` and its KV pool hold no live sequence; `t` is
   // a transport over the runtime's memory. The engine's switcher owns the tables from here.
+  // `kv_layout`: how the runtime's pool lies (host_runtime::kv_layout(), gpu_runtime's), which
+  // every switch honours (switcher_options::kv_layout); empty: the present layout.
   engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry& arena,
-         const moebius::kv_geometry& kv, const step_clock& clock, moebius::arena_cursor cursor);
+         const moebius::kv_geometry& kv, const step_clock& clock, moebius::arena_cursor cursor,
+         std::optional<moebius::kv_pool_layout> kv_layout = std::nullopt);
 
   // Serves `requests` to the end (every request finished, every page free) and returns what
   // happened. Switches first (untimed) to options.start_mode when the engine rests elsewhere.

@@ -11,6 +11,7 @@
 #include <span>
 
 #include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
 
@@ -33,5 +34,13 @@ uint64_t kv_checksum(const kv_geometry& g, const kv_state& s,
 // Throws errc::invalid_argument for a layer outside [0, L), and as kv_checksum.
 uint64_t kv_layer_checksum(const kv_geometry& g, const kv_state& s, int64_t layer,
                            std::span<const std::span<const std::byte>> rank_pools);
+
+// The same two over a pool in another layout (kv_pool_layout.hpp; switcher_options::kv_layout):
+// the elements are read where `layout` puts them, and the sum is the one the present layout's
+// pool holding the same K/V gives. Throws errc::invalid_argument for an invalid layout.
+uint64_t kv_checksum(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                     std::span<const std::span<const std::byte>> rank_pools);
+uint64_t kv_layer_checksum(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& s,
+                           int64_t layer, std::span<const std::span<const std::byte>> rank_pools);
 
 }  // namespace moebius

@@ -25,13 +25,16 @@ struct host_world {
   std::unique_ptr<moebius::host_transport> transport;
 };
 
-inline host_world make_host_world(const model_config& c, int P, int64_t ep_pages, uint64_t seed) {
+// `kv_preset`: how the runtime lays out its KV pool (host_runtime_options::kv_preset).
+inline host_world make_host_world(const model_config& c, int P, int64_t ep_pages, uint64_t seed,
+                                  moebius::kv_preset kv_preset = moebius::kv_preset::present) {
   host_world w;
   w.c = c;
   validate(w.c, P);
   host_runtime_options o;
   o.num_ranks = P;
   o.num_ep_pages = ep_pages;
+  o.kv_preset = kv_preset;
   w.weights = make_weights(w.c, seed);
   w.rt = std::make_unique<host_runtime>(w.weights, o);
   w.transport = std::make_unique<moebius::host_transport>(w.rt->memory());
