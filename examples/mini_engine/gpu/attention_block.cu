@@ -1,7 +1,8 @@
 // A layer's attention block (gpu_runtime.hpp): TP computes this rank's q heads and KV head
 // slice from row slices of the whole fused q/k/v weight and a column slice of o_proj (no
 // second copy), then all-reduces; EP (data-parallel) runs each rank's own sequences with all
-// heads. The paged decode kernels and their choice: kernels/attention.cu.
+// heads. The paged decode kernels: kernels/attention_split.cu and attention_tc.cu; their
+// choice: kernels/attention.cu.
 //
 // Per layer (DESIGN.md §7):
 //   attention, in the mode of the page tables passed to step():

@@ -2,7 +2,7 @@
 
 // The mini-engine's GPU kernels: one argument struct per kernel, passed by value
 // (__grid_constant__), and a launcher that takes it and the stream last. Every kernel is
-// tested in tests/test_kernels.cu against a host reference in double written inside each test
+// tested in tests/test_kernels*.cu against a host reference in double written inside each test
 // case (helpers: tests/gpu_test_util.hpp), every output element checked.
 //
 // Conventions. Activations between kernels are fp32, row-major, with an explicit row stride
@@ -54,7 +54,7 @@ struct rope_args {
 };
 void launch_rope(const rope_args& a, cudaStream_t stream);
 
-// ---- attention.cu ---------------------------------------------------------------------------
+// ---- attention.cu (its kernels in attention_split.cu, attention_tc.cu) ------------------------
 // Token t belongs to page-table row seq[t] and sits at position pos[t]: its K/V go to page
 // tables[seq[t] * table_stride + pos[t] / page_size], slot pos[t] % page_size, and it attends
 // causally over positions [0, pos[t]] of its row (decode: one token per row; a prefill chunk:
