@@ -143,6 +143,21 @@ int64_t requests_that_differ(const std::vector<request>& trace,
   return differ;
 }
 
+// FNV-1a over every request's greedy tokens, a separator after each request: one number to
+// compare a trace's tokens between two builds (the GPU demo before and after a change).
+uint64_t token_digest(const run_result& r) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t x) {
+    h ^= x;
+    h *= 1099511628211ull;
+  };
+  for (const request_result& q : r.requests) {
+    for (const int32_t t : q.generated) mix(static_cast<uint32_t>(t));
+    mix(0xffffffffffull);
+  }
+  return h;
+}
+
 }  // namespace
 
 const char* label_of(run_kind k) {
@@ -345,11 +360,11 @@ trace_outcome serve_trace(const options& o, trace_kind kind, world& w, engine& e
       std::printf("  %s\n", out.targets.back().line.c_str());
     }
   }
-  std::printf("  greedy tokens: %s (%zu requests)\n",
+  std::printf("  greedy tokens: %s (%zu requests, digest %016llx)\n",
               differ == 0
                   ? (runs.size() == 5 ? "identical in all five runs" : "identical in all four runs")
                   : "DIFFER",
-              trace.size());
+              trace.size(), static_cast<unsigned long long>(token_digest(runs.front().result)));
   const bool exact = !w.on_gpu || P == 1;
   out.tokens_identical = differ == 0 || !exact;
   write_run_files(o.out_dir + "/" + (kind == trace_kind::file ? "file" : to_string(kind)), runs);
