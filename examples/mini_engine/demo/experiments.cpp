@@ -174,6 +174,8 @@ const char* label_of(run_kind k) {
       return "no gate";
     case run_kind::paper_policy:
       return "paper policy";
+    case run_kind::by_cost:
+      return "ours by cost";
   }
   return "unknown";
 }

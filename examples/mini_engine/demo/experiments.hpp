@@ -21,11 +21,20 @@ namespace mini_engine::demo {
 
 // paper_policy: the paper's rules as written, without the cost gate (the simulated runtime's
 // baseline; the host demo's no_gate is the same policy under its own name).
-enum class run_kind : uint8_t { static_tp, static_ep, switching, progressive, no_gate, paper_policy };
+// by_cost: our policy choosing stop-the-world or progressive per switch (switch_style::by_cost).
+enum class run_kind : uint8_t {
+  static_tp,
+  static_ep,
+  switching,
+  progressive,
+  no_gate,
+  paper_policy,
+  by_cost
+};
 
-// "static TP", "static EP", "ours", "ours progressive", "no gate", "paper policy": the runs'
-// names in tables (switching and progressive: the engine's own policy and gate, stop-the-world
-// and progressive switches).
+// "static TP", "static EP", "ours", "ours progressive", "no gate", "paper policy", "ours by
+// cost": the runs' names in tables (switching, progressive and by_cost: the engine's own policy
+// and gate, stop-the-world, progressive and chosen per switch).
 const char* label_of(run_kind k);
 
 // The traces (fixed shapes, the same for every deployment; sizes kept small enough for the

@@ -377,7 +377,7 @@ int run_paper_experiments(const options& o) {
 
     const std::vector<run_kind> kinds = {run_kind::static_tp, run_kind::static_ep,
                                          run_kind::switching, run_kind::progressive,
-                                         run_kind::paper_policy};
+                                         run_kind::paper_policy, run_kind::by_cost};
     std::vector<sim_world> worlds;
     for (const run_kind k : kinds) worlds.push_back(make_sim_world(deployment_of(k), *clock.clock));
     const int64_t context = mean_decode_context(trace);
@@ -416,6 +416,8 @@ int run_paper_experiments(const options& o) {
     specs[1].options.start_mode = parallel_mode::ep;
     specs[3].options.style = switch_style::progressive;
     specs.push_back({run_kind::paper_policy, paper_policy_options(so)});
+    specs.push_back({run_kind::by_cost, so});
+    specs.back().options.style = switch_style::by_cost;
     const std::vector<run_outcome> runs = serve(trace, specs, worlds);
 
     std::vector<paper_metrics> m;

@@ -161,8 +161,19 @@ void engine::start_switch(run_state& st, parallel_mode target, step_record& rec)
   }
   if (st.options.test_hooks.before_switch) st.options.test_hooks.before_switch(switcher_, rec.step);
   verify_written_ = st.sched.written_tokens();
-  const bool progressive = st.options.style == switch_style::progressive &&
-                           begin_progressive(st, target, s);
+  bool try_progressive = st.options.style == switch_style::progressive;
+  if (st.options.style == switch_style::by_cost) {
+    // Without a per-layer plan (the target cannot hold one layer's KV) only stop-the-world runs.
+    const moebius::switch_plan& p = st.plans.of(target);
+    if (p.layer_kv != nullptr) {
+      const detail::style_price c = price_styles(st, p.bytes_per_layer, true);
+      s.stall_request_s = c.stall_request_s;
+      s.progressive_request_s = c.progressive_request_s;
+      s.waiting = c.waiting;
+      try_progressive = c.progressive();
+    }
+  }
+  const bool progressive = try_progressive && begin_progressive(st, target, s);
   if (!progressive) stop_the_world(st, target, s, rec);
   st.out.switches.push_back(std::move(s));
 }

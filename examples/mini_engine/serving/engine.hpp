@@ -28,6 +28,7 @@
 // output tokens); switch cost: the clock's prediction (step_clock::predicted_switch_s) for what
 // the switcher would move now, weights and the live KV.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
@@ -71,7 +72,25 @@ enum class switch_style : uint8_t {
   // finish); no admission meanwhile; finished sequences release their pages at the end. When
   // those pages are not there the switch runs stop-the-world instead.
   progressive,
+  // Per switch, the style that costs the requests less (engine::price_styles), in
+  // request-seconds: stop-the-world holds every running and waiting request for the stall;
+  // progressive slows each running request's steps by the copies beside them and holds the
+  // waiting ones (no admission) until it ends. The policy's cost gate weighs the cheaper one,
+  // as seconds of the whole batch (request-seconds over the requests).
+  by_cost,
 };
+
+constexpr const char* to_string(switch_style s) {
+  switch (s) {
+    case switch_style::stop_the_world:
+      return "stop-the-world";
+    case switch_style::progressive:
+      return "progressive";
+    case switch_style::by_cost:
+      return "by cost";
+  }
+  return "unknown";
+}
 
 // What the engine does with sequences whose K/V a failed switch lost (switcher::recover).
 enum class lost_kv_policy : uint8_t {
@@ -181,6 +200,29 @@ struct engine_options {
 };
 
 
+namespace detail {
+// Both styles of one switch priced now (engine::price_styles, switch_style::by_cost).
+struct style_price {
+  int64_t running = 0, waiting = 0;  // the requests a switch now would hold or slow
+  double stall_s = 0;                // stop-the-world: the predicted stall
+  int64_t layers_per_step = 0;       // progressive: paced layers per step,
+  int64_t steps = 0;                 //   the steps it spans,
+  double extra_s_per_step = 0;       //   what its copies add to each of them,
+  double duration_s = 0;             //   and begin to finish
+  double stall_request_s = 0;        // (running + waiting) x stall_s
+  // running x steps x extra_s_per_step + waiting x duration_s (infinite when impossible)
+  double progressive_request_s = 0;
+
+  bool progressive() const { return progressive_request_s < stall_request_s; }
+  // The cheaper style's request-seconds over the requests: seconds of the whole batch, the
+  // unit of the cost gate (stop-the-world: stall_s).
+  double batch_s() const {
+    const double held = static_cast<double>(std::max<int64_t>(1, running + waiting));
+    return std::min(stall_request_s, progressive_request_s) / held;
+  }
+};
+}  // namespace detail
+
 // What engine::run does with requests and switches that go wrong (docs/ERRORS.md, "The serving
 // loop"):
 //   - a bad request (scheduler.hpp, validate_request) fails alone: its request_result's error
@@ -251,6 +293,15 @@ class engine {
   // Paces, reserves the frozen tables' pages and opens the session; false when the switch
   // must run stop-the-world instead (the target cannot hold the KV, or the pages are not there).
   bool begin_progressive(run_state& st, moebius::parallel_mode target, switch_record& s);
+  // What a progressive switch moving `per_layer` bytes a layer would pace at now: from the last
+  // step's time, the clock's link, and its overlap slowdown curve when it has one.
+  moebius::pacing_params pacing_for(const run_state& st, const moebius::layer_bytes& per_layer) const;
+  int64_t paced_layers(const run_state& st, const moebius::pacing_params& p) const;
+  // Both styles of a switch priced now (switch_style::by_cost), moving `per_layer` bytes a
+  // layer; `progressive_possible` false when the target cannot hold one layer's KV (no
+  // per-layer plan).
+  detail::style_price price_styles(const run_state& st, const moebius::layer_bytes& per_layer,
+                                   bool progressive_possible) const;
   void stop_the_world(run_state& st, moebius::parallel_mode target, switch_record& s,
                       step_record& rec);
   // Progressive: enqueues the next paced layers on the transport's streams, beside the step

@@ -65,6 +65,7 @@ double predicted_switch_ms(void* c, parallel_mode target) {
   const moebius::switch_plan& p = ctx->plans->of(target);  // the capacity check's, planned once
   // Without a per-layer plan the target cannot hold the KV (the capacity check refuses it first).
   if (!p.layer_kv) return 1e12;
+  if (ctx->styled_ms) return ctx->styled_ms(p.bytes_per_layer, true);
   return ctx->clock->predicted_switch_s(p.bytes_per_layer, ctx->num_layers) * 1e3;
 }
 
@@ -118,7 +119,8 @@ bool throughput_gate_gains(void* context, parallel_mode current, parallel_mode t
   weights_only.weight_bytes_sent.assign(static_cast<size_t>(g->kv->num_ranks), 0);
   weights_only.kv_bytes_sent.assign(static_cast<size_t>(g->kv->num_ranks), 0);
   const double least_ms =
-      g->cost->clock->predicted_switch_s(weights_only, g->cost->num_layers) * 1e3;
+      g->cost->styled_ms ? g->cost->styled_ms(weights_only, true)
+                         : g->cost->clock->predicted_switch_s(weights_only, g->cost->num_layers) * 1e3;
   out = moebius::weigh_switch(*g->curves, current, target, serving_load_of(*g, target, load),
                               least_ms, g->margin, g->terms);
   out.load = load;
@@ -180,7 +182,12 @@ void engine::setup_policy(run_state& st, const moebius::latency_curves& curves) 
     st.curves = curves;
     st.base_curves = curves;
     st.residency.emplace(o.gate.residency);
-    st.cost = detail::cost_context{&st.plans, &clock_, arena_.shape.num_layers};
+    st.cost = detail::cost_context{&st.plans, &clock_, arena_.shape.num_layers, {}};
+    if (o.style == switch_style::by_cost) {
+      st.cost.styled_ms = [this, &st](const moebius::layer_bytes& per_layer, bool possible) {
+        return price_styles(st, per_layer, possible).batch_s() * 1e3;
+      };
+    }
     if (o.gate.kind == gate_kind::throughput) {
       detail::gate_context& g = st.gate;
       g.sched = &st.sched;

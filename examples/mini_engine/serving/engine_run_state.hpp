@@ -5,6 +5,7 @@
 // engine_calibration.cpp: decode steps for the calibration). Internal to the serving loop.
 
 #include <algorithm>
+#include <functional>
 #include <chrono>
 #include <moebius/policy/residency.hpp>
 #include <moebius/policy/switch_policy.hpp>
@@ -58,6 +59,10 @@ struct cost_context {
   switch_plans* plans;
   const step_clock* clock;
   int64_t num_layers;
+  // switch_style::by_cost: the cheaper style's cost in ms of the whole batch for a switch
+  // moving `per_layer` bytes a layer (engine::price_styles); empty: the stall alone.
+  std::function<double(const moebius::layer_bytes& per_layer, bool progressive_possible)>
+      styled_ms = {};
 };
 
 // The throughput gate's view of the run (engine_policy.cpp): what it reads when a rule fires.
@@ -133,7 +138,7 @@ struct engine::run_state {
   // been told (arrivals and completions are observed as differences of these counts).
   moebius::latency_curves curves;
   std::optional<moebius::residency_predictor> residency;
-  detail::cost_context cost{nullptr, nullptr, 0};
+  detail::cost_context cost{nullptr, nullptr, 0, {}};
   int64_t seen_arrived = 0, seen_finished = 0, seen_finished_tokens = 0;
   moebius::gate_evaluation pending_gate;  // the gate's reasoning for the switch decided now
   detail::gate_context gate;               // gate_kind::throughput

@@ -1,6 +1,7 @@
 // A progressive switch in the serving loop: its pacing and reservations, the session it opens,
 // each advance beside a step, and its end (engine.hpp; DESIGN.md §7).
 #include <algorithm>
+#include <limits>
 #include <moebius/error.hpp>
 #include <moebius/switch/pacing.hpp>
 
@@ -17,28 +18,71 @@ using detail::tokens_produced;
 using moebius::errc;
 using moebius::parallel_mode;
 
+moebius::pacing_params engine::pacing_for(const run_state& st,
+                                           const moebius::layer_bytes& per_layer) const {
+  moebius::pacing_params p;
+  p.step_s = st.last_step_s > 0 ? st.last_step_s : 0.01;
+  p.link = clock_.link();
+  p.link_fraction = st.options.copy_link_fraction;
+  p.bytes_per_layer = clock_.layer_bytes(per_layer, arena_.shape.num_layers);
+  return p;
+}
+
+int64_t engine::paced_layers(const run_state& st, const moebius::pacing_params& p) const {
+  int64_t layers = moebius::layers_per_step(p, arena_.shape.num_layers);
+  // The measured overlap slowdown, when the clock has one (step_clock::slowdown()): no more
+  // layers per step than keep a step within max_overlap_slowdown of its time alone and within
+  // max_overlap_extra_ms of it, and at least one (a switch must end).
+  if (const overlap_slowdown slow = clock_.slowdown(); slow.known()) {
+    const auto too_slow = [&](int64_t n) {
+      const double f = slow.at(p.step_s, n * p.bytes_per_layer);
+      return f > st.options.max_overlap_slowdown ||
+             (f - 1) * p.step_s * 1e3 > st.options.max_overlap_extra_ms;
+    };
+    while (layers > 1 && too_slow(layers)) --layers;
+  }
+  return layers;
+}
+
+detail::style_price engine::price_styles(const run_state& st,
+                                         const moebius::layer_bytes& per_layer,
+                                         bool progressive_possible) const {
+  const int64_t L = arena_.shape.num_layers;
+  const work_view w = st.sched.work(st.now);
+  detail::style_price c;
+  c.running = w.running;
+  c.waiting = w.waiting;
+  c.stall_s = clock_.predicted_switch_s(per_layer, L);
+  c.stall_request_s = static_cast<double>(w.running + w.waiting) * c.stall_s;
+  c.progressive_request_s = std::numeric_limits<double>::infinity();
+  if (!progressive_possible) return c;
+  const moebius::pacing_params p = pacing_for(st, per_layer);
+  c.layers_per_step = paced_layers(st, p);
+  c.steps = (L + c.layers_per_step - 1) / c.layers_per_step;
+  // A step with a layer's copies beside it, as the clock prices it (step_clock::switch_step_s:
+  // the slowdown curve, or step and copies one after the other without one).
+  switch_copies copies;
+  copies.bytes = c.layers_per_step * p.bytes_per_layer;
+  const double copy_s = clock_.copies_s(copies);
+  const overlap_slowdown slow = clock_.slowdown();
+  const double slowed = slow.known() ? std::max(p.step_s * slow.at(p.step_s, copies.bytes), copy_s)
+                                     : p.step_s + copy_s;
+  c.extra_s_per_step = slowed - p.step_s;
+  c.duration_s = static_cast<double>(c.steps) * slowed;
+  c.progressive_request_s =
+      static_cast<double>(w.running) * static_cast<double>(c.steps) * c.extra_s_per_step +
+      static_cast<double>(w.waiting) * c.duration_s;
+  return c;
+}
+
 bool engine::begin_progressive(run_state& st, parallel_mode target, switch_record& s) {
   // Pacing from the last step's time, the clock's link and the bytes per layer the switcher
   // will move: the plan of this decision (the capacity check's, when the policy decided).
   const moebius::switch_plan& planned = st.plans.of(target);
   if (!planned.layer_kv) return false;  // the target cannot hold one layer's KV
   const int64_t L = arena_.shape.num_layers;
-  st.pacing.step_s = st.last_step_s > 0 ? st.last_step_s : 0.01;
-  st.pacing.link = clock_.link();
-  st.pacing.link_fraction = st.options.copy_link_fraction;
-  st.pacing.bytes_per_layer = clock_.layer_bytes(planned.bytes_per_layer, L);
-  st.layers = moebius::layers_per_step(st.pacing, L);
-  // The measured overlap slowdown, when the clock has one (step_clock::slowdown()): no more
-  // layers per step than keep a step within max_overlap_slowdown of its time alone and within
-  // max_overlap_extra_ms of it, and at least one (a switch must end).
-  if (const overlap_slowdown slow = clock_.slowdown(); slow.known()) {
-    const auto too_slow = [&](int64_t layers) {
-      const double f = slow.at(st.pacing.step_s, layers * st.pacing.bytes_per_layer);
-      return f > st.options.max_overlap_slowdown ||
-             (f - 1) * st.pacing.step_s * 1e3 > st.options.max_overlap_extra_ms;
-    };
-    while (st.layers > 1 && too_slow(st.layers)) --st.layers;
-  }
+  st.pacing = pacing_for(st, planned.bytes_per_layer);
+  st.layers = paced_layers(st, st.pacing);
   try {
     st.sched.reserve_for_switch(switcher_.mutable_kv_tables(), (L + st.layers - 1) / st.layers);
   } catch (const moebius::error& e) {

@@ -52,6 +52,11 @@ struct switch_record {
   int64_t steps = 0, layers_per_step = 0, tokens = 0;
   // The cost gate's reasoning when it let this switch through (evaluated false: no gate).
   moebius::gate_evaluation gate;
+  // switch_style::by_cost: each style's price in request-seconds (engine::price_styles) with
+  // the requests waiting then; the cheaper one ran (progressive says which). 0 under a fixed
+  // style.
+  double stall_request_s = 0, progressive_request_s = 0;
+  int64_t waiting = 0;
   // Outcome inconsistent: the engine recovered (engine_options::reload_experts) and the
   // sequences whose K/V was lost (resumed or failed, as lost_kv says).
   bool recovered = false;

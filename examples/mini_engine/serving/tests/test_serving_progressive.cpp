@@ -365,3 +365,69 @@ TEST_CASE("a progressive switch still open when every request has finished moves
     }
   }
 }
+
+namespace {
+
+// 10 ms steps, a stop-the-world stall of `stall_s`, 1 MB a layer, a link that paces 2 layers a
+// step, and 4% slower steps per MB copied beside them: a progressive switch of L = 4 layers
+// takes 2 steps, each 0.8 ms longer (10.8 ms).
+class styled_clock final : public step_clock {
+ public:
+  explicit styled_clock(double stall_s) : stall_s_(stall_s) {}
+  double step_s(const step_cost&, double) const override { return 0.01; }
+  double switch_s(const moebius::switch_report&) const override { return stall_s_; }
+  double predicted_switch_s(const moebius::layer_bytes&, int64_t) const override { return stall_s_; }
+  const char* name() const override { return "styled"; }
+  bool needs_measurement() const override { return false; }
+  int64_t layer_bytes(const moebius::layer_bytes&, int64_t) const override { return 1'000'000; }
+  moebius::link_rate link() const override { return moebius::link_rate{2.5e6 / (0.01 * 0.55)}; }
+  overlap_slowdown slowdown() const override {
+    return {[](const void*, double, int64_t bytes) { return 1.0 + 0.04 * static_cast<double>(bytes) / 1e6; },
+            this};
+  }
+
+ private:
+  double stall_s_;
+};
+
+}  // namespace
+
+TEST_CASE("switch_style::by_cost runs each switch in the style that holds the requests less",
+          "[cpu][progressive]") {
+  // Stall 10 ms: stop-the-world holds (running + waiting) x 10 ms; progressive slows the running
+  // by 2 x 0.8 ms and holds the waiting for 21.6 ms. So progressive when the queue is short
+  // (waiting < 0.72 running), stop-the-world behind a long one.
+  const int64_t L = 4;
+  host_world w = make_host_world(2, 11, L);
+  const std::vector<request> reqs = testing::small_trace(11, static_cast<int32_t>(w.c.vocab), 12);
+  const styled_clock clock(0.01);
+  engine e(*w.rt, *w.transport, w.rt->arena(), w.rt->kv(), clock, moebius::arena_cursor{0});
+  engine_options o = testing::small_trace_options();
+  const run_result ep = e.run(reqs, o, "static EP");
+  o.how = switching::forced;
+  for (int64_t s = 1; s < static_cast<int64_t>(ep.steps.size()); s += 7) o.forced_steps.push_back(s);
+  o.style = switch_style::by_cost;
+  const run_result sw = e.run(reqs, o, "by cost");
+  check_same_tokens(sw, ep);
+  int64_t progressive = 0, stalls = 0;
+  for (const switch_record& s : sw.switches) {
+    CAPTURE(s.step, s.running, s.waiting);
+    REQUIRE(s.outcome == switch_outcome::committed);
+    const double held = static_cast<double>(s.running + s.waiting);
+    CHECK(s.stall_request_s == Approx(held * 0.01));
+    CHECK(s.progressive_request_s ==
+          Approx(static_cast<double>(s.running) * 2 * 0.0008 + static_cast<double>(s.waiting) * 0.0216));
+    CHECK(s.progressive == (s.progressive_request_s < s.stall_request_s));
+    (s.progressive ? progressive : stalls) += 1;
+    if (s.progressive) CHECK(s.layers_per_step == 2);
+  }
+  // The trace's bursts give both.
+  CHECK(progressive > 0);
+  CHECK(stalls > 0);
+  // A fixed style prices nothing.
+  o.style = switch_style::progressive;
+  for (const switch_record& s : e.run(reqs, o, "progressive").switches) {
+    CHECK(s.stall_request_s == 0);
+    CHECK(s.progressive_request_s == 0);
+  }
+}
