@@ -5,8 +5,8 @@
 #     test_serving_soak_gpu test_kv_migration_gpu bench_mini_engine_rank_share \
 #     bench_kv_migration_gpu bench_mini_engine_switch_under_load
 # Each part writes into $OUT; parts: hf soak kv curves30 curves235 kvblocks runtime1 runtime2
-# region_tp region_ep demo (default: hf soak kv curves30 curves235 kvblocks; the runtime and
-# region ones each need most of a call).
+# region_tp region_ep demo demo_base libtests compare (default: hf soak kv curves30 curves235
+# kvblocks; the runtime and region ones each need most of a call).
 # The step_curves_*.jsonl it writes go into docs/results as they are: the build compiles them
 # in and the demo's priced clock then takes its decode steps from them.
 #   hf        issue 21: checkpoints transformers wrote, streamed to the GPU runtime
@@ -24,6 +24,10 @@
 #   region_ep batch 1..2048 (with 48, 96, 192, 384, 768, 1536: the pools full) and context
 #             512..32768, every point whose KV fits the rank's pool (EP in region_ep)
 #   demo      issue 30: moebius_demo on the GPU runtime (greedy tokens of every run compared)
+#   demo_base the same from the "before" build in .carry/base; prints both token digests
+#   libtests  every carried GPU test but the GPU runtime's (the soak among them)
+#   compare   issue 30's before/after (.carry/base against .carry/bin): the engine step
+#             (scripts/compare-builds) and the switch under load (P = 2 virtual ranks)
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -77,6 +81,25 @@ for p in "${parts[@]}"; do
         MOEBIUS_BENCH_SUMMARY="$OUT/step_region_qwen3_235b_p8_${p#region_}_h200x1.jsonl" \
         run "$p" 590 "$bin/bench_mini_engine_rank_share" ;;
     demo) run demo 300 "$bin/moebius_demo" --runtime gpu --out "$OUT/demo_out" ;;
+    demo_base)  # the same demo from the "before" build (.carry/base, docs/GPU.md)
+      run demo_base 300 .carry/base/moebius_demo --runtime gpu --out "$OUT/demo_base_out"
+      echo "greedy-token digests, before | after:"
+      paste <(grep -o 'digest [0-9a-f]*' "$OUT/demo_base.txt") <(grep -o 'digest [0-9a-f]*' "$OUT/demo.txt") ;;
+    libtests)  # every carried GPU test but the GPU runtime's (its two parts above)
+      TEST_TIMEOUT=240 OUT="$OUT" scripts/run-carried tests \
+        '^test_(cuda_ipc|cuda_peer_transport|device_arena|kv_migration_gpu|kv_placement_gpu|mini_engine_gpu_(hf|kernels|model)|nccl_transport|peer_copy_kernel|serving_soak_gpu)$' \
+        >"$OUT/libtests.txt" 2>&1 || status=1
+      grep -E '^(PASS|FAIL|SKIP|tests:)' "$OUT/libtests.txt" ;;
+    compare)  # issue 30's before/after: the engine step and the switch under load
+      MOEBIUS_BENCH_MAX_BATCH=64 REPEATS=2 OUT="$OUT/compare" scripts/compare-builds \
+        bench_mini_engine_step >"$OUT/compare_step.txt" 2>&1 || status=1
+      tail -n 30 "$OUT/compare_step.txt"
+      for i in 1 2; do for side in base bin; do
+        MOEBIUS_BENCH_P=2 MOEBIUS_BENCH_BATCHES=16 MOEBIUS_BENCH_OCCUPANCY=0.25,0.9 \
+          MOEBIUS_BENCH_GIB_PER_STEP=0.5,2 MOEBIUS_BENCH_SUMMARY="$OUT/sul_${side}_$i.jsonl" \
+          timeout 240 ".carry/$side/bench_mini_engine_switch_under_load" \
+          >"$OUT/sul_${side}_$i.txt" 2>&1 || { status=1; echo "sul $side $i failed"; }
+      done; done ;;
     runtime1) run runtime1 590 "$bin/test_mini_engine_gpu_runtime" "~[virtual]" --durations yes ;;
     runtime2) run runtime2 590 "$bin/test_mini_engine_gpu_runtime" "[virtual]" --durations yes ;;
     *) echo "unknown part $p"; status=2 ;;

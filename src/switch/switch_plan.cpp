@@ -31,6 +31,10 @@ std::shared_ptr<const kv_migration> plan_kv(const kv_geometry& g, const kv_pool_
 
 switch_plan switcher::plan(parallel_mode target) const {
   detail::check_enum(target, "switcher::plan target (parallel_mode)");
+  return plan_of(target, true);
+}
+
+switch_plan switcher::plan_of(parallel_mode target, bool per_layer) const {
   const detail::switch_state& st = *state_;
   const auto t0 = detail::clock_type::now();
   const detail::nvtx_range range("moebius/switch/plan");
@@ -47,7 +51,8 @@ switch_plan switcher::plan(parallel_mode target) const {
     placement = &p.ep_placement;
   }
   // Stop the world: every layer's KV in one migration, staged in the target's free slot.
-  p.kv = plan_kv(st.kv_geom, st.kv_layout, st.kv, target, st.kv_options(p.goal, placement), p.capacity);
+  p.kv = plan_kv(st.kv_geom, st.kv_layout, st.kv, target, st.kv_options(p.goal, placement),
+                 p.capacity);
   // Progressive: layer 0's KV, staging at offset 0; each layer's plan is this one shifted to
   // its own free slot (src/switch/transaction.hpp).
   kv_geometry one_layer = st.kv_geom;
@@ -56,7 +61,9 @@ switch_plan switcher::plan(parallel_mode target) const {
   layer_opt.staging.offset = 0;
   // Layer 0 of the same layout: every layer is layer 0 moved by the layout's layer stride,
   // which needs one stride in both views (layers that interleave inside a page have two).
-  if (st.kv_layout.ep.layer == st.kv_layout.tp.layer) {
+  if (!per_layer) {
+    p.layer_capacity.reason = "not planned (a stop-the-world switch needs no per-layer plan)";
+  } else if (st.kv_layout.ep.layer == st.kv_layout.tp.layer) {
     p.layer_kv = plan_kv(one_layer, st.kv_layout, st.kv, target, layer_opt, p.layer_capacity);
   } else {
     p.layer_capacity.reason = "the KV layout's layers interleave inside a page (layer stride EP " +
