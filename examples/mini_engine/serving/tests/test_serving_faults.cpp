@@ -37,33 +37,11 @@ using moebius::parallel_mode;
 using moebius::switch_outcome;
 using testing::check_same_tokens;
 using testing::count;
+using testing::checksum_hook;
 using testing::every_other_step;
 using testing::host_world;
 using testing::make_host_world;
 using testing::with_layers;
-
-namespace {
-
-// The verify hook a user writes on the host runtime: every layer's experts where the cursor puts
-// them, and every live K/V element the tables name (switch/checksum.hpp).
-std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> checksum_hook(
-    host_runtime& rt) {
-  return [&rt](moebius::arena_cursor c, const moebius::kv_state& tables) {
-    std::vector<std::span<const std::byte>> arenas, pools;
-    for (const moebius::rank_memory& m : rt.memory()) {
-      const moebius::memory_span& a = m.space(moebius::memory_space::arena);
-      const moebius::memory_span& k = m.space(moebius::memory_space::kv_pool);
-      arenas.emplace_back(a.data(), static_cast<size_t>(a.bytes));
-      pools.emplace_back(k.data(), static_cast<size_t>(k.bytes));
-    }
-    uint64_t sum = moebius::kv_checksum(rt.kv(), tables, pools);
-    for (int64_t l = 0; l < rt.arena().shape.num_layers; ++l)
-      sum = sum * 1000003 + moebius::weight_checksum(rt.arena(), c, l, arenas);
-    return sum;
-  };
-}
-
-}  // namespace
 
 TEST_CASE("a verified progressive switch commits", "[cpu][faults]") {
   for (const int P : {2, 4}) {

@@ -29,28 +29,6 @@ using testing::host_world;
 using testing::make_host_world;
 using testing::with_layers;
 
-namespace {
-
-// The verify hook over the runtime's own layout: every live K/V element read where the
-// runtime's attention wrote it, and every layer's experts where the cursor puts them.
-std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> layout_checksum(
-    host_runtime& rt) {
-  return [&rt](moebius::arena_cursor c, const moebius::kv_state& tables) {
-    std::vector<std::span<const std::byte>> arenas, pools;
-    for (const moebius::rank_memory& m : rt.memory()) {
-      const moebius::memory_span& a = m.space(moebius::memory_space::arena);
-      const moebius::memory_span& k = m.space(moebius::memory_space::kv_pool);
-      arenas.emplace_back(a.data(), static_cast<size_t>(a.bytes));
-      pools.emplace_back(k.data(), static_cast<size_t>(k.bytes));
-    }
-    uint64_t sum = moebius::kv_checksum(rt.kv(), rt.kv_layout(), tables, pools);
-    for (int64_t l = 0; l < rt.arena().shape.num_layers; ++l)
-      sum = sum * 1000003 + moebius::weight_checksum(rt.arena(), c, l, arenas);
-    return sum;
-  };
-}
-
-}  // namespace
 
 TEST_CASE("switches of a pool in vLLM FlashInfer's layout give the present pool's tokens",
           "[cpu][kv_layout]") {
@@ -77,7 +55,7 @@ TEST_CASE("switches of a pool in vLLM FlashInfer's layout give the present pool'
     check_same_tokens(e.run(reqs, o, "static EP, FlashInfer layout"), ep);
     o.how = switching::forced;
     o.forced_steps = every_other_step(2, static_cast<int64_t>(ep.steps.size()), 9);
-    o.verify = layout_checksum(*flashinfer.rt);
+    o.verify = testing::checksum_hook(*flashinfer.rt);
     for (const switch_style style : {switch_style::stop_the_world, switch_style::progressive}) {
       CAPTURE(static_cast<int>(style));
       o.style = style;
