@@ -237,6 +237,12 @@ std::vector<request> make_trace(const options& o, trace_kind kind, int32_t vocab
       b.vocab = vocab;
       return paper_bursty_trace(o.seed, b);
     }
+    case trace_kind::paper_steady: {  // crossover_rate: the rate that keeps ~B* running
+      paper_steady_options s;
+      s.vocab = vocab;
+      if (crossover_rate > 0) s.rate = crossover_rate;
+      return paper_steady_trace(o.seed, s);
+    }
     case trace_kind::paper_rollout: {
       paper_rollout_options r;
       r.vocab = vocab;

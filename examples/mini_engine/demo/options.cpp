@@ -120,9 +120,11 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
                o.traces.push_back(trace_kind::paper_bursty);
              else if (v == "paper-rollout")
                o.traces.push_back(trace_kind::paper_rollout);
+             else if (v == "paper-steady")
+               o.traces.push_back(trace_kind::paper_steady);
              else if (v.empty()) {
                fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
-                               "paper-rollout or a file name");
+                               "paper-steady, paper-rollout or a file name");
              } else {
                if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
                o.traces.push_back(trace_kind::file);
@@ -130,10 +132,11 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
              }
            }
          },
-         "the workload (default all: the four in turn; with --runtime sim paper-bursty and "
-         "paper-rollout, the paper's experiments at full size; FILE: .jsonl, or text lines "
-         "'arrival_s prompt output'; may be repeated)")
-      ->type_name("all|bursty|rollout|steady|production|paper-bursty|paper-rollout|FILE")
+         "the workload (default all: the four in turn; with --runtime sim paper-bursty, "
+         "paper-steady (at the rate that keeps ~B* running) and paper-rollout, the paper's "
+         "experiments at full size; FILE: .jsonl, or text lines 'arrival_s prompt output'; may "
+         "be repeated)")
+      ->type_name("all|bursty|rollout|steady|production|paper-bursty|paper-steady|paper-rollout|FILE")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   text("--model", "qwen3-235b-a22b|qwen3-30b-a3b|DIR",
@@ -259,16 +262,19 @@ void check_together(options& o, bool max_batch_set) {
          "step curves price the modelled clock, and --clock measured measures its "
          "steps (--clock model uses them)");
   }
-  const bool paper_trace =
-      std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_bursty) != o.traces.end() ||
-      std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) != o.traces.end();
+  const auto is_paper = [](trace_kind t) {
+    return t == trace_kind::paper_bursty || t == trace_kind::paper_steady ||
+           t == trace_kind::paper_rollout;
+  };
+  const bool paper_trace = std::any_of(o.traces.begin(), o.traces.end(), is_paper);
   if (o.runtime == runtime_kind::sim) {
-    if (!o.traces_given) o.traces = {trace_kind::paper_bursty, trace_kind::paper_rollout};
+    if (!o.traces_given)
+      o.traces = {trace_kind::paper_bursty, trace_kind::paper_steady, trace_kind::paper_rollout};
     for (const trace_kind t : o.traces) {
-      if (t != trace_kind::paper_bursty && t != trace_kind::paper_rollout && t != trace_kind::file)
+      if (!is_paper(t) && t != trace_kind::file)
         fail("--trace", std::string(to_string(t)) +
                             " is the host demo's small trace; the simulated runtime serves "
-                            "paper-bursty, paper-rollout or a FILE");
+                            "paper-bursty, paper-steady, paper-rollout or a FILE");
     }
   } else if (paper_trace && o.write_trace.empty()) {
     fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
@@ -317,6 +323,8 @@ const char* to_string(trace_kind t) {
       return "paper-bursty";
     case trace_kind::paper_rollout:
       return "paper-rollout";
+    case trace_kind::paper_steady:
+      return "paper-steady";
   }
   return "unknown";
 }

@@ -18,6 +18,7 @@
 #include "engine.hpp"
 #include "experiments.hpp"
 #include "paper_metrics.hpp"
+#include "paper_traces.hpp"
 #include "report.hpp"
 #include "sim_deployment.hpp"
 #include "sim_runtime.hpp"
@@ -363,7 +364,7 @@ int run_paper_experiments(const options& o) {
   for (const trace_kind kind : o.traces) {
     const std::string name = kind == trace_kind::file ? o.trace_file : to_string(kind);
     std::printf("\n=== trace: %s ===\n", name.c_str());
-    const std::vector<request> trace = make_trace(o, kind, 1024, 0);
+    std::vector<request> trace = make_trace(o, kind, 1024, 0);
     if (trace.empty()) throw usage_error("--trace: the trace has no requests");
     const bool rollout = is_rollout(trace);
     {
@@ -392,6 +393,19 @@ int run_paper_experiments(const options& o) {
       d << cal;
       std::printf("  calibration at %lld context tokens: %s\n", static_cast<long long>(context),
                   d.str().c_str());
+    }
+    if (kind == trace_kind::paper_steady && cal.has_thresholds) {
+      // The rate that keeps ~B* running (Little's law): B* sequences each decoding the mean
+      // output at the curves' step time at B*. The lengths, and so the calibration's context,
+      // do not depend on the rate: the trace is drawn again at it, same seed.
+      const double step_s = cal.curves.latency_ms(parallel_mode::tp, cal.cross.batch) / 1e3;
+      const double rate = cal.cross.batch / (paper_steady_options{}.output_mean * step_s);
+      trace = make_trace(o, kind, 1024, rate);
+      std::ostringstream s;
+      s << statistics_of(trace, 0);
+      std::printf("  at %.2f requests/s (B* %.0f / (%.1f output tokens x %.1f ms)): %s\n", rate,
+                  cal.cross.batch, paper_steady_options{}.output_mean, step_s * 1e3,
+                  s.str().c_str());
     }
     engine_options base;
     base.scheduler.max_running = k_max_running;

@@ -51,6 +51,33 @@ int64_t lognormal_length(std::mt19937_64& rng, double mean, double sigma, int64_
   return std::clamp<int64_t>(std::llround(d(rng)), 1, max);
 }
 
+// Poisson arrivals in each period, LMSYS-shaped lengths: the bursty and steady traces.
+struct chat_lengths {
+  double prompt_mean, output_mean, sigma;
+  int64_t prompt_max, output_max;
+  int32_t vocab;
+};
+
+std::vector<request> chat_requests(uint64_t seed, const std::vector<trace_period>& periods,
+                                   const chat_lengths& len) {
+  std::mt19937_64 rng(seed);
+  std::vector<request> out;
+  for (const trace_period& p : periods) {
+    if (p.rate <= 0) continue;
+    std::exponential_distribution<double> gap(p.rate);
+    for (double a = p.start_s + gap(rng); a < p.end_s; a += gap(rng)) {
+      request r;
+      r.id = static_cast<int64_t>(out.size());
+      r.arrival_s = a;
+      const int64_t prompt = lognormal_length(rng, len.prompt_mean, len.sigma, len.prompt_max);
+      r.output_tokens = lognormal_length(rng, len.output_mean, len.sigma, len.output_max);
+      r.prompt = draw_prompt(seed, r.id, prompt, len.vocab);
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void validate(const paper_bursty_options& o) {
@@ -135,23 +162,31 @@ double paper_rollout_sigma(const paper_rollout_options& o) {
 }
 
 std::vector<request> paper_bursty_trace(uint64_t seed, const paper_bursty_options& o) {
-  const std::vector<trace_period> periods = paper_bursty_periods(o);
-  std::mt19937_64 rng(seed);
-  std::vector<request> out;
-  for (const trace_period& p : periods) {
-    if (p.rate <= 0) continue;
-    std::exponential_distribution<double> gap(p.rate);
-    for (double a = p.start_s + gap(rng); a < p.end_s; a += gap(rng)) {
-      request r;
-      r.id = static_cast<int64_t>(out.size());
-      r.arrival_s = a;
-      const int64_t prompt = lognormal_length(rng, o.prompt_mean, o.length_sigma, o.prompt_max);
-      r.output_tokens = lognormal_length(rng, o.output_mean, o.length_sigma, o.output_max);
-      r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
-      out.push_back(std::move(r));
-    }
-  }
-  return out;
+  return chat_requests(seed, paper_bursty_periods(o),
+                       {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max,
+                        o.vocab});
+}
+
+void validate(const paper_steady_options& o) {
+  MOEBIUS_CHECK(std::isfinite(o.duration_s) && o.duration_s > 0, errc::invalid_argument,
+                "paper_steady_options: duration_s must be finite and > 0 (got ", o.duration_s, ")");
+  MOEBIUS_CHECK(std::isfinite(o.rate) && o.rate > 0, errc::invalid_argument,
+                "paper_steady_options: rate must be finite and > 0 (got ", o.rate, ")");
+  MOEBIUS_CHECK(o.prompt_mean >= 1 && o.output_mean >= 1 && std::isfinite(o.prompt_mean) &&
+                    std::isfinite(o.output_mean),
+                errc::invalid_argument, "paper_steady_options: the mean lengths must be >= 1 (got ",
+                o.prompt_mean, ", ", o.output_mean, ")");
+  MOEBIUS_CHECK(std::isfinite(o.length_sigma) && o.length_sigma >= 0, errc::invalid_argument,
+                "paper_steady_options: length_sigma must be >= 0 (got ", o.length_sigma, ")");
+  MOEBIUS_CHECK(o.prompt_max >= 1 && o.output_max >= 1 && o.vocab >= 1, errc::invalid_argument,
+                "paper_steady_options: prompt_max, output_max and vocab must be >= 1");
+}
+
+std::vector<request> paper_steady_trace(uint64_t seed, const paper_steady_options& o) {
+  validate(o);
+  return chat_requests(seed, {trace_period{0, o.duration_s, o.rate, false}},
+                       {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max,
+                        o.vocab});
 }
 
 std::vector<request> paper_rollout_trace(uint64_t seed, const paper_rollout_options& o) {

@@ -30,6 +30,12 @@
 //     to tens of percent.
 //   - Prompt lengths: uniform in [prompt_min, prompt_max] (64-512; no source: a math problem
 //     is a few hundred tokens, under 3% of a mean response, so its shape hardly matters).
+//
+// Steady serving (not in the paper; DESIGN.md §7's adversarial case: near the crossover no
+// switch can pay, so a policy must not lose there): Poisson arrivals at `rate` for
+// `duration_s` (the bursty experiment's 375 s), the bursty experiment's LMSYS-Chat-1M lengths.
+// The demo sets the rate that keeps about B* sequences running (Little's law: B* over the
+// mean output times the curves' step time at B*); nothing else is derived.
 
 #include <cstdint>
 #include <vector>
@@ -60,6 +66,15 @@ struct paper_rollout_options {
   int32_t vocab = 1024;
 };
 
+struct paper_steady_options {
+  double duration_s = 375;  // the bursty experiment's length
+  double rate = 15;         // requests/s; the demo derives it from the crossover (above)
+  double prompt_mean = 69.5, output_mean = 214.5;  // LMSYS-Chat-1M, as the bursty trace
+  double length_sigma = 1.0;
+  int64_t prompt_max = 8192, output_max = 4096;
+  int32_t vocab = 1024;
+};
+
 // The flood length the options imply (6.48 s at the defaults), and the periods in order:
 // {start_s, end_s, rate}. Throws errc::invalid_argument when no flood length fits.
 struct trace_period {
@@ -76,10 +91,13 @@ double paper_rollout_sigma(const paper_rollout_options& o);
 // durations > 0, means > 0, median < cap, 0 < cut_share < 0.5, 1 <= min <= max, vocab >= 1).
 void validate(const paper_bursty_options& o);
 void validate(const paper_rollout_options& o);
+void validate(const paper_steady_options& o);
 
 // Requests sorted by arrival, ids 0, 1, ... in that order; the same seed, the same trace.
 std::vector<request> paper_bursty_trace(uint64_t seed, const paper_bursty_options& o = {});
 // Every request arrives at 0 within its step (rollout_step 0 .. steps - 1, in step order).
 std::vector<request> paper_rollout_trace(uint64_t seed, const paper_rollout_options& o = {});
+// Requests sorted by arrival, ids 0, 1, ... in that order; the same seed, the same trace.
+std::vector<request> paper_steady_trace(uint64_t seed, const paper_steady_options& o = {});
 
 }  // namespace mini_engine

@@ -136,6 +136,37 @@ TEST_CASE("paper rollout trace: 9 closed-loop steps of 2048, the cut share at th
   }
 }
 
+TEST_CASE("paper steady trace: Poisson at one rate over the whole length, LMSYS lengths") {
+  const uint64_t seed = testing::test_seed();
+  paper_steady_options o;
+  o.rate = 14.9;
+  const std::vector<request> t = paper_steady_trace(seed, o);
+  const double n = static_cast<double>(t.size()), mean_n = 14.9 * 375;
+  CHECK(std::abs(n - mean_n) < 5 * std::sqrt(mean_n));
+  // Each fifth of the trace holds a fifth of the requests (a steady rate, no flood).
+  int64_t fifth[5] = {0, 0, 0, 0, 0};
+  for (size_t i = 0; i < t.size(); ++i) {
+    CHECK(t[i].id == static_cast<int64_t>(i));
+    CHECK(t[i].rollout_step == -1);
+    CHECK(t[i].arrival_s >= 0);
+    CHECK(t[i].arrival_s < 375);
+    if (i > 0) CHECK(t[i - 1].arrival_s <= t[i].arrival_s);
+    CHECK(t[i].output_tokens >= 1);
+    CHECK(t[i].output_tokens <= o.output_max);
+    ++fifth[std::min<int64_t>(4, static_cast<int64_t>(t[i].arrival_s / 75))];
+  }
+  for (const int64_t f : fifth) CHECK(std::abs(static_cast<double>(f) - mean_n / 5) < 5 * std::sqrt(mean_n / 5));
+  const trace_statistics s = statistics_of(t);
+  for (const auto& [got, want] : {std::pair{s.prompt, 69.5}, std::pair{s.output, 214.5}})
+    CHECK(std::abs(got.mean - want) < 5 * want * std::sqrt(std::exp(1.0) - 1) / std::sqrt(n));
+  const std::vector<request> again = paper_steady_trace(seed, o);
+  REQUIRE(again.size() == t.size());
+  for (size_t i = 0; i < t.size(); ++i) {
+    CHECK(again[i].arrival_s == t[i].arrival_s);
+    CHECK(again[i].prompt == t[i].prompt);
+  }
+}
+
 TEST_CASE("paper traces: options that make no sense are refused by name") {
   using Catch::Matchers::Contains;
   paper_bursty_options b;
@@ -150,6 +181,12 @@ TEST_CASE("paper traces: options that make no sense are refused by name") {
   r = {};
   r.cut_share = 0;
   CHECK_THROWS_WITH(paper_rollout_trace(1, r), Contains("cut_share"));
+  paper_steady_options s;
+  s.rate = 0;
+  CHECK_THROWS_WITH(paper_steady_trace(1, s), Contains("rate"));
+  s = {};
+  s.duration_s = -1;
+  CHECK_THROWS_WITH(paper_steady_trace(1, s), Contains("duration_s"));
 }
 
 TEST_CASE("trace statistics: percentiles, cut share, rates and steps of a hand-made trace") {
