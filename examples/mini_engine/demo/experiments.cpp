@@ -344,7 +344,7 @@ trace_outcome serve_trace(const options& o, trace_kind kind, world& w, engine& e
   print_switch_steps(runs);
   const run_outcome& best = best_static(runs);
   print_beside_best(runs, best);
-  if (!w.on_gpu && cal.has_thresholds) print_bound(best, cal, clock, P, w.arena.shape.num_layers);
+  if (!w.on_gpu) print_bound(runs, clock, P, w.arena.shape.num_layers);
   if (!w.on_gpu) {
     int64_t peak = 0;
     for (const step_record& st : find_run(runs, run_kind::static_tp)->result.steps)

@@ -28,11 +28,12 @@ const run_outcome& best_static(const std::vector<run_outcome>& runs);
 // Each switching run's tokens/s, p99 TTFT and TPOT and switches beside `best`'s.
 void print_beside_best(const std::vector<run_outcome>& runs, const run_outcome& best);
 
-// An upper bound on what any switching could gain on the trace: every step of `best` in its
-// faster mode (the calibrated curves at the step's batch), switches free; against the cheapest
-// switch (weights only, no KV), priced as `clock` prices one.
-void print_bound(const run_outcome& best, const moebius::calibration_result& cal,
-                 const step_clock& clock, int P, int64_t num_layers);
+// What a free switch at every step could save on each static layout's own trajectory, as its
+// pool admitted it (free_switch_bound_s: every step priced in both modes by `clock`, the faster
+// taken), against the cheapest switch (weights only, no KV). Admission is counted for the
+// layout whose trajectory it is; the larger of the two is the bound printed.
+void print_bound(const std::vector<run_outcome>& runs, const step_clock& clock, int P,
+                 int64_t num_layers);
 
 // Why the switching run did (not) switch, in the gate's numbers; `peak_load` > 0: the
 // calibrated steps at that load too.

@@ -159,16 +159,17 @@ double per_step_oracle_s(const paper_metrics& tp, const paper_metrics& ep) {
   return s;
 }
 
-double free_switch_bound_s(const run_result& ep, const step_clock& clock, int num_ranks) {
+double free_switch_bound_s(const run_result& r, const step_clock& clock, int num_ranks) {
   double total = 0;
-  for (const step_record& r : ep.steps) {
-    step_cost tp;
-    tp.mode = moebius::parallel_mode::tp;
-    tp.num_ranks = num_ranks;
-    tp.num_sequences = r.sequences;
-    tp.new_tokens = r.decode_tokens + r.prefill_tokens;
-    tp.context_tokens = r.context_tokens;
-    total += std::min(r.step_ms * 1e-3, clock.step_s(tp, 0));
+  for (const step_record& s : r.steps) {
+    step_cost other;
+    other.mode = s.mode == moebius::parallel_mode::tp ? moebius::parallel_mode::ep
+                                                       : moebius::parallel_mode::tp;
+    other.num_ranks = num_ranks;
+    other.num_sequences = s.sequences;
+    other.new_tokens = s.decode_tokens + s.prefill_tokens;
+    other.context_tokens = s.context_tokens;
+    total += std::min(s.step_ms * 1e-3, clock.step_s(other, 0));
   }
   return total;
 }

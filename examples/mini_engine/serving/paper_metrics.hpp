@@ -76,10 +76,11 @@ paper_metrics paper_metrics_of(const std::vector<request>& trace, const run_resu
 // static runs' step times. Throws errc::invalid_argument unless both have the same steps.
 double per_step_oracle_s(const paper_metrics& tp, const paper_metrics& ep);
 
-// The bound a free switch would reach on a closed-loop trace, capacity ignored: every step of
-// the static EP run `ep` priced in both modes by `clock` (TP at `num_ranks` ranks), the faster
-// taken, no switch charged; EP's own trajectory (the batch each step ran as EP's pool admitted
-// it). Seconds.
-double free_switch_bound_s(const run_result& ep, const step_clock& clock, int num_ranks);
+// The bound a free switch would reach on run `r`'s trajectory: every step priced in the other
+// mode too by `clock` (at `num_ranks` ranks; an EP step with its work spread evenly over the
+// ranks, the best EP can do), the faster taken, no switch charged. The trajectory is the run's
+// own: the batch each step ran as its layout's pool admitted it, so admission is counted for
+// that layout and not for the other. Seconds.
+double free_switch_bound_s(const run_result& r, const step_clock& clock, int num_ranks);
 
 }  // namespace mini_engine
