@@ -142,6 +142,7 @@ std::vector<trace_period> paper_bursty_periods(const paper_bursty_options& o) {
   const double flood = paper_flood_length_s(o);
   const double edge = (o.duration_s - 2 * flood - o.quiet_between_s) / 2;
   std::vector<trace_period> p;
+  p.reserve(5);  // at most five periods (and no reallocation, which GCC 12 -O3 misreads)
   double t = 0;
   auto add = [&](double len, double rate, bool is_flood) {
     if (len > 0) p.push_back({t, t + len, rate, is_flood});
