@@ -156,18 +156,7 @@ __global__ void __launch_bounds__(k_attention_warps * 32, 4)
       ll += s_l[p * k_max_group + j] * c;
       o += s_acc[(p * k_max_group + j) * D + d] * c;
     }
-    if (sp.splits == 1) {
-      a.out[t * a.out_stride + (h0 + j) * D + d] = o / ll;
-    } else {
-      // workspace: [tokens][q_heads][splits] of (m, l) after all outputs [..][D].
-      const int64_t slot = (t * a.q_heads + h0 + j) * sp.splits + range;
-      a.workspace[slot * D + d] = o;
-      if (d == 0) {
-        float* ml = a.workspace + a.tok.tokens * a.q_heads * sp.splits * D;
-        ml[2 * slot] = mm;
-        ml[2 * slot + 1] = ll;
-      }
-    }
+    store_partial(a, sp, t, h0 + j, range, d, o, mm, ll);
   }
 }
 

@@ -231,18 +231,7 @@ __global__ void __launch_bounds__(k_tc_warps * 32, 2)
       ll += s_l[w][j] * cw;
       o += s_o[w][j][d] * cw;
     }
-    if (sp.splits == 1) {
-      a.out[t * a.out_stride + (h0 + j) * D + d] = o / ll;
-    } else {
-      // The split kernel's workspace layout; the max back in natural-log units of the score.
-      const int64_t slot = (t * a.q_heads + h0 + j) * sp.splits + range;
-      a.workspace[slot * D + d] = o;
-      if (d == 0) {
-        float* ml = a.workspace + a.tok.tokens * a.q_heads * sp.splits * D;
-        ml[2 * slot] = mm * k_ln2;
-        ml[2 * slot + 1] = ll;
-      }
-    }
+    store_partial(a, sp, t, h0 + j, range, d, o, mm * k_ln2, ll);  // the max back in ln units
   }
 }
 

@@ -62,6 +62,28 @@ __device__ __forceinline__ bool split_block_of(const paged_attention_args& a,
   return blk.G > 0;
 }
 
+// Element d of the output of q head h of token t over context range `range`: the attention
+// output itself when the context is not split, else the range's partial output, and with d ==
+// 0 its running max m (natural-log units of the score) and sum l, which the merge kernel
+// combines. Workspace: [tokens][q_heads][splits] of D partial outputs, then the same of (m, l).
+__device__ __forceinline__ void store_partial(const paged_attention_args& a,
+                                              const split_params& sp, int64_t t, int64_t h,
+                                              int64_t range, int64_t d, float o, float m,
+                                              float l) {
+  const int64_t D = a.geometry.head_dim;
+  if (sp.splits == 1) {
+    a.out[t * a.out_stride + h * D + d] = o / l;
+    return;
+  }
+  const int64_t slot = (t * a.q_heads + h) * sp.splits + range;
+  a.workspace[slot * D + d] = o;
+  if (d == 0) {
+    float* ml = a.workspace + a.tok.tokens * a.q_heads * sp.splits * D;
+    ml[2 * slot] = m;
+    ml[2 * slot + 1] = l;
+  }
+}
+
 // The launchers of the split kernels, for launch_paged_attention (a split count from
 // split_params_of): the CUDA-core one, the tensor-core one (bf16 pool, head_dim 64 or 128),
 // and the merge of their ranges when sp.splits > 1.
