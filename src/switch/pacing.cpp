@@ -77,6 +77,12 @@ layer_bytes layer_traffic(const arena_geometry& weights, parallel_mode target,
 layer_bytes switch_layer_bytes(const arena_geometry& weights, const kv_geometry& kv,
                                const kv_state& tables, parallel_mode target,
                                const kv_migration_options& kv_options) {
+  return switch_layer_bytes(weights, kv, present_kv_layout(kv), tables, target, kv_options);
+}
+
+layer_bytes switch_layer_bytes(const arena_geometry& weights, const kv_geometry& kv,
+                               const kv_pool_layout& layout, const kv_state& tables,
+                               parallel_mode target, const kv_migration_options& kv_options) {
   MOEBIUS_CHECK(weights.num_ranks == kv.num_ranks, errc::invalid_argument,
                 "switch_layer_bytes: the arena has ", weights.num_ranks, " ranks, the KV pool ",
                 kv.num_ranks);
@@ -85,7 +91,11 @@ layer_bytes switch_layer_bytes(const arena_geometry& weights, const kv_geometry&
   if (tables.mode == target) return detail::layer_traffic(weights, target, nullptr);
   kv_geometry one_layer = kv;
   one_layer.num_layers = 1;
-  const kv_migration m = plan_kv_migration(one_layer, tables, target, kv_options);
+  MOEBIUS_CHECK(layout.ep.layer == layout.tp.layer, errc::invalid_argument,
+                "switch_layer_bytes: the KV layout's layers interleave inside a page (layer "
+                "stride EP ", layout.ep.layer, ", TP ", layout.tp.layer,
+                "): no layer's KV moves on its own");
+  const kv_migration m = plan_kv_migration(one_layer, layout, tables, target, kv_options);
   return detail::layer_traffic(weights, target, &m.copies);
 }
 

@@ -19,6 +19,7 @@
 #include "layout/error_matchers.hpp"
 #include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/layout/arena_geometry.hpp"
+#include "moebius/switch/pacing.hpp"
 #include "moebius/switch/switcher.hpp"
 #include "moebius/transport/host_transport.hpp"
 #include "support/catch.hpp"
@@ -145,6 +146,19 @@ TEST_CASE("a switcher given the engine's KV layout moves every byte to where tha
     auto progressive_or_whole = [&](parallel_mode m) {
       return by_layer ? progress_to(sw, m, rng) : sw.switch_to(m);
     };
+    if (by_layer) {
+      // The pacing's bytes a layer over the same layout: the switcher's per-layer plan's.
+      kv_migration_options opt;
+      opt.staging.space = memory_space::arena;
+      opt.staging.offset = 0;
+      opt.staging.bytes = w.weights.slot_bytes;
+      const layer_bytes b =
+          switch_layer_bytes(w.weights, g, w.layout, w.c.state, parallel_mode::tp, opt);
+      const switch_plan p = sw.plan(parallel_mode::tp);
+      REQUIRE(p.layer_kv != nullptr);
+      CHECK(b.kv_bytes_sent == p.bytes_per_layer.kv_bytes_sent);
+      CHECK(b.weight_bytes_sent == p.bytes_per_layer.weight_bytes_sent);
+    }
     require_in_place(sw.switch_to(parallel_mode::tp), parallel_mode::tp);
     require_in_place(progressive_or_whole(parallel_mode::ep), parallel_mode::ep);
     require_in_place(progressive_or_whole(parallel_mode::tp), parallel_mode::tp);

@@ -372,7 +372,7 @@ int run_paper_experiments(const options& o) {
       s << statistics_of(trace, rollout ? 32768 : 0);
       std::printf("  %s, seed %llu\n", s.str().c_str(), static_cast<unsigned long long>(o.seed));
     }
-    const std::vector<arrival_period> floods = find_floods(trace);
+    std::vector<arrival_period> floods = find_floods(trace);
     for (const arrival_period& p : floods)
       std::printf("  flood found in the arrivals: %.0f-%.0f s\n", p.start_s, p.end_s);
 
@@ -396,16 +396,20 @@ int run_paper_experiments(const options& o) {
     }
     if (kind == trace_kind::paper_steady && cal.has_thresholds) {
       // The rate that keeps ~B* running (Little's law): B* sequences each decoding the mean
-      // output at the curves' step time at B*. The lengths, and so the calibration's context,
-      // do not depend on the rate: the trace is drawn again at it, same seed.
+      // output at the curves' step time at B*. The lengths' distribution, and so the
+      // calibration's context, does not depend on the rate (its sample mean moves with the
+      // count by sampling alone): the trace is drawn again at it, same seed.
       const double step_s = cal.curves.latency_ms(parallel_mode::tp, cal.cross.batch) / 1e3;
       const double rate = cal.cross.batch / (paper_steady_options{}.output_mean * step_s);
       trace = make_trace(o, kind, 1024, rate);
+      floods = find_floods(trace);
       std::ostringstream s;
       s << statistics_of(trace, 0);
       std::printf("  at %.2f requests/s (B* %.0f / (%.1f output tokens x %.1f ms)): %s\n", rate,
                   cal.cross.batch, paper_steady_options{}.output_mean, step_s * 1e3,
                   s.str().c_str());
+      for (const arrival_period& p : floods)
+        std::printf("  flood found in the arrivals: %.0f-%.0f s\n", p.start_s, p.end_s);
     }
     engine_options base;
     base.scheduler.max_running = k_max_running;

@@ -215,9 +215,11 @@ struct style_price {
 
   bool progressive() const { return progressive_request_s < stall_request_s; }
   // The cheaper style's request-seconds over the requests: seconds of the whole batch, the
-  // unit of the cost gate (stop-the-world: stall_s).
+  // unit of the cost gate (stop-the-world: stall_s). With no request to hold, the stall: a
+  // switch at idle is not free to a gate that would then pass it on zero gain.
   double batch_s() const {
-    const double held = static_cast<double>(std::max<int64_t>(1, running + waiting));
+    if (running + waiting <= 0) return stall_s;
+    const double held = static_cast<double>(running + waiting);
     return std::min(stall_request_s, progressive_request_s) / held;
   }
 };

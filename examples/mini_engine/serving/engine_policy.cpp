@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include <moebius/error.hpp>
+#include <moebius/plan/plan.hpp>
 
 #include "engine_run_state.hpp"
 
@@ -60,13 +61,31 @@ int64_t rollout_residency(const work_view& w, parallel_mode target, int64_t t_lo
 
 }  // namespace
 
+moebius::layer_bytes whole_switch_per_layer(const moebius::switch_plan& p, int64_t num_layers) {
+  moebius::layer_bytes b;
+  const auto spread = [num_layers](std::vector<int64_t> v) {
+    for (int64_t& x : v) x /= std::max<int64_t>(1, num_layers);
+    return v;
+  };
+  if (p.weights) b.weight_bytes_sent = spread(moebius::traffic_of(*p.weights).bytes_sent);
+  if (p.kv) b.kv_bytes_sent = spread(moebius::traffic_of(p.kv->copies).bytes_sent);
+  const size_t P = std::max(b.weight_bytes_sent.size(), b.kv_bytes_sent.size());
+  b.weight_bytes_sent.resize(P, 0);
+  b.kv_bytes_sent.resize(P, 0);
+  return b;
+}
+
 double predicted_switch_ms(void* c, parallel_mode target) {
   const auto* ctx = static_cast<const cost_context*>(c);
   const moebius::switch_plan& p = ctx->plans->of(target);  // the capacity check's, planned once
-  // Without a per-layer plan the target cannot hold the KV (the capacity check refuses it first).
-  if (!p.layer_kv) return 1e12;
-  if (ctx->styled_ms) return ctx->styled_ms(p.bytes_per_layer, true);
-  return ctx->clock->predicted_switch_s(p.bytes_per_layer, ctx->num_layers) * 1e3;
+  // The target cannot hold the KV: the capacity check refuses it first.
+  if (!p.capacity.fits) return 1e12;
+  // Without a per-layer plan (the target cannot hold one layer's KV apart, or the layout's
+  // layers interleave) only stop-the-world runs: its bytes spread over the layers.
+  const moebius::layer_bytes per_layer =
+      p.layer_kv ? p.bytes_per_layer : whole_switch_per_layer(p, ctx->num_layers);
+  if (ctx->styled_ms) return ctx->styled_ms(per_layer, p.layer_kv != nullptr);
+  return ctx->clock->predicted_switch_s(per_layer, ctx->num_layers) * 1e3;
 }
 
 moebius::serving_load serving_load_of(const gate_context& g, parallel_mode target, int64_t load) {

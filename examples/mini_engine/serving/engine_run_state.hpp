@@ -90,6 +90,8 @@ bool throughput_gate_gains(void* context, moebius::parallel_mode current,
                            moebius::gate_evaluation& out);
 // The switch's predicted cost in ms (switch_cost_estimate::fn over a cost_context).
 double predicted_switch_ms(void* context, moebius::parallel_mode target);
+// A stop-the-world plan's bytes as a per-layer average (for a plan without per-layer KV).
+moebius::layer_bytes whole_switch_per_layer(const moebius::switch_plan& p, int64_t num_layers);
 // The serving_load the gate weighs (exposed for tests): the scheduler's work at *now, each
 // pool's capacity, the known residency of a rollout, the predictor's.
 moebius::serving_load serving_load_of(const gate_context& g, moebius::parallel_mode target,

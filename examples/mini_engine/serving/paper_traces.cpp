@@ -58,6 +58,27 @@ struct chat_lengths {
   int32_t vocab;
 };
 
+// Throws errc::invalid_argument naming `who`'s field unless the lengths make sense.
+void validate(const chat_lengths& len, const char* who) {
+  MOEBIUS_CHECK(len.prompt_mean >= 1 && len.output_mean >= 1 && std::isfinite(len.prompt_mean) &&
+                    std::isfinite(len.output_mean),
+                errc::invalid_argument, who, ": the mean lengths must be >= 1 (got ",
+                len.prompt_mean, ", ", len.output_mean, ")");
+  MOEBIUS_CHECK(std::isfinite(len.sigma) && len.sigma >= 0, errc::invalid_argument, who,
+                ": length_sigma must be >= 0 (got ", len.sigma, ")");
+  MOEBIUS_CHECK(len.prompt_max >= 1 && len.output_max >= 1 && len.vocab >= 1,
+                errc::invalid_argument, who,
+                ": prompt_max, output_max and vocab must be >= 1");
+}
+
+chat_lengths lengths_of(const paper_bursty_options& o) {
+  return {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max, o.vocab};
+}
+
+chat_lengths lengths_of(const paper_steady_options& o) {
+  return {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max, o.vocab};
+}
+
 std::vector<request> chat_requests(uint64_t seed, const std::vector<trace_period>& periods,
                                    const chat_lengths& len) {
   std::mt19937_64 rng(seed);
@@ -97,14 +118,7 @@ void validate(const paper_bursty_options& o) {
                     o.quiet_between_s < o.duration_s,
                 errc::invalid_argument, "paper_bursty_options: quiet_between_s must be in [0, ",
                 o.duration_s, ") (got ", o.quiet_between_s, ")");
-  MOEBIUS_CHECK(o.prompt_mean >= 1 && o.output_mean >= 1 && std::isfinite(o.prompt_mean) &&
-                    std::isfinite(o.output_mean),
-                errc::invalid_argument, "paper_bursty_options: the mean lengths must be >= 1 (got ",
-                o.prompt_mean, ", ", o.output_mean, ")");
-  MOEBIUS_CHECK(std::isfinite(o.length_sigma) && o.length_sigma >= 0, errc::invalid_argument,
-                "paper_bursty_options: length_sigma must be >= 0 (got ", o.length_sigma, ")");
-  MOEBIUS_CHECK(o.prompt_max >= 1 && o.output_max >= 1 && o.vocab >= 1, errc::invalid_argument,
-                "paper_bursty_options: prompt_max, output_max and vocab must be >= 1");
+  validate(lengths_of(o), "paper_bursty_options");
 }
 
 void validate(const paper_rollout_options& o) {
@@ -163,9 +177,7 @@ double paper_rollout_sigma(const paper_rollout_options& o) {
 }
 
 std::vector<request> paper_bursty_trace(uint64_t seed, const paper_bursty_options& o) {
-  return chat_requests(seed, paper_bursty_periods(o),
-                       {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max,
-                        o.vocab});
+  return chat_requests(seed, paper_bursty_periods(o), lengths_of(o));
 }
 
 void validate(const paper_steady_options& o) {
@@ -173,21 +185,12 @@ void validate(const paper_steady_options& o) {
                 "paper_steady_options: duration_s must be finite and > 0 (got ", o.duration_s, ")");
   MOEBIUS_CHECK(std::isfinite(o.rate) && o.rate > 0, errc::invalid_argument,
                 "paper_steady_options: rate must be finite and > 0 (got ", o.rate, ")");
-  MOEBIUS_CHECK(o.prompt_mean >= 1 && o.output_mean >= 1 && std::isfinite(o.prompt_mean) &&
-                    std::isfinite(o.output_mean),
-                errc::invalid_argument, "paper_steady_options: the mean lengths must be >= 1 (got ",
-                o.prompt_mean, ", ", o.output_mean, ")");
-  MOEBIUS_CHECK(std::isfinite(o.length_sigma) && o.length_sigma >= 0, errc::invalid_argument,
-                "paper_steady_options: length_sigma must be >= 0 (got ", o.length_sigma, ")");
-  MOEBIUS_CHECK(o.prompt_max >= 1 && o.output_max >= 1 && o.vocab >= 1, errc::invalid_argument,
-                "paper_steady_options: prompt_max, output_max and vocab must be >= 1");
+  validate(lengths_of(o), "paper_steady_options");
 }
 
 std::vector<request> paper_steady_trace(uint64_t seed, const paper_steady_options& o) {
   validate(o);
-  return chat_requests(seed, {trace_period{0, o.duration_s, o.rate, false}},
-                       {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max,
-                        o.vocab});
+  return chat_requests(seed, {trace_period{0, o.duration_s, o.rate, false}}, lengths_of(o));
 }
 
 std::vector<request> paper_rollout_trace(uint64_t seed, const paper_rollout_options& o) {

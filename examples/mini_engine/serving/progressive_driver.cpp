@@ -63,7 +63,10 @@ detail::style_price engine::price_styles(const run_state& st,
   // the slowdown curve, or step and copies one after the other without one).
   switch_copies copies;
   copies.bytes = c.layers_per_step * p.bytes_per_layer;
-  const double copy_s = clock_.copies_s(copies);
+  // A measuring clock times copies once they ran (copies_s is then what was measured, 0 here):
+  // price them by the pacing's link instead.
+  double copy_s = clock_.copies_s(copies);
+  if (copy_s <= 0) copy_s = moebius::copy_seconds(p, c.layers_per_step);
   const overlap_slowdown slow = clock_.slowdown();
   const double slowed = slow.known() ? std::max(p.step_s * slow.at(p.step_s, copies.bytes), copy_s)
                                      : p.step_s + copy_s;

@@ -79,8 +79,9 @@ class deployment_memory {
   }
 
   // The whole KV pool of local rank i, and one layer's K or V region in it (both views read
-  // the same region: kv_geometry::tensor_offset). Throws errc::out_of_range on bad indices
-  // (and for V of a latent pool).
+  // the same region: kv_geometry::tensor_offset). The region is the present layout's
+  // (kv_pool_layout.hpp); a pool the engine lays out otherwise is addressed by its layout.
+  // Throws errc::out_of_range on bad indices (and for V of a latent pool).
   tensor_slab kv_pool(int i) const;
   tensor_slab kv_region(int i, int64_t layer, kv_tensor t) const;
 

@@ -27,6 +27,7 @@
 
 #include "moebius/kv/kv_geometry.hpp"
 #include "moebius/kv/kv_migration.hpp"
+#include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/transport/link_rate.hpp"
@@ -64,5 +65,11 @@ struct layer_bytes {
 layer_bytes switch_layer_bytes(const arena_geometry& weights, const kv_geometry& kv,
                                const kv_state& tables, parallel_mode target,
                                const kv_migration_options& kv_options = {});
+// The same over a pool in another layout (kv_pool_layout.hpp), as a switcher given it as
+// switcher_options::kv_layout plans: layer 0 of the layout. Throws errc::invalid_argument also
+// when the layout's layers interleave inside a page (no layer moves on its own).
+layer_bytes switch_layer_bytes(const arena_geometry& weights, const kv_geometry& kv,
+                               const kv_pool_layout& layout, const kv_state& tables,
+                               parallel_mode target, const kv_migration_options& kv_options = {});
 
 }  // namespace moebius
