@@ -76,7 +76,9 @@ enum class switch_style : uint8_t {
   // request-seconds: stop-the-world holds every running and waiting request for the stall;
   // progressive slows each running request's steps by the copies beside them and holds the
   // waiting ones (no admission) until it ends. The policy's cost gate weighs the cheaper one,
-  // as seconds of the whole batch (request-seconds over the requests).
+  // as seconds of the whole batch (request-seconds over the requests). Not priced: the gain a
+  // progressive switch defers while its layers move (the gate counts it from now), which
+  // leans the choice toward progressive.
   by_cost,
 };
 
