@@ -71,11 +71,9 @@ void validate(const chat_lengths& len, const char* who) {
                 ": prompt_max, output_max and vocab must be >= 1");
 }
 
-chat_lengths lengths_of(const paper_bursty_options& o) {
-  return {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max, o.vocab};
-}
-
-chat_lengths lengths_of(const paper_steady_options& o) {
+// The lengths of paper_bursty_options or paper_steady_options (the same fields).
+template <class Options>
+chat_lengths lengths_of(const Options& o) {
   return {o.prompt_mean, o.output_mean, o.length_sigma, o.prompt_max, o.output_max, o.vocab};
 }
 

@@ -139,6 +139,19 @@ std::vector<request> requests_of(std::mt19937_64& rng, int64_t n, double start_s
   return t;
 }
 
+// Our policy's run of `trace` on the switching deployment, and the same with one gate term off
+// (named `without_name`): what each term's test compares.
+struct ablation {
+  run_result with, without;
+};
+ablation with_and_without(const std::vector<request>& trace, const engine_options& o,
+                          bool moebius::gate_terms::*term, const char* without_name) {
+  engine_options off = o;
+  off.gate.terms.*term = false;
+  return {serve(deployment_kind::switching, trace, o, "ours"),
+          serve(deployment_kind::switching, trace, off, without_name)};
+}
+
 }  // namespace
 
 TEST_CASE("policy: the admission term sends a long-context flood under T_h to EP") {
@@ -152,10 +165,8 @@ TEST_CASE("policy: the admission term sends a long-context flood under T_h to EP
   engine_options o = ours(600, false);
   o.start_from_load = false;
   o.start_mode = parallel_mode::tp;
-  const run_result with = serve(deployment_kind::switching, trace, o, "ours");
-  engine_options off = o;
-  off.gate.terms.admission = false;
-  const run_result without = serve(deployment_kind::switching, trace, off, "no admission term");
+  const auto [with, without] =
+      with_and_without(trace, o, &moebius::gate_terms::admission, "no admission term");
   INFO("ours:\n" << decisions(with) << "without the admission term:\n" << decisions(without));
   CHECK(committed_to(with, parallel_mode::ep) >= 1);
   CHECK(committed_to(without, parallel_mode::ep) == 0);
@@ -187,10 +198,8 @@ TEST_CASE("policy: the queueing term switches before the first completion") {
   o.start_from_load = false;
   o.start_mode = parallel_mode::tp;
   o.scheduler.max_running = 256;
-  const run_result with = serve(deployment_kind::switching, trace, o, "ours");
-  engine_options off = o;
-  off.gate.terms.queueing = false;
-  const run_result without = serve(deployment_kind::switching, trace, off, "no queueing term");
+  const auto [with, without] =
+      with_and_without(trace, o, &moebius::gate_terms::queueing, "no queueing term");
   INFO("ours:\n" << decisions(with) << "without the queueing term:\n" << decisions(without));
   REQUIRE(committed_to(with, parallel_mode::ep) >= 1);
   const bool earlier = without.switches.empty() ||
@@ -216,10 +225,8 @@ TEST_CASE("policy: known work weighs a rollout's tail; the policy never loses to
   ro.output_median = 150;
   const std::vector<request> trace = paper_rollout_trace(mini_engine::testing::test_seed(), ro);
   const engine_options o = ours(400, true);
-  const run_result with = serve(deployment_kind::switching, trace, o, "ours");
-  engine_options off = o;
-  off.gate.terms.known_work = false;
-  const run_result without = serve(deployment_kind::switching, trace, off, "no known work");
+  const auto [with, without] =
+      with_and_without(trace, o, &moebius::gate_terms::known_work, "no known work");
   engine_options stat = base_options();
   stat.start_mode = parallel_mode::tp;
   const run_result tp = serve(deployment_kind::static_tp, trace, stat, "static TP");
