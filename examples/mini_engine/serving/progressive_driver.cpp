@@ -59,17 +59,13 @@ detail::style_price engine::price_styles(const run_state& st,
   const moebius::pacing_params p = pacing_for(st, per_layer);
   c.layers_per_step = paced_layers(st, p);
   c.steps = (L + c.layers_per_step - 1) / c.layers_per_step;
-  // A step with a layer's copies beside it, as the clock prices it (step_clock::switch_step_s:
-  // the slowdown curve, or step and copies one after the other without one).
+  // A step with a layer's copies beside it, as the clock prices one
+  // (step_clock::beside_copies_s). A measuring clock takes the copies' time as measured: here
+  // what the pacing's link predicts.
   switch_copies copies;
   copies.bytes = c.layers_per_step * p.bytes_per_layer;
-  // A measuring clock times copies once they ran (copies_s is then what was measured, 0 here):
-  // price them by the pacing's link instead.
-  double copy_s = clock_.copies_s(copies);
-  if (copy_s <= 0) copy_s = moebius::copy_seconds(p, c.layers_per_step);
-  const overlap_slowdown slow = clock_.slowdown();
-  const double slowed = slow.known() ? std::max(p.step_s * slow.at(p.step_s, copies.bytes), copy_s)
-                                     : p.step_s + copy_s;
+  copies.measured_s = moebius::copy_seconds(p, c.layers_per_step);
+  const double slowed = clock_.beside_copies_s(p.step_s, copies);
   c.extra_s_per_step = slowed - p.step_s;
   c.duration_s = static_cast<double>(c.steps) * slowed;
   c.progressive_request_s =

@@ -110,13 +110,6 @@ double h200_step_model::copies_s(const switch_copies& copies) const {
   return static_cast<double>(copies.bytes) / hw_.nvlink.bytes_per_s;
 }
 
-double h200_step_model::switch_step_s(const step_cost& cost, double measured_step_s,
-                                      const switch_copies& copies) const {
-  const double step = step_s(cost, measured_step_s), copy = copies_s(copies);
-  if (slowdown_ == nullptr) return copy + step;
-  return std::max(step * slowdown_->at(step, copies.bytes), copy);
-}
-
 overlap_slowdown h200_step_model::slowdown() const {
   if (slowdown_ == nullptr) return {};
   return overlap_slowdown{[](const void* c, double step_s, int64_t bytes) {

@@ -6,6 +6,7 @@
 // prices each step with a documented model of an H200 deployment instead (h200_step_model),
 // and records the measured host time beside it.
 
+#include <algorithm>
 #include <cstdint>
 #include <iosfwd>
 #include <span>
@@ -90,14 +91,21 @@ class step_clock {
   }
   virtual moebius::link_rate link() const { return moebius::link_rate::gb_per_s(389); }
 
-  // A step during a progressive switch with its advance's copies beside it. Never more overlap
-  // than ran: by default what was measured, the step (its device time, waits included) plus
-  // the wait for copies that outlasted it. A priced clock prices both, one after the other,
-  // unless it holds a measured curve of the step's slowdown beside copies (and says so in
-  // name()).
+  // A step during a progressive switch with its advance's copies beside it:
+  // beside_copies_s(the step alone). Never more overlap than ran: a measuring clock adds the
+  // wait for copies that outlasted the step to the step (its device time, waits included).
   virtual double switch_step_s(const step_cost& cost, double measured_step_s,
                                const switch_copies& copies) const {
-    return copies_s(copies) + step_s(cost, measured_step_s);
+    return beside_copies_s(step_s(cost, measured_step_s), copies);
+  }
+  // A step that takes `step_s` alone, with `copies` beside it. With a slowdown curve (a priced
+  // clock that holds the measured one, and says so in name()): the step slowed by the copies'
+  // bytes, and never shorter than the copies; without: step and copies one after the other.
+  double beside_copies_s(double step_s, const switch_copies& copies) const {
+    const double copy = copies_s(copies);
+    const overlap_slowdown slow = slowdown();
+    if (!slow.known()) return copy + step_s;
+    return std::max(step_s * slow.at(step_s, copies.bytes), copy);
   }
   // The copies alone (a step with nothing to run): by default the measured wait.
   virtual double copies_s(const switch_copies& copies) const { return copies.measured_s; }
@@ -222,10 +230,6 @@ class h200_step_model final : public step_clock {
   moebius::link_rate link() const override { return hw_.nvlink; }
   // The copies at the link rate.
   double copies_s(const switch_copies& copies) const override;
-  // With the curve: max(priced step x its slowdown beside copies.bytes, copies_s); without it
-  // copies_s + the priced step.
-  double switch_step_s(const step_cost& cost, double measured_step_s,
-                       const switch_copies& copies) const override;
   // The curve (pacing), when there is one.
   overlap_slowdown slowdown() const override;
   // As switch_s() would price the switch that moves `run`: the priced experts and the run's KV

@@ -319,12 +319,4 @@ double curves_step_clock::predicted_switch_s(const moebius::layer_bytes& run,
 }
 overlap_slowdown curves_step_clock::slowdown() const { return model_.slowdown(); }
 
-double curves_step_clock::switch_step_s(const step_cost& cost, double measured_step_s,
-                                        const switch_copies& copies) const {
-  const double step = step_s(cost, measured_step_s), copy = copies_s(copies);
-  const overlap_slowdown slow = slowdown();
-  if (!slow.known()) return copy + step;
-  return std::max(step * slow.at(step, copies.bytes), copy);
-}
-
 }  // namespace mini_engine

@@ -132,9 +132,6 @@ class curves_step_clock final : public step_clock {
   const step_curves& curves() const { return curves_; }
   moebius::link_rate link() const override;
   double copies_s(const switch_copies& copies) const override;
-  // As h200_step_model's, with this clock's step: max(step x slowdown, copies).
-  double switch_step_s(const step_cost& cost, double measured_step_s,
-                       const switch_copies& copies) const override;
   double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
   overlap_slowdown slowdown() const override;
 
