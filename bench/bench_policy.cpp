@@ -12,6 +12,7 @@
 #include "moebius/memory/memory_budget.hpp"
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"
+#include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"
 
 using namespace moebius;
@@ -31,8 +32,6 @@ std::vector<int64_t> make_loads(size_t n) {
   return v;
 }
 
-bool always_fits(void*, parallel_mode) { return true; }
-
 void run_policy(benchmark::State& state, switch_policy_config c, bool gate) {
   const std::vector<int64_t> loads = make_loads(4096);
   std::vector<latency_sample> ep, tp;
@@ -42,13 +41,20 @@ void run_policy(benchmark::State& state, switch_policy_config c, bool gate) {
   }
   const calibration_result cal = calibrate(ep, tp);
   if (gate) c.expected_residency_steps = 1000;
-  switch_policy p(c, capacity_check{&always_fits, nullptr});
-  if (gate) p.set_cost_gate(&cal.curves, 150.0, 150.0);
+  switch_policy p(c);
   parallel_mode mode = parallel_mode::tp;
   size_t i = 0;
   double now = 0;
   for (auto _ : state) {
-    const switch_decision d = p.step(loads[i], mode, now);
+    // The two phases as an engine runs them: a proposed switch priced (capacity: fits; the
+    // step-time gate on a fixed 150 ms cost), then decided.
+    const switch_proposal prop = p.propose(loads[i], mode, now);
+    switch_pricing priced;
+    if (gate && prop.proposed())
+      priced.gate = weigh_step_time(cal.curves, mode, prop.target, prop.load,
+                                    residency_steps(c, nullptr, prop.load, prop.target), 150.0,
+                                    c.gate_margin);
+    const switch_decision d = p.decide(prop, priced);
     if (d.do_switch) mode = d.target;
     benchmark::DoNotOptimize(d);
     i = (i + 1) & 4095;

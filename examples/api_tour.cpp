@@ -3,6 +3,7 @@
 // Moebius::cuda, device_deployment_memory and cuda_peer_transport take their places.
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <vector>
 
 #include "moebius/moebius.hpp"
@@ -50,11 +51,21 @@ int main() {
     if (name.ends_with("_ms") && value > 0) std::cout << name << ' ' << value << '\n';
   });
 
-  // 6. The policy decides when: asymmetric hysteresis, cooldown, capacity check.
+  // 6. The policy decides when, in two phases: its rules propose (asymmetric hysteresis,
+  //    cooldown); the engine plans the proposal once and prices that plan (capacity here; a
+  //    gate's weighing too: policy/step_time_gate.hpp); the rules decide, and the plan runs.
   switch_policy policy(interactive_config(/*t_high=*/256));
-  const switch_decision d = policy.step(/*active sequences=*/300, sw.mode(), /*now_s=*/0.0);
+  const switch_proposal proposal =
+      policy.propose(/*active sequences=*/300, sw.mode(), /*now_s=*/0.0);
+  std::optional<switch_plan> plan;
+  switch_pricing priced;
+  if (proposal.proposed()) {
+    plan = sw.plan(proposal.target);
+    priced.fits = plan->capacity.fits;
+  }
+  const switch_decision d = policy.decide(proposal, priced);
   std::cout << d << '\n';
-  if (d.do_switch) std::cout << sw.switch_to(d.target) << '\n';
+  if (d.do_switch) std::cout << sw.switch_to(*plan) << '\n';
 
   const bool ok = report.outcome == switch_outcome::committed && graphs == sw.mode();
   std::puts(ok ? "api tour: ok" : "api tour: FAILED");

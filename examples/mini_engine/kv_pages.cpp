@@ -154,6 +154,18 @@ moebius::kv_state written_prefix(const moebius::kv_geometry& g, const moebius::k
   return out;
 }
 
+bool no_live_sequences(const moebius::kv_state& s) {
+  return std::all_of(s.ranks.begin(), s.ranks.end(),
+                     [](const moebius::kv_rank_state& r) { return r.sequences.empty(); });
+}
+
+void release_all_sequences(moebius::kv_state& s) {
+  std::vector<int64_t> ids;
+  for (const moebius::kv_rank_state& r : s.ranks)
+    for (const moebius::kv_sequence& q : r.sequences) ids.push_back(q.seq_id);
+  for (const int64_t id : ids) release_sequence(s, id);
+}
+
 moebius::kv_state make_empty_kv_state(const moebius::kv_geometry& g, parallel_mode m) {
   return moebius::make_kv_state(
       g, m, std::vector<std::vector<kv_sequence>>(static_cast<size_t>(g.num_ranks)));

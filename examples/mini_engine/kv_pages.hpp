@@ -51,6 +51,12 @@ const moebius::kv_sequence* find_sequence(const moebius::kv_state& s, int rank, 
 moebius::kv_state written_prefix(const moebius::kv_geometry& g, const moebius::kv_state& s,
                                  std::span<const std::pair<int64_t, int64_t>> written);
 
+// Whether `s` holds no sequence on any rank.
+bool no_live_sequences(const moebius::kv_state& s);
+
+// Releases every sequence of `s` (every page goes back to its rank's free list).
+void release_all_sequences(moebius::kv_state& s);
+
 // An empty state of `g` in mode `m`: no sequences, every page free.
 moebius::kv_state make_empty_kv_state(const moebius::kv_geometry& g, moebius::parallel_mode m);
 

@@ -47,5 +47,6 @@
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"
 #include "moebius/policy/residency.hpp"
+#include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/throughput_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"

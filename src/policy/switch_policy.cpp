@@ -6,7 +6,6 @@
 
 #include "moebius/detail/enum_check.hpp"
 #include "moebius/error.hpp"
-#include "moebius/policy/calibration.hpp"
 #include "moebius/policy/residency.hpp"
 
 namespace moebius {
@@ -103,32 +102,20 @@ std::ostream& operator<<(std::ostream& os, const switch_decision& d) {
   return os << "stay (" << to_string(d.reason) << ")";
 }
 
-switch_policy::switch_policy(const switch_policy_config& config, capacity_check capacity)
-    : config_(config), capacity_(capacity) {
+int64_t residency_boundary(const switch_policy_config& c, parallel_mode target) {
+  detail::check_enum(target, "residency_boundary target (parallel_mode)");
+  return target == parallel_mode::ep ? c.t_low : c.t_high;
+}
+
+int64_t residency_steps(const switch_policy_config& c, const residency_predictor* predictor,
+                        int64_t load, parallel_mode target) {
+  const int64_t boundary = residency_boundary(c, target);
+  return predictor != nullptr ? predictor->steps_until_cross(load, boundary)
+                              : c.expected_residency_steps;
+}
+
+switch_policy::switch_policy(const switch_policy_config& config) : config_(config) {
   validate(config_);
-}
-
-void switch_policy::set_cost_gate(const latency_curves* curves, double switch_ms_to_ep,
-                                  double switch_ms_to_tp) {
-  MOEBIUS_CHECK(std::isfinite(switch_ms_to_ep) && switch_ms_to_ep >= 0.0 &&
-                    std::isfinite(switch_ms_to_tp) && switch_ms_to_tp >= 0.0,
-                errc::invalid_argument, "switch costs must be finite and >= 0 (to EP ",
-                switch_ms_to_ep, " ms, to TP ", switch_ms_to_tp, " ms)");
-  curves_ = curves;
-  switch_ms_[mode_idx(parallel_mode::ep)] = switch_ms_to_ep;
-  switch_ms_[mode_idx(parallel_mode::tp)] = switch_ms_to_tp;
-  estimate_ = {};
-}
-
-void switch_policy::set_cost_gate(const latency_curves* curves, switch_cost_estimate estimate) {
-  curves_ = curves;
-  switch_ms_[0] = switch_ms_[1] = 0.0;
-  estimate_ = estimate;
-}
-
-bool switch_policy::gate_active() const {
-  if (gate_.fn != nullptr) return true;
-  return curves_ != nullptr && (residency_ != nullptr || config_.expected_residency_steps > 0);
 }
 
 void switch_policy::set_thresholds(int64_t t_high, int64_t t_low) {
@@ -147,7 +134,7 @@ void switch_policy::reset() {
   last_switch_s_ = 0.0;
   above_run_ = below_run_ = 0;
   ring_head_ = ring_count_ = ring_sum_ = 0;
-  last_gate_ = {};
+  undecided_ = false;
 }
 
 double switch_policy::window_mean() const {
@@ -172,64 +159,16 @@ bool switch_policy::in_cooldown(double now_s) const {
          (config_.cooldown_s > 0.0 && now_s - last_switch_s_ < config_.cooldown_s);
 }
 
-bool switch_policy::gains_anything(parallel_mode current, parallel_mode target, int64_t load) {
-  if (gate_.gains == nullptr) return true;
-  gate_evaluation g;
-  g.evaluated = true;
-  g.target = target;
-  g.load = load;
-  g.priced = false;
-  if (gate_.gains(gate_.context, current, target, load, g)) return true;
-  g.priced = false;
-  g.passed = false;
-  last_gate_ = g;
-  return false;
-}
-
-bool switch_policy::gain_exceeds_cost(parallel_mode current, parallel_mode target,
-                                      int64_t load) {
-  if (!gate_active()) return true;
-  if (gate_.fn != nullptr) {
-    gate_evaluation g;
-    g.evaluated = true;
-    g.target = target;
-    g.load = load;
-    g.passed = gate_.fn(gate_.context, current, target, load, g);
-    last_gate_ = g;
-    return g.passed;
-  }
-  // The residency ends when the load crosses back: under T_l after entering EP, up to T_h
-  // after entering TP (the thresholds of the rules that would switch back).
-  const int64_t residency =
-      residency_ != nullptr
-          ? residency_->steps_until_cross(
-                load, target == parallel_mode::ep ? config_.t_low : config_.t_high)
-          : config_.expected_residency_steps;
-  const double b = static_cast<double>(load);
-  gate_evaluation g;
-  g.evaluated = true;
-  g.target = target;
-  g.load = load;
-  g.residency_steps = residency;
-  g.gain_ms = (curves_->latency_ms(current, b) - curves_->latency_ms(target, b)) *
-              static_cast<double>(residency);
-  g.cost_ms = estimate_.fn != nullptr ? estimate_.fn(estimate_.context, target)
-                                      : switch_ms_[mode_idx(target)];
-  MOEBIUS_CHECK(std::isfinite(g.cost_ms) && g.cost_ms >= 0.0, errc::invalid_argument,
-                "the switch cost estimate must be finite and >= 0 ms (to ", to_string(target),
-                ": ", g.cost_ms, " ms)");
-  g.passed = g.gain_ms >= g.cost_ms * (1.0 + config_.gate_margin);
-  last_gate_ = g;
-  return g.passed;
-}
-
-switch_decision switch_policy::step(int64_t load, parallel_mode current, double now_s,
-                                    bool admission_blocked) {
+switch_proposal switch_policy::propose(int64_t load, parallel_mode current, double now_s,
+                                       bool admission_blocked) {
   MOEBIUS_CHECK(load >= 0, errc::invalid_argument, "load must be >= 0 (load=", load, ")");
-  detail::check_enum(current, "switch_policy::step current (parallel_mode)");
+  detail::check_enum(current, "switch_policy::propose current (parallel_mode)");
   // A NaN time compares false against everything: the seconds cooldown would never hold.
   MOEBIUS_CHECK(std::isfinite(now_s), errc::invalid_argument,
-                "switch_policy::step now_s must be finite (now_s=", now_s, ")");
+                "switch_policy::propose now_s must be finite (now_s=", now_s, ")");
+  MOEBIUS_CHECK(!undecided_, errc::invalid_argument,
+                "switch_policy::propose: the proposal of step ", stats_.steps - 1,
+                " was not decided (call decide() after each propose())");
   const int64_t step_idx = stats_.steps++;
 
   // A mode change the policy did not predict (an operator switch, or a proposed switch that
@@ -255,11 +194,13 @@ switch_decision switch_policy::step(int64_t load, parallel_mode current, double 
   ring_sum_ += window_load;
   ring_head_ = ring_head_ + 1 == config_.down_window ? 0 : ring_head_ + 1;
 
-  switch_decision d;
+  switch_proposal p;
+  p.load = load;
+  p.step = step_idx;
   if (current == parallel_mode::tp) {
     if (above_run_ >= config_.up_window) {
-      d.target = parallel_mode::ep;
-      d.reason = load >= config_.t_high ? decision_reason::above_high
+      p.target = parallel_mode::ep;
+      p.reason = load >= config_.t_high ? decision_reason::above_high
                                         : decision_reason::admission_blocked;
     }
   } else if (ring_count_ == config_.down_window) {
@@ -267,24 +208,35 @@ switch_decision switch_policy::step(int64_t load, parallel_mode current, double 
                            ? ring_sum_ < config_.t_low * config_.down_window
                            : below_run_ >= config_.down_window;
     if (below) {
-      d.target = parallel_mode::tp;
-      d.reason = decision_reason::below_low;
+      p.target = parallel_mode::tp;
+      p.reason = decision_reason::below_low;
     }
   }
+  if (p.reason != decision_reason::hold && in_cooldown(now_s)) p.reason = decision_reason::cooldown;
+  undecided_ = true;
+  proposed_s_ = now_s;
+  return p;
+}
 
-  if (d.reason != decision_reason::hold) {
-    if (in_cooldown(now_s)) {
-      d.reason = decision_reason::cooldown;
-    } else if (!gains_anything(current, d.target, load)) {
-      d.reason = decision_reason::cost_exceeds_gain;
-    } else if (!capacity_.fits(d.target)) {
+switch_decision switch_policy::decide(const switch_proposal& p, const switch_pricing& priced) {
+  MOEBIUS_CHECK(undecided_ && p.step == stats_.steps - 1, errc::invalid_argument,
+                "switch_policy::decide: the proposal of step ", p.step,
+                " is not the last propose()'s undecided one (steps proposed: ", stats_.steps,
+                undecided_ ? "" : ", the last one already decided", ")");
+  detail::check_enum(p.reason, "switch_policy::decide proposal reason (decision_reason)");
+  undecided_ = false;
+  switch_decision d;
+  d.target = p.target;
+  d.reason = p.reason;
+  if (p.proposed()) {
+    if (!priced.fits) {
       d.reason = decision_reason::capacity_refused;
-    } else if (!gain_exceeds_cost(current, d.target, load)) {
+    } else if (priced.gate.evaluated && !priced.gate.passed) {
       d.reason = decision_reason::cost_exceeds_gain;
     } else {
       d.do_switch = true;
       ++stats_.switches;
-      restart_windows(step_idx, now_s);
+      restart_windows(p.step, proposed_s_);
       last_mode_ = d.target;  // expected next step; anything else is a failed switch
     }
   }

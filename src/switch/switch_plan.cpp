@@ -29,12 +29,10 @@ std::shared_ptr<const kv_migration> plan_kv(const kv_geometry& g, const kv_pool_
 
 }  // namespace
 
-switch_plan switcher::plan(parallel_mode target) const {
+switch_plan switcher::plan(parallel_mode target, plan_scope scope) const {
   detail::check_enum(target, "switcher::plan target (parallel_mode)");
-  return plan_of(target, true);
-}
-
-switch_plan switcher::plan_of(parallel_mode target, bool per_layer) const {
+  detail::check_enum(scope, "switcher::plan scope (plan_scope)");
+  const bool per_layer = scope == plan_scope::both;
   const detail::switch_state& st = *state_;
   const auto t0 = detail::clock_type::now();
   const detail::nvtx_range range("moebius/switch/plan");

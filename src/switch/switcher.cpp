@@ -152,7 +152,7 @@ std::string switcher::why_stale(const switch_plan& p) const {
 
 kv_capacity_report switcher::check(parallel_mode target) const {
   detail::check_enum(target, "switcher::check target (parallel_mode)");
-  return plan_of(target, false).capacity;
+  return plan(target, plan_scope::stop_the_world).capacity;
 }
 
 layer_bytes switcher::layer_bytes_of(parallel_mode target) const {
@@ -167,7 +167,7 @@ switch_report switcher::switch_to(parallel_mode target) {
   detail::check_enum(target, "switcher::switch_to target (parallel_mode)");
   MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
                 "switch_to: a progressive switch is in progress; finish() or abort() it first");
-  return switch_to(plan_of(target, false));
+  return switch_to(plan(target, plan_scope::stop_the_world));
 }
 
 switch_report switcher::switch_to(const switch_plan& p) {

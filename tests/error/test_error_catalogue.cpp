@@ -19,6 +19,7 @@
 #include "moebius/plan/weight_plan.hpp"
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"
+#include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"
 #include "moebius/switch/checksum.hpp"
 #include "moebius/switch/switcher.hpp"
@@ -666,44 +667,44 @@ TEST_CASE("E56 interactive_config: t_high = 2^41", "[error_catalogue]") {
       errc::invalid_argument, "T_h must lie in [1, 2^40]");
 }
 
-TEST_CASE("E57 switch_policy::step: load -1", "[error_catalogue]") {
+TEST_CASE("E57 switch_policy::propose: load -1", "[error_catalogue]") {
   check_row(
       57,
       [] {
         switch_policy p(switch_policy_config{});
-        (void)(p.step(-1, parallel_mode::ep, 0.0));
+        (void)(p.propose(-1, parallel_mode::ep, 0.0));
       },
       errc::invalid_argument, "load must be >= 0");
 }
 
-TEST_CASE("E58 switch_policy::step: now_s = NaN", "[error_catalogue]") {
+TEST_CASE("E58 switch_policy::propose: now_s = NaN", "[error_catalogue]") {
   check_row(
       58,
       [] {
         switch_policy p(switch_policy_config{});
-        (void)(p.step(1, parallel_mode::ep, std::nan("")));
+        (void)(p.propose(1, parallel_mode::ep, std::nan("")));
       },
       errc::invalid_argument, "now_s must be finite");
 }
 
-TEST_CASE("E59 switch_policy::step: current cast from 3", "[error_catalogue]") {
+TEST_CASE("E59 switch_policy::propose: current cast from 3", "[error_catalogue]") {
   check_row(
       59,
       [] {
         switch_policy p(switch_policy_config{});
-        (void)(p.step(1, static_cast<parallel_mode>(3), 0.0));
+        (void)(p.propose(1, static_cast<parallel_mode>(3), 0.0));
       },
-      errc::invalid_argument, "switch_policy::step current (parallel_mode) is out of range");
+      errc::invalid_argument, "switch_policy::propose current (parallel_mode) is out of range");
 }
 
-TEST_CASE("E60 switch_policy::set_cost_gate: switch cost -1 ms", "[error_catalogue]") {
+TEST_CASE("E60 weigh_step_time: switch cost -1 ms", "[error_catalogue]") {
   check_row(
       60,
       [] {
-        switch_policy p(switch_policy_config{});
-        (void)(p.set_cost_gate(nullptr, -1.0, 1.0));
+        const latency_sample s[] = {{1, 10}, {2, 11}};
+        (void)(weigh_step_time(calibrate(s, s).curves, parallel_mode::tp, parallel_mode::ep, 10, 100, -1.0, 0.5));
       },
-      errc::invalid_argument, "switch costs must be finite and >= 0");
+      errc::invalid_argument, "the switch cost estimate must be finite and >= 0");
 }
 
 TEST_CASE("E61 latency_curve::fit: samples at one batch size", "[error_catalogue]") {

@@ -22,6 +22,7 @@
 #include "moebius/plan/weight_plan.hpp"
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/cost_model.hpp"
+#include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"
 #include "moebius/switch/switcher.hpp"
 #include "support/catch.hpp"
@@ -353,10 +354,14 @@ TEST_CASE("non-finite times, costs and parameters are refused with the field's n
     REQUIRE_MOEBIUS_ERROR(policy.step(10, parallel_mode::ep, bad), errc::invalid_argument,
                           "now_s must be finite");
     CHECK(policy.stats().steps == 0);
-    REQUIRE_MOEBIUS_ERROR(policy.set_cost_gate(nullptr, bad, 1.0), errc::invalid_argument,
-                          "switch costs must be finite");
-    REQUIRE_MOEBIUS_ERROR(policy.set_cost_gate(nullptr, 1.0, bad), errc::invalid_argument,
-                          "switch costs must be finite");
+    const latency_sample line[] = {{1, 10}, {2, 11}};
+    const latency_curves curves = calibrate(line, line).curves;
+    REQUIRE_MOEBIUS_ERROR(weigh_step_time(curves, parallel_mode::tp, parallel_mode::ep, 10, 100,
+                                          bad, 0.5),
+                          errc::invalid_argument, "switch cost estimate must be finite");
+    REQUIRE_MOEBIUS_ERROR(weigh_step_time(curves, parallel_mode::tp, parallel_mode::ep, 10, 100,
+                                          1.0, bad),
+                          errc::invalid_argument, "margin must be finite");
     switch_policy_config c;
     c.cooldown_s = bad;
     REQUIRE_MOEBIUS_ERROR(validate(c), errc::invalid_argument, "cooldown_s must be finite");

@@ -11,7 +11,9 @@
 #include "moebius/error.hpp"
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/residency.hpp"
+#include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"
+#include "layout/error_matchers.hpp"
 #include "policy_seed.hpp"
 #include "support/catch.hpp"
 
@@ -218,17 +220,17 @@ TEST_CASE("switch_policy: the gate with a residency predictor refuses a short bu
     // 20 a step (still growing).
     pred.observe({sustained ? 20 : 3, 0, 0, 260});
     switch_policy p(c);
-    double asked_ms = -1;
-    auto cost = [](void* ctx, parallel_mode) {
-      *static_cast<double*>(ctx) = 100.0;
-      return 100.0;
-    };
-    p.set_cost_gate(&cal.curves, switch_cost_estimate{cost, &asked_ms});
-    p.set_residency_predictor(&pred);
-    CHECK(p.gate_active());
-    const switch_decision d = p.step(260, parallel_mode::tp, 0);
-    CHECK(asked_ms == 100.0);
-    const gate_evaluation& g = p.last_gate();
+    const switch_proposal prop = p.propose(260, parallel_mode::tp, 0);
+    REQUIRE(prop.proposed());
+    CHECK(prop.target == parallel_mode::ep);
+    // The caller prices the proposal: the residency up to the rule's boundary (T_l after
+    // entering EP), the step-time gate on the plan's cost (here 100 ms).
+    CHECK(residency_boundary(c, parallel_mode::ep) == c.t_low);
+    CHECK(residency_boundary(c, parallel_mode::tp) == c.t_high);
+    const gate_evaluation g =
+        weigh_step_time(cal.curves, parallel_mode::tp, prop.target, prop.load,
+                        residency_steps(c, &pred, prop.load, prop.target), 100.0, c.gate_margin);
+    const switch_decision d = p.decide(prop, {true, g});
     INFO(g);
     REQUIRE(g.evaluated);
     // Short: drift 3 - 13 = -10, (260 - 200 + 1) / 10 -> 7 steps x 3 ms = 21 ms < 150 ms.
@@ -240,12 +242,11 @@ TEST_CASE("switch_policy: the gate with a residency predictor refuses a short bu
     CHECK(d.reason == (sustained ? decision_reason::above_high : decision_reason::cost_exceeds_gain));
   }
   // A cost estimate that is not a cost is an error, not a silent pass.
-  switch_policy p(c);
   residency_predictor pred;
-  p.set_cost_gate(&cal.curves, switch_cost_estimate{[](void*, parallel_mode) { return -1.0; },
-                                                    nullptr});
-  p.set_residency_predictor(&pred);
-  CHECK_THROWS_AS(p.step(260, parallel_mode::tp, 0), moebius::error);
+  REQUIRE_MOEBIUS_ERROR(weigh_step_time(cal.curves, parallel_mode::tp, parallel_mode::ep, 260,
+                                        residency_steps(c, &pred, 260, parallel_mode::ep), -1.0,
+                                        c.gate_margin),
+                        errc::invalid_argument, "finite and >= 0");
 }
 
 TEST_CASE("switch_policy: the predictor-driven gate in both directions matches a hand computation",
@@ -324,10 +325,13 @@ TEST_CASE("switch_policy: the predictor-driven gate in both directions matches a
     const bool want_pass = want_gain >= want_cost * (1.0 + c.gate_margin);
 
     switch_policy p(c);
-    p.set_cost_gate(&cal.curves, cost_to_ep, cost_to_tp);
-    p.set_residency_predictor(&pred);
-    const switch_decision dec = p.step(load, current, 0.0);
-    const gate_evaluation& g = p.last_gate();
+    const switch_proposal prop = p.propose(load, current, 0.0);
+    REQUIRE(prop.proposed());
+    const gate_evaluation g =
+        weigh_step_time(cal.curves, current, prop.target, prop.load,
+                        residency_steps(c, &pred, prop.load, prop.target),
+                        prop.target == parallel_mode::ep ? cost_to_ep : cost_to_tp, c.gate_margin);
+    const switch_decision dec = p.decide(prop, {true, g});
     INFO("trial " << trial << " " << c << " load " << load << " drift " << d << " horizon "
                   << rc.horizon_steps << " " << g);
     REQUIRE(g.evaluated);

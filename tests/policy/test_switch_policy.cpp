@@ -12,6 +12,7 @@
 
 #include "moebius/error.hpp"
 #include "moebius/policy/calibration.hpp"
+#include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"
 #include "policy_seed.hpp"
 #include "support/catch.hpp"
@@ -162,10 +163,28 @@ struct capacity_table {
   bool fits(parallel_mode m) const {
     return (m == EP ? fits_ep : fits_tp)[static_cast<size_t>(step)] != 0;
   }
-  static bool callback(void* ctx, parallel_mode m) {
-    return static_cast<const capacity_table*>(ctx)->fits(m);
-  }
 };
+
+// One step as a caller of the two phases runs it: propose, then for a proposed switch price it
+// (capacity from `fits`, and with `curves` the step-time gate at the config's fixed residency on
+// the cost into the target, cost_to indexed EP, TP), then decide.
+template <class Fits>
+switch_decision priced_step(switch_policy& p, int64_t load, parallel_mode mode, double now,
+                            Fits&& fits, const latency_curves* curves = nullptr,
+                            const double* cost_to = nullptr) {
+  const switch_proposal prop = p.propose(load, mode, now);
+  switch_pricing priced;
+  if (prop.proposed()) {
+    priced.fits = fits(prop.target);
+    if (priced.fits && curves != nullptr)
+      priced.gate = weigh_step_time(*curves, mode, prop.target, load,
+                                    residency_steps(p.config(), nullptr, load, prop.target),
+                                    cost_to[prop.target == EP ? 0 : 1], p.config().gate_margin);
+  }
+  return p.decide(prop, priced);
+}
+
+bool always_fits(parallel_mode) { return true; }
 
 }  // namespace
 
@@ -301,24 +320,21 @@ TEST_CASE("switch_policy: rollout decay switches at the first load under T_h", "
 
 TEST_CASE("switch_policy: a switch the target cannot hold is refused and reported", "[policy]") {
   bool tp_fits = false;
-  capacity_check cap{[](void* ctx, parallel_mode m) {
-                       return m == EP || *static_cast<bool*>(ctx);
-                     },
-                     &tp_fits};
-  switch_policy p(no_cooldown(256, 205, 1, 4, down_rule::every), cap);
-  for (int i = 0; i < 3; ++i) CHECK(p.step(10, EP, i).reason == decision_reason::hold);
+  const auto fits = [&tp_fits](parallel_mode m) { return m == EP || tp_fits; };
+  switch_policy p(no_cooldown(256, 205, 1, 4, down_rule::every));
+  for (int i = 0; i < 3; ++i) CHECK(priced_step(p, 10, EP, i, fits).reason == decision_reason::hold);
   for (int i = 3; i < 10; ++i) {
-    const switch_decision d = p.step(10, EP, i);
+    const switch_decision d = priced_step(p, 10, EP, i, fits);
     CHECK_FALSE(d.do_switch);
     CHECK(d.reason == decision_reason::capacity_refused);
     CHECK(d.target == TP);
     CHECK(d.blocked());
   }
   std::ostringstream os;
-  os << p.step(10, EP, 10);
+  os << priced_step(p, 10, EP, 10, fits);
   CHECK(os.str() == "stay: TP refused (capacity_refused)");
   tp_fits = true;
-  const switch_decision d = p.step(10, EP, 11);
+  const switch_decision d = priced_step(p, 10, EP, 11, fits);
   CHECK(d.do_switch);
   CHECK(d.target == TP);
   CHECK(p.stats().by_reason[static_cast<int>(decision_reason::capacity_refused)] == 8);
@@ -337,21 +353,21 @@ TEST_CASE("switch_policy: cost gate refuses a switch that does not pay for itsel
   c.expected_residency_steps = 100;  // gain 950 ms at b = 10
   {
     switch_policy p(c);
-    p.set_cost_gate(&cal.curves, 150.0, 951.0);
-    const switch_decision d = p.step(10, EP, 0);
+    const double cost[2] = {150.0, 951.0};
+    const switch_decision d = priced_step(p, 10, EP, 0, always_fits, &cal.curves, cost);
     CHECK(d.reason == decision_reason::cost_exceeds_gain);
     CHECK_FALSE(d.do_switch);
   }
   {
     switch_policy p(c);
-    p.set_cost_gate(&cal.curves, 150.0, 949.0);
-    CHECK(p.step(10, EP, 0).do_switch);
+    const double cost[2] = {150.0, 949.0};
+    CHECK(priced_step(p, 10, EP, 0, always_fits, &cal.curves, cost).do_switch);
   }
   {  // residency 0 turns the gate off
     c.expected_residency_steps = 0;
     switch_policy p(c);
-    p.set_cost_gate(&cal.curves, 1e9, 1e9);
-    CHECK(p.step(10, EP, 0).do_switch);
+    const double cost[2] = {1e9, 1e9};
+    CHECK(priced_step(p, 10, EP, 0, always_fits, &cal.curves, cost).do_switch);
   }
 }
 
@@ -449,13 +465,15 @@ TEST_CASE("switch_policy: random traces match the naive rules", "[policy]") {
       table.fits_ep.push_back(uni(0, 99) >= refuse_pct);
       table.fits_tp.push_back(uni(0, 99) >= refuse_pct);
     }
-    switch_policy p(c, capacity_check{&capacity_table::callback, &table});
+    switch_policy p(c);
     naive_policy ref;
     ref.cfg = c;
     const double cost_ep = static_cast<double>(uni(0, 400));
     const double cost_tp = static_cast<double>(uni(0, 400));
+    const double cost_to[2] = {cost_ep, cost_tp};
+    const latency_curves* gated = nullptr;
     if (uni(0, 1)) {
-      p.set_cost_gate(&cal.curves, cost_ep, cost_tp);
+      gated = &cal.curves;
       ref.curves = &cal.curves;
       ref.cost_to[0] = cost_ep;
       ref.cost_to[1] = cost_tp;
@@ -473,7 +491,8 @@ TEST_CASE("switch_policy: random traces match the naive rules", "[policy]") {
         load = std::max<int64_t>(0, load + uni(-3, 3));
       }
       now += static_cast<double>(uni(0, 10)) / 10.0;
-      const switch_decision got = p.step(load, mode, now);
+      const switch_decision got = priced_step(
+          p, load, mode, now, [&](parallel_mode m) { return table.fits(m); }, gated, cost_to);
       const switch_decision want =
           ref.step(load, mode, now, [&](parallel_mode m) { return table.fits(m); });
       INFO("step " << i << " load " << load << " mode " << to_string(mode) << ": got " << got

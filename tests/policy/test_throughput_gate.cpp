@@ -10,8 +10,10 @@
 
 #include "moebius/error.hpp"
 #include "moebius/policy/calibration.hpp"
+#include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"
 #include "moebius/policy/throughput_gate.hpp"
+#include "layout/error_matchers.hpp"
 #include "policy_seed.hpp"
 #include "support/catch.hpp"
 
@@ -146,10 +148,12 @@ TEST_CASE("throughput gate: with equal batches it is the step-time gate", "[poli
     cfg.expected_residency_steps = residency;
     cfg.down_window = 1;
     switch_policy p(cfg);
-    p.set_cost_gate(&c, cost, cost);
     const parallel_mode cur = load >= 200 ? parallel_mode::tp : parallel_mode::ep;
-    p.step(load, cur, 0);
-    const gate_evaluation& step_time = p.last_gate();
+    const switch_proposal prop = p.propose(load, cur, 0);
+    REQUIRE(prop.proposed());
+    const gate_evaluation step_time =
+        weigh_step_time(c, cur, prop.target, load, residency_steps(cfg, nullptr, load, prop.target),
+                        cost, 0);
     REQUIRE(step_time.evaluated);
     serving_load l;
     l.running = load;
@@ -250,88 +254,78 @@ TEST_CASE("switch policy: blocked admission enters EP only when configured", "[p
   CHECK(ours.stats().by_reason[static_cast<int>(decision_reason::below_low)] == 1);
 }
 
-TEST_CASE("switch policy: a gate hook replaces the step-time gate", "[policy][gate]") {
-  struct hook_state {
-    int calls = 0;
-    bool answer = false;
-  } h;
-  switch_gate gate;
-  gate.context = &h;
-  gate.fn = [](void* ctx, parallel_mode cur, parallel_mode tgt, int64_t load, gate_evaluation& out) {
-    auto* s = static_cast<hook_state*>(ctx);
-    ++s->calls;
-    CHECK(cur == parallel_mode::tp);
-    CHECK(tgt == parallel_mode::ep);
-    CHECK(out.load == load);
-    out.gain_ms = 12;
-    out.cost_ms = 34;
-    return s->answer;
-  };
+TEST_CASE("switch policy: decide settles the proposal as the caller priced it", "[policy][gate]") {
   switch_policy_config cfg = interactive_config(100);
   cfg.cooldown_s = 0;
   switch_policy p(cfg);
-  CHECK_FALSE(p.gate_active());
-  p.set_gate(gate);
-  CHECK(p.gate_active());
-  CHECK(p.step(50, parallel_mode::tp, 0).reason == decision_reason::hold);
-  CHECK(h.calls == 0);  // no rule fired
-  CHECK(p.step(150, parallel_mode::tp, 1).reason == decision_reason::cost_exceeds_gain);
-  CHECK(h.calls == 1);
-  CHECK(p.last_gate().cost_ms == 34);
-  CHECK_FALSE(p.last_gate().passed);
-  h.answer = true;
-  const switch_decision d = p.step(150, parallel_mode::tp, 2);
+  // No rule fired: a hold, whatever the pricing says (nothing was planned).
+  const switch_proposal quiet = p.propose(50, parallel_mode::tp, 0);
+  CHECK_FALSE(quiet.proposed());
+  CHECK(p.decide(quiet, {false, {}}).reason == decision_reason::hold);
+  // A gate that refuses: cost_exceeds_gain, no switch, the windows run on.
+  const switch_proposal up = p.propose(150, parallel_mode::tp, 1);
+  REQUIRE(up.proposed());
+  CHECK(up.target == parallel_mode::ep);
+  CHECK(up.load == 150);
+  gate_evaluation refused;
+  refused.evaluated = true;
+  refused.target = up.target;
+  refused.gain_ms = 12;
+  refused.cost_ms = 34;
+  refused.passed = false;
+  CHECK(p.decide(up, {true, refused}).reason == decision_reason::cost_exceeds_gain);
+  // Capacity before the gate: a target that cannot hold the live KV is refused for that, even
+  // when the gate would pass.
+  gate_evaluation passes = refused;
+  passes.passed = true;
+  const switch_proposal again = p.propose(150, parallel_mode::tp, 2);
+  CHECK(p.decide(again, {false, passes}).reason == decision_reason::capacity_refused);
+  // No gate weighed it (evaluated false): capacity alone decides.
+  const switch_proposal third = p.propose(150, parallel_mode::tp, 3);
+  const switch_decision d = p.decide(third, {true, {}});
   CHECK(d.do_switch);
-  CHECK(p.last_gate().passed);
-  p.set_gate({});
-  CHECK_FALSE(p.gate_active());
+  CHECK(d.target == parallel_mode::ep);
+  CHECK(d.reason == decision_reason::above_high);
+  CHECK(p.stats().switches == 1);
+  // The cooldown of the switch is counted from the proposal's time.
+  switch_policy_config cooled = interactive_config(100);
+  cooled.cooldown_s = 5;
+  cooled.down_window = 1;
+  switch_policy q(cooled);
+  CHECK(q.decide(q.propose(150, parallel_mode::tp, 10), {}).do_switch);
+  const switch_proposal soon = q.propose(10, parallel_mode::ep, 14.9);
+  CHECK(soon.reason == decision_reason::cooldown);
+  CHECK_FALSE(q.decide(soon, {}).do_switch);
+  const switch_proposal later = q.propose(10, parallel_mode::ep, 15.1);
+  CHECK(later.reason == decision_reason::below_low);
+  CHECK(q.decide(later, {}).do_switch);
 }
 
-TEST_CASE("switch policy: a gate's gains is asked before the capacity check", "[policy][gate]") {
-  struct counts {
-    int capacity = 0, gains = 0, fn = 0;
-    bool gain = false;
-  } n;
-  capacity_check cap;
-  cap.context = &n;
-  cap.fn = [](void* ctx, parallel_mode) {
-    ++static_cast<counts*>(ctx)->capacity;
-    return true;
-  };
-  switch_gate gate;
-  gate.context = &n;
-  gate.gains = [](void* ctx, parallel_mode, parallel_mode, int64_t, gate_evaluation& out) {
-    auto* c = static_cast<counts*>(ctx);
-    ++c->gains;
-    out.gain_ms = c->gain ? 5 : -5;
-    return c->gain;
-  };
-  gate.fn = [](void* ctx, parallel_mode, parallel_mode, int64_t, gate_evaluation& out) {
-    ++static_cast<counts*>(ctx)->fn;
-    out.cost_ms = 1;
-    return true;
-  };
+TEST_CASE("switch policy: one decide per propose, of that proposal", "[policy][gate]") {
   switch_policy_config cfg = interactive_config(100);
   cfg.cooldown_s = 0;
-  switch_policy p(cfg, cap);
-  p.set_gate(gate);
-  const switch_decision no = p.step(150, parallel_mode::tp, 0);
-  CHECK(no.reason == decision_reason::cost_exceeds_gain);
-  CHECK(n.gains == 1);
-  CHECK(n.capacity == 0);  // never planned
-  CHECK(n.fn == 0);        // never priced
-  CHECK_FALSE(p.last_gate().priced);
-  CHECK(p.last_gate().gain_ms == -5);
+  switch_policy p(cfg);
+  const switch_proposal first = p.propose(150, parallel_mode::tp, 0);
+  // A second propose before the first is decided is refused by name, and changes nothing.
+  REQUIRE_MOEBIUS_ERROR(p.propose(150, parallel_mode::tp, 1), errc::invalid_argument,
+                        "was not decided");
+  CHECK(p.stats().steps == 1);
+  // A proposal of another step (an edited or stale one) is refused by name.
+  switch_proposal stale = first;
+  stale.step = 7;
+  REQUIRE_MOEBIUS_ERROR(p.decide(stale, {}), errc::invalid_argument, "not the last propose()");
+  CHECK(p.decide(first, {}).do_switch);
+  // Decided once: a second decide of it is refused.
+  REQUIRE_MOEBIUS_ERROR(p.decide(first, {}), errc::invalid_argument, "already decided");
+  CHECK(p.stats().switches == 1);
+  // A gate weighed before planning (priced false) prints so.
+  gate_evaluation least;
+  least.evaluated = true;
+  least.priced = false;
+  least.gain_ms = -5;
   std::ostringstream os;
-  os << p.last_gate();
+  os << least;
   CHECK(os.str().find("refused before planning") != std::string::npos);
-  n.gain = true;
-  const switch_decision yes = p.step(150, parallel_mode::tp, 1);
-  CHECK(yes.do_switch);
-  CHECK(n.gains == 2);
-  CHECK(n.capacity == 1);
-  CHECK(n.fn == 1);
-  CHECK(p.last_gate().priced);
 }
 
 TEST_CASE("switch policy: thresholds moved while it runs", "[policy][gate]") {

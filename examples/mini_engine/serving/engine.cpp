@@ -22,13 +22,15 @@ namespace mini_engine {
 using moebius::errc;
 using moebius::kv_state;
 using moebius::parallel_mode;
-using detail::host_clock;
-using detail::no_live_sequences;
-using detail::record_outcome;
-using detail::seconds_since;
-using detail::tokens_produced;
 
 namespace {
+
+// How a switch ended, from the switcher's report into the run's record.
+void record_outcome(switch_record& s, const moebius::switch_report& r) {
+  s.outcome = r.outcome;
+  s.error = r.error;
+  s.measured_ms = r.total_ms;
+}
 
 kv_state empty_tables(const moebius::kv_geometry& g, parallel_mode m) {
   kv_state s;
@@ -114,10 +116,7 @@ struct engine::run_cleanup {
 
 void engine::end_run(std::optional<run_state>& st) noexcept {
   try {
-    if (st && st->session) {
-      st->session->abort();
-      st->session.reset();
-    }
+    if (st) st->driver.reset();  // an open session aborts
   } catch (...) {  // the switcher's last_report() says what happened
   }
   sched_ = nullptr;
@@ -125,15 +124,14 @@ void engine::end_run(std::optional<run_state>& st) noexcept {
   verify_layer_ = nullptr;
   verify_written_.clear();
   if (switcher_.in_progress()) return;  // only if the abort above threw: nothing to free
-  kv_state& tables = switcher_.mutable_kv_tables();
-  std::vector<int64_t> ids;
-  for (const moebius::kv_rank_state& r : tables.ranks)
-    for (const moebius::kv_sequence& q : r.sequences) ids.push_back(q.seq_id);
-  for (const int64_t id : ids) release_sequence(tables, id);
+  release_all_sequences(switcher_.mutable_kv_tables());
 }
 
-bool engine::reservations_fit(run_state& st, parallel_mode target, switch_record& s) {
-  if (st.sched.fits_reservations(switcher_.kv_tables(), target)) return true;
+bool engine::reservations_fit(run_state& st, const moebius::switch_plan& plan, switch_record& s) {
+  const parallel_mode target = plan.to;
+  const bool placed = target == parallel_mode::ep && plan.from == parallel_mode::tp;
+  if (placed ? plan.ep_placement.fits : st.sched.fits_reservations(switcher_.kv_tables(), target))
+    return true;
   s.outcome = moebius::switch_outcome::refused_capacity;
   std::ostringstream why;
   why << "refused: the " << st.sched.num_running() << " running sequences, each at its largest, "
@@ -146,44 +144,85 @@ bool engine::reservations_fit(run_state& st, parallel_mode target, switch_record
   return false;
 }
 
-void engine::start_switch(run_state& st, parallel_mode target, step_record& rec) {
+std::optional<decided_switch> engine::decide(run_state& st, int64_t step) {
+  const engine_options& o = st.options;
+  if (st.policy) st.policy->observe_work(st.sched, st.now);
+  if (st.driver) return std::nullopt;
+  if (st.policy) {
+    const run_view v{switcher_, st.sched, st.now, st.plain.last_step_s(), st.admission_blocked};
+    return st.policy->decide(v, step, st.out);
+  }
+  if (o.how != switching::forced) return std::nullopt;
+  while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
+    ++st.next_forced;
+  }
+  if (st.next_forced == o.forced_steps.size() || o.forced_steps[st.next_forced] != step)
+    return std::nullopt;
+  decided_switch d;
+  d.target = switcher_.mode() == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
+  return d;
+}
+
+void engine::start_switch(run_state& st, decided_switch d, step_record& rec) {
+  const engine_options& o = st.options;
   switch_record s;
   s.step = rec.step;
   s.start_s = st.now;
   s.running = st.sched.num_running();
   s.prefilling = st.sched.num_prefilling();
   s.from = switcher_.mode();
-  s.to = target;
-  s.gate = std::exchange(st.pending_gate, moebius::gate_evaluation{});
-  if (!reservations_fit(st, target, s)) {
-    st.out.switches.push_back(std::move(s));
-    return;
-  }
-  if (st.options.test_hooks.before_switch) st.options.test_hooks.before_switch(switcher_, rec.step);
-  verify_written_ = st.sched.written_tokens();
-  bool try_progressive = st.options.style == switch_style::progressive;
-  if (st.options.style == switch_style::by_cost) {
-    // Without a per-layer plan (the target cannot hold one layer's KV) only stop-the-world runs.
-    const moebius::switch_plan& p = st.plans.of(target);
-    if (p.layer_kv != nullptr) {
-      const detail::style_price c = price_styles(st, p.bytes_per_layer, true);
-      s.stall_request_s = c.stall_request_s;
-      s.progressive_request_s = c.progressive_request_s;
-      s.waiting = c.waiting;
-      try_progressive = c.progressive();
+  s.to = d.target;
+  s.gate = d.gate;
+  // A forced switch is planned here, once; the policy's arrives with the plan it was priced on.
+  if (!d.plan) {
+    d.plan = switcher_.plan(d.target, o.style == switch_style::stop_the_world
+                                          ? moebius::plan_scope::stop_the_world
+                                          : moebius::plan_scope::both);
+    if (!reservations_fit(st, *d.plan, s)) {
+      st.out.switches.push_back(std::move(s));
+      return;
     }
   }
-  const bool progressive = try_progressive && begin_progressive(st, target, s);
-  if (!progressive) stop_the_world(st, target, s, rec);
+  if (o.test_hooks.before_switch) o.test_hooks.before_switch(switcher_, rec.step);
+  verify_written_ = st.sched.written_tokens();
+  bool progressive = o.style == switch_style::progressive;
+  // by_cost: the cheaper style, from the plan's bytes (without a per-layer plan, stop-the-world).
+  if (o.style == switch_style::by_cost && d.plan->layer_kv != nullptr) {
+    if (!d.styles || d.styles->layers_per_step == 0)
+      d.styles = price_styles(clock_, o, st.sched.work(st.now), st.plain.last_step_s(),
+                              d.plan->bytes_per_layer, arena_.shape.num_layers, true);
+    s.stall_request_s = d.styles->stall_request_s;
+    s.progressive_request_s = d.styles->progressive_request_s;
+    s.waiting = d.styles->waiting;
+    progressive = d.styles->progressive();
+  }
+  if (progressive) {
+    auto driver = std::make_unique<progressive_driver>(
+        switcher_, st.sched, clock_, o, arena_.shape.num_layers, *d.plan, st.plain.last_step_s(),
+        s, st.out.switches.size());
+    switch (driver->started()) {
+      case progressive_driver::start::open:
+        st.driver = std::move(driver);
+        break;
+      case progressive_driver::start::ended:  // decided progressive: no stop-the-world retry
+        record_outcome(s, driver->report());
+        break;
+      case progressive_driver::start::not_begun:
+        progressive = false;
+        break;
+    }
+  }
+  if (!progressive) stop_the_world(st, std::move(*d.plan), s, rec);
   st.out.switches.push_back(std::move(s));
 }
 
-
-
-
-void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& s,
+void engine::stop_the_world(run_state& st, moebius::switch_plan plan, switch_record& s,
                             step_record& rec) {
-  const moebius::switch_report r = switcher_.switch_to(st.plans.of(target));
+  // A plan made before the pages were handed out again (a progressive begin that could not
+  // reserve them) is stale: plan once more.
+  if (!switcher_.why_stale(plan).empty())
+    plan = switcher_.plan(plan.to, moebius::plan_scope::stop_the_world);
+  const moebius::switch_report r = switcher_.switch_to(plan);
   s.from = r.from;
   s.to = r.to;
   record_outcome(s, r);
@@ -196,91 +235,16 @@ void engine::stop_the_world(run_state& st, parallel_mode target, switch_record& 
   }
 }
 
-
 bool engine::serve_step(run_state& st, step_record& rec) {
-  // During a progressive switch the tables are frozen: the step reads both sets through the
-  // session's view and takes no page, and the next paced layers move beside it.
-  const bool frozen = st.session.has_value();
-  std::optional<moebius::switch_step_view> view;
-  if (frozen) view = st.session->view();
-  std::optional<growing_pages> growing;
-  std::optional<frozen_pages> held;
-  page_source& pages = frozen
-      ? static_cast<page_source&>(held.emplace(view->tables(view->source()), st.deferred_release))
-      : growing.emplace(kv_, switcher_.mutable_kv_tables());
-  const kv_state& tables = pages.tables();
+  step_runner& runner = st.runner();
+  page_source& pages = runner.open_step();
   rec.start_s = st.now;
   const step_batch b = st.sched.next_step(pages, st.now);
-  if (b.empty() && !frozen) return false;
-  const step_layout layout =
-      frozen ? step_layout::during(*view) : step_layout{&tables, switcher_.cursor()};
-  rec.in_switch = frozen;
+  if (b.empty() && !runner.runs_without_batch()) return false;
+  rec.in_switch = st.driver != nullptr;
   rec.cursor = switcher_.cursor().tp_layers;
-  std::vector<int32_t> tokens;
-  double measured = 0;
-  switch_copies copies;
-  step_cost cost;
-  if (!b.empty()) {
-    // Data-parallel attention: in EP each rank runs its own items (read before the step: a
-    // progressive switch that ends during it takes its tables along).
-    std::vector<rank_work> ep_split;
-    if (frozen || tables.mode == parallel_mode::ep)
-      ep_split = ep_rank_work(frozen ? view->tables(parallel_mode::ep) : tables, b.items);
-    const auto t0 = host_clock::now();
-    step_result done;
-    if (frozen) {
-      const step_beside_result r = step_beside(
-          runtime_, layout, b.items,
-          [&](const moebius::step_layer_events* events) { enqueue_advance(st, rec, events); },
-          [&]() -> step_layout {
-            wait_for_advance(st);
-            if (!st.session->open())
-              return step_layout{&switcher_.kv_tables(), switcher_.cursor()};
-            return step_layout::during(st.session->view());
-          });
-      done = r.step;
-      measured = seconds_since(t0);
-      // Where the copies ran after the step (a runtime that does not overlap them), the
-      // host's time for the step holds them: they count as copies.
-      if (!runtime_.overlaps_copies()) {
-        measured = std::max(0.0, measured - r.advance_s);
-        copies.measured_s = r.advance_s;
-      }
-    } else {
-      done = runtime_.finish(runtime_.enqueue(layout, b.items));
-      if (done.overflowed) {  // nothing beside it: the rerun is at the same layout
-        step_options rerun;
-        rerun.rerun = true;
-        done = runtime_.finish(runtime_.enqueue(layout, b.items, rerun));
-      }
-      measured = seconds_since(t0);
-    }
-    tokens = std::move(done.tokens);
-    // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
-    if (done.measured_s >= 0) measured = done.measured_s;
-    cost.mode = tables.mode;
-    if (frozen && switcher_.cursor().tp_layers * 2 >= arena_.shape.num_layers)
-      cost.mode = parallel_mode::tp;  // a hybrid step: priced as its majority mode
-    cost.num_ranks = kv_.num_ranks;
-    cost.num_sequences = b.num_sequences;
-    cost.new_tokens = b.decode_tokens + b.prefill_tokens;
-    cost.context_tokens = b.context_tokens;
-    if (cost.mode == parallel_mode::ep) cost.ranks = std::move(ep_split);
-  } else {
-    enqueue_advance(st, rec, nullptr);  // nothing to run: the copies alone
-  }
-  double dt = 0;
-  if (frozen) {
-    // What the loop waited for the copies once the step was done (all of them when none ran).
-    copies.measured_s += wait_for_advance(st);
-    copies.bytes = st.pacing.bytes_per_layer * rec.layers;
-    rec.copy_ms = clock_.copies_s(copies) * 1e3;
-    dt = b.empty() ? clock_.copies_s(copies) : clock_.switch_step_s(cost, measured, copies);
-  } else {
-    dt = clock_.step_s(cost, measured);
-    st.last_step_s = dt;
-  }
-  rec.mode = tables.mode;
+  served_step done = runner.run(runtime_, b, rec);
+  rec.mode = done.tables->mode;
   rec.sequences = b.num_sequences;
   rec.decode_tokens = b.decode_tokens;
   rec.prefill_tokens = b.prefill_tokens;
@@ -290,22 +254,27 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.stalled = b.stalled;
   st.admission_blocked = b.admission_blocked;
   rec.preempted = b.preempted;
-  rec.kv_used_pages = used_pages_all(kv_, tables);
-  rec.step_ms = dt * 1e3;
-  rec.measured_ms = measured * 1e3;
+  rec.kv_used_pages = used_pages_all(kv_, *done.tables);
+  rec.step_ms = done.clock_s * 1e3;
+  rec.measured_ms = done.measured_s * 1e3;
   st.out.stalls += b.stalled;
   st.out.preemptions += b.preempted;
-  st.now += dt;
-  if (!b.empty()) st.sched.finish_step(b, tokens, pages, st.now);
-  if (frozen) {
-    ++st.out.switches[st.switch_idx].steps;
-    close_advance(st, rec);
-    if (st.session && st.session->layers_remaining() == 0) {
-      st.session->finish();
-      end_progressive(st);
-    }
-  }
+  st.now += done.clock_s;
+  if (!b.empty()) st.sched.finish_step(b, done.tokens, pages, st.now);
+  if (st.driver && st.driver->after_step(rec, st.out)) end_progressive(st);
   return true;
+}
+
+void engine::end_progressive(run_state& st) {
+  progressive_driver& d = *st.driver;
+  const moebius::switch_report r = d.report();
+  switch_record& s = st.out.switches[d.switch_idx()];
+  record_outcome(s, r);
+  s.clock_ms = (st.now - s.start_s) * 1e3;
+  s.tokens = d.tokens_during();
+  if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
+  d.release_deferred();
+  st.driver.reset();
 }
 
 void engine::report_progress(const run_state& st, int64_t step) const {
@@ -350,11 +319,11 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   scheduler_options so = o.scheduler;
   if (so.vocab == 0) so.vocab = runtime_.vocab_size();
   const parallel_mode start = o.how == switching::policy && o.start_from_load
-                                  ? detail::start_mode_from_load(requests, o.policy.t_high)
+                                  ? start_mode_from_load(requests, o.policy.t_high)
                                   : o.start_mode;
   std::optional<run_state> state;
   const run_cleanup cleanup{*this, state};
-  state.emplace(kv_, std::move(requests), o, so, name, switcher_);
+  state.emplace(kv_, std::move(requests), o, so, name, switcher_, clock_);
   run_state& st = *state;
   verify_ = o.verify;
   verify_layer_ = o.verify_layer;
@@ -374,8 +343,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
       st.out.switches.push_back(std::move(s));
     }
   }
-  st.capacity = detail::capacity_context{&switcher_, &st.sched, &st.plans};
-  if (o.how == switching::policy) setup_policy(st, curves);
+  if (o.how == switching::policy) st.policy.emplace(o, curves, kv_, clock_, arena_.shape.num_layers);
   st.out.name = name;
   st.out.clock = clock_.name();
   st.total = static_cast<int64_t>(st.sched.results().size());
@@ -385,27 +353,20 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                   " finished)");
     // Idle: nothing runs, jump the clock to the next arrival. Not while a progressive switch
     // is open: its remaining layers move first, in steps of copies alone, on the clock.
-    if (!st.session && st.sched.num_running() == 0 && st.sched.next_arrival_s() > st.now) {
+    if (!st.driver && st.sched.num_running() == 0 && st.sched.next_arrival_s() > st.now) {
       st.now = st.sched.next_arrival_s();
     }
     step_record rec;
     rec.step = step;
-    if (const std::optional<parallel_mode> target = decide(st, step)) {
-      start_switch(st, *target, rec);
-    }
+    if (std::optional<decided_switch> d = decide(st, step)) start_switch(st, std::move(*d), rec);
     if (!serve_step(st, rec)) continue;
     if (o.validate_every_step) moebius::validate(kv_, switcher_.kv_tables());
-    observe_step(st, rec);
+    if (st.policy) st.policy->observe_step(rec);
     st.out.steps.push_back(rec);
     report_progress(st, step);
   }
-  if (st.session) {  // every request finished during the switch: move the rest, commit
-    switch_copies rest;  // and charge them on the clock, as copies alone
-    rest.bytes = st.pacing.bytes_per_layer * st.session->layers_remaining();
-    const auto t0 = host_clock::now();
-    st.session->finish();
-    rest.measured_s = seconds_since(t0);
-    st.now += clock_.copies_s(rest);
+  if (st.driver) {  // every request finished during the switch: move the rest and commit,
+    st.now += st.driver->finish_rest();  // charged on the clock as copies alone
     end_progressive(st);
   }
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::internal, "engine::run '", name,
@@ -413,7 +374,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   moebius::validate(kv_, switcher_.kv_tables());
   st.out.requests = st.sched.results();
   st.out.failed_requests = st.sched.num_failed();
-  describe_correction(st);
+  if (st.policy) st.policy->describe(st.out);
   st.out.end_s = st.now;
   return std::move(st.out);
 }

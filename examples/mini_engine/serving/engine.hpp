@@ -5,16 +5,17 @@
 // a moebius::switch_policy that decides between two steps whether to switch. Each step and
 // each switch advances the serving clock by what a step_clock says it took.
 //
-//   loop: [policy.step(load, mode, now) -> switcher.switch_to(plan)]  (or a forced switch;
-//          plan = switcher.plan(target), made once per decision: the policy's capacity check
-//          and cost gate read it)
-//         [progressive: session = switcher.begin(plan) once; then each step is a hybrid
-//          step on session.view() with the next paced advance enqueued beside it
-//          (step_beside.hpp: its copies run while the step computes), the loop waiting
-//          for the copies once the step is done; finish() after the last layer; DESIGN.md §7]
-//         batch = scheduler.next_step(tables, now)      (admit, grow page tables)
-//         tokens = runtime.finish(runtime.enqueue({tables, cursor}, batch)) (timed)
-//         now += clock.step_s(cost, measured); scheduler.finish_step(batch, tokens, now)
+//   loop: [run_policy.decide: rules.propose(load, mode, now); for a proposal
+//          plan = switcher.plan(target) once, priced (capacity, gate, style) from that plan;
+//          rules.decide(proposal, pricing)]                      (run_policy.hpp; or forced)
+//         [stop the world: switcher.switch_to(plan);
+//          progressive: a progressive_driver begins it, then runs each step as a hybrid step
+//          with the next paced advance enqueued beside it (step_beside.hpp: its copies run
+//          while the step computes) until the last layer; DESIGN.md §7]
+//         runner = the step_runner of this step (plain_steps, or the driver: step_runner.hpp)
+//         batch = scheduler.next_step(runner.open_step(), now)     (admit, grow page tables)
+//         tokens = runner.run(runtime, batch)                     (timed, priced by the clock)
+//         now += the step's time; scheduler.finish_step(batch, tokens, now)
 //
 // The load the policy sees is the number of sequences that want to run: running plus arrived
 // and waiting, capped at max_running (the batch the calibration measured).
@@ -72,7 +73,7 @@ enum class switch_style : uint8_t {
   // finish); no admission meanwhile; finished sequences release their pages at the end. When
   // those pages are not there the switch runs stop-the-world instead.
   progressive,
-  // Per switch, the style that costs the requests less (engine::price_styles), in
+  // Per switch, the style that costs the requests less (price_styles, progressive_driver.hpp), in
   // request-seconds: stop-the-world holds every running and waiting request for the stall;
   // progressive slows each running request's steps by the copies beside them and holds the
   // waiting ones (no admission) until it ends. The policy's cost gate weighs the cheaper one,
@@ -202,30 +203,7 @@ struct engine_options {
 };
 
 
-namespace detail {
-// Both styles of one switch priced now (engine::price_styles, switch_style::by_cost).
-struct style_price {
-  int64_t running = 0, waiting = 0;  // the requests a switch now would hold or slow
-  double stall_s = 0;                // stop-the-world: the predicted stall
-  int64_t layers_per_step = 0;       // progressive: paced layers per step,
-  int64_t steps = 0;                 //   the steps it spans,
-  double extra_s_per_step = 0;       //   what its copies add to each of them,
-  double duration_s = 0;             //   and begin to finish
-  double stall_request_s = 0;        // (running + waiting) x stall_s
-  // running x steps x extra_s_per_step + waiting x duration_s (infinite when impossible)
-  double progressive_request_s = 0;
-
-  bool progressive() const { return progressive_request_s < stall_request_s; }
-  // The cheaper style's request-seconds over the requests: seconds of the whole batch, the
-  // unit of the cost gate (stop-the-world: stall_s). With no request to hold, the stall: a
-  // switch at idle is not free to a gate that would then pass it on zero gain.
-  double batch_s() const {
-    if (running + waiting <= 0) return stall_s;
-    const double held = static_cast<double>(running + waiting);
-    return std::min(stall_request_s, progressive_request_s) / held;
-  }
-};
-}  // namespace detail
+struct decided_switch;  // run_policy.hpp
 
 // What engine::run does with requests and switches that go wrong (docs/ERRORS.md, "The serving
 // loop"):
@@ -270,57 +248,33 @@ class engine {
   const step_clock& clock() const { return clock_; }
 
  private:
-  struct run_state;  // what one run() carries from step to step (engine.cpp)
+  struct run_state;  // what one run() carries from step to step (engine_run_state.hpp)
   struct run_cleanup;
 
   // Switches with no live sequence (untimed); the report says how it ended.
   moebius::switch_report switch_untimed(moebius::parallel_mode target);
   // Aborts the switch in flight, frees every page, clears the run's hooks. Never throws.
   void end_run(std::optional<run_state>& st) noexcept;
-  // Whether the running sequences, each at its largest, fit `target` (the reservations the
-  // scheduler holds must survive the switch); records a refused switch in `s` when not.
-  bool reservations_fit(run_state& st, moebius::parallel_mode target, switch_record& s);
+  // The switch to make before this step, if any (never while a progressive switch runs): the
+  // policy's decision (run_policy.hpp) with the plan it was priced on, or a forced one.
+  std::optional<decided_switch> decide(run_state& st, int64_t step);
+  // Runs (stop the world) or begins (progressive) the decided switch; records it.
+  void start_switch(run_state& st, decided_switch d, step_record& rec);
+  // Whether the running sequences, each at its largest, fit the target of `plan` (the
+  // reservations the scheduler holds must survive the switch; TP -> EP the plan's placement);
+  // records a refused switch in `s` when not.
+  bool reservations_fit(run_state& st, const moebius::switch_plan& plan, switch_record& s);
+  void stop_the_world(run_state& st, moebius::switch_plan plan, switch_record& s,
+                      step_record& rec);
+  // Runs one step through the run's step_runner (step_runner.hpp) and records it. False when
+  // nothing could run (only future arrivals: the idle jump takes over).
+  bool serve_step(run_state& st, step_record& rec);
+  // The progressive switch is over: its record, recovery when it left the switcher
+  // inconsistent, the deferred pages; the driver goes.
+  void end_progressive(run_state& st);
   // Outcome inconsistent: recovers in s.from (engine_options::reload_experts) and hands the
   // lost sequences to the scheduler; throws errc::internal when it cannot.
   void recover_in_run(run_state& st, const moebius::switch_report& r, switch_record& s);
-  // The run's policy, its gate (the curves it weighs with) and what feeds them
-  // (engine_policy.cpp).
-  void setup_policy(run_state& st, const moebius::latency_curves& curves);
-  // The mode to switch to before this step, if any (never while a progressive switch runs).
-  std::optional<moebius::parallel_mode> decide(run_state& st, int64_t step);
-  // After a step served outside a switch: its time against the curves (correct_curves).
-  void observe_step(run_state& st, const step_record& rec);
-  // The last correction in the run's report (run_result::correction), at its end.
-  void describe_correction(run_state& st);
-  // Runs (stop the world) or begins (progressive) the switch to `target`; records it.
-  void start_switch(run_state& st, moebius::parallel_mode target, step_record& rec);
-  // Paces, reserves the frozen tables' pages and opens the session; false when the switch
-  // must run stop-the-world instead (the target cannot hold the KV, or the pages are not there).
-  bool begin_progressive(run_state& st, moebius::parallel_mode target, switch_record& s);
-  // What a progressive switch moving `per_layer` bytes a layer would pace at now: from the last
-  // step's time, the clock's link, and its overlap slowdown curve when it has one.
-  moebius::pacing_params pacing_for(const run_state& st, const moebius::layer_bytes& per_layer) const;
-  int64_t paced_layers(const run_state& st, const moebius::pacing_params& p) const;
-  // Both styles of a switch priced now (switch_style::by_cost), moving `per_layer` bytes a
-  // layer; `progressive_possible` false when the target cannot hold one layer's KV (no
-  // per-layer plan).
-  detail::style_price price_styles(const run_state& st, const moebius::layer_bytes& per_layer,
-                                   bool progressive_possible) const;
-  void stop_the_world(run_state& st, moebius::parallel_mode target, switch_record& s,
-                      step_record& rec);
-  // Progressive: enqueues the next paced layers on the transport's streams, beside the step
-  // whose layer events are `step_events` (nullptr: no step runs beside them).
-  void enqueue_advance(run_state& st, step_record& rec,
-                       const moebius::step_layer_events* step_events);
-  // Blocks until the advance's copies are done (or the switch ended); the seconds it waited.
-  double wait_for_advance(run_state& st);
-  // After the step: ends the session when the advance failed (rolled back) or a test aborts.
-  void close_advance(run_state& st, const step_record& rec);
-  // Runs one step and records it; during a progressive switch a hybrid step with the next
-  // advance beside it (step_beside.hpp), then the wait for its copies. False when nothing
-  // could run (only future arrivals: the idle jump takes over).
-  bool serve_step(run_state& st, step_record& rec);
-  void end_progressive(run_state& st);
   void report_progress(const run_state& st, int64_t step) const;
 
   runtime& runtime_;

@@ -1,5 +1,6 @@
 // Calibration on the engine's clock: decode steps of both modes over a batch sweep (engine.hpp).
 #include <algorithm>
+#include <chrono>
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
 
@@ -8,9 +9,6 @@
 
 namespace mini_engine {
 
-using detail::host_clock;
-using detail::no_live_sequences;
-using detail::seconds_since;
 using moebius::errc;
 using moebius::kv_state;
 using moebius::parallel_mode;
@@ -56,7 +54,7 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
     it.sample = true;
     items.push_back(it);
   }
-  const auto t0 = host_clock::now();
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     runtime_.step(step_layout{&tables, switcher_.cursor()}, items);
   } catch (...) {
@@ -64,7 +62,9 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
     throw;
   }
   const double measured =
-      runtime_.measured_step_s() >= 0 ? runtime_.measured_step_s() : seconds_since(t0);
+      runtime_.measured_step_s() >= 0
+          ? runtime_.measured_step_s()
+          : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   release_all();
   return clock_.step_s(cost, measured);
 }

@@ -37,11 +37,7 @@ moebius::recovery_report engine::recover(
   q.reload_experts = reload_experts;
   const moebius::recovery_report rr = switcher_.recover(q);
   MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::recover: ", rr.error);
-  kv_state& tables = switcher_.mutable_kv_tables();  // no run to resume what was kept
-  std::vector<int64_t> ids;
-  for (const moebius::kv_rank_state& r : tables.ranks)
-    for (const moebius::kv_sequence& q2 : r.sequences) ids.push_back(q2.seq_id);
-  for (const int64_t id : ids) release_sequence(tables, id);
+  release_all_sequences(switcher_.mutable_kv_tables());  // no run to resume what was kept
   return rr;
 }
 

@@ -1,63 +1,80 @@
-// A progressive switch in the serving loop: its pacing and reservations, the session it opens,
-// each advance beside a step, and its end (engine.hpp; DESIGN.md §7).
-#include <algorithm>
-#include <limits>
-#include <moebius/error.hpp>
-#include <moebius/switch/pacing.hpp>
+#include "progressive_driver.hpp"
 
-#include "engine_run_state.hpp"
-#include "kv_pages.hpp"
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <utility>
+
+#include <moebius/error.hpp>
+
 #include "page_source.hpp"
+#include "step_beside.hpp"
 
 namespace mini_engine {
 
-using detail::host_clock;
-using detail::record_outcome;
-using detail::seconds_since;
-using detail::tokens_produced;
 using moebius::errc;
 using moebius::parallel_mode;
 
-moebius::pacing_params engine::pacing_for(const run_state& st,
-                                           const moebius::layer_bytes& per_layer) const {
+namespace {
+
+using host_clock = std::chrono::steady_clock;
+
+double seconds_since(host_clock::time_point t0) {
+  return std::chrono::duration<double>(host_clock::now() - t0).count();
+}
+
+// Tokens the run's requests have produced so far.
+int64_t tokens_produced(const scheduler& sched) {
+  int64_t n = 0;
+  for (const request_result& q : sched.results()) n += static_cast<int64_t>(q.generated.size());
+  return n;
+}
+
+}  // namespace
+
+moebius::pacing_params pacing_for(const step_clock& clock, const engine_options& o,
+                                  double last_step_s, const moebius::layer_bytes& per_layer,
+                                  int64_t num_layers) {
   moebius::pacing_params p;
-  p.step_s = st.last_step_s > 0 ? st.last_step_s : 0.01;
-  p.link = clock_.link();
-  p.link_fraction = st.options.copy_link_fraction;
-  p.bytes_per_layer = clock_.layer_bytes(per_layer, arena_.shape.num_layers);
+  p.step_s = last_step_s > 0 ? last_step_s : 0.01;
+  p.link = clock.link();
+  p.link_fraction = o.copy_link_fraction;
+  p.bytes_per_layer = clock.layer_bytes(per_layer, num_layers);
   return p;
 }
 
-int64_t engine::paced_layers(const run_state& st, const moebius::pacing_params& p) const {
-  int64_t layers = moebius::layers_per_step(p, arena_.shape.num_layers);
-  // The measured overlap slowdown, when the clock has one (step_clock::slowdown()): no more
-  // layers per step than keep a step within max_overlap_slowdown of its time alone and within
-  // max_overlap_extra_ms of it, and at least one (a switch must end).
-  if (const overlap_slowdown slow = clock_.slowdown(); slow.known()) {
+int64_t paced_layers(const step_clock& clock, const engine_options& o,
+                     const moebius::pacing_params& p, int64_t num_layers) {
+  int64_t layers = moebius::layers_per_step(p, num_layers);
+  if (const overlap_slowdown slow = clock.slowdown(); slow.known()) {
     const auto too_slow = [&](int64_t n) {
       const double f = slow.at(p.step_s, n * p.bytes_per_layer);
-      return f > st.options.max_overlap_slowdown ||
-             (f - 1) * p.step_s * 1e3 > st.options.max_overlap_extra_ms;
+      return f > o.max_overlap_slowdown || (f - 1) * p.step_s * 1e3 > o.max_overlap_extra_ms;
     };
     while (layers > 1 && too_slow(layers)) --layers;
   }
   return layers;
 }
 
-detail::style_price engine::price_styles(const run_state& st,
-                                         const moebius::layer_bytes& per_layer,
-                                         bool progressive_possible) const {
-  const int64_t L = arena_.shape.num_layers;
-  const work_view w = st.sched.work(st.now);
-  detail::style_price c;
+double style_price::batch_s() const {
+  if (running + waiting <= 0) return stall_s;
+  const double held = static_cast<double>(running + waiting);
+  return std::min(stall_request_s, progressive_request_s) / held;
+}
+
+style_price price_styles(const step_clock& clock, const engine_options& o, const work_view& w,
+                         double last_step_s, const moebius::layer_bytes& per_layer,
+                         int64_t num_layers, bool progressive_possible) {
+  const int64_t L = num_layers;
+  style_price c;
   c.running = w.running;
   c.waiting = w.waiting;
-  c.stall_s = clock_.predicted_switch_s(per_layer, L);
+  c.stall_s = clock.predicted_switch_s(per_layer, L);
   c.stall_request_s = static_cast<double>(w.running + w.waiting) * c.stall_s;
   c.progressive_request_s = std::numeric_limits<double>::infinity();
   if (!progressive_possible) return c;
-  const moebius::pacing_params p = pacing_for(st, per_layer);
-  c.layers_per_step = paced_layers(st, p);
+  const moebius::pacing_params p = pacing_for(clock, o, last_step_s, per_layer, L);
+  c.layers_per_step = paced_layers(clock, o, p, L);
   c.steps = (L + c.layers_per_step - 1) / c.layers_per_step;
   // A step with a layer's copies beside it, as the clock prices one
   // (step_clock::beside_copies_s). A measuring clock takes the copies' time as measured: here
@@ -65,7 +82,7 @@ detail::style_price engine::price_styles(const run_state& st,
   switch_copies copies;
   copies.bytes = c.layers_per_step * p.bytes_per_layer;
   copies.measured_s = moebius::copy_seconds(p, c.layers_per_step);
-  const double slowed = clock_.beside_copies_s(p.step_s, copies);
+  const double slowed = clock.beside_copies_s(p.step_s, copies);
   c.extra_s_per_step = slowed - p.step_s;
   c.duration_s = static_cast<double>(c.steps) * slowed;
   c.progressive_request_s =
@@ -74,73 +91,140 @@ detail::style_price engine::price_styles(const run_state& st,
   return c;
 }
 
-bool engine::begin_progressive(run_state& st, parallel_mode target, switch_record& s) {
-  // Pacing from the last step's time, the clock's link and the bytes per layer the switcher
-  // will move: the plan of this decision (the capacity check's, when the policy decided).
-  const moebius::switch_plan& planned = st.plans.of(target);
-  if (!planned.layer_kv) return false;  // the target cannot hold one layer's KV
-  const int64_t L = arena_.shape.num_layers;
-  st.pacing = pacing_for(st, planned.bytes_per_layer);
-  st.layers = paced_layers(st, st.pacing);
+progressive_driver::progressive_driver(moebius::switcher& sw, scheduler& sched,
+                                       const step_clock& clock, const engine_options& o,
+                                       int64_t num_layers, const moebius::switch_plan& planned,
+                                       double last_step_s, switch_record& rec, size_t switch_idx)
+    : sw_(sw),
+      sched_(sched),
+      clock_(clock),
+      options_(o),
+      num_layers_(num_layers),
+      switch_idx_(switch_idx) {
+  if (!planned.layer_kv) return;  // the target cannot hold one layer's KV apart
+  const int64_t L = num_layers_;
+  pacing_ = pacing_for(clock_, options_, last_step_s, planned.bytes_per_layer, L);
+  layers_ = paced_layers(clock_, options_, pacing_, L);
   try {
-    st.sched.reserve_for_switch(switcher_.mutable_kv_tables(), (L + st.layers - 1) / st.layers);
+    sched_.reserve_for_switch(sw_.mutable_kv_tables(), (L + layers_ - 1) / layers_);
   } catch (const moebius::error& e) {
     if (e.code() != errc::capacity) throw;
-    return false;  // the pages are not there: stop the world instead
+    return;  // the pages are not there: stop the world instead
   }
-  // The reservation changed the tables the KV plan moves (pacing keeps the bytes it was paced
-  // on): begin runs the plan of the reserved tables.
-  moebius::progressive_switch session = switcher_.begin(st.plans.of(target));
+  // The reservation changed the tables the KV plan moves (the pacing keeps the bytes it was
+  // paced on): begin runs a plan of the reserved tables.
+  moebius::progressive_switch session = sw_.begin(sw_.plan(planned.to));
   if (!session.open()) {
-    const moebius::switch_report& r = session.report();
-    MOEBIUS_CHECK(r.outcome != moebius::switch_outcome::inconsistent, errc::internal,
-                  "engine::run '", st.name, "': begin left the engine inconsistent: ", r.error);
-    record_outcome(s, r);
-    return true;  // decided progressive, and it did not start: no stop-the-world retry
+    ended_ = session.report();
+    MOEBIUS_CHECK(ended_.outcome != moebius::switch_outcome::inconsistent, errc::internal,
+                  "progressive switch: begin left the engine inconsistent: ", ended_.error);
+    started_ = start::ended;
+    return;
   }
-  s.progressive = true;
-  s.layers_per_step = st.layers;
-  st.session.emplace(std::move(session));
-  st.switch_idx = st.out.switches.size();
-  st.tokens_before = tokens_produced(st.sched);
-  return true;
+  rec.progressive = true;
+  rec.layers_per_step = layers_;
+  session_.emplace(std::move(session));
+  tokens_before_ = tokens_produced(sched_);
+  started_ = start::open;
 }
 
-void engine::enqueue_advance(run_state& st, step_record& rec,
-                             const moebius::step_layer_events* step_events) {
-  const engine_options& o = st.options;
-  if (o.test_hooks.before_advance) o.test_hooks.before_advance(switcher_, *st.session, rec.step);
+page_source& progressive_driver::open_step() {
+  // The tables are frozen: the step reads both sets through the session's view and takes no
+  // page; the next paced layers move beside it.
+  view_.emplace(session_->view());
+  return pages_.emplace(view_->tables(view_->source()), deferred_release_);
+}
+
+void progressive_driver::enqueue_advance(step_record& rec,
+                                         const moebius::step_layer_events* step_events) {
+  if (options_.test_hooks.before_advance)
+    options_.test_hooks.before_advance(sw_, *session_, rec.step);
   // The transport's own streams: distinct from the runtime's compute streams.
-  rec.layers =
-      static_cast<int64_t>(st.session->advance(st.layers, {}, step_events).layers().size());
+  rec.layers = static_cast<int64_t>(session_->advance(layers_, {}, step_events).layers().size());
 }
 
-double engine::wait_for_advance(run_state& st) {
+double progressive_driver::wait_for_advance() {
   const auto t0 = host_clock::now();
-  st.session->wait();
+  session_->wait();
   return seconds_since(t0);
 }
 
-void engine::close_advance(run_state& st, const step_record& rec) {
-  const engine_options& o = st.options;
-  if (!st.session->open()) {  // the advance failed: rolled back
-    end_progressive(st);
-  } else if (o.test_hooks.abort_after_advance &&
-             o.test_hooks.abort_after_advance(*st.session, rec.step)) {
-    st.session->abort();
-    end_progressive(st);
+served_step progressive_driver::run(runtime& rt, const step_batch& b, step_record& rec) {
+  const moebius::kv_state& tables = pages_->tables();
+  served_step s;
+  s.tables = &tables;
+  switch_copies copies;
+  step_cost cost;
+  if (!b.empty()) {
+    // Data-parallel attention: in EP each rank runs its own items (read before the step: a
+    // switch that ends during it takes its tables along).
+    std::vector<rank_work> ep_split = ep_rank_work(view_->tables(parallel_mode::ep), b.items);
+    const auto t0 = host_clock::now();
+    step_beside_result r = step_beside(
+        rt, step_layout::during(*view_), b.items,
+        [&](const moebius::step_layer_events* events) { enqueue_advance(rec, events); },
+        [&]() -> step_layout {
+          wait_for_advance();
+          if (!session_->open()) return step_layout{&sw_.kv_tables(), sw_.cursor()};
+          return step_layout::during(session_->view());
+        });
+    s.measured_s = seconds_since(t0);
+    // Where the copies ran after the step (a runtime that does not overlap them), the host's
+    // time for the step holds them: they count as copies.
+    if (!rt.overlaps_copies()) {
+      s.measured_s = std::max(0.0, s.measured_s - r.advance_s);
+      copies.measured_s = r.advance_s;
+    }
+    // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
+    if (r.step.measured_s >= 0) s.measured_s = r.step.measured_s;
+    s.tokens = std::move(r.step.tokens);
+    // A hybrid step: priced as its majority mode.
+    const parallel_mode mode =
+        sw_.cursor().tp_layers * 2 >= num_layers_ ? parallel_mode::tp : tables.mode;
+    cost = cost_of(b, mode, static_cast<int>(tables.ranks.size()), std::move(ep_split));
+  } else {
+    enqueue_advance(rec, nullptr);  // nothing to run: the copies alone
   }
+  // What the loop waited for the copies once the step was done (all of them when none ran).
+  copies.measured_s += wait_for_advance();
+  copies.bytes = pacing_.bytes_per_layer * rec.layers;
+  rec.copy_ms = clock_.copies_s(copies) * 1e3;
+  s.clock_s = b.empty() ? clock_.copies_s(copies) : clock_.switch_step_s(cost, s.measured_s, copies);
+  return s;
 }
 
-void engine::end_progressive(run_state& st) {
-  const moebius::switch_report r = st.session->report();
-  st.session.reset();
-  switch_record& s = st.out.switches[st.switch_idx];
-  record_outcome(s, r);
-  s.clock_ms = (st.now - s.start_s) * 1e3;
-  s.tokens = tokens_produced(st.sched) - st.tokens_before;
-  if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
-  release_deferred(switcher_.mutable_kv_tables(), st.deferred_release);
+bool progressive_driver::after_step(const step_record& rec, run_result& out) {
+  ++out.switches[switch_idx_].steps;
+  if (!session_->open()) return true;  // the advance failed: rolled back
+  if (options_.test_hooks.abort_after_advance &&
+      options_.test_hooks.abort_after_advance(*session_, rec.step)) {
+    session_->abort();
+    return true;
+  }
+  if (session_->layers_remaining() > 0) return false;
+  session_->finish();
+  return true;
+}
+
+double progressive_driver::finish_rest() {
+  switch_copies rest;
+  rest.bytes = pacing_.bytes_per_layer * session_->layers_remaining();
+  const auto t0 = host_clock::now();
+  session_->finish();
+  rest.measured_s = seconds_since(t0);
+  return clock_.copies_s(rest);
+}
+
+const moebius::switch_report& progressive_driver::report() const {
+  return session_ ? session_->report() : ended_;
+}
+
+int64_t progressive_driver::tokens_during() const {
+  return tokens_produced(sched_) - tokens_before_;
+}
+
+void progressive_driver::release_deferred() {
+  mini_engine::release_deferred(sw_.mutable_kv_tables(), deferred_release_);
 }
 
 }  // namespace mini_engine

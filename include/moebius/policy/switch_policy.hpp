@@ -1,7 +1,8 @@
 #pragma once
 
 // The switch policy (the layer above the switcher, DESIGN.md §2): asymmetric hysteresis on the
-// engine's load signal with a cooldown, a capacity check and an optional cost gate.
+// engine's load signal with a cooldown; a proposed switch is refused for capacity or by a gate
+// on what the caller priced (below: two phases).
 //
 // Load signal: the number of active sequences (the decode batch) at each engine step, in the
 // same unit the calibration (calibration.hpp) was measured in.
@@ -22,26 +23,35 @@
 //            observation with requests waiting while TP's KV pool admits none of them counts
 //            as one at or above T_h (reason admission_blocked): the pool, not the batch, is
 //            what limits TP then, and EP's data-parallel attention holds more sequences.
-//   Capacity: before proposing a switch the policy asks the capacity check whether the
-//            target mode can hold every live sequence's KV; if not it stays and says so.
 //   Rollout (paper eq. 13): T_l = T_h, W = 1: in an RL rollout the load only decays, so
 //            switch to TP as soon as the count drops under T_h (`rollout_config()`).
-//   Gate hook (set_gate): instead of the step-time gate below, a caller's own weighing of the
-//            switch (the mini-engine's throughput gate, throughput_gate.hpp), asked at the
-//            same point and recorded the same way; its optional `gains` is asked before the
-//            capacity check (a switch with no gain at all is refused without planning it).
-//   Cost gate (DESIGN.md §7, "a switch must pay for itself"): with step-latency curves and
-//            the switch's predicted cost attached (set_cost_gate), a switch a rule proposes
-//            goes ahead only when
-//              gain_ms = (latency(current, load) - latency(target, load)) * residency_steps
-//                     >= predicted switch cost ms * (1 + gate_margin),
-//            residency_steps being the steps the engine is predicted to stay in the target:
-//            from a residency_predictor (residency.hpp: recent arrival and completion rates;
-//            until the load crosses T_l after entering EP, T_h after entering TP) when one is
-//            attached, else the fixed expected_residency_steps (0: gate off).
 //
-// step() is O(1), allocates nothing and keeps fixed-size state (a ring of at most
-// `max_window` loads): about 21 ns of host CPU time per call here (bench_policy).
+// Two phases: the rules propose, the caller prices, the policy decides. propose() runs the rules
+// above (pure: the load, the mode and the clock) and returns a target and why, or stay. For a
+// proposed switch the caller plans it once (switcher::plan) and prices that one plan: whether the
+// target holds the live KV (capacity) and what a gate weighs (step_time_gate.hpp: the step-time
+// gate; throughput_gate.hpp: the throughput gate), into a switch_pricing. decide() then refuses
+// it for capacity (capacity_refused) or for its gate (cost_exceeds_gain), or switches (the
+// cooldown starts, the windows restart). Nothing calls back into the caller: the policy holds no
+// hook, no curve and no plan, and a caller that prices nothing (step(): decide with an empty
+// pricing) runs the rules alone.
+//
+//   switch_proposal p = policy.propose(load, sw.mode(), now);
+//   switch_pricing priced;
+//   std::optional<switch_plan> plan;
+//   if (p.proposed()) {
+//     plan = sw.plan(p.target);                              // once per decision
+//     priced.fits = plan->capacity.fits;
+//     if (priced.fits) priced.gate = weigh_step_time(curves, sw.mode(), p.target, load,
+//                                                    residency_steps(cfg, &pred, load, p.target),
+//                                                    cost_ms_of(*plan), cfg.gate_margin);
+//   }
+//   if (policy.decide(p, priced).do_switch) sw.switch_to(*plan);
+//
+// Every propose() is followed by one decide() of its proposal (a hold too: it is counted there).
+//
+// propose() and decide() are O(1), allocate nothing and keep fixed-size state (a ring of at most
+// `max_window` loads): about 21 ns of host CPU time per step here (bench_policy).
 
 #include <cstdint>
 #include <iosfwd>
@@ -50,7 +60,7 @@
 
 namespace moebius {
 
-class latency_curves;  // calibration.hpp
+class residency_predictor;  // residency.hpp
 
 // How the EP -> TP window decides "the load stayed below T_l".
 enum class down_rule : uint8_t {
@@ -79,11 +89,9 @@ struct switch_policy_config {
   int64_t cooldown_steps = 0;  // C in engine steps (0: off)
   double cooldown_s = 5.0;     // C in seconds of the `now_s` passed to step() (paper: 5 s)
 
-  // Cost gate (off when no curves are attached, or when neither a residency predictor is
-  // attached nor expected_residency_steps > 0): refuse a switch whose predicted cost, times
-  // (1 + gate_margin), exceeds its expected gain,
-  //   gain_ms = (latency(current, load) - latency(target, load)) * residency_steps,
-  // residency_steps from the attached residency_predictor, else expected_residency_steps.
+  // The residency a gate weighs when the caller has no residency_predictor (residency_steps()):
+  // the steps the engine is expected to stay in the target (0: unknown; the step-time gate is
+  // then off, step_time_gate.hpp).
   int64_t expected_residency_steps = 0;
   // The share by which the gain must exceed the predicted cost (0.5: by half again), for what
   // the predictions leave out (the residency's spread, a cost model off by tens of percent).
@@ -153,25 +161,10 @@ struct switch_decision {
 // "switch to EP (above_high)", "stay (hold)", "stay: TP refused (capacity_refused)".
 std::ostream& operator<<(std::ostream& os, const switch_decision& d);
 
-// Asked before a switch is proposed: can `target` hold every live sequence's KV now?
-// A plain function pointer and context so step() never allocates or type-erases.
-struct capacity_check {
-  bool (*fn)(void* context, parallel_mode target) = nullptr;  // nullptr: always fits
-  void* context = nullptr;
-
-  bool fits(parallel_mode target) const { return fn == nullptr || fn(context, target); }
-};
-
-// Asked when the gate weighs a switch: its predicted cost in ms on the engine's clock (e.g.
-// moebius::cost_model priced for the live KV). nullptr: the fixed costs of set_cost_gate.
-struct switch_cost_estimate {
-  double (*fn)(void* context, parallel_mode target) = nullptr;
-  void* context = nullptr;
-};
-
-// What the gate weighed at the last decision it was asked about (for traces and tests).
+// What a gate weighed for one proposed switch (step_time_gate.hpp, throughput_gate.hpp): the
+// caller hands it to decide() in its switch_pricing, and keeps it for its traces.
 struct gate_evaluation {
-  bool evaluated = false;      // false: no rule fired past cooldown and capacity yet, or no gate
+  bool evaluated = false;      // false: no gate weighed the switch
   parallel_mode target = parallel_mode::ep;
   int64_t load = 0;
   int64_t residency_steps = 0;
@@ -183,30 +176,44 @@ struct gate_evaluation {
   int64_t target_batch = 0;    // the batch the target's pool would admit
   int64_t waiting = 0;         // requests waiting for admission
   const char* residency_from = "";  // "known work", "queue", "predictor", "fixed"
-  // false: refused by switch_gate::gains before the switch was planned; cost_ms is then the
-  // least it could cost
+  // false: weighed before the switch was planned, against the least it could cost (cost_ms):
+  // a switch that cannot pay even that is refused without planning it
   bool priced = true;
-};
-
-// Asked instead of the step-time gate when set (switch_policy::set_gate): fills `out` (its
-// evaluated, target and load are set by the policy) and returns whether the switch pays. A
-// plain function pointer and context, as capacity_check.
-//   gains (optional): whether the gain could pay the least the switch can cost (e.g. its
-//   weights alone, no KV); asked before the capacity check, so that a switch that could not
-//   pay even that is refused (cost_exceeds_gain, `out` with priced false and that least cost)
-//   without planning it (a capacity check and a cost estimate each plan the whole KV
-//   migration, which a rule that fires on every step would otherwise do on every step).
-struct switch_gate {
-  bool (*fn)(void* context, parallel_mode current, parallel_mode target, int64_t load,
-             gate_evaluation& out) = nullptr;
-  bool (*gains)(void* context, parallel_mode current, parallel_mode target, int64_t load,
-                gate_evaluation& out) = nullptr;
-  void* context = nullptr;
 };
 
 std::ostream& operator<<(std::ostream& os, const gate_evaluation& g);
 
-class residency_predictor;  // residency.hpp
+// What the rules say at one step (switch_policy::propose): a switch to `target` (reason
+// above_high, below_low or admission_blocked), or stay (hold: no rule fired; cooldown: one
+// fired too soon after the last switch, `target` kept for traces).
+struct switch_proposal {
+  parallel_mode target = parallel_mode::ep;
+  decision_reason reason = decision_reason::hold;
+  int64_t load = 0;  // the load it was proposed at
+  int64_t step = 0;  // the policy's step index it was made at (decide checks it)
+
+  constexpr bool proposed() const {
+    return reason == decision_reason::above_high || reason == decision_reason::below_low ||
+           reason == decision_reason::admission_blocked;
+  }
+};
+
+// What the caller found pricing a proposed switch from its one plan (switch_policy::decide).
+struct switch_pricing {
+  bool fits = true;       // the target can hold every live sequence's KV (the plan's capacity)
+  gate_evaluation gate;   // what a gate weighed; evaluated false: no gate (capacity alone)
+};
+
+// The load at which the residency a gate weighs ends: the threshold of the rule that would
+// switch back, T_l after entering EP (below it EP -> TP fires), T_h after entering TP.
+//   T_h 256, T_l 205: to EP -> 205, to TP -> 256.
+int64_t residency_boundary(const switch_policy_config& config, parallel_mode target);
+
+// The steps the engine is predicted to stay in `target` after switching at `load`:
+// predictor->steps_until_cross(load, residency_boundary(config, target)), or, without a
+// predictor, config.expected_residency_steps (0: unknown). Both gates read it.
+int64_t residency_steps(const switch_policy_config& config, const residency_predictor* predictor,
+                        int64_t load, parallel_mode target);
 
 // Counters for traces and tests.
 struct switch_policy_stats {
@@ -219,39 +226,32 @@ struct switch_policy_stats {
 class switch_policy {
  public:
   // Validates `config` (see validate()).
-  explicit switch_policy(const switch_policy_config& config, capacity_check capacity = {});
+  explicit switch_policy(const switch_policy_config& config);
 
-  // One engine step: `load` active sequences (>= 0), the mode the engine runs now, the time
-  // in seconds (any monotonic clock; only differences are used; pass it even when
-  // cooldown_s is 0). Returns stay or
-  // switch_to(target); a proposed switch starts the cooldown at once (a failed switch also
-  // backs off). O(1), no allocation. Throws errc::invalid_argument for load < 0, a `current`
-  // that names neither EP nor TP, or a non-finite now_s (a NaN time would silently disable
-  // the seconds cooldown). Any load >= 0 is accepted: the window saturates each load at
-  // 2^48 (>= T_l · W for every valid config, so no decision changes) and never overflows.
-  // `admission_blocked`: requests wait and the pool admitted none of them at the last step
-  // (counts only with config().enter_on_blocked_admission, in TP).
+  // The rules at one engine step: `load` active sequences (>= 0), the mode the engine runs now,
+  // the time in seconds (any monotonic clock; only differences are used; pass it even when
+  // cooldown_s is 0), and whether admission is blocked (requests wait and the pool admitted
+  // none of them at the last step; counts only with config().enter_on_blocked_admission, in
+  // TP). Returns what the rules propose; decide() settles it. O(1), no allocation. Throws
+  // errc::invalid_argument for load < 0, a `current` that names neither EP nor TP, a non-finite
+  // now_s (a NaN time would silently disable the seconds cooldown), or when the last proposal
+  // was not decided. Any load >= 0 is accepted: the window saturates each load at 2^48 (>= T_l
+  // · W for every valid config, so no decision changes) and never overflows.
+  switch_proposal propose(int64_t load, parallel_mode current, double now_s,
+                          bool admission_blocked = false);
+
+  // Settles the proposal of the last propose(): stay (hold, cooldown), refused
+  // (capacity_refused when !priced.fits, else cost_exceeds_gain when priced.gate was evaluated
+  // and did not pass) or switch, which starts the cooldown at once (a failed switch also backs
+  // off). O(1). Throws errc::invalid_argument for a proposal that is not the last propose()'s
+  // or was already decided (nothing changes then).
+  switch_decision decide(const switch_proposal& proposal, const switch_pricing& priced = {});
+
+  // The rules alone, no capacity check and no gate: decide(propose(...)).
   switch_decision step(int64_t load, parallel_mode current, double now_s,
-                       bool admission_blocked = false);
-
-  // Attaches the cost gate: step-latency curves of both modes and the predicted time of a
-  // switch into each mode (cost_model.hpp). `curves` must outlive the policy; nullptr
-  // detaches. Active only when config().expected_residency_steps > 0.
-  void set_cost_gate(const latency_curves* curves, double switch_ms_to_ep,
-                     double switch_ms_to_tp);
-  // The same with a cost asked of `estimate` each time the gate weighs a switch (a finite
-  // cost >= 0, else errc::invalid_argument from step()).
-  void set_cost_gate(const latency_curves* curves, switch_cost_estimate estimate);
-  // Predicts the residency for the gate (the engine feeds it each step); must outlive the
-  // policy; nullptr: expected_residency_steps.
-  void set_residency_predictor(const residency_predictor* predictor) { residency_ = predictor; }
-  // A caller's gate in place of the step-time gate (switch_gate); {} detaches it. Its context
-  // must outlive the policy.
-  void set_gate(switch_gate gate) { gate_ = gate; }
-  // Whether a gate is in force (a switch_gate, or curves attached and a predictor or a fixed
-  // residency).
-  bool gate_active() const;
-  const gate_evaluation& last_gate() const { return last_gate_; }
+                       bool admission_blocked = false) {
+    return decide(propose(load, current, now_s, admission_blocked));
+  }
 
   // New thresholds from here on (an engine that corrects its curves by what its steps take
   // moves the crossover); the windows, cooldown and stats stay. Throws errc::invalid_argument
@@ -269,22 +269,14 @@ class switch_policy {
  private:
   void restart_windows(int64_t step_idx, double now_s);
   bool in_cooldown(double now_s) const;
-  bool gain_exceeds_cost(parallel_mode current, parallel_mode target, int64_t load);
-  bool gains_anything(parallel_mode current, parallel_mode target, int64_t load);
 
   switch_policy_config config_;
-  capacity_check capacity_;
-  const latency_curves* curves_ = nullptr;
-  double switch_ms_[2]{};  // indexed by parallel_mode
-  switch_cost_estimate estimate_;
-  switch_gate gate_;
-  const residency_predictor* residency_ = nullptr;
-  gate_evaluation last_gate_;
-
   switch_policy_stats stats_;
   bool seen_mode_ = false;
   parallel_mode last_mode_ = parallel_mode::ep;
   bool cooling_ = false;
+  bool undecided_ = false;     // a proposal awaits decide()
+  double proposed_s_ = 0.0;    // its now_s
   int64_t last_switch_step_ = 0;
   double last_switch_s_ = 0.0;
   int64_t above_run_ = 0;      // consecutive loads >= T_h since the last switch

@@ -2,7 +2,7 @@
 
 // The throughput gate: whether a switch the policy's rules propose pays, weighed on what an
 // engine knows about the work in front of it (DESIGN.md §7, "a switch must pay for itself";
-// switch_policy.hpp attaches it through set_gate). The step-time gate compares the two modes'
+// switch_policy.hpp: the caller weighs a proposed switch with it and hands the result to decide()). The step-time gate compares the two modes'
 // step latency at the same batch; on a deployment whose pools differ (TP replicates KV heads
 // when H_kv < P and holds about half of EP's tokens) that misses what decides a flood or a
 // rollout's bulk: the batch each mode's pool admits. Three terms, each of which can be turned

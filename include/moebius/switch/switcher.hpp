@@ -166,7 +166,11 @@ class switcher {
   // (capacity.fits, layer_capacity.fits false), not thrown. Throws errc::invalid_argument for a
   // target that names neither EP nor TP, or when the KV tables are invalid.
   //   P=2, L=4, EP -> TP: start cursor 0, goal 4, weights 4 phases (layers 0, 1, 2, 3).
-  switch_plan plan(parallel_mode target) const;
+  switch_plan plan(parallel_mode target) const { return plan(target, plan_scope::both); }
+  // The same, without the per-layer half when `scope` is stop_the_world (layer_kv null,
+  // layer_capacity refused with a reason saying it was not planned): begin() refuses such a
+  // plan. Throws errc::invalid_argument for a bad scope too.
+  switch_plan plan(parallel_mode target, plan_scope scope) const;
   // "" when `p` can run now; otherwise why it is stale: planned on another switcher, or before
   // the state moved on (a mutable_kv_tables() call, a switch, a recover(): named).
   std::string why_stale(const switch_plan& p) const;
@@ -230,12 +234,6 @@ class switcher {
   void inject_fault(std::optional<switch_fault> fault);
 
  private:
-  // plan(target), or without the per-layer half (`per_layer` false: layer_kv empty, as a
-  // refused per-layer plan, with its reason saying so) for callers that run or check the
-  // stop-the-world switch only (switch_to(target), check): planning the per-layer KV migration
-  // too costs a stop-the-world switch ~1.5 ms of host time at 90% occupancy.
-  switch_plan plan_of(parallel_mode target, bool per_layer) const;
-
   std::unique_ptr<detail::switch_state> state_;
 };
 

@@ -1,0 +1,364 @@
+#include "run_policy.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include <moebius/error.hpp>
+#include <moebius/plan/plan.hpp>
+#include <moebius/policy/step_time_gate.hpp>
+
+namespace mini_engine {
+
+using moebius::parallel_mode;
+
+const char* to_string(gate_kind k) {
+  switch (k) {
+    case gate_kind::throughput: return "throughput";
+    case gate_kind::step_time: return "step_time";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Tokens the pool of mode `m` holds for admission: EP, every rank's pages (data-parallel
+// attention: a sequence lives on one rank); TP, one rank's (every rank holds every sequence).
+double pool_tokens(const moebius::kv_geometry& g, parallel_mode m, double watermark) {
+  const double ranks = m == parallel_mode::ep ? static_cast<double>(g.num_ranks) : 1.0;
+  return ranks * static_cast<double>(g.num_pages(m)) * static_cast<double>(g.page_size) *
+         (1.0 - watermark);
+}
+
+// Expected decode tokens still to come for a sequence that has generated `generated`: at least
+// what it has generated (a heavy-tailed length: a sequence that has run g tokens runs about g
+// more) and at least the mean output of the requests finished so far (`prior`).
+double expected_remaining(int64_t generated, double prior) {
+  return std::max(static_cast<double>(generated), prior);
+}
+
+// The known residency of a closed-loop rollout (no request arrives on its own): in TP, until
+// the last survivor of the rollout step ends (the next step's batch sends the engine back to
+// EP); in EP, until the live count falls under `boundary` (residency_boundary: T_l). In steps.
+int64_t rollout_residency(const work_view& w, parallel_mode target, int64_t boundary,
+                          double prior) {
+  std::vector<double> left;
+  left.reserve(static_cast<size_t>(w.running + w.waiting));
+  for (const int64_t g : w.generated) left.push_back(expected_remaining(g, prior));
+  for (int64_t q = 0; q < w.waiting; ++q) left.push_back(prior);
+  if (left.empty()) return 1;
+  std::sort(left.begin(), left.end());
+  double steps = left.back();
+  if (target == parallel_mode::ep) {
+    const int64_t live = static_cast<int64_t>(left.size());
+    steps = live < boundary ? 1.0 : left[static_cast<size_t>(live - boundary)];
+  }
+  return std::max<int64_t>(1, static_cast<int64_t>(std::min(std::ceil(steps), 1e12)));
+}
+
+// Appends `d` to the log, or counts it as a repeat of the last record when it decided the same
+// (same reason and target in the same mode) without a priced gate in either: a rule refused
+// before planning on every step of a long tail is one record with its count.
+void log_decision(std::vector<decision_record>& log, decision_record d) {
+  auto unpriced = [](const decision_record& r) { return !r.gate.evaluated || !r.gate.priced; };
+  if (!log.empty() && unpriced(d) && unpriced(log.back()) &&
+      log.back().decision.reason == d.decision.reason &&
+      log.back().decision.target == d.decision.target && log.back().mode == d.mode) {
+    ++log.back().repeats;
+    return;
+  }
+  log.push_back(std::move(d));
+}
+
+moebius::switch_policy_config rules_of(const engine_options& o) {
+  moebius::switch_policy_config c = o.policy;
+  if (o.gate.enabled) c.gate_margin = o.gate.margin;
+  return c;
+}
+
+// The exponential means' weight of one step (ratios and rows alike): the residency
+// predictor's weight of one completion, ~64 steps of memory. The correction runs after every
+// step: curves corrected a few seconds late let a flood's first switch through on stale ones.
+constexpr double k_ratio_weight = 1.0 / 64;
+constexpr double k_rows_weight = k_ratio_weight;
+constexpr int64_t k_correction_every = 1;  // steps between two corrections
+
+int mode_index(parallel_mode m) { return m == parallel_mode::ep ? 0 : 1; }
+
+// `c` scaled by `factor`: through the same points (its knots, or a line's two ends).
+moebius::latency_curve scaled(const moebius::latency_curve& c, double factor) {
+  std::vector<moebius::latency_sample> points;
+  if (c.kind() == moebius::curve_fit::piecewise_linear) {
+    for (const moebius::latency_sample& k : c.knots()) points.push_back({k.batch, k.ms * factor});
+  } else {
+    for (const double b : {c.min_batch(), c.max_batch()}) points.push_back({b, c.at(b) * factor});
+  }
+  return moebius::latency_curve::fit(points, c.kind());
+}
+
+}  // namespace
+
+moebius::layer_bytes whole_switch_per_layer(const moebius::switch_plan& p, int64_t num_layers) {
+  moebius::layer_bytes b;
+  const auto spread = [num_layers](std::vector<int64_t> v) {
+    for (int64_t& x : v) x /= std::max<int64_t>(1, num_layers);
+    return v;
+  };
+  if (p.weights) b.weight_bytes_sent = spread(moebius::traffic_of(*p.weights).bytes_sent);
+  if (p.kv) b.kv_bytes_sent = spread(moebius::traffic_of(p.kv->copies).bytes_sent);
+  const size_t P = std::max(b.weight_bytes_sent.size(), b.kv_bytes_sent.size());
+  b.weight_bytes_sent.resize(P, 0);
+  b.kv_bytes_sent.resize(P, 0);
+  return b;
+}
+
+parallel_mode start_mode_from_load(const std::vector<request>& requests, int64_t t_high) {
+  if (requests.empty()) return parallel_mode::tp;
+  // The first arrivals: a rollout's first step, else every request at the earliest arrival.
+  int64_t first_step = -1;
+  double first_s = requests.front().arrival_s;
+  for (const request& r : requests) {
+    if (r.rollout_step >= 0 && (first_step < 0 || r.rollout_step < first_step)) first_step = r.rollout_step;
+    first_s = std::min(first_s, r.arrival_s);
+  }
+  int64_t n = 0;
+  for (const request& r : requests) {
+    if (first_step >= 0 ? r.rollout_step == first_step : r.arrival_s <= first_s) ++n;
+  }
+  return n >= t_high ? parallel_mode::ep : parallel_mode::tp;
+}
+
+run_policy::run_policy(const engine_options& o, const moebius::latency_curves& curves,
+                       const moebius::kv_geometry& kv, const step_clock& clock,
+                       int64_t num_layers)
+    : options_(o),
+      kv_(kv),
+      clock_(clock),
+      num_layers_(num_layers),
+      scope_(o.style == switch_style::stop_the_world ? moebius::plan_scope::stop_the_world
+                                                      : moebius::plan_scope::both),
+      rules_(rules_of(o)),
+      gated_(o.gate.enabled),
+      base_curves_(curves),
+      curves_(curves) {
+  if (gated_) residency_.emplace(o.gate.residency);
+}
+
+void run_policy::observe_work(const scheduler& sched, double now_s) {
+  if (!residency_) return;
+  // A request's decode steps: its output tokens.
+  const int64_t finished = sched.num_finished();
+  const int64_t arrived = finished + sched.num_running() + sched.num_waiting(now_s);
+  moebius::step_observation obs;
+  obs.arrivals = std::max<int64_t>(0, arrived - seen_arrived_);
+  obs.completions = finished - seen_finished_;
+  if (obs.completions > 0) {
+    const int64_t finished_tokens = sched.finished_output_tokens();
+    obs.completed_steps = finished_tokens - seen_finished_tokens_;
+    seen_finished_tokens_ = finished_tokens;
+  }
+  obs.running = sched.num_running();
+  residency_->observe(obs);
+  seen_arrived_ = std::max(seen_arrived_, arrived);
+  seen_finished_ = finished;
+}
+
+moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mode target,
+                                                  int64_t load) const {
+  const work_view w = v.sched.work(v.now_s);
+  moebius::serving_load l;
+  l.running = w.running;
+  l.waiting = w.waiting;
+  l.max_running = options_.scheduler.max_running;
+  const int64_t live = w.running + w.waiting;
+  const double per_sequence =
+      live > 0 ? std::max(1.0, static_cast<double>(w.running_tokens + w.waiting_tokens) /
+                                   static_cast<double>(live))
+               : 1.0;
+  const double watermark =
+      options_.scheduler.admission == admission_policy::known ? options_.scheduler.watermark : 0;
+  auto admits = [&](parallel_mode m) {
+    return static_cast<int64_t>(std::min(pool_tokens(kv_, m, watermark) / per_sequence, 1e15));
+  };
+  l.admits_ep = admits(parallel_mode::ep);
+  l.admits_tp = admits(parallel_mode::tp);
+  double mean_generated = 0;
+  for (const int64_t x : w.generated) mean_generated += static_cast<double>(x);
+  if (w.running > 0) mean_generated /= static_cast<double>(w.running);
+  const double prior = w.finished > 0 ? static_cast<double>(w.finished_output_tokens) /
+                                            static_cast<double>(w.finished)
+                                      : std::max(1.0, mean_generated);
+  l.queue_tokens = static_cast<double>(w.waiting) * prior;
+  const moebius::switch_policy_config& c = rules_.config();
+  if (w.rollout)
+    l.known_residency_steps =
+        rollout_residency(w, target, moebius::residency_boundary(c, target), prior);
+  l.predicted_residency_steps =
+      std::max<int64_t>(1, moebius::residency_steps(c, residency_ ? &*residency_ : nullptr, load,
+                                                    target));
+  return l;
+}
+
+double run_policy::cost_ms(const run_view& v, const moebius::layer_bytes& per_layer,
+                           bool per_layer_plan, std::optional<style_price>* styles) const {
+  if (options_.style != switch_style::by_cost)
+    return clock_.predicted_switch_s(per_layer, num_layers_) * 1e3;
+  const style_price c = price_styles(clock_, options_, v.sched.work(v.now_s), v.last_step_s,
+                                     per_layer, num_layers_, per_layer_plan);
+  if (styles != nullptr) *styles = c;
+  return c.batch_s() * 1e3;
+}
+
+moebius::gate_evaluation run_policy::weigh(const run_view& v, parallel_mode target, int64_t load,
+                                           const std::optional<moebius::serving_load>& work,
+                                           double switch_ms) const {
+  const parallel_mode current = v.sw.mode();
+  if (work) {
+    moebius::gate_evaluation g = moebius::weigh_switch(curves_, current, target, *work, switch_ms,
+                                                       options_.gate.margin, options_.gate.terms);
+    g.load = load;
+    return g;
+  }
+  const moebius::switch_policy_config& c = rules_.config();
+  return moebius::weigh_step_time(curves_, current, target, load,
+                                  moebius::residency_steps(c, &*residency_, load, target),
+                                  switch_ms, c.gate_margin);
+}
+
+run_policy::priced_proposal run_policy::price(const run_view& v,
+                                              const moebius::switch_proposal& p) const {
+  priced_proposal out;
+  const parallel_mode target = p.target;
+  std::optional<moebius::serving_load> work;
+  if (gated_ && options_.gate.kind == gate_kind::throughput) {
+    work = serving_load_of(v, target, p.load);
+    // The least the switch can cost: its weights with no KV (no plan needed). A switch that
+    // cannot pay even that is refused unplanned (a rule firing on every step of a long tail
+    // would otherwise plan on every step).
+    moebius::layer_bytes weights_only;
+    weights_only.weight_bytes_sent.assign(static_cast<size_t>(kv_.num_ranks), 0);
+    weights_only.kv_bytes_sent.assign(static_cast<size_t>(kv_.num_ranks), 0);
+    moebius::gate_evaluation least = weigh(v, target, p.load, work, cost_ms(v, weights_only, true, nullptr));
+    least.priced = false;
+    if (!least.passed) {
+      out.pricing.gate = least;
+      return out;
+    }
+  }
+  // Capacity: every running sequence at its largest must fit the target (the reservations the
+  // scheduler holds survive the switch): a page sum, or TP -> EP the placement the plan makes
+  // (switcher_options::ep_placement is the scheduler's); and the plan's verdict on the live KV.
+  const moebius::kv_state& tables = v.sw.kv_tables();
+  const bool placed = target == parallel_mode::ep && tables.mode == parallel_mode::tp;
+  if (!placed && !v.sched.fits_reservations(tables, target)) {
+    out.pricing.fits = false;
+    return out;
+  }
+  const moebius::switch_plan& plan = out.plan.emplace(v.sw.plan(target, scope_));
+  out.pricing.fits = plan.capacity.fits && (!placed || plan.ep_placement.fits);
+  if (!out.pricing.fits || !gated_) return out;
+  // Without a per-layer plan (not planned, the target cannot hold one layer's KV apart, or the
+  // layout's layers interleave) only stop-the-world runs: its bytes spread over the layers.
+  const bool per_layer_plan = plan.layer_kv != nullptr;
+  const moebius::layer_bytes per_layer =
+      per_layer_plan ? plan.bytes_per_layer : whole_switch_per_layer(plan, num_layers_);
+  out.pricing.gate = weigh(v, target, p.load, work, cost_ms(v, per_layer, per_layer_plan, &out.styles));
+  return out;
+}
+
+std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step,
+                                                 run_result& out) {
+  const int64_t running = v.sched.num_running();
+  const int64_t waiting = v.sched.num_waiting(v.now_s);
+  const int64_t load = std::min(running + waiting, options_.scheduler.max_running);
+  const bool blocked = v.admission_blocked && waiting > 0;
+  const parallel_mode mode = v.sw.mode();
+  const moebius::switch_proposal p = rules_.propose(load, mode, v.now_s, blocked);
+  priced_proposal priced = p.proposed() ? price(v, p) : priced_proposal{};
+  const moebius::switch_decision d = rules_.decide(p, priced.pricing);
+  if (d.reason == moebius::decision_reason::cost_exceeds_gain) {
+    ++out.gate_refusals;
+    out.last_refusal = priced.pricing.gate;
+  }
+  if (options_.explain && d.reason != moebius::decision_reason::hold) {
+    decision_record r;
+    r.step = step;
+    r.now_s = v.now_s;
+    r.mode = mode;
+    r.load = load;
+    r.running = running;
+    r.waiting = waiting;
+    r.admission_blocked = blocked;
+    r.decision = d;
+    if (d.reason == moebius::decision_reason::cost_exceeds_gain || d.do_switch)
+      r.gate = priced.pricing.gate;
+    log_decision(out.decisions, std::move(r));
+  }
+  if (!d.do_switch || d.target == mode) return std::nullopt;
+  decided_switch s;
+  s.target = d.target;
+  s.plan = std::move(priced.plan);
+  s.gate = priced.pricing.gate;
+  s.styles = priced.styles;
+  return s;
+}
+
+void run_policy::observe_step(const step_record& rec) {
+  if (!gated_ || !options_.gate.correct_curves || rec.in_switch || rec.sequences <= 0) return;
+  const int m = mode_index(rec.mode);
+  // The curve at the step's rows (decode tokens and prefill chunk tokens, as the calibration's
+  // decode steps would run them spread evenly): the ratio is what the spread, the contexts and
+  // the clock add, not the step's share of prefill (which TP's first steps are full of).
+  const double rows = static_cast<double>(std::max<int64_t>(1, rec.decode_tokens + rec.prefill_tokens));
+  const double predicted_ms = base_curves_.latency_ms(rec.mode, rows);
+  if (!(predicted_ms > 0) || !(rec.step_ms > 0)) return;
+  const double ratio = rec.step_ms / predicted_ms;
+  decode_rows_ += k_rows_weight * (static_cast<double>(rec.decode_tokens) - decode_rows_);
+  prefill_rows_ += k_rows_weight * (static_cast<double>(rec.prefill_tokens) - prefill_rows_);
+  step_ratio_[m] = ratio_seen_[m] ? step_ratio_[m] + k_ratio_weight * (ratio - step_ratio_[m]) : ratio;
+  ratio_seen_[m] = true;
+  if (++steps_since_correction_ < k_correction_every) return;
+  steps_since_correction_ = 0;
+  // A mode not seen yet: EP's step as TP's would be with the recent steps' prefill rows on one
+  // rank (an EP step is its busiest rank's: a chunk runs on its owner alone, where TP spreads
+  // it), the curve at b + P p rows against b + p.
+  const double b = std::max(1.0, decode_rows_), pf = std::max(0.0, prefill_rows_);
+  const double ep_over_tp = base_curves_.ep.at(b + static_cast<double>(kv_.num_ranks) * pf) /
+                            base_curves_.ep.at(b + pf);
+  const double r_ep = ratio_seen_[0] ? step_ratio_[0] : step_ratio_[1] * ep_over_tp;
+  const double r_tp = ratio_seen_[1] ? step_ratio_[1] : step_ratio_[0] / ep_over_tp;
+  curves_.ep = scaled(base_curves_.ep, r_ep);
+  curves_.tp = scaled(base_curves_.tp, r_tp);
+  // The rules keep the calibrated thresholds (moving them under a running load makes the
+  // rules fire back and forth); the gate weighs with the corrected curves.
+  ++corrections_;
+  last_factor_[0] = r_ep;
+  last_factor_[1] = r_tp;
+}
+
+void run_policy::describe(run_result& out) const {
+  const engine_options& o = options_;
+  std::ostringstream p;
+  p << rules_.config();
+  out.policy = p.str();
+  if (gated_) {
+    std::ostringstream g;
+    g << to_string(o.gate.kind) << " gate";
+    if (o.gate.kind == gate_kind::throughput) g << " (" << o.gate.terms << ")";
+    g << "; EP " << base_curves_.ep << "; TP " << base_curves_.tp << "; margin " << o.gate.margin
+      << "; " << o.gate.residency;
+    out.gate = g.str();
+  }
+  out.corrections = corrections_;
+  if (corrections_ == 0) return;
+  const moebius::crossover x = moebius::find_crossover(curves_);
+  std::ostringstream c;
+  c << "x" << last_factor_[0] << " EP, x" << last_factor_[1] << " TP";
+  if (x.status == moebius::crossover_status::found) c << ", crossing at " << x.batch;
+  else c << ", " << moebius::to_string(x.status);
+  out.correction = c.str();
+}
+
+}  // namespace mini_engine

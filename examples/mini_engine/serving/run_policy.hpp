@@ -1,0 +1,120 @@
+#pragma once
+
+// The serving loop's switch policy (engine.hpp), in two phases: the rules (moebius::
+// switch_policy) propose a target, this plans the proposal once into a local switch_plan and
+// prices that one plan, and the rules decide on the priced proposal:
+//
+//   propose   the load (running + waiting, capped at max_running) against the thresholds;
+//   price     throughput gate: first against the least the switch can cost (its weights alone:
+//             a switch that cannot pay even that is refused without planning it); then the
+//             capacity (the running sequences at their largest, a page sum; TP -> EP the
+//             placement the plan makes) and the plan's verdict on the live KV; then the gate on
+//             the plan's cost (the clock's prediction of its bytes, or by_cost the cheaper
+//             style's, priced from the same plan);
+//   decide    switch_policy::decide: capacity_refused, cost_exceeds_gain, or switch, handing
+//             the plan, the gate and the styles' prices to the switch (engine::start_switch).
+//
+// A stop-the-world run plans the stop-the-world half only (plan_scope::stop_the_world). Also the
+// gate's curves and their correction by what the steps take (cost_gate_options::correct_curves),
+// the residency predictor and the decision log.
+
+#include <cstdint>
+#include <optional>
+
+#include <moebius/kv/kv_geometry.hpp>
+#include <moebius/policy/calibration.hpp>
+#include <moebius/policy/residency.hpp>
+#include <moebius/policy/switch_policy.hpp>
+#include <moebius/policy/throughput_gate.hpp>
+#include <moebius/switch/switch_plan.hpp>
+#include <moebius/switch/switcher.hpp>
+
+#include "engine.hpp"
+#include "progressive_driver.hpp"
+#include "run_report.hpp"
+#include "scheduler.hpp"
+#include "step_clock.hpp"
+
+namespace mini_engine {
+
+// A switch decided before a step, with what it was priced on.
+struct decided_switch {
+  moebius::parallel_mode target = moebius::parallel_mode::ep;
+  std::optional<moebius::switch_plan> plan;  // the decision's one plan (none: a forced switch)
+  moebius::gate_evaluation gate;             // evaluated false: no gate weighed it
+  std::optional<style_price> styles;         // by_cost: both styles, priced on the plan
+};
+
+// What the policy reads of the run at a decision.
+struct run_view {
+  const moebius::switcher& sw;
+  const scheduler& sched;
+  double now_s = 0;
+  double last_step_s = 0;          // the last step outside a switch (by_cost's pacing)
+  bool admission_blocked = false;  // the last step's (step_batch::admission_blocked)
+};
+
+class run_policy {
+ public:
+  // The rules of o.policy; with o.gate.enabled, the gate o.gate.kind weighing with `curves`
+  // (corrected as the steps go when o.gate.correct_curves).
+  run_policy(const engine_options& o, const moebius::latency_curves& curves,
+             const moebius::kv_geometry& kv, const step_clock& clock, int64_t num_layers);
+
+  // Before every step, during a switch too: what happened since the last one (arrivals,
+  // completions and the steps those ran) for the residency predictor.
+  void observe_work(const scheduler& sched, double now_s);
+  // The decision before step `step`; refusals and (o.explain) the decision log into `out`.
+  std::optional<decided_switch> decide(const run_view& v, int64_t step, run_result& out);
+  // After a step served outside a switch: its time against the curves (correct_curves).
+  void observe_step(const step_record& rec);
+  // The policy, its gate and the last correction, into the run's report (at its end).
+  void describe(run_result& out) const;
+
+ private:
+  struct priced_proposal {
+    moebius::switch_pricing pricing;
+    std::optional<moebius::switch_plan> plan;
+    std::optional<style_price> styles;
+  };
+  priced_proposal price(const run_view& v, const moebius::switch_proposal& p) const;
+  // The throughput gate's view of the work for a switch to `target` at `load`.
+  moebius::serving_load serving_load_of(const run_view& v, moebius::parallel_mode target,
+                                        int64_t load) const;
+  // The switch's cost on the serving clock, in ms of the whole batch, for `per_layer` bytes a
+  // layer: the predicted stall, or by_cost the cheaper style's (`styles` set).
+  double cost_ms(const run_view& v, const moebius::layer_bytes& per_layer, bool per_layer_plan,
+                 std::optional<style_price>* styles) const;
+  moebius::gate_evaluation weigh(const run_view& v, moebius::parallel_mode target, int64_t load,
+                                 const std::optional<moebius::serving_load>& work,
+                                 double switch_ms) const;
+
+  const engine_options& options_;
+  const moebius::kv_geometry& kv_;
+  const step_clock& clock_;
+  int64_t num_layers_;
+  moebius::plan_scope scope_;  // what each decision plans
+  moebius::switch_policy rules_;
+  bool gated_;
+  // The gate's curves: as calibrated, and corrected by what the steps take.
+  moebius::latency_curves base_curves_, curves_;
+  std::optional<moebius::residency_predictor> residency_;
+  int64_t seen_arrived_ = 0, seen_finished_ = 0, seen_finished_tokens_ = 0;
+  // correct_curves: per mode (indexed EP, TP) the mean ratio of a step's time to the curve's and
+  // whether any step has been seen; the recent steps' decode and prefill tokens (means).
+  double step_ratio_[2] = {1, 1};
+  bool ratio_seen_[2] = {false, false};
+  int64_t steps_since_correction_ = 0;
+  double decode_rows_ = 0, prefill_rows_ = 0;
+  double last_factor_[2] = {1, 1};  // the last correction's factors (EP, TP), for the report
+  int64_t corrections_ = 0;
+};
+
+// A stop-the-world plan's bytes as a per-layer average (a plan without per-layer KV).
+moebius::layer_bytes whole_switch_per_layer(const moebius::switch_plan& p, int64_t num_layers);
+
+// The start mode that follows the initial load: EP when the requests that arrive at the first
+// arrival (a rollout: its first step's) reach t_high.
+moebius::parallel_mode start_mode_from_load(const std::vector<request>& requests, int64_t t_high);
+
+}  // namespace mini_engine

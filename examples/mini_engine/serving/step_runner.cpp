@@ -1,0 +1,51 @@
+#include "step_runner.hpp"
+
+#include <chrono>
+#include <utility>
+
+namespace mini_engine {
+
+step_cost cost_of(const step_batch& b, moebius::parallel_mode mode, int num_ranks,
+                  std::vector<rank_work> ep_split) {
+  step_cost cost;
+  cost.mode = mode;
+  cost.num_ranks = num_ranks;
+  cost.num_sequences = b.num_sequences;
+  cost.new_tokens = b.decode_tokens + b.prefill_tokens;
+  cost.context_tokens = b.context_tokens;
+  if (mode == moebius::parallel_mode::ep) cost.ranks = std::move(ep_split);
+  return cost;
+}
+
+page_source& plain_steps::open_step() {
+  // Every call hands out the tables for change: a plan made before it is stale (switcher.hpp).
+  return pages_.emplace(kv_, sw_.mutable_kv_tables());
+}
+
+served_step plain_steps::run(runtime& rt, const step_batch& b, step_record&) {
+  using host_clock = std::chrono::steady_clock;
+  const moebius::kv_state& tables = pages_->tables();
+  const step_layout layout{&tables, sw_.cursor()};
+  // Data-parallel attention: in EP each rank runs its own items.
+  std::vector<rank_work> ep_split;
+  if (tables.mode == moebius::parallel_mode::ep) ep_split = ep_rank_work(tables, b.items);
+  const auto t0 = host_clock::now();
+  step_result done = rt.finish(rt.enqueue(layout, b.items));
+  if (done.overflowed) {  // nothing beside it: the rerun is at the same layout
+    step_options rerun;
+    rerun.rerun = true;
+    done = rt.finish(rt.enqueue(layout, b.items, rerun));
+  }
+  served_step s;
+  s.measured_s = std::chrono::duration<double>(host_clock::now() - t0).count();
+  // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
+  if (done.measured_s >= 0) s.measured_s = done.measured_s;
+  s.tokens = std::move(done.tokens);
+  s.clock_s = clock_.step_s(cost_of(b, tables.mode, kv_.num_ranks, std::move(ep_split)),
+                            s.measured_s);
+  s.tables = &tables;
+  last_step_s_ = s.clock_s;
+  return s;
+}
+
+}  // namespace mini_engine
