@@ -207,7 +207,7 @@ def rank_main(rank, P, args, path, port):
     transport.execute(to_ep)
     check(mem, arena, layers, rank, EP)
 
-    sent = to_tp.traffic()["max_bytes_sent"]
+    sent = to_tp.traffic().max_bytes_sent
     t_moebius = timed(lambda: (transport.execute(to_tp), transport.execute(to_ep)), args.iters) / 2
     ep = [{t: torch.from_dlpack(mem.weight_view(arena, l, EP, t)) for t in (W13, W2)}
           for l in range(shape.num_layers)]
@@ -259,7 +259,7 @@ def virtual_ranks(args, path):
         transport.enqueue(plan, handles)
         transport.wait()
 
-    sent = to_tp.traffic()["max_bytes_sent"]
+    sent = to_tp.traffic().max_bytes_sent
     t = timed(lambda: (switch(to_tp), switch(to_ep)), args.iters) / 2
     print(f"EP->TP of {shape.num_layers} layers on {P} virtual ranks of one GPU, "
           f"{sent / 2**20:.1f} MiB sent per rank:")

@@ -207,8 +207,8 @@ def main():
     runs = {"EP (arena views)": greedy(model, prompt, args.tokens)}
     for target, name in ((TP, "after EP->TP"), (EP, "after TP->EP")):
         report = switcher.switch_to(target)
-        if report["outcome"] != "committed":
-            print(f"switch to {target} failed: {report['summary']}", file=sys.stderr)
+        if report.outcome != moebius.SwitchOutcome.committed:
+            print(f"switch to {target} failed: {report}", file=sys.stderr)
             return 1
         if target == TP and P == 1:
             # What an engine that forgot to flip would read: EP views over TP-mode slots.

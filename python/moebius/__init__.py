@@ -9,7 +9,10 @@ are integers (``torch.cuda.Stream().cuda_stream``).
 Names follow the C++ API: classes in CapWords (``expert_shape`` -> ``ExpertShape``,
 ``host_transport`` -> ``HostTransport``), functions as in C++ (``make_arena_geometry``,
 ``plan_weight_switch``). Every C++ failure raises :class:`moebius.Error`, whose ``code`` is
-the C++ ``errc`` as a string (``"capacity"``, ``"injected_fault"``, ...).
+the C++ ``errc`` as a string (``"capacity"``, ``"injected_fault"``, ...). Reports and plans
+are the C++ structs bound as classes (``SwitchReport``, ``SwitchPlan``, ``KvCapacityReport``,
+...): read-only attributes named as the C++ fields (``from`` is ``from_``), ``repr()`` the C++
+``operator<<`` where it has one, ``__fields__`` and ``as_dict()`` for a JSON log.
 
     import moebius, numpy as np
     shape = moebius.ExpertShape(num_layers=2, num_experts=4, hidden=64, intermediate=32)
@@ -17,6 +20,16 @@ the C++ ``errc`` as a string (``"capacity"``, ``"injected_fault"``, ...).
     ranks = [moebius.RankMemory(np.zeros(arena.total_bytes, np.uint8)) for _ in range(2)]
     transport = moebius.HostTransport(ranks)
     transport.execute(moebius.plan_weight_switch(arena, 0, shape.num_layers))  # EP -> TP
+
+A switch is planned once per decision and that plan runs (the pool laid out as the engine's
+attention kernels read it, here vLLM's FlashInfer backend):
+
+    sw = moebius.Switcher(arena, kv, transport, tables,
+                          kv_layout=moebius.vllm_flashinfer_layout(kv))
+    plan = sw.plan(moebius.Mode.TP)                 # moves nothing
+    if plan.capacity.fits:                          # the capacity check, from the plan
+        report = sw.switch_to(plan)                 # a SwitchReport; report.outcome
+    sw.why_stale(plan)                              # '' until the tables or the mode change
 """
 
 import atexit
@@ -51,7 +64,7 @@ except ImportError as _e:  # pragma: no cover - depends on the machine
     if "libnccl" not in str(_e) or not _preload_nccl():
         raise
 from ._moebius import *  # noqa: F401,F403,E402
-from ._moebius import Error, Mode, WeightTensor  # noqa: F401,E402
+from ._moebius import Error, Mode, SwitchOutcome, WeightTensor  # noqa: F401,E402
 
 from . import engine_views  # noqa: E402
 from .engine_views import expert_map, fused_moe_views, local_experts  # noqa: E402,F401
@@ -81,15 +94,15 @@ def weight_views(memory, geometry, mode, raw=False):
 # --- every switch, reported: Python's logging and the engine's listeners ----------------------
 #: The logger every ended switch goes to (switch/switch_observer.hpp): INFO for a committed
 #: switch, DEBUG when it was already there, WARNING when refused or rolled back, ERROR when
-#: inconsistent. The record carries the event as ``record.moebius_switch``.
+#: inconsistent. The record carries the event (a SwitchEvent) as ``record.moebius_switch``.
 logger = logging.getLogger("moebius")
 
 _LEVELS = {
-    "committed": logging.INFO,
-    "already_there": logging.DEBUG,
-    "refused_capacity": logging.WARNING,
-    "rolled_back": logging.WARNING,
-    "inconsistent": logging.ERROR,
+    SwitchOutcome.committed: logging.INFO,
+    SwitchOutcome.already_there: logging.DEBUG,
+    SwitchOutcome.refused_capacity: logging.WARNING,
+    SwitchOutcome.rolled_back: logging.WARNING,
+    SwitchOutcome.inconsistent: logging.ERROR,
 }
 _listeners = []
 
@@ -99,27 +112,30 @@ def _gb(nbytes):
 
 
 def format_switch_event(event):
-    """One line for a log: what ended, how, what moved and how long each stage took."""
-    r, m = event["report"], event["metrics"]
-    line = (f"switch #{event['sequence']} {r['from']}->{r['to']} ({event['style']}): "
-            f"{r['outcome']} in {r['total_ms']:.1f} ms; weights "
-            f"{_gb(m['moebius_switch_weights_bytes']):.3f} GB in {r['weights_ms']:.1f} ms "
-            f"({r['weight_phases_completed']}/{r['weight_phases']} layers), KV "
-            f"{_gb(m['moebius_switch_kv_bytes']):.3f} GB in {r['kv_ms']:.1f} ms "
-            f"({r['kv_rounds_completed']}/{r['kv_rounds']} rounds); plan {r['plan_ms']:.1f} ms, "
-            f"verify {r['verify_ms']:.1f} ms, undo {r['undo_ms']:.1f} ms; cursor {r['cursor']}")
-    if r["error"]:
-        line += f"; error: {r['error']}"
+    """One line for a log (a SwitchEvent): what ended, how, what moved and how long each stage
+    took."""
+    r = event.report
+    m = r.metrics
+    line = (f"switch #{event.sequence} {r.from_.name}->{r.to.name} ({event.style.name}): "
+            f"{r.outcome.name} in {r.total_ms:.1f} ms; weights "
+            f"{_gb(m['moebius_switch_weights_bytes']):.3f} GB in {r.weights_ms:.1f} ms "
+            f"({r.weight_phases_completed}/{r.weight_phases} layers), KV "
+            f"{_gb(m['moebius_switch_kv_bytes']):.3f} GB in {r.kv_ms:.1f} ms "
+            f"({r.kv_rounds_completed}/{r.kv_rounds} rounds); plan {r.plan_ms:.1f} ms, "
+            f"verify {r.verify_ms:.1f} ms, undo {r.undo_ms:.1f} ms; cursor {r.cursor}")
+    if r.error:
+        line += f"; error: {r.error}"
     return line
 
 
 def add_switch_listener(listener):
     """Calls ``listener(event)`` for every switch that ends in this process, after it is
-    logged: event = {"sequence", "style" ("whole" | "progressive"), "report" (the dict
-    switch_to returns), "metrics" (flat, Prometheus-style names: the engine's exporter sets
-    one gauge per item)}. It runs on the thread that ended the switch, before that call
-    returns: keep it quick. What it raises is logged (logger.exception), never raised into
-    the switch.
+    logged: event is a SwitchEvent (``sequence``, ``style`` (SwitchStyle.whole |
+    .progressive), ``report``: the SwitchReport switch_to returns, whose ``metrics`` are the
+    flat, Prometheus-style metrics: the engine's exporter sets one gauge per item;
+    ``event.as_dict()`` for a JSON log). It runs on the thread that ended the switch, before
+    that call returns: keep it quick. What it raises is logged (logger.exception), never
+    raised into the switch.
     Returns `listener` (usable as a decorator)."""
     _listeners.append(listener)
     return listener
@@ -131,7 +147,7 @@ def remove_switch_listener(listener):
 
 
 def _on_switch(event):
-    level = _LEVELS.get(event["report"]["outcome"], logging.WARNING)
+    level = _LEVELS.get(event.report.outcome, logging.WARNING)
     if logger.isEnabledFor(level):
         logger.log(level, "%s", format_switch_event(event), extra={"moebius_switch": event})
     for listener in list(_listeners):

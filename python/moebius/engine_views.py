@@ -7,13 +7,21 @@ H/block_k]``, ``w2_weight_scale_inv [E_local, H/block_n, I_local/block_k]``, whe
 ``E_local = E/P, I_local = I`` and TP ``E_local = E, I_local = I/P``. The arena's views have
 exactly these shapes, so they are the parameters, at fixed addresses.
 
-KV (docs/INTEGRATION.md §3): the pool is ``[L][K|V][page]`` regions, so per layer
+KV (docs/INTEGRATION.md §3): where a rank's KV bytes lie is a ``KvPoolLayout`` from the C++
+library (kv/kv_pool_layout.hpp), the one source of the layouts: ``moebius.present_kv_layout(kv)``
+(Moebius's own ``[L][K|V][page]`` regions, the default here) or an engine's own,
+``moebius.vllm_flashinfer_layout(kv)``, ``vllm_flash_attn_layout(kv)``,
+``sglang_mha_layout(kv)`` (the layout a ``Switcher(kv_layout=...)`` migrates the cache in).
+Each function below reads the strides of that layout's view in one mode and shapes one layer
+as an engine's kernels take it:
 
-* FlashInfer's ``(k_cache, v_cache)`` tuple is two plain views (``flashinfer_kv_layout``);
+* FlashInfer's ``(k_cache, v_cache)`` tuple, two views (``flashinfer_kv_layout``);
 * vLLM's FlashInfer-backend tensor ``(num_blocks, 2, block_size, num_kv_heads, head_size)``
-  is one strided view whose K|V dimension steps over a whole region (``vllm_kv_layout``);
+  (``vllm_kv_layout``): over vLLM's own layout the tensor vLLM allocates; over the present
+  pool a strided view whose K|V dimension steps over a whole region;
 * SGLang's per-layer ``k_buffer[l]`` / ``v_buffer[l]`` of ``[num_tokens, heads, head_dim]``
-  (token = page * page_size + slot) is a view of an NHD pool (``sglang_kv_layout``).
+  (token = page * page_size + slot), a view of a pool whose pages are consecutive token slots
+  (``sglang_kv_layout``: NHD, present or SGLang's layout).
 
 Each ``*_layout`` function returns ``(offset, shape, strides)`` in elements of the pool's
 dtype: ``torch.as_strided(pool, shape, strides, offset)`` (moebius.torch does this) or, in
@@ -70,61 +78,63 @@ def expert_map(geometry, mode, rank):
     return [e - first if first <= e < first + count else -1 for e in range(E)]
 
 
-def _kv_elements(kv):
-    """Elements of one head row (head_dim), page and region, and the element size."""
-    item = kv.head_bytes // kv.head_dim
-    return item, kv.region_bytes // item
+def _strides(kv, mode, layout):
+    """(element size, the byte strides of `mode`'s view): the C++ layout's, `layout` or the
+    present pool's."""
+    pool = _m.present_kv_layout(kv) if layout is None else layout
+    return kv.head_bytes // kv.head_dim, pool.view(mode)
 
 
-def _page_strides(kv, mode):
-    """Element strides of (page, token, head, dim) in `mode`'s pages of this pool."""
-    item, _ = _kv_elements(kv)
-    heads = kv.heads_per_ep_page if mode == EP else kv.heads_per_tp_page
-    D, T = kv.head_dim, kv.page_size
-    page = kv.page_bytes(mode) // item
-    if kv.layout == _m.KvLayout.HND:  # [head][token][dim]
-        return page, D, T * D, 1, heads
-    return page, heads * D, D, 1, heads  # NHD [token][head][dim]
+def _heads(kv, mode):
+    return kv.heads_per_ep_page if mode == EP else kv.heads_per_tp_page
 
 
-def flashinfer_kv_layout(kv, mode, layer, tensor):
+def flashinfer_kv_layout(kv, mode, layer, tensor, layout=None):
     """K (tensor=KvTensor.K) or V of `layer`, as FlashInfer's wrappers take each half of
     their ``(k_cache, v_cache)`` tuple: NHD [pages, page_size, heads, head_dim], HND [pages,
-    heads, page_size, head_dim] (contiguous). Returns (offset, shape, strides) in elements."""
-    item, _ = _kv_elements(kv)
-    page, tok, head, dim, heads = _page_strides(kv, mode)
-    offset = kv.tensor_offset(layer, tensor) // item
-    n = kv.num_pages(mode)
+    heads, page_size, head_dim], over `layout` (a KvPoolLayout; None: the present pool).
+    Returns (offset, shape, strides) in elements."""
+    item, s = _strides(kv, mode, layout)
+    offset = s.tensor(layer, tensor) // item
+    n, heads = kv.num_pages(mode), _heads(kv, mode)
+    page, tok, head, dim = (s.page // item, s.token // item, s.head // item, s.dim // item)
     if kv.layout == _m.KvLayout.HND:
         return offset, (n, heads, kv.page_size, kv.head_dim), (page, head, tok, dim)
     return offset, (n, kv.page_size, heads, kv.head_dim), (page, tok, head, dim)
 
 
-def vllm_kv_layout(kv, mode, layer):
+def vllm_kv_layout(kv, mode, layer, layout=None):
     """`layer`'s KV as vLLM's FlashInfer backend shapes it, (num_blocks, 2, block_size,
     num_kv_heads, head_size) (vllm/v1/attention/backends/flashinfer.py get_kv_cache_shape),
-    with num_kv_heads this rank's heads per page in `mode`. vLLM allocates it with K and V of
-    one block side by side; here dimension 1 steps from the K region to the V region, so it
-    is a strided view (FlashInfer reads it through its strides after ``unbind(1)``). Needs K
-    and V (no latent KV). Returns (offset, shape, strides) in elements."""
+    with num_kv_heads this rank's heads per page in `mode`, over `layout` (None: the present
+    pool). Over ``moebius.vllm_flashinfer_layout(kv)`` it is the tensor vLLM allocates (K and V
+    of one block side by side); over the present pool dimension 1 steps from the K region to
+    the V region, a strided view (FlashInfer reads it through its strides after
+    ``unbind(1)``). Needs K and V (no latent KV). Returns (offset, shape, strides) in
+    elements."""
     if kv.latent:
         raise ValueError("vllm_kv_layout: latent (MLA) KV has no V; use flashinfer_kv_layout")
-    item, region = _kv_elements(kv)
-    page, tok, head, dim, heads = _page_strides(kv, mode)
-    offset = kv.tensor_offset(layer, _m.KvTensor.K) // item
-    return (offset, (kv.num_pages(mode), 2, kv.page_size, heads, kv.head_dim),
-            (page, region, tok, head, dim))
+    item, s = _strides(kv, mode, layout)
+    offset = s.tensor(layer, _m.KvTensor.K) // item
+    return (offset, (kv.num_pages(mode), 2, kv.page_size, _heads(kv, mode), kv.head_dim),
+            (s.page // item, s.kv // item, s.token // item, s.head // item, s.dim // item))
 
 
-def sglang_kv_layout(kv, mode, layer, tensor):
+def sglang_kv_layout(kv, mode, layer, tensor, layout=None):
     """SGLang's MHATokenToKVPool per-layer buffer, k_buffer[layer] or v_buffer[layer]:
     [num_pages * page_size, heads, head_dim] indexed by token slot (page * page_size + slot)
-    (python/sglang/srt/mem_cache/memory_pool.py _create_buffers). Only an NHD pool is
-    token-major; raises ValueError for HND. Returns (offset, shape, strides) in elements."""
+    (python/sglang/srt/mem_cache/memory_pool.py _create_buffers), over `layout` (None: the
+    present pool; ``moebius.sglang_mha_layout(kv)``: SGLang's own buffers). Only a token-major
+    pool (NHD, each page page_size consecutive token slots) is one; raises ValueError for
+    another. Returns (offset, shape, strides) in elements."""
     if kv.layout != _m.KvLayout.NHD:
         raise ValueError("sglang_kv_layout: SGLang's buffers are token-major; make the KV "
                          "geometry with layout=KvLayout.NHD")
-    item, _ = _kv_elements(kv)
-    page, tok, head, dim, heads = _page_strides(kv, mode)
-    offset = kv.tensor_offset(layer, tensor) // item
-    return offset, (kv.num_pages(mode) * kv.page_size, heads, kv.head_dim), (tok, head, dim)
+    item, s = _strides(kv, mode, layout)
+    if s.page != kv.page_size * s.token:
+        raise ValueError(f"sglang_kv_layout: the pages of this layout ({s}) are not "
+                         f"consecutive token slots (page stride {s.page} != page_size "
+                         f"{kv.page_size} x token stride {s.token})")
+    offset = s.tensor(layer, tensor) // item
+    return (offset, (kv.num_pages(mode) * kv.page_size, _heads(kv, mode), kv.head_dim),
+            (s.token // item, s.head // item, s.dim // item))

@@ -11,8 +11,7 @@ stay valid across switches (docs/INTEGRATION.md §4).
 import torch
 
 from . import engine_views as _views
-from ._moebius import KvTensor
-
+from ._moebius import KvCsr, KvTensor
 
 
 def fused_moe_parameters(memory, geometry, layer, mode):
@@ -47,42 +46,51 @@ def expert_map(geometry, mode, rank, device=None):
     return None if m is None else torch.tensor(m, dtype=torch.int32, device=device)
 
 
-def _pool_tensor(memory, kv, mode):
+def _pool_tensor(memory, kv, mode, layout):
     """The KV pool as one flat tensor of the pool's dtype (a view)."""
-    pool = torch.from_dlpack(memory.kv_pool_view(kv, mode))
-    return pool.reshape(-1)
+    pool = torch.from_dlpack(memory.kv_pool_view(kv, mode)).reshape(-1)
+    if layout is not None and layout.pool_bytes > kv.pool_bytes:
+        raise ValueError(f"moebius.torch: the layout addresses {layout.pool_bytes} bytes, more "
+                         f"than the geometry's pool ({kv.pool_bytes}): view its buffers one by one")
+    return pool
 
 
-def _strided(memory, kv, mode, layout):
-    offset, shape, strides = layout
-    return torch.as_strided(_pool_tensor(memory, kv, mode), shape, strides, offset)
+def _strided(memory, kv, mode, layout, view):
+    offset, shape, strides = view
+    return torch.as_strided(_pool_tensor(memory, kv, mode, layout), shape, strides, offset)
 
 
-def flashinfer_kv_caches(memory, kv, mode):
+def flashinfer_kv_caches(memory, kv, mode, layout=None):
     """Per layer FlashInfer's ``(k_cache, v_cache)`` tuple in `mode` (NHD [pages, page_size,
-    heads, dim] or HND [pages, heads, page_size, dim]): pass it as ``paged_kv_cache``."""
+    heads, dim] or HND [pages, heads, page_size, dim]) over `layout` (a KvPoolLayout; None: the
+    present pool): pass it as ``paged_kv_cache``."""
     tensors = (KvTensor.K,) if kv.latent else (KvTensor.K, KvTensor.V)
-    return [tuple(_strided(memory, kv, mode, _views.flashinfer_kv_layout(kv, mode, layer, t))
+    return [tuple(_strided(memory, kv, mode, layout,
+                           _views.flashinfer_kv_layout(kv, mode, layer, t, layout))
                   for t in tensors) for layer in range(kv.num_layers)]
 
 
-def vllm_kv_caches(memory, kv, mode):
+def vllm_kv_caches(memory, kv, mode, layout=None):
     """Per layer vLLM's FlashInfer-backend kv_cache tensor (num_blocks, 2, block_size,
-    num_kv_heads, head_size), strided over the pool (K and V regions apart)."""
-    return [_strided(memory, kv, mode, _views.vllm_kv_layout(kv, mode, layer))
+    num_kv_heads, head_size) over `layout`: vLLM's own with moebius.vllm_flashinfer_layout(kv),
+    strided over the present pool (K and V regions apart) with None."""
+    return [_strided(memory, kv, mode, layout, _views.vllm_kv_layout(kv, mode, layer, layout))
             for layer in range(kv.num_layers)]
 
 
-def sglang_kv_buffers(memory, kv, mode):
-    """(k_buffer, v_buffer): SGLang's per-layer lists of [tokens, heads, head_dim] (NHD pool)."""
-    return tuple([_strided(memory, kv, mode, _views.sglang_kv_layout(kv, mode, layer, t))
+def sglang_kv_buffers(memory, kv, mode, layout=None):
+    """(k_buffer, v_buffer): SGLang's per-layer lists of [tokens, heads, head_dim] over
+    `layout` (a token-major pool: NHD present, or moebius.sglang_mha_layout(kv))."""
+    return tuple([_strided(memory, kv, mode, layout,
+                           _views.sglang_kv_layout(kv, mode, layer, t, layout))
                   for layer in range(kv.num_layers)] for t in (KvTensor.K, KvTensor.V))
 
 
 def kv_csr(tables, rank, dtype=torch.int32, seq_ids=None, device=None, non_blocking=True):
     """CSR page tables of `rank` (FlashInfer's indptr, indices, last_page_len, plus seq_ids)
-    as torch tensors: `tables` is a Switcher, a KvState or a KvRankState. On the CPU they share
-    the arrays csr() made (torch.from_numpy); with `device` they are copied there."""
+    as a KvCsr of torch tensors: `tables` is a Switcher, a KvState or a KvRankState. On the
+    CPU they share the arrays csr() made (torch.from_numpy); with `device` they are copied
+    there."""
     name = str(dtype).replace("torch.", "")
     ids = None if seq_ids is None else (seq_ids.cpu().numpy() if torch.is_tensor(seq_ids)
                                         else seq_ids)
@@ -92,7 +100,9 @@ def kv_csr(tables, rank, dtype=torch.int32, seq_ids=None, device=None, non_block
         arrays = tables.csr(rank, name, ids)
     else:
         arrays = tables.csr(name, ids)
-    out = {k: torch.from_numpy(v) for k, v in arrays.items()}
-    if device is not None:
-        out = {k: v.to(device, non_blocking=non_blocking) for k, v in out.items()}
-    return out
+
+    def tensor(array):
+        t = torch.from_numpy(array)
+        return t if device is None else t.to(device, non_blocking=non_blocking)
+    return KvCsr(seq_ids=tensor(arrays.seq_ids), indptr=tensor(arrays.indptr),
+                 indices=tensor(arrays.indices), last_page_len=tensor(arrays.last_page_len))

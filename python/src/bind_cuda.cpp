@@ -29,20 +29,6 @@ rank_memory device_memory_of(const py_rank_memory& mem) {
   return mem.memory;
 }
 
-nb::dict to_dict(const cuda_execute_stats& s) {
-  nb::dict d;
-  d["enqueue_seconds"] = s.enqueue_seconds;
-  d["prepare_seconds"] = s.prepare_seconds;
-  d["from_cache"] = s.from_cache;
-  d["copy_engine_ops"] = s.copy_engine_ops;
-  d["copy_engine_calls"] = s.copy_engine_calls;
-  d["sm_kernel_ops"] = s.sm_kernel_ops;
-  d["kernel_launches"] = s.kernel_launches;
-  d["graph_launches"] = s.graph_launches;
-  d["max_sm_kernel_blocks"] = s.max_sm_kernel_blocks;
-  return d;
-}
-
 // The two-step form of cuda_peer_transport::multi_process: its all-gather callback runs on a
 // worker thread, hands this rank's bytes to export() and waits until open() brings every
 // rank's bytes (gathered by the engine, e.g. torch.distributed.all_gather_object on its own
@@ -163,6 +149,23 @@ void bind_cuda(nb::module_& m) {
       .def_rw("max_cached_plans", &cuda_peer_config::max_cached_plans)
       .def_rw("use_cuda_graphs", &cuda_peer_config::use_cuda_graphs);
 
+  record<cuda_execute_stats> stats(m, "CudaExecuteStats",
+                                   "What the last plan cost the host (last_execute_stats).");
+  stats.field("enqueue_seconds", &cuda_execute_stats::enqueue_seconds,
+              "host time enqueuing the whole plan (after prepare)")
+      .field("prepare_seconds", &cuda_execute_stats::prepare_seconds,
+             "host time of prepare (0 when the plan came from the cache)")
+      .field("lookup_seconds", &cuda_execute_stats::lookup_seconds,
+             "host time of the plan-cache lookup")
+      .field("from_cache", &cuda_execute_stats::from_cache)
+      .field("copy_engine_ops", &cuda_execute_stats::copy_engine_ops)
+      .field("copy_engine_calls", &cuda_execute_stats::copy_engine_calls)
+      .field("sm_kernel_ops", &cuda_execute_stats::sm_kernel_ops)
+      .field("kernel_launches", &cuda_execute_stats::kernel_launches)
+      .field("graph_launches", &cuda_execute_stats::graph_launches)
+      .field("max_sm_kernel_blocks", &cuda_execute_stats::max_sm_kernel_blocks)
+      .done();
+
   m.def("request_hardware_queues_for_virtual_ranks", &request_hardware_queues_for_virtual_ranks,
         "Sets CUDA_DEVICE_MAX_CONNECTIONS=32 (unless set) so several virtual ranks can share one\n"
         "device. Call before the process's first CUDA call (before torch touches CUDA).");
@@ -266,7 +269,8 @@ void bind_cuda(nb::module_& m) {
           },
           nb::arg("rank"), "cudaStream_t of a local rank, as int (torch.cuda.ExternalStream).")
       .def_prop_ro("last_execute_stats",
-                   [](const cuda_peer_transport& t) { return to_dict(t.last_execute_stats()); })
+                   [](const cuda_peer_transport& t) { return t.last_execute_stats(); },
+                   "a CudaExecuteStats of the last plan")
       .def("clear_plan_cache", &cuda_peer_transport::clear_plan_cache);
 }
 

@@ -1,45 +1,14 @@
-// The paged KV cache: geometry, page tables, placement and migration (kv/).
+// The paged KV cache: geometry, the pool's layout (the engines' presets), page tables, placement
+// and migration (kv/).
 
 #include <nanobind/operators.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "common.hpp"
 
 namespace moebius::python {
-
-nb::dict to_dict(const kv_migration_stats& s) {
-  nb::dict d;
-  d["rounds"] = s.rounds;
-  d["pages_moved"] = s.pages_moved;
-  d["pages_in_place"] = s.pages_in_place;
-  d["pages_staged"] = s.pages_staged;
-  d["pages_compacted"] = s.pages_compacted;
-  d["bytes_copied"] = s.bytes_copied;
-  d["imbalance"] = s.imbalance;
-  return d;
-}
-
-nb::dict to_dict(const kv_capacity_report& r) {
-  nb::dict d;
-  d["fits"] = r.fits;
-  d["holds"] = r.holds;
-  d["rounds"] = r.rounds;
-  d["pages_needed"] = r.pages_needed;
-  d["pages_available"] = r.pages_available;
-  d["reason"] = r.reason;
-  return d;
-}
-
-nb::dict to_dict(const kv_placement& p) {
-  nb::dict d;
-  d["owner"] = nb::cast(p.owner);
-  d["load"] = nb::cast(p.load);
-  d["fits"] = p.fits;
-  d["split_groups"] = p.split_groups;
-  d["imbalance"] = p.imbalance;
-  return d;
-}
 
 namespace {
 
@@ -49,6 +18,111 @@ kv_migration_options migration_options(int64_t staging_offset, int64_t staging_b
   o.staging = kv_staging{staging_space, staging_offset, staging_bytes};
   o.max_rounds = max_rounds;
   return o;
+}
+
+void bind_pool_layout(nb::module_& m) {
+  nb::enum_<kv_preset>(m, "KvPreset",
+                       "Which engine layout a KvPoolLayout was built for (the strides are the "
+                       "truth).")
+      .value("present", kv_preset::present, "Moebius's own pool [layer][K|V][page]")
+      .value("vllm_flash_attn", kv_preset::vllm_flash_attn,
+             "vLLM v1 FlashAttention: per layer (2, num_blocks, block_size, H, D)")
+      .value("vllm_flashinfer", kv_preset::vllm_flashinfer,
+             "vLLM v1 FlashInfer: per layer (num_blocks, 2, block_size, H, D)")
+      .value("sglang_mha", kv_preset::sglang_mha,
+             "SGLang MHATokenToKVPool: k_buffer[l], v_buffer[l] = [tokens, H, D]")
+      .value("custom", kv_preset::custom, "strides given by the caller");
+
+  record<kv_strides> strides(
+      m, "KvStrides",
+      "Byte strides of one view of a KV pool: offset(layer, t, page, head, token, dim) =\n"
+      "base + layer*layer + t*kv + page*page + token*token + head*head + dim*dim.");
+  strides.def(
+      "__init__",
+      [](kv_strides* s, int64_t base, int64_t layer, int64_t kv, int64_t page, int64_t token,
+         int64_t head, int64_t dim) { new (s) kv_strides{base, layer, kv, page, token, head, dim}; },
+      nb::arg("base") = 0, nb::arg("layer") = 0, nb::arg("kv") = 0, nb::arg("page") = 0,
+      nb::arg("token") = 0, nb::arg("head") = 0, nb::arg("dim") = 0);
+  strides.field_rw("base", &kv_strides::base, "offset of (layer 0, K, page 0, token 0, head 0, dim 0)")
+      .field_rw("layer", &kv_strides::layer)
+      .field_rw("kv", &kv_strides::kv, "K -> V of one layer (ignored for latent KV)")
+      .field_rw("page", &kv_strides::page)
+      .field_rw("token", &kv_strides::token)
+      .field_rw("head", &kv_strides::head, "head within the view's page")
+      .field_rw("dim", &kv_strides::dim)
+      .done();
+  strides.def("tensor", &kv_strides::tensor, nb::arg("layer"), nb::arg("tensor"),
+              "Offset of page 0 of tensor (layer, K|V).")
+      .def("offset", &kv_strides::offset, nb::arg("layer"), nb::arg("tensor"), nb::arg("page"),
+           nb::arg("head"), nb::arg("token"), nb::arg("dim"));
+
+  record<kv_pool_layout> layout(
+      m, "KvPoolLayout",
+      "Where a rank's KV bytes lie (kv/kv_pool_layout.hpp): the EP view's strides and the TP\n"
+      "view derived from them the way an engine running TP over the same buffer shapes it.\n"
+      "Made by the presets (vllm_flashinfer_layout, ...) or make_kv_pool_layout; give it to\n"
+      "Switcher(kv_layout=...) so every plan moves the cache where the engine's kernels read it.");
+  layout.field("ep", &kv_pool_layout::ep, "the EP view's strides")
+      .field("tp", &kv_pool_layout::tp, "the TP view's strides (derive_tp_strides of ep)")
+      .field("pool_bytes", &kv_pool_layout::pool_bytes, "bytes of each rank's pool it addresses")
+      .field("segment_bytes", &kv_pool_layout::segment_bytes,
+             "0: one allocation; > 0: allocation i at [i*segment_bytes, (i+1)*segment_bytes)")
+      .field("preset", &kv_pool_layout::preset)
+      .done();
+  layout.def("view", &kv_pool_layout::view, nb::arg("mode"), nb::rv_policy::copy,
+             "The strides of `mode`'s view.")
+      .def("offset", &kv_pool_layout::offset, nb::arg("mode"), nb::arg("layer"),
+           nb::arg("tensor"), nb::arg("page"), nb::arg("head"), nb::arg("token"), nb::arg("dim"),
+           "Byte offset of one element in a rank's pool (arguments as KvGeometry.offset).")
+      .def("validate", [](const kv_pool_layout& l, const kv_geometry& g) { validate(g, l); },
+           nb::arg("geometry"),
+           "Raises moebius.Error(code='invalid_argument') naming the broken constraint.");
+
+  record<kv_buffer_spacing> spacing(
+      m, "KvBufferSpacing",
+      "How an engine's per-layer buffers sit in the pool space (0 = packed back to back).");
+  spacing.def(
+      "__init__",
+      [](kv_buffer_spacing* s, int64_t layer_stride, int64_t kv_stride, int64_t segment_bytes) {
+        new (s) kv_buffer_spacing{layer_stride, kv_stride, segment_bytes};
+      },
+      nb::arg("layer_stride") = 0, nb::arg("kv_stride") = 0, nb::arg("segment_bytes") = 0);
+  spacing.field_rw("layer_stride", &kv_buffer_spacing::layer_stride,
+                   "bytes from layer l's buffer(s) to layer l+1's")
+      .field_rw("kv_stride", &kv_buffer_spacing::kv_stride,
+                "SGLang: bytes from layer l's K buffer to its V buffer")
+      .field_rw("segment_bytes", &kv_buffer_spacing::segment_bytes,
+                "KvPoolLayout.segment_bytes")
+      .done();
+
+  m.def("derive_tp_strides", &derive_tp_strides, nb::arg("geometry"), nb::arg("ep"),
+        "The TP view of EP strides: strides inside a page and outside a head shrink by the\n"
+        "split (tp_pages_per_ep_page), the others stay.");
+  m.def("make_kv_pool_layout", &make_kv_pool_layout, nb::arg("geometry"), nb::arg("ep"),
+        nb::arg("pool_bytes"), nb::arg("segment_bytes") = 0,
+        nb::arg("preset") = kv_preset::custom,
+        "A validated layout from EP strides (TP derived).");
+  m.def("present_kv_layout", &present_kv_layout, nb::arg("geometry"),
+        "Moebius's own pool [layer][K|V][page]: offset() is KvGeometry.offset().");
+  m.def("vllm_flash_attn_layout", &vllm_flash_attn_layout, nb::arg("geometry"),
+        nb::arg("spacing") = kv_buffer_spacing{},
+        "vLLM v1 FlashAttention: per layer (2, num_blocks, block_size, H_kv, head_size), HND\n"
+        "or NHD stride order as the geometry says; layer l at l * spacing.layer_stride.");
+  m.def("vllm_flashinfer_layout", &vllm_flashinfer_layout, nb::arg("geometry"),
+        nb::arg("spacing") = kv_buffer_spacing{},
+        "vLLM v1 FlashInfer: per layer (num_blocks, 2, block_size, H_kv, head_size): K and V\n"
+        "of a block side by side (page stride 2 * page bytes, kv stride one page).");
+  m.def("sglang_mha_layout", &sglang_mha_layout, nb::arg("geometry"),
+        nb::arg("spacing") = kv_buffer_spacing{},
+        "SGLang MHATokenToKVPool: k_buffer[l], v_buffer[l] each [pages * page_size, H_kv, D]\n"
+        "(token slot = page * page_size + token; the geometry must be NHD).");
+  m.def("kv_preset_layout", &kv_preset_layout, nb::arg("preset"), nb::arg("geometry"),
+        "The preset's layout for `geometry` with packed buffers.");
+  m.def("kv_slices_in_place", &kv_slices_in_place, nb::arg("geometry"), nb::arg("layout"),
+        "Whether head slice j of EP page p is exactly TP page p*split + j (EP->TP keeps the\n"
+        "owner's slice in place).");
+  m.def("kv_slice_is_block", &kv_slice_is_block, nb::arg("geometry"), nb::arg("layout"),
+        "Whether a head slice of an EP page piece is one contiguous block.");
 }
 
 }  // namespace
@@ -93,6 +167,8 @@ void bind_kv(nb::module_& m) {
       .def(nb::self == nb::self)
       .def("__repr__", &printed<kv_geometry>)
       .attr("__hash__") = nb::none();
+
+  bind_pool_layout(m);
 
   m.def("make_kv_geometry", &make_kv_geometry, nb::arg("num_layers"), nb::arg("num_kv_heads"),
         nb::arg("head_dim"), nb::arg("page_size"), nb::arg("num_ep_pages"), nb::arg("num_ranks"),
@@ -200,14 +276,35 @@ void bind_kv(nb::module_& m) {
                ", share_group=" + std::to_string(d.share_group) + ")";
       });
 
+  record<kv_placement> placement(
+      m, "KvPlacement",
+      "Owners of sequences (placement.hpp): what place_longest_first returns, and what a\n"
+      "Switcher's ep_placement callable returns for TP -> EP.");
+  placement.def(
+      "__init__",
+      [](kv_placement* p, std::vector<int> owner, std::vector<int64_t> load, bool fits,
+         int64_t split_groups, double imbalance) {
+        new (p) kv_placement{std::move(owner), std::move(load), fits, split_groups, imbalance};
+      },
+      nb::arg("owner") = std::vector<int>{}, nb::arg("load") = std::vector<int64_t>{},
+      nb::arg("fits") = false, nb::arg("split_groups") = 0, nb::arg("imbalance") = 0.0);
+  placement.field("owner", &kv_placement::owner, "[num demands] owning rank, -1 when not placed")
+      .field("load", &kv_placement::load, "[P] pages charged to each rank")
+      .field("fits", &kv_placement::fits, "every demand placed within capacity")
+      .field("split_groups", &kv_placement::split_groups,
+             "share groups split across owners")
+      .field("imbalance", &kv_placement::imbalance, "max load / mean load (1.0 = perfect)")
+      .done();
+
   m.def(
       "place_longest_first",
       [](const std::vector<kv_demand>& demands, const std::vector<int64_t>& group_shared_pages,
          const std::vector<int64_t>& capacity) {
-        return to_dict(place_longest_first(demands, group_shared_pages, capacity));
+        return place_longest_first(demands, group_shared_pages, capacity);
       },
       nb::arg("demands"), nb::arg("group_shared_pages"), nb::arg("capacity"),
-      "Longest-first placement; returns {owner, load, fits, split_groups, imbalance}.\n"
+      "Longest-first placement; returns a KvPlacement (owner, load, fits, split_groups,\n"
+      "imbalance).\n"
       "capacity [10, 10], demands 6, 5, 4 pages -> owner [0, 1, 1], load [6, 9].");
   m.def(
       "kv_demands_of",
@@ -220,37 +317,73 @@ void bind_kv(nb::module_& m) {
       nb::arg("geometry"), nb::arg("state"),
       "(demands, group_shared_pages) of the sequences of a TP-mode state.");
 
+  record<kv_migration_stats> stats(m, "KvMigrationStats", "What a KV migration moves.");
+  stats.field("rounds", &kv_migration_stats::rounds, "plan phases")
+      .field("pages_moved", &kv_migration_stats::pages_moved,
+             "logical pages migrated (a shared page once, or once per owner)")
+      .field("pages_in_place", &kv_migration_stats::pages_in_place,
+             "pages whose owner slice stayed where it was")
+      .field("pages_staged", &kv_migration_stats::pages_staged,
+             "page pieces that went through staging")
+      .field("pages_compacted", &kv_migration_stats::pages_compacted,
+             "TP pages moved locally (aside) to free a destination")
+      .field("bytes_copied", &kv_migration_stats::bytes_copied, "all bytes of all ops")
+      .field("imbalance", &kv_migration_stats::imbalance,
+             "TP->EP: placement max/mean load; EP->TP: 1")
+      .done();
+
+  record<kv_capacity_report> capacity(
+      m, "KvCapacityReport", "Whether the target view can hold every live sequence's KV.");
+  capacity.field("fits", &kv_capacity_report::fits,
+                 "the target holds every live sequence AND a round fits")
+      .field("holds", &kv_capacity_report::holds, "the target holds everything (no scheduling)")
+      .field("rounds", &kv_capacity_report::rounds, "rounds the migration takes when it fits")
+      .field("pages_needed", &kv_capacity_report::pages_needed,
+             "max over ranks of pages needed in the target view")
+      .field("pages_available", &kv_capacity_report::pages_available,
+             "pages per rank of the target view")
+      .field("reason", &kv_capacity_report::reason,
+             "why not, naming the rank and the numbers; '' when it fits")
+      .done();
+
   nb::class_<kv_migration>(m, "KvMigration", "A KV migration: its plan, tables after it, stats.")
       .def_ro("copies", &kv_migration::copies, "the plan (phases = rounds)")
       .def_ro("new_state", &kv_migration::new_state, "tables and free lists after the plan")
-      .def_prop_ro("stats", [](const kv_migration& k) { return to_dict(k.stats); })
+      .def_ro("stats", &kv_migration::stats, "a KvMigrationStats")
       .def("__repr__", [](const kv_migration& k) { return "KvMigration(" + printed(k.stats) + ")"; });
 
   m.def(
       "check_kv_capacity",
       [](const kv_geometry& g, const kv_state& s, parallel_mode target, int64_t staging_offset,
-         int64_t staging_bytes, memory_space staging_space, int64_t max_rounds) {
-        return to_dict(check_kv_capacity(
-            g, s, target, migration_options(staging_offset, staging_bytes, staging_space, max_rounds)));
+         int64_t staging_bytes, memory_space staging_space, int64_t max_rounds,
+         const std::optional<kv_pool_layout>& layout) {
+        const kv_migration_options o =
+            migration_options(staging_offset, staging_bytes, staging_space, max_rounds);
+        return layout ? check_kv_capacity(g, *layout, s, target, o)
+                      : check_kv_capacity(g, s, target, o);
       },
       nb::arg("geometry"), nb::arg("state"), nb::arg("target"), nb::arg("staging_offset") = 0,
       nb::arg("staging_bytes") = 0, nb::arg("staging_space") = memory_space::arena,
-      nb::arg("max_rounds") = 4096,
-      "Whether `state` can migrate to `target` and in how many rounds; moves nothing.\n"
-      "Returns {fits, holds, rounds, pages_needed, pages_available, reason}.");
+      nb::arg("max_rounds") = 4096, nb::arg("layout") = nb::none(),
+      "Whether `state` can migrate to `target` and in how many rounds (a KvCapacityReport);\n"
+      "moves nothing. `layout`: the pool's KvPoolLayout (None: the present one).");
   m.def(
       "plan_kv_migration",
       [](const kv_geometry& g, const kv_state& s, parallel_mode target, int64_t staging_offset,
-         int64_t staging_bytes, memory_space staging_space, int64_t max_rounds) {
-        return plan_kv_migration(
-            g, s, target, migration_options(staging_offset, staging_bytes, staging_space, max_rounds));
+         int64_t staging_bytes, memory_space staging_space, int64_t max_rounds,
+         const std::optional<kv_pool_layout>& layout) {
+        const kv_migration_options o =
+            migration_options(staging_offset, staging_bytes, staging_space, max_rounds);
+        return layout ? plan_kv_migration(g, *layout, s, target, o)
+                      : plan_kv_migration(g, s, target, o);
       },
       nb::arg("geometry"), nb::arg("state"), nb::arg("target"), nb::arg("staging_offset") = 0,
       nb::arg("staging_bytes") = 0, nb::arg("staging_space") = memory_space::arena,
-      nb::arg("max_rounds") = 4096,
+      nb::arg("max_rounds") = 4096, nb::arg("layout") = nb::none(),
       "The migration of `state` to `target`: a plan on the kv_pool space (optionally staging\n"
       "through [staging_offset, +staging_bytes) of staging_space on every rank) and the new\n"
-      "tables. Raises moebius.Error(code='capacity') when the target cannot hold the KV.");
+      "tables, over the pool's `layout` (None: the present one). Raises\n"
+      "moebius.Error(code='capacity') when the target cannot hold the KV.");
   m.def("kv_staging_slot_bytes", &kv_staging_slot_bytes, nb::arg("geometry"), nb::arg("target"),
         "Bytes of one staging slot: num_tensors * page_bytes(target).");
 }

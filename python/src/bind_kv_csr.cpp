@@ -6,11 +6,12 @@
 //   rank 0 holds seq 4 (pages {7, 2}, 20 tokens) and seq 9 (pages {5}, 3 tokens), page_size 16:
 //   seq_ids [4, 9], indptr [0, 2, 3], indices [7, 2, 5], last_page_len [4, 3]
 //
-// In: any 1-D int32 or int64 object with __dlpack__ on the CPU (numpy, torch CPU or pinned
-// tensors), read in place through its strides: no conversion, no intermediate copy. Out:
-// either new numpy arrays (one allocation each, handed to numpy without a second copy), or
-// written straight into the caller's arrays (csr_into: e.g. the fixed pinned buffers an engine
-// copies to the device before replaying a CUDA graph).
+// The four arrays travel together as a KvCsr (one rank's tables; make_kv_state_from_csr takes
+// a list of them). In: any 1-D int32 or int64 object with __dlpack__ on the CPU (numpy, torch
+// CPU or pinned tensors), read in place through its strides: no conversion, no intermediate
+// copy. Out: either new numpy arrays (one allocation each, handed to numpy without a second
+// copy), or written straight into the caller's arrays (csr_into: e.g. the fixed pinned buffers
+// an engine copies to the device before replaying a CUDA graph).
 
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -27,6 +28,13 @@
 
 namespace moebius::python {
 namespace {
+
+// One rank's page tables as arrays (KvCsr): what csr() returns and make_kv_state_from_csr
+// reads. Arrays of any library: numpy out of csr(), torch tensors out of moebius.torch.kv_csr.
+struct csr_arrays {
+  nb::object seq_ids, indptr, indices, last_page_len;
+  nb::object shared_prefix_pages = nb::none(), prefill_cursor = nb::none();  // optional rows
+};
 
 // The element width of a CSR array, from "int32"/"int64", numpy (np.int32, np.dtype) or torch
 // (torch.int32) spellings.
@@ -193,7 +201,7 @@ std::pair<numpy_index, index_array> new_index_array(int64_t n, bool wide) {
   return {std::move(array), view};
 }
 
-nb::dict csr_of(const kv_rank_state& rank, nb::handle dtype, nb::handle seq_ids) {
+csr_arrays csr_of(const kv_rank_state& rank, nb::handle dtype, nb::handle seq_ids) {
   const bool wide = is_wide_dtype(dtype);
   const std::vector<const kv_sequence*> rows = rows_of(rank, seq_ids);
   const csr_sizes s = sizes_of(rows);
@@ -203,12 +211,8 @@ nb::dict csr_of(const kv_rank_state& rank, nb::handle dtype, nb::handle seq_ids)
   auto [indices, indices_view] = new_index_array(s.nnz, wide);
   auto [last, last_view] = new_index_array(s.rows, wide);
   write_csr(rows, &ids_view, indptr_view, indices_view, last_view);
-  nb::dict d;
-  d["seq_ids"] = ids;
-  d["indptr"] = indptr;
-  d["indices"] = indices;
-  d["last_page_len"] = last;
-  return d;
+  return csr_arrays{nb::cast(std::move(ids)), nb::cast(std::move(indptr)),
+                    nb::cast(std::move(indices)), nb::cast(std::move(last))};
 }
 
 nb::tuple csr_into(const kv_rank_state& rank, nb::handle indptr, nb::handle indices,
@@ -283,8 +287,8 @@ const kv_rank_state& rank_of(const kv_state& s, int rank) {
 
 constexpr const char* csr_doc =
     "This rank's page tables in CSR form (FlashInfer's paged_kv_indptr, paged_kv_indices,\n"
-    "paged_kv_last_page_len): a dict of new numpy arrays {seq_ids, indptr, indices,\n"
-    "last_page_len} of `dtype` ('int32' or 'int64', numpy or torch spelling). Rows are every\n"
+    "paged_kv_last_page_len): a KvCsr of new numpy arrays (seq_ids, indptr, indices,\n"
+    "last_page_len) of `dtype` ('int32' or 'int64', numpy or torch spelling). Rows are every\n"
     "sequence in seq_id order, or the sequences named by `seq_ids` (an int array: the\n"
     "batch order) in that order. Raises moebius.Error(code='overflow') when a value does not\n"
     "fit int32.";
@@ -305,6 +309,32 @@ void def_method(nb::handle cls, const char* name, F&& f, const Extra&... extra) 
 }  // namespace
 
 void bind_kv_csr(nb::module_& m) {
+  record<csr_arrays> csr(
+      m, "KvCsr",
+      "One rank's page tables as arrays, FlashInfer's CSR form: seq_ids [batch], indptr\n"
+      "[batch + 1], indices [indptr[-1]] (page ids), last_page_len [batch], and optionally\n"
+      "shared_prefix_pages and prefill_cursor [batch] (None: zeros). 1-D int32/int64 arrays\n"
+      "of any library (numpy, torch).\n"
+      "  seq 4 pages {7, 2} 20 tokens, seq 9 pages {5} 3 tokens, page_size 16:\n"
+      "  KvCsr(seq_ids=[4, 9], indptr=[0, 2, 3], indices=[7, 2, 5], last_page_len=[4, 3])");
+  csr.def(
+      "__init__",
+      [](csr_arrays* c, nb::object seq_ids, nb::object indptr, nb::object indices,
+         nb::object last_page_len, nb::object shared_prefix_pages, nb::object prefill_cursor) {
+        new (c) csr_arrays{std::move(seq_ids),        std::move(indptr),
+                           std::move(indices),        std::move(last_page_len),
+                           std::move(shared_prefix_pages), std::move(prefill_cursor)};
+      },
+      nb::arg("seq_ids"), nb::arg("indptr"), nb::arg("indices"), nb::arg("last_page_len"),
+      nb::arg("shared_prefix_pages") = nb::none(), nb::arg("prefill_cursor") = nb::none());
+  csr.field_rw("seq_ids", &csr_arrays::seq_ids, "row i's sequence id")
+      .field_rw("indptr", &csr_arrays::indptr, "row i's pages are indices[indptr[i]:indptr[i+1]]")
+      .field_rw("indices", &csr_arrays::indices, "page ids in token order, row after row")
+      .field_rw("last_page_len", &csr_arrays::last_page_len, "tokens in row i's last page")
+      .field_rw("shared_prefix_pages", &csr_arrays::shared_prefix_pages, "optional; None: 0")
+      .field_rw("prefill_cursor", &csr_arrays::prefill_cursor, "optional; None: 0")
+      .done(/*comparable=*/false);  // arrays compare element-wise: compare the fields
+
   const nb::handle rank_state = m.attr("KvRankState");
   const nb::handle state = m.attr("KvState");
   const nb::handle sw = m.attr("Switcher");
@@ -372,29 +402,21 @@ void bind_kv_csr(nb::module_& m) {
 
   m.def(
       "make_kv_state_from_csr",
-      [](const kv_geometry& g, parallel_mode mode, const std::vector<nb::dict>& tables) {
+      [](const kv_geometry& g, parallel_mode mode, const std::vector<const csr_arrays*>& tables) {
         std::vector<std::vector<kv_sequence>> all;
         all.reserve(tables.size());
-        for (const nb::dict& t : tables) {
-          auto get = [&](const char* key, bool required) -> nb::handle {
-            if (t.contains(key)) return t[key];
-            MOEBIUS_CHECK(!required, errc::invalid_argument,
-                          "make_kv_state_from_csr: each rank's tables need '", key,
-                          "' (seq_ids, indptr, indices, last_page_len)");
-            return nb::none();
-          };
-          all.push_back(sequences_from_csr(g.page_size, get("seq_ids", true),
-                                           get("indptr", true), get("indices", true),
-                                           get("last_page_len", true),
-                                           get("shared_prefix_pages", false),
-                                           get("prefill_cursor", false)));
+        for (const csr_arrays* t : tables) {
+          MOEBIUS_CHECK(t != nullptr, errc::invalid_argument,
+                        "make_kv_state_from_csr: each rank's tables are a KvCsr, got None");
+          all.push_back(sequences_from_csr(g.page_size, t->seq_ids, t->indptr, t->indices,
+                                           t->last_page_len, t->shared_prefix_pages,
+                                           t->prefill_cursor));
         }
         return make_kv_state(g, mode, std::move(all));
       },
       nb::arg("geometry"), nb::arg("mode"), nb::arg("tables"),
-      "A validated KvState from CSR tables: tables[r] is a dict {seq_ids, indptr, indices,\n"
-      "last_page_len[, shared_prefix_pages, prefill_cursor]} of 1-D int32/int64 host arrays\n"
-      "(numpy, torch), read in place (the shape csr() returns); num_tokens = (pages - 1) *\n"
+      "A validated KvState from CSR tables: tables[r] is rank r's KvCsr (1-D int32/int64 host\n"
+      "arrays: numpy, torch; what csr() returns), read in place; num_tokens = (pages - 1) *\n"
       "page_size + last_page_len; free lists are the complement of the pages in use.");
 }
 

@@ -8,19 +8,39 @@
 
 namespace moebius::python {
 
-nb::dict to_dict(const plan_traffic& t) {
-  nb::dict d;
-  d["bytes_sent"] = nb::cast(t.bytes_sent);
-  d["bytes_received"] = nb::cast(t.bytes_received);
-  d["bytes_local"] = nb::cast(t.bytes_local);
-  d["num_ops"] = t.num_ops;
-  d["num_remote_ops"] = t.num_remote_ops;
-  d["max_bytes_sent"] = t.max_bytes_sent();
-  d["total_bytes_sent"] = t.total_bytes_sent();
-  return d;
-}
-
 void bind_plan(nb::module_& m) {
+  record<plan_traffic> traffic(m, "PlanTraffic", "Bytes a plan moves per rank (Plan.traffic()).");
+  traffic.field("bytes_sent", &plan_traffic::bytes_sent, "[P] leaving rank r for another rank")
+      .field("bytes_received", &plan_traffic::bytes_received, "[P] arriving at rank r")
+      .field("bytes_local", &plan_traffic::bytes_local, "[P] copied within rank r")
+      .field("num_ops", &plan_traffic::num_ops)
+      .field("num_remote_ops", &plan_traffic::num_remote_ops)
+      .prop("max_bytes_sent", &plan_traffic::max_bytes_sent, "the busiest rank's bytes_sent")
+      .prop("total_bytes_sent", &plan_traffic::total_bytes_sent)
+      .done();
+
+  record<switch_workload> workload(
+      m, "SwitchWorkload",
+      "What one switch moves, in the cost model's terms: the busiest rank's bytes and the\n"
+      "number of barriers (plan/switch_workload.hpp).");
+  workload.def(
+      "__init__",
+      [](switch_workload* w, int num_ranks, int64_t weight_bytes_per_rank,
+         int64_t kv_bytes_per_rank, int64_t weight_phases, int64_t kv_rounds) {
+        new (w) switch_workload{num_ranks, weight_bytes_per_rank, kv_bytes_per_rank,
+                                weight_phases, kv_rounds};
+      },
+      nb::arg("num_ranks") = 1, nb::arg("weight_bytes_per_rank") = 0,
+      nb::arg("kv_bytes_per_rank") = 0, nb::arg("weight_phases") = 0, nb::arg("kv_rounds") = 0);
+  workload.field("num_ranks", &switch_workload::num_ranks)
+      .field("weight_bytes_per_rank", &switch_workload::weight_bytes_per_rank,
+             "expert bytes leaving the busiest rank")
+      .field("kv_bytes_per_rank", &switch_workload::kv_bytes_per_rank,
+             "KV bytes leaving the busiest rank")
+      .field("weight_phases", &switch_workload::weight_phases, "one per layer switched")
+      .field("kv_rounds", &switch_workload::kv_rounds, "KV migration rounds (each a barrier)")
+      .done();
+
   nb::enum_<memory_space>(m, "MemorySpace", "Which per-rank allocation an offset refers to.")
       .value("arena", memory_space::arena)
       .value("kv_pool", memory_space::kv_pool);
@@ -94,9 +114,12 @@ void bind_plan(nb::module_& m) {
       .def_prop_ro("num_phases", [](const plan& p) { return static_cast<int64_t>(p.phases.size()); })
       .def("num_ops", &plan::num_ops)
       .def("__len__", [](const plan& p) { return p.phases.size(); })
-      .def("traffic", [](const plan& p) { return to_dict(traffic_of(p)); },
-           "Bytes the plan moves per rank: bytes_sent, bytes_received, bytes_local (lists),\n"
-           "num_ops, num_remote_ops, max_bytes_sent, total_bytes_sent.")
+      .def("traffic", &traffic_of,
+           "Bytes the plan moves per rank (a PlanTraffic: bytes_sent, bytes_received,\n"
+           "bytes_local per rank, num_ops, num_remote_ops, max_bytes_sent, total_bytes_sent).")
+      .def("workload", &workload_of,
+           "The busiest rank's bytes and the barriers (a SwitchWorkload), as a cost model\n"
+           "prices them: phases writing the KV pool count as KV rounds.")
       .def(
           "validate",
           [](const plan& p, int64_t arena_bytes, int64_t kv_pool_bytes) {

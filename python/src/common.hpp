@@ -1,13 +1,15 @@
 #pragma once
 
 // Shared pieces of the Python binding: the memory wrapper (memory in by DLPack or
-// (pointer, bytes, device)), conversions of reports to dicts, and one registration function
-// per area. Each bind_*.cpp fills one area of the module.
+// (pointer, bytes, device)), records (C++ structs bound as Python classes generated from their
+// fields: every report), and one registration function per area. Each bind_*.cpp fills one
+// area of the module.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
 #include <cstdint>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -56,13 +58,74 @@ std::string printed(const T& value) {
   return os.str();
 }
 
-nb::dict to_dict(const plan_traffic& t);
-nb::dict to_dict(const kv_migration_stats& s);
-nb::dict to_dict(const kv_capacity_report& r);
-nb::dict to_dict(const switch_report& r);
-// The flat metrics of a report (switch_stats.hpp metrics_of): {"moebius_switch_total_ms": ...}.
-nb::dict metrics_dict(const switch_report& r);
-nb::dict to_dict(const kv_placement& p);
+template <class T>
+concept printable = requires(std::ostream& os, const T& v) { os << v; };
+
+// The generic parts of a record (record.cpp), over the field names of its type.
+std::string record_repr(nb::handle self, const std::vector<const char*>& fields);
+nb::object record_eq(nb::handle self, nb::handle other, const std::vector<const char*>& fields);
+nb::dict record_as_dict(nb::handle self, const std::vector<const char*>& fields);
+
+// A C++ struct bound as a Python record, generated from its fields: each field a property
+// (read-only, or read-write with field_rw for the structs a caller fills in), `__fields__`
+// their names in declaration order, `__eq__` field by field (unless done(false)), `as_dict()`
+// (records inside as dicts, for a JSON log), and `__repr__` the C++ operator<< where the struct
+// has one, else `Name(field=value, ...)`. Reports are records, never dicts written by hand:
+//
+//   record<kv_capacity_report> r(m, "KvCapacityReport", "...");
+//   r.field("fits", &kv_capacity_report::fits).field("reason", &kv_capacity_report::reason);
+//   r.done();
+template <class T>
+class record : public nb::class_<T> {
+ public:
+  template <class... Extra>
+  record(nb::handle scope, const char* name, const Extra&... extra)
+      : nb::class_<T>(scope, name, extra...) {}
+
+  template <class D>
+  record& field(const char* name, D T::*member, const char* doc = "") {
+    this->def_ro(name, member, doc);
+    fields_.push_back(name);
+    return *this;
+  }
+  template <class D>
+  record& field_rw(const char* name, D T::*member, const char* doc = "") {
+    this->def_rw(name, member, doc);
+    fields_.push_back(name);
+    return *this;
+  }
+  // A computed field (a const member function, a converted member) from `getter(const T&)`.
+  template <class Getter>
+  record& prop(const char* name, Getter&& getter, const char* doc = "") {
+    this->def_prop_ro(name, std::forward<Getter>(getter), doc);
+    fields_.push_back(name);
+    return *this;
+  }
+  // Adds __fields__, __repr__, as_dict and (comparable) __eq__. Call once, after the fields.
+  record& done(bool comparable = true) {
+    nb::list names;
+    for (const char* f : fields_) names.append(nb::str(f));
+    this->attr("__fields__") = nb::steal(PySequence_Tuple(names.ptr()));
+    if constexpr (printable<T>) {
+      this->def("__repr__", &printed<T>);
+    } else {
+      this->def("__repr__", [f = fields_](nb::handle_t<T> self) { return record_repr(self, f); });
+    }
+    this->def(
+        "as_dict", [f = fields_](nb::handle_t<T> self) { return record_as_dict(self, f); },
+        "The fields as a dict (records inside as dicts, lists as lists): for a JSON log.");
+    if (comparable) {
+      this->def("__eq__", [f = fields_](nb::handle_t<T> self, nb::handle other) {
+        return record_eq(self, other, f);
+      });
+      this->attr("__hash__") = nb::none();
+    }
+    return *this;
+  }
+
+ private:
+  std::vector<const char*> fields_;
+};
 
 void bind_errors(nb::module_& m);
 void bind_layout(nb::module_& m);

@@ -78,7 +78,7 @@ def test_switcher_on_nccl_with_kv():
     sw = moebius.Switcher(arena, kv, transport, state)
     for target in (TP, EP):
         report = sw.switch_to(target)
-        assert report["outcome"] == "committed", report["error"]
+        assert report.outcome == moebius.SwitchOutcome.committed, report.error
         torch.cuda.synchronize()
         host = moebius.RankMemory(pool_t.new_zeros(1).cpu().numpy(), pool_t.cpu().numpy())
         after = logical_kv(kv, sw.kv_tables, [host])

@@ -186,3 +186,65 @@ def test_latent_kv_has_no_vllm_pair():
         ev.vllm_kv_layout(kv, EP, 0)
     offset, shape, _ = ev.flashinfer_kv_layout(kv, EP, 1, moebius.KvTensor.K)
     assert shape == (4, 1, 4, 8) and offset == kv.tensor_offset(1, moebius.KvTensor.K) // 2
+
+
+def c_strides(shape):
+    """Element strides of a C-contiguous array of `shape`."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+@pytest.mark.parametrize("layout", [moebius.KvLayout.HND, moebius.KvLayout.NHD])
+@pytest.mark.parametrize("heads,P", [(4, 2), (2, 4), (4, 1)])
+def test_views_over_the_engines_own_layouts_are_their_tensors(layout, heads, P):
+    """Over the C++ presets (one source of the layouts) the views are the tensors each engine
+    allocates, written out here from the engines' shapes: vLLM FlashInfer per layer (num_blocks,
+    2, block_size, H, D), FlashAttention (2, num_blocks, block_size, H, D), both contiguous in
+    stride order (0, 1, 3, 2, 4) when HND; SGLang's k_buffer[l] / v_buffer[l] contiguous
+    [tokens, H, D]; the layers back to back. In TP an engine over the same buffer sees
+    num_blocks * split blocks of its heads."""
+    N, T, D = 5, 3, 4
+    kv = moebius.make_kv_geometry(num_layers=2, num_kv_heads=heads, head_dim=D, page_size=T,
+                                  num_ep_pages=N, num_ranks=P, layout=layout)
+    hnd = layout == moebius.KvLayout.HND
+    K, V = moebius.KvTensor.K, moebius.KvTensor.V
+    layer_elems = 2 * N * heads * T * D  # one layer's K and V, in elements
+    flashinfer = moebius.vllm_flashinfer_layout(kv)
+    flash_attn = moebius.vllm_flash_attn_layout(kv)
+    assert flashinfer.preset == moebius.KvPreset.vllm_flashinfer
+    assert flash_attn == moebius.kv_preset_layout(moebius.KvPreset.vllm_flash_attn, kv)
+    for mode in (EP, TP):
+        h = heads if mode == EP else max(1, heads // P)
+        n = N * (heads // h)
+        for layer in range(kv.num_layers):
+            # vLLM FlashInfer: the tensor vLLM allocates.
+            offset, shape, strides = ev.vllm_kv_layout(kv, mode, layer, flashinfer)
+            assert offset == layer * layer_elems and shape == (n, 2, T, h, D)
+            if hnd:  # physically (n, 2, h, T, D)
+                c = c_strides((n, 2, h, T, D))
+                assert strides == (c[0], c[1], c[3], c[2], c[4])
+            else:
+                assert strides == c_strides((n, 2, T, h, D))
+            # vLLM FlashAttention: K of every block, then V; FlashInfer's (k, v) halves of it.
+            for ti, t in enumerate((K, V)):
+                offset, shape, strides = ev.flashinfer_kv_layout(kv, mode, layer, t, flash_attn)
+                assert offset == layer * layer_elems + ti * N * heads * T * D
+                assert shape == ((n, h, T, D) if hnd else (n, T, h, D))
+                assert strides == c_strides(shape)
+            if not hnd:
+                # SGLang: k_buffer[l], v_buffer[l], contiguous token-major.
+                sglang = moebius.sglang_mha_layout(kv)
+                for ti, t in enumerate((K, V)):
+                    offset, shape, strides = ev.sglang_kv_layout(kv, mode, layer, t, sglang)
+                    assert offset == layer * layer_elems + ti * N * heads * T * D
+                    assert shape == (n * T, h, D) and strides == c_strides(shape)
+                # vLLM FlashInfer's blocks interleave K and V: no token-major buffer over it.
+                with pytest.raises(ValueError, match="consecutive token slots"):
+                    ev.sglang_kv_layout(kv, mode, layer, K, flashinfer)
+    if hnd:
+        with pytest.raises(moebius.Error) as e:
+            moebius.sglang_mha_layout(kv)  # SGLang's buffers are token-major
+        assert e.value.code == "invalid_argument"

@@ -75,7 +75,8 @@ def test_capacity():
                for i in range(6)] for r in range(4)]
     state = moebius.make_kv_state(g, EP, tables)
     report = moebius.check_kv_capacity(g, state, TP)
-    assert not report["fits"] and not report["holds"] and report["reason"]
+    assert not report.fits and not report.holds and report.reason
+    assert report.pages_needed > report.pages_available and "KvCapacityReport(fits=False" in repr(report)
     with raises("capacity"):
         moebius.plan_kv_migration(g, state, TP)
 

@@ -118,14 +118,14 @@ def test_single_process_weight_switch(P):
         check_tp(mem, arena, full, r)
         assert torch.equal(copies[r].cpu(), tp_reference(full[-1][W2], W2, r, P)), f"rank {r}"
     stats = transport.last_execute_stats
-    assert stats["copy_engine_ops"] + stats["sm_kernel_ops"] > 0
+    assert stats.copy_engine_ops + stats.sm_kernel_ops > 0
     # Back to EP on the transport's own streams.
     transport.execute(moebius.plan_weight_switch(arena, shape.num_layers, 0))
     for r, mem in enumerate(ranks):
         check_ep(mem, arena, full, r)
     # The same plan again comes from the plan cache.
     transport.execute(moebius.plan_weight_switch(arena, 0, shape.num_layers))
-    assert transport.last_execute_stats["from_cache"]
+    assert transport.last_execute_stats.from_cache
     for r, mem in enumerate(ranks):
         check_tp(mem, arena, full, r)
 
@@ -148,8 +148,8 @@ def test_injected_fault_then_resume(engine):
         check_tp(mem, arena, full, r, layers=[0])
     transport.execute(moebius.plan_weight_switch(arena, 1, shape.num_layers))  # one-shot
     stats = transport.last_execute_stats
-    assert stats[f"{engine}_ops"] > 0 and stats["copy_engine_ops" if engine == "sm_kernel"
-                                                    else "sm_kernel_ops"] == 0
+    assert getattr(stats, f"{engine}_ops") > 0
+    assert getattr(stats, "copy_engine_ops" if engine == "sm_kernel" else "sm_kernel_ops") == 0
     for r, mem in enumerate(ranks):
         check_tp(mem, arena, full, r)
 
@@ -199,26 +199,32 @@ def switcher_deployment(rng, P, L):
     return arena, kv, full, arenas, pools, random_ep_state(rng, kv, 0.4)
 
 
-def test_progressive_switch_on_caller_streams():
-    """The switcher over CudaPeerTransport, one layer per "decode step" on the engine's
-    streams; each step's reads queued behind advance() see the moved layer. Every byte of
-    every rank ends as the host transport's run of the same switch leaves it, and weights and
-    KV match numpy slicing."""
+@pytest.mark.parametrize("preset", [None, moebius.KvPreset.vllm_flashinfer])
+def test_progressive_switch_on_caller_streams(preset):
+    """The switcher over CudaPeerTransport, planned once, one layer per "decode step" on the
+    engine's streams; each step's reads queued behind advance() see the moved layer. Every byte
+    of every rank ends as the host transport's run of the same switch leaves it, and weights and
+    KV match numpy slicing (the present pool; over vLLM's FlashInfer layout, the KV by its
+    layout-aware checksum: test_switch_plan checks that layout byte by byte on the host)."""
     P, L = 2, 3
     rng = np.random.default_rng(5)
     arena, kv, full, arenas, pools, state = switcher_deployment(rng, P, L)
-    before = logical_kv(kv, state, [moebius.RankMemory(a, p) for a, p in zip(arenas, pools)])
+    pool_layout = None if preset is None else moebius.kv_preset_layout(preset, kv)
+    start = [moebius.RankMemory(a, p) for a, p in zip(arenas, pools)]
+    before = logical_kv(kv, state, start)
+    checksum = moebius.kv_checksum(kv, state, start, layout=pool_layout)
 
     # The reference: the same progressive switch on the host transport.
     host_arenas, host_pools = [a.copy() for a in arenas], [p.copy() for p in pools]
     host_ranks = [moebius.RankMemory(a, p) for a, p in zip(host_arenas, host_pools)]
-    host = moebius.Switcher(arena, kv, moebius.HostTransport(host_ranks), state)
-    host_session = host.begin(TP)
+    host = moebius.Switcher(arena, kv, moebius.HostTransport(host_ranks), state,
+                            kv_layout=pool_layout)
+    host_session = host.begin(host.plan(TP))
     assert host_session.open
     for _ in range(L):
         host_session.advance(1)
         assert host_session.poll() == "ready"
-    assert host_session.finish()["outcome"] == "committed"
+    assert host_session.finish().outcome == moebius.SwitchOutcome.committed
 
     gpu_arenas = [torch.from_numpy(a).to(f"cuda:{d}") for a, d in zip(arenas, devices(P))]
     gpu_pools = [torch.from_numpy(p).to(f"cuda:{d}") for p, d in zip(pools, devices(P))]
@@ -226,11 +232,13 @@ def test_progressive_switch_on_caller_streams():
     streams = [torch.cuda.Stream(device=d) for d in devices(P)]
     flips = []
     sw = moebius.Switcher(arena, kv, moebius.CudaPeerTransport.single_process(ranks), state,
-                          on_commit=flips.append)
-    assert sw.check(TP)["fits"]
+                          on_commit=flips.append, kv_layout=pool_layout)
+    plan = sw.plan(TP)
+    assert plan.capacity.fits and plan.layer_capacity.fits and plan.capacity == sw.check(TP)
     torch.cuda.synchronize()
-    session = sw.begin(TP)
+    session = sw.begin(plan)
     assert session.open and session.layers_remaining == L
+    assert session.bytes_per_layer == plan.bytes_per_layer
     for layer in range(L):
         assert session.advance(1, [s.cuda_stream for s in streams]) == [layer]
         reads = []
@@ -247,7 +255,7 @@ def test_progressive_switch_on_caller_streams():
                                           tp_slice(full[layer][W13], W13, r, P),
                                           err_msg=f"layer {layer} rank {r}")
     report = session.finish()
-    assert report["outcome"] == "committed", report["error"]
+    assert report.outcome == moebius.SwitchOutcome.committed, report.error
     assert flips == [TP] and sw.mode == TP and not sw.in_progress
 
     def same_bytes_as_host(when):
@@ -265,15 +273,20 @@ def test_progressive_switch_on_caller_streams():
             for t in (W13, W2):
                 np.testing.assert_array_equal(raw_view(mem, arena, layer, TP, t),
                                               tp_slice(full[layer][t], t, r, P))
-    after = logical_kv(kv, sw.kv_tables, on_host)
-    assert after.keys() == before.keys()
-    for seq_id, data in before.items():
-        np.testing.assert_array_equal(after[seq_id], data, err_msg=f"sequence {seq_id}")
+    assert moebius.kv_checksum(kv, sw.kv_tables, on_host, layout=pool_layout) == checksum
+    if pool_layout is None:
+        after = logical_kv(kv, sw.kv_tables, on_host)
+        assert after.keys() == before.keys()
+        for seq_id, data in before.items():
+            np.testing.assert_array_equal(after[seq_id], data, err_msg=f"sequence {seq_id}")
+    assert "generation" in sw.why_stale(plan)  # the switch moved the state on
+    with pytest.raises(moebius.Error, match="stale"):
+        sw.switch_to(plan)
 
-    back = sw.switch_to(EP)
-    assert back["outcome"] == "committed", back["error"]
+    back = sw.switch_to(sw.plan(EP))
+    assert back.outcome == moebius.SwitchOutcome.committed, back.error
     assert flips == [TP, EP] and sw.cursor == 0
-    assert host.switch_to(EP)["outcome"] == "committed"
+    assert host.switch_to(EP).outcome == moebius.SwitchOutcome.committed
     same_bytes_as_host("back in EP")
 
 

@@ -80,9 +80,11 @@ def test_kv_migration_round_trip_matches_numpy_gather(rng, layout, heads, ranks)
     checksum = moebius.kv_checksum(geometry, state, pools)
 
     capacity = moebius.check_kv_capacity(geometry, state, TP)
-    assert capacity["fits"], capacity["reason"]
+    assert capacity.fits, capacity.reason
     to_tp = moebius.plan_kv_migration(geometry, state, TP)
-    assert to_tp.copies.num_phases == to_tp.stats["rounds"] == capacity["rounds"]
+    assert to_tp.copies.num_phases == to_tp.stats.rounds == capacity.rounds
+    assert to_tp.stats.bytes_copied == to_tp.copies.traffic().total_bytes_sent + \
+        sum(to_tp.copies.traffic().bytes_local)
     assert to_tp.copies.find_phase_hazard() == ""
     transport.execute(to_tp.copies)
     tp_state = to_tp.new_state
@@ -132,5 +134,7 @@ def test_kv_geometry_and_views():
 def test_placement_worked_example():
     demands = [moebius.KvDemand(seq_id=i, own_pages=n) for i, n in enumerate([6, 5, 4])]
     placed = moebius.place_longest_first(demands, [], [10, 10])
-    assert placed["owner"] == [0, 1, 1] and placed["load"] == [6, 9] and placed["fits"]
-    assert placed["imbalance"] == pytest.approx(1.2)
+    assert placed.owner == [0, 1, 1] and placed.load == [6, 9] and placed.fits
+    assert placed.imbalance == pytest.approx(1.2) and placed.split_groups == 0
+    assert placed == moebius.KvPlacement(owner=[0, 1, 1], load=[6, 9], fits=True,
+                                         imbalance=placed.imbalance)

@@ -1,6 +1,6 @@
-"""Page tables as CSR arrays (FlashInfer's indptr / indices / last_page_len): out of random EP
-and TP states, checked against the same tables walked as KvSequence lists; back in through
-make_kv_state_from_csr (equal states); written in place into the caller's buffers (only the
+"""Page tables as CSR arrays (FlashInfer's indptr / indices / last_page_len, a KvCsr): out of
+random EP and TP states, checked against the same tables walked as KvSequence lists; back in
+through make_kv_state_from_csr (equal states); written in place into the caller's buffers (only the
 prefix written, poison beyond); strided and read-only inputs read without a copy; every bad
 input named."""
 
@@ -48,11 +48,12 @@ def test_csr_matches_sequence_lists(rng, dtype, trial):
         for r, rank in enumerate(state.ranks):
             want = reference_csr(rank)
             for got in (state.csr(r, dtype), rank.csr(dtype)):
-                assert set(got) == set(want)
+                assert got.shared_prefix_pages is None and got.prefill_cursor is None
                 for key, value in want.items():
-                    assert got[key].dtype == np.dtype(f"int{bits}"), key
-                    assert got[key].ndim == 1 and got[key].flags.c_contiguous
-                    np.testing.assert_array_equal(got[key], np.asarray(value, np.int64),
+                    array = getattr(got, key)
+                    assert array.dtype == np.dtype(f"int{bits}"), key
+                    assert array.ndim == 1 and array.flags.c_contiguous
+                    np.testing.assert_array_equal(array, np.asarray(value, np.int64),
                                                   err_msg=f"{state.mode} rank {r} {key}")
 
 
@@ -65,7 +66,7 @@ def test_csr_rows_in_the_callers_batch_order(rng):
         got = state.csr(r, "int64", seq_ids=order)
         want = reference_csr(rank, order.tolist())
         for key, value in want.items():
-            np.testing.assert_array_equal(got[key], value, err_msg=key)
+            np.testing.assert_array_equal(getattr(got, key), value, err_msg=key)
         with pytest.raises(moebius.Error, match="is not a sequence of this rank") as e:
             state.csr(r, seq_ids=np.array([ids.max() + 1000]))
         assert e.value.code == "invalid_argument"
@@ -80,7 +81,7 @@ def test_csr_round_trip_through_make_kv_state_from_csr(rng, trial):
         tables = []
         for r in range(g.num_ranks):
             t = state.csr(r, "int32" if r % 2 else "int64")
-            t["prefill_cursor"] = np.array([s.prefill_cursor for s in state.ranks[r].sequences])
+            t.prefill_cursor = np.array([s.prefill_cursor for s in state.ranks[r].sequences])
             tables.append(t)
         back = moebius.make_kv_state_from_csr(g, state.mode, tables)
         assert back == state
@@ -91,7 +92,7 @@ def test_csr_in_place_into_callers_buffers(rng):
     state = random_ep_state(rng, g, 0.5)
     for r, rank in enumerate(state.ranks):
         want = reference_csr(rank)
-        rows, nnz = len(want["seq_ids"]), len(want["indices"])
+        rows, nnz = len(want["seq_ids"]), len(want["indices"])  # the reference (a plain dict)
         # Buffers larger than needed, of different dtypes, poisoned: only the prefix changes.
         indptr = np.full(rows + 5, POISON, np.int32)
         indices = np.full(nnz + 3, POISON, np.int64)
@@ -130,9 +131,11 @@ def test_csr_inputs_read_in_place_strided_and_read_only():
     indices.flags.writeable = False
     last = np.array([4, 3], np.int64)
     s = moebius.make_kv_state_from_csr(
-        g, EP, [dict(seq_ids=seq_ids, indptr=indptr, indices=indices, last_page_len=last),
-                dict(seq_ids=np.zeros(0, np.int32), indptr=np.zeros(1, np.int32),
-                     indices=np.zeros(0, np.int32), last_page_len=np.zeros(0, np.int32))])
+        g, EP, [moebius.KvCsr(seq_ids=seq_ids, indptr=indptr, indices=indices,
+                              last_page_len=last),
+                moebius.KvCsr(seq_ids=np.zeros(0, np.int32), indptr=np.zeros(1, np.int32),
+                              indices=np.zeros(0, np.int32),
+                              last_page_len=np.zeros(0, np.int32))])
     seqs = s.ranks[0].sequences
     assert [(q.seq_id, q.pages, q.num_tokens, q.last_page_len) for q in seqs] == \
         [(4, [7, 2], 20, 4), (9, [5], 3, 3)]
@@ -161,20 +164,27 @@ def test_csr_bad_inputs_are_named(bad, match):
              indices=np.array([7, 2, 5], np.int32), last_page_len=np.array([4, 3], np.int32))
     t.update(bad)
     with pytest.raises(moebius.Error, match=match) as e:
-        moebius.make_kv_state_from_csr(g, EP, [t])
+        moebius.make_kv_state_from_csr(g, EP, [moebius.KvCsr(**t)])
     assert e.value.code == "invalid_argument"
 
 
-def test_csr_missing_key_and_int32_overflow():
+def test_csr_missing_array_and_int32_overflow():
     g = moebius.make_kv_geometry(2, 4, 8, 16, 16, 1)
-    with pytest.raises(moebius.Error, match="need 'last_page_len'"):
-        moebius.make_kv_state_from_csr(g, EP, [dict(seq_ids=np.array([1]),
-                                                     indptr=np.array([0, 1]),
-                                                     indices=np.array([0]))])
+    with pytest.raises(TypeError, match="last_page_len"):
+        moebius.KvCsr(seq_ids=np.array([1]), indptr=np.array([0, 1]), indices=np.array([0]))
+    with pytest.raises(TypeError):  # the four arrays are required, None is none of them
+        moebius.KvCsr(seq_ids=np.array([1]), indptr=np.array([0, 1]), indices=np.array([0]),
+                      last_page_len=None)
+    t = moebius.KvCsr(seq_ids=np.array([1]), indptr=np.array([0, 1]), indices=np.array([0]),
+                      last_page_len=[1])
+    with pytest.raises(moebius.Error, match="last_page_len must be a 1-D"):
+        moebius.make_kv_state_from_csr(g, EP, [t])
+    with pytest.raises(TypeError):  # a dict is not a KvCsr
+        moebius.make_kv_state_from_csr(g, EP, [dict(seq_ids=np.array([1]))])
     big = 2**31 + 5  # a seq id past int32: int64 works, int32 says so
     s = moebius.make_kv_state(g, EP, [[moebius.KvSequence(seq_id=big, num_tokens=1,
                                                           last_page_len=1, pages=[3])]])
-    assert s.csr(0, "int64")["seq_ids"].tolist() == [big]
+    assert s.csr(0, "int64").seq_ids.tolist() == [big]
     with pytest.raises(moebius.Error, match="does not fit int32") as e:
         s.csr(0)
     assert e.value.code == "overflow"
@@ -191,18 +201,18 @@ def test_switcher_tables_as_csr(rng):
                                 np.zeros(g.pool_bytes, np.uint8)) for _ in range(2)]
     sw = moebius.Switcher(arena, g, moebius.HostTransport(ranks), state)
     for r in range(2):
-        np.testing.assert_array_equal(sw.kv_csr(r)["indices"], state.csr(r)["indices"])
-    assert sw.switch_to(TP)["outcome"] == "committed"
+        np.testing.assert_array_equal(sw.kv_csr(r).indices, state.csr(r).indices)
+    assert sw.switch_to(TP).outcome == moebius.SwitchOutcome.committed
     tp = sw.kv_tables
     for r in range(2):
         want = reference_csr(tp.ranks[r])
         got = sw.kv_csr(r, "int64")
         for key, value in want.items():
-            np.testing.assert_array_equal(got[key], value, err_msg=key)
+            np.testing.assert_array_equal(getattr(got, key), value, err_msg=key)
         buf = [np.zeros(64, np.int32) for _ in range(3)]
         assert sw.kv_csr_into(r, *buf) == (len(want["seq_ids"]), len(want["indices"]))
         np.testing.assert_array_equal(buf[1][:len(want["indices"])], want["indices"])
     with sw.begin(EP) as p:
         for mode in (EP, TP):
-            np.testing.assert_array_equal(p.kv_csr(mode, 0)["indices"],
-                                          p.tables(mode).csr(0)["indices"])
+            np.testing.assert_array_equal(p.kv_csr(mode, 0).indices,
+                                          p.tables(mode).csr(0).indices)

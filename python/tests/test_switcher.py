@@ -1,5 +1,5 @@
-"""The switcher end to end on the CPU (weights + KV + tables + selector), its report as a
-dict, rollback after an injected fault, and the policy."""
+"""The switcher end to end on the CPU (weights + KV + tables + selector), its report (a class
+generated from the C++ struct), rollback after an injected fault, and the policy's rules."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,7 @@ from test_kv import logical_kv, random_ep_state
 
 EP, TP = moebius.Mode.EP, moebius.Mode.TP
 W13, W2 = moebius.WeightTensor.w13, moebius.WeightTensor.w2
+Outcome = moebius.SwitchOutcome
 
 
 def deployment(rng, P=2):
@@ -45,15 +46,23 @@ def test_switch_report_and_selector(rng):
                           verify=checksum(arena, kv, ranks))
     before = logical_kv(kv, state, ranks)
     assert sw.mode == EP and sw.cursor == 0 and sw.consistent
-    assert sw.check(TP)["fits"]
+    assert sw.check(TP).fits
 
     report = sw.switch_to(TP)
-    assert report["outcome"] == "committed", report["error"]
-    assert report["from"] == "EP" and report["to"] == "TP" and report["cursor"] == 2
-    assert report["verified"] and flips == [TP] and sw.mode == TP
-    assert report["weight_phases"] == report["weight_phases_completed"] == 2
-    assert len(report["weight_bytes_sent"]) == 2 and report["kv_stats"]["rounds"] >= 1
-    assert report["total_ms"] >= 0 and report["summary"].startswith("switch EP->TP")
+    assert report.outcome == Outcome.committed, report.error
+    assert report.from_ == EP and report.to == TP and report.cursor == 2
+    assert report.verified and flips == [TP] and sw.mode == TP
+    assert report.weight_phases == report.weight_phases_completed == 2
+    assert len(report.weight_bytes_sent) == 2 and report.kv_stats.rounds >= 1
+    assert report.kv_rounds == report.kv_stats.rounds and report.capacity.fits
+    assert report.total_ms >= 0 and str(report).startswith("switch EP->TP")
+    assert repr(report) == str(report)  # the C++ operator<< line
+    # Fields as a dict for a JSON log, generated from the struct (nested records too).
+    d = report.as_dict()
+    assert list(d) == list(moebius.SwitchReport.__fields__)
+    assert d["kv_stats"] == report.kv_stats.as_dict() and d["outcome"] == Outcome.committed
+    with pytest.raises(AttributeError):
+        report.outcome = Outcome.rolled_back  # read-only
     for r, mem in enumerate(ranks):
         for layer in range(2):
             for t in (W13, W2):
@@ -63,9 +72,10 @@ def test_switch_report_and_selector(rng):
     for seq_id, data in before.items():
         np.testing.assert_array_equal(after[seq_id], data)
 
-    assert sw.switch_to(TP)["outcome"] == "already_there"
+    assert sw.switch_to(TP).outcome == Outcome.already_there
     back = sw.switch_to(EP)
-    assert back["outcome"] == "committed" and flips == [TP, EP] and sw.cursor == 0
+    assert back.outcome == Outcome.committed and flips == [TP, EP] and sw.cursor == 0
+    assert back == sw.last_report and back != report  # compared field by field
 
 
 def test_progressive_switch(rng):
@@ -75,7 +85,7 @@ def test_progressive_switch(rng):
     before = logical_kv(kv, state, ranks)
     expected_bytes = sw.layer_bytes_of(TP)
     session = sw.begin(TP)
-    assert session.open and session.report["outcome"] == "in_progress" and sw.in_progress
+    assert session.open and session.report.outcome == Outcome.in_progress and sw.in_progress
     assert session.layers_remaining == 2
     assert session.bytes_per_layer == expected_bytes
     assert session.advance(1) == [0]
@@ -89,8 +99,8 @@ def test_progressive_switch(rng):
         np.testing.assert_array_equal(raw_view(mem, arena, 1, EP, W13),
                                       ep_slice(full[1][W13], W13, r, 2))
     report = session.finish()
-    assert report["outcome"] == "committed" and flips == [TP] and not sw.in_progress
-    assert not session.open and sw.last_report["outcome"] == "committed"
+    assert report.outcome == Outcome.committed and flips == [TP] and not sw.in_progress
+    assert not session.open and sw.last_report.outcome == Outcome.committed
     for seq_id, data in logical_kv(kv, sw.kv_tables, ranks).items():
         np.testing.assert_array_equal(data, before[seq_id])
     with sw.begin(EP) as back:
@@ -98,8 +108,8 @@ def test_progressive_switch(rng):
         assert back.wait() == "ready" and back.cursor == 1  # blocks until the advance is done
         assert back.wait() == "ready" and back.poll() == "ready"  # nothing outstanding
     # Leaving the block aborted the open switch.
-    assert sw.last_report["outcome"] == "rolled_back" and sw.mode == TP and sw.cursor == 2
-    assert sw.begin(TP).report["outcome"] == "already_there"
+    assert sw.last_report.outcome == Outcome.rolled_back and sw.mode == TP and sw.cursor == 2
+    assert sw.begin(TP).report.outcome == Outcome.already_there
 
 
 @pytest.mark.parametrize("stage", [moebius.SwitchStage.weights, moebius.SwitchStage.kv])
@@ -112,14 +122,14 @@ def test_fault_rolls_back(rng, stage):
                           on_commit=flips.append)
     sw.inject_fault(stage, 1 if stage == moebius.SwitchStage.weights else 0)
     report = sw.switch_to(TP)
-    assert report["outcome"] == "rolled_back" and "injected_fault" in report["error"]
+    assert report.outcome == Outcome.rolled_back and "injected_fault" in report.error
     assert sw.mode == EP and sw.cursor == 0 and flips == [] and sw.consistent
     assert sw.kv_tables == state
     for m, old in zip(ranks, snapshot):
         np.testing.assert_array_equal(raw_view(m, arena, 0, EP, W13), old)
     for seq_id, data in logical_kv(kv, sw.kv_tables, ranks).items():
         np.testing.assert_array_equal(data, before[seq_id])
-    assert sw.switch_to(TP)["outcome"] == "committed"  # one-shot
+    assert sw.switch_to(TP).outcome == Outcome.committed  # one-shot
 
 
 def test_callback_failure_is_a_rolled_back_switch(rng):
@@ -130,11 +140,11 @@ def test_callback_failure_is_a_rolled_back_switch(rng):
 
     sw = moebius.Switcher(arena, kv, moebius.HostTransport(ranks), state, verify=broken)
     report = sw.switch_to(TP)
-    assert report["outcome"] == "rolled_back" and "verify hook broke" in report["error"]
+    assert report.outcome == Outcome.rolled_back and "verify hook broke" in report.error
     assert sw.mode == EP
 
 
-def test_policy():
+def test_policy_rules():
     config = moebius.interactive_config(256)
     assert (config.t_high, config.t_low) == (256, 205)
     policy = moebius.SwitchPolicy(config)
@@ -145,15 +155,12 @@ def test_policy():
     held = policy.step(10, EP, 1.0)  # cooldown (5 s) and window
     assert not held
     stats = policy.stats
-    assert stats["steps"] == 2 and stats["switches"] == 1 and stats["by_reason"]["above_high"] == 1
-
-    refusing = moebius.SwitchPolicy(moebius.rollout_config(256), capacity=lambda mode: False)
-    d = refusing.step(100, EP, 0.0)
-    assert not d and d.blocked and d.reason == moebius.DecisionReason.capacity_refused
+    assert stats.steps == 2 and stats.switches == 1
+    assert stats.by_reason[moebius.DecisionReason.above_high] == 1
+    assert sum(stats.by_reason.values()) == 2 and set(stats.by_reason) == set(moebius.DecisionReason)
     with pytest.raises(moebius.Error) as e:
         policy.step(-1, EP, 2.0)
     assert e.value.code == "invalid_argument"
-    assert policy.last_gate["evaluated"] is False  # no curves attached: no gate
 
     # Blocked admission (requests wait with TP's pool full) enters EP under T_h only when asked.
     paper = moebius.SwitchPolicy(moebius.interactive_config(256))
@@ -164,7 +171,41 @@ def test_policy():
     ours = moebius.SwitchPolicy(ours_cfg)
     d = ours.step(40, TP, 0.0, admission_blocked=True)
     assert d and d.target == EP and d.reason == moebius.DecisionReason.admission_blocked
-    assert ours.stats["by_reason"]["admission_blocked"] == 1
+    assert ours.stats.by_reason[moebius.DecisionReason.admission_blocked] == 1
+
+
+def test_policy_two_phases():
+    """propose() runs the rules; the caller prices the proposal; decide() settles it: refused
+    for capacity, refused by the gate, or switched (then the cooldown holds)."""
+    R = moebius.DecisionReason
+    policy = moebius.SwitchPolicy(moebius.rollout_config(256))
+    p = policy.propose(100, EP, 0.0)
+    assert p and p.proposed and p.target == TP and p.reason == R.below_low and p.load == 100
+    with pytest.raises(moebius.Error, match="decide"):  # every propose() needs its decide()
+        policy.propose(100, EP, 0.0)
+    d = policy.decide(p, moebius.SwitchPricing(fits=False))
+    assert not d and d.blocked and d.reason == R.capacity_refused and d.target == TP
+    with pytest.raises(moebius.Error):  # decided already
+        policy.decide(p)
+
+    gate = moebius.GateEvaluation(evaluated=True, target=TP, load=100, gain_ms=10.0,
+                                  cost_ms=20.0, passed=False)
+    p = policy.propose(100, EP, 1.0)
+    d = policy.decide(p, moebius.SwitchPricing(fits=True, gate=gate))
+    assert not d and d.reason == R.cost_exceeds_gain
+
+    passed = moebius.GateEvaluation(evaluated=True, target=TP, passed=True)
+    p = policy.propose(100, EP, 2.0)
+    d = policy.decide(p, moebius.SwitchPricing(gate=passed))
+    assert d and d.do_switch and d.reason == R.below_low
+    stats = policy.stats
+    assert (stats.steps, stats.switches) == (3, 1)
+    assert (stats.by_reason[R.capacity_refused], stats.by_reason[R.cost_exceeds_gain],
+            stats.by_reason[R.below_low]) == (1, 1, 1)
+    # A hold proposes nothing and is decided too (counted there).
+    p = policy.propose(100, TP, 3.0)
+    assert not p and p.reason == R.hold
+    assert policy.decide(p).reason == R.hold and policy.stats.steps == 4
 
 
 def test_residency_predictor():
@@ -180,8 +221,15 @@ def test_residency_predictor():
     cfg = moebius.interactive_config(256)
     cfg.gate_margin = 0.5
     assert "gate margin 0.5" in repr(cfg)
-    policy = moebius.SwitchPolicy(cfg)
-    policy.set_residency_predictor(p)
+    # The residency a gate weighs: the predictor up to the boundary of the rule that would
+    # switch back (T_l after entering EP, T_h after entering TP), else the fixed expectation.
+    assert moebius.residency_boundary(cfg, EP) == 205 and moebius.residency_boundary(cfg, TP) == 256
+    low = moebius.interactive_config(125)  # T_h 125, T_l 100; the load falls 1.571 a step
+    assert moebius.residency_steps(low, p, 128, EP) == 19  # under T_l: ceil(29 / 1.571)
+    assert moebius.residency_steps(low, p, 128, TP) == 3  # under T_h: ceil(4 / 1.571)
+    assert moebius.residency_steps(low, None, 128, EP) == 0  # no predictor: unknown, gate off
+    low.expected_residency_steps = 70
+    assert moebius.residency_steps(low, None, 128, TP) == 70
     cfg.gate_margin = -1.0
     with pytest.raises(moebius.Error) as e:
         cfg.validate()

@@ -66,29 +66,42 @@ def test_fused_moe_parameters_on_the_device_follow_a_switch():
 
 @pytest.mark.parametrize("layout", [moebius.KvLayout.HND, moebius.KvLayout.NHD])
 def test_kv_views_on_the_device(layout):
+    """Over the present pool and over each engine's own layout (the C++ presets)."""
     kv = moebius.make_kv_geometry(2, 4, 8, 4, 6, 2, layout=layout)
     host = np.random.default_rng(7).integers(0, 256, kv.pool_bytes, dtype=np.uint8)
     pool = torch.from_numpy(host).cuda()
     mem = moebius.RankMemory(torch.zeros(256, dtype=torch.uint8, device="cuda"), pool)
     K, V = moebius.KvTensor.K, moebius.KvTensor.V
-    for mode in (EP, TP):
-        as_u16 = lambda t: t.view(torch.int16).cpu().numpy().view(np.uint16)  # noqa: E731
-        for layer, (k, v) in enumerate(mt.flashinfer_kv_caches(mem, kv, mode)):
-            for t, got in ((K, k), (V, v)):
-                want = strided(host, 2, moebius.engine_views.flashinfer_kv_layout(kv, mode,
-                                                                                  layer, t))
-                assert got.dtype == torch.bfloat16 and got.data_ptr() >= pool.data_ptr()
-                np.testing.assert_array_equal(as_u16(got), want)
-        for layer, got in enumerate(mt.vllm_kv_caches(mem, kv, mode)):
-            want = strided(host, 2, moebius.engine_views.vllm_kv_layout(kv, mode, layer))
-            np.testing.assert_array_equal(as_u16(got), want)
-        if layout == moebius.KvLayout.NHD:
-            k_buffer, v_buffer = mt.sglang_kv_buffers(mem, kv, mode)
-            for layer in range(kv.num_layers):
-                for t, got in ((K, k_buffer[layer]), (V, v_buffer[layer])):
-                    want = strided(host, 2, moebius.engine_views.sglang_kv_layout(kv, mode,
-                                                                                  layer, t))
+    ev = moebius.engine_views
+    pool_layouts = [None, moebius.vllm_flashinfer_layout(kv), moebius.vllm_flash_attn_layout(kv)]
+    if layout == moebius.KvLayout.NHD:
+        pool_layouts.append(moebius.sglang_mha_layout(kv))
+    as_u16 = lambda t: t.view(torch.int16).cpu().numpy().view(np.uint16)  # noqa: E731
+    for pool_layout in pool_layouts:
+        for mode in (EP, TP):
+            caches = mt.flashinfer_kv_caches(mem, kv, mode, pool_layout)
+            for layer, (k, v) in enumerate(caches):
+                for t, got in ((K, k), (V, v)):
+                    want = strided(host, 2, ev.flashinfer_kv_layout(kv, mode, layer, t,
+                                                                    pool_layout))
+                    assert got.dtype == torch.bfloat16 and got.data_ptr() >= pool.data_ptr()
                     np.testing.assert_array_equal(as_u16(got), want)
+            for layer, got in enumerate(mt.vllm_kv_caches(mem, kv, mode, pool_layout)):
+                want = strided(host, 2, ev.vllm_kv_layout(kv, mode, layer, pool_layout))
+                np.testing.assert_array_equal(as_u16(got), want)
+                if pool_layout is not None and \
+                        pool_layout.preset == moebius.KvPreset.vllm_flashinfer and \
+                        layout == moebius.KvLayout.NHD:
+                    assert got.is_contiguous()  # vLLM's own tensor
+            token_major = layout == moebius.KvLayout.NHD and (
+                pool_layout is None or pool_layout.preset == moebius.KvPreset.sglang_mha)
+            if token_major:
+                k_buffer, v_buffer = mt.sglang_kv_buffers(mem, kv, mode, pool_layout)
+                for layer in range(kv.num_layers):
+                    for t, got in ((K, k_buffer[layer]), (V, v_buffer[layer])):
+                        want = strided(host, 2, ev.sglang_kv_layout(kv, mode, layer, t,
+                                                                    pool_layout))
+                        np.testing.assert_array_equal(as_u16(got), want)
 
 
 def test_kv_csr_as_tensors():
@@ -96,7 +109,8 @@ def test_kv_csr_as_tensors():
     s = moebius.make_kv_state(kv, EP, [[moebius.KvSequence(seq_id=4, num_tokens=20,
                                                            last_page_len=4, pages=[7, 2])]])
     cpu = mt.kv_csr(s, 0)
-    assert cpu["indptr"].dtype == torch.int32 and cpu["indices"].tolist() == [7, 2]
+    assert cpu.indptr.dtype == torch.int32 and cpu.indices.tolist() == [7, 2]
     dev = mt.kv_csr(s.ranks[0], 0, torch.int64, device="cuda")
-    assert dev["indices"].is_cuda and dev["indices"].dtype == torch.int64
-    assert dev["last_page_len"].tolist() == [4]
+    assert dev.indices.is_cuda and dev.indices.dtype == torch.int64
+    assert dev.last_page_len.tolist() == [4] and dev.seq_ids.tolist() == [4]
+    assert dev.indptr.tolist() == [0, 2]

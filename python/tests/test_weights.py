@@ -140,8 +140,11 @@ def test_plans_print_compare_and_validate():
     traffic = a.traffic()
     # Volume invariance: each rank keeps 1/P of its bytes and sends (P-1)/P.
     per_layer = geometry.layer_bytes_per_rank
-    assert traffic["bytes_sent"] == [per_layer * 2 // 2] * 2
-    assert traffic["bytes_local"] == [per_layer * 2 // 2] * 2
+    assert traffic.bytes_sent == traffic.bytes_received == [per_layer * 2 // 2] * 2
+    assert traffic.bytes_local == [per_layer * 2 // 2] * 2
+    assert traffic.max_bytes_sent == per_layer and traffic.total_bytes_sent == 2 * per_layer
+    assert a.workload() == moebius.SwitchWorkload(num_ranks=2, weight_bytes_per_rank=per_layer,
+                                                  weight_phases=2)
     a.validate(geometry.total_bytes)
     # A plan is data: rebuild it op by op and it compares equal.
     rebuilt = moebius.Plan(num_ranks=2, phases=[
