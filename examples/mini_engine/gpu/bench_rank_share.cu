@@ -37,6 +37,8 @@
 // MOEBIUS_BENCH_SKEW (1), MOEBIUS_BENCH_LAYERS (the model's: fewer for a quick run; every
 // figure then covers only those layers), MOEBIUS_BENCH_STEPS (10 timed steps per point),
 // MOEBIUS_BENCH_SUMMARY. Combinations whose KV does not fit beside the weights are skipped.
+// MINI_ENGINE_PROFILE=1 runs every step eagerly with the stage profile (profiler.hpp): each
+// point then also prints, and writes as "stages_ms", its last step's time per stage.
 
 #include <cuda_runtime.h>
 
@@ -65,6 +67,19 @@ namespace {
 struct point {
   double compute_ms = 0, comm_ms = 0;
 };
+
+// The runtime's stage profile of its last step as a JSON object of milliseconds ("" when it
+// does not profile: MINI_ENGINE_PROFILE unset).
+std::string stage_json(const gpu_runtime& rt) {
+  std::string out;
+  for (const auto& [name, seconds] : rt.stage_times()) {
+    char field[96];
+    std::snprintf(field, sizeof field, "%s\"%s\": %.4f", out.empty() ? "{" : ", ", name.c_str(),
+                  seconds * 1e3);
+    out += field;
+  }
+  return out.empty() ? out : out + "}";
+}
 
 }  // namespace
 
@@ -179,17 +194,22 @@ int main() {
                     "collectives %.3f ms (priced) = %.3f ms\n",
                     static_cast<long long>(context), static_cast<long long>(B),
                     static_cast<long long>(b), p.compute_ms, p.comm_ms, p.compute_ms + p.comm_ms);
+        // MINI_ENGINE_PROFILE=1: the last timed step by stage (eager, no graphs: its compute
+        // figure is the eager step's), each stage summed over the layers.
+        const std::string stages = stage_json(*rt);
+        if (!stages.empty()) std::printf("    stages (ms, last step, eager): %s\n", stages.c_str());
         if (json != nullptr) {
           std::fprintf(json,
                        "{\"model\": \"%s\", \"P\": %d, \"mode\": \"%s\", \"skew\": %.3f, "
                        "\"layers\": %lld, \"context\": %lld, \"batch\": %lld, \"rank_batch\": "
                        "%lld, \"compute_ms\": %.4f, \"comm_priced_ms\": %.4f, \"step_ms\": %.4f, "
-                       "\"graph_replays\": %lld}\n",
+                       "\"graph_replays\": %lld%s%s}\n",
                        model_name.c_str(), P, moebius::to_string(m), skew,
                        static_cast<long long>(c.num_layers), static_cast<long long>(context),
                        static_cast<long long>(B), static_cast<long long>(b), p.compute_ms,
                        p.comm_ms, p.compute_ms + p.comm_ms,
-                       static_cast<long long>(rt->graph_replays()));
+                       static_cast<long long>(rt->graph_replays()),
+                       stages.empty() ? "" : ", \"stages_ms\": ", stages.c_str());
           std::fflush(json);
         }
       }
