@@ -211,6 +211,19 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        });
   app.add_flag_callback(
       "--no-reshard", [&o] { o.reshard_stage = false; }, "skip the verified-reshard stage");
+  app.add_flag_callback(
+      "--verbose", [&o] { o.verbose = true; },
+      "every table of every run, the deployment, the clock, the calibration, the policy and "
+      "the gate's reasoning, each run's progress (default: per trace a table and a verdict)");
+  app.add_flag_callback(
+      "--full-step-log", [&o] { o.step_log_rows = 0; },
+      "steps.csv with every step of every run (default: at most 80,000 rows a trace, every "
+      "k-th step and every step at a switch; the paper's rollout in full is 232 MB)");
+  text("--step-log-rows", "N",
+       "the most rows steps.csv keeps a trace, 1..100000000 (default 80000; --full-step-log: all)",
+       [&o](const std::string& v) {
+         o.step_log_rows = parse_int("--step-log-rows", v, 1, 100'000'000);
+       });
   text("--collective-us", "US|TP_US,EP_US",
        "--runtime sim: price each collective at US microseconds of latency instead of the "
        "curves' 10, or TP's all-reduce at TP_US and EP's dispatch and combine at EP_US; each "

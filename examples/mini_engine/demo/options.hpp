@@ -81,6 +81,15 @@ struct options {
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap
   bool reshard_stage = true;
+  // --verbose: every table of every run, the deployment, the clock, the calibration, the
+  // policy's configuration and the gate's reasoning (by default: a table per trace and a
+  // verdict).
+  bool verbose = false;
+  // The step log (steps.csv) of a trace's runs holds at most this many rows (about 90 bytes
+  // each: ~7 MB): every k-th step of each run, k the same for every run of the trace, and every
+  // step at a switch or a change of mode. 0 (--full-step-log): every step; the paper's rollout
+  // served six times is 2.6M steps, 232 MB.
+  int64_t step_log_rows = 80'000;
   bool help = false;
 };
 

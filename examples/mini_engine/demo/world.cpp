@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <moebius/config.hpp>
 #include <moebius/error.hpp>
+#include <moebius/transport/dry_run_transport.hpp>
 #include <moebius/transport/host_transport.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -21,6 +22,8 @@
 
 #include "host_runtime.hpp"
 #include "model_config.hpp"
+#include "sim_deployment.hpp"
+#include "sim_runtime.hpp"
 #include "weights.hpp"
 
 #ifndef MINI_ENGINE_DEMO_GPU  // defined by CMake when the GPU runtime is built
@@ -150,6 +153,8 @@ world make_host_world(const options& o, const host_plan& p, const hf_checkpoint*
   else
     d << "host runtime, lite model (" << c << "), " << o.ranks << " virtual ranks";
   w.description = d.str();
+  w.name = "host runtime, " + (ck ? "checkpoint " + ck->source() : std::string("lite model")) +
+           ", " + std::to_string(o.ranks) + " virtual ranks";
   w.rt = std::move(rt);
   w.make_transport = [mem = w.memory] { return std::make_unique<moebius::host_transport>(mem); };
   return w;
@@ -218,6 +223,9 @@ world make_gpu_world(const options& o, int P, const std::vector<request>& traces
     << " tokens) and " << rt->graph_statistics().per_layer
     << " per-layer ones for the hybrid steps of progressive switches";
   w.description = d.str();
+  w.name = "GPU runtime, " + (ck ? "checkpoint " + ck->source() : std::string("small model")) +
+           ", " + std::to_string(P) +
+           (rt->virtual_ranks() ? " virtual ranks on one GPU" : P > 1 ? " GPU ranks" : " GPU rank");
   w.rt = std::move(rt);
   w.make_transport = [mem = w.memory] {
     return std::make_unique<moebius::cuda_peer_transport>(
@@ -230,6 +238,24 @@ world make_gpu_world(const options&, int, const std::vector<request>&, const hf_
   throw usage_error("--runtime gpu: this build has no GPU runtime (it needs CUDA and NCCL)");
 }
 #endif
+
+world make_sim_world(deployment_kind k) {
+  const sim_geometry g = make_sim_geometry(make_deployment(qwen3_235b_a22b(), k));
+  world w;
+  w.arena = g.arena;
+  w.kv = g.kv;
+  w.vocab = 1024;
+  auto rt = std::make_unique<sim_runtime>(g.arena, g.kv, w.vocab);
+  std::ostringstream d;
+  d << "simulated runtime, " << g;
+  w.description = d.str();
+  w.name = std::string("simulated runtime, ") + to_string(k) + " deployment";
+  w.make_transport = [ranks = static_cast<int>(g.kv.num_ranks), spaces = rt->spaces()] {
+    return std::make_unique<moebius::dry_run_transport>(ranks, spaces);
+  };
+  w.rt = std::move(rt);
+  return w;
+}
 
 std::vector<std::vector<std::byte>> arena_bytes(const world& w) {
   std::vector<std::vector<std::byte>> out;
