@@ -358,15 +358,16 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
     if (verbose) print_rollout_bound(runs, m, bound_s);
     if (!verbose) print_rollout_verdict(runs, m, bound_s);
   } else {
-    print_interactive_table(runs, m);
+    print_interactive_table(runs, m, verbose);
     if (!verbose) print_interactive_verdict(runs, m);
   }
   if (verbose) print_gate(run_of(runs, run_kind::switching).result, &p.cal.curves, 0);
   if (h.o.search && p.rollout) run_search(h, p, base, m, runs);
   const int64_t every = write_run_files(p.dir, runs, h.o.step_log_rows);
   std::printf("  %s\n", verbose ? files_line(p.dir, every).c_str()
-                                : ("figure: " + p.dir + "/timeline.svg (runs.png beside it: "
-                                   "plot_runs.py); steps and requests as CSV there")
+                                : ("figure: " + p.dir + "/timeline.svg, and runs.png beside it "
+                                   "where scripts/demo draws it; every step and request as CSV "
+                                   "there")
                                       .c_str());
   if (h.o.explain) write_decisions(p.dir, runs);
   for (size_t i = 0; i < runs.size(); ++i)

@@ -78,7 +78,8 @@ void write_results(const options& o, const nlohmann::json& results) {
   std::ofstream f(o.results_file);
   f << results.dump(2) << "\n";
   if (!f) throw std::runtime_error("cannot write " + o.results_file);
-  std::printf("\n  every metric of every run: %s\n", o.results_file.c_str());
+  std::printf("%s  every metric of every run: %s\n", o.verbose ? "\n" : "",
+              o.results_file.c_str());
 }
 
 // The runtime the demo serves on: sim when asked, else the GPU runtime when asked or (auto)
@@ -240,7 +241,7 @@ int run_demo(options o) {
   if (runtime == runtime_kind::sim) {
     write_results(o, h.results);
   } else {
-    print_summary(outcomes, clock.priced, to_string(o.priced), P, o.verbose);
+    print_summary(outcomes, clock.priced, to_string(o.priced), P, o.verbose, o.out_dir);
   }
   std::printf("%s (%.1f s)\n", ok ? "demo: ok" : "demo: FAILED", seconds_since(t_start));
   return ok ? 0 : 1;

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string_view>
+#include <utility>
 
 namespace mini_engine::demo {
 
@@ -76,12 +77,49 @@ constexpr const char* k_description =
     "P = min(GPUs, 2) ranks (one GPU: 2 virtual ranks on it), each step timed with CUDA events\n"
     "(the measured clock).";
 
-// The options, each read into `o` by its own callback (CLI11 calls them after the whole line
-// is parsed, in the order they are declared here).
-void declare(CLI::App& app, options& o, bool& max_batch_set) {
-  auto text = [&](const char* name, const char* type, const char* help, auto&& read) {
-    app.add_option_function<std::string>(name, std::forward<decltype(read)>(read), help)
-        ->type_name(type);
+// A text option read by `read` (a callback CLI11 calls with the value).
+template <class Read>
+void add_text(CLI::App& app, const char* name, const char* type, const char* help, Read&& read) {
+  app.add_option_function<std::string>(name, std::forward<Read>(read), help)->type_name(type);
+}
+
+// --trace V [V ...]: the traces in order (all: the host demo's four; anything else a file).
+void read_traces(options& o, const std::vector<std::string>& vs) {
+  static const std::pair<const char*, trace_kind> names[] = {
+      {"bursty", trace_kind::bursty},
+      {"rollout", trace_kind::rollout},
+      {"steady", trace_kind::steady},
+      {"production", trace_kind::production},
+      {"paper-bursty", trace_kind::paper_bursty},
+      {"paper-rollout", trace_kind::paper_rollout},
+      {"paper-steady", trace_kind::paper_steady}};
+  o.traces.clear();
+  o.traces_given = true;
+  for (const std::string& v : vs) {
+    if (v == "all") {
+      o.traces.insert(o.traces.end(), {trace_kind::bursty, trace_kind::rollout,
+                                       trace_kind::steady, trace_kind::production});
+      continue;
+    }
+    const auto named = std::find_if(std::begin(names), std::end(names),
+                                    [&v](const auto& n) { return v == n.first; });
+    if (named != std::end(names)) {
+      o.traces.push_back(named->second);
+    } else if (v.empty()) {
+      fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
+                      "paper-steady, paper-rollout or a file name");
+    } else {
+      if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
+      o.traces.push_back(trace_kind::file);
+      o.trace_file = v;
+    }
+  }
+}
+
+// The runtime and its ranks.
+void declare_runtime(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
   };
   text("--runtime", "auto|host|gpu|sim",
        "which runtime (auto: gpu when GPUs are present); sim: the paper's two experiments at "
@@ -99,39 +137,16 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        [&o](const std::string& v) {
          o.gpu_ranks = static_cast<int>(parse_int("--gpu-ranks", v, 1, 8));
        });
+}
+
+// What is served: the traces, the model, the gate, the seed and the traces' sizes.
+void declare_workload(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   app.add_option_function<std::vector<std::string>>(
          "--trace",
-         [&o](const std::vector<std::string>& vs) {
-           o.traces.clear();
-           o.traces_given = true;
-           for (const std::string& v : vs) {
-             if (v == "all") {
-               o.traces.insert(o.traces.end(), {trace_kind::bursty, trace_kind::rollout,
-                                                trace_kind::steady, trace_kind::production});
-             } else if (v == "bursty")
-               o.traces.push_back(trace_kind::bursty);
-             else if (v == "rollout")
-               o.traces.push_back(trace_kind::rollout);
-             else if (v == "steady")
-               o.traces.push_back(trace_kind::steady);
-             else if (v == "production")
-               o.traces.push_back(trace_kind::production);
-             else if (v == "paper-bursty")
-               o.traces.push_back(trace_kind::paper_bursty);
-             else if (v == "paper-rollout")
-               o.traces.push_back(trace_kind::paper_rollout);
-             else if (v == "paper-steady")
-               o.traces.push_back(trace_kind::paper_steady);
-             else if (v.empty()) {
-               fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
-                               "paper-steady, paper-rollout or a file name");
-             } else {
-               if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
-               o.traces.push_back(trace_kind::file);
-               o.trace_file = v;
-             }
-           }
-         },
+         [&o](const std::vector<std::string>& vs) { read_traces(o, vs); },
          "the workload (default all: the four in turn; with --runtime sim paper-bursty, "
          "paper-steady (at the rate that keeps ~B* running) and paper-rollout, the paper's "
          "experiments at full size; FILE: .jsonl, or text lines 'arrival_s prompt output'; may "
@@ -174,6 +189,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        });
   text("--requests", "N", "rollout batch, 1..100000 (default 512)",
        [&o](const std::string& v) { o.requests = parse_int("--requests", v, 1, 100000); });
+}
+
+// The serving limits and the clock.
+void declare_serving(CLI::App& app, options& o, bool& max_batch_set) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   text(
       "--kv-pages", "N",
       "EP KV pages per rank, 1..16777216 (default: what an H200 holds for the priced model "
@@ -204,6 +226,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
          o.curves = v;
          if (v != "roofline" && !std::ifstream(v).good()) fail("--curves", "cannot open " + v);
        });
+}
+
+// What is written and printed.
+void declare_output(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   text("--out", "DIR", "where the CSV and SVG go (default moebius_demo_out)",
        [&o](const std::string& v) {
          if (v.empty()) fail("--out", "needs a directory name");
@@ -224,6 +253,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        [&o](const std::string& v) {
          o.step_log_rows = parse_int("--step-log-rows", v, 1, 100'000'000);
        });
+}
+
+// The simulated runtime's experiments.
+void declare_sim(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   text("--collective-us", "US|TP_US,EP_US",
        "--runtime sim: price each collective at US microseconds of latency instead of the "
        "curves' 10, or TP's all-reduce at TP_US and EP's dispatch and combine at EP_US; each "
@@ -266,6 +302,16 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
          if (v.empty()) fail("--results", "needs a file name");
          o.results_file = v;
        });
+}
+
+// The options, each read into `o` by its own callback (CLI11 calls them after the whole line
+// is parsed, in the order they are declared here; --help lists them in that order).
+void declare(CLI::App& app, options& o, bool& max_batch_set) {
+  declare_runtime(app, o);
+  declare_workload(app, o);
+  declare_serving(app, o, max_batch_set);
+  declare_output(app, o);
+  declare_sim(app, o);
 }
 
 // Constraints between options, once all are read.

@@ -180,12 +180,14 @@ void print_trace_title(const std::string& name, const std::vector<request>& trac
 }
 
 void print_interactive_table(const std::vector<run_outcome>& runs,
-                             const std::vector<paper_metrics>& m) {
+                             const std::vector<paper_metrics>& m, bool verbose) {
   std::printf("  %-16s %21s %21s %17s %17s %9s\n", "run", "flood TTFT mean/p99",
               "quiet TPOT mean/p99", "switches (total)", "goodput int/srv", "tokens/s");
   for (size_t i = 0; i < runs.size(); ++i)
     std::printf("  %-16s %s\n", label_of(runs[i].kind), interactive_row(m[i]).c_str());
-  std::printf("  %s\n", k_paper_bursty);
+  // The paper's figures are its bursty experiment's: beside a trace without floods (steady)
+  // only with --verbose.
+  if (verbose || !m.front().floods.empty()) std::printf("  %s\n", k_paper_bursty);
 }
 
 void print_interactive_verdict(const std::vector<run_outcome>& runs,
@@ -216,8 +218,8 @@ void print_interactive_verdict(const std::vector<run_outcome>& runs,
     const paper_metrics& tp = m[index_of(runs, run_kind::static_tp)];
     char buf[192];
     std::snprintf(buf, sizeof buf,
-                  "; the paper's gain (%.1f s -> %.1f s flood TTFT) is in floods that queue on "
-                  "static TP: %.2f s here",
+                  "; the paper's gain (flood TTFT %.1f s -> %.1f s) needs floods that queue on "
+                  "static TP: here they wait %.2f s",
                   k_paper_tp_flood_ttft_s, k_paper_moebius_flood_ttft_s,
                   tp.flood.mean_ttft_ms / 1e3);
     v += buf;

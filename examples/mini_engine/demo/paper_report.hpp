@@ -40,9 +40,9 @@ void print_trace_title(const std::string& name, const std::vector<request>& trac
                        const std::vector<arrival_period>& floods, double rate, double bstar);
 
 // An open-loop trace: flood TTFT, quiet TPOT, switches, goodput, tokens/s per run, then the
-// paper's figures (§9.2), then the verdict.
+// paper's figures (§9.2; beside a trace without floods only when `verbose`), then the verdict.
 void print_interactive_table(const std::vector<run_outcome>& runs,
-                             const std::vector<paper_metrics>& m);
+                             const std::vector<paper_metrics>& m, bool verbose);
 void print_interactive_verdict(const std::vector<run_outcome>& runs,
                                const std::vector<paper_metrics>& m);
 

@@ -135,31 +135,40 @@ void print_summary_row(const trace_outcome& t) {
               targets.empty() ? "-" : targets.c_str());
 }
 
+// "a", "a and b", "a, b and c".
+std::string joined(const std::vector<std::string>& items) {
+  std::string s;
+  for (size_t i = 0; i < items.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == items.size() ? " and " : ", ") + items[i];
+  return s;
+}
+
 // "verdict: ours gains on rollout (1.013x), matches the best static run on steady and
-// production, trails on bursty (0.924x); 5 of 8 targets met; greedy tokens identical in every
-// run"
+// production, trails it on bursty (0.924x); 4 of 8 targets met; greedy tokens identical in
+// every run of every trace"
 void print_verdict(const std::vector<trace_outcome>& outcomes) {
-  std::string gains, matches, trails, differ;
+  std::vector<std::string> gains, matches, trails, differ;
   int64_t met = 0, targets = 0;
-  auto add = [](std::string& list, const std::string& item) { list += (list.empty() ? "" : ", ") + item; };
   for (const trace_outcome& t : outcomes) {
     const std::string r = ratio_text(t, run_kind::switching);
-    const double x = r == "-" ? 1.0 : std::stod(r);
     if (r == "1.000x" || r == "-")
-      add(matches, t.name);
+      matches.push_back(t.name);
     else
-      add(x > 1 ? gains : trails, t.name + " (" + r + ")");
+      (std::stod(r) > 1 ? gains : trails).push_back(t.name + " (" + r + ")");
     for (const target_check& c : t.targets) met += c.met, ++targets;
-    if (t.differ > 0) add(differ, t.name + " (" + std::to_string(t.differ) + " requests)");
+    if (t.differ > 0) differ.push_back(t.name + " (" + std::to_string(t.differ) + " requests)");
   }
-  std::string v;
-  if (!gains.empty()) v += "gains on " + gains;
-  if (!matches.empty()) v += (v.empty() ? "" : ", ") + std::string("matches the best static run on ") + matches;
-  if (!trails.empty()) v += (v.empty() ? "" : ", ") + std::string("trails it on ") + trails;
-  std::printf("  verdict: ours %s", v.c_str());
-  if (targets > 0) std::printf("; %lld of %lld targets met", static_cast<long long>(met), static_cast<long long>(targets));
-  std::printf("; greedy tokens %s\n", differ.empty() ? "identical in every run of every trace"
-                                                      : ("DIFFER: " + differ).c_str());
+  std::vector<std::string> parts;
+  if (!gains.empty()) parts.push_back("gains on " + joined(gains));
+  if (!matches.empty()) parts.push_back("matches the best static run on " + joined(matches));
+  if (!trails.empty()) parts.push_back((parts.empty() ? "trails the best static run on "
+                                                      : "trails it on ") + joined(trails));
+  std::string v = "ours";
+  for (size_t i = 0; i < parts.size(); ++i) v += (i == 0 ? " " : ", ") + parts[i];
+  if (targets > 0) v += "; " + std::to_string(met) + " of " + std::to_string(targets) + " targets met";
+  v += "; greedy tokens " + (differ.empty() ? std::string("identical in every run of every trace")
+                                            : "DIFFER: " + joined(differ));
+  std::printf("  verdict: %s\n", v.c_str());
 }
 
 // The targets line by line, and what a miss means (--verbose).
@@ -190,7 +199,7 @@ void print_targets(const std::vector<trace_outcome>& outcomes, bool priced,
 }  // namespace
 
 void print_table(const std::vector<run_outcome>& runs, const std::string& clock) {
-  std::printf("\n  %-11s %10s %10s %10s %10s %9s %8s %17s %7s\n", "run", "mean TTFT", "p99 TTFT",
+  std::printf("  %-16s %10s %10s %10s %10s %9s %8s %17s %7s\n", "run", "mean TTFT", "p99 TTFT",
               "mean TPOT", "p99 TPOT", "tokens/s", "switches", "switch total/mean", "host s");
   for (const run_outcome& r : runs) {
     const run_summary& s = r.summary;
@@ -200,7 +209,7 @@ void print_table(const std::vector<run_outcome>& runs, const std::string& clock)
     } else {
       std::snprintf(sw, sizeof sw, "-");
     }
-    std::printf("  %-11s %7.1f ms %7.1f ms %7.2f ms %7.2f ms %9.0f %8lld %17s %7.1f\n",
+    std::printf("  %-16s %7.1f ms %7.1f ms %7.2f ms %7.2f ms %9.0f %8lld %17s %7.1f\n",
                 label_of(r.kind), s.mean_ttft_ms, s.p99_ttft_ms, s.mean_tpot_ms, s.p99_tpot_ms,
                 s.tokens_per_s, static_cast<long long>(s.switches), sw, r.wall_s);
   }
@@ -209,7 +218,7 @@ void print_table(const std::vector<run_outcome>& runs, const std::string& clock)
 }
 
 void print_switch_steps(const std::vector<run_outcome>& runs) {
-  std::printf("\n  %-11s %23s %23s %14s\n", "run", "normal steps max / p99",
+  std::printf("\n  %-16s %23s %23s %14s\n", "run", "normal steps max / p99",
               "switch steps max / p99", "switch length");
   for (const run_outcome& r : runs) {
     const switch_steps w = switch_steps_of(r.result);
@@ -220,7 +229,7 @@ void print_switch_steps(const std::vector<run_outcome>& runs) {
     }
     char normal[48];
     std::snprintf(normal, sizeof normal, "%.2f / %.2f ms", w.normal_max_ms, w.normal_p99_ms);
-    std::printf("  %-11s %23s %23s %14s\n", label_of(r.kind), normal, sw, len);
+    std::printf("  %-16s %23s %23s %14s\n", label_of(r.kind), normal, sw, len);
   }
   std::printf(
       "  (a stop-the-world switch counts as one step: the step after it, plus the switch)\n");
@@ -241,7 +250,7 @@ void print_beside_best(const std::vector<run_outcome>& runs, const run_outcome& 
     if (!is_switching(r.kind)) continue;
     const run_summary& x = r.summary;
     std::printf(
-        "    %-11s %.3fx tokens/s, p99 TTFT %.1f vs %.1f ms, p99 TPOT %.2f vs %.2f ms, "
+        "    %-16s %.3fx tokens/s, p99 TTFT %.1f vs %.1f ms, p99 TPOT %.2f vs %.2f ms, "
         "%lld switches (%.0f ms)\n",
         label_of(r.kind), b.tokens_per_s > 0 ? x.tokens_per_s / b.tokens_per_s : 0, x.p99_ttft_ms,
         b.p99_ttft_ms, x.p99_tpot_ms, b.p99_tpot_ms, static_cast<long long>(x.switches),
@@ -419,15 +428,17 @@ int64_t requests_that_differ(const std::vector<run_outcome>& runs) {
 }
 
 void print_summary(const std::vector<trace_outcome>& outcomes, bool priced,
-                   const char* priced_model, int P, bool verbose) {
+                   const char* priced_model, int P, bool verbose, const std::string& out_dir) {
   if (verbose) print_targets(outcomes, priced, priced_model, P);
-  std::printf("\n  %-10s %-16s %7s %12s %8s %22s %9s  %s\n", "trace", "best static (tok/s)",
+  std::printf("\nper trace: the best static run's tokens/s; ours, ours progressive and no gate's "
+              "against it; p99 TTFT; the bound (a free switch at every step); the targets\n");
+  std::printf("  %-10s %-19s %7s %12s %8s %22s %9s  %s\n", "trace", "best static tok/s",
               "ours", "progressive", "no gate", "p99 TTFT best / ours", "bound",
               "target ours / progressive");
   for (const trace_outcome& t : outcomes) print_summary_row(t);
-  std::printf("  (ours, progressive, no gate: tokens/s against the best static run's; bound: what "
-              "a free switch at every step would reach)\n");
   print_verdict(outcomes);
+  std::printf("  figures: %s/<trace>/timeline.svg, every step and request as CSV beside it\n",
+              out_dir.c_str());
 }
 
 }  // namespace mini_engine::demo

@@ -101,9 +101,9 @@ uint64_t token_digest(const run_result& r);
 int64_t requests_that_differ(const std::vector<run_outcome>& runs);
 
 // After all traces (host, GPU): one row per trace (the best static run's tokens/s, each
-// switching run's against it, p99 TTFT, the bound, the targets) and a verdict; `verbose`: the
-// targets line by line instead, and what a miss means.
+// switching run's against it, p99 TTFT, the bound, the targets), a verdict and where the files
+// are (under `out_dir`); `verbose`: first the targets line by line, and what a miss means.
 void print_summary(const std::vector<trace_outcome>& outcomes, bool priced,
-                   const char* priced_model, int P, bool verbose);
+                   const char* priced_model, int P, bool verbose, const std::string& out_dir);
 
 }  // namespace mini_engine::demo
