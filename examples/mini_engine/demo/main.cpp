@@ -1,21 +1,25 @@
 // moebius_demo: the mini-engine serving request traces while Moebius switches it between TP
-// and EP (README: the first command). Per trace (bursty, RL rollout, steady near the crossover,
-// production-shaped; or a file) five runs of the same trace on the same runtimes: static TP,
-// static EP, switching by the calibrated policy with its cost gate (stop-the-world, and
-// progressively: a few layers per step), and the same policy without the gate; then a table
-// with the best static run beside switching, the targets, the gate's reasoning, a
-// bound on what any switching could gain, a CSV and an SVG timeline.
+// and EP (README: the first command). One harness for every runtime (experiments.hpp): per
+// trace (the host demo's bursty, RL rollout, steady near the crossover and production-shaped;
+// the paper's bursty, steady and rollout at full size on the simulated runtime; or a file) the
+// named runs of the same trace (runs.hpp: static TP, static EP, ours stop-the-world and
+// progressive, and the rules without the gate; simulated, ours by cost and the paper's policy
+// too), served by one pool, then per trace a table and a verdict (every table, the calibration,
+// the policy and the gate's reasoning with --verbose), a CSV of the steps (bounded) and the
+// requests, and an SVG timeline.
 //
-//   stage 1  a verified reshard: the model's experts EP -> TP -> EP through the switcher,
-//            with layout-independent checksums of every layer before and after;
+//   stage 1  (host, GPU) a verified reshard: the model's experts EP -> TP -> EP through the
+//            switcher, with layout-independent checksums of every layer before and after;
 //   per trace: calibration (decode-step times of both modes over a batch sweep, on the clock
 //            in use -> moebius::calibrate -> the policy's thresholds and the gate's curves),
-//            then the runs, two at a time on two host runtimes; every switching run must
-//            produce the static runs' greedy tokens, request for request.
+//            then the runs, two at a time; on the host every switching run must produce the
+//            static runs' greedy tokens, request for request.
 //
 // The parts, each in its own file: options (the command line), world (the runtime, its memory
-// and every build axis), clock (priced or measured), reshard_stage (stage 1), experiments (the
-// traces and the runs), report (tables and files), targets (what the runs are graded against).
+// and every build axis), clock (priced or measured), runs (the named runs and the pool),
+// reshard_stage (stage 1), experiments (the settings and the per-trace driver), traces (their
+// shapes), report (the host and GPU tables and the files), paper_report (the simulated
+// runtime's tables, verdicts and JSON), targets (what the runs are graded against).
 //
 // Runtimes: the host runtime (P virtual ranks in this process) on the lite() model, priced
 // on the modelled H200 clock (Qwen3-235B-A22B on 8 H200s by default, its KV pool sized as an
@@ -28,7 +32,9 @@
 // bytes). At GPU step times the traces keep few sequences running, below the calibrated
 // thresholds (and one GPU has no crossover), so on GPUs the switching runs switch every 100
 // steps (forced), which still moves every weight and KV page and serves across each switch
-// (graphs replayed after it, hybrid steps during progressive).
+// (graphs replayed after it, hybrid steps during progressive). The simulated runtime (`--runtime
+// sim`): the paper's deployment of Qwen3-235B-A22B on 8 H200s, each run on its own (static
+// layouts' pools differ), steps priced by the curves measured on one H200, nothing computed.
 #include <chrono>
 #include <cstdio>
 #include <fstream>

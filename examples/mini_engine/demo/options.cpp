@@ -68,14 +68,14 @@ E parse_choice(const std::string& option, const std::string& v, const char* cons
 }
 
 constexpr const char* k_description =
-    "Serves each request trace four times on the mini-engine (static TP, static EP, and\n"
+    "Serves each request trace several times on the mini-engine (static TP, static EP, and\n"
     "switching live between them with the Moebius policy and its cost gate, stop-the-world\n"
-    "and progressive), then prints a table per trace with the best static run beside\n"
-    "switching, and writes a CSV and an SVG timeline per trace. Without GPUs it runs the host\n"
-    "runtime (small model, P virtual ranks) and prices each step with an H200 model (the clock\n"
-    "it shows); with GPUs (a CUDA build) the GPU runtime serves the small model on\n"
-    "P = min(GPUs, 2) ranks (one GPU: 2 virtual ranks on it), each step timed with CUDA events\n"
-    "(the measured clock).";
+    "and progressive), then prints per trace a table against the best static run and a\n"
+    "verdict (--verbose: every table and the details), and writes a CSV and an SVG timeline\n"
+    "per trace. Without GPUs it runs the host runtime (small model, P virtual ranks) and prices\n"
+    "each step with an H200 model; with GPUs (a CUDA build) the GPU runtime serves the small\n"
+    "model on P = min(GPUs, 2) ranks (one GPU: 2 virtual ranks on it), each step timed with\n"
+    "CUDA events; --runtime sim: the paper's experiments at its scale, steps priced.";
 
 // A text option read by `read` (a callback CLI11 calls with the value).
 template <class Read>

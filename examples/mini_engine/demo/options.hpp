@@ -69,7 +69,7 @@ struct options {
   // recompute as vLLM and SGLang do (the default), or each request's true output (an oracle).
   bool oracle_admission = false;
   // --runtime sim, rollout traces: search one switch point per rollout step over a grid of
-  // thresholds (the offline ceiling, paper.hpp).
+  // thresholds (the offline ceiling, paper_report.hpp).
   bool search = false;
   // --runtime sim: every decision of the policy runs in which a rule fired (decisions.txt).
   bool explain = false;
