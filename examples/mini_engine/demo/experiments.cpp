@@ -44,18 +44,6 @@ double crossover_rate_of(engine& e, const std::vector<int64_t>& batches, int64_t
   return bstar / (25.0 * c0.curves.tp.at(bstar) * 1e-3);
 }
 
-// The host's calibration context: the trace's prompt tokens plus half its output tokens, over
-// its requests.
-int64_t totals_context(const std::vector<request>& trace) {
-  int64_t prompt_tokens = 0, output_tokens = 0;
-  for (const request& r : trace) {
-    prompt_tokens += static_cast<int64_t>(r.prompt.size());
-    output_tokens += r.output_tokens;
-  }
-  return std::max<int64_t>(
-      1, (prompt_tokens + output_tokens / 2) / static_cast<int64_t>(trace.size()));
-}
-
 void print_floods(const std::vector<arrival_period>& floods) {
   for (const arrival_period& p : floods)
     std::printf("  flood found in the arrivals: %.0f-%.0f s\n", p.start_s, p.end_s);
@@ -377,26 +365,14 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
 
 }  // namespace
 
-run_settings settings_for(runtime_kind runtime, const options& o) {
-  run_settings s;
-  if (runtime == runtime_kind::sim) {
-    s.runs = {run_kind::static_tp,   run_kind::static_ep,    run_kind::switching,
-              run_kind::progressive, run_kind::paper_policy, run_kind::by_cost};
-    s.max_running = 2048;
-    s.step_tokens = 8192;
-    s.cooldown_s = 5.0;
-    s.cooldown_steps = 0;
-    s.down_window = 8;
-    s.progress_every_steps = 2000;
-    s.calibration_context = &mean_decode_context;
-    return s;
+int64_t totals_context(const std::vector<request>& trace) {
+  int64_t prompt_tokens = 0, output_tokens = 0;
+  for (const request& r : trace) {
+    prompt_tokens += static_cast<int64_t>(r.prompt.size());
+    output_tokens += r.output_tokens;
   }
-  s.runs = {run_kind::static_tp, run_kind::static_ep, run_kind::switching, run_kind::progressive,
-            run_kind::no_gate};
-  s.max_running = o.max_batch;
-  s.step_tokens = o.step_tokens;
-  s.calibration_context = &totals_context;
-  return s;
+  return std::max<int64_t>(
+      1, (prompt_tokens + output_tokens / 2) / static_cast<int64_t>(trace.size()));
 }
 
 trace_outcome serve_trace(harness& h, trace_kind kind) {

@@ -21,32 +21,25 @@
 #include "runs.hpp"
 #include "targets.hpp"
 #include "trace.hpp"
+#include "trace_stats.hpp"
 
 namespace mini_engine::demo {
 
-// What a trace's runs are served with, per runtime (settings_for).
-//   host, GPU   the runs: static TP, static EP, ours, ours progressive, and (with a policy and
-//               its gate) no gate; --max-batch sequences (512), --step-tokens a step (1024);
-//               the traces are compressed in time (bursts of 0.1 s), so the paper's 5 s
-//               cooldown becomes 0.02 s and 8 steps, with a window of 8
-//   simulated   the runs: static TP, static EP, ours, ours progressive, the paper's policy,
-//               ours by cost; the paper's limits (§9.1: 2,048 running) and SGLang's default
-//               chunked prefill on large GPUs (8,192 tokens a step); the paper's cooldown of
-//               5 s (§7.1), its window of 8
-// Both: a rollout's cooldown of 8 steps (paper eq. 13: its load only decays).
+// What a trace's runs are served with, per runtime (settings_for, below).
 struct run_settings {
   std::vector<run_kind> runs;
+  size_t runs_at_once = 2;  // two cores: two runs side by side
   int64_t max_running = 512;
   int64_t step_tokens = 1024;
+  // Our policy on an interactive trace: the cooldown between switches, and the window W the
+  // EP -> TP rule averages the load over.
   double cooldown_s = 0.02;
   int64_t cooldown_steps = 8;
   int64_t down_window = 8;
-  int64_t rollout_cooldown_steps = 8;
+  int64_t rollout_cooldown_steps = 8;  // paper eq. 13: a rollout's load only decays
   // How often a run reports progress, in steps (the printer then shows at most one line per 5 s).
   int64_t progress_every_steps = 1;
-  // The context the calibration prices decode steps at, from the trace: the host's mean prompt
-  // plus half the mean output (over the trace's totals), the simulated runtime's
-  // mean_decode_context (each request's prompt plus half its output).
+  // The context the calibration prices decode steps at, from the trace.
   int64_t (*calibration_context)(const std::vector<request>&) = nullptr;
   // On the GPU runtime the traces keep few sequences running, below any threshold the
   // calibration finds (and one GPU has no crossover): the switching runs switch every this many
@@ -54,7 +47,49 @@ struct run_settings {
   int64_t forced_every_steps = 100;
   int64_t forced_last_step = 100'000;
 };
-run_settings settings_for(runtime_kind runtime, const options& o);
+
+// The host's calibration context: the trace's prompt tokens plus half its output tokens, over
+// its requests.
+int64_t totals_context(const std::vector<request>& trace);
+
+// Host and GPU: static TP, static EP, ours, ours progressive and (with a policy and its gate)
+// no gate; --max-batch sequences (512) and --step-tokens a step (1024). The traces are
+// compressed in time (bursts of 0.1 s), so the paper's 5 s cooldown becomes 0.02 s and 8 steps.
+// The GPU runtime serves one run at a time, on its GPUs.
+inline run_settings host_settings(const options& o, bool gpu) {
+  run_settings s;
+  s.runs = {run_kind::static_tp, run_kind::static_ep, run_kind::switching, run_kind::progressive,
+            run_kind::no_gate};
+  s.runs_at_once = gpu ? 1 : 2;
+  s.max_running = o.max_batch;
+  s.step_tokens = o.step_tokens;
+  s.calibration_context = &totals_context;
+  return s;
+}
+
+// Simulated: static TP, static EP, ours (stop-the-world, progressive, by cost) and the paper's
+// policy; the paper's limits (§9.1: 2,048 running) and SGLang's default chunked prefill on
+// large GPUs (8,192 tokens a step); the paper's cooldown of 5 s (§7.1) and the rules' default
+// window of 8; the calibration at mean_decode_context (each request's prompt plus half its
+// output); progress every 2,000 steps (a rollout run is ~400k).
+inline run_settings sim_settings() {
+  run_settings s;
+  s.runs = {run_kind::static_tp,   run_kind::static_ep,    run_kind::switching,
+            run_kind::progressive, run_kind::paper_policy, run_kind::by_cost};
+  s.max_running = 2048;
+  s.step_tokens = 8192;
+  s.cooldown_s = 5.0;
+  s.cooldown_steps = 0;
+  s.down_window = 8;
+  s.progress_every_steps = 2000;
+  s.calibration_context = &mean_decode_context;
+  return s;
+}
+
+inline run_settings settings_for(runtime_kind runtime, const options& o) {
+  return runtime == runtime_kind::sim ? sim_settings()
+                                      : host_settings(o, runtime == runtime_kind::gpu);
+}
 
 // The rollout's outputs are cut at this many tokens (paper §9.3); the trace's statistics count
 // those that reach it.

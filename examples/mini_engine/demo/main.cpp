@@ -116,9 +116,10 @@ std::unique_ptr<hf_checkpoint> open_checkpoint(const options& o) {
   return ck;
 }
 
-// The worlds the runs serve in: the GPU runtime, or on the host two runtimes beside each other
-// (two runs at a time on two cores).
-std::vector<world> make_worlds(const options& o, bool use_gpu, int P, const hf_checkpoint* ck) {
+// The worlds the runs serve in: the GPU runtime, or on the host `count` runtimes beside each
+// other (as many runs at a time).
+std::vector<world> make_worlds(const options& o, bool use_gpu, int P, const hf_checkpoint* ck,
+                               size_t count) {
   const host_plan plan = plan_host(o, ck);
   std::vector<world> worlds;
   if (use_gpu) {
@@ -131,9 +132,8 @@ std::vector<world> make_worlds(const options& o, bool use_gpu, int P, const hf_c
     worlds.push_back(make_gpu_world(o, P, traces, ck));
     return worlds;
   }
-  check_memory(plan, 2 * o.ranks);
-  worlds.push_back(make_host_world(o, plan, ck, true));
-  worlds.push_back(make_host_world(o, plan, ck, false));
+  check_memory(plan, static_cast<int>(count) * o.ranks);
+  for (size_t i = 0; i < count; ++i) worlds.push_back(make_host_world(o, plan, ck, i == 0));
   return worlds;
 }
 
@@ -163,8 +163,8 @@ std::string trace_names(const options& o) {
 
 // Host and GPU: the KV pool (what an H200 holds for the priced model, or --kv-pages), the
 // worlds, what they serve and the reshard stage. False when the reshard failed.
-bool prepare_host(options& o, runtime_kind runtime, int P, const hf_checkpoint* ck,
-                  std::vector<world>& worlds) {
+bool prepare_host(options& o, runtime_kind runtime, const run_settings& s, int P,
+                  const hf_checkpoint* ck, std::vector<world>& worlds) {
   const bool use_gpu = runtime == runtime_kind::gpu;
   std::string kv_why = std::to_string(o.kv_pages) + " EP pages a rank (--kv-pages)";
   if (o.kv_pages == 0 && use_gpu) {
@@ -174,7 +174,7 @@ bool prepare_host(options& o, runtime_kind runtime, int P, const hf_checkpoint* 
     // The run's KV heads only matter for the Qwen3-30B-A3B pricing; lite(): 4.
     o.kv_pages = h200_kv_pages(priced_of(o, 4), P, 16, &kv_why);
   }
-  worlds = make_worlds(o, use_gpu, P, ck);
+  worlds = make_worlds(o, use_gpu, P, ck, s.runs_at_once);
   const world& w = worlds.front();
   if (o.verbose) {
     std::printf("  runtime: %s\n", w.description.c_str());
@@ -197,16 +197,15 @@ bool prepare_host(options& o, runtime_kind runtime, int P, const hf_checkpoint* 
 
 // Sim: the paper's preamble; host and GPU: their worlds and the reshard stage. The pool the runs
 // are served on; `ok` false when the reshard failed.
-std::unique_ptr<run_pool> make_pool(options& o, runtime_kind runtime, int P,
-                                    const hf_checkpoint* ck, demo_clock& clock, bool& ok) {
+std::unique_ptr<run_pool> make_pool(options& o, runtime_kind runtime, const run_settings& s,
+                                    int P, const hf_checkpoint* ck, demo_clock& clock, bool& ok) {
   if (runtime == runtime_kind::sim) {
     clock = make_sim_clock(o);
-    const run_settings s = settings_for(runtime, o);
     print_sim_preamble(o, clock.clock->name(), s.max_running, s.step_tokens);
-    return std::make_unique<run_pool>(2, *clock.clock);  // two runs at a time: two cores
+    return std::make_unique<run_pool>(s.runs_at_once, *clock.clock);
   }
   std::vector<world> worlds;
-  ok = prepare_host(o, runtime, P, ck, worlds);
+  ok = prepare_host(o, runtime, s, P, ck, worlds);
   clock = make_clock(o, worlds.front(), P);
   if (o.verbose) std::printf("\n%s", clock.description.c_str());
   return std::make_unique<run_pool>(std::move(worlds), *clock.clock);
@@ -233,12 +232,14 @@ int run_demo(options o) {
         "choose)\n");
   }
   const std::unique_ptr<hf_checkpoint> checkpoint = open_checkpoint(o);
+  const run_settings settings = settings_for(runtime, o);
   demo_clock clock;
   bool ok = true;
-  const std::unique_ptr<run_pool> pool = make_pool(o, runtime, P, checkpoint.get(), clock, ok);
+  const std::unique_ptr<run_pool> pool =
+      make_pool(o, runtime, settings, P, checkpoint.get(), clock, ok);
   progress_printer progress(o.verbose ? progress_printer::style::lines
                                       : progress_printer::style::status);
-  harness h{o, runtime, settings_for(runtime, o), *pool, clock, P, progress};
+  harness h{o, runtime, settings, *pool, clock, P, progress};
   std::vector<trace_outcome> outcomes;
   for (const trace_kind k : o.traces) {
     outcomes.push_back(serve_trace(h, k));
