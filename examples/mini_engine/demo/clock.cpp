@@ -6,6 +6,7 @@
 #include <optional>
 #include <sstream>
 
+#include "sim_deployment.hpp"
 #include "step_curves.hpp"
 
 namespace mini_engine::demo {
@@ -60,13 +61,16 @@ demo_clock priced_clock(const options& o, const world& w, int P) {
   d << m;
   std::ostringstream link;
   link << h200_params{}.switch_link;
-  std::printf(
-      "\n  clock: modelled H200 x%d (step_clock.hpp's roofline at DESIGN.md §6-7 rates), "
+  char buf[1024];
+  std::snprintf(
+      buf, sizeof buf,
+      "  clock: modelled H200 x%d (step_clock.hpp's roofline at DESIGN.md §6-7 rates), "
       "each step priced as %s (%s), switches by moebius::cost_model over the link fitted "
       "on 18 switches measured on 2x H200 (%s), steps beside a progressive switch's "
       "copies by the slowdown curve measured on one H200; the host's own time is in the "
       "CSV (measured_ms)\n",
       P, to_string(o.priced), d.str().c_str(), link.str().c_str());
+  out.description = buf;
   // The priced deployment's name in bench_mini_engine_rank_share's files.
   const std::string bench_model =
       o.priced == priced_kind::qwen3_235b_a22b ? "qwen3_235b" : "qwen3_30b";
@@ -77,10 +81,10 @@ demo_clock priced_clock(const options& o, const world& w, int P) {
     curves = step_curves::from_file(o.curves);
   if (!curves) {
     if (o.curves.empty())
-      std::printf(
-          "  decode steps from the roofline: no measured step curves of %s at P=%d "
-          "under docs/results (step_curves_*.jsonl, bench_mini_engine_rank_share)\n",
-          bench_model.c_str(), P);
+      out.description += "  decode steps from the roofline: no measured step curves of " +
+                         bench_model + " at P=" + std::to_string(P) +
+                         " under docs/results (step_curves_*.jsonl, "
+                         "bench_mini_engine_rank_share)\n";
     out.clock = std::move(out.model);
     return out;
   }
@@ -91,10 +95,9 @@ demo_clock priced_clock(const options& o, const world& w, int P) {
                 from, ": measured with ", curves->num_layers(), " layers, the clock prices ",
                 to_string(o.priced), " (", m.num_layers,
                 " layers): curves of another model, or of a shortened one");
-  std::printf(
-      "  decode steps instead from %s: per-rank compute measured on one GPU, "
-      "collectives priced by a link model (bench_mini_engine_rank_share)\n",
-      curves->deployment().c_str());
+  out.description += "  decode steps instead from " + curves->deployment() +
+                     ": per-rank compute measured on one GPU, collectives priced by a link "
+                     "model (bench_mini_engine_rank_share)\n";
   out.clock = std::make_unique<curves_step_clock>(std::move(*curves), *out.model);
   return out;
 }
@@ -102,6 +105,7 @@ demo_clock priced_clock(const options& o, const world& w, int P) {
 }  // namespace
 
 demo_clock make_clock(const options& o, const world& w, int P) {
+  if (o.runtime == runtime_kind::sim) return make_sim_clock(o);
   if (o.clock == clock_kind::model || (o.clock == clock_kind::automatic && !w.on_gpu))
     return priced_clock(o, w, P);
   // --clock measured with --curves is a usage error (options.cpp); here the automatic clock
@@ -111,13 +115,32 @@ demo_clock make_clock(const options& o, const world& w, int P) {
                 "the GPU (--clock model uses them)");
   demo_clock out;
   out.clock = std::make_unique<measured_clock>();
-  if (w.on_gpu)
-    std::printf(
-        "\n  clock: measured on the GPUs (each step's CUDA events, the longest rank; "
-        "switches and copies: their measured time)\n");
-  else
-    std::printf("\n  clock: measured (on the host all ranks run on one core: no GPU crossover)\n");
+  out.description =
+      w.on_gpu ? "  clock: measured on the GPUs (each step's CUDA events, the longest rank; "
+                 "switches and copies: their measured time)\n"
+               : "  clock: measured (on the host all ranks run on one core: no GPU crossover)\n";
   return out;
+}
+
+demo_clock make_sim_clock(const options& o) {
+  std::optional<step_curves> curves =
+      o.curves.empty() ? step_curves::region("qwen3_235b", 8)
+                       : std::optional<step_curves>(step_curves::from_file(o.curves));
+  if (!curves)
+    throw usage_error("--runtime sim: no step curves of qwen3_235b at P=8 over the operating "
+                      "region (docs/results/step_region_*.jsonl); give --curves FILE");
+  if (o.collective_us_tp >= 0)
+    curves = curves->with_collective_latency(o.collective_us_tp, o.collective_us_ep);
+  priced_model m = qwen3_235b_a22b_priced();
+  m.context_scale = 1;
+  const sim_geometry g =
+      make_sim_geometry(make_deployment(qwen3_235b_a22b(), deployment_kind::switching));
+  demo_clock c;
+  c.priced = true;
+  c.model = std::make_unique<h200_step_model>(m, h200_params{}, 8, g.kv_bytes_per_token);
+  c.clock = std::make_unique<curves_step_clock>(std::move(*curves), *c.model);
+  c.description = std::string("  clock (priced, not measured): ") + c.clock->name() + "\n";
+  return c;
 }
 
 }  // namespace mini_engine::demo

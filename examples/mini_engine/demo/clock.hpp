@@ -2,7 +2,7 @@
 
 // The clock the demo's runs are timed on: priced (an H200 model of the deployment, its decode
 // steps from the measured per-rank step curves when there are any) or measured (the host's or
-// the GPUs' own time). What each prices is printed when it is chosen.
+// the GPUs' own time). What each prices is in its description (printed with --verbose).
 
 #include <memory>
 #include <string>
@@ -17,6 +17,7 @@ struct demo_clock {
   std::unique_ptr<h200_step_model> model;  // under a curves clock: outlives it
   std::unique_ptr<step_clock> clock;
   bool priced = false;
+  std::string description;  // what it prices and from what, a line or two
 };
 
 // The priced model of the H200 clock; `run_kv_heads`: the served model's KV heads (they
@@ -32,7 +33,12 @@ priced_model priced_of(const options& o, int64_t run_kv_heads);
 //   = 544 pages per rank.
 int64_t h200_kv_pages(const priced_model& m, int P, int64_t page_size, std::string* why);
 
-// The clock `o` asks for on world `w` with P ranks (printed, with what it prices).
+// The clock `o` asks for on world `w` with P ranks.
 demo_clock make_clock(const options& o, const world& w, int P);
+
+// The simulated runtime's clock: the region curves of Qwen3-235B-A22B at P = 8 (or --curves
+// FILE, --collective-us) and the H200 model (switches, the link, the overlap slowdown) at the
+// run model's KV bytes, contexts as they are (scale 1).
+demo_clock make_sim_clock(const options& o);
 
 }  // namespace mini_engine::demo

@@ -1,44 +1,105 @@
 #pragma once
 
-// The demo's experiments: per trace, the runs it serves (each named: static TP, static EP,
-// switching stop-the-world, progressive, and the policy without its cost gate) on the same
-// trace, the trace shapes and the switching runs' settings. Every tuning constant of a run or a
-// trace is in this header, with where it comes from; the code that serves only reads them.
+// The demo's experiments, one harness for every runtime: per trace, the runs it serves (named:
+// runs.hpp) on the same trace, calibrated once, then reported (report.hpp for the host and GPU
+// runtimes, paper_report.hpp for the simulated one). Every tuning constant of a run or a trace
+// is in this header, with where it comes from; the code that serves only reads them.
 
-#include <functional>
+#include <cstdint>
 #include <moebius/policy/calibration.hpp>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "clock.hpp"
 #include "engine.hpp"
 #include "options.hpp"
-#include "step_clock.hpp"
+#include "paper_metrics.hpp"
+#include "paper_traces.hpp"
+#include "report.hpp"
+#include "runs.hpp"
 #include "targets.hpp"
 #include "trace.hpp"
-#include "world.hpp"
+#include "trace_stats.hpp"
 
 namespace mini_engine::demo {
 
-// paper_policy: the paper's rules as written, without the cost gate (the simulated runtime's
-// baseline; the host demo's no_gate is the same policy under its own name).
-// by_cost: our policy choosing stop-the-world or progressive per switch (switch_style::by_cost).
-enum class run_kind : uint8_t {
-  static_tp,
-  static_ep,
-  switching,
-  progressive,
-  no_gate,
-  paper_policy,
-  by_cost
+// What a trace's runs are served with, per runtime (settings_for, below).
+struct run_settings {
+  std::vector<run_kind> runs;
+  size_t runs_at_once = 2;  // two cores: two runs side by side
+  int64_t max_running = 512;
+  int64_t step_tokens = 1024;
+  // Our policy on an interactive trace: the cooldown between switches, and the window W the
+  // EP -> TP rule averages the load over.
+  double cooldown_s = 0.02;
+  int64_t cooldown_steps = 8;
+  int64_t down_window = 8;
+  int64_t rollout_cooldown_steps = 8;  // paper eq. 13: a rollout's load only decays
+  // How often a run reports progress, in steps (the printer then shows at most one line per 5 s).
+  int64_t progress_every_steps = 1;
+  // The context the calibration prices decode steps at, from the trace.
+  int64_t (*calibration_context)(const std::vector<request>&) = nullptr;
+  // On the GPU runtime the traces keep few sequences running, below any threshold the
+  // calibration finds (and one GPU has no crossover): the switching runs switch every this many
+  // steps instead (forced), which moves every weight and KV page.
+  int64_t forced_every_steps = 100;
+  int64_t forced_last_step = 100'000;
 };
 
-// "static TP", "static EP", "ours", "ours progressive", "no gate", "paper policy", "ours by
-// cost": the runs' names in tables (switching, progressive and by_cost: the engine's own policy
-// and gate, stop-the-world, progressive and chosen per switch).
-const char* label_of(run_kind k);
+// The host's calibration context: the trace's prompt tokens plus half its output tokens, over
+// its requests.
+int64_t totals_context(const std::vector<request>& trace);
 
-// The traces (fixed shapes, the same for every deployment; sizes kept small enough for the
-// host runtime to serve each four times in a few minutes):
+// Host and GPU: static TP, static EP, ours, ours progressive and (with a policy and its gate)
+// no gate; --max-batch sequences (512) and --step-tokens a step (1024). The traces are
+// compressed in time (bursts of 0.1 s), so the paper's 5 s cooldown becomes 0.02 s and 8 steps.
+// The GPU runtime serves one run at a time, on its GPUs.
+inline run_settings host_settings(const options& o, bool gpu) {
+  run_settings s;
+  s.runs = {run_kind::static_tp, run_kind::static_ep, run_kind::switching, run_kind::progressive,
+            run_kind::no_gate};
+  s.runs_at_once = gpu ? 1 : 2;
+  s.max_running = o.max_batch;
+  s.step_tokens = o.step_tokens;
+  s.calibration_context = &totals_context;
+  return s;
+}
+
+// Simulated: static TP, static EP, ours (stop-the-world, progressive, by cost) and the paper's
+// policy; the paper's limits (§9.1: 2,048 running) and SGLang's default chunked prefill on
+// large GPUs (8,192 tokens a step); the paper's cooldown of 5 s (§7.1) and the rules' default
+// window of 8; the calibration at mean_decode_context (each request's prompt plus half its
+// output); progress every 2,000 steps (a rollout run is ~400k).
+inline run_settings sim_settings() {
+  run_settings s;
+  s.runs = {run_kind::static_tp,   run_kind::static_ep,    run_kind::switching,
+            run_kind::progressive, run_kind::paper_policy, run_kind::by_cost};
+  s.max_running = 2048;
+  s.step_tokens = 8192;
+  s.cooldown_s = 5.0;
+  s.cooldown_steps = 0;
+  s.down_window = 8;
+  s.progress_every_steps = 2000;
+  s.calibration_context = &mean_decode_context;
+  return s;
+}
+
+inline run_settings settings_for(runtime_kind runtime, const options& o) {
+  return runtime == runtime_kind::sim ? sim_settings()
+                                      : host_settings(o, runtime == runtime_kind::gpu);
+}
+
+// The rollout's outputs are cut at this many tokens (paper §9.3); the trace's statistics count
+// those that reach it.
+inline constexpr int64_t k_rollout_output_cap = paper_rollout_options{}.output_cap;
+
+// --search: the rollout rule's thresholds b the offline search serves the trace at.
+inline const std::vector<int64_t> k_search_grid = {32, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
+
+// The host demo's traces (fixed shapes, the same for every deployment; sizes kept small enough
+// for the host runtime to serve each four times in a few minutes):
 //   bursty      quiet periods (0.6 s at 40 requests/s: 1-10 running) and bursts (0.1 s at
 //               5500/s: ~550 requests, the engine fills to its 512 sequences)
 //   rollout     an RL rollout: `--requests` (512) prompts at t = 0, outputs log-normal
@@ -48,7 +109,7 @@ const char* label_of(run_kind k);
 //   production  shaped like the Azure LLM inference trace 2023 (trace.hpp: Splitwise's
 //               conversation medians, prompt 1020 / output 129 tokens; prompts divided by
 //               the clock's context scale), mean 30 requests/s, rate redrawn every 0.5 s
-// `--duration` replaces each duration; `crossover_rate`: the steady trace's requests/s.
+// `--duration` replaces each duration. The paper's traces: serving/paper_traces.hpp.
 struct trace_shapes {
   bursty_options bursty;
   rollout_options rollout;
@@ -57,57 +118,24 @@ struct trace_shapes {
 };
 trace_shapes demo_trace_shapes();
 
+// The trace of kind `kind`; `steady_rate` > 0: the steady traces' requests/s.
 std::vector<request> make_trace(const options& o, trace_kind kind, int32_t vocab,
-                                double crossover_rate);
+                                double steady_rate);
 
-// The switching runs' settings beyond the calibration. The demo's traces are compressed in
-// time (bursts of 0.1 s), so the paper's 5 s cooldown becomes steps.
-struct switching_settings {
-  double interactive_cooldown_s = 0.02;  // bursts of 0.1 s
-  int64_t interactive_cooldown_steps = 8;
-  int64_t interactive_down_window = 8;
-  int64_t rollout_cooldown_steps = 8;  // paper eq. 13: a rollout's load only decays
-  // On the GPU runtime the traces keep few sequences running, below any threshold the
-  // calibration finds (and one GPU has no crossover): the switching runs switch every this
-  // many steps instead (forced), which moves every weight and KV page.
-  int64_t forced_every_steps = 100;
-  int64_t forced_last_step = 100'000;
+// What every trace of a demo is served with.
+struct harness {
+  const options& o;
+  runtime_kind runtime;  // host, gpu or sim (never automatic)
+  run_settings settings;
+  run_pool& pool;
+  const demo_clock& clock;
+  int P;
+  progress_printer& progress;
+  nlohmann::json results = nlohmann::json::array();  // simulated: every metric of every run
 };
 
-// One run of a trace: which, and the engine options it is served with.
-struct run_spec {
-  run_kind kind;
-  engine_options options;
-};
-
-// What one run gave.
-struct run_outcome {
-  run_kind kind;
-  run_result result;
-  run_summary summary;
-  double wall_s = 0;  // the host's own time
-};
-
-// The run of kind `k` in `runs` (null when it was not served).
-const run_outcome* find_run(const std::vector<run_outcome>& runs, run_kind k);
-
-// Serves `trace` once per spec, as many at a time as `pool` has engines (each on its own
-// runtime), in the order of `specs`; rethrows the first failure after every thread is joined.
-std::vector<run_outcome> serve_runs(const std::vector<request>& trace,
-                                    const std::vector<run_spec>& specs,
-                                    const std::vector<engine*>& pool);
-
-struct trace_outcome {
-  std::string name;
-  bool tokens_identical = true;
-  std::vector<target_check> targets;
-};
-
-// Serves one trace with every run and prints its table, the report and the files.
-//   `e`: the engine calibrated on; `pool`: the engines runs are served on (e first);
-//   `set_progress`: installs the progress printer into a run's options.
-trace_outcome serve_trace(const options& o, trace_kind kind, world& w, engine& e,
-                          const std::vector<engine*>& pool, const step_clock& clock, int P,
-                          const std::function<void(engine_options&)>& set_progress);
+// Serves one trace with every run and reports it (the table, the files; the details with
+// --verbose).
+trace_outcome serve_trace(harness& h, trace_kind kind);
 
 }  // namespace mini_engine::demo

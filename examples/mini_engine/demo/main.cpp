@@ -1,21 +1,25 @@
 // moebius_demo: the mini-engine serving request traces while Moebius switches it between TP
-// and EP (README: the first command). Per trace (bursty, RL rollout, steady near the crossover,
-// production-shaped; or a file) five runs of the same trace on the same runtimes: static TP,
-// static EP, switching by the calibrated policy with its cost gate (stop-the-world, and
-// progressively: a few layers per step), and the same policy without the gate; then a table
-// with the best static run beside switching, the targets, the gate's reasoning, a
-// bound on what any switching could gain, a CSV and an SVG timeline.
+// and EP (README: the first command). One harness for every runtime (experiments.hpp): per
+// trace (the host demo's bursty, RL rollout, steady near the crossover and production-shaped;
+// the paper's bursty, steady and rollout at full size on the simulated runtime; or a file) the
+// named runs of the same trace (runs.hpp: static TP, static EP, ours stop-the-world and
+// progressive, and the rules without the gate; simulated, ours by cost and the paper's policy
+// too), served by one pool, then per trace a table and a verdict (every table, the calibration,
+// the policy and the gate's reasoning with --verbose), a CSV of the steps (bounded) and the
+// requests, and an SVG timeline.
 //
-//   stage 1  a verified reshard: the model's experts EP -> TP -> EP through the switcher,
-//            with layout-independent checksums of every layer before and after;
+//   stage 1  (host, GPU) a verified reshard: the model's experts EP -> TP -> EP through the
+//            switcher, with layout-independent checksums of every layer before and after;
 //   per trace: calibration (decode-step times of both modes over a batch sweep, on the clock
 //            in use -> moebius::calibrate -> the policy's thresholds and the gate's curves),
-//            then the runs, two at a time on two host runtimes; every switching run must
-//            produce the static runs' greedy tokens, request for request.
+//            then the runs, two at a time; on the host every switching run must produce the
+//            static runs' greedy tokens, request for request.
 //
 // The parts, each in its own file: options (the command line), world (the runtime, its memory
-// and every build axis), clock (priced or measured), reshard_stage (stage 1), experiments (the
-// traces and the runs), report (tables and files), targets (what the runs are graded against).
+// and every build axis), clock (priced or measured), runs (the named runs and the pool),
+// reshard_stage (stage 1), experiments (the settings and the per-trace driver), traces (their
+// shapes), report (the host and GPU tables and the files), paper_report (the simulated
+// runtime's tables, verdicts and JSON), targets (what the runs are graded against).
 //
 // Runtimes: the host runtime (P virtual ranks in this process) on the lite() model, priced
 // on the modelled H200 clock (Qwen3-235B-A22B on 8 H200s by default, its KV pool sized as an
@@ -28,7 +32,9 @@
 // bytes). At GPU step times the traces keep few sequences running, below the calibrated
 // thresholds (and one GPU has no crossover), so on GPUs the switching runs switch every 100
 // steps (forced), which still moves every weight and KV page and serves across each switch
-// (graphs replayed after it, hybrid steps during progressive).
+// (graphs replayed after it, hybrid steps during progressive). The simulated runtime (`--runtime
+// sim`): the paper's deployment of Qwen3-235B-A22B on 8 H200s, each run on its own (static
+// layouts' pools differ), steps priced by the curves measured on one H200, nothing computed.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -44,7 +50,8 @@
 #include "engine.hpp"
 #include "experiments.hpp"
 #include "options.hpp"
-#include "paper.hpp"
+#include "paper_report.hpp"
+#include "runs.hpp"
 #include "report.hpp"
 #include "reshard_stage.hpp"
 #include "world.hpp"
@@ -71,20 +78,33 @@ int write_trace_file(const options& o) {
   return 0;
 }
 
-// Whether to serve on the GPU runtime (printing why not, when GPUs are there but unused).
-bool choose_gpu(const options& o) {
+// --results FILE: every metric of every run (the simulated runtime's), as JSON.
+void write_results(const options& o, const nlohmann::json& results) {
+  if (o.results_file.empty()) return;
+  std::ofstream f(o.results_file);
+  f << results.dump(2) << "\n";
+  if (!f) throw std::runtime_error("cannot write " + o.results_file);
+  std::printf("%s  every metric of every run: %s\n", o.verbose ? "\n" : "",
+              o.results_file.c_str());
+}
+
+// The runtime the demo serves on: sim when asked, else the GPU runtime when asked or (auto)
+// when GPUs are there and the build has it (printing why not, when GPUs are there but unused),
+// else the host runtime.
+runtime_kind choose_runtime(const options& o) {
+  if (o.runtime == runtime_kind::sim) return runtime_kind::sim;
   const int gpus = count_gpus();
   if (o.runtime != runtime_kind::gpu && !(o.runtime == runtime_kind::automatic && gpus > 0))
-    return false;
+    return runtime_kind::host;
   if (!has_gpu_runtime()) {
     std::printf(
         "  note: %d GPU(s) found, but this build has no GPU runtime (it needs CUDA and "
         "NCCL); running the host runtime\n",
         gpus);
-    return false;
+    return runtime_kind::host;
   }
   if (gpus == 0) std::printf("  note: no GPU found; running the host runtime\n");
-  return gpus > 0;
+  return gpus > 0 ? runtime_kind::gpu : runtime_kind::host;
 }
 
 std::unique_ptr<hf_checkpoint> open_checkpoint(const options& o) {
@@ -96,9 +116,10 @@ std::unique_ptr<hf_checkpoint> open_checkpoint(const options& o) {
   return ck;
 }
 
-// The world the runs serve in, and on the host a second one beside it (two runs at a time on
-// two cores).
-std::vector<world> make_worlds(const options& o, bool use_gpu, int P, const hf_checkpoint* ck) {
+// The worlds the runs serve in: the GPU runtime, or on the host `count` runtimes beside each
+// other (as many runs at a time).
+std::vector<world> make_worlds(const options& o, bool use_gpu, int P, const hf_checkpoint* ck,
+                               size_t count) {
   const host_plan plan = plan_host(o, ck);
   std::vector<world> worlds;
   if (use_gpu) {
@@ -111,9 +132,8 @@ std::vector<world> make_worlds(const options& o, bool use_gpu, int P, const hf_c
     worlds.push_back(make_gpu_world(o, P, traces, ck));
     return worlds;
   }
-  check_memory(plan, 2 * o.ranks);
-  worlds.push_back(make_host_world(o, plan, ck, true));
-  worlds.push_back(make_host_world(o, plan, ck, false));
+  check_memory(plan, static_cast<int>(count) * o.ranks);
+  for (size_t i = 0; i < count; ++i) worlds.push_back(make_host_world(o, plan, ck, i == 0));
   return worlds;
 }
 
@@ -130,15 +150,79 @@ void print_paper_deployment() {
   }
 }
 
+// The traces served, by name: "bursty, rollout, steady and production".
+std::string trace_names(const options& o) {
+  std::string s;
+  for (size_t i = 0; i < o.traces.size(); ++i) {
+    const trace_kind k = o.traces[i];
+    s += (i == 0 ? "" : i + 1 == o.traces.size() ? " and " : ", ") +
+         (k == trace_kind::file ? o.trace_file : std::string(to_string(k)));
+  }
+  return s;
+}
+
+// Host and GPU: the KV pool (what an H200 holds for the priced model, or --kv-pages), the
+// worlds, what they serve and the reshard stage. False when the reshard failed.
+bool prepare_host(options& o, runtime_kind runtime, const run_settings& s, int P,
+                  const hf_checkpoint* ck, std::vector<world>& worlds) {
+  const bool use_gpu = runtime == runtime_kind::gpu;
+  std::string kv_why = std::to_string(o.kv_pages) + " EP pages a rank (--kv-pages)";
+  if (o.kv_pages == 0 && use_gpu) {
+    o.kv_pages = 2048;
+    kv_why = "2048 EP pages a rank (the GPU runtime's default; --kv-pages to change)";
+  } else if (o.kv_pages == 0) {
+    // The run's KV heads only matter for the Qwen3-30B-A3B pricing; lite(): 4.
+    o.kv_pages = h200_kv_pages(priced_of(o, 4), P, 16, &kv_why);
+  }
+  worlds = make_worlds(o, use_gpu, P, ck, s.runs_at_once);
+  const world& w = worlds.front();
+  if (o.verbose) {
+    std::printf("  runtime: %s\n", w.description.c_str());
+    std::printf("  KV pool: %s\n", kv_why.c_str());
+    if (!use_gpu && o.priced == priced_kind::qwen3_235b_a22b) print_paper_deployment();
+  } else {
+    std::printf("  %s serving %s, every token computed, each step %s; --verbose for every run's "
+                "tables, the clock and the gate\n",
+                w.name.c_str(), trace_names(o).c_str(),
+                use_gpu && o.clock != clock_kind::model
+                    ? "timed on the GPU"
+                    : ("priced as " + std::string(to_string(o.priced)) + " on " +
+                       std::to_string(P) + " H200s")
+                          .c_str());
+  }
+  if (!o.reshard_stage) return true;
+  if (o.verbose) std::printf("\nstage 1: verified reshard of the model's experts\n");
+  return verified_reshard(worlds.front(), o.verbose);
+}
+
+// Sim: the paper's preamble; host and GPU: their worlds and the reshard stage. The pool the runs
+// are served on; `ok` false when the reshard failed.
+std::unique_ptr<run_pool> make_pool(options& o, runtime_kind runtime, const run_settings& s,
+                                    int P, const hf_checkpoint* ck, demo_clock& clock, bool& ok) {
+  if (runtime == runtime_kind::sim) {
+    clock = make_sim_clock(o);
+    print_sim_preamble(o, clock.clock->name(), s.max_running, s.step_tokens);
+    return std::make_unique<run_pool>(s.runs_at_once, *clock.clock);
+  }
+  std::vector<world> worlds;
+  ok = prepare_host(o, runtime, s, P, ck, worlds);
+  clock = make_clock(o, worlds.front(), P);
+  if (o.verbose) std::printf("\n%s", clock.description.c_str());
+  return std::make_unique<run_pool>(std::move(worlds), *clock.clock);
+}
+
 int run_demo(options o) {
   const auto t_start = wall::now();
   if (!o.write_trace.empty()) return write_trace_file(o);
-  if (o.runtime == runtime_kind::sim) return run_paper_experiments(o);
-  std::printf("moebius demo: a mini-engine serving while Moebius switches it between TP and EP\n");
-  const bool use_gpu = choose_gpu(o);
+  if (o.runtime != runtime_kind::sim)
+    std::printf("moebius demo: a mini-engine serving while Moebius switches it between TP and "
+                "EP\n");
+  const runtime_kind runtime = choose_runtime(o);
   // GPU: 2 ranks (one per GPU with two GPUs or more, virtual on one GPU), or --gpu-ranks.
-  const int P = !use_gpu ? o.ranks : o.gpu_ranks > 0 ? o.gpu_ranks : 2;
-  if (use_gpu && !o.traces_given) {
+  const int P = runtime == runtime_kind::sim   ? 8
+                : runtime == runtime_kind::gpu ? (o.gpu_ranks > 0 ? o.gpu_ranks : 2)
+                                               : o.ranks;
+  if (runtime == runtime_kind::gpu && !o.traces_given) {
     // The steady and production traces are sized for the priced clock (tens of thousands of
     // requests at the crossover of Qwen3-235B-A22B); the GPU runtime's small model serves the
     // two that show its switches: bursty and rollout (--trace steady|production to add them).
@@ -147,53 +231,25 @@ int run_demo(options o) {
         "on the GPU runtime the demo serves the bursty and rollout traces (--trace to "
         "choose)\n");
   }
-  std::string kv_why = std::to_string(o.kv_pages) + " EP pages a rank (--kv-pages)";
-  if (o.kv_pages == 0) {
-    if (use_gpu) {
-      o.kv_pages = 2048;
-      kv_why = "2048 EP pages a rank (the GPU runtime's default; --kv-pages to change)";
-    } else {
-      // The run's KV heads only matter for the Qwen3-30B-A3B pricing; lite(): 4.
-      o.kv_pages = h200_kv_pages(priced_of(o, 4), P, 16, &kv_why);
-    }
-  }
   const std::unique_ptr<hf_checkpoint> checkpoint = open_checkpoint(o);
-  std::vector<world> worlds = make_worlds(o, use_gpu, P, checkpoint.get());
-  world& w = worlds.front();
-  std::printf("  runtime: %s\n", w.description.c_str());
-  std::printf("  KV pool: %s\n", kv_why.c_str());
-  if (!use_gpu && o.priced == priced_kind::qwen3_235b_a22b) print_paper_deployment();
-
+  const run_settings settings = settings_for(runtime, o);
+  demo_clock clock;
   bool ok = true;
-  if (o.reshard_stage) {
-    std::printf("\nstage 1: verified reshard of the model's experts\n");
-    ok = verified_reshard(w);
-  }
-  const demo_clock clock = make_clock(o, w, P);
-
-  // An engine per world, for every trace (an engine owns its runtime's arena cursor and
-  // tables from its construction on); the first also calibrates.
-  std::vector<std::unique_ptr<moebius::transport>> transports;
-  std::vector<std::unique_ptr<engine>> engines;
-  std::vector<engine*> pool;
-  for (world& x : worlds) {
-    transports.push_back(x.make_transport());
-    engines.push_back(std::make_unique<engine>(*x.rt, *transports.back(), x.arena, x.kv,
-                                               *clock.clock, moebius::arena_cursor{0},
-                                               x.kv_layout));
-    pool.push_back(engines.back().get());
-  }
-
-  progress_printer progress;
-  const auto set_progress = [&progress](engine_options& base) { progress.install(base); };
-
+  const std::unique_ptr<run_pool> pool =
+      make_pool(o, runtime, settings, P, checkpoint.get(), clock, ok);
+  progress_printer progress(o.verbose ? progress_printer::style::lines
+                                      : progress_printer::style::status);
+  harness h{o, runtime, settings, *pool, clock, P, progress};
   std::vector<trace_outcome> outcomes;
   for (const trace_kind k : o.traces) {
-    outcomes.push_back(serve_trace(o, k, w, *pool.front(), pool, *clock.clock, P, set_progress));
-    ok = ok && outcomes.back().tokens_identical;
+    outcomes.push_back(serve_trace(h, k));
+    ok = ok && outcomes.back().ok;
   }
-
-  print_summary(outcomes, clock.priced, to_string(o.priced), P);
+  if (runtime == runtime_kind::sim) {
+    write_results(o, h.results);
+  } else {
+    print_summary(outcomes, clock.priced, to_string(o.priced), P, o.verbose, o.out_dir);
+  }
   std::printf("%s (%.1f s)\n", ok ? "demo: ok" : "demo: FAILED", seconds_since(t_start));
   return ok ? 0 : 1;
 }

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string_view>
+#include <utility>
 
 namespace mini_engine::demo {
 
@@ -67,21 +68,58 @@ E parse_choice(const std::string& option, const std::string& v, const char* cons
 }
 
 constexpr const char* k_description =
-    "Serves each request trace four times on the mini-engine (static TP, static EP, and\n"
+    "Serves each request trace several times on the mini-engine (static TP, static EP, and\n"
     "switching live between them with the Moebius policy and its cost gate, stop-the-world\n"
-    "and progressive), then prints a table per trace with the best static run beside\n"
-    "switching, and writes a CSV and an SVG timeline per trace. Without GPUs it runs the host\n"
-    "runtime (small model, P virtual ranks) and prices each step with an H200 model (the clock\n"
-    "it shows); with GPUs (a CUDA build) the GPU runtime serves the small model on\n"
-    "P = min(GPUs, 2) ranks (one GPU: 2 virtual ranks on it), each step timed with CUDA events\n"
-    "(the measured clock).";
+    "and progressive), then prints per trace a table against the best static run and a\n"
+    "verdict (--verbose: every table and the details), and writes a CSV and an SVG timeline\n"
+    "per trace. Without GPUs it runs the host runtime (small model, P virtual ranks) and prices\n"
+    "each step with an H200 model; with GPUs (a CUDA build) the GPU runtime serves the small\n"
+    "model on P = min(GPUs, 2) ranks (one GPU: 2 virtual ranks on it), each step timed with\n"
+    "CUDA events; --runtime sim: the paper's experiments at its scale, steps priced.";
 
-// The options, each read into `o` by its own callback (CLI11 calls them after the whole line
-// is parsed, in the order they are declared here).
-void declare(CLI::App& app, options& o, bool& max_batch_set) {
-  auto text = [&](const char* name, const char* type, const char* help, auto&& read) {
-    app.add_option_function<std::string>(name, std::forward<decltype(read)>(read), help)
-        ->type_name(type);
+// A text option read by `read` (a callback CLI11 calls with the value).
+template <class Read>
+void add_text(CLI::App& app, const char* name, const char* type, const char* help, Read&& read) {
+  app.add_option_function<std::string>(name, std::forward<Read>(read), help)->type_name(type);
+}
+
+// --trace V [V ...]: the traces in order (all: the host demo's four; anything else a file).
+void read_traces(options& o, const std::vector<std::string>& vs) {
+  static const std::pair<const char*, trace_kind> names[] = {
+      {"bursty", trace_kind::bursty},
+      {"rollout", trace_kind::rollout},
+      {"steady", trace_kind::steady},
+      {"production", trace_kind::production},
+      {"paper-bursty", trace_kind::paper_bursty},
+      {"paper-rollout", trace_kind::paper_rollout},
+      {"paper-steady", trace_kind::paper_steady}};
+  o.traces.clear();
+  o.traces_given = true;
+  for (const std::string& v : vs) {
+    if (v == "all") {
+      o.traces.insert(o.traces.end(), {trace_kind::bursty, trace_kind::rollout,
+                                       trace_kind::steady, trace_kind::production});
+      continue;
+    }
+    const auto named = std::find_if(std::begin(names), std::end(names),
+                                    [&v](const auto& n) { return v == n.first; });
+    if (named != std::end(names)) {
+      o.traces.push_back(named->second);
+    } else if (v.empty()) {
+      fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
+                      "paper-steady, paper-rollout or a file name");
+    } else {
+      if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
+      o.traces.push_back(trace_kind::file);
+      o.trace_file = v;
+    }
+  }
+}
+
+// The runtime and its ranks.
+void declare_runtime(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
   };
   text("--runtime", "auto|host|gpu|sim",
        "which runtime (auto: gpu when GPUs are present); sim: the paper's two experiments at "
@@ -99,39 +137,16 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        [&o](const std::string& v) {
          o.gpu_ranks = static_cast<int>(parse_int("--gpu-ranks", v, 1, 8));
        });
+}
+
+// What is served: the traces, the model, the gate, the seed and the traces' sizes.
+void declare_workload(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   app.add_option_function<std::vector<std::string>>(
          "--trace",
-         [&o](const std::vector<std::string>& vs) {
-           o.traces.clear();
-           o.traces_given = true;
-           for (const std::string& v : vs) {
-             if (v == "all") {
-               o.traces.insert(o.traces.end(), {trace_kind::bursty, trace_kind::rollout,
-                                                trace_kind::steady, trace_kind::production});
-             } else if (v == "bursty")
-               o.traces.push_back(trace_kind::bursty);
-             else if (v == "rollout")
-               o.traces.push_back(trace_kind::rollout);
-             else if (v == "steady")
-               o.traces.push_back(trace_kind::steady);
-             else if (v == "production")
-               o.traces.push_back(trace_kind::production);
-             else if (v == "paper-bursty")
-               o.traces.push_back(trace_kind::paper_bursty);
-             else if (v == "paper-rollout")
-               o.traces.push_back(trace_kind::paper_rollout);
-             else if (v == "paper-steady")
-               o.traces.push_back(trace_kind::paper_steady);
-             else if (v.empty()) {
-               fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
-                               "paper-steady, paper-rollout or a file name");
-             } else {
-               if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
-               o.traces.push_back(trace_kind::file);
-               o.trace_file = v;
-             }
-           }
-         },
+         [&o](const std::vector<std::string>& vs) { read_traces(o, vs); },
          "the workload (default all: the four in turn; with --runtime sim paper-bursty, "
          "paper-steady (at the rate that keeps ~B* running) and paper-rollout, the paper's "
          "experiments at full size; FILE: .jsonl, or text lines 'arrival_s prompt output'; may "
@@ -174,6 +189,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        });
   text("--requests", "N", "rollout batch, 1..100000 (default 512)",
        [&o](const std::string& v) { o.requests = parse_int("--requests", v, 1, 100000); });
+}
+
+// The serving limits and the clock.
+void declare_serving(CLI::App& app, options& o, bool& max_batch_set) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   text(
       "--kv-pages", "N",
       "EP KV pages per rank, 1..16777216 (default: what an H200 holds for the priced model "
@@ -204,6 +226,13 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
          o.curves = v;
          if (v != "roofline" && !std::ifstream(v).good()) fail("--curves", "cannot open " + v);
        });
+}
+
+// What is written and printed.
+void declare_output(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   text("--out", "DIR", "where the CSV and SVG go (default moebius_demo_out)",
        [&o](const std::string& v) {
          if (v.empty()) fail("--out", "needs a directory name");
@@ -211,6 +240,26 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
        });
   app.add_flag_callback(
       "--no-reshard", [&o] { o.reshard_stage = false; }, "skip the verified-reshard stage");
+  app.add_flag_callback(
+      "--verbose", [&o] { o.verbose = true; },
+      "every table of every run, the deployment, the clock, the calibration, the policy and "
+      "the gate's reasoning, each run's progress (default: per trace a table and a verdict)");
+  app.add_flag_callback(
+      "--full-step-log", [&o] { o.step_log_rows = 0; },
+      "steps.csv with every step of every run (default: at most 80,000 rows a trace, every "
+      "k-th step and every step at a switch; the paper's rollout in full is 232 MB)");
+  text("--step-log-rows", "N",
+       "the most rows steps.csv keeps a trace, 1..100000000 (default 80000; --full-step-log: all)",
+       [&o](const std::string& v) {
+         o.step_log_rows = parse_int("--step-log-rows", v, 1, 100'000'000);
+       });
+}
+
+// The simulated runtime's experiments.
+void declare_sim(CLI::App& app, options& o) {
+  const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
+    add_text(app, n, t, h, std::forward<decltype(read)>(read));
+  };
   text("--collective-us", "US|TP_US,EP_US",
        "--runtime sim: price each collective at US microseconds of latency instead of the "
        "curves' 10, or TP's all-reduce at TP_US and EP's dispatch and combine at EP_US; each "
@@ -253,6 +302,16 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
          if (v.empty()) fail("--results", "needs a file name");
          o.results_file = v;
        });
+}
+
+// The options, each read into `o` by its own callback (CLI11 calls them after the whole line
+// is parsed, in the order they are declared here; --help lists them in that order).
+void declare(CLI::App& app, options& o, bool& max_batch_set) {
+  declare_runtime(app, o);
+  declare_workload(app, o);
+  declare_serving(app, o, max_batch_set);
+  declare_output(app, o);
+  declare_sim(app, o);
 }
 
 // Constraints between options, once all are read.

@@ -69,7 +69,7 @@ struct options {
   // recompute as vLLM and SGLang do (the default), or each request's true output (an oracle).
   bool oracle_admission = false;
   // --runtime sim, rollout traces: search one switch point per rollout step over a grid of
-  // thresholds (the offline ceiling, paper.hpp).
+  // thresholds (the offline ceiling, paper_report.hpp).
   bool search = false;
   // --runtime sim: every decision of the policy runs in which a rule fired (decisions.txt).
   bool explain = false;
@@ -81,6 +81,15 @@ struct options {
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap
   bool reshard_stage = true;
+  // --verbose: every table of every run, the deployment, the clock, the calibration, the
+  // policy's configuration and the gate's reasoning (by default: a table per trace and a
+  // verdict).
+  bool verbose = false;
+  // The step log (steps.csv) of a trace's runs holds at most this many rows (about 90 bytes
+  // each: ~7 MB): every k-th step of each run, k the same for every run of the trace, and every
+  // step at a switch or a change of mode. 0 (--full-step-log): every step; the paper's rollout
+  // served six times is 2.6M steps, 232 MB.
+  int64_t step_log_rows = 80'000;
   bool help = false;
 };
 

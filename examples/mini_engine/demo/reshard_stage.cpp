@@ -5,10 +5,11 @@
 #include <moebius/switch/checksum.hpp>
 #include <moebius/switch/switcher.hpp>
 #include <span>
+#include <string>
 
 namespace mini_engine::demo {
 
-bool verified_reshard(world& w) {
+bool verified_reshard(world& w, bool verbose) {
   using moebius::parallel_mode;
   const std::unique_ptr<moebius::transport> t = w.make_transport();
   moebius::switcher_options so;
@@ -30,19 +31,28 @@ bool verified_reshard(world& w) {
   }
   moebius::switcher sw(w.arena, w.kv, *t, empty, moebius::arena_cursor{0}, so);
   bool ok = true;
+  int64_t layers = 0;
+  std::string errors;
   for (const parallel_mode target : {parallel_mode::tp, parallel_mode::ep}) {
     const moebius::switch_report r = sw.switch_to(target);
     int64_t sent = 0;
     for (int64_t b : r.weight_bytes_sent) sent = std::max(sent, b);
     const bool good = r.outcome == moebius::switch_outcome::committed && r.verified;
+    layers = r.weight_phases;
+    if (!good) errors += (errors.empty() ? "" : "; ") + r.error;
+    ok = ok && good;
+    if (!verbose) continue;
     std::printf(
         "  %s -> %s: %lld layers, %.2f MiB leaving each rank, %.1f ms on this host; "
         "checksums of every layer %s\n",
         moebius::to_string(r.from), moebius::to_string(r.to),
         static_cast<long long>(r.weight_phases), static_cast<double>(sent) / 1048576.0, r.total_ms,
         good ? "equal" : ("DIFFER: " + r.error).c_str());
-    ok = ok && good;
   }
+  if (!verbose)
+    std::printf("  verified reshard of the model's experts, EP -> TP -> EP through the switcher: "
+                "%lld layers, checksums of every layer %s\n",
+                static_cast<long long>(layers), ok ? "equal" : ("DIFFER: " + errors).c_str());
   return ok;
 }
 

@@ -8,7 +8,8 @@
 
 namespace mini_engine::demo {
 
-// Prints a line per switch; true when both committed with equal checksums.
-bool verified_reshard(world& w);
+// Prints a line per switch (`verbose`), else one line for both; true when both committed with
+// equal checksums.
+bool verified_reshard(world& w, bool verbose);
 
 }  // namespace mini_engine::demo

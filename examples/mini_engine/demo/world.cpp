@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <moebius/config.hpp>
 #include <moebius/error.hpp>
+#include <moebius/transport/dry_run_transport.hpp>
 #include <moebius/transport/host_transport.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -21,6 +22,8 @@
 
 #include "host_runtime.hpp"
 #include "model_config.hpp"
+#include "sim_deployment.hpp"
+#include "sim_runtime.hpp"
 #include "weights.hpp"
 
 #ifndef MINI_ENGINE_DEMO_GPU  // defined by CMake when the GPU runtime is built
@@ -150,15 +153,62 @@ world make_host_world(const options& o, const host_plan& p, const hf_checkpoint*
   else
     d << "host runtime, lite model (" << c << "), " << o.ranks << " virtual ranks";
   w.description = d.str();
+  w.name = "host runtime, " + (ck ? "checkpoint " + ck->source() : std::string("lite model")) +
+           ", " + std::to_string(o.ranks) + " virtual ranks";
   w.rt = std::move(rt);
   w.make_transport = [mem = w.memory] { return std::make_unique<moebius::host_transport>(mem); };
   return w;
 }
 
 #if MINI_ENGINE_DEMO_GPU
+namespace {
+
+// The GPU runtime's options: P ranks (more than the GPUs: virtual ranks, placement automatic),
+// page tables as long as the longest request of `traces`, graphs per mode and bucket up to the
+// step's token budget.
+gpu::gpu_runtime_options gpu_options(const options& o, int P, const model_config& c,
+                                     const std::vector<request>& traces, bool bf16) {
+  int64_t longest = 1;
+  for (const request& r : traces)
+    longest = std::max(longest, static_cast<int64_t>(r.prompt.size()) + r.output_tokens);
+  gpu::gpu_runtime_options go = gpu::options_from_env();
+  go.num_ranks = P;
+  go.num_ep_pages = o.kv_pages;
+  go.max_pages_per_seq = (longest + c.page_size - 1) / c.page_size + 1;
+  go.max_tokens = std::max(o.step_tokens, o.max_batch);
+  go.buckets.clear();
+  for (int64_t b = 1; b < go.max_tokens; b *= 2) go.buckets.push_back(b);
+  go.buckets.push_back(go.max_tokens);
+  go.dense_dtype = bf16 ? moebius::dtype::bf16 : moebius::dtype::fp32;
+  go.cursor = moebius::arena_cursor{0};
+  go.tensor_alignment = 256;
+  go.slot_alignment = 4096;
+  return go;
+}
+
+std::string gpu_description(const gpu::gpu_runtime& rt, const gpu::gpu_runtime_options& go,
+                            const model_config& c, int P, const hf_checkpoint* ck) {
+  std::ostringstream d;
+  d << "GPU runtime, " << (ck ? "checkpoint " + ck->source() : std::string("small model")) << " ("
+    << c << ", dense " << moebius::to_string(go.dense_dtype) << "), " << P
+    << (rt.virtual_ranks() ? " virtual" : " GPU") << " rank" << (P > 1 ? "s" : "")
+    << (rt.virtual_ranks()
+            ? " on one GPU (each its own arena, KV pool, buffers and stream; collectives and "
+              "switch copies over that GPU's memory: they emulate the contention for HBM and "
+              "SMs each of P GPUs would see, not NVLink)"
+            : "")
+    << ", CUDA graphs captured once: " << rt.graph_statistics().whole_model
+    << " whole-model (2 modes x " << go.buckets.size() << " buckets up to " << go.max_tokens
+    << " tokens) and " << rt.graph_statistics().per_layer
+    << " per-layer ones for the hybrid steps of progressive switches";
+  return d.str();
+}
+
+}  // namespace
+
 // The small() model with the host demo's weights (same seed) on P GPUs, fp32 throughout (so
-// TP and EP compute the same sums on one GPU), graphs per mode and bucket up to the step's
-// token budget; a checkpoint: its model, dense weights and KV in bf16 when it is bf16.
+// TP and EP compute the same sums on one GPU); a checkpoint: its model, dense weights and KV in
+// bf16 when it is bf16.
 world make_gpu_world(const options& o, int P, const std::vector<request>& traces,
                      const hf_checkpoint* ck) {
   model_config c = small();
@@ -168,21 +218,7 @@ world make_gpu_world(const options& o, int P, const std::vector<request>& traces
     c.kv_dtype = bf16_ck ? moebius::dtype::bf16 : moebius::dtype::fp32;
   }
   validate(c, P);
-  int64_t longest = 1;
-  for (const request& r : traces)
-    longest = std::max(longest, static_cast<int64_t>(r.prompt.size()) + r.output_tokens);
-  gpu::gpu_runtime_options go = gpu::options_from_env();
-  go.num_ranks = P;  // more than the GPUs: virtual ranks (placement automatic)
-  go.num_ep_pages = o.kv_pages;
-  go.max_pages_per_seq = (longest + c.page_size - 1) / c.page_size + 1;
-  go.max_tokens = std::max(o.step_tokens, o.max_batch);
-  go.buckets.clear();
-  for (int64_t b = 1; b < go.max_tokens; b *= 2) go.buckets.push_back(b);
-  go.buckets.push_back(go.max_tokens);
-  go.dense_dtype = bf16_ck ? moebius::dtype::bf16 : moebius::dtype::fp32;
-  go.cursor = moebius::arena_cursor{0};
-  go.tensor_alignment = 256;
-  go.slot_alignment = 4096;
+  const gpu::gpu_runtime_options go = gpu_options(o, P, c, traces, bf16_ck);
   std::unique_ptr<gpu::gpu_runtime> rt;
   if (ck) {
     const auto t0 = wall::now();
@@ -204,20 +240,10 @@ world make_gpu_world(const options& o, int P, const std::vector<request>& traces
   w.kv = rt->kv();
   w.kv_layout = rt->kv_layout();
   w.vocab = static_cast<int32_t>(c.vocab);
-  std::ostringstream d;
-  d << "GPU runtime, " << (ck ? "checkpoint " + ck->source() : std::string("small model")) << " ("
-    << c << ", dense " << moebius::to_string(go.dense_dtype) << "), " << P
-    << (rt->virtual_ranks() ? " virtual" : " GPU") << " rank" << (P > 1 ? "s" : "")
-    << (rt->virtual_ranks()
-            ? " on one GPU (each its own arena, KV pool, buffers and stream; collectives and "
-              "switch copies over that GPU's memory: they emulate the contention for HBM and "
-              "SMs each of P GPUs would see, not NVLink)"
-            : "")
-    << ", CUDA graphs captured once: " << rt->graph_statistics().whole_model
-    << " whole-model (2 modes x " << go.buckets.size() << " buckets up to " << go.max_tokens
-    << " tokens) and " << rt->graph_statistics().per_layer
-    << " per-layer ones for the hybrid steps of progressive switches";
-  w.description = d.str();
+  w.description = gpu_description(*rt, go, c, P, ck);
+  w.name = "GPU runtime, " + (ck ? "checkpoint " + ck->source() : std::string("small model")) +
+           ", " + std::to_string(P) +
+           (rt->virtual_ranks() ? " virtual ranks on one GPU" : P > 1 ? " GPU ranks" : " GPU rank");
   w.rt = std::move(rt);
   w.make_transport = [mem = w.memory] {
     return std::make_unique<moebius::cuda_peer_transport>(
@@ -230,6 +256,24 @@ world make_gpu_world(const options&, int, const std::vector<request>&, const hf_
   throw usage_error("--runtime gpu: this build has no GPU runtime (it needs CUDA and NCCL)");
 }
 #endif
+
+world make_sim_world(deployment_kind k) {
+  const sim_geometry g = make_sim_geometry(make_deployment(qwen3_235b_a22b(), k));
+  world w;
+  w.arena = g.arena;
+  w.kv = g.kv;
+  w.vocab = 1024;
+  auto rt = std::make_unique<sim_runtime>(g.arena, g.kv, w.vocab);
+  std::ostringstream d;
+  d << "simulated runtime, " << g;
+  w.description = d.str();
+  w.name = std::string("simulated runtime, ") + to_string(k) + " deployment";
+  w.make_transport = [ranks = static_cast<int>(g.kv.num_ranks), spaces = rt->spaces()] {
+    return std::make_unique<moebius::dry_run_transport>(ranks, spaces);
+  };
+  w.rt = std::move(rt);
+  return w;
+}
 
 std::vector<std::vector<std::byte>> arena_bytes(const world& w) {
   std::vector<std::vector<std::byte>> out;

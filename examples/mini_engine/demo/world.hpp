@@ -1,12 +1,14 @@
 #pragma once
 
-// The world the demo serves in: the runtime (the host runtime's P virtual ranks, or the GPU
-// runtime), its memory, its descriptors and the transport its switches move bytes over. Every
-// build axis of the demo (a CUDA build, a build with the GPU runtime) is decided in world.cpp
-// and nowhere else: the experiments and the report see a world, never a preprocessor branch.
+// The world the demo serves in: the runtime (the host runtime's P virtual ranks, the GPU
+// runtime, or the simulated runtime's deployment of the paper's model), its memory, its
+// descriptors and the transport its switches move bytes over. Every build axis of the demo (a
+// CUDA build, a build with the GPU runtime) is decided in world.cpp and nowhere else: the
+// experiments and the report see a world, never a preprocessor branch.
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <moebius/kv/kv_geometry.hpp>
 #include <moebius/kv/kv_pool_layout.hpp>
 #include <moebius/layout/arena_geometry.hpp>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "checkpoint.hpp"
+#include "deployment.hpp"
 #include "options.hpp"
 #include "step.hpp"
 #include "trace.hpp"
@@ -27,9 +30,12 @@ struct world {
   std::vector<moebius::rank_memory> memory;
   moebius::arena_geometry arena;
   moebius::kv_geometry kv;
-  moebius::kv_pool_layout kv_layout;  // how the runtime's pool lies: every switch honours it
+  // How the runtime's pool lies: every switch honours it (empty: the present layout, the
+  // simulated runtime's, which holds no bytes).
+  std::optional<moebius::kv_pool_layout> kv_layout;
   int32_t vocab = 0;
-  std::string description;
+  std::string name;         // "host runtime, lite model, 8 virtual ranks"
+  std::string description;  // the same with the model's and the runtime's details
   bool on_gpu = false;
   std::function<std::unique_ptr<moebius::transport>()> make_transport;
 };
@@ -68,6 +74,10 @@ world make_host_world(const options& o, const host_plan& p, const hf_checkpoint*
 // long as the longest request of `traces`. Throws usage_error in a build without it.
 world make_gpu_world(const options& o, int P, const std::vector<request>& traces,
                      const hf_checkpoint* ck);
+
+// The simulated runtime serving deployment `k` of Qwen3-235B-A22B on 8 H200s at 0.85
+// (serving/sim_deployment.hpp: nothing allocated, a dry-run transport; vocabulary 1024).
+world make_sim_world(deployment_kind k);
 
 // Each rank's arena as host bytes (device memory is copied back first).
 std::vector<std::vector<std::byte>> arena_bytes(const world& w);

@@ -1,0 +1,33 @@
+# Runs ${DEMO} ${ARGS} --out ${OUT} and fails unless it exits with status 0, prints at most
+# ${MAX_LINES} lines on stdout, writes no file over ${MAX_BYTES} bytes under ${OUT}, and (when
+# MAX_STEP_ROWS is given) no steps.csv of more than ${MAX_STEP_ROWS} lines. Used by the
+# moebius_demo_short_* tests: the default output a user reads in a minute, the step log bounded.
+file(REMOVE_RECURSE "${OUT}")
+execute_process(COMMAND ${DEMO} ${ARGS} --out ${OUT} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "moebius_demo ${ARGS}: exit status ${rc}\nstdout: ${out}\nstderr: ${err}")
+endif()
+string(REGEX MATCHALL "\n" newlines "${out}")
+list(LENGTH newlines lines)
+if(lines GREATER MAX_LINES)
+  message(FATAL_ERROR "moebius_demo ${ARGS}: ${lines} lines, at most ${MAX_LINES} expected\n${out}")
+endif()
+file(GLOB_RECURSE written "${OUT}/*")
+if(NOT written)
+  message(FATAL_ERROR "moebius_demo ${ARGS}: nothing written under ${OUT}")
+endif()
+foreach(f ${written})
+  file(SIZE "${f}" bytes)
+  if(bytes GREATER MAX_BYTES)
+    message(FATAL_ERROR "moebius_demo ${ARGS}: ${f} is ${bytes} bytes, at most ${MAX_BYTES}")
+  endif()
+  if(DEFINED MAX_STEP_ROWS AND f MATCHES "steps\\.csv$")
+    file(STRINGS "${f}" rows)
+    list(LENGTH rows n)
+    if(n GREATER MAX_STEP_ROWS)
+      message(FATAL_ERROR "moebius_demo ${ARGS}: ${f} has ${n} lines, at most ${MAX_STEP_ROWS}")
+    endif()
+  endif()
+endforeach()
+message(STATUS "moebius_demo ${ARGS}: ${lines} lines, files within ${MAX_BYTES} bytes")

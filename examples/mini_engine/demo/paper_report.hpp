@@ -1,0 +1,85 @@
+#pragma once
+
+// What the simulated runtime's experiments print and record (the paper's §9.2-9.3 at its
+// scale, DESIGN.md §8): per trace, the paper's metrics per phase (serving/paper_metrics.hpp) in
+// a table beside the paper's figures, a one-line verdict, and every metric of every run as JSON.
+// What is simulated is said where the figures are printed: tokens are not computed; the
+// collectives are priced by a link model; each of the 8 GPUs is emulated by the one rank
+// measured. Nothing here serves or decides.
+
+#include <cstdint>
+#include <moebius/policy/calibration.hpp>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "options.hpp"
+#include "paper_metrics.hpp"
+#include "runs.hpp"
+
+namespace mini_engine::demo {
+
+// What the simulated runtime prints before the first trace: what it serves, on what, and where
+// the details are; `verbose`: the deployments, the clock and admission in full.
+void print_sim_preamble(const options& o, const std::string& clock_name, int64_t max_running,
+                        int64_t step_tokens);
+
+// The paper's metrics of each run of `trace`, in the order of `runs`.
+std::vector<paper_metrics> paper_metrics_of_runs(const std::vector<request>& trace,
+                                                 const std::vector<run_outcome>& runs,
+                                                 const std::vector<arrival_period>& floods);
+
+// The metrics of run `k` (m in the order of runs); throws std::logic_error when it was not served.
+const paper_metrics& metrics_of(const std::vector<run_outcome>& runs,
+                                const std::vector<paper_metrics>& m, run_kind k);
+
+// "paper-bursty: 3057 requests over 374.9 s (mean 8.2/s, peak 136/s); floods at 31-38 s and
+// 337-344 s"; `rate` > 0: the steady trace's, with the crossover B* it keeps running.
+void print_trace_title(const std::string& name, const std::vector<request>& trace,
+                       const std::vector<arrival_period>& floods, double rate, double bstar);
+
+// An open-loop trace: flood TTFT, quiet TPOT, switches, goodput, tokens/s per run, then the
+// paper's figures (§9.2; beside a trace without floods only when `verbose`), then the verdict.
+void print_interactive_table(const std::vector<run_outcome>& runs,
+                             const std::vector<paper_metrics>& m, bool verbose);
+void print_interactive_verdict(const std::vector<run_outcome>& runs,
+                               const std::vector<paper_metrics>& m);
+
+// A rollout: each run's total and per-step times against the better static layout, the worse
+// and the per-step oracle, then the paper's figures (§9.3); `bound_s`: a free switch at every
+// step with capacity ignored (free_switch_bound_s on static EP's steps).
+void print_rollout_table(const std::vector<run_outcome>& runs,
+                         const std::vector<paper_metrics>& m, bool verbose);
+void print_rollout_bound(const std::vector<run_outcome>& runs,
+                         const std::vector<paper_metrics>& m, double bound_s);
+void print_rollout_verdict(const std::vector<run_outcome>& runs,
+                           const std::vector<paper_metrics>& m, double bound_s);
+
+// One run's metrics as JSON, with what it ran on and its policy's and gate's record (the
+// details the default output leaves out).
+nlohmann::json run_json(const std::string& trace, const run_outcome& r, const paper_metrics& m,
+                        const std::string& clock, const moebius::calibration_result& cal);
+
+// The offline ceiling of a closed-loop rollout: one switch point per rollout step. Every step
+// starts at a load of 2,048 (in EP, or switching there at once) and may switch to TP once the
+// load falls under b: the paper's rollout rule at T_h = T_l = b, rules alone. Each b of the grid
+// serves the whole trace once, and each rollout step takes the b that served it fastest; the
+// steps are independent (each starts when the last has finished, and the rule sends it to EP at
+// once whatever the last one ended in), so that sum is a schedule's time: the search's best.
+struct search_result {
+  std::vector<int64_t> grid;
+  std::vector<paper_metrics> runs;  // per b
+  size_t best_single = 0;           // the b whose whole run was fastest
+  std::vector<size_t> best_per_step;
+  double per_step_total_s = 0;
+};
+search_result search_of(std::vector<int64_t> grid, std::vector<paper_metrics> runs);
+void print_search(const search_result& s, double best_static_s, double switching_s);
+nlohmann::json search_json(const std::string& trace, const search_result& s);
+
+// Each policy run's decisions (engine_options::explain) into `dir`/decisions.txt; the first
+// lines of the first such run printed.
+void write_decisions(const std::string& dir, const std::vector<run_outcome>& runs);
+
+}  // namespace mini_engine::demo
