@@ -36,7 +36,7 @@ struct paper_world {
   std::unique_ptr<engine> eng;
 };
 
-// The demo's priced clock (demo/paper.cpp): the measured region curves and the H200 model.
+// The demo's priced clock (demo/clock.cpp, make_sim_clock): the measured region curves and the H200 model.
 struct paper_clock {
   std::unique_ptr<h200_step_model> model;
   std::unique_ptr<curves_step_clock> clock;
