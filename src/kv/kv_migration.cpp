@@ -35,9 +35,6 @@ outcome run(const kv_geometry& g, const kv_pool_layout& layout, const kv_state& 
   validate(g, layout);
   MOEBIUS_CHECK(opt.max_rounds >= 1, errc::invalid_argument,
                 "max_rounds must be >= 1 (max_rounds=", opt.max_rounds, ")");
-  MOEBIUS_CHECK(s.mode == target || g.dcp == 1, errc::invalid_argument,
-                "KV migration ", to_string(s.mode), "->", to_string(target),
-                " with dcp > 1 is not planned yet (dcp=", g.dcp, ")");
   if (s.mode == target) {
     outcome out;
     out.result.copies.num_ranks = g.num_ranks;

@@ -10,7 +10,7 @@ namespace moebius {
 
 namespace {
 
-// `share`: the DCP index of the rank's share (share_of); with dcp 1 every check is the one a
+// In TP with dcp > 1 the rank lists its DCP share of the pages; otherwise every check is the one a
 // sequence whole on the rank needs.
 void validate_sequence(const kv_geometry& g, parallel_mode m, int rank, const kv_sequence& q) {
   const int64_t n = q.num_pages();
@@ -73,7 +73,7 @@ void validate(const kv_geometry& g, const kv_state& s) {
       const kv_sequence& q = rs.sequences[i];
       validate_sequence(g, s.mode, r, q);
       // Pages of this rank inside the shared prefix (dcp > 1: its share of them).
-      const int64_t shared_here = g.dcp_pages_held(q.shared_prefix_pages, share_of(g, s.mode, r));
+      const int64_t shared_here = pages_held(g, s.mode, r, q.shared_prefix_pages);
       MOEBIUS_CHECK(i == 0 || rs.sequences[i - 1].seq_id < q.seq_id, errc::invalid_argument,
                     "rank ", r, " sequences must have unique ascending seq ids (", 
                     (i == 0 ? 0 : rs.sequences[i - 1].seq_id), " then ", q.seq_id, ")");

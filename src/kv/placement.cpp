@@ -238,7 +238,7 @@ void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_deman
   auto for_shared = [&](size_t i, auto&& f) {  // f(page key) over q's shared pages, all shares
     for (int64_t k = 0; k < shares; ++k) {
       const kv_sequence& q = s.ranks[static_cast<size_t>(k)].sequences[i];
-      const int64_t held = g.dcp_pages_held(q.shared_prefix_pages, shares == 1 ? 0 : k);
+      const int64_t held = pages_held(g, s.mode, static_cast<int>(k), q.shared_prefix_pages);
       for (int64_t j = 0; j < held; ++j) f(id_of(k, q.pages[static_cast<size_t>(j)]));
     }
   };

@@ -69,9 +69,15 @@ constexpr int64_t pages_for_tokens(int64_t num_tokens, int64_t page_size) {
 }
 
 // DCP index of rank r's share in mode m: r % dcp in TP, 0 in EP (a sequence is whole on its
-// owner), so that dcp_pages_held(n, share_of(..)) is a rank's page count in either mode.
+// owner).
 constexpr int64_t share_of(const kv_geometry& g, parallel_mode m, int rank) {
   return m == parallel_mode::tp ? g.dcp_rank(rank) : 0;
+}
+
+// Of a sequence's first n logical pages, those rank r lists in mode m: n in EP (whole on its
+// owner), dcp_pages_held(n, r % dcp) in TP. dcp 2, n = 3: EP 3; TP rank 0 -> 2, rank 1 -> 1.
+constexpr int64_t pages_held(const kv_geometry& g, parallel_mode m, int rank, int64_t n) {
+  return m == parallel_mode::tp ? g.dcp_pages_held(n, g.dcp_rank(rank)) : n;
 }
 
 // The logical pages of sequence `q` (all its pages over its DCP set): ceil(num_tokens /
