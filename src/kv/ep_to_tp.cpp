@@ -1,5 +1,11 @@
 // EP -> TP: every live EP page's head slices ("pieces") go to the ranks that hold them in TP.
 // See kv_migration.hpp for the contract; round_scheduler.hpp for what a round may do.
+//
+// With dcp > 1 an EP page is logical page i of its sequence(s) and goes, per head slice, only
+// to the rank of DCP index i % dcp in each replica set of that slice: an item is (owner, EP
+// page, DCP index), one per distinct residue the page is used at (a shared prefix page sits at
+// the same index in every sharer, so one). The owner keeps its own slice in place only when it
+// is one of those ranks; otherwise that slice is sent like the others and its TP page frees.
 
 #include <algorithm>
 #include <sstream>
@@ -7,6 +13,7 @@
 #include <vector>
 
 #include "migration_directions.hpp"
+#include "moebius/error.hpp"
 #include "round_scheduler.hpp"
 
 namespace moebius::kv_detail {
@@ -15,36 +22,53 @@ namespace {
 
 std::size_t idx(int64_t v) { return static_cast<std::size_t>(v); }
 
-// Distinct live EP pages, interleaved across owners so every round frees pages on every rank.
+// Distinct live (EP page, DCP index), interleaved across owners so every round frees pages on
+// every rank.
 struct ep_item {
   int owner;
   int64_t page;
+  int64_t share = 0;  // DCP index of the TP ranks receiving it (logical page % dcp)
 };
 
 struct ep_items {
   std::vector<ep_item> items;
-  rank_table<int64_t> item_of;  // (owner, EP page) -> item, -1 when unused
-  std::vector<int64_t> used;    // [P] distinct used EP pages
+  rank_table<int64_t> item_of;  // (owner, EP page * dcp + share) -> item, -1 when unused
+  std::vector<int64_t> used;    // [P] distinct used (EP page, share)
+  std::vector<int64_t> per_share;  // [dcp] items received by each DCP index
 };
 
 ep_items collect_ep_items(const kv_geometry& g, const kv_state& s) {
   const int P = g.num_ranks;
-  ep_items out{{}, rank_table<int64_t>(P, g.num_ep_pages, -1), std::vector<int64_t>(idx(P), 0)};
-  std::vector<std::vector<int64_t>> owned(idx(P));
+  const int64_t D = g.dcp;
+  ep_items out{{}, rank_table<int64_t>(P, g.num_ep_pages * D, -1),
+               std::vector<int64_t>(idx(P), 0), std::vector<int64_t>(idx(D), 0)};
+  std::vector<std::vector<int64_t>> owned(idx(P));  // keys page * dcp + share
   for (int r = 0; r < P; ++r)
     for (const kv_sequence& q : s.ranks[idx(r)].sequences)
-      for (int64_t p : q.pages)
-        if (out.item_of(r, p) < 0) {
-          out.item_of(r, p) = 0;
-          owned[idx(r)].push_back(p);
+      for (int64_t k = 0; k < q.num_pages(); ++k) {
+        const int64_t key = q.pages[idx(k)] * D + k % D;
+        // A page shared at logical pages of two DCP indices would be one EP page and two TP
+        // pages on different ranks; a shared prefix is at the same index in every sharer.
+        for (int64_t other = 0; other < D; ++other)
+          MOEBIUS_CHECK(other == k % D || out.item_of(r, q.pages[idx(k)] * D + other) < 0,
+                        errc::invalid_argument, "EP rank ", r, " page ", q.pages[idx(k)],
+                        " is logical page ", k, " of sequence ", q.seq_id,
+                        " but another sequence uses it at an index of another DCP share "
+                        "(dcp ", D, "): shared prefix pages must sit at one logical index");
+        if (out.item_of(r, key) < 0) {
+          out.item_of(r, key) = 0;
+          owned[idx(r)].push_back(key);
         }
+      }
   for (std::size_t k = 0;; ++k) {
     bool any = false;
     for (int r = 0; r < P; ++r) {
       if (k >= owned[idx(r)].size()) continue;
       any = true;
-      out.item_of(r, owned[idx(r)][k]) = static_cast<int64_t>(out.items.size());
-      out.items.push_back({r, owned[idx(r)][k]});
+      const int64_t key = owned[idx(r)][k];
+      out.item_of(r, key) = static_cast<int64_t>(out.items.size());
+      out.items.push_back({r, key / D, key % D});
+      ++out.per_share[idx(key % D)];
     }
     if (!any) break;
   }
@@ -52,11 +76,13 @@ ep_items collect_ep_items(const kv_geometry& g, const kv_state& s) {
   return out;
 }
 
-// One head slice of one item, sent to every rank holding that slice in TP: [first, last).
+// One head slice of one item, sent to every rank holding that slice and the item's share in
+// TP: ranks first, first + stride, .. (count of them; dcp 1: the slice's replicas).
 struct unit {
   int64_t item;
   int64_t slice;
-  int first, last;
+  int first, stride, count;
+  int rank(int n) const { return first + n * stride; }
 };
 
 class ep_to_tp_rounds {
@@ -93,13 +119,19 @@ class ep_to_tp_rounds {
   // TP page of item `i` on rank r (in place: the owner's own slice).
   int64_t tp_page(int64_t i, int r) const {
     const ep_item& m = it_.items[idx(i)];
-    if (in_place_ && m.owner == r) return m.page * split_ + g_.tp_slice_of_rank(r);
+    if (m.owner == r && keeps_own(m)) return m.page * split_ + g_.tp_slice_of_rank(r);
     return dst_(r, i);
   }
 
  private:
+  // Whether the owner keeps its own slice of item m in place: slices in place and the owner is
+  // a receiver (its DCP index is the item's share; always with dcp 1).
+  bool keeps_own(const ep_item& m) const {
+    return in_place_ && g_.dcp_rank(m.owner) == m.share;
+  }
   bool skip_owner(const unit& u) const {
-    return in_place_ && u.slice == g_.tp_slice_of_rank(it_.items[idx(u.item)].owner);
+    const ep_item& m = it_.items[idx(u.item)];
+    return keeps_own(m) && u.slice == g_.tp_slice_of_rank(m.owner);
   }
   bool any_staged() const {
     return std::any_of(staged_.begin(), staged_.end(), [](const auto& v) { return !v.empty(); });
@@ -107,7 +139,7 @@ class ep_to_tp_rounds {
   std::vector<int64_t> waiting() const {
     std::vector<int64_t> w(idx(P_), 0);
     for (int64_t u : rem_)
-      for (int r = units_[idx(u)].first; r < units_[idx(u)].last; ++r) ++w[idx(r)];
+      for (int n = 0; n < units_[idx(u)].count; ++n) ++w[idx(units_[idx(u)].rank(n))];
     for (int r = 0; r < P_; ++r) w[idx(r)] += static_cast<int64_t>(staged_[idx(r)].size());
     return w;
   }
@@ -119,7 +151,7 @@ class ep_to_tp_rounds {
     for (const ep_item& m : it_.items)
       for (int64_t j = 0; j < split_; ++j) {
         sch_.mark_live(m.owner, m.page * split_ + j);
-        if (in_place_ && j == g_.tp_slice_of_rank(m.owner))
+        if (keeps_own(m) && j == g_.tp_slice_of_rank(m.owner))
           sch_.keep(m.owner, m.page * split_ + j);
       }
     for (int r = 0; r < P_; ++r) {
@@ -129,16 +161,18 @@ class ep_to_tp_rounds {
     }
   }
 
-  // Piece j of an item goes to the ranks holding slice j (the owner skips its own slice when
-  // it stays in place). Pieces move independently, so two full ranks unblock each other.
+  // Piece j of an item goes to the ranks holding slice j and the item's share, one per
+  // replica set (the owner skips its own slice when it stays in place). Pieces move
+  // independently, so two full ranks unblock each other.
   void make_units() {
-    const int64_t reps = g_.tp_replicas();
+    const auto sets = static_cast<int>(g_.tp_replica_sets());
     left_.assign(it_.items.size(), 0);
     for (std::size_t i = 0; i < it_.items.size(); ++i)
       for (int64_t j = 0; j < split_; ++j) {
-        const unit u{static_cast<int64_t>(i), j, static_cast<int>(j * reps),
-                     static_cast<int>((j + 1) * reps)};
-        if (skip_owner(u) && reps == 1) continue;  // nobody receives it
+        const unit u{static_cast<int64_t>(i), j,
+                     static_cast<int>(g_.tp_rank_of(j, 0, it_.items[i].share)),
+                     static_cast<int>(g_.dcp), sets};
+        if (skip_owner(u) && sets == 1) continue;  // nobody receives it
         rem_.push_back(static_cast<int64_t>(units_.size()));
         units_.push_back(u);
         ++left_[i];
@@ -173,15 +207,18 @@ class ep_to_tp_rounds {
       const unit& un = units_[idx(u)];
       const ep_item& m = it_.items[idx(un.item)];
       bool fits = true;
-      for (int r = un.first; r < un.last && fits; ++r)
+      for (int n = 0; n < un.count && fits; ++n) {
+        const int r = un.rank(n);
         fits = (skip_owner(un) && r == m.owner) || !sch_.pool_empty(r) || sch_.free_slots(r) > 0;
+      }
       if (!fits) {
         next.push_back(u);
         continue;
       }
       copy_emitter& em = sch_.emit();
       const page_ref src = em.pool(parallel_mode::ep, m.owner, m.page);
-      for (int r = un.first; r < un.last; ++r) {
+      for (int n = 0; n < un.count; ++n) {
+        const int r = un.rank(n);
         if (skip_owner(un) && r == m.owner) continue;
         if (const int64_t q = sch_.take_page(r); q >= 0) {
           sch_.fill(r, q);
@@ -219,7 +256,8 @@ class ep_to_tp_rounds {
   kv_migration_stats& stats_;
 };
 
-// Every rank holds every sequence, over the TP pages the rounds chose.
+// Every rank holds every sequence (with dcp > 1 its share of the pages), over the TP pages the
+// rounds chose.
 kv_state tp_tables(const kv_geometry& g, const kv_state& s, const ep_items& it,
                    const ep_to_tp_rounds& rounds) {
   std::vector<std::pair<int, const kv_sequence*>> all;
@@ -231,7 +269,10 @@ kv_state tp_tables(const kv_geometry& g, const kv_state& s, const ep_items& it,
   for (int r = 0; r < g.num_ranks; ++r)
     for (const auto& [o, q] : all) {
       kv_sequence t = *q;
-      for (int64_t& p : t.pages) p = rounds.tp_page(it.item_of(o, p), r);
+      t.pages.clear();
+      const int64_t k = g.dcp_rank(r);
+      for (int64_t i = k; i < q->num_pages(); i += g.dcp)  // logical pages k, k+dcp, ..
+        t.pages.push_back(rounds.tp_page(it.item_of(o, q->pages[idx(i)] * g.dcp + k), r));
       tables[idx(r)].push_back(std::move(t));
     }
   return make_kv_state(g, parallel_mode::tp, std::move(tables));
@@ -246,21 +287,32 @@ outcome plan_ep_to_tp(const kv_geometry& g, const kv_pool_layout& layout, const 
   res.copies.num_ranks = g.num_ranks;
   res.stats.imbalance = 1.0;
   const ep_items it = collect_ep_items(g, s);
-  // Every TP rank holds a piece of every live page.
+  // Every TP rank holds a piece of every live page of its DCP share (dcp 1: every live page).
   const auto total = static_cast<int64_t>(it.items.size());
-  out.pages_needed = total;
+  const auto busiest = std::max_element(it.per_share.begin(), it.per_share.end());
+  out.pages_needed = *busiest;
   out.pages_available = g.num_tp_pages();
-  if (total > g.num_tp_pages()) {
+  if (out.pages_needed > g.num_tp_pages()) {
     std::ostringstream why;
-    why << "TP view cannot hold the live KV: every TP rank needs " << total
-        << " pages (one per live EP page of all ranks) but has " << g.num_tp_pages() << " (= "
-        << g.num_ep_pages << " EP pages x " << g.tp_pages_per_ep_page() << ")";
+    if (g.dcp == 1) {
+      why << "TP view cannot hold the live KV: every TP rank needs " << total
+          << " pages (one per live EP page of all ranks) but has " << g.num_tp_pages() << " (= "
+          << g.num_ep_pages << " EP pages x " << g.tp_pages_per_ep_page() << ")";
+    } else {
+      why << "TP view (dcp " << g.dcp << ") cannot hold the live KV: the TP ranks of DCP index "
+          << (busiest - it.per_share.begin()) << " need " << out.pages_needed
+          << " pages (one per live EP page at a logical page of that index) but have "
+          << g.num_tp_pages() << " (= " << g.num_ep_pages << " EP pages x "
+          << g.tp_pages_per_ep_page() << ")";
+    }
     out.ok = out.holds = false;
     out.reason = why.str();
     return out;
   }
   res.stats.pages_moved = total;
-  res.stats.pages_in_place = kv_slices_in_place(g, layout) ? total : 0;
+  // In place: items whose owner receives its own slice (every item with dcp 1).
+  if (kv_slices_in_place(g, layout))
+    for (const ep_item& m : it.items) res.stats.pages_in_place += g.dcp_rank(m.owner) == m.share;
   ep_to_tp_rounds rounds(g, layout, s, opt, it, res);
   if (!rounds.run()) {
     out.ok = false;

@@ -8,6 +8,33 @@
 
 namespace moebius {
 
+namespace {
+
+// The dcp rules of kv_geometry.hpp, once the heads are known to divide: the ranks splitting a
+// head slice's tokens must be ranks that hold that slice, in whole sets.
+void validate_dcp(const kv_geometry& g) {
+  MOEBIUS_CHECK(g.dcp >= 1, errc::invalid_argument,
+                "kv_geometry needs dcp >= 1, 1 meaning every TP rank holds every token of its "
+                "heads (dcp=", g.dcp, ")");
+  if (g.latent()) {
+    MOEBIUS_CHECK(g.dcp <= g.num_ranks && g.num_ranks % g.dcp == 0, errc::invalid_argument,
+                  "dcp must divide P for a latent KV cache (TP replicates it on every rank; "
+                  "dcp=", g.dcp, ", P=", g.num_ranks, ")");
+  } else if (g.num_kv_heads >= g.num_ranks) {
+    MOEBIUS_CHECK(g.dcp == 1, errc::invalid_argument,
+                  "dcp must be 1 when H_kv >= P: no two TP ranks hold the same head, so none can "
+                  "split its tokens (dcp=", g.dcp, ", H_kv=", g.num_kv_heads, ", P=",
+                  g.num_ranks, ")");
+  } else {
+    MOEBIUS_CHECK(g.tp_replicas() % g.dcp == 0, errc::invalid_argument,
+                  "dcp must divide tp_replicas() = P/H_kv, the TP ranks holding one head (dcp=",
+                  g.dcp, ", P/H_kv=", g.tp_replicas(), ", H_kv=", g.num_kv_heads, ", P=",
+                  g.num_ranks, ")");
+  }
+}
+
+}  // namespace
+
 void validate(const kv_geometry& g) {
   MOEBIUS_CHECK(g.num_layers >= 1, errc::invalid_argument,
                 "kv_geometry needs num_layers >= 1 (num_layers=", g.num_layers, ")");
@@ -35,6 +62,7 @@ void validate(const kv_geometry& g) {
                     "ranks (H_kv=", g.num_kv_heads, ", P=", g.num_ranks, ")");
     }
   }
+  validate_dcp(g);
   const int64_t page = detail::checked_product("KV page bytes", g.page_size, g.heads_per_ep_page(),
                                                g.head_dim, dtype_bytes(g.type));
   // num_tensors() = L x (K|V) is unchecked: check it before any product uses it.
@@ -62,6 +90,12 @@ kv_geometry make_kv_geometry(int64_t num_layers, int64_t num_kv_heads, int64_t h
   return g;
 }
 
+kv_geometry with_dcp(kv_geometry g, int64_t dcp) {
+  g.dcp = dcp;
+  validate(g);
+  return g;
+}
+
 int64_t ep_pages_for_bytes(const kv_geometry& g, int64_t pool_bytes) {
   kv_geometry one = g;
   one.num_ep_pages = 1;
@@ -75,10 +109,13 @@ std::ostream& operator<<(std::ostream& os, const kv_geometry& g) {
   os << "kv_geometry{L=" << g.num_layers << ", H_kv=";
   if (g.latent()) os << "latent";
   else os << g.num_kv_heads;
-  return os << ", D=" << g.head_dim << ", page_size=" << g.page_size
+  os << ", D=" << g.head_dim << ", page_size=" << g.page_size
             << ", ep_pages=" << g.num_ep_pages << ", tp_pages=" << g.num_tp_pages()
             << ", P=" << g.num_ranks << ", " << to_string(g.type) << ", "
-            << to_string(g.layout) << ", pool_bytes=" << g.pool_bytes() << '}';
+            << to_string(g.layout);
+  // dcp = 1 prints as before: printed plans and logs of today's deployments do not change.
+  if (g.dcp != 1) os << ", dcp=" << g.dcp;
+  return os << ", pool_bytes=" << g.pool_bytes() << '}';
 }
 
 }  // namespace moebius

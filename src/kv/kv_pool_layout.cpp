@@ -287,19 +287,10 @@ kv_pool_layout make_kv_pool_layout(const kv_geometry& g, const kv_strides& ep, i
 
 namespace {
 
-// Inner strides of a dense page (EP view) in g.layout's order.
+// Inner strides of a dense page (EP view) in g.layout's order: the present pool's.
 kv_strides dense_page(const kv_geometry& g) {
-  kv_strides s;
-  s.dim = dtype_bytes(g.type);
-  const int64_t hb = g.head_bytes();
-  if (g.layout == kv_layout::hnd) {
-    s.token = hb;
-    s.head = g.page_size * hb;
-  } else {
-    s.token = g.heads_per_ep_page() * hb;
-    s.head = hb;
-  }
-  s.page = g.ep_page_bytes();
+  kv_strides s = g.present_strides(parallel_mode::ep);
+  s.kv = s.layer = 0;
   return s;
 }
 
@@ -313,12 +304,8 @@ int64_t extent(const kv_geometry& g, int64_t layer_stride, int64_t layer_bytes) 
 
 kv_pool_layout present_kv_layout(const kv_geometry& g) {
   validate(g);
-  kv_strides s = dense_page(g);
-  s.kv = g.region_bytes();
-  s.layer = g.kv_tensors() * g.region_bytes();
-  if (g.latent()) s.kv = 0;  // no V
-  kv_pool_layout l = make_kv_pool_layout(g, s, g.pool_bytes(), 0, kv_preset::present);
-  return l;
+  return make_kv_pool_layout(g, g.present_strides(parallel_mode::ep), g.pool_bytes(), 0,
+                             kv_preset::present);
 }
 
 kv_pool_layout vllm_flash_attn_layout(const kv_geometry& g, const kv_buffer_spacing& sp) {

@@ -10,21 +10,41 @@ namespace moebius {
 
 namespace {
 
-void validate_sequence(const kv_geometry& g, int rank, const kv_sequence& q) {
+// In TP with dcp > 1 the rank lists its DCP share of the pages; otherwise every check is the one a
+// sequence whole on the rank needs.
+void validate_sequence(const kv_geometry& g, parallel_mode m, int rank, const kv_sequence& q) {
   const int64_t n = q.num_pages();
-  MOEBIUS_CHECK(n >= 1, errc::invalid_argument, "rank ", rank, " sequence ", q.seq_id,
-                " has no pages (a sequence needs >= 1 page)");
+  const bool split = m == parallel_mode::tp && g.dcp > 1;
+  if (!split) {
+    MOEBIUS_CHECK(n >= 1, errc::invalid_argument, "rank ", rank, " sequence ", q.seq_id,
+                  " has no pages (a sequence needs >= 1 page)");
+  } else {
+    MOEBIUS_CHECK(q.num_tokens >= 1, errc::invalid_argument, "rank ", rank, " sequence ",
+                  q.seq_id, " has no tokens (a sequence needs >= 1 token; num_tokens=",
+                  q.num_tokens, ")");
+  }
   MOEBIUS_CHECK(q.last_page_len >= 1 && q.last_page_len <= g.page_size, errc::invalid_argument,
                 "rank ", rank, " sequence ", q.seq_id, " needs 1 <= last_page_len <= page_size (",
                 "last_page_len=", q.last_page_len, ", page_size=", g.page_size, ")");
-  MOEBIUS_CHECK(q.num_tokens == (n - 1) * g.page_size + q.last_page_len, errc::invalid_argument,
-                "rank ", rank, " sequence ", q.seq_id, " needs num_tokens == (pages-1)*page_size",
-                " + last_page_len (num_tokens=", q.num_tokens, ", pages=", n,
-                ", page_size=", g.page_size, ", last_page_len=", q.last_page_len, ")");
-  MOEBIUS_CHECK(q.shared_prefix_pages >= 0 && q.shared_prefix_pages <= n, errc::invalid_argument,
-                "rank ", rank, " sequence ", q.seq_id, " needs 0 <= shared_prefix_pages <= pages (",
-                "shared_prefix_pages=", q.shared_prefix_pages, ", pages=", n, ")");
-  MOEBIUS_CHECK(q.shared_prefix_pages < n || q.last_page_len == g.page_size,
+  // Logical pages: the rank's own with dcp 1; the whole sequence's otherwise.
+  const int64_t logical = split ? logical_pages(g, q) : n;
+  MOEBIUS_CHECK(q.num_tokens == (logical - 1) * g.page_size + q.last_page_len,
+                errc::invalid_argument, "rank ", rank, " sequence ", q.seq_id,
+                " needs num_tokens == (pages-1)*page_size + last_page_len (num_tokens=",
+                q.num_tokens, ", pages=", logical, ", page_size=", g.page_size,
+                ", last_page_len=", q.last_page_len, ")");
+  if (split) {
+    const int64_t k = g.dcp_rank(rank);
+    MOEBIUS_CHECK(n == g.dcp_pages_held(logical, k), errc::invalid_argument, "TP rank ", rank,
+                  " (DCP index ", k, " of dcp ", g.dcp, ") sequence ", q.seq_id, " lists ", n,
+                  " pages but holds ", g.dcp_pages_held(logical, k), " of its ", logical,
+                  " (logical pages k, k+dcp, ..)");
+  }
+  MOEBIUS_CHECK(q.shared_prefix_pages >= 0 && q.shared_prefix_pages <= logical,
+                errc::invalid_argument, "rank ", rank, " sequence ", q.seq_id,
+                " needs 0 <= shared_prefix_pages <= pages (shared_prefix_pages=",
+                q.shared_prefix_pages, ", pages=", logical, ")");
+  MOEBIUS_CHECK(q.shared_prefix_pages < logical || q.last_page_len == g.page_size,
                 errc::invalid_argument, "rank ", rank, " sequence ", q.seq_id,
                 " shares its partial last page (a shared page must be full; last_page_len=",
                 q.last_page_len, ", page_size=", g.page_size, ")");
@@ -51,7 +71,9 @@ void validate(const kv_geometry& g, const kv_state& s) {
     std::fill(use.begin(), use.end(), 0);
     for (size_t i = 0; i < rs.sequences.size(); ++i) {
       const kv_sequence& q = rs.sequences[i];
-      validate_sequence(g, r, q);
+      validate_sequence(g, s.mode, r, q);
+      // Pages of this rank inside the shared prefix (dcp > 1: its share of them).
+      const int64_t shared_here = pages_held(g, s.mode, r, q.shared_prefix_pages);
       MOEBIUS_CHECK(i == 0 || rs.sequences[i - 1].seq_id < q.seq_id, errc::invalid_argument,
                     "rank ", r, " sequences must have unique ascending seq ids (", 
                     (i == 0 ? 0 : rs.sequences[i - 1].seq_id), " then ", q.seq_id, ")");
@@ -60,7 +82,7 @@ void validate(const kv_geometry& g, const kv_state& s) {
         MOEBIUS_CHECK(p >= 0 && p < num_pages, errc::invalid_argument, "rank ", r, " sequence ",
                       q.seq_id, " page ", k, " has id ", p, " outside [0, ", num_pages, ") (",
                       to_string(s.mode), " pages per rank)");
-        const bool in_shared = k < q.shared_prefix_pages;
+        const bool in_shared = k < shared_here;
         auto& u = use[static_cast<size_t>(p)];
         auto& sh = shared[static_cast<size_t>(p)];
         int64_t& last = last_user[static_cast<size_t>(p)];
@@ -103,10 +125,15 @@ void validate(const kv_geometry& g, const kv_state& s) {
                   (dup == ids.end() ? 0 : *dup), " lives on more than one rank");
     return;
   }
-  // TP: the same sequences everywhere, and the same sharing structure.
-  const std::vector<kv_sequence>& base = s.ranks[0].sequences;
+  // TP: the same sequences everywhere, and the same sharing structure among the ranks of one
+  // DCP index (they hold the same logical pages; with dcp 1, every rank).
   std::vector<int64_t> fwd(static_cast<size_t>(num_pages)), bwd(static_cast<size_t>(num_pages));
   for (int r = 1; r < P; ++r) {
+    // Rank r pairs pages with the first rank of its DCP index; the first rank of each index
+    // (r < dcp) compares its sequences with rank 0 and pairs no pages.
+    const bool first_of_index = g.dcp_rank(r) == r;
+    const int b0 = first_of_index ? 0 : static_cast<int>(g.dcp_rank(r));
+    const std::vector<kv_sequence>& base = s.ranks[static_cast<size_t>(b0)].sequences;
     const std::vector<kv_sequence>& seqs = s.ranks[static_cast<size_t>(r)].sequences;
     MOEBIUS_CHECK(seqs.size() == base.size(), errc::invalid_argument, "TP rank ", r, " holds ",
                   seqs.size(), " sequences but rank 0 holds ", base.size(),
@@ -120,14 +147,15 @@ void validate(const kv_geometry& g, const kv_state& s) {
                         a.shared_prefix_pages == b.shared_prefix_pages &&
                         a.prefill_cursor == b.prefill_cursor,
                     errc::invalid_argument, "TP rank ", r, " sequence ", b.seq_id,
-                    " (tokens ", b.num_tokens, ") differs from rank 0's sequence ", a.seq_id,
+                    " (tokens ", b.num_tokens, ") differs from rank ", b0, "'s sequence ", a.seq_id,
                     " (tokens ", a.num_tokens, ") in id, tokens, sharing or cursor");
+      if (first_of_index) continue;
       for (size_t k = 0; k < a.pages.size(); ++k) {
         const auto pa = static_cast<size_t>(a.pages[k]);
         const auto pb = static_cast<size_t>(b.pages[k]);
         MOEBIUS_CHECK((fwd[pa] == -1 || fwd[pa] == b.pages[k]) &&
                           (bwd[pb] == -1 || bwd[pb] == a.pages[k]),
-                      errc::invalid_argument, "TP page tables of rank 0 and rank ", r,
+                      errc::invalid_argument, "TP page tables of rank ", b0, " and rank ", r,
                       " share pages differently (sequence ", b.seq_id, " page ", k, ")");
         fwd[pa] = b.pages[k];
         bwd[pb] = a.pages[k];

@@ -231,9 +231,20 @@ void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_deman
   validate(g, s);
   const std::vector<kv_sequence>& seqs = s.ranks[0].sequences;
   const int64_t num_pages = g.num_pages(s.mode);
+  // With dcp > 1 ranks 0..dcp-1 each hold one DCP share of every sequence (the same sequences
+  // in the same order: validate()); a shared page is (share, page id).
+  const int64_t shares = s.mode == parallel_mode::tp ? g.dcp : 1;
+  auto id_of = [&](int64_t share, int64_t p) { return static_cast<size_t>(share * num_pages + p); };
+  auto for_shared = [&](size_t i, auto&& f) {  // f(page key) over q's shared pages, all shares
+    for (int64_t k = 0; k < shares; ++k) {
+      const kv_sequence& q = s.ranks[static_cast<size_t>(k)].sequences[i];
+      const int64_t held = pages_held(g, s.mode, static_cast<int>(k), q.shared_prefix_pages);
+      for (int64_t j = 0; j < held; ++j) f(id_of(k, q.pages[static_cast<size_t>(j)]));
+    }
+  };
   // Pages in shared prefixes used by >= 2 sequences link those sequences (union-find).
-  std::vector<int32_t> count(static_cast<size_t>(num_pages), 0);
-  std::vector<int64_t> first(static_cast<size_t>(num_pages), -1);
+  std::vector<int32_t> count(static_cast<size_t>(shares * num_pages), 0);
+  std::vector<int64_t> first(static_cast<size_t>(shares * num_pages), -1);
   std::vector<int64_t> parent(seqs.size());
   std::iota(parent.begin(), parent.end(), int64_t{0});
   auto find = [&](int64_t x) {
@@ -245,9 +256,7 @@ void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_deman
   };
   bool any_shared = false;
   for (size_t i = 0; i < seqs.size(); ++i) {
-    const kv_sequence& q = seqs[i];
-    for (int64_t k = 0; k < q.shared_prefix_pages; ++k) {
-      const auto p = static_cast<size_t>(q.pages[static_cast<size_t>(k)]);
+    for_shared(i, [&](size_t p) {
       if (count[p]++ == 0) {
         first[p] = static_cast<int64_t>(i);
       } else {
@@ -255,7 +264,7 @@ void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_deman
         const int64_t a = find(first[p]), b = find(static_cast<int64_t>(i));
         if (a != b) parent[static_cast<size_t>(std::max(a, b))] = std::min(a, b);
       }
-    }
+    });
   }
   std::vector<int64_t> group_of_root(seqs.size(), -1);
   std::vector<int64_t> size_of_root(seqs.size(), 0);
@@ -267,9 +276,8 @@ void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_deman
     kv_demand d;
     d.seq_id = q.seq_id;
     int64_t shared = 0;
-    for (int64_t k = 0; k < q.shared_prefix_pages; ++k)
-      if (count[static_cast<size_t>(q.pages[static_cast<size_t>(k)])] >= 2) ++shared;
-    d.own_pages = q.num_pages() - shared;
+    for_shared(i, [&](size_t p) { shared += count[p] >= 2 ? 1 : 0; });
+    d.own_pages = logical_pages(g, q) - shared;
     if (any_shared) {
       const auto root = static_cast<size_t>(find(static_cast<int64_t>(i)));
       if (size_of_root[root] >= 2) {
@@ -279,11 +287,10 @@ void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_deman
         }
         d.share_group = group_of_root[root];
         // Count each shared page once, at its first user.
-        for (int64_t k = 0; k < q.shared_prefix_pages; ++k) {
-          const auto p = static_cast<size_t>(q.pages[static_cast<size_t>(k)]);
+        for_shared(i, [&](size_t p) {
           if (count[p] >= 2 && first[p] == static_cast<int64_t>(i))
             ++group_shared_pages[static_cast<size_t>(d.share_group)];
-        }
+        });
       }
     }
     demands.push_back(d);

@@ -10,6 +10,11 @@
 // into a spare free page (or a staging slot). Rounds ~ (pieces to land) / (free TP pages).
 // Interleaved slices (NHD, page > 1): an EP page needs a wholly free group; owners short of
 // groups compact (move live pieces out of their least-used groups) in the same rounds.
+//
+// A logical page is named by l = k * num_tp_pages + (its page id on rank k), k its DCP index
+// (dcp 1: rank 0's TP page id, as before). With dcp > 1 logical page l lives, per slice, only on
+// the ranks of DCP index k (one per replica set): each piece is read from one of them, and
+// replicas exist only when dcp < tp_replicas().
 
 #include <algorithm>
 #include <sstream>
@@ -31,7 +36,7 @@ enum class piece_at : uint8_t { source, staged, landed };
 
 struct tp_item {
   int owner;
-  int64_t l;             // logical page (rank 0's TP page id)
+  int64_t l;             // logical page (k * num_tp_pages + rank k's TP page id)
   int64_t group = -1;    // destination EP page on the owner, -1 before assignment
   int64_t slot = -1;     // staging slot holding some of its pieces, -1 when none
   int32_t waiting = 0;   // pieces not landed
@@ -46,14 +51,16 @@ class tp_to_ep_rounds {
         P_(g.num_ranks),
         split_(g.tp_pages_per_ep_page()),
         reps_(g.tp_replicas()),
+        sets_(g.tp_replica_sets()),
+        N_(g.num_tp_pages()),
         contiguous_(kv_slices_in_place(g, layout)),
         sch_(g, layout, opt.staging, staging_slots(g, opt, parallel_mode::ep),
              kv_staging_slot_bytes(g, parallel_mode::ep), opt.max_rounds, "TP->EP", res.copies),
-        loc_(P_, g.num_tp_pages(), -1),
+        loc_(P_, g.dcp * g.num_tp_pages(), -1),
         l_of_(P_, g.num_tp_pages(), -1),
         reads_(P_, g.num_tp_pages(), 0),
-        slice_reads_(static_cast<int>(split_), g.num_tp_pages(), 0),
-        item_of_(P_, g.num_tp_pages(), -1),
+        slice_reads_(static_cast<int>(split_), g.dcp * g.num_tp_pages(), 0),
+        item_of_(P_, g.dcp * g.num_tp_pages(), -1),
         group_item_(P_, g.num_ep_pages, -1),
         unassigned_(idx(P_)),
         stats_(res.stats) {
@@ -81,10 +88,14 @@ class tp_to_ep_rounds {
   int64_t ep_page(int owner, int64_t l) const { return items_[idx(item_of_(owner, l))].group; }
 
  private:
-  // Slice j for owner o comes from o itself when o holds slice j, else from the replica that
-  // spreads owners over replicas.
-  int src_rank(int64_t j, int o) const {
-    return g_.tp_slice_of_rank(o) == j ? o : static_cast<int>(j * reps_ + o % reps_);
+  // DCP index of logical page l.
+  int64_t share(int64_t l) const { return l / N_; }
+  // Slice j of logical page l for owner o comes from o itself when o holds slice j and l's
+  // share, else from the replica set that spreads owners over the sets.
+  int src_rank(int64_t j, int o, int64_t l) const {
+    const int64_t k = share(l);
+    if (g_.tp_slice_of_rank(o) == j && g_.dcp_rank(o) == k) return o;
+    return static_cast<int>(g_.tp_rank_of(j, o % sets_, k));
   }
   // A page freed at the barrier no longer holds its logical page: both maps drop it, so a
   // later look-up by logical page (an unread replica to drop) never finds the page's next
@@ -104,12 +115,13 @@ class tp_to_ep_rounds {
   }
 
   void map_pages(const kv_state& s) {
-    const std::vector<kv_sequence>& seqs = s.ranks[0].sequences;
     for (int r = 0; r < P_; ++r) {
+      const int64_t sh = g_.dcp_rank(r);  // rank sh names the logical pages of this share
+      const std::vector<kv_sequence>& seqs = s.ranks[idx(sh)].sequences;
       const std::vector<kv_sequence>& rs = s.ranks[idx(r)].sequences;
       for (std::size_t i = 0; i < seqs.size(); ++i)
         for (std::size_t k = 0; k < seqs[i].pages.size(); ++k) {
-          const int64_t l = seqs[i].pages[k], t = rs[i].pages[k];
+          const int64_t l = sh * N_ + seqs[i].pages[k], t = rs[i].pages[k];
           if (loc_(r, l) >= 0) continue;  // a shared page
           loc_(r, l) = t;
           l_of_(r, t) = l;
@@ -121,14 +133,15 @@ class tp_to_ep_rounds {
   // Items: distinct (owner, logical page), interleaved across owners; reads per source page
   // and per slice; in-place pages reserve their group at once.
   void make_items(const kv_state& s, const kv_placement& pl) {
-    const std::vector<kv_sequence>& seqs = s.ranks[0].sequences;
+    const std::size_t num_seqs = s.ranks[0].sequences.size();
     std::vector<std::vector<int64_t>> owned(idx(P_));
-    for (std::size_t i = 0; i < seqs.size(); ++i)
-      for (int64_t l : seqs[i].pages)
-        if (int64_t& it = item_of_(pl.owner[i], l); it < 0) {
-          it = 0;
-          owned[idx(pl.owner[i])].push_back(l);
-        }
+    for (std::size_t i = 0; i < num_seqs; ++i)
+      for (int64_t sh = 0; sh < g_.dcp; ++sh)
+        for (int64_t p : s.ranks[idx(sh)].sequences[i].pages)
+          if (int64_t& it = item_of_(pl.owner[i], sh * N_ + p); it < 0) {
+            it = 0;
+            owned[idx(pl.owner[i])].push_back(sh * N_ + p);
+          }
     for (std::size_t k = 0;; ++k) {
       bool any = false;
       for (int o = 0; o < P_; ++o) {
@@ -144,12 +157,13 @@ class tp_to_ep_rounds {
     for (std::size_t i = 0; i < items_.size(); ++i) {
       tp_item& m = items_[i];
       for (int64_t j = 0; j < split_; ++j) {
-        const int sr = src_rank(j, m.owner);
+        const int sr = src_rank(j, m.owner, m.l);
         ++reads_(sr, loc_(sr, m.l));
         ++slice_reads_(static_cast<int>(j), m.l);
       }
+      // The owner holds a piece of the page only when it is of the page's share.
       const int64_t t = loc_(m.owner, m.l), own = g_.tp_slice_of_rank(m.owner);
-      if (contiguous_ && t % split_ == own) {
+      if (contiguous_ && t >= 0 && t % split_ == own) {
         candidate_[idx(m.owner)].push_back(static_cast<int64_t>(i));
         cand_group_(m.owner, t / split_) = static_cast<int64_t>(i);
       } else {
@@ -165,7 +179,8 @@ class tp_to_ep_rounds {
   void read(int sr, int64_t t, int64_t j, int64_t l) {
     if (--reads_(sr, t) == 0 && sch_.state(sr, t) == page_state::live) sch_.release(sr, t);
     if (--slice_reads_(static_cast<int>(j), l) > 0) return;
-    for (int r = static_cast<int>(j * reps_); r < (j + 1) * reps_; ++r) {
+    for (int64_t set = 0; set < sets_; ++set) {
+      const auto r = static_cast<int>(g_.tp_rank_of(j, set, share(l)));
       const int64_t u = loc_(r, l);
       if (r == sr || u < 0 || reads_(r, u) > 0 || sch_.state(r, u) != page_state::live) continue;
       MOEBIUS_CHECK(l_of_(r, u) == l, errc::internal, "TP->EP: replica of page ", l,
@@ -184,15 +199,17 @@ class tp_to_ep_rounds {
   // on rollback from a replica that is read: it stays untouched to the end of this round, and
   // undoing the later rounds gives it back its bytes before this round's restores run.
   void drop_unread_replicas() {
-    if (reps_ == 1) return;
+    if (sets_ == 1) return;
     for (int r = 0; r < P_; ++r) {
-      const int64_t j = g_.tp_slice_of_rank(r);
+      const int64_t j = g_.tp_slice_of_rank(r), sh = g_.dcp_rank(r);
       for (int64_t t = 0; t < g_.num_tp_pages(); ++t) {
         const int64_t l = l_of_(r, t);
         if (l < 0 || reads_(r, t) > 0 || sch_.state(r, t) != page_state::live) continue;
         int sr = -1;
-        for (int q = static_cast<int>(j * reps_); q < (j + 1) * reps_ && sr < 0; ++q)
+        for (int64_t set = 0; set < sets_ && sr < 0; ++set) {
+          const auto q = static_cast<int>(g_.tp_rank_of(j, set, sh));
           if (q != r && loc_(q, l) >= 0 && reads_(q, loc_(q, l)) > 0) sr = q;
+        }
         if (sr < 0) continue;
         sch_.restores([&](copy_emitter& em) {
           em.whole(parallel_mode::tp, em.pool(parallel_mode::tp, sr, loc_(sr, l)),
@@ -294,7 +311,7 @@ class tp_to_ep_rounds {
     if (at(i, j) == piece_at::staged) {
       em.whole(parallel_mode::tp, em.slice_of(em.stage(parallel_mode::ep, o, m.slot), j), dst);
     } else {
-      const int sr = src_rank(j, o);
+      const int sr = src_rank(j, o, m.l);
       const int64_t t = loc_(sr, m.l);
       em.whole(parallel_mode::tp, em.pool(parallel_mode::tp, sr, t), dst);
       read(sr, t, j, m.l);
@@ -320,7 +337,7 @@ class tp_to_ep_rounds {
       em.whole(parallel_mode::ep, em.stage(parallel_mode::ep, o, m.slot), dst);
     } else {
       for (int64_t j = 0; j < split_; ++j) {
-        const int sr = src_rank(j, o);
+        const int sr = src_rank(j, o, m.l);
         const int64_t t = loc_(sr, m.l);
         em.slice(dst, j, em.pool(parallel_mode::tp, sr, t), false);
         read(sr, t, j, m.l);
@@ -450,7 +467,7 @@ class tp_to_ep_rounds {
     const page_ref stage = em.stage(parallel_mode::ep, o, m.slot);
     for (int64_t j = 0; j < split_; ++j) {
       if (at(pick, j) != piece_at::source) continue;
-      const int sr = src_rank(j, o);
+      const int sr = src_rank(j, o, m.l);
       const int64_t t = loc_(sr, m.l);
       em.slice(stage, j, em.pool(parallel_mode::tp, sr, t), false);
       read(sr, t, j, m.l);
@@ -462,7 +479,7 @@ class tp_to_ep_rounds {
 
   const kv_geometry& g_;
   int P_;
-  int64_t split_, reps_;
+  int64_t split_, reps_, sets_, N_;
   bool contiguous_;
   round_scheduler sch_;
   rank_table<int64_t> loc_;         // (rank, logical page) -> TP page holding its slice
@@ -515,19 +532,21 @@ outcome plan_tp_to_ep(const kv_geometry& g, const kv_pool_layout& layout, const 
     out.pages_needed = pl->load.empty() ? 0 : *std::max_element(pl->load.begin(), pl->load.end());
     return out;
   }
-  // Distinct (owner, logical page) per owner.
-  std::vector<std::vector<uint8_t>> seen(idx(P), std::vector<uint8_t>(idx(g.num_tp_pages()), 0));
+  // Distinct (owner, logical page) per owner; logical page k * num_tp_pages + rank k's id.
+  const int64_t N = g.num_tp_pages();
+  std::vector<std::vector<uint8_t>> seen(idx(P), std::vector<uint8_t>(idx(g.dcp * N), 0));
   std::vector<int64_t> need(idx(P), 0);
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     const int o = pl->owner[i];
     MOEBIUS_CHECK(o >= 0 && o < P, errc::invalid_argument, "placement gives sequence ",
                   seqs[i].seq_id, " owner ", o, " outside [0, ", P, ")");
-    for (int64_t l : seqs[i].pages)
-      if (!seen[idx(o)][idx(l)]) {
-        seen[idx(o)][idx(l)] = 1;
-        ++need[idx(o)];
-        ++res.stats.pages_moved;
-      }
+    for (int64_t sh = 0; sh < g.dcp; ++sh)
+      for (int64_t p : s.ranks[idx(sh)].sequences[i].pages)
+        if (!seen[idx(o)][idx(sh * N + p)]) {
+          seen[idx(o)][idx(sh * N + p)] = 1;
+          ++need[idx(o)];
+          ++res.stats.pages_moved;
+        }
   }
   out.pages_needed = *std::max_element(need.begin(), need.end());
   if (out.pages_needed > n_ep) {
@@ -543,11 +562,17 @@ outcome plan_tp_to_ep(const kv_geometry& g, const kv_pool_layout& layout, const 
     out.reason = rounds.failure();
     return out;
   }
-  // Each owner's sequences over its EP pages; free = wholly free groups.
+  // Each owner's sequences over its EP pages, in logical order (page x from DCP index x % dcp,
+  // its local page x / dcp); free = wholly free groups.
   std::vector<std::vector<kv_sequence>> tables(idx(P));
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     kv_sequence q = seqs[i];
-    for (int64_t& p : q.pages) p = rounds.ep_page(pl->owner[i], p);
+    q.pages.resize(idx(logical_pages(g, q)));
+    for (std::size_t x = 0; x < q.pages.size(); ++x) {
+      const int64_t sh = static_cast<int64_t>(x) % g.dcp;
+      const int64_t p = s.ranks[idx(sh)].sequences[i].pages[x / idx(g.dcp)];
+      q.pages[x] = rounds.ep_page(pl->owner[i], sh * N + p);
+    }
     tables[idx(pl->owner[i])].push_back(std::move(q));
   }
   res.new_state = make_kv_state(g, parallel_mode::ep, std::move(tables));

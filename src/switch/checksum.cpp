@@ -88,19 +88,26 @@ uint64_t kv_layers_checksum(const kv_geometry& g, const kv_pool_layout& layout,
   }
   const int64_t eb = dtype_bytes(g.type);
   const int64_t heads = g.heads_per_ep_page();
+  // Where a token lies in s.mode: EP sequences are whole on their owner (no DCP share).
+  kv_geometry places = g;
+  if (s.mode == parallel_mode::ep) places.dcp = 1;
   // Sum over every element of `seq` held by `rank` in mode s.mode; `head0` is the global index
-  // of the rank's first head (TP slice), `num_heads` how many it holds.
+  // of the rank's first head (TP slice), `num_heads` how many it holds. With dcp > 1 the rank
+  // holds the tokens of its DCP share only; the shares' sums add up to the sequence's.
   auto sequence_sum = [&](int rank, const kv_sequence& seq, int64_t head0, int64_t num_heads) {
     uint64_t sum = 0;
     const uint64_t seq_key = mix(static_cast<uint64_t>(seq.seq_id) * 0x2545f4914f6cdd1dULL);
+    const int64_t share = share_of(g, s.mode, rank);
     for (int64_t layer = layer0; layer < layer1; ++layer) {
       for (int64_t kt = 0; kt < g.kv_tensors(); ++kt) {
         for (int64_t token = 0; token < seq.num_tokens; ++token) {
-          const int64_t page = seq.pages[static_cast<size_t>(token / g.page_size)];
+          const kv_token_place at = places.token_place(token);
+          if (at.dcp_rank != share) continue;
+          const int64_t page = seq.pages[static_cast<size_t>(at.local_page)];
           for (int64_t h = 0; h < num_heads; ++h) {
             for (int64_t d = 0; d < g.head_dim; ++d) {
               const int64_t off = layout.offset(s.mode, layer, static_cast<kv_tensor>(kt), page,
-                                                h, token % g.page_size, d);
+                                                h, at.slot, d);
               const uint64_t coord = static_cast<uint64_t>(
                   (((layer * 2 + kt) * seq.num_tokens + token) * heads + head0 + h) *
                       g.head_dim + d);
@@ -121,22 +128,26 @@ uint64_t kv_layers_checksum(const kv_geometry& g, const kv_pool_layout& layout,
       }
     }
   } else {
-    // Slice j lives on ranks [j * replicas, (j + 1) * replicas). The first replica counts; each
-    // other one adds twice its difference to the first: 0 when it holds the same K/V. A change
-    // d of one replica moves the sum by 2d (another) or d * (1 - 2 (replicas - 1)), an odd
-    // multiple (the first), so neither cancels out.
-    const int64_t reps = g.tp_replicas();
+    // Slice j lives on ranks [j * replicas, (j + 1) * replicas), in replica sets of dcp ranks
+    // that each hold one DCP share (dcp 1: sets of one rank). The first set counts; in each
+    // other set, the rank of DCP index k adds twice its difference to the first set's rank of
+    // index k: 0 when it holds the same K/V. A change d of one replica moves the sum by 2d
+    // (another set) or d * (1 - 2 (sets - 1)), an odd multiple (the first), so neither cancels.
+    const int64_t sets = g.tp_replica_sets();
     for (int64_t j = 0; j < g.tp_pages_per_ep_page(); ++j) {
-      const int first = static_cast<int>(j * reps);
-      const auto& seqs = s.ranks[static_cast<size_t>(first)].sequences;
-      for (size_t i = 0; i < seqs.size(); ++i) {
-        const int64_t head0 = j * g.heads_per_tp_page();
-        const uint64_t ref = sequence_sum(first, seqs[i], head0, g.heads_per_tp_page());
-        sum += ref;
-        for (int r = first + 1; r < first + reps; ++r) {
-          // TP states hold the same sequences in the same order on every rank (validate()).
-          const kv_sequence& q = s.ranks[static_cast<size_t>(r)].sequences[i];
-          sum += 2 * (sequence_sum(r, q, head0, g.heads_per_tp_page()) - ref);
+      const int64_t head0 = j * g.heads_per_tp_page();
+      for (int64_t k = 0; k < g.dcp; ++k) {
+        const int first = static_cast<int>(g.tp_rank_of(j, 0, k));
+        const auto& seqs = s.ranks[static_cast<size_t>(first)].sequences;
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          const uint64_t ref = sequence_sum(first, seqs[i], head0, g.heads_per_tp_page());
+          sum += ref;
+          for (int64_t set = 1; set < sets; ++set) {
+            // TP states hold the same sequences in the same order on every rank (validate()).
+            const int r = static_cast<int>(g.tp_rank_of(j, set, k));
+            const kv_sequence& q = s.ranks[static_cast<size_t>(r)].sequences[i];
+            sum += 2 * (sequence_sum(r, q, head0, g.heads_per_tp_page()) - ref);
+          }
         }
       }
     }

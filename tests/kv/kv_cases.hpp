@@ -22,6 +22,17 @@ T pick_one(std::mt19937_64& rng, const T (&v)[N]) {
   return v[static_cast<size_t>(uni(rng, 0, static_cast<int64_t>(N) - 1))];
 }
 
+// A random allowed dcp for g (a divisor of tp_replicas(), so 1 when H_kv >= P), drawn fresh.
+inline kv_geometry random_dcp(std::mt19937_64& rng, kv_geometry g) {
+  const int64_t reps = g.tp_replicas();
+  std::vector<int64_t> allowed;
+  for (int64_t d = 1; d <= reps; ++d)
+    if (reps % d == 0) allowed.push_back(d);
+  g.dcp = allowed[static_cast<size_t>(uni(rng, 0, static_cast<int64_t>(allowed.size()) - 1))];
+  validate(g);
+  return g;
+}
+
 // A random valid geometry whose pool is about `budget` bytes per rank.
 inline kv_geometry random_kv_geometry(std::mt19937_64& rng, int64_t budget) {
   static constexpr int ranks[] = {1, 2, 4, 8};
@@ -52,7 +63,9 @@ struct kv_case {
 
 // Sequences (some in share groups, some mid-prefill) filling about `occupancy` of the pool in
 // `mode`, at most `max_seqs` of them. TP pages are allocated independently (and randomly) on
-// each rank, so TP states are fragmented.
+// each rank, so TP states are fragmented. With g.dcp > 1 a TP rank of DCP index d (r % dcp)
+// gets pages for logical pages d, d + dcp, .. only (written from the rule, not the library).
+// `occupancy` is then rank 0's (the busiest share's).
 inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parallel_mode mode,
                               double occupancy, int64_t max_seqs, int64_t max_tokens = 0) {
   kv_case c;
@@ -74,6 +87,11 @@ inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parall
   std::vector<group> groups;
   std::vector<std::vector<kv_sequence>> tables(static_cast<size_t>(P));
   const bool tp = mode == parallel_mode::tp;
+  const int64_t D = tp ? g.dcp : 1;
+  auto mine = [&](int r, int64_t k) { return k % D == r % D; };  // rank r holds logical page k
+  auto on_rank0 = [&](int64_t n) {  // of logical pages [0, n), those of rank 0's share
+    return (n + D - 1) / D;
+  };
   const int64_t total = tp ? N : N * P;  // pages in the view (TP: per rank, all ranks alike)
   int64_t used = 0;                       // TP: pages used per rank
   const auto target = static_cast<int64_t>(occupancy * static_cast<double>(total));
@@ -119,10 +137,11 @@ inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parall
       ng.pages.resize(static_cast<size_t>(P));
       for (int r = 0; r < P; ++r) {
         if (!tp && r != owner) continue;
-        for (int64_t k = 0; k < gp; ++k) ng.pages[static_cast<size_t>(r)].push_back(alloc(r));
+        for (int64_t k = 0; k < gp; ++k)
+          ng.pages[static_cast<size_t>(r)].push_back(mine(r, k) ? alloc(r) : -1);
       }
       if (!tp) ng.pages[0] = ng.pages[static_cast<size_t>(owner)];
-      used += gp;
+      used += on_rank0(gp);
       groups.push_back(std::move(ng));
       grp = &groups.back();
       shared = gp;
@@ -141,11 +160,13 @@ inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parall
       if (!tp && r != owner) continue;
       kv_sequence t = q;
       for (int64_t k = 0; k < shared; ++k)
-        t.pages.push_back(grp->pages[static_cast<size_t>(tp ? r : owner)][static_cast<size_t>(k)]);
-      for (int64_t k = shared; k < n; ++k) t.pages.push_back(alloc(r));
+        if (mine(r, k))
+          t.pages.push_back(grp->pages[static_cast<size_t>(tp ? r : owner)][static_cast<size_t>(k)]);
+      for (int64_t k = shared; k < n; ++k)
+        if (mine(r, k)) t.pages.push_back(alloc(r));
       tables[static_cast<size_t>(r)].push_back(std::move(t));
     }
-    used += n - shared;
+    used += on_rank0(n) - on_rank0(shared);
     c.content[q.seq_id] = seq_content{grp ? grp->key : -1};
     next_id += uni(rng, 1, 3);
   }

@@ -113,17 +113,21 @@ void for_each_element(const kv_geometry& g, const kv_state& s, const content_map
   for (int r = 0; r < g.num_ranks; ++r) {
     int64_t first = 0, count = 0;
     ref_heads(g, s.mode, r, first, count);
+    // DCP (TP, g.dcp > 1): rank r lists logical pages r % dcp, r % dcp + dcp, .. of each
+    // sequence; the last logical page is the partial one. dcp 1 and EP: every page, in order.
+    const int64_t D = s.mode == parallel_mode::tp ? g.dcp : 1;
     for (const kv_sequence& q : s.ranks[static_cast<size_t>(r)].sequences) {
-      for (int64_t k = 0; k < static_cast<int64_t>(q.pages.size()); ++k) {
+      const int64_t logical_pages = (q.num_tokens + g.page_size - 1) / g.page_size;
+      for (int64_t i = 0; i < static_cast<int64_t>(q.pages.size()); ++i) {
+        const int64_t k = i * D + r % D;  // the logical page
         const int64_t content = content_of(c, q, k);
-        const int64_t tokens =
-            k + 1 == static_cast<int64_t>(q.pages.size()) ? q.last_page_len : g.page_size;
+        const int64_t tokens = k + 1 == logical_pages ? q.last_page_len : g.page_size;
         for (int64_t layer = 0; layer < g.num_layers; ++layer)
           for (int64_t kv = 0; kv < tensors_per_layer; ++kv)
             for (int64_t h = 0; h < count; ++h)
               for (int64_t t = 0; t < tokens; ++t)
                 for (int64_t d = 0; d < g.head_dim; ++d) {
-                  const int64_t page = q.pages[static_cast<size_t>(k)];
+                  const int64_t page = q.pages[static_cast<size_t>(i)];
                   const int64_t off = where ? (*where)(s.mode, layer, kv, page, h, t, d)
                                             : ref_offset(g, s.mode, layer, kv, page, h, t, d);
                   for (int64_t b = 0; b < elem; ++b)

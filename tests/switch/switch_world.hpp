@@ -4,6 +4,7 @@
 // pool of random bytes with random EP sequences, and what the tests compare.
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <span>
 #include <string>
@@ -14,7 +15,9 @@
 #include "moebius/layout/arena_geometry.hpp"
 #include "moebius/memory/rank_memory.hpp"
 #include "moebius/switch/checksum.hpp"
+#include "moebius/switch/progressive.hpp"
 #include "moebius/switch/switch_report.hpp"
+#include "moebius/switch/switcher.hpp"
 #include "support/reference.hpp"
 
 namespace moebius::testing {
@@ -108,6 +111,22 @@ inline world make_world(std::mt19937_64& rng, int P, double occupancy, bool same
   return make_world(rng, make_arena_geometry(shape, P), kv, occupancy);
 }
 
+// A world as make_world's whose KV geometry has P/H_kv > 1 and dcp = a random divisor > 1 of
+// it (a TP view that splits each head's tokens, issue 40).
+inline world make_dcp_world(std::mt19937_64& rng, int P, double occupancy, bool same_layers = false) {
+  for (;;) {
+    world w = make_world(rng, P, occupancy, same_layers);
+    const int64_t reps = w.kv.tp_replicas();
+    if (reps == 1) continue;
+    std::vector<int64_t> allowed;
+    for (int64_t d = 2; d <= reps; ++d)
+      if (reps % d == 0) allowed.push_back(d);
+    const auto pick = std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng);
+    w.kv = with_dcp(w.kv, allowed[pick]);
+    return w;
+  }
+}
+
 // A P=2 world with H_kv=1 at 95% occupancy, which TP cannot hold: every head lives on both TP
 // ranks, so TP holds half of what EP holds.
 inline world make_world_tp_cannot_hold(std::mt19937_64& rng, bool same_layers = false) {
@@ -163,6 +182,24 @@ inline std::string moves_diff(const switch_report& a, const switch_report& b) {
   if (a.weight_bytes_sent != b.weight_bytes_sent) return "weight_bytes_sent";
   if (a.kv_bytes_sent != b.kv_bytes_sent) return "kv_bytes_sent";
   return "";
+}
+
+inline int64_t sum(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
+
+// Runs the switch to `target` on `sw`, stop-the-world or progressively (`per_advance` layers an
+// advance, waiting for each); the report.
+inline switch_report run_switch(switcher& sw, parallel_mode target, bool progressive,
+                                int64_t per_advance) {
+  if (!progressive) return sw.switch_to(target);
+  progressive_switch s = sw.begin(target);
+  if (!s.open()) return s.report();
+  while (s.open() && s.layers_remaining() > 0) {
+    s.advance(per_advance);
+    s.wait();
+  }
+  return s.open() ? s.finish() : s.report();
 }
 
 inline uint64_t state_checksum(const world& w, arena_cursor c, const kv_state& s) {

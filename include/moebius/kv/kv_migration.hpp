@@ -29,6 +29,15 @@
 //   between two pages kept in place). Replicas no owner reads (H_kv < P) free in round 0.
 //   Interleaved slices need a wholly free group; owners short of groups compact.
 //   Rounds at 90% occupancy, P=2: ~ 8 (pieces to land / free TP pages per rank, plus a tail).
+// With dcp > 1 (kv_geometry.hpp) the TP view holds each head slice's tokens once per replica
+//   set instead of once per rank: EP->TP sends piece j of logical page i only to the rank of
+//   DCP index i % dcp in each set of slice j (the owner keeps its slice in place only when it is
+//   that rank; otherwise its slice is sent and its TP page frees), so no replica is made beyond
+//   tp_replicas()/dcp and the bytes fall by about dcp; TP->EP reads each (page, slice) from the
+//   rank of the page's share (one per set; unread replicas free in round 0 as before). The
+//   capacity check counts, per DCP index, the live EP pages at logical pages of that index.
+//   Staging, the rounds, rollback and every pool layout are as above; dcp = 1 is the plan above,
+//   op for op.
 // Within a phase no destination overlaps another destination or a live source
 // (find_phase_hazard() in plan.hpp checks it), and every byte a phase frees is either read by it or listed
 // in plan_phase::restores (unread TP replicas), so rollback_plan() undoes any prefix of the
@@ -38,6 +47,8 @@
 //   EP->TP: one round; rank 2 keeps TP pages 3*4+1=13 and 7*4+1=29 (slice 1 = head 1) in
 //   place; ranks 0,1 receive head 0, ranks 3 receives head 1 (rank 2's replica partner),
 //   4,5 head 2, 6,7 head 3: 7 ranks x 2 pages = 14 ops of one tensor-strided copy each.
+//   The same with dcp 2: page 3 (logical 0) goes to DCP index 0 (ranks 0, 2, 4, 6; rank 2
+//   keeps head 1), page 7 (logical 1) to index 1 (ranks 1, 3, 5, 7): 3 + 4 = 7 ops.
 
 #include <cstdint>
 #include <iosfwd>
@@ -113,7 +124,9 @@ kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_pool_l
 // Whether `s` can migrate to `target` and in how many rounds; moves and changes nothing.
 // Throws errc::invalid_argument for an invalid state (validate()).
 //   Qwen3 (H_kv=4, P=8) EP at 60% occupancy -> TP: holds = false (TP holds at most 50%:
-//   each head lives on 2 ranks), reason names the rank and pages needed vs available.
+//   each head lives on 2 ranks), reason names the rank and pages needed vs available. With
+//   dcp 2 it holds (up to ~99% with long sequences: the DCP index of each sequence's first page
+//   holds up to one page a sequence more than the other).
 kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_state& s,
                                      parallel_mode target, const kv_migration_options& opt = {});
 

@@ -78,27 +78,7 @@ constexpr const char* to_string(kv_preset p) {
   return "unknown";
 }
 
-// Byte strides of one view. `head` is the head index within the view's page (EP: [0, H_kv),
-// TP: [0, heads_per_tp_page)); `kv` is ignored for latent KV (one tensor per layer).
-struct kv_strides {
-  int64_t base = 0;  // offset of element (layer 0, K, page 0, token 0, head 0, dim 0)
-  int64_t layer = 0;
-  int64_t kv = 0;  // K -> V of one layer
-  int64_t page = 0;
-  int64_t token = 0;
-  int64_t head = 0;
-  int64_t dim = 0;
-
-  // Offset of page 0 of tensor (layer, t).
-  MOEBIUS_HOST_DEVICE constexpr int64_t tensor(int64_t l, kv_tensor t) const {
-    return base + l * layer + static_cast<int64_t>(t) * kv;
-  }
-  MOEBIUS_HOST_DEVICE constexpr int64_t offset(int64_t l, kv_tensor t, int64_t p, int64_t h,
-                                               int64_t tok, int64_t d) const {
-    return tensor(l, t) + p * page + tok * token + h * head + d * dim;
-  }
-  friend constexpr bool operator==(const kv_strides&, const kv_strides&) = default;
-};
+// kv_strides (one view's byte strides and THE offset function) is in kv_geometry.hpp.
 
 struct kv_pool_layout {
   kv_strides ep;           // the EP view
@@ -113,7 +93,8 @@ struct kv_pool_layout {
   MOEBIUS_HOST_DEVICE constexpr const kv_strides& view(parallel_mode m) const {
     return m == parallel_mode::ep ? ep : tp;
   }
-  // Same arguments as kv_geometry::offset.
+  // Same arguments as kv_geometry::offset; kv_strides::offset of the view. The TP view's page
+  // is the rank's own page id: with dcp > 1, kv_view maps a sequence's token to it.
   MOEBIUS_HOST_DEVICE constexpr int64_t offset(parallel_mode m, int64_t layer, kv_tensor t,
                                                int64_t page, int64_t head, int64_t token,
                                                int64_t dim) const {

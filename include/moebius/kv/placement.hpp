@@ -52,6 +52,9 @@ kv_placement place_longest_first(std::span<const kv_demand> demands,
 
 // Demands of the sequences of a TP-mode state (rank 0's sequence order, which is seq id
 // order), with share groups = connected components of sequences through shared page ids.
+// With dcp > 1 a sequence's demand is its whole page count (an EP owner gathers every DCP
+// share), and sharing is read on ranks 0..dcp-1, which hold one share each.
+//   dcp 2, a 5-page sequence (3 pages on rank 0, 2 on rank 1), nothing shared: own_pages 5.
 // Validates `s` first (validate(g, s)): errc::invalid_argument for an invalid state.
 void kv_demands_of(const kv_geometry& g, const kv_state& s, std::vector<kv_demand>& demands,
                    std::vector<int64_t>& group_shared_pages);
