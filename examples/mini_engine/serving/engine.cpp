@@ -1,21 +1,16 @@
 #include "engine_run_state.hpp"
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <optional>
-#include <cstdio>
 #include <ostream>
 #include <sstream>
 #include <utility>
 
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
-#include <moebius/switch/pacing.hpp>
 
 #include "kv_pages.hpp"
 #include "trace_stats.hpp"
-#include "step_beside.hpp"
 
 namespace mini_engine {
 

@@ -1,10 +1,10 @@
 // Calibration on the engine's clock: decode steps of both modes over a batch sweep (engine.hpp).
 #include <algorithm>
-#include <chrono>
 #include <moebius/error.hpp>
 #include <moebius/kv/page_table.hpp>
 
 #include "engine_run_state.hpp"
+#include "host_clock.hpp"
 #include "kv_pages.hpp"
 
 namespace mini_engine {
@@ -54,7 +54,7 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
     it.sample = true;
     items.push_back(it);
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = host_clock::now();
   try {
     runtime_.step(step_layout{&tables, switcher_.cursor()}, items);
   } catch (...) {
@@ -62,9 +62,7 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
     throw;
   }
   const double measured =
-      runtime_.measured_step_s() >= 0
-          ? runtime_.measured_step_s()
-          : std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      runtime_.measured_step_s() >= 0 ? runtime_.measured_step_s() : seconds_since(t0);
   release_all();
   return clock_.step_s(cost, measured);
 }

@@ -1,12 +1,12 @@
 #include "progressive_driver.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <limits>
 #include <utility>
 
 #include <moebius/error.hpp>
 
+#include "host_clock.hpp"
 #include "page_source.hpp"
 #include "step_beside.hpp"
 
@@ -16,12 +16,6 @@ using moebius::errc;
 using moebius::parallel_mode;
 
 namespace {
-
-using host_clock = std::chrono::steady_clock;
-
-double seconds_since(host_clock::time_point t0) {
-  return std::chrono::duration<double>(host_clock::now() - t0).count();
-}
 
 // Tokens the run's requests have produced so far.
 int64_t tokens_produced(const scheduler& sched) {

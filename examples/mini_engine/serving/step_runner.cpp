@@ -1,7 +1,8 @@
 #include "step_runner.hpp"
 
-#include <chrono>
 #include <utility>
+
+#include "host_clock.hpp"
 
 namespace mini_engine {
 
@@ -23,7 +24,6 @@ page_source& plain_steps::open_step() {
 }
 
 served_step plain_steps::run(runtime& rt, const step_batch& b, step_record&) {
-  using host_clock = std::chrono::steady_clock;
   const moebius::kv_state& tables = pages_->tables();
   const step_layout layout{&tables, sw_.cursor()};
   // Data-parallel attention: in EP each rank runs its own items.
@@ -37,7 +37,7 @@ served_step plain_steps::run(runtime& rt, const step_batch& b, step_record&) {
     done = rt.finish(rt.enqueue(layout, b.items, rerun));
   }
   served_step s;
-  s.measured_s = std::chrono::duration<double>(host_clock::now() - t0).count();
+  s.measured_s = seconds_since(t0);
   // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
   if (done.measured_s >= 0) s.measured_s = done.measured_s;
   s.tokens = std::move(done.tokens);
