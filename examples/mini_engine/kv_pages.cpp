@@ -21,22 +21,33 @@ auto seq_lower_bound(Sequences& seqs, int64_t seq_id) {
                           [](const kv_sequence& a, int64_t id) { return a.seq_id < id; });
 }
 
+// Pages rank `rank` lists for a sequence of `num_tokens` tokens in mode m: every logical page,
+// or in TP with dcp > 1 its DCP share (logical pages k, k + dcp, ..; kv_geometry.hpp).
+int64_t pages_on_rank(const moebius::kv_geometry& g, parallel_mode m, int64_t num_tokens,
+                      int rank) {
+  const int64_t logical = moebius::pages_for_tokens(num_tokens, g.page_size);
+  return m == parallel_mode::tp ? g.dcp_pages_held(logical, g.dcp_rank(rank)) : logical;
+}
+
 // Grows (or inserts) the sequence on one rank; the caller checked the free pages.
-void grow(kv_rank_state& r, int64_t seq_id, int64_t num_tokens, int64_t page_size) {
+void grow(const moebius::kv_geometry& g, parallel_mode m, kv_rank_state& r, int rank,
+          int64_t seq_id, int64_t num_tokens) {
+  const int64_t page_size = g.page_size;
   auto it = seq_lower_bound(r.sequences, seq_id);
   if (it == r.sequences.end() || it->seq_id != seq_id) {
     kv_sequence fresh;
     fresh.seq_id = seq_id;
     it = r.sequences.insert(it, std::move(fresh));
   }
-  const int64_t need = moebius::pages_for_tokens(num_tokens, page_size) - it->num_pages();
+  const int64_t need = pages_on_rank(g, m, num_tokens, rank) - it->num_pages();
   // The highest free pages, highest first, from the back of the ascending list (see the header).
   for (int64_t i = 0; i < need; ++i) {
     it->pages.push_back(r.free_pages.back());
     r.free_pages.pop_back();
   }
+  // The fields other than pages describe the whole sequence (with dcp > 1 too).
   it->num_tokens = num_tokens;
-  it->last_page_len = num_tokens - (it->num_pages() - 1) * page_size;
+  it->last_page_len = num_tokens - (moebius::pages_for_tokens(num_tokens, page_size) - 1) * page_size;
 }
 
 }  // namespace
@@ -51,10 +62,11 @@ int64_t free_pages(const moebius::kv_state& s, int rank) {
   return static_cast<int64_t>(s.ranks[static_cast<size_t>(rank)].free_pages.size());
 }
 
-int64_t pages_needed(const moebius::kv_geometry& g, parallel_mode, int64_t num_tokens) {
+int64_t pages_needed(const moebius::kv_geometry& g, parallel_mode m, int64_t num_tokens) {
   // A TP page holds the same tokens as an EP page (fewer heads), so the count is the same in
-  // both modes; TP takes it on every rank.
-  return moebius::pages_for_tokens(num_tokens, g.page_size);
+  // both modes with dcp 1; TP takes it on every rank. With dcp > 1 a TP rank takes its share,
+  // and DCP index 0 (whose share starts at logical page 0) the largest.
+  return pages_on_rank(g, m, num_tokens, 0);
 }
 
 int owner_of(const moebius::kv_state& s, int64_t seq_id) {
@@ -88,12 +100,12 @@ void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, int64_t
     const int64_t have = seq ? seq->num_tokens : 0;
     MOEBIUS_CHECK(num_tokens >= have, errc::invalid_argument, "reserve_tokens: sequence ", seq_id,
                   " holds ", have, " tokens, cannot shrink to ", num_tokens);
-    const int64_t need = pages_needed(g, s.mode, num_tokens) - (seq ? seq->num_pages() : 0);
+    const int64_t need = pages_on_rank(g, s.mode, num_tokens, r) - (seq ? seq->num_pages() : 0);
     MOEBIUS_CHECK(need <= free_pages(s, r), errc::capacity, "reserve_tokens: sequence ", seq_id,
                   " needs ", need, " more ", moebius::to_string(s.mode), " pages on rank ", r,
                   " for ", num_tokens, " tokens; ", free_pages(s, r), " are free");
   }
-  for (int r : ranks) grow(s.ranks[static_cast<size_t>(r)], seq_id, num_tokens, g.page_size);
+  for (int r : ranks) grow(g, s.mode, s.ranks[static_cast<size_t>(r)], r, seq_id, num_tokens);
 }
 
 void release_sequence(moebius::kv_state& s, int64_t seq_id) {
@@ -126,7 +138,8 @@ void release_sequence(moebius::kv_state& s, int64_t seq_id) {
 moebius::kv_state written_prefix(const moebius::kv_geometry& g, const moebius::kv_state& s,
                                  std::span<const std::pair<int64_t, int64_t>> written) {
   moebius::kv_state out = s;
-  for (kv_rank_state& r : out.ranks) {
+  for (size_t rank = 0; rank < out.ranks.size(); ++rank) {
+    kv_rank_state& r = out.ranks[rank];
     std::vector<kv_sequence> kept;
     for (kv_sequence& q : r.sequences) {
       if (q.shared_prefix_pages > 0) {
@@ -138,7 +151,7 @@ moebius::kv_state written_prefix(const moebius::kv_geometry& g, const moebius::k
       const int64_t n = it != written.end() && it->first == q.seq_id
                             ? std::min(it->second, q.num_tokens)
                             : 0;
-      const int64_t pages = moebius::pages_for_tokens(n, g.page_size);
+      const int64_t pages = pages_on_rank(g, s.mode, n, static_cast<int>(rank));
       for (size_t p = static_cast<size_t>(pages); p < q.pages.size(); ++p) {
         r.free_pages.insert(std::lower_bound(r.free_pages.begin(), r.free_pages.end(), q.pages[p]),
                             q.pages[p]);
@@ -146,7 +159,7 @@ moebius::kv_state written_prefix(const moebius::kv_geometry& g, const moebius::k
       if (n == 0) continue;
       q.pages.resize(static_cast<size_t>(pages));
       q.num_tokens = n;
-      q.last_page_len = n - (pages - 1) * g.page_size;
+      q.last_page_len = n - (moebius::pages_for_tokens(n, g.page_size) - 1) * g.page_size;
       kept.push_back(std::move(q));
     }
     r.sequences = std::move(kept);

@@ -23,7 +23,8 @@ namespace mini_engine {
 
 // Grows (or creates) sequence `seq_id` so that it holds `num_tokens` tokens, taking pages from the
 // free lists: in EP on `owner` (a new sequence; an existing one stays on its owner), in TP on every
-// rank. Throws moebius::error(errc::capacity) and changes nothing when the pages are not there.
+// rank (with g.dcp > 1 rank r takes only its share, the logical pages k, k + dcp, .. of
+// k = r % dcp; every rank lists the sequence, with its whole token count). Throws moebius::error(errc::capacity) and changes nothing when the pages are not there.
 // Throws errc::invalid_argument (changing nothing) for num_tokens < 1, fewer tokens than the
 // sequence holds already, or an EP owner outside [0, P) for a new sequence.
 void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, int64_t seq_id,
@@ -31,7 +32,8 @@ void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, int64_t
 // Removes sequence `seq_id` (every rank) and returns its pages to the free lists (kept ascending).
 // A sequence that is not there is left alone (no-op).
 void release_sequence(moebius::kv_state& s, int64_t seq_id);
-// Pages free on `rank`, and pages a sequence of `num_tokens` tokens would need per rank in s.mode.
+// Pages free on `rank`, and pages a sequence of `num_tokens` tokens would need per rank in s.mode
+// (TP with dcp > 1: on DCP index 0, whose share is the largest).
 int64_t free_pages(const moebius::kv_state& s, int rank);
 int64_t pages_needed(const moebius::kv_geometry& g, moebius::parallel_mode m, int64_t num_tokens);
 // The EP owner of `seq_id`, or -1 (TP, or absent).

@@ -45,7 +45,13 @@ TEST_CASE("kv_pages: random grow/release keeps the state valid; refusals change 
     const int64_t kv_heads = (rng() & 1) ? 1 : 4;
     const int64_t page_size = 1 + static_cast<int64_t>(rng() % 5);
     const int64_t pages = 1 + static_cast<int64_t>(rng() % 12);
-    const auto g = moebius::make_kv_geometry(2, kv_heads, 8, page_size, pages, P);
+    auto g = moebius::make_kv_geometry(2, kv_heads, 8, page_size, pages, P);
+    // A random allowed KV-parallel degree (a divisor of tp_replicas()): TP ranks then hold a
+    // share of each sequence's pages.
+    std::vector<int64_t> allowed;
+    for (int64_t d = 1; d <= g.tp_replicas(); ++d)
+      if (g.tp_replicas() % d == 0) allowed.push_back(d);
+    g = moebius::with_dcp(g, allowed[rng() % allowed.size()]);
     const parallel_mode mode = (rng() & 1) ? parallel_mode::tp : parallel_mode::ep;
     auto s = make_empty_kv_state(g, mode);
     std::map<int64_t, int64_t> tokens;  // seq -> tokens
@@ -70,23 +76,37 @@ TEST_CASE("kv_pages: random grow/release keeps the state valid; refusals change 
         }
       }
       moebius::validate(g, s);
-      // Every tracked sequence holds its tokens, on one owner (EP) or every rank (TP).
+      // Every tracked sequence holds its tokens, on one owner (EP) or every rank (TP; with
+      // dcp > 1 rank r lists the logical pages k, k + dcp, .. of k = r % dcp, counted here
+      // independently of the geometry's helpers).
       for (const auto& [id, n] : tokens) {
         int holders = 0;
         for (int r = 0; r < P; ++r)
           if (const auto* q = find_sequence(s, r, id)) {
             ++holders;
             REQUIRE(q->num_tokens == n);
-            REQUIRE(q->num_pages() == pages_needed(g, mode, n));
+            const int64_t logical = (n + page_size - 1) / page_size;
+            int64_t share = 0;
+            for (int64_t i = 0; i < logical; ++i)
+              share += mode == parallel_mode::ep || i % g.dcp == r % g.dcp;
+            REQUIRE(q->num_pages() == share);
+            REQUIRE(q->last_page_len == n - (logical - 1) * page_size);
           }
         REQUIRE(holders == (mode == parallel_mode::ep ? 1 : P));
         REQUIRE((owner_of(s, id) >= 0) == (mode == parallel_mode::ep));
       }
-      int64_t used = 0;
-      for (const auto& [id, n] : tokens) used += pages_needed(g, mode, n);
+      // Pages in use over all ranks: each logical page once per holder (EP: its owner; TP:
+      // the P / dcp ranks of its DCP index). DCP index 0 uses the most: pages_needed.
+      int64_t used = 0, used_rank0 = 0;
+      for (const auto& [id, n] : tokens) {
+        const int64_t logical = (n + page_size - 1) / page_size;
+        used += logical * (mode == parallel_mode::tp ? P / g.dcp : 1);
+        used_rank0 += pages_needed(g, mode, n);
+      }
       int64_t free_total = 0;
       for (int r = 0; r < P; ++r) free_total += free_pages(s, r);
-      REQUIRE(free_total + used * (mode == parallel_mode::tp ? P : 1) == g.num_pages(mode) * P);
+      REQUIRE(free_total + used == g.num_pages(mode) * P);
+      if (mode == parallel_mode::tp) REQUIRE(g.num_pages(mode) - free_pages(s, 0) == used_rank0);
     }
     CHECK(refusals > 0);
   }
