@@ -40,9 +40,9 @@ int main() {
   host_transport transport(memory.ranks());
 
   // 5. The switcher runs the whole switch: capacity check, weights, KV, tables, selector.
-  parallel_mode graphs = parallel_mode::ep;  // which set of CUDA graphs the engine launches
+  parallel_layout graphs = parallel_mode::ep;  // which set of CUDA graphs the engine launches
   switcher_options options;
-  options.on_commit = [&](parallel_mode m) { graphs = m; };  // flip the runtime selector
+  options.on_commit = [&](parallel_layout l) { graphs = l; };  // flip the runtime selector
   switcher sw(arena, kv, transport, kv_tables, arena_cursor{0}, options);
   const switch_report report = sw.switch_to(parallel_mode::tp);
   memory.set_cursor(report.cursor);
@@ -67,7 +67,7 @@ int main() {
   std::cout << d << '\n';
   if (d.do_switch) std::cout << sw.switch_to(*plan) << '\n';
 
-  const bool ok = report.outcome == switch_outcome::committed && graphs == sw.mode();
+  const bool ok = report.outcome == switch_outcome::committed && graphs == sw.layout();
   std::puts(ok ? "api tour: ok" : "api tour: FAILED");
   return ok ? 0 : 1;
 }

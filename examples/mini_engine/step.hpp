@@ -52,9 +52,17 @@ struct step_layout {
     l.ep_tables = &ep;
     return l;
   }
-  // A hybrid step during a progressive switch: the session's view (both sets of tables, the
-  // cursor). The view's tables live in the switcher and stay put until the switch ends.
+  // A step during a progressive switch: the session's view. When the switch moves the KV, a
+  // hybrid step (both sets of tables, the cursor); when it moves the experts alone, a static
+  // one: every layer's attention over the one set of tables, each layer's MoE by the cursor.
+  // The view's tables live in the switcher and stay put until the switch ends.
   static step_layout during(const moebius::switch_step_view& v) {
+    if (!v.moves_kv()) {
+      step_layout l;
+      l.tables = &v.tables(v.source());
+      l.cursor = v.cursor();
+      return l;
+    }
     return hybrid_of(v.tables(moebius::parallel_mode::tp), v.tables(moebius::parallel_mode::ep),
                      v.cursor());
   }

@@ -40,6 +40,28 @@ void bind_layout(nb::module_& m) {
       .value("EP", parallel_mode::ep)
       .value("TP", parallel_mode::tp);
 
+  nb::class_<parallel_layout>(
+      m, "ParallelLayout",
+      "The attention's and the experts' layouts, each a Mode (layout/parallel_layout.hpp):\n"
+      "attention EP is data-parallel attention (the EP KV view), TP tensor-parallel (the TP\n"
+      "view); experts EP whole on E/P ranks, TP sliced. A Mode converts to its uniform layout,\n"
+      "so every call that takes a layout takes a Mode: ParallelLayout(TP) == TP.\n"
+      "ParallelLayout(TP, EP): TP attention with EP experts (switching its experts moves no KV).")
+      .def(nb::init<parallel_mode, parallel_mode>(), nb::arg("attention"), nb::arg("experts"))
+      .def(nb::init_implicit<parallel_mode>(), nb::arg("mode"))
+      .def_rw("attention", &parallel_layout::attention)
+      .def_rw("experts", &parallel_layout::experts)
+      .def_prop_ro("uniform", &parallel_layout::uniform, "attention and experts in one mode")
+      .def(nb::self == nb::self)
+      .def("__hash__", [](const parallel_layout& l) {
+        return static_cast<int>(l.attention) * 2 + static_cast<int>(l.experts);
+      })
+      .def("__str__", [](const parallel_layout& l) { return std::string(to_string(l)); })
+      .def("__repr__", [](const parallel_layout& l) {
+        return std::string("ParallelLayout(") + to_string(l.attention) + ", " +
+               to_string(l.experts) + ")";
+      });
+
   nb::enum_<gate_up_order>(m, "GateUpOrder",
                            "Order of the halves of the fused w13 ([gate; up] in vLLM/SGLang).")
       .value("gate_first", gate_up_order::gate_first)

@@ -82,7 +82,7 @@ switcher_options options_of(nb::object on_commit, nb::object verify, nb::object 
   o.stage_kv_in_free_slot = stage_kv_in_free_slot;
   o.max_kv_rounds = max_kv_rounds;
   if (!on_commit.is_none()) {
-    o.on_commit = [f = py_callback(on_commit)](parallel_mode mode) { f.call<void>(mode); };
+    o.on_commit = [f = py_callback(on_commit)](parallel_layout l) { f.call<void>(l); };
   }
   if (!verify.is_none()) {
     o.verify = [f = py_callback(verify)](arena_cursor c, const kv_state& s) {
@@ -139,8 +139,8 @@ void bind_reports(nb::module_& m) {
       m, "SwitchReport",
       "What a switch did (switch/switch_report.hpp): its outcome, how far it got, what it\n"
       "moved and how long each stage took; str() is the C++ summary line.");
-  report.prop("from_", [](const switch_report& r) { return r.from; }, "the mode it left")
-      .field("to", &switch_report::to)
+  report.prop("from_", [](const switch_report& r) { return r.from; }, "the ParallelLayout it left")
+      .field("to", &switch_report::to, "the ParallelLayout it went to")
       .field("outcome", &switch_report::outcome, "a SwitchOutcome")
       .field("error", &switch_report::error, "the failure (and the undo's), '' when none")
       .prop("cursor", [](const switch_report& r) { return r.cursor.tp_layers; },
@@ -184,8 +184,9 @@ void bind_reports(nb::module_& m) {
       "cost estimate, the pacing and Switcher.switch_to(plan) / begin(plan), which run exactly\n"
       "it. Valid for that state only: Switcher.why_stale(plan) says why not.");
   plan.field("origin", &switch_plan::origin)
-      .prop("from_", [](const switch_plan& p) { return p.from; }, "the mode the switcher was in")
-      .field("to", &switch_plan::to, "the target")
+      .prop("from_", [](const switch_plan& p) { return p.from; },
+            "the ParallelLayout the switcher was in")
+      .field("to", &switch_plan::to, "the target ParallelLayout")
       .prop("start", [](const switch_plan& p) { return p.start.tp_layers; },
             "the cursor the arena rests at now")
       .prop("goal", [](const switch_plan& p) { return p.goal.tp_layers; },
@@ -206,6 +207,8 @@ void bind_reports(nb::module_& m) {
             "layer 0's KvMigration (a copy); None when layer_capacity refused or not planned")
       .field("plan_ms", &switch_plan::plan_ms, "host time it took")
       .prop("already_there", &switch_plan::already_there)
+      .prop("moves_kv", &switch_plan::moves_kv, "the attention's layout changes (KV moves)")
+      .prop("moves_experts", &switch_plan::moves_experts, "the experts' layout changes")
       .done(/*comparable=*/false);
 
   nb::enum_<plan_scope>(m, "PlanScope", "What Switcher.plan plans.")
@@ -217,7 +220,7 @@ void bind_reports(nb::module_& m) {
 
   record<recovery_report> recovery(m, "RecoveryReport", "What Switcher.recover did.");
   recovery.field("recovered", &recovery_report::recovered)
-      .field("mode", &recovery_report::mode)
+      .field("layout", &recovery_report::layout)
       .prop("cursor", [](const recovery_report& r) { return r.cursor.tp_layers; })
       .field("kept", &recovery_report::kept, "sequences whose K/V was intact")
       .field("lost", &recovery_report::lost,
@@ -253,9 +256,14 @@ void bind_switch(nb::module_& m) {
       .def_prop_ro("cursor", [](const progressive_switch& p) { return p.view().cursor().tp_layers; },
                    "Layers below it run TP (their copies are complete), the rest EP.")
       .def("mode_of", [](const progressive_switch& p, int64_t layer) { return p.view().mode_of(layer); },
-           nb::arg("layer"))
+           nb::arg("layer"), "The experts' mode of `layer` (TP below the cursor).")
+      .def("layout_of", [](const progressive_switch& p, int64_t layer) { return p.view().layout_of(layer); },
+           nb::arg("layer"),
+           "The ParallelLayout `layer` runs in: its attention moves with its experts when the\n"
+           "switch moves the KV, and stays where it rests when the experts move alone.")
+      .def_prop_ro("moves_kv", [](const progressive_switch& p) { return p.view().moves_kv(); })
       .def("tables", [](const progressive_switch& p, parallel_mode m) { return p.view().tables(m); },
-           nb::arg("mode"), "The (frozen) page tables layers of `mode` read, as a copy.")
+           nb::arg("mode"), "The (frozen) page tables attention of `mode` reads, as a copy.")
       .def(
           "advance",
           [](progressive_switch& p, int64_t layers, const std::vector<uintptr_t>& streams) {
@@ -343,9 +351,11 @@ void bind_switch(nb::module_& m) {
           nb::keep_alive<1, 4>(),
           "weights/kv: one rank's arena and KV geometry; transport: any Transport over the\n"
           "same ranks (kept alive by the switcher); kv_tables: the KV state now (its mode is\n"
-          "the current mode); cursor: where the arena rests (0 with EP tables, L with TP).\n"
+          "the attention's mode); cursor: where the arena rests (0: EP experts, L: TP; any of\n"
+          "the four layouts).\n"
           "The options (switcher_options, every field):\n"
-          "  on_commit(mode): called when every byte has moved (flip the runtime selector);\n"
+          "  on_commit(layout): called with the new ParallelLayout when every byte has moved\n"
+          "    (flip the runtime selector);\n"
           "  verify(cursor, kv_state) -> int: a checksum compared before and after;\n"
           "  verify_layer(layer, mode, kv_state) -> int: one layer's checksum, before anything\n"
           "    moves and as each layer lands (weight_checksum + kv_layer_checksum);\n"
@@ -356,7 +366,10 @@ void bind_switch(nb::module_& m) {
           "  stage_kv_in_free_slot: lend the arena's free slot to the KV migration;\n"
           "  max_kv_rounds: give up (refused_capacity) beyond this many KV rounds.\n"
           "Callables get copies of what they are passed.")
-      .def_prop_ro("mode", &switcher::mode, "the mode the engine must run in now")
+      .def_prop_ro("layout", &switcher::layout,
+                   "the ParallelLayout the engine must run in now (the runtime selector)")
+      .def_prop_ro("mode", &switcher::mode,
+                   "the attention's mode (layout.attention); for the uniform layouts, the mode")
       .def_prop_ro("cursor", [](const switcher& s) { return s.cursor().tp_layers; })
       .def_prop_ro("kv_layout", [](const switcher& s) { return s.kv_layout(); },
                    "the KvPoolLayout every plan is made over")
@@ -369,12 +382,13 @@ void bind_switch(nb::module_& m) {
       .def_prop_ro("consistent", &switcher::consistent)
       .def(
           "plan",
-          [](const switcher& s, parallel_mode target, plan_scope scope) {
+          [](const switcher& s, parallel_layout target, plan_scope scope) {
             nb::gil_scoped_release release;
             return s.plan(target, scope);
           },
           nb::arg("target"), nb::arg("scope") = plan_scope::both,
-          "Plans a switch to `target` from today's tables and cursor (a SwitchPlan); moves\n"
+          "Plans a switch to `target` (a Mode, or a ParallelLayout: the experts alone move no\n"
+          "KV) from today's tables and cursor (a SwitchPlan); moves\n"
           "nothing. A refusal is in the plan (capacity.fits, layer_capacity.fits False), not\n"
           "raised. scope=PlanScope.stop_the_world skips the per-layer half (begin() refuses\n"
           "such a plan). P=2, L=4, EP -> TP: start 0, goal 4, weights 4 phases.")
@@ -384,7 +398,7 @@ void bind_switch(nb::module_& m) {
            "recover()).")
       .def(
           "check",
-          [](const switcher& s, parallel_mode target) {
+          [](const switcher& s, parallel_layout target) {
             nb::gil_scoped_release release;
             return s.check(target);
           },
@@ -405,7 +419,7 @@ void bind_switch(nb::module_& m) {
           "(why_stale) or while a progressive switch is open.")
       .def(
           "switch_to",
-          [](switcher& s, parallel_mode target) {
+          [](switcher& s, parallel_layout target) {
             nb::gil_scoped_release release;
             return s.switch_to(target);
           },
@@ -424,7 +438,7 @@ void bind_switch(nb::module_& m) {
           "Raises moebius.Error(code='invalid_argument') for a stale plan.")
       .def(
           "begin",
-          [](switcher& s, parallel_mode target) {
+          [](switcher& s, parallel_layout target) {
             nb::gil_scoped_release release;
             return s.begin(target);
           },
@@ -434,7 +448,7 @@ void bind_switch(nb::module_& m) {
                    "The SwitchReport of the last switch that ended (either style).")
       .def(
           "layer_bytes_of",
-          [](const switcher& s, parallel_mode target) {
+          [](const switcher& s, parallel_layout target) {
             nb::gil_scoped_release release;
             return s.layer_bytes_of(target);
           },
@@ -444,9 +458,9 @@ void bind_switch(nb::module_& m) {
           "'capacity') when the target cannot hold the live KV.")
       .def(
           "recover",
-          [](switcher& s, parallel_mode mode, nb::object reload_experts) {
+          [](switcher& s, parallel_layout layout, nb::object reload_experts) {
             recovery_request request;
-            request.mode = mode;
+            request.layout = layout;
             if (!reload_experts.is_none()) {
               request.reload_experts = [f = py_callback(reload_experts)](arena_cursor c) {
                 f.call<void>(c.tp_layers);
@@ -455,8 +469,9 @@ void bind_switch(nb::module_& m) {
             nb::gil_scoped_release release;
             return s.recover(request);
           },
-          nb::arg("mode"), nb::arg("reload_experts"),
-          "After an inconsistent switch: rebuilds a consistent state in `mode` without a\n"
+          nb::arg("layout"), nb::arg("reload_experts"),
+          "After an inconsistent switch: rebuilds a consistent state in `layout` (a Mode or a\n"
+          "ParallelLayout) without a\n"
           "restart (the intact KV kept, the rest named lost) and calls reload_experts(cursor)\n"
           "to write every layer's experts where cursor (0: EP, L: TP) places them. Returns a\n"
           "RecoveryReport.")

@@ -299,7 +299,7 @@ def test_recover_after_an_inconsistent_switch(rng):
                     raw_view(mem, arena, layer, EP, t)[...] = ep_slice(full[layer][t], t, r, 2)
 
     rec = sw.recover(EP, reload_experts)
-    assert rec.recovered and rec.error == "" and rec.mode == EP and rec.cursor == 0
+    assert rec.recovered and rec.error == "" and rec.layout == EP and rec.cursor == 0
     assert reloads == [0] and sw.consistent and sw.mode == EP
     assert sorted(rec.kept + rec.lost) == sorted(s.seq_id for r in state.ranks for s in r.sequences)
     assert "RecoveryReport(recovered=True" in repr(rec)

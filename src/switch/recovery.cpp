@@ -1,6 +1,6 @@
 // Recovery after an inconsistent switch (switcher::recover, switcher.hpp): which layers' KV the
 // wreck's log (transaction.hpp, wreck_log) says is intact and where, the moves that bring it to
-// the mode asked for, the tables rebuilt, the experts reloaded by the caller.
+// the layout asked for, the tables rebuilt, the experts reloaded by the caller.
 
 #include <algorithm>
 #include <optional>
@@ -31,7 +31,8 @@ switch_transaction::kv_at switch_transaction::kv_of_unit(size_t u) const {
   return kv_at::unknown;  // partly moved and not undone
 }
 
-void switch_transaction::rebuild_kv(parallel_mode mode) {
+void switch_transaction::rebuild_kv(parallel_layout layout) {
+  const parallel_mode mode = layout.attention;  // the KV's view
   const parallel_mode source = st_.kv.mode;
   std::vector<int64_t> live;  // every live sequence of the source tables
   for (const kv_rank_state& r : st_.kv.ranks)
@@ -74,25 +75,33 @@ void switch_transaction::rebuild_kv(parallel_mode mode) {
     }
     recovered_.lost = live;
   }
-  recovered_.mode = mode;
+  recovered_.layout = layout;
   recovered_.settled = true;
 }
 
 recovery_report switch_transaction::recover(const recovery_request& request) {
   const auto t0 = clock_type::now();
-  MOEBIUS_CHECK(!recovered_.settled || recovered_.mode == request.mode, errc::invalid_argument,
-                "recover: an earlier attempt rebuilt the KV in ", to_string(recovered_.mode),
-                "; recover in ", to_string(recovered_.mode), " (asked ", to_string(request.mode), ")");
+  MOEBIUS_CHECK(!recovered_.settled || recovered_.layout == request.layout,
+                errc::invalid_argument, "recover: an earlier attempt rebuilt the KV in ",
+                to_string(recovered_.layout), "; recover in ", to_string(recovered_.layout),
+                " (asked ", to_string(request.layout), ")");
+  // The KV has a plan into the views the switch moved between, and no other.
+  MOEBIUS_CHECK(request.layout.attention == st_.kv.mode ||
+                    request.layout.attention == target_.attention,
+                errc::invalid_argument, "recover: the switch moved the KV between ",
+                to_string(st_.kv.mode), " and ", to_string(target_.attention),
+                " attention; it cannot come back with ", to_string(request.layout.attention),
+                " attention");
   const nvtx_range range("moebius/switch/recover");
   st_.faults.clear();
   st_.mover.inject_fault(std::nullopt);
-  if (!recovered_.settled) rebuild_kv(request.mode);
+  if (!recovered_.settled) rebuild_kv(request.layout);
   recovery_report r;
-  r.mode = request.mode;
+  r.layout = request.layout;
   r.kept = recovered_.kept;
   r.lost = recovered_.lost;
   r.kv_plans_run = recovered_.plans_run;
-  const arena_cursor resting = st_.resting(request.mode);
+  const arena_cursor resting = st_.resting(request.layout.experts);
   try {
     request.reload_experts(resting);
   } catch (const std::exception& e) {

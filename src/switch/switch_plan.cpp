@@ -29,8 +29,8 @@ std::shared_ptr<const kv_migration> plan_kv(const kv_geometry& g, const kv_pool_
 
 }  // namespace
 
-switch_plan switcher::plan(parallel_mode target, plan_scope scope) const {
-  detail::check_enum(target, "switcher::plan target (parallel_mode)");
+switch_plan switcher::plan(parallel_layout target, plan_scope scope) const {
+  detail::check_layout(target, "switcher::plan target");
   detail::check_enum(scope, "switcher::plan scope (plan_scope)");
   const bool per_layer = scope == plan_scope::both;
   const detail::switch_state& st = *state_;
@@ -38,18 +38,21 @@ switch_plan switcher::plan(parallel_mode target, plan_scope scope) const {
   const detail::nvtx_range range("moebius/switch/plan");
   switch_plan p;
   p.origin = {st.id, st.generation};
-  p.from = st.kv.mode;
+  p.from = st.layout();
   p.to = target;
   p.start = st.cursor;
-  p.goal = st.resting(target);
+  p.goal = st.resting(target.experts);
+  // The KV follows the attention: a target whose attention is today's plans the identity
+  // migration (0 rounds).
+  const parallel_mode kv_target = target.attention;
   // TP -> EP: the hook's owners, asked once for both KV plans.
   const kv_placement* placement = nullptr;
-  if (st.options.ep_placement && target == parallel_mode::ep && st.kv.mode == parallel_mode::tp) {
+  if (st.options.ep_placement && kv_target == parallel_mode::ep && st.kv.mode == parallel_mode::tp) {
     p.ep_placement = st.options.ep_placement(st.kv);
     placement = &p.ep_placement;
   }
   // Stop the world: every layer's KV in one migration, staged in the target's free slot.
-  p.kv = plan_kv(st.kv_geom, st.kv_layout, st.kv, target, st.kv_options(p.goal, placement),
+  p.kv = plan_kv(st.kv_geom, st.kv_layout, st.kv, kv_target, st.kv_options(p.goal, placement),
                  p.capacity);
   // Progressive: layer 0's KV, staging at offset 0; each layer's plan is this one shifted to
   // its own free slot (src/switch/transaction.hpp).
@@ -61,8 +64,13 @@ switch_plan switcher::plan(parallel_mode target, plan_scope scope) const {
   // which needs one stride in both views (layers that interleave inside a page have two).
   if (!per_layer) {
     p.layer_capacity.reason = "not planned (a stop-the-world switch needs no per-layer plan)";
+  } else if (!p.moves_experts()) {
+    p.layer_capacity.reason = "not planned: the experts stay, and a progressive switch advances "
+                              "layer by layer with the experts (switch the attention alone with "
+                              "switch_to)";
   } else if (st.kv_layout.ep.layer == st.kv_layout.tp.layer) {
-    p.layer_kv = plan_kv(one_layer, st.kv_layout, st.kv, target, layer_opt, p.layer_capacity);
+    p.layer_kv =
+        plan_kv(one_layer, st.kv_layout, st.kv, kv_target, layer_opt, p.layer_capacity);
   } else {
     p.layer_capacity.reason = "the KV layout's layers interleave inside a page (layer stride EP " +
                               std::to_string(st.kv_layout.ep.layer) + ", TP " +
@@ -72,8 +80,8 @@ switch_plan switcher::plan(parallel_mode target, plan_scope scope) const {
   p.weights =
       std::make_shared<const moebius::plan>(plan_weight_switch(st.weights, p.start, p.goal));
   if (p.layer_kv) {
-    p.bytes_per_layer = detail::layer_traffic(st.weights, target,
-                                              st.kv.mode != target ? &p.layer_kv->copies : nullptr);
+    p.bytes_per_layer = detail::layer_traffic(st.weights, target.experts,
+                                              p.moves_kv() ? &p.layer_kv->copies : nullptr);
   }
   p.plan_ms = detail::ms_between(t0, detail::clock_type::now());
   return p;

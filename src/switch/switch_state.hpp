@@ -16,7 +16,9 @@
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/kv/page_table.hpp"
+#include "moebius/detail/enum_check.hpp"
 #include "moebius/layout/arena_geometry.hpp"
+#include "moebius/layout/parallel_layout.hpp"
 #include "moebius/switch/switch_report.hpp"
 #include "moebius/switch/switcher.hpp"
 #include "moebius/transport/transport.hpp"
@@ -24,6 +26,12 @@
 namespace moebius::detail {
 
 class switch_transaction;
+
+// check_enum for both halves of a layout a caller hands in.
+inline void check_layout(parallel_layout l, const std::string& what) {
+  check_enum(l.attention, (what + " attention (parallel_mode)").c_str());
+  check_enum(l.experts, (what + " experts (parallel_mode)").c_str());
+}
 
 struct switch_state {
   switch_state(const arena_geometry& weights, const kv_geometry& kv, transport& t,
@@ -57,9 +65,15 @@ struct switch_state {
     ++generation;
     change = std::move(why);
   }
-  // Cursor 0 for EP, L for TP.
+  // Cursor 0 for EP experts, L for TP.
   arena_cursor resting(parallel_mode m) const {
     return arena_cursor{m == parallel_mode::tp ? weights.shape.num_layers : 0};
+  }
+  // The layout at rest: the attention's is the tables' mode, the experts' the cursor's.
+  parallel_layout layout() const {
+    return {kv.mode, cursor == resting(parallel_mode::tp) && weights.shape.num_layers > 0
+                         ? parallel_mode::tp
+                         : parallel_mode::ep};
   }
   // The KV planner's options for a switch to `target` with the weights at `weights_at` (staging
   // in its free slot when the options lend it), placing TP->EP sequences by `placement` (null:

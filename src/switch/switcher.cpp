@@ -33,7 +33,7 @@ const switch_report& ended(switch_report& last, const switch_report& rep) {
 // final, refused because the switcher is inconsistent, or already_there.
 bool open_report(const detail::switch_state& st, const switch_plan& p, switch_report& rep) {
   rep = switch_report{};
-  rep.from = st.kv.mode;
+  rep.from = st.layout();
   rep.to = p.to;
   rep.cursor = st.cursor;
   if (!st.consistent) {
@@ -100,14 +100,16 @@ switcher::switcher(const arena_geometry& weights, const kv_geometry& kv, transpo
                 errc::invalid_argument, "switcher: rank counts differ (weights P=",
                 st.weights.num_ranks, ", kv P=", st.kv_geom.num_ranks,
                 ", transport P=", t.num_ranks(), ")");
-  MOEBIUS_CHECK(st.cursor == st.resting(st.kv.mode), errc::invalid_argument,
-                "switcher: the arena cursor must match the KV mode (cursor tp_layers=",
-                st.cursor.tp_layers, ", KV mode ", to_string(st.kv.mode), " needs ",
-                st.resting(st.kv.mode).tp_layers, ")");
+  MOEBIUS_CHECK(st.cursor == st.resting(parallel_mode::ep) ||
+                    st.cursor == st.resting(parallel_mode::tp),
+                errc::invalid_argument, "switcher: the arena must rest in one layout (cursor 0: "
+                "EP experts, or ", st.resting(parallel_mode::tp).tp_layers,
+                ": TP experts); cursor tp_layers=", st.cursor.tp_layers, " is mid-switch");
 }
 
 switcher::~switcher() = default;
 
+parallel_layout switcher::layout() const { return state_->layout(); }
 parallel_mode switcher::mode() const { return state_->kv.mode; }
 arena_cursor switcher::cursor() const { return state_->cursor; }
 const kv_pool_layout& switcher::kv_layout() const { return state_->kv_layout; }
@@ -140,31 +142,31 @@ std::string switcher::why_stale(const switch_plan& p) const {
            ", the switcher is at " + std::to_string(st.generation) + " (last: " + st.change +
            ")";
   }
-  if (!is_valid(p.to) || p.from != st.kv.mode || !(p.start == st.cursor) ||
-      !(p.goal == st.resting(p.to))) {
+  if (!is_valid(p.to) || p.from != st.layout() || !(p.start == st.cursor) ||
+      !(p.goal == st.resting(p.to.experts))) {
     return std::string("it does not match the switcher: it moves ") + to_string(p.from) +
            " at cursor " + std::to_string(p.start.tp_layers) + " to cursor " +
-           std::to_string(p.goal.tp_layers) + ", the switcher is in " + to_string(st.kv.mode) +
+           std::to_string(p.goal.tp_layers) + ", the switcher is in " + to_string(st.layout()) +
            " at cursor " + std::to_string(st.cursor.tp_layers);
   }
   return "";
 }
 
-kv_capacity_report switcher::check(parallel_mode target) const {
-  detail::check_enum(target, "switcher::check target (parallel_mode)");
+kv_capacity_report switcher::check(parallel_layout target) const {
+  detail::check_layout(target, "switcher::check target");
   return plan(target, plan_scope::stop_the_world).capacity;
 }
 
-layer_bytes switcher::layer_bytes_of(parallel_mode target) const {
-  detail::check_enum(target, "switcher::layer_bytes_of target (parallel_mode)");
+layer_bytes switcher::layer_bytes_of(parallel_layout target) const {
+  detail::check_layout(target, "switcher::layer_bytes_of target");
   switch_plan p = plan(target);
   MOEBIUS_CHECK(p.layer_kv != nullptr, errc::capacity, "KV migration ", to_string(p.from), "->",
                 to_string(p.to), " impossible: ", p.layer_capacity.reason);
   return std::move(p.bytes_per_layer);
 }
 
-switch_report switcher::switch_to(parallel_mode target) {
-  detail::check_enum(target, "switcher::switch_to target (parallel_mode)");
+switch_report switcher::switch_to(parallel_layout target) {
+  detail::check_layout(target, "switcher::switch_to target");
   MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
                 "switch_to: a progressive switch is in progress; finish() or abort() it first");
   return switch_to(plan(target, plan_scope::stop_the_world));
@@ -204,24 +206,24 @@ switch_report switcher::switch_to(const switch_plan& p) {
 
 recovery_report switcher::recover(const recovery_request& request) {
   detail::switch_state& st = *state_;
-  detail::check_enum(request.mode, "switcher::recover mode (parallel_mode)");
+  detail::check_layout(request.layout, "switcher::recover layout");
   MOEBIUS_CHECK(st.open == nullptr, errc::invalid_argument,
                 "recover: a progressive switch is open; it ends before the switcher can be "
                 "inconsistent");
   MOEBIUS_CHECK(!st.consistent && st.wreck != nullptr, errc::invalid_argument,
-                "recover: the switcher is consistent (mode ", to_string(mode()),
+                "recover: the switcher is consistent (layout ", to_string(layout()),
                 "); there is nothing to recover");
   MOEBIUS_CHECK(static_cast<bool>(request.reload_experts), errc::invalid_argument,
                 "recover: needs reload_experts: after an inconsistent switch no byte of the arena "
                 "is trusted, so the experts come from the caller's source of truth");
   recovery_report r = st.wreck->recover(request);
-  st.move_on(std::string("recover() ran in ") + to_string(request.mode));
+  st.move_on(std::string("recover() ran in ") + to_string(request.layout));
   if (r.recovered) st.wreck.reset();
   return r;
 }
 
-progressive_switch switcher::begin(parallel_mode target) {
-  detail::check_enum(target, "switcher::begin target (parallel_mode)");
+progressive_switch switcher::begin(parallel_layout target) {
+  detail::check_layout(target, "switcher::begin target");
   MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
                 "begin: a progressive switch is already in progress");
   return begin(plan(target));
@@ -244,6 +246,10 @@ progressive_switch switcher::begin(const switch_plan& p) {
   const std::string stale = why_stale(p);
   MOEBIUS_CHECK(stale.empty(), errc::invalid_argument, "begin: the plan is stale: ", stale,
                 "; plan again (switcher::plan)");
+  MOEBIUS_CHECK(p.moves_experts() || p.already_there() || !st.consistent, errc::invalid_argument,
+                "begin: ", to_string(p.from), " -> ", to_string(p.to),
+                " switches the attention alone; a progressive switch advances layer by layer with "
+                "the experts, so this one runs stop-the-world (switch_to)");
   const auto t0 = clock_type::now();
   switch_report rep;
   std::unique_ptr<switch_transaction> txn;

@@ -161,7 +161,7 @@ bool switch_transaction::verify_moved_layers() {
       for (int64_t l = 0; l < st_.weights.shape.num_layers; ++l) layers.push_back(l);
     }
     for (const int64_t l : layers) {
-      const uint64_t after = layer_checksum(l, target_, target_tables_, failure);
+      const uint64_t after = layer_checksum(l, target_.experts, target_tables_, failure);
       if (!failure.empty()) break;
       if (after != layer_before_[static_cast<size_t>(l)]) {
         failure = "verify: layer " + std::to_string(l) +
@@ -207,6 +207,7 @@ switch_step_view switch_transaction::view() const {
   v.cursor_ = st_.cursor;
   v.source_ = &st_.kv;
   v.target_ = &target_tables_;
+  v.kv_moves_ = target_.attention != st_.kv.mode;
   return v;
 }
 

@@ -98,7 +98,7 @@ class switch_transaction {
   // Waits, then undoes everything that completed. Ends the transaction.
   void abort(const std::string& why);
   // After the transaction ended inconsistent (switcher::recover; recovery.cpp): rebuilds the KV
-  // tables in request.mode from what is intact, reloads the experts, and makes the switcher
+  // tables in request.layout from what is intact, reloads the experts, and makes the switcher
   // consistent.
   recovery_report recover(const recovery_request& request);
 
@@ -134,7 +134,7 @@ class switch_transaction {
   // recover()'s KV part, once done (a retry after a failed reload only reloads).
   struct recovered_kv {
     bool settled = false;
-    parallel_mode mode = parallel_mode::ep;
+    parallel_layout layout;
     kv_state tables;
     std::vector<int64_t> kept, lost;
     int64_t plans_run = 0;
@@ -167,8 +167,8 @@ class switch_transaction {
   // layout, or nowhere (its bytes unknown).
   enum class kv_at : uint8_t { source, target, unknown };
   kv_at kv_of_unit(size_t u) const;
-  // recover()'s KV part: recovered_ in `mode` (runs the moves it needs).
-  void rebuild_kv(parallel_mode mode);
+  // recover()'s KV part: recovered_ in `layout`'s attention view (runs the moves it needs).
+  void rebuild_kv(parallel_layout layout);
   void end(switch_outcome outcome);
   uint64_t checksum(arena_cursor c, const kv_state& tables, std::string& failure);
   // verify_layer of layer `layer` in `mode` through `tables` (time counted as verify_ms).
@@ -180,7 +180,7 @@ class switch_transaction {
   void arm(switch_fault::stage stage);
 
   switch_state& st_;
-  parallel_mode target_;
+  parallel_layout target_;
   arena_cursor start_, goal_;
   style how_;
   switch_report rep_;

@@ -826,16 +826,16 @@ TEST_CASE("E71 switcher (constructor): a 1-rank transport for 2-rank geometries"
       errc::invalid_argument, "switcher: rank counts differ");
 }
 
-TEST_CASE("E72 switcher (constructor): cursor L = 2 with EP tables", "[error_catalogue]") {
+TEST_CASE("E72 switcher (constructor): cursor 1 of L = 2 (mid-switch)", "[error_catalogue]") {
   check_row(
       72,
       [] {
         auto g = small_kv();
         testing::host_world w(small_arena(), g);
         host_transport t(w.memory);
-        (void)(switcher{small_arena(), g, t, small_ep_state(g), arena_cursor{2}});
+        (void)(switcher{small_arena(), g, t, small_ep_state(g), arena_cursor{1}});
       },
-      errc::invalid_argument, "the arena cursor must match the KV mode");
+      errc::invalid_argument, "the arena must rest in one layout");
 }
 
 TEST_CASE("E73 switcher::switch_to: target cast from 2", "[error_catalogue]") {
@@ -848,7 +848,8 @@ TEST_CASE("E73 switcher::switch_to: target cast from 2", "[error_catalogue]") {
         switcher sw(small_arena(), g, t, small_ep_state(g), arena_cursor{0});
         (void)(sw.switch_to(static_cast<parallel_mode>(2)));
       },
-      errc::invalid_argument, "switcher::switch_to target (parallel_mode) is out of range");
+      errc::invalid_argument,
+      "switcher::switch_to target attention (parallel_mode) is out of range");
 }
 
 TEST_CASE("E74 switcher::switch_to: tables edited to repeat a page", "[error_catalogue]") {

@@ -160,8 +160,15 @@ TEST_CASE("an out-of-range parallel_mode is refused at every entry that takes on
     testing::host_world w(a, g);
     host_transport t(w.memory);
     switcher sw(a, g, t, small_ep_state(g), arena_cursor{0});
-    REQUIRE_MOEBIUS_ERROR(sw.check(bad), errc::invalid_argument, "target (parallel_mode)");
-    REQUIRE_MOEBIUS_ERROR(sw.switch_to(bad), errc::invalid_argument, "target (parallel_mode)");
+    REQUIRE_MOEBIUS_ERROR(sw.check(bad), errc::invalid_argument,
+                          "target attention (parallel_mode)");
+    REQUIRE_MOEBIUS_ERROR(sw.switch_to(bad), errc::invalid_argument,
+                          "target attention (parallel_mode)");
+    // Each half of a layout is checked on its own.
+    REQUIRE_MOEBIUS_ERROR(sw.switch_to(parallel_layout{parallel_mode::tp, bad}),
+                          errc::invalid_argument, "target experts (parallel_mode)");
+    REQUIRE_MOEBIUS_ERROR(sw.plan(parallel_layout{bad, parallel_mode::ep}),
+                          errc::invalid_argument, "target attention (parallel_mode)");
     // Refused before anything moved: the switcher still rests where it was and works.
     CHECK(sw.mode() == parallel_mode::ep);
     CHECK(sw.cursor() == arena_cursor{0});

@@ -65,7 +65,7 @@ TEST_CASE("a progressive switch ends where switch_to ends", "[switch][progressiv
     host_transport t(w.memory);
     parallel_mode selector = parallel_mode::ep;
     switcher_options opt;
-    opt.on_commit = [&](parallel_mode m) { selector = m; };
+    opt.on_commit = [&](parallel_layout l) { selector = l.attention; };
     opt.verify = [&](arena_cursor c, const kv_state& s) { return state_checksum(w, c, s); };
     const uint64_t kv_before = kv_checksum(w.kv, w.tables, w.pool_spans());
     switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
@@ -220,7 +220,7 @@ TEST_CASE("abort at every cursor restores the start exactly", "[switch][progress
     host_transport t(w.memory);
     int flips = 0;
     switcher_options opt;
-    opt.on_commit = [&](parallel_mode) { ++flips; };
+    opt.on_commit = [&](parallel_layout) { ++flips; };
     switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
     for (parallel_mode target : {parallel_mode::tp, parallel_mode::ep}) {
       if (target == parallel_mode::ep &&

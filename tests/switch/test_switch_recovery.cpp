@@ -71,12 +71,12 @@ recovery_report recover_and_check(world& w, host_transport& t, switcher& sw, par
   REQUIRE_FALSE(sw.consistent());
   CHECK(sw.switch_to(other(sw.mode())).outcome == switch_outcome::inconsistent);  // refused
   recovery_request q;
-  q.mode = mode;
+  q.layout = mode;
   q.reload_experts = reload_from_reference(w);
   const recovery_report r = sw.recover(q);
   INFO(r.error);
   REQUIRE(r.recovered);
-  CHECK(r.mode == mode);
+  CHECK(r.layout == parallel_layout(mode));
   CHECK(sw.consistent());
   CHECK(sw.mode() == mode);
   CHECK(sw.cursor() == resting(w, mode));
@@ -257,15 +257,15 @@ TEST_CASE("recover: refused when there is nothing to recover, retried when the r
   recovery_request none;
   CHECK_THROWS_WITH(sw.recover(none), Catch::Matchers::Contains("needs reload_experts"));
   recovery_request failing;
-  failing.mode = parallel_mode::tp;
+  failing.layout = parallel_mode::tp;
   failing.reload_experts = [](arena_cursor) { throw std::runtime_error("checkpoint missing"); };
   const recovery_report r = sw.recover(failing);
   CHECK_FALSE(r.recovered);
   CHECK(r.error.find("checkpoint missing") != std::string::npos);
   CHECK_FALSE(sw.consistent());
-  q.mode = parallel_mode::ep;  // the first attempt rebuilt the KV in TP
+  q.layout = parallel_mode::ep;  // the first attempt rebuilt the KV in TP
   CHECK_THROWS_WITH(sw.recover(q), Catch::Matchers::Contains("recover in TP"));
-  q.mode = parallel_mode::tp;
+  q.layout = parallel_mode::tp;
   const recovery_report ok = sw.recover(q);
   CHECK(ok.recovered);
   CHECK(sw.consistent());

@@ -40,7 +40,7 @@ TEST_CASE("switcher commits EP->TP->EP and matches the reference", "[switch]") {
     int flips = 0;
     parallel_mode selector = parallel_mode::ep;
     switcher_options opt;
-    opt.on_commit = [&](parallel_mode m) { selector = m; ++flips; };
+    opt.on_commit = [&](parallel_layout l) { selector = l.attention; ++flips; };
     opt.verify = [&](arena_cursor c, const kv_state& s) { return state_checksum(w, c, s); };
     const uint64_t kv_before = kv_checksum(w.kv, w.tables, w.pool_spans());
     switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
@@ -87,7 +87,7 @@ TEST_CASE("a fault at any weight phase, KV round or verify leaves everything as 
       // Reach the starting mode of this direction first.
       int flips = 0;
       switcher_options opt;
-      opt.on_commit = [&](parallel_mode) { ++flips; };
+      opt.on_commit = [&](parallel_layout) { ++flips; };
       switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{0}, opt);
       if (target == parallel_mode::ep) {
         if (sw.switch_to(parallel_mode::tp).outcome != switch_outcome::committed) break;
@@ -245,16 +245,24 @@ TEST_CASE("a refused switch moves nothing", "[switch]") {
   CHECK(sw.mode() == parallel_mode::ep);
 }
 
-TEST_CASE("the switcher rejects a cursor that disagrees with the KV mode", "[switch]") {
+TEST_CASE("the switcher rests in any of the four layouts and refuses a mid-switch cursor",
+          "[switch]") {
   std::mt19937_64 rng(testing::test_seed());
   world w = make_world(rng, 2, 0.2);
   host_transport t(w.memory);
-  try {
-    switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{w.shape.num_layers});
-    FAIL("expected an error");
-  } catch (const moebius::error& e) {
-    CHECK(e.code() == errc::invalid_argument);
-    CHECK(std::string(e.what()).find("cursor") != std::string::npos);
+  // EP tables with the experts at rest in TP: data-parallel attention, TP experts.
+  const switcher sw(w.weights, w.kv, t, w.tables, arena_cursor{w.shape.num_layers});
+  CHECK(sw.layout() == parallel_layout{parallel_mode::ep, parallel_mode::tp});
+  CHECK(sw.mode() == parallel_mode::ep);
+  CHECK(std::string(to_string(sw.layout())) == "DP attention, TP experts");
+  for (int64_t c = 1; c < w.shape.num_layers; ++c) {
+    try {
+      switcher mid(w.weights, w.kv, t, w.tables, arena_cursor{c});
+      FAIL("expected an error for cursor " << c);
+    } catch (const moebius::error& e) {
+      CHECK(e.code() == errc::invalid_argument);
+      CHECK(std::string(e.what()).find("mid-switch") != std::string::npos);
+    }
   }
 }
 

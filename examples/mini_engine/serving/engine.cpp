@@ -123,8 +123,8 @@ void engine::end_run(std::optional<run_state>& st) noexcept {
 }
 
 bool engine::reservations_fit(run_state& st, const moebius::switch_plan& plan, switch_record& s) {
-  const parallel_mode target = plan.to;
-  const bool placed = target == parallel_mode::ep && plan.from == parallel_mode::tp;
+  const parallel_mode target = plan.to.attention;  // the KV's view
+  const bool placed = target == parallel_mode::ep && plan.from.attention == parallel_mode::tp;
   if (placed ? plan.ep_placement.fits : st.sched.fits_reservations(switcher_.kv_tables(), target))
     return true;
   s.outcome = moebius::switch_outcome::refused_capacity;

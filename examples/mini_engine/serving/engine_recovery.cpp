@@ -18,7 +18,7 @@ void engine::recover_in_run(run_state& st, const moebius::switch_report& r, swit
                 " (set engine_options::reload_experts to recover without a restart, or call "
                 "engine::recover)");
   moebius::recovery_request q;
-  q.mode = s.from;
+  q.layout = s.from;
   q.reload_experts = st.options.reload_experts;
   const moebius::recovery_report rr = switcher_.recover(q);
   MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::run '", st.name,
@@ -33,7 +33,7 @@ void engine::recover_in_run(run_state& st, const moebius::switch_report& r, swit
 moebius::recovery_report engine::recover(
     const std::function<void(moebius::arena_cursor)>& reload_experts, parallel_mode mode) {
   moebius::recovery_request q;
-  q.mode = mode;
+  q.layout = mode;
   q.reload_experts = reload_experts;
   const moebius::recovery_report rr = switcher_.recover(q);
   MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::recover: ", rr.error);

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 #include <iosfwd>
-#include <moebius/layout/parallel_mode.hpp>
+#include <moebius/layout/parallel_layout.hpp>
 #include <moebius/policy/switch_policy.hpp>
 #include <moebius/switch/switch_report.hpp>
 #include <string>
@@ -41,7 +41,7 @@ struct step_record {
 struct switch_record {
   int64_t step = 0;  // ran before this step
   double start_s = 0;
-  moebius::parallel_mode from = moebius::parallel_mode::ep, to = moebius::parallel_mode::ep;
+  moebius::parallel_layout from, to;
   moebius::switch_outcome outcome = moebius::switch_outcome::committed;
   double clock_ms = 0, measured_ms = 0;
   int64_t running = 0, prefilling = 0;  // sequences live, and of them mid chunked prefill

@@ -16,8 +16,11 @@
 //   }
 //   switch_report r = s.finish();   // waits, verifies, commits (or rolls back)
 //
-// While it is open, layer l runs TP when l < view().cursor() and EP otherwise (one rule,
-// arena_geometry::mode_of), with the page tables of that mode: both sets coexist, read-only.
+// While it is open, layer l's experts run TP when l < view().cursor() and EP otherwise (one
+// rule, arena_geometry::mode_of). Its attention moves with them when the switch moves the KV
+// (the paper's switch: the layer's attention in the same mode, with the page tables of that
+// mode: both sets coexist, read-only), and stays in its one layout when the switch moves the
+// experts alone (view().moves_kv() false: one set of tables).
 // The tables are frozen from begin() to finish(): a sequence may fill the tokens its tables
 // already hold (reserve them before begin()), new sequences wait for finish(), and the
 // switcher refuses mutable access meanwhile. Layers of an outstanding advance are in flight:
@@ -32,6 +35,7 @@
 
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
+#include "moebius/layout/parallel_layout.hpp"
 #include "moebius/switch/pacing.hpp"
 #include "moebius/switch/switch_report.hpp"
 #include "moebius/transport/transport.hpp"
@@ -81,23 +85,35 @@ class step_layer_events {
   std::vector<event_handle> events_;  // [layer * num_local_ + local rank]
 };
 
-// What a step reads during the switch: the mode of each layer, both sets of page tables and
-// the cursor (layers whose copies are known complete: the cursor moves in poll()).
+// What a step reads during the switch: the layout of each layer, the page tables (both sets
+// when the KV moves) and the cursor (layers whose copies are known complete: the cursor moves
+// in poll()).
 class switch_step_view {
  public:
   arena_cursor cursor() const { return cursor_; }
+  // Whether the switch moves the KV (the attention's layout changes with the experts'); false:
+  // the experts alone move and every layer's attention reads the one set of tables.
+  bool moves_kv() const { return kv_moves_; }
+  // The attention's modes before and after the switch (the same when !moves_kv()).
   parallel_mode source() const { return source_->mode; }
   parallel_mode target() const { return target_->mode; }
+  // The experts' mode of layer `layer` (the arena's: TP below the cursor).
   parallel_mode mode_of(int64_t layer) const { return arena_geometry::mode_of(cursor_, layer); }
-  // The tables layers of mode `m` read (`m` is the source's or the target's mode).
+  // Layer `layer`'s attention: with its experts when the KV moves, else where it rests.
+  parallel_mode attention_of(int64_t layer) const {
+    return kv_moves_ ? mode_of(layer) : source();
+  }
+  parallel_layout layout_of(int64_t layer) const { return {attention_of(layer), mode_of(layer)}; }
+  // The tables attention of mode `m` reads (`m` is the source's or the target's mode).
   const kv_state& tables(parallel_mode m) const { return m == target() ? *target_ : *source_; }
-  const kv_state& tables_of_layer(int64_t layer) const { return tables(mode_of(layer)); }
+  const kv_state& tables_of_layer(int64_t layer) const { return tables(attention_of(layer)); }
 
  private:
   friend class detail::switch_transaction;
   arena_cursor cursor_;
   const kv_state* source_ = nullptr;
   const kv_state* target_ = nullptr;
+  bool kv_moves_ = true;
 };
 
 // What poll() found.

@@ -6,7 +6,8 @@
 // hands the same plan to its capacity check, its cost estimate, its pacing and to
 // switcher::switch_to(plan) / begin(plan), which run exactly it (no planning of their own):
 //
-//   const switch_plan p = sw.plan(parallel_mode::tp);     // moves nothing
+//   const switch_plan p = sw.plan(parallel_mode::tp);     // moves nothing (TP attention and
+//                                                         // experts; or any parallel_layout)
 //   if (!p.capacity.fits) ...                             // the capacity check (sw.check)
 //   pacing.bytes_per_layer = p.bytes_per_layer.busiest(); // the pacing (sw.layer_bytes_of)
 //   progressive_switch s = sw.begin(p);                   // or sw.switch_to(p)
@@ -30,6 +31,7 @@
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/kv/placement.hpp"
 #include "moebius/layout/arena_geometry.hpp"
+#include "moebius/layout/parallel_layout.hpp"
 #include "moebius/plan/plan.hpp"
 #include "moebius/switch/pacing.hpp"
 
@@ -65,13 +67,15 @@ struct switch_plan_origin {
 // it once its origin matches). Copies share the plans (immutable).
 struct switch_plan {
   switch_plan_origin origin;
-  parallel_mode from = parallel_mode::ep;  // the mode the switcher was in
-  parallel_mode to = parallel_mode::ep;    // the target
-  arena_cursor start, goal;                // where the arena rests now, and in `to`
+  parallel_layout from;      // the layout the switcher was in
+  parallel_layout to;        // the target
+  arena_cursor start, goal;  // where the arena rests now, and in `to` (0: EP experts, L: TP)
   // Stop the world (switch_to): the capacity verdict of all layers' KV in one migration. This is
   // switcher::check(to).
   kv_capacity_report capacity;
-  // Progressive (begin): the verdict of one layer's migration.
+  // Progressive (begin): the verdict of one layer's migration. Not planned (reason says why)
+  // for a switch of the attention alone: a progressive switch advances layer by layer with the
+  // experts.
   kv_capacity_report layer_capacity;
   // What each layer sends per rank (switcher::layer_bytes_of(to)); empty when layer_capacity
   // refused.
@@ -88,6 +92,10 @@ struct switch_plan {
   double plan_ms = 0;  // host time it took
 
   bool already_there() const { return from == to && start == goal; }
+  // Whether the KV moves (the attention's layout changes; its migration is the identity
+  // otherwise, 0 rounds) and whether the experts do (the cursor moves).
+  bool moves_kv() const { return from.attention != to.attention; }
+  bool moves_experts() const { return !(start == goal); }
 };
 
 // One line: direction, origin, both verdicts, rounds and the busiest rank's bytes per layer.

@@ -11,6 +11,7 @@
 
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/layout/arena_geometry.hpp"
+#include "moebius/layout/parallel_layout.hpp"
 #include "moebius/plan/switch_workload.hpp"
 
 namespace moebius {
@@ -31,8 +32,8 @@ constexpr bool is_valid(switch_outcome o) {
 const char* to_string(switch_outcome o);
 
 struct switch_report {
-  parallel_mode from = parallel_mode::ep;
-  parallel_mode to = parallel_mode::ep;
+  parallel_layout from;  // the layout the switcher was in
+  parallel_layout to;    // the target
   switch_outcome outcome = switch_outcome::already_there;
   std::string error;          // the failure (and the undo's failure), "" when none
   arena_cursor cursor;        // where the arena rests after the call

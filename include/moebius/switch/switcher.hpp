@@ -1,6 +1,10 @@
 #pragma once
 
-// The switcher: what an engine calls to go from EP to TP or back (DESIGN.md §2 item 6). It owns
+// The switcher: what an engine calls to go from one parallel layout to another
+// (layout/parallel_layout.hpp: the attention's and the experts' layouts; DESIGN.md §2 item 6):
+// the paper's switch, EP <-> TP, moves the experts and the KV; a switch of the experts alone
+// under a fixed attention layout (TP attention, experts EP <-> TP) moves no KV byte; a switch
+// of the attention alone moves the KV and no expert (stop the world only). It owns
 // the layout state of the arena (its cursor) and of the KV pool (page tables and free lists),
 // and runs one switch transaction on any transport:
 //
@@ -46,6 +50,7 @@
 #include "moebius/kv/kv_pool_layout.hpp"
 #include "moebius/kv/page_table.hpp"
 #include "moebius/layout/arena_geometry.hpp"
+#include "moebius/layout/parallel_layout.hpp"
 #include "moebius/switch/pacing.hpp"
 #include "moebius/switch/progressive.hpp"
 #include "moebius/switch/switch_plan.hpp"
@@ -59,9 +64,9 @@ struct switcher_options {
   // not free yet (lets a switch succeed near full occupancy).
   bool stage_kv_in_free_slot = true;
   int64_t max_kv_rounds = 4096;
-  // Called at commit with the new mode, after every byte has moved: the engine flips its
+  // Called at commit with the new layout, after every byte has moved: the engine flips its
   // runtime selector here (which set of CUDA graphs and views it launches next step).
-  std::function<void(parallel_mode)> on_commit;
+  std::function<void(parallel_layout)> on_commit;
   // Optional end-to-end check: called before moving anything and after the last byte moved;
   // returns a layout-independent checksum of the state (see switch/checksum.hpp). A mismatch
   // is a failure, handled like a transport error (undo, rolled_back). A progressive switch
@@ -72,7 +77,7 @@ struct switcher_options {
   std::function<uint64_t(arena_cursor, const kv_state&)> verify;
   // Optional per-layer check: a checksum of layer `layer` alone, its experts as they rest in
   // `mode` (weight_checksum with cursor 0 for EP, L for TP) and its K/V through `tables` (in
-  // tables.mode == mode). Called for every layer before anything moves (source mode and
+  // the attention's mode, tables.mode: the same as `mode` for the paper's layouts). Called for every layer before anything moves (source mode and
   // tables), and for each layer once it has moved (target mode and tables): a progressive
   // switch checks a layer in the poll() (or finish()) that finds its copies complete, so a
   // corrupted layer fails the switch at the advance that moved it; switch_to() checks every
@@ -106,9 +111,10 @@ struct switch_fault {
 
 // What recover() needs from the caller.
 struct recovery_request {
-  // The mode to come back in. The KV that is intact in the other mode's layout is moved to this
-  // one (its per-layer plans or their exact reverse); the experts are reloaded in it.
-  parallel_mode mode = parallel_mode::ep;
+  // The layout to come back in (a parallel_mode: its uniform layout). The KV that is intact in
+  // the other view is moved to the attention's view (its per-layer plans or their exact
+  // reverse); the experts are reloaded in the experts' layout.
+  parallel_layout layout;
   // Writes every layer's experts on every rank where `cursor` (0: EP, L: TP) places them, from
   // the caller's source of truth (the checkpoint, or a host copy it keeps): no byte of the
   // arena is trusted after an inconsistent switch. Required. May throw: recover() then reports
@@ -119,9 +125,9 @@ struct recovery_request {
 };
 
 struct recovery_report {
-  bool recovered = false;      // consistent again, in `mode`, with the tables kv_tables() shows
-  parallel_mode mode = parallel_mode::ep;
-  arena_cursor cursor;         // where the arena rests (resting cursor of `mode`)
+  bool recovered = false;      // consistent again, in `layout`, with the tables kv_tables() shows
+  parallel_layout layout;
+  arena_cursor cursor;         // where the arena rests (resting cursor of layout.experts)
   std::vector<int64_t> kept;   // sequences whose K/V was intact: in the tables, every byte
   std::vector<int64_t> lost;   // sequences whose K/V a layer lost: removed, their pages freed
   int64_t kv_plans_run = 0;    // per-layer KV plans (or reverses) that moved intact KV to `mode`
@@ -136,19 +142,22 @@ struct switch_state;
 class switcher {
  public:
   // `weights` and `kv` describe one rank's arena and KV pool (the transport's memory spaces
-  // arena and kv_pool); `kv_tables` is the KV state now (its mode is the current mode), and
-  // `cursor` where the arena rests now. The two must agree: cursor 0 with EP tables, cursor L
-  // with TP tables. Throws errc::invalid_argument otherwise, or when the geometries' rank
-  // counts differ from the transport's.
+  // arena and kv_pool); `kv_tables` is the KV state now (its mode is the attention's layout),
+  // and `cursor` where the arena rests now (0: EP experts, L: TP experts; any of the four
+  // combinations). Throws errc::invalid_argument for a cursor that does not rest (0 < cursor <
+  // L), or when the geometries' rank counts differ from the transport's.
   switcher(const arena_geometry& weights, const kv_geometry& kv, transport& t, kv_state kv_tables,
            arena_cursor cursor, switcher_options options = {});
   ~switcher();
   switcher(const switcher&) = delete;
   switcher& operator=(const switcher&) = delete;
 
-  // The runtime selector: the mode the engine must run in now (meaningless once
-  // consistent() is false). During a progressive switch: the mode it started from (its
-  // session's step view says the mode of each layer).
+  // The runtime selector: the layout the engine must run in now (meaningless once
+  // consistent() is false). During a progressive switch: the layout it started from (its
+  // session's step view says the layout of each layer).
+  parallel_layout layout() const;
+  // The attention's mode, layout().attention: the KV tables' mode. For the paper's layouts, the
+  // mode.
   parallel_mode mode() const;
   arena_cursor cursor() const;
   const kv_state& kv_tables() const;
@@ -163,26 +172,30 @@ class switcher {
   // Plans a switch to `target` from today's tables and cursor with this switcher's own options
   // (switch/switch_plan.hpp): the capacity verdicts, the bytes per layer, the EP placement and
   // the weight and KV plans both switch styles run; moves nothing. A refusal is in the plan
-  // (capacity.fits, layer_capacity.fits false), not thrown. Throws errc::invalid_argument for a
-  // target that names neither EP nor TP, or when the KV tables are invalid.
+  // (capacity.fits, layer_capacity.fits false), not thrown. A target whose attention layout is
+  // today's plans no KV move (the identity migration: 0 rounds, fits); one whose experts'
+  // layout is today's plans no weight phase, and no per-layer half (layer_capacity says why).
+  // Throws errc::invalid_argument for a target that names neither EP nor TP in either half, or
+  // when the KV tables are invalid.
   //   P=2, L=4, EP -> TP: start cursor 0, goal 4, weights 4 phases (layers 0, 1, 2, 3).
-  switch_plan plan(parallel_mode target) const { return plan(target, plan_scope::both); }
+  //   P=2, L=4, TP attention with EP experts -> TP: cursor 0 -> 4, 4 weight phases, 0 KV rounds.
+  switch_plan plan(parallel_layout target) const { return plan(target, plan_scope::both); }
   // The same, without the per-layer half when `scope` is stop_the_world (layer_kv null,
   // layer_capacity refused with a reason saying it was not planned): begin() refuses such a
   // plan. Throws errc::invalid_argument for a bad scope too.
-  switch_plan plan(parallel_mode target, plan_scope scope) const;
+  switch_plan plan(parallel_layout target, plan_scope scope) const;
   // "" when `p` can run now; otherwise why it is stale: planned on another switcher, or before
   // the state moved on (a mutable_kv_tables() call, a switch, a recover(): named).
   std::string why_stale(const switch_plan& p) const;
 
   // Whether a switch to `target` would be accepted by the capacity check; moves nothing:
   // plan(target).capacity.
-  kv_capacity_report check(parallel_mode target) const;
+  kv_capacity_report check(parallel_layout target) const;
 
   // What each layer of a progressive switch to `target` would send per rank (the pacing input,
   // moebius/switch/pacing.hpp): plan(target).bytes_per_layer. Throws errc::capacity when the
   // target cannot hold the live KV (plan(target).layer_capacity refused).
-  layer_bytes layer_bytes_of(parallel_mode target) const;
+  layer_bytes layer_bytes_of(parallel_layout target) const;
 
   // Switches everything as `p` says (see the failure protocol above), running `p`'s weight plan
   // and all-layers KV plan. Never throws once bytes may move: a transport error, a fault, a
@@ -193,25 +206,26 @@ class switcher {
   switch_report switch_to(const switch_plan& p);
   // switch_to(plan(target)); also throws errc::invalid_argument for a target that names neither
   // EP nor TP.
-  switch_report switch_to(parallel_mode target);
+  switch_report switch_to(parallel_layout target);
 
   // Opens a progressive switch as `p` says (switch/progressive.hpp), running `p`'s weight plan
   // and one-layer KV plan; nothing moves. The session is open when its report's outcome is
   // in_progress; otherwise it says why not (already_there, refused_capacity when
   // p.layer_capacity refused, inconsistent, or rolled_back when the verify hook failed). Needs
   // one KV layer per MoE layer (each layer's weights and KV move together):
-  // errc::invalid_argument otherwise, for a stale plan, or when a session is already open.
+  // errc::invalid_argument otherwise, for a stale plan, when a session is already open, or for
+  // a switch of the attention alone (it advances with the experts' layers: use switch_to).
   // The session must not outlive the switcher.
   progressive_switch begin(const switch_plan& p);
   // begin(plan(target)); also throws errc::invalid_argument for a bad target.
-  progressive_switch begin(parallel_mode target);
+  progressive_switch begin(parallel_layout target);
   bool in_progress() const;
 
   // False after an `inconsistent` outcome: switch_to() and begin() then refuse, moving nothing,
   // until recover() succeeds.
   bool consistent() const;
 
-  // After an `inconsistent` outcome: rebuilds a consistent state in request.mode without a
+  // After an `inconsistent` outcome: rebuilds a consistent state in request.layout without a
   // restart. Which KV is intact follows from how far the switch got: a layer whose KV plan
   // never started is intact in the source layout, one whose plan (or its undo) completed is
   // intact in the layout it reached, and one whose plan was running when the failure left the
@@ -223,7 +237,7 @@ class switcher {
   // reload_experts leaves the switcher inconsistent (report.error), and a later call retries
   // the reload (in the mode of the first attempt, whose KV is already rebuilt). Throws
   // errc::invalid_argument when the switcher is consistent, while a progressive switch is
-  // open, for a bad mode, without reload_experts, or for a retry in another mode.
+  // open, for a bad layout, without reload_experts, or for a retry in another layout.
   //   P=2, EP->TP stop the world, the KV's undo failed: every sequence lost, EP tables empty.
   recovery_report recover(const recovery_request& request);
   // The report of the last switch that ended (either style).
