@@ -52,6 +52,8 @@ void bind_layout(nb::module_& m) {
       .def_rw("attention", &parallel_layout::attention)
       .def_rw("experts", &parallel_layout::experts)
       .def_prop_ro("uniform", &parallel_layout::uniform, "attention and experts in one mode")
+      .def_prop_ro("name", [](const parallel_layout& l) { return std::string(to_string(l)); },
+                   "'EP', 'TP', 'TP attention, EP experts', 'DP attention, TP experts'")
       .def(nb::self == nb::self)
       .def("__hash__", [](const parallel_layout& l) {
         return static_cast<int>(l.attention) * 2 + static_cast<int>(l.experts);

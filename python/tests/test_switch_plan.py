@@ -391,3 +391,63 @@ def test_gates_worked_examples():
     assert g.gain_ms == pytest.approx(7600.0) and g.current_batch == g.target_batch == 800
     assert "admission off" in repr(moebius.GateTerms(admission=False)) or \
         "admission" in repr(moebius.GateTerms(admission=False))
+
+
+def test_experts_alone_under_tp_attention(rng):
+    """Attention and experts as two layouts: from EP, the attention alone goes to TP
+    (stop the world; begin refuses it), then the experts alone go EP -> TP progressively and
+    back: no KV round, every pool byte unchanged, the experts where numpy slices put them."""
+    P, L = 2, 2
+    shape = moebius.ExpertShape(num_layers=L, num_experts=4, hidden=32, intermediate=16)
+    arena = moebius.make_arena_geometry(shape, P, 256, 4096)
+    kv = moebius.make_kv_geometry(L, 2, 8, 4, 8, P)
+    full = [{t: rng.integers(0, 2**16, moebius.weight_view_shape(shape, 1, EP, t),
+                             dtype=np.uint16) for t in (W13, W2)} for _ in range(L)]
+    ranks = [moebius.RankMemory(host_memory(arena.total_bytes),
+                                rng.integers(0, 256, kv.pool_bytes, dtype=np.uint8))
+             for _ in range(P)]
+    for r, mem in enumerate(ranks):
+        for layer in range(L):
+            for t in (W13, W2):
+                raw_view(mem, arena, layer, EP, t)[...] = ep_slice(full[layer][t], t, r, P)
+    flips = []
+    sw = moebius.Switcher(arena, kv, moebius.HostTransport(ranks), random_ep_state(rng, kv, 0.4),
+                          0, on_commit=flips.append)
+    tep = moebius.ParallelLayout(TP, EP)
+    assert sw.layout == EP and moebius.ParallelLayout(EP) == EP and not tep.uniform
+    assert str(tep) == "TP attention, EP experts" and tep.attention == TP and tep.experts == EP
+
+    attention_only = sw.plan(tep)
+    assert attention_only.moves_kv and not attention_only.moves_experts
+    assert not attention_only.layer_capacity.fits and "switch_to" in attention_only.layer_capacity.reason
+    with pytest.raises(moebius.Error) as e:
+        sw.begin(attention_only)
+    assert e.value.code == "invalid_argument" and "stop-the-world" in str(e.value)
+    report = sw.switch_to(attention_only)
+    assert report.outcome == Outcome.committed and report.weight_phases == 0
+    assert sw.layout == tep and sw.mode == TP and flips == [tep]
+
+    tables = sw.kv_tables
+    pools = [np.from_dlpack(m.kv_pool_view(kv, EP, raw=True)).copy() for m in ranks]
+    plan = sw.plan(moebius.ParallelLayout(TP, TP))
+    assert plan.moves_experts and not plan.moves_kv and plan.capacity.rounds == 0
+    assert plan.from_ == tep and plan.to == TP and sum(plan.bytes_per_layer.kv_bytes_sent) == 0
+    with sw.begin(plan) as p:
+        assert not p.moves_kv
+        while p.layers_remaining:
+            p.advance(1)
+            p.wait()
+            assert [p.layout_of(layer) for layer in range(L)] == \
+                [moebius.ParallelLayout(TP, TP if layer < p.cursor else EP) for layer in range(L)]
+        done = p.finish()
+    assert done.outcome == Outcome.committed and done.kv_rounds == 0 and sum(done.kv_bytes_sent) == 0
+    assert sw.layout == TP and sw.cursor == L and sw.kv_tables == tables and flips[-1] == TP
+    for m, old in zip(ranks, pools):
+        np.testing.assert_array_equal(np.from_dlpack(m.kv_pool_view(kv, EP, raw=True)), old)
+    for r, mem in enumerate(ranks):
+        for layer in range(L):
+            for t in (W13, W2):
+                np.testing.assert_array_equal(raw_view(mem, arena, layer, TP, t),
+                                              tp_slice(full[layer][t], t, r, P))
+    back = sw.switch_to(tep)
+    assert back.outcome == Outcome.committed and back.kv_rounds == 0 and sw.layout == tep
