@@ -144,6 +144,22 @@ void bind_kv(nb::module_& m) {
       .def_ro("num_ranks", &kv_geometry::num_ranks)
       .def_ro("type", &kv_geometry::type)
       .def_ro("layout", &kv_geometry::layout)
+      .def_ro("dcp", &kv_geometry::dcp,
+              "the TP view's KV-parallel degree: the ranks sharing a head split its tokens\n"
+              "(logical page i on DCP index i % dcp); 1: every TP rank holds every token")
+      .def_prop_ro("tp_replica_sets", &kv_geometry::tp_replica_sets)
+      .def("dcp_rank", &kv_geometry::dcp_rank, nb::arg("rank"), "DCP index of TP rank `rank`")
+      .def("dcp_pages_held", &kv_geometry::dcp_pages_held, nb::arg("num_pages"), nb::arg("k"),
+           "pages of a num_pages-page sequence DCP index k holds: ceil((n - k) / dcp)")
+      .def("dcp_tokens_held", &kv_geometry::dcp_tokens_held, nb::arg("num_tokens"), nb::arg("k"))
+      .def(
+          "token_place",
+          [](const kv_geometry& g, int64_t token) {
+            const kv_token_place p = g.token_place(token);
+            return nb::make_tuple(p.dcp_rank, p.local_page, p.slot);
+          },
+          nb::arg("token"),
+          "(DCP index, local page, slot) of token `token` of a sequence in the TP view")
       .def_prop_ro("latent", &kv_geometry::latent)
       .def_prop_ro("kv_tensors", &kv_geometry::kv_tensors)
       .def_prop_ro("num_tensors", &kv_geometry::num_tensors)
@@ -175,6 +191,11 @@ void bind_kv(nb::module_& m) {
         nb::arg("type") = dtype::bf16, nb::arg("layout") = kv_layout::hnd,
         "Builds and validates a KV geometry.\n"
         "Qwen3-235B, 64 pages, P=8: make_kv_geometry(94, 4, 128, 16, 64, 8).");
+  m.def("with_dcp", &with_dcp, nb::arg("geometry"), nb::arg("dcp"),
+        "The geometry with the TP view's KV-parallel degree `dcp` (decode context parallel):\n"
+        "it must divide tp_replicas (H_kv < P: P / H_kv; latent KV: P; H_kv >= P: only 1).\n"
+        "with_dcp(make_kv_geometry(94, 4, 128, 16, 64, 8), 2): ranks 2j, 2j+1 split head j's\n"
+        "tokens; the TP view then holds what EP holds.");
   m.def("ep_pages_for_bytes", &ep_pages_for_bytes, nb::arg("geometry"), nb::arg("pool_bytes"),
         "The largest num_ep_pages whose pool fits in `pool_bytes`.");
 

@@ -138,3 +138,50 @@ def test_placement_worked_example():
     assert placed.imbalance == pytest.approx(1.2) and placed.split_groups == 0
     assert placed == moebius.KvPlacement(owner=[0, 1, 1], load=[6, 9], fits=True,
                                          imbalance=placed.imbalance)
+
+
+@pytest.mark.parametrize("layout", [moebius.KvLayout.HND, moebius.KvLayout.NHD])
+@pytest.mark.parametrize("heads,ranks,dcp", [(1, 2, 2), (2, 4, 2), (1, 4, 4), (1, 4, 2)])
+def test_kv_migration_with_dcp_matches_numpy(rng, layout, heads, ranks, dcp):
+    """TP without duplicated KV: with dcp, TP rank r holds head slice tp_slice_of_rank(r) of
+    the logical pages i with i % dcp == r % dcp only (numpy gathers them here by that rule, not
+    by the library's helpers); EP -> TP(dcp) -> EP gives back every byte."""
+    base = moebius.make_kv_geometry(num_layers=2, num_kv_heads=heads, head_dim=8, page_size=4,
+                                    num_ep_pages=16, num_ranks=ranks, layout=layout)
+    geometry = moebius.with_dcp(base, dcp)
+    assert geometry.dcp == dcp and base.dcp == 1 and geometry.tp_replica_sets == base.tp_replicas // dcp
+    assert geometry.token_place(9) == ((9 // 4) % dcp, (9 // 4) // dcp, 1)
+    with pytest.raises(moebius.Error) as e:
+        moebius.with_dcp(base, 3)
+    assert e.value.code == "invalid_argument" and "dcp" in str(e.value)
+    # dcp = P / H_kv holds what EP holds (up to a page a sequence on DCP index 0).
+    state = random_ep_state(rng, geometry, 0.5 if heads * dcp == ranks else 0.25)
+    pools = [moebius.RankMemory(host_memory(64), rng.integers(0, 256, geometry.pool_bytes,
+                                                              dtype=np.uint8))
+             for _ in range(ranks)]
+    before = logical_kv(geometry, state, pools)
+    to_tp = moebius.plan_kv_migration(geometry, state, TP)
+    moebius.HostTransport(pools).execute(to_tp.copies)
+    views = [np.from_dlpack(p.kv_pool_view(geometry, TP, raw=True)) for p in pools]
+    hp, ps = geometry.heads_per_tp_page, geometry.page_size
+    for r, rank in enumerate(to_tp.new_state.ranks):
+        lo = geometry.tp_slice_of_rank(r) * hp
+        for seq in rank.sequences:
+            want = before[seq.seq_id]
+            logical = -(-seq.num_tokens // ps)
+            mine = [i for i in range(logical) if i % dcp == r % dcp]
+            assert len(seq.pages) == len(mine)
+            for local, i in enumerate(mine):
+                tokens = np.arange(i * ps, min((i + 1) * ps, seq.num_tokens))
+                page = seq.pages[local]
+                if layout == moebius.KvLayout.HND:  # [L, T, page, head, slot, D]
+                    got = np.moveaxis(views[r][:, :, page, :, tokens % ps, :], 0, 0)
+                else:  # [L, T, page, slot, head, D]
+                    got = np.moveaxis(views[r][:, :, page, tokens % ps, :, :], 2, 0)
+                np.testing.assert_array_equal(got, want[tokens][:, :, :, lo:lo + hp],
+                                              err_msg=f"rank {r} seq {seq.seq_id} page {i}")
+    back = moebius.plan_kv_migration(geometry, to_tp.new_state, EP)
+    moebius.HostTransport(pools).execute(back.copies)
+    after = logical_kv(geometry, back.new_state, pools)
+    for seq_id, kv in before.items():
+        np.testing.assert_array_equal(after[seq_id], kv)
