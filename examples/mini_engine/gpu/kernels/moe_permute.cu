@@ -189,22 +189,53 @@ void launch_moe_permute(const moe_plan& p, const moe_tokens& src, cudaStream_t s
   check_launch("moe_gather");
 }
 
-// 6. one block per token: weighted sum of its pairs' rows, choices in order.
+// 6. one block per token: weighted sum of its pairs' rows, choices in order. The token's pair
+// rows and weights are read once into shared memory, and the rows four floats at a time when
+// the hidden size allows (the TP rank's combine reads k x H floats per token: this kernel is
+// bound by those bytes). The sum per element runs over the choices in order, as before.
+constexpr int k_combine_max_top_k = 64;
+
 __global__ void moe_combine_kernel(const __grid_constant__ moe_combine_args a) {
+  __shared__ int32_t rows[k_combine_max_top_k];
+  __shared__ float weights[k_combine_max_top_k];
   const int64_t t = blockIdx.x;
+  const int64_t K = a.src.top_k;
   const float* w =
       reinterpret_cast<const float*>(a.src.rows + t * a.src.row_bytes + a.src.weights_offset);
+  for (int64_t j = threadIdx.x; j < K; j += blockDim.x) {
+    rows[j] = a.pair_row[t * K + j];
+    weights[j] = w[j];
+  }
+  __syncthreads();
+  float* out = a.out + t * a.hidden;
+  if (a.hidden % 4 == 0) {
+    const int64_t n4 = a.hidden / 4;
+    for (int64_t c = threadIdx.x; c < n4; c += blockDim.x) {
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int64_t j = 0; j < K; ++j) {
+        if (rows[j] < 0) continue;
+        const float4 y = reinterpret_cast<const float4*>(a.y + int64_t{rows[j]} * a.hidden)[c];
+        sum.x += weights[j] * y.x;
+        sum.y += weights[j] * y.y;
+        sum.z += weights[j] * y.z;
+        sum.w += weights[j] * y.w;
+      }
+      reinterpret_cast<float4*>(out)[c] = sum;
+    }
+    return;
+  }
   for (int64_t c = threadIdx.x; c < a.hidden; c += blockDim.x) {
     float sum = 0.0f;
-    for (int64_t j = 0; j < a.src.top_k; ++j) {
-      const int32_t row = a.pair_row[t * a.src.top_k + j];
-      if (row >= 0) sum += w[j] * a.y[static_cast<int64_t>(row) * a.hidden + c];
-    }
-    a.out[t * a.hidden + c] = sum;
+    for (int64_t j = 0; j < K; ++j)
+      if (rows[j] >= 0) sum += weights[j] * a.y[int64_t{rows[j]} * a.hidden + c];
+    out[c] = sum;
   }
 }
 
 void launch_moe_combine(const moe_combine_args& a, cudaStream_t stream) {
+  MOEBIUS_CHECK(a.src.top_k >= 1 && a.src.top_k <= k_combine_max_top_k,
+                moebius::errc::invalid_argument, "moe_combine: top_k ", a.src.top_k,
+                " (need 1..", k_combine_max_top_k, ")");
   if (a.src.tokens == 0) return;
   moe_combine_kernel<<<static_cast<unsigned>(a.src.tokens), 256, 0, stream>>>(a);
   check_launch("moe_combine");

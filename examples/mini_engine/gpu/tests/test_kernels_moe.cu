@@ -20,9 +20,11 @@ using moebius::dtype;
 
 TEST_CASE("router top-k matches a stable sort of the softmax", "[gpu][kernels]") {
   std::mt19937_64 rng(seed(15));
-  for (int round = 0; round < 20; ++round) {
-    const int64_t tokens = uniform(rng, 1, 70), E = uniform(rng, 1, 256);
-    const int64_t K = uniform(rng, 1, std::min<int64_t>(E, 16));
+  for (int round = 0; round < 30; ++round) {
+    // Every register width of the kernel (experts a lane holds: 1, 2, 4, 8, 16, 32).
+    const int64_t E = uniform(rng, 1, round % 3 == 0 ? 1024 : 256);
+    const int64_t tokens = uniform(rng, 1, 70);
+    const int64_t K = uniform(rng, 1, std::min<int64_t>(E, 32));
     const int64_t real = uniform(rng, 0, tokens);
     auto logits = random_floats(rng, static_cast<size_t>(tokens * E), -4, 4);
     if (E > 3) logits[1] = logits[2] = logits[3];  // a tie: lower index first
