@@ -10,6 +10,8 @@
 //             TensorRT-LLM's TEP): every rank has every token after attention, the experts'
 //             dispatch is a local selection of the pairs routed to its E/P experts, the combine
 //             is the all-reduce TP already does.
+// (rank_layout builds on moebius::parallel_layout; its fourth, data-parallel attention over TP
+// experts, is not emulated: rank_share.hpp says why.)
 //
 // What it runs. A P = 1 gpu_runtime whose model is the rank's share (rank_share_of):
 //   TP attention   Hq/P query heads and max(1, Hkv/P) KV heads, the LM head's V/P vocabulary

@@ -22,34 +22,36 @@
 #include <string>
 
 #include <moebius/error.hpp>
+#include <moebius/layout/parallel_layout.hpp>
 #include <moebius/layout/parallel_mode.hpp>
 
 #include "model_config.hpp"
 
 namespace mini_engine {
 
-// A static layout of a P-rank deployment: how attention and experts split over the ranks.
+// A static layout of a P-rank deployment: the library's parallel_layout (how attention and
+// experts split over the ranks) and the decode-context-parallel degree of TP attention.
 //   attention tp: each rank computes Hq/P q heads of every sequence (KV heads replicated on
 //                 P/Hkv ranks when Hkv < P); with dcp > 1 the dcp ranks sharing a KV head each
 //                 hold 1/dcp of every sequence's tokens (page-interleaved, kv_geometry::dcp).
 //   attention ep: data-parallel: each rank runs its own ceil(B/P) sequences with every head.
 //   experts tp:   each rank holds I/P of every expert and computes every token's top-k.
 //   experts ep:   each rank holds E/P whole experts and computes the pairs routed to them.
-// Data-parallel attention with TP experts is not a layout an engine runs (refused).
-struct rank_layout {
-  moebius::parallel_mode attention = moebius::parallel_mode::tp;
-  moebius::parallel_mode experts = moebius::parallel_mode::tp;
+// Data-parallel attention with TP experts (SGLang's DP attention over TP experts) is not
+// emulated: its rank runs attention over ceil(B/P) sequences and the MoE over all B tokens,
+// two token counts a P = 1 runtime cannot run in one step (refused by validate).
+struct rank_layout : moebius::parallel_layout {
   int64_t dcp = 1;  // decode context parallel degree (TP attention only)
 
   static constexpr rank_layout tp(int64_t dcp = 1) {
-    return {moebius::parallel_mode::tp, moebius::parallel_mode::tp, dcp};
+    return {{moebius::parallel_mode::tp, moebius::parallel_mode::tp}, dcp};
   }
   static constexpr rank_layout ep() {
-    return {moebius::parallel_mode::ep, moebius::parallel_mode::ep, 1};
+    return {{moebius::parallel_mode::ep, moebius::parallel_mode::ep}, 1};
   }
   // TP attention + EP experts (vLLM --enable-expert-parallel, TensorRT-LLM's TEP).
   static constexpr rank_layout tep(int64_t dcp = 1) {
-    return {moebius::parallel_mode::tp, moebius::parallel_mode::ep, dcp};
+    return {{moebius::parallel_mode::tp, moebius::parallel_mode::ep}, dcp};
   }
   friend constexpr bool operator==(const rank_layout&, const rank_layout&) = default;
 };
@@ -95,7 +97,8 @@ inline void validate(const rank_layout& l, const model_config& full, int P) {
   MOEBIUS_CHECK(!(l.attention == moebius::parallel_mode::ep &&
                   l.experts == moebius::parallel_mode::tp),
                 moebius::errc::invalid_argument,
-                "rank layout: data-parallel attention with TP experts is not run");
+                "rank layout: data-parallel attention with TP experts is not emulated (its "
+                "attention and MoE run different token counts)");
   const int64_t replicas = P / std::min<int64_t>(full.num_kv_heads, P);
   MOEBIUS_CHECK(l.dcp >= 1 && (l.dcp == 1 || (l.attention == moebius::parallel_mode::tp &&
                                               replicas % l.dcp == 0)),

@@ -85,6 +85,10 @@ TEST_CASE("rank share: layouts by name, and the ones refused", "[cpu][rank_share
   CHECK(name_of(rank_layout::ep()) == "EP");
   CHECK(name_of(rank_layout::tep()) == "TEP");
   CHECK(name_of(rank_layout::tep(2)) == "TEP-dcp2");
+  // The library's layout underneath: TEP is TP attention over EP experts.
+  CHECK(moebius::parallel_layout(rank_layout::tep(2)) ==
+        moebius::parallel_layout(parallel_mode::tp, parallel_mode::ep));
+  CHECK(moebius::parallel_layout(rank_layout::tp(2)) == moebius::parallel_layout(parallel_mode::tp));
   for (const rank_layout& l : k_layouts) CHECK(parse_rank_layout(name_of(l)) == l);
   CHECK(parse_rank_layout("tep-dcp2") == rank_layout::tep(2));
   CHECK_THROWS_WITH(parse_rank_layout("ep-dcp2"), Catch::Contains("dcp with tp or tep only"));
@@ -96,7 +100,7 @@ TEST_CASE("rank share: layouts by name, and the ones refused", "[cpu][rank_share
   CHECK_THROWS_WITH(validate(rank_layout::tp(4), q235, 8), Catch::Contains("dcp 4 must divide the 2"));
   CHECK_THROWS_WITH(validate(rank_layout::tep(2), q30, 4), Catch::Contains("dcp 2 must divide the 1"));
   CHECK_NOTHROW(validate(rank_layout::tep(2), q30, 8));
-  CHECK_THROWS_WITH(validate({parallel_mode::ep, parallel_mode::tp, 1}, q235, 8),
+  CHECK_THROWS_WITH(validate({{parallel_mode::ep, parallel_mode::tp}, 1}, q235, 8),
                     Catch::Contains("data-parallel attention with TP experts"));
   CHECK_THROWS_WITH(validate(rank_layout::tp(), q235, 16 * 3), Catch::Contains("must divide"));
 }
