@@ -25,6 +25,9 @@
 //   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
 //   every token and its best candidate (id, logit); the host picks the best of the P
 //   candidates (no collective). EP computes all V logits for its own tokens.
+// Benchmarks may emulate one rank of a decode-context-parallel set at P = 1
+// (gpu_runtime_options::emulated_dcp): attention over the set's q heads, projections over its
+// own.
 
 #include <cmath>
 
@@ -40,11 +43,12 @@ using moebius::parallel_mode;
 // the workspace size depends on).
 paged_attention_args gpu_runtime::impl::attention_shape(parallel_mode m, int64_t li,
                                                         int64_t T) const {
-  const int64_t D = c.head_dim, hq = q_heads_local(m);
+  // emulated_dcp: the DCP set's dcp x hq gathered q heads, read from xn, written to proj.
+  const int64_t D = c.head_dim, dcp = o.emulated_dcp, hq = dcp * q_heads_local(m);
   paged_attention_args pa;
-  pa.q_stride = qkv_ld;
+  pa.q_stride = dcp > 1 ? hq * D : qkv_ld;
   pa.q_heads = hq;
-  pa.group = c.num_q_heads / c.num_kv_heads;
+  pa.group = dcp * c.num_q_heads / c.num_kv_heads;
   pa.out_stride = hq * D;
   pa.geometry = kv;
   pa.mode = m;
@@ -81,7 +85,12 @@ void gpu_runtime::impl::attention(const pass& ps, int64_t li) {
   each_rank([&](int r, rank_state& rs) {
     project_qkv(rs, r, attn, li, T);
     mark(rs, st_qkv);
-    launch_paged_attention(attention_args(rs, attn, li, T, rs.qkv, rs.attn), rs.stream);
+    if (o.emulated_dcp > 1) {
+      emulated_dcp_gather_q(rs, attn, T);
+      launch_paged_attention(attention_args(rs, attn, li, T, rs.xn, rs.proj), rs.stream);
+    } else {
+      launch_paged_attention(attention_args(rs, attn, li, T, rs.qkv, rs.attn), rs.stream);
+    }
     mark(rs, st_attention);
     project_o(rs, r, attn, li, T);
     mark(rs, st_o_proj);
@@ -90,6 +99,18 @@ void gpu_runtime::impl::attention(const pass& ps, int64_t li) {
     all_reduce(&rank_state::proj, T * c.hidden);
     mark_all(st_collectives);
   }
+}
+
+// options.emulated_dcp: the q of the rank's DCP set as the all-gather would leave it, [T,
+// dcp x hq heads] in xn: dcp copies of the rank's own hq heads (the values do not change the
+// attention's work).
+void gpu_runtime::impl::emulated_dcp_gather_q(rank_state& rs, parallel_mode attn, int64_t T) {
+  const int64_t dcp = o.emulated_dcp, width = q_heads_local(attn) * c.head_dim;
+  for (int64_t j = 0; j < dcp; ++j)
+    MOEBIUS_CUDA_CHECK(cudaMemcpy2DAsync(rs.xn + j * width, static_cast<size_t>(dcp * width) * 4,
+                                         rs.qkv, static_cast<size_t>(qkv_ld) * 4,
+                                         static_cast<size_t>(width) * 4, static_cast<size_t>(T),
+                                         cudaMemcpyDeviceToDevice, rs.stream));
 }
 
 // The first TP column of rank r's q heads and its first KV head (EP: 0, all heads).
@@ -168,10 +189,14 @@ void gpu_runtime::impl::project_o(rank_state& rs, int r, parallel_mode attn, int
   const int64_t hq = q_heads_local(attn);
   const auto& l = rs.layers[static_cast<size_t>(li)];
   const int64_t q0 = head_slice(attn, r).first;
-  launch_convert({rs.attn, dtype::fp32, rs.xd, dd, T * hq * D}, rs.stream);
+  // emulated_dcp: all dcp x hq heads' partial outputs (in proj) converted, standing in for the
+  // merge of the exchanged partials; o_proj reads the rank's own hq of each row.
+  const int64_t dcp = o.emulated_dcp;
+  launch_convert({dcp > 1 ? rs.proj : rs.attn, dtype::fp32, rs.xd, dd, T * dcp * hq * D},
+                 rs.stream);
   linear_args a;  // o_proj: this rank's columns (its heads) of the whole weight
   a.x = rs.xd;
-  a.ldx = hq * D;
+  a.ldx = dcp * hq * D;
   a.w = l.o + q0 * D * ds;
   a.ldw = c.num_q_heads * D;
   a.y = rs.proj;

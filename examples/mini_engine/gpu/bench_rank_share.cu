@@ -1,38 +1,73 @@
 // One rank of a P-rank deployment at full size on one GPU: the per-rank decode-step curves of
-// TP and EP at the paper's scale (Qwen3-235B-A22B at P = 8; Qwen3-30B-A3B at P = 2 and 4),
-// compute measured with the runtime's real kernels, collectives priced by a link model.
+// every static layout an engine runs at the paper's scale (Qwen3-235B-A22B at P = 8; Qwen3-30B-
+// A3B at P = 2 and 4), compute measured with the runtime's real kernels, collectives priced by a
+// link model. The layouts (rank_share.hpp: rank_layout):
+//   TP        TP attention (a KV head replicated on P/Hkv ranks when Hkv < P) + TP experts
+//   TP-dcpD   TP attention with decode context parallel D (vLLM -dcp D): the D ranks sharing a
+//             KV head each hold 1/D of every sequence's tokens (page-interleaved) + TP experts
+//   EP        data-parallel attention + EP experts
+//   TEP[-dcpD] TP attention (with dcp D) + EP experts (vLLM --enable-expert-parallel,
+//             TensorRT-LLM's TEP): every rank has every token after attention, the experts'
+//             dispatch is a local selection of the pairs routed to its E/P experts, the combine
+//             is the all-reduce TP already does.
+// (rank_layout builds on moebius::parallel_layout; its fourth, data-parallel attention over TP
+// experts, is not emulated: rank_share.hpp says why.)
 //
-// What it runs. A P = 1 gpu_runtime whose model is the rank's share of the deployment:
-//   TP rank   all E experts with I/P of each one's intermediate, Hq/P query heads and
-//             max(1, Hkv/P) KV heads (a replicated head when Hkv < P, as TP runs it), the LM
-//             head's V/P vocabulary slice; every one of the B sequences, each with its KV for
-//             the rank's heads;
-//   EP rank   E/P whole experts, the whole attention (data-parallel attention), the whole LM
-//             head; its own ceil(B/P) sequences with all their KV heads. Each of its tokens is
-//             routed to top-k' of its E/P experts, k' = min(E/P, round(k x skew)): the expert
-//             pairs a rank computes are then ceil(B/P) k', the average rank's ceil(B/P) k under
-//             uniform routing at skew 1, and the busiest rank's under a skewed router at skew > 1
-//             (MOEBIUS_BENCH_SKEW, e.g. 1.25).
+// What it runs. A P = 1 gpu_runtime whose model is the rank's share (rank_share_of):
+//   TP attention   Hq/P query heads and max(1, Hkv/P) KV heads, the LM head's V/P vocabulary
+//                  slice; every one of the B sequences, each with its KV for the rank's head;
+//   data-parallel  the whole attention and LM head; its own ceil(B/P) sequences with all their
+//                  KV heads;
+//   TP experts     all E experts with I/P of each one's intermediate, every token's top-k;
+//   EP experts     E/P whole experts. Each token is routed to top-k' of them:
+//                  data-parallel attention: k' = min(E/P, round(k x skew)) over the rank's
+//                  ceil(B/P) tokens, the average rank's ceil(B/P) k pairs under uniform routing
+//                  at skew 1, the busiest rank's under a skewed router at skew > 1
+//                  (MOEBIUS_BENCH_SKEW, e.g. 1.25);
+//                  TP attention (TEP): k'' = min(E/P, max(1, round(k/P x skew))) over all B
+//                  tokens: B k/P pairs, the uniform mean (Qwen3-235B at P = 8: top-1 of 16).
+//   dcp D > 1      exactly, up to the merge (gpu_runtime_options::emulated_dcp): the q/k/v and
+//                  o projections over the rank's Hq/P heads, the paged attention over the D x
+//                  Hq/P q heads of its DCP set (the all-gathered q: copies of its own) and over
+//                  the busiest DCP index's share of each sequence's pages (rank_tokens: 257 of
+//                  513 tokens at page 16), and a conversion of all D x Hq/P partial outputs
+//                  standing in for the merge kernel (which reads the same rows) before o_proj
+//                  reads the rank's own.
 // What it does not run: the collectives. They are priced per layer by a link model,
-//   latency + bytes / rate per collective:
-//   TP  two all-reduces of T x H bf16 activations (ring: 2(P-1)/P of the bytes), T = B;
-//   EP  a dispatch and a combine all-to-all of its tokens' pairs ((P-1)/P of ceil(B/P) k' x H
-//       bf16 rows), the LM head needs none.
+//   latency + bytes / rate per collective (rank_share.hpp: priced_collectives_s):
+//   TP attention  two all-reduces of B x H bf16 activations (ring: 2(P-1)/P of the bytes), after
+//                 o_proj and after the experts (TEP too: no dispatch); with dcp D the q
+//                 all-gather ((D-1) B Hq/P D bf16 in), the LSE all-gather ((D-1) B D Hq/P fp32)
+//                 and the outputs' reduce-scatter ((D-1) B Hq/P D bf16), as vLLM merges them
+//                 (link_model::dcp_merge_collectives = 2; 1: one fused exchange); one latency
+//                 for the LM head's candidates;
+//   EP            a dispatch and a combine all-to-all of its tokens' pairs ((P-1)/P of ceil(B/P)
+//                 k' x H bf16 rows), the LM head needs none.
 //   Rates: NVLink 389 GB/s per GPU per direction (the copy-engine ceiling measured on 2x H200
-//   here, DESIGN.md §6) for all-reduce, NCCL all-to-all 332 GB/s (measured here at 1 GiB, 2x
-//   H200; smaller messages are slower: 142 GB/s at 16 MiB); latency 10 us per collective
-//   (h200_params::collective_us: assumed, not measured on 8 GPUs here). Both columns are
-//   written: compute_ms (measured) and comm_priced_ms (priced), and their sum step_ms.
+//   here, DESIGN.md §6) for all-reduce, all-gather and reduce-scatter, NCCL all-to-all 332 GB/s
+//   (measured here at 1 GiB, 2x H200; smaller messages are slower: 142 GB/s at 16 MiB); latency
+//   10 us per collective (h200_params::collective_us: assumed, not measured on 8 GPUs here).
+//   Both columns are written: compute_ms (measured) and comm_priced_ms (priced), and their sum
+//   step_ms.
 // So the emulation is exact for a rank's own kernels and shapes (weights, KV, attention over
-// its heads or sequences, expert GEMMs over its pairs), and approximate where routing decides
-// which of a rank's experts a token picks (a rank's local router over E/P experts instead of
-// the global one over E), and wherever the collectives' real cost departs from the link model.
+// its heads or sequences or DCP share, expert GEMMs over its pairs), and approximate
+//   - where routing decides which of a rank's experts a token picks: EP and TEP ranks route
+//     over their E/P experts instead of the global router over E. For EP that is ceil(B/P)
+//     tokens' router; TEP's real router runs over all E for all B tokens (as TP's does), so
+//     the emulation under-counts TEP's router GEMM by (E - E/P)/E of TP's router stage (see the
+//     stage profile: TP's "router" against TEP's);
+//   - for dcp, the merge of the exchanged partials (a conversion of the same rows stands in),
+//     and the new token's K/V, which only one rank of the set appends (here the rank does);
+//   - wherever the collectives' real cost departs from the link model.
 //
-// Output: one JSON line per (mode, context, batch) in MOEBIUS_BENCH_SUMMARY, then per context
-// the crossover (the smallest batch from which EP's step is shorter than TP's).
+// Output: one JSON line per (layout, context, batch) in MOEBIUS_BENCH_SUMMARY ("mode" the
+// layout's name: "TP" and "EP" as serving/step_curves reads them, "TP-dcp2", "TEP",
+// "TEP-dcp2"), then per context and layout the crossover against TP (the smallest batch from
+// which the layout's step is shorter than TP's).
 //
 // Environment: MOEBIUS_BENCH_MODEL (qwen3_235b | qwen3_30b), MOEBIUS_BENCH_P (8),
-// MOEBIUS_BENCH_MODES (tp,ep: a runtime each, one after the other), MOEBIUS_BENCH_BATCHES
+// MOEBIUS_BENCH_LAYOUTS (tp,ep; any of tp, tp-dcpD, ep, tep, tep-dcpD: a runtime each, one after
+// the other; MOEBIUS_BENCH_MODES is read when it is unset), MOEBIUS_BENCH_BATCHES
 // (1,2,4,...,1024: the deployment's batch B), MOEBIUS_BENCH_CONTEXTS (512,2048,8192),
 // MOEBIUS_BENCH_SKEW (1), MOEBIUS_BENCH_LAYERS (the model's: fewer for a quick run; every
 // figure then covers only those layers), MOEBIUS_BENCH_STEPS (10 timed steps per point),
@@ -48,6 +83,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -105,33 +141,39 @@ int main() {
     batches.push_back(static_cast<int64_t>(b));
   for (double x : bench::env_list("MOEBIUS_BENCH_CONTEXTS", {512, 2048, 8192}))
     contexts.push_back(static_cast<int64_t>(x));
-  std::vector<parallel_mode> modes;
-  {
-    const char* v = std::getenv("MOEBIUS_BENCH_MODES");
-    const std::string s = v ? v : "tp,ep";
-    if (s.find("tp") != std::string::npos) modes.push_back(parallel_mode::tp);
-    if (s.find("ep") != std::string::npos) modes.push_back(parallel_mode::ep);
-  }
-  if (full.num_q_heads % P != 0 || full.num_experts % P != 0 || full.intermediate % P != 0) {
-    std::printf("P=%d does not split %s (Hq %lld, E %lld, I %lld)\n", P, model_name.c_str(),
-                static_cast<long long>(full.num_q_heads), static_cast<long long>(full.num_experts),
-                static_cast<long long>(full.intermediate));
+  std::vector<rank_layout> layouts;
+  try {
+    const char* v = std::getenv("MOEBIUS_BENCH_LAYOUTS");
+    if (v == nullptr || *v == '\0') v = std::getenv("MOEBIUS_BENCH_MODES");
+    std::stringstream list((v == nullptr || *v == '\0') ? "tp,ep" : v);
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      const rank_layout l = parse_rank_layout(item);
+      validate(l, full, P);
+      layouts.push_back(l);
+    }
+  } catch (const std::exception& e) {
+    std::printf("%s P=%d: %s\n", model_name.c_str(), P, e.what());
     return 1;
   }
   std::FILE* json = nullptr;
   if (const char* path = std::getenv("MOEBIUS_BENCH_SUMMARY"); path != nullptr && *path != '\0')
     json = std::fopen(path, "w");
   const link_model link;
-  std::map<std::pair<int64_t, int64_t>, std::map<int, point>> results;  // (context, B) -> mode
-  for (const parallel_mode m : modes) {
-    const model_config c = rank_share_of(full, m, P, skew);
+  std::map<std::pair<int64_t, int64_t>, std::map<std::string, point>> results;  // (context, B)
+  for (const rank_layout& l : layouts) {
+    const std::string name = name_of(l);
+    const model_config c = rank_share_of(full, l, P, skew);
     std::vector<int64_t> buckets;
-    for (const int64_t B : batches) buckets.push_back(rank_batch(m, B, P));
+    for (const int64_t B : batches) buckets.push_back(rank_batch(l, B, P));
     std::sort(buckets.begin(), buckets.end());
     buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
     const int64_t max_context = *std::max_element(contexts.begin(), contexts.end());
-    gpu_runtime_options o = bench::decode_options(c, 1, buckets, max_context + 1);
+    // The page-table width: the rank's share of the longest sequence (+ 1 token of margin).
+    gpu_runtime_options o =
+        bench::decode_options(c, 1, buckets, rank_tokens(l, max_context + 1, c.page_size));
     o.hybrid_graphs = false;  // pure decode steps only
+    o.emulated_dcp = l.dcp;
     // The KV pool: what the free memory holds beside the weights (estimated before building,
     // with 12 GiB left for graphs, workspaces and activations).
     size_t free_b = 0, total_b = 0;
@@ -148,14 +190,15 @@ int main() {
     const double spare = static_cast<double>(free_b) - experts - attention - head -
                          12.0 * double(int64_t{1} << 30);
     o.num_ep_pages = std::max<int64_t>(1, static_cast<int64_t>(spare / page_bytes));
-    std::printf("%s P=%d %s rank: E %lld top-%lld I %lld, Hq %lld Hkv %lld, V %lld; weights "
-                "%.1f GB, KV pool %lld pages (%.1f GB)\n",
-                model_name.c_str(), P, moebius::to_string(m),
-                static_cast<long long>(c.num_experts), static_cast<long long>(c.top_k),
-                static_cast<long long>(c.intermediate), static_cast<long long>(c.num_q_heads),
-                static_cast<long long>(c.num_kv_heads), static_cast<long long>(c.vocab),
+    std::printf("%s P=%d %s rank: E %lld top-%lld I %lld, Hq %lld Hkv %lld (attention over %lld "
+                "q heads), V %lld; weights %.1f GB, KV pool %lld pages (%.1f GB)\n",
+                model_name.c_str(), P, name.c_str(), static_cast<long long>(c.num_experts),
+                static_cast<long long>(c.top_k), static_cast<long long>(c.intermediate),
+                static_cast<long long>(c.num_q_heads), static_cast<long long>(c.num_kv_heads),
+                static_cast<long long>(l.dcp * c.num_q_heads), static_cast<long long>(c.vocab),
                 (experts + attention + head) / 1e9, static_cast<long long>(o.num_ep_pages),
                 static_cast<double>(o.num_ep_pages) * page_bytes / 1e9);
+    std::fflush(stdout);
     std::unique_ptr<gpu_runtime> rt;
     try {
       rt = std::make_unique<gpu_runtime>(c, uint64_t{12345}, o);
@@ -165,78 +208,100 @@ int main() {
       continue;
     }
     for (const int64_t context : contexts) {
+      // The rank's tokens of each sequence, the decode token's slot included.
+      const int64_t tokens = rank_tokens(l, context + 1, c.page_size);
       for (const int64_t B : batches) {
-        const int64_t b = rank_batch(m, B, P);
-        const int64_t pages = b * moebius::pages_for_tokens(context + 1, c.page_size);
+        const int64_t b = rank_batch(l, B, P);
+        const int64_t pages = b * moebius::pages_for_tokens(tokens, c.page_size);
         if (pages > o.num_ep_pages) {
-          std::printf("  ctx %lld B %lld: %lld sequences' KV does not fit; skipped\n",
+          std::printf("  ctx %lld B %lld: %lld sequences' KV (%lld tokens each) does not fit; "
+                      "skipped\n",
                       static_cast<long long>(context), static_cast<long long>(B),
-                      static_cast<long long>(b));
+                      static_cast<long long>(b), static_cast<long long>(tokens));
           continue;
         }
         const moebius::kv_state tables =
-            bench::make_tables(rt->kv(), parallel_mode::ep, b, context + 1);
-        std::vector<int32_t> tokens;
-        const std::vector<step_item> items = bench::decode_items(b, context, c.vocab, tokens);
+            bench::make_tables(rt->kv(), parallel_mode::ep, b, tokens);
+        std::vector<int32_t> ids;
+        const std::vector<step_item> items = bench::decode_items(b, tokens - 1, c.vocab, ids);
         const step_layout layout{&tables, moebius::arena_cursor{0}};
+        const int64_t reruns_before = rt->overflow_reruns();
         for (int i = 0; i < 3; ++i) rt->step(layout, items);  // warm-up
         std::vector<double> ms;
         for (int64_t i = 0; i < timed; ++i) {
           rt->step(layout, items);
           ms.push_back(rt->measured_step_s() * 1e3);
         }
+        const int64_t reruns = rt->overflow_reruns() - reruns_before;
         std::sort(ms.begin(), ms.end());
         point p;
         p.compute_ms = ms[ms.size() / 2];
-        p.comm_ms = priced_collectives_s(full, m, P, B, c.top_k, link) * 1e3;
-        results[{context, B}][static_cast<int>(m)] = p;
-        std::printf("  ctx %5lld B %5lld (%lld on the rank): compute %.3f ms (measured) + "
-                    "collectives %.3f ms (priced) = %.3f ms\n",
+        p.comm_ms = priced_collectives_s(full, l, P, B, c.top_k, link) * 1e3;
+        results[{context, B}][name] = p;
+        std::printf("  ctx %5lld B %5lld (%lld on the rank, %lld tokens each): compute %.3f ms "
+                    "(measured) + collectives %.3f ms (priced) = %.3f ms%s\n",
                     static_cast<long long>(context), static_cast<long long>(B),
-                    static_cast<long long>(b), p.compute_ms, p.comm_ms, p.compute_ms + p.comm_ms);
+                    static_cast<long long>(b), static_cast<long long>(tokens), p.compute_ms,
+                    p.comm_ms, p.compute_ms + p.comm_ms,
+                    reruns > 0 ? " (expert-capacity reruns)" : "");
         // MINI_ENGINE_PROFILE=1: the last timed step by stage (eager, no graphs: its compute
         // figure is the eager step's), each stage summed over the layers.
         const std::string stages = stage_json(*rt);
         if (!stages.empty()) std::printf("    stages (ms, last step, eager): %s\n", stages.c_str());
+        std::fflush(stdout);
         if (json != nullptr) {
           std::fprintf(json,
-                       "{\"model\": \"%s\", \"P\": %d, \"mode\": \"%s\", \"skew\": %.3f, "
-                       "\"layers\": %lld, \"context\": %lld, \"batch\": %lld, \"rank_batch\": "
-                       "%lld, \"compute_ms\": %.4f, \"comm_priced_ms\": %.4f, \"step_ms\": %.4f, "
-                       "\"graph_replays\": %lld%s%s}\n",
-                       model_name.c_str(), P, moebius::to_string(m), skew,
+                       "{\"model\": \"%s\", \"P\": %d, \"mode\": \"%s\", \"attention\": \"%s\", "
+                       "\"experts\": \"%s\", \"dcp\": %lld, \"skew\": %.3f, \"layers\": %lld, "
+                       "\"context\": %lld, \"batch\": %lld, \"rank_batch\": %lld, "
+                       "\"rank_tokens\": %lld, \"top_k_local\": %lld, \"compute_ms\": %.4f, "
+                       "\"comm_priced_ms\": %.4f, \"step_ms\": %.4f, \"graph_replays\": %lld, "
+                       "\"overflow_reruns\": %lld%s%s}\n",
+                       model_name.c_str(), P, name.c_str(),
+                       l.attention == parallel_mode::tp ? "TP" : "DP",
+                       moebius::to_string(l.experts), static_cast<long long>(l.dcp), skew,
                        static_cast<long long>(c.num_layers), static_cast<long long>(context),
-                       static_cast<long long>(B), static_cast<long long>(b), p.compute_ms,
-                       p.comm_ms, p.compute_ms + p.comm_ms,
+                       static_cast<long long>(B), static_cast<long long>(b),
+                       static_cast<long long>(tokens), static_cast<long long>(c.top_k),
+                       p.compute_ms, p.comm_ms, p.compute_ms + p.comm_ms,
                        static_cast<long long>(rt->graph_replays()),
-                       stages.empty() ? "" : ", \"stages_ms\": ", stages.c_str());
+                       static_cast<long long>(reruns), stages.empty() ? "" : ", \"stages_ms\": ",
+                       stages.c_str());
           std::fflush(json);
         }
       }
     }
   }
-  // The crossover per context: the smallest batch from which EP stays faster, walking down
-  // from the largest batch measured in both modes (larger ones may not fit in one mode's KV).
-  for (const int64_t context : contexts) {
-    int64_t cross = -1;
-    bool started = false;
-    for (auto it = batches.rbegin(); it != batches.rend(); ++it) {
-      const auto r = results.find({context, *it});
-      const bool both = r != results.end() && r->second.size() == 2;
-      if (!both && !started) continue;
-      started = true;
-      if (!both) break;
-      const point& tp = r->second[static_cast<int>(parallel_mode::tp)];
-      const point& ep = r->second[static_cast<int>(parallel_mode::ep)];
-      if (ep.compute_ms + ep.comm_ms >= tp.compute_ms + tp.comm_ms) break;
-      cross = *it;
+  // The crossover per context and layout against TP: the smallest batch from which the layout
+  // stays faster, walking down from the largest batch measured in both (larger ones may not
+  // fit in one layout's KV).
+  const std::string tp_name = name_of(rank_layout::tp());
+  for (const rank_layout& l : layouts) {
+    const std::string name = name_of(l);
+    if (name == tp_name) continue;
+    for (const int64_t context : contexts) {
+      int64_t cross = -1;
+      bool started = false;
+      for (auto it = batches.rbegin(); it != batches.rend(); ++it) {
+        const auto r = results.find({context, *it});
+        const bool both = r != results.end() && r->second.count(tp_name) != 0 &&
+                          r->second.count(name) != 0;
+        if (!both && !started) continue;
+        started = true;
+        if (!both) break;
+        const point& tp = r->second[tp_name];
+        const point& other = r->second[name];
+        if (other.compute_ms + other.comm_ms >= tp.compute_ms + tp.comm_ms) break;
+        cross = *it;
+      }
+      if (cross > 0)
+        std::printf("crossover at context %lld: %s faster than TP from batch %lld on\n",
+                    static_cast<long long>(context), name.c_str(), static_cast<long long>(cross));
+      else
+        std::printf("crossover at context %lld: %s not faster than TP at the largest batch "
+                    "measured in both (or none measured)\n",
+                    static_cast<long long>(context), name.c_str());
     }
-    if (cross > 0)
-      std::printf("crossover at context %lld: EP faster from batch %lld on (paper: 128-256)\n",
-                  static_cast<long long>(context), static_cast<long long>(cross));
-    else
-      std::printf("crossover at context %lld: none among the batches measured in both modes\n",
-                  static_cast<long long>(context));
   }
   if (json != nullptr) std::fclose(json);
   return 0;

@@ -83,6 +83,16 @@ struct gpu_runtime_options {
   // The stage profile: every step eagerly (no graphs are captured) with CUDA events at each
   // stage boundary (gpu_runtime::stage_times()).
   bool profile = false;
+  // Benchmarks only (bench_rank_share.cu): one rank of a decode-context-parallel set of this
+  // many ranks (vLLM -dcp), emulated at P = 1 over a model with one KV head. The q/k/v and o
+  // projections stay over the model's Hq heads; the paged attention runs over dcp x Hq q
+  // heads (the set's all-gathered q: here dcp copies of the rank's own, in the normed-input
+  // buffer `xn`, free between the q/k/v GEMMs and the MoE) into the o_proj buffer `proj` (free
+  // until o_proj writes it), and all dcp x Hq heads are converted to the GEMM input, standing
+  // in for the merge of the exchanged partial outputs, before o_proj reads the rank's Hq. The
+  // caller gives each sequence the rank's share of its tokens (kv_geometry::dcp_tokens_held).
+  // Needs P = 1, Hkv = 1 and dcp x Hq x D <= H. 1: off.
+  int64_t emulated_dcp = 1;
 };
 
 // The defaults above with the environment's settings, the one place the runtime's

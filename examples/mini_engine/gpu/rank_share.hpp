@@ -1,66 +1,209 @@
 #pragma once
 
 // One rank of a P-rank deployment as a P = 1 model (bench_rank_share.cu measures it on one GPU):
-// which share of the weights, heads and sequences a TP or an EP rank holds, and the link model
-// that prices the collectives the emulation does not run. Host code, tested on the CPU
+// the static layout the deployment runs (how attention and experts split over the ranks), which
+// share of the weights, heads, sequences and tokens a rank of that layout holds, and the link
+// model that prices the collectives the emulation does not run. Host code, tested on the CPU
 // (tests/test_mini_engine_rank_share.cpp).
-//   Qwen3-235B-A22B, P = 8, TP: Hq 8, Hkv 1 (replicated: Hkv = 4 < P), I 192, V 18992, all 128
-//   experts; EP: 16 whole experts, top-8 of them (skew 1), the whole attention; 1 of 8
-//   sequences (ceil(B/8)).
+//   Qwen3-235B-A22B, P = 8 (Hq 64, Hkv 4 < P, E 128, top-8, I 1536, V 151936):
+//   TP        Hq 8, Hkv 1 (replicated on 2 ranks), V 18992, all 128 experts at I 192, top-8;
+//             all B sequences, every token
+//   TP dcp 2  the same model; each sequence's tokens split over the 2 ranks sharing the KV head
+//             (attention over 2 x 8 q heads, gathered)
+//   EP        the whole attention and LM head, 16 whole experts, top-8 of them (skew 1);
+//             ceil(B/8) sequences
+//   TEP dcp d TP's attention and LM head (with dcp d), 16 whole experts, top-1 of them
+//             (k'' = round(8/8)); all B sequences
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
+#include <moebius/error.hpp>
+#include <moebius/layout/parallel_layout.hpp>
 #include <moebius/layout/parallel_mode.hpp>
 
 #include "model_config.hpp"
 
 namespace mini_engine {
 
+// A static layout of a P-rank deployment: the library's parallel_layout (how attention and
+// experts split over the ranks) and the decode-context-parallel degree of TP attention.
+//   attention tp: each rank computes Hq/P q heads of every sequence (KV heads replicated on
+//                 P/Hkv ranks when Hkv < P); with dcp > 1 the dcp ranks sharing a KV head each
+//                 hold 1/dcp of every sequence's tokens (page-interleaved, kv_geometry::dcp).
+//   attention ep: data-parallel: each rank runs its own ceil(B/P) sequences with every head.
+//   experts tp:   each rank holds I/P of every expert and computes every token's top-k.
+//   experts ep:   each rank holds E/P whole experts and computes the pairs routed to them.
+// Data-parallel attention with TP experts (SGLang's DP attention over TP experts) is not
+// emulated: its rank runs attention over ceil(B/P) sequences and the MoE over all B tokens,
+// two token counts a P = 1 runtime cannot run in one step (refused by validate).
+struct rank_layout : moebius::parallel_layout {
+  int64_t dcp = 1;  // decode context parallel degree (TP attention only)
+
+  static constexpr rank_layout tp(int64_t dcp = 1) {
+    return {{moebius::parallel_mode::tp, moebius::parallel_mode::tp}, dcp};
+  }
+  static constexpr rank_layout ep() {
+    return {{moebius::parallel_mode::ep, moebius::parallel_mode::ep}, 1};
+  }
+  // TP attention + EP experts (vLLM --enable-expert-parallel, TensorRT-LLM's TEP).
+  static constexpr rank_layout tep(int64_t dcp = 1) {
+    return {{moebius::parallel_mode::tp, moebius::parallel_mode::ep}, dcp};
+  }
+  friend constexpr bool operator==(const rank_layout&, const rank_layout&) = default;
+};
+
+// "TP", "TP-dcp2", "EP", "TEP", "TEP-dcp2" (the benchmark's JSON "mode").
+inline std::string name_of(const rank_layout& l) {
+  std::string n = l.attention == moebius::parallel_mode::ep ? "EP"
+                  : l.experts == moebius::parallel_mode::ep ? "TEP"
+                                                            : "TP";
+  if (l.dcp != 1) n += "-dcp" + std::to_string(l.dcp);
+  return n;
+}
+
+// The inverse of name_of, case-insensitive ("tep-dcp2", "TP"). Throws errc::invalid_argument.
+inline rank_layout parse_rank_layout(std::string s) {
+  for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  int64_t dcp = 1;
+  if (const size_t at = s.find("-dcp"); at != std::string::npos) {
+    const std::string digits = s.substr(at + 4);
+    MOEBIUS_CHECK(!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos &&
+                      digits.size() < 4,
+                  moebius::errc::invalid_argument, "rank layout \"", s,
+                  "\": expected tp, ep or tep, then -dcpN");
+    dcp = std::stoll(digits);
+    s.resize(at);
+  }
+  if (s == "tp") return rank_layout::tp(dcp);
+  if (s == "tep") return rank_layout::tep(dcp);
+  if (s == "ep" && dcp == 1) return rank_layout::ep();
+  MOEBIUS_FAIL(moebius::errc::invalid_argument, "rank layout \"", s, dcp != 1 ? "-dcp.." : "",
+               "\": expected tp, ep or tep (dcp with tp or tep only)");
+}
+
+// Throws errc::invalid_argument unless `full` can run layout l over P ranks: P | Hq, P | E,
+// P | I (the shares are whole), no data-parallel attention with TP experts, and dcp dividing
+// the KV heads' replicas (P / min(Hkv, P): Qwen3-235B at P = 8 allows dcp 1 and 2), as
+// kv_geometry::dcp requires.
+inline void validate(const rank_layout& l, const model_config& full, int P) {
+  MOEBIUS_CHECK(P >= 1 && full.num_q_heads % P == 0 && full.num_experts % P == 0 &&
+                    full.intermediate % P == 0,
+                moebius::errc::invalid_argument, "rank layout: P=", P, " must divide Hq=",
+                full.num_q_heads, ", E=", full.num_experts, " and I=", full.intermediate);
+  MOEBIUS_CHECK(!(l.attention == moebius::parallel_mode::ep &&
+                  l.experts == moebius::parallel_mode::tp),
+                moebius::errc::invalid_argument,
+                "rank layout: data-parallel attention with TP experts is not emulated (its "
+                "attention and MoE run different token counts)");
+  const int64_t replicas = P / std::min<int64_t>(full.num_kv_heads, P);
+  MOEBIUS_CHECK(l.dcp >= 1 && (l.dcp == 1 || (l.attention == moebius::parallel_mode::tp &&
+                                              replicas % l.dcp == 0)),
+                moebius::errc::invalid_argument, "rank layout ", name_of(l), ": dcp ", l.dcp,
+                " must divide the ", replicas, " ranks that replicate a KV head (TP attention)");
+}
+
+// The layout's rank as a P = 1 model (validate(l, full, P) first):
+//   attention tp: Hq/P, max(1, Hkv/P), V/P (when P | V); ep: the whole attention and LM head;
+//   experts tp:   I/P of all E, top-k;
+//   experts ep:   E/P whole experts, each token routed to top-k' of them:
+//                 data-parallel attention  k' = min(E/P, max(1, round(k x skew))) over the
+//                                          rank's own sequences (its pairs: ceil(B/P) k');
+//                 TP attention (TEP)       k'' = min(E/P, max(1, round(k/P x skew))) over every
+//                                          token (its pairs: B k/P, the uniform mean).
+// dcp changes no weight: the rank attends over dcp x its q heads (the set's, gathered) and
+// 1/dcp of the tokens (rank_tokens).
+//   Qwen3-235B, P 8: TEP -> Hq 8, Hkv 1, E 16, top-1, I 1536, V 18992.
+inline model_config rank_share_of(model_config c, const rank_layout& l, int P, double skew) {
+  const bool tp_attention = l.attention == moebius::parallel_mode::tp;
+  if (tp_attention) {
+    c.num_q_heads /= P;
+    c.num_kv_heads = std::max<int64_t>(1, c.num_kv_heads / P);
+    if (c.vocab % P == 0) c.vocab /= P;
+  }
+  if (l.experts == moebius::parallel_mode::tp) {
+    c.intermediate /= P;
+  } else {
+    c.num_experts /= P;
+    const double k = static_cast<double>(c.top_k) * (tp_attention ? 1.0 / P : 1.0) * skew;
+    c.top_k = std::min<int64_t>(c.num_experts, std::max<int64_t>(1, std::llround(k)));
+  }
+  return c;
+}
+
+// The rank's sequences for a deployment batch B: TP attention all B, data-parallel ceil(B/P).
+inline int64_t rank_batch(const rank_layout& l, int64_t B, int P) {
+  return l.attention == moebius::parallel_mode::tp ? B : (B + P - 1) / P;
+}
+
+// Tokens of a `tokens`-token sequence the rank attends over: all of them, or with dcp > 1 the
+// busiest DCP index's share of whole pages (kv_geometry::dcp_tokens_held; the DCP index holding
+// the partial last page, or index 0).
+//   page 16, dcp 2: 513 tokens (33 pages) -> 257 (pages 0, 2, .., 32); 8193 -> 4097.
+inline int64_t rank_tokens(const rank_layout& l, int64_t tokens, int64_t page_size) {
+  if (l.dcp == 1) return tokens;
+  moebius::kv_geometry g;
+  g.page_size = page_size;
+  g.dcp = l.dcp;
+  int64_t most = 0;
+  for (int64_t k = 0; k < l.dcp; ++k) most = std::max(most, g.dcp_tokens_held(tokens, k));
+  return most;
+}
+
 // latency + bytes / rate per collective.
 struct link_model {
   double allreduce_bytes_per_s = 389e9;   // NVLink copy-engine ceiling per GPU per direction
   double all_to_all_bytes_per_s = 332e9;  // NCCL all-to-all at 1 GiB, 2x H200 (measured here)
   double latency_s = 10e-6;               // per collective (assumed: not measured on 8 GPUs)
+  // Collectives merging the DCP partial outputs per layer: 2 as vLLM runs them (an all-gather
+  // of the log-sum-exps, then a reduce-scatter of the corrected outputs), 1 for a fused
+  // exchange of (output, LSE).
+  int dcp_merge_collectives = 2;
 };
 
-// The deployment rank's share as a P = 1 model: TP I/P, Hq/P, max(1, Hkv/P), V/P (when P | V);
-// EP E/P experts with top-k' = min(E/P, round(k x skew)).
-inline model_config rank_share_of(model_config c, moebius::parallel_mode m, int P, double skew) {
-  if (m == moebius::parallel_mode::tp) {
-    c.num_q_heads /= P;
-    c.num_kv_heads = std::max<int64_t>(1, c.num_kv_heads / P);
-    c.intermediate /= P;
-    if (c.vocab % P == 0) c.vocab /= P;
-  } else {
-    c.num_experts /= P;
-    c.top_k = std::min<int64_t>(
-        c.num_experts, std::max<int64_t>(1, std::llround(static_cast<double>(c.top_k) * skew)));
-  }
-  return c;
+// The priced collectives of one layer of TP attention with dcp d > 1 (seconds), within each
+// set of d ranks, bf16 activations (2 B), fp32 LSE (4 B), hq = Hq/P, D the head dim, ring
+// transfers at the all-reduce (NVLink) rate, each rank receiving:
+//   q all-gather       (d-1) B hq D 2 B  (the set's d x hq q heads on every rank of it)
+//   merge, vLLM's two  (d-1) B d hq 4 B  (LSE all-gather) + (d-1) B hq D 2 B (reduce-scatter
+//                      of the corrected outputs: each rank keeps its hq heads); fused: the same
+//                      bytes under one latency.
+//   Qwen3-235B, P 8, d 2, B 64: q 131,072 B; LSE 4,096 B; outputs 131,072 B.
+inline double priced_dcp_layer_s(const model_config& full, const rank_layout& l, int P, int64_t B,
+                                 const link_model& link = {}) {
+  if (l.dcp == 1) return 0;
+  const double d = static_cast<double>(l.dcp), b = static_cast<double>(B);
+  const double hq = static_cast<double>(full.num_q_heads / P), D = static_cast<double>(full.head_dim);
+  const double q_bytes = (d - 1) * b * hq * D * 2;
+  const double merge_bytes = (d - 1) * b * d * hq * 4 + (d - 1) * b * hq * D * 2;
+  return (1 + link.dcp_merge_collectives) * link.latency_s +
+         (q_bytes + merge_bytes) / link.allreduce_bytes_per_s;
 }
 
-// The rank's sequences for a deployment batch B: TP all, EP ceil(B / P).
-inline int64_t rank_batch(moebius::parallel_mode m, int64_t B, int P) {
-  return m == moebius::parallel_mode::tp ? B : (B + P - 1) / P;
-}
-
-// Priced collectives of one decode step of the deployment (seconds), bf16 activations:
-//   TP  per layer two ring all-reduces of B x H (2(P-1)/P of the bytes each), plus one for the
-//       LM head's candidates (latency only);
-//   EP  per layer a dispatch and a combine of the rank's ceil(B/P) k' pairs ((P-1)/P of them
-//       leave it), rows of H.
-inline double priced_collectives_s(const model_config& full, moebius::parallel_mode m, int P,
+// Priced collectives of one decode step of the deployment (seconds), bf16 activations, for a
+// batch of B sequences; k_local the share's top-k (rank_share_of):
+//   TP attention  per layer two ring all-reduces of B x H (2(P-1)/P of the bytes each): after
+//                 o_proj and after the experts (TP experts' partial sums, or TEP's: its
+//                 experts' pairs, every token on every rank, so no dispatch), plus dcp > 1's
+//                 priced_dcp_layer_s; one latency for the LM head's candidates;
+//   data-parallel attention, EP experts: per layer a dispatch and a combine of the rank's
+//                 ceil(B/P) k' pairs ((P-1)/P of them leave it), rows of H, at the all-to-all
+//                 rate.
+inline double priced_collectives_s(const model_config& full, const rank_layout& l, int P,
                                    int64_t B, int64_t k_local, const link_model& link = {}) {
   if (P == 1) return 0;
   const double L = static_cast<double>(full.num_layers), H = static_cast<double>(full.hidden);
   const double act = 2;
-  if (m == moebius::parallel_mode::tp) {
+  if (l.attention == moebius::parallel_mode::tp) {
     const double bytes = 2.0 * (P - 1) / P * static_cast<double>(B) * H * act;
-    return L * 2 * (link.latency_s + bytes / link.allreduce_bytes_per_s) + link.latency_s;
+    return L * (2 * (link.latency_s + bytes / link.allreduce_bytes_per_s) +
+                priced_dcp_layer_s(full, l, P, B, link)) +
+           link.latency_s;
   }
-  const double rows = static_cast<double>(rank_batch(m, B, P) * k_local) * (P - 1) / P;
+  const double rows = static_cast<double>(rank_batch(l, B, P) * k_local) * (P - 1) / P;
   return L * 2 * (link.latency_s + rows * H * act / link.all_to_all_bytes_per_s);
 }
 

@@ -286,6 +286,7 @@ struct gpu_runtime::impl {
                                       int64_t T, const float* q, float* out) const;
   void attention(const pass& ps, int64_t li);
   std::pair<int64_t, int64_t> head_slice(moebius::parallel_mode attn, int r) const;
+  void emulated_dcp_gather_q(rank_state& rs, moebius::parallel_mode attn, int64_t T);
   void project_qkv(rank_state& rs, int r, moebius::parallel_mode attn, int64_t li, int64_t T);
   void project_o(rank_state& rs, int r, moebius::parallel_mode attn, int64_t li, int64_t T);
 

@@ -43,6 +43,13 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
                 "gpu_runtime: moe_tile_scale must be a power of two in [1, 64], not ",
                 o.moe_tile_scale);
   P = o.num_ranks;
+  MOEBIUS_CHECK(o.emulated_dcp == 1 ||
+                    (o.emulated_dcp > 1 && o.num_ranks == 1 && c.num_kv_heads == 1 &&
+                     o.emulated_dcp * c.num_q_heads * c.head_dim <= c.hidden),
+                errc::invalid_argument, "gpu_runtime: emulated_dcp=", o.emulated_dcp,
+                " needs P=1 (not ", o.num_ranks, "), Hkv=1 (not ", c.num_kv_heads,
+                ") and dcp x Hq x D = ", o.emulated_dcp * c.num_q_heads * c.head_dim,
+                " <= H = ", c.hidden);
   int devices = 0;
   MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
   virt = place_virtual(devices);
