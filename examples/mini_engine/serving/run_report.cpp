@@ -84,7 +84,7 @@ void write_steps_csv(std::ostream& os, const run_result& r) {
     std::snprintf(buf, sizeof buf,
                   "%lld,%.6f,%s,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%.4f,%.4f,%d,%.4f\n",
                   static_cast<long long>(s.step), s.start_s,
-                  moebius::to_string(s.mode), static_cast<long long>(s.sequences),
+                  name_of(s.config).c_str(), static_cast<long long>(s.sequences),
                   static_cast<long long>(s.decode_tokens), static_cast<long long>(s.prefill_tokens),
                   static_cast<long long>(s.context_tokens), static_cast<long long>(s.running),
                   static_cast<long long>(s.waiting), static_cast<long long>(s.stalled),

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "configuration.hpp"
 #include "scheduler.hpp"
 
 namespace mini_engine {
@@ -20,7 +21,10 @@ namespace mini_engine {
 struct step_record {
   int64_t step = 0;
   double start_s = 0;  // serving clock at the step's start
+  // The policy's mode the step ran in (engine_options::layouts maps it to a layout), and the
+  // configuration it ran and was priced in (the paper's runs: EP or TP, the mode's own).
   moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  configuration config = moebius::parallel_mode::ep;
   int64_t sequences = 0, decode_tokens = 0, prefill_tokens = 0, context_tokens = 0;
   int64_t running = 0, waiting = 0, stalled = 0, preempted = 0;
   int64_t kv_used_pages = 0;  // sum over ranks, in `mode`'s pages
