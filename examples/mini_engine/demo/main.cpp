@@ -201,7 +201,8 @@ std::unique_ptr<run_pool> make_pool(options& o, runtime_kind runtime, const run_
                                     int P, const hf_checkpoint* ck, demo_clock& clock, bool& ok) {
   if (runtime == runtime_kind::sim) {
     clock = make_sim_clock(o);
-    print_sim_preamble(o, clock.clock->name(), s.max_running, s.step_tokens);
+    print_sim_preamble(o, clock.clock->name(), clock.curves_summary, s.runs, s.max_running,
+                       s.step_tokens);
     return std::make_unique<run_pool>(s.runs_at_once, *clock.clock);
   }
   std::vector<world> worlds;
