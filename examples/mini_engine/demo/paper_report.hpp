@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <moebius/policy/calibration.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,11 +69,21 @@ void print_rollout_bound(const std::vector<run_outcome>& runs,
 void print_rollout_verdict(const std::vector<run_outcome>& runs,
                            const std::vector<paper_metrics>& m, double bound_s);
 
-// The switching designs against the static configurations: the best switching design (by
-// rollout time; on an interactive trace by interactive goodput, then tokens/s) against the
-// better of static TP and static EP (the paper's baselines) and against the best of every static
-// configuration served. Prints nothing unless a static configuration or design beyond the
-// paper's was served.
+// The switching designs against the static configurations: the best switching design (our
+// policy, stop-the-world, on each design: by rollout time; on an interactive trace by
+// interactive goodput, then tokens/s) against the better of static TP and static EP (the
+// paper's baselines) and against the best of every static configuration served. nullopt
+// unless a static configuration or design beyond the paper's, and a design and TP or EP, were
+// served. Indices into `runs`; `line` what print_designs_verdict prints:
+//   "designs: the best switching design is ours experts (58 s): 1.379x static EP (the better of
+//   static TP and EP); 1.034x static TP-DCP2 (the best of the 4 static configurations)"
+struct designs_verdict {
+  size_t design = 0, paper = 0, best_static = 0;
+  std::string line;
+};
+std::optional<designs_verdict> designs_verdict_of(const std::vector<run_outcome>& runs,
+                                                  const std::vector<paper_metrics>& m,
+                                                  bool rollout);
 void print_designs_verdict(const std::vector<run_outcome>& runs,
                            const std::vector<paper_metrics>& m, bool rollout);
 

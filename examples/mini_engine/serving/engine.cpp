@@ -241,7 +241,7 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.cursor = switcher_.cursor().tp_layers;
   served_step done = runner.run(runtime_, b, rec);
   rec.config = done.config;
-  rec.mode = st.options.layouts.mode_of(done.config.layout);
+  rec.mode = st.options.layouts.mode_of(done.layout);
   rec.sequences = b.num_sequences;
   rec.decode_tokens = b.decode_tokens;
   rec.prefill_tokens = b.prefill_tokens;

@@ -149,6 +149,8 @@ served_step progressive_driver::run(runtime& rt, const step_batch& b, step_recor
   const moebius::kv_state& tables = pages_->tables();
   served_step s;
   s.tables = &tables;
+  s.layout = from_;
+  s.config = configuration_of(from_, sched_.geometry().dcp);
   switch_copies copies;
   step_cost cost;
   if (!b.empty()) {

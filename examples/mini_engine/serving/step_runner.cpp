@@ -42,7 +42,8 @@ served_step plain_steps::run(runtime& rt, const step_batch& b, step_record&) {
   if (done.measured_s >= 0) s.measured_s = done.measured_s;
   s.tokens = std::move(done.tokens);
   // The switcher's layout: the tables' attention, the experts where the arena rests.
-  s.config = configuration_of(sw_.layout(), kv_.dcp);
+  s.layout = sw_.layout();
+  s.config = configuration_of(s.layout, kv_.dcp);
   s.clock_s = clock_.step_s(cost_of(b, s.config, kv_.num_ranks, std::move(ep_split)), s.measured_s);
   s.tables = &tables;
   last_step_s_ = s.clock_s;

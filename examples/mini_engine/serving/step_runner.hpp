@@ -32,7 +32,10 @@ struct served_step {
   double measured_s = 0;                   // host time, or the runtime's own (CUDA events)
   double clock_s = 0;                      // on the serving clock
   const moebius::kv_state* tables = nullptr;  // the tables the batch was built from
-  configuration config;                    // what the clock priced it as
+  // The layout it ran in (during a switch: the source's, whose tables the batch was built
+  // from) and the configuration the clock priced it as (during a switch: its majority layout's).
+  moebius::parallel_layout layout;
+  configuration config;
 };
 
 class step_runner {
