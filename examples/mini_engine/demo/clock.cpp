@@ -5,6 +5,8 @@
 #include <moebius/error.hpp>
 #include <optional>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "sim_deployment.hpp"
 #include "step_curves.hpp"
@@ -49,19 +51,31 @@ int64_t h200_kv_pages(const priced_model& m, int P, int64_t page_size, std::stri
 }
 
 std::string curves_summary(const step_curves& curves, bool verbose) {
+  // Configurations grouped by where their curve comes from, measured ones first.
+  std::vector<std::pair<std::string, std::string>> groups;  // (source, names)
   std::string measured, priced;
   for (const configuration& c : curves.configurations()) {
     std::string& to = curves.priced(c) ? priced : measured;
     to += (to.empty() ? "" : ", ") + name_of(c);
-    if (verbose) to += " (" + curves.source_of(c) + ")";
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const auto& x) { return x.first == curves.source_of(c); });
+    if (g == groups.end()) groups.emplace_back(curves.source_of(c), name_of(c));
+    else g->second += ", " + name_of(c);
   }
-  std::string s = "step curves: " + measured + " measured";
-  if (!verbose) s += " (compute on one H200, collectives priced)";
+  if (verbose) {
+    std::string s = "step curves:";
+    for (const auto& [source, names] : groups)
+      s += " " + names + (curves.priced(parse_configuration(names.substr(0, names.find(','))))
+                              ? " PRICED, not measured: "
+                              : " measured: ") +
+           source + ";";
+    s.pop_back();
+    return s;
+  }
+  std::string s = "step curves: " + measured + " measured (compute on one H200, collectives priced)";
   if (!priced.empty())
-    s += "; " + priced + " PRICED, not measured" +
-         (verbose ? std::string("")
-                  : std::string(" (TP's curve at context/2 plus DCP's exchange; TEP-DCP2 with "
-                                "EP's expert term from the roofline: step_curves.hpp)"));
+    s += "; " + priced + " PRICED, not measured (TP's curve at context/2 plus DCP's exchange; "
+         "TEP-DCP2 with EP's expert term from the roofline: step_curves.hpp)";
   return s;
 }
 
