@@ -285,6 +285,7 @@ void engine::report_progress(const run_state& st, int64_t step) const {
   p.finished = st.sched.num_finished();
   p.total = st.total;
   p.mode = o.layouts.mode_of(switcher_.layout());
+  p.config = configuration_of(switcher_.layout(), kv_.dcp);
   p.switches = static_cast<int64_t>(st.out.switches.size());
   o.on_progress(p);
 }

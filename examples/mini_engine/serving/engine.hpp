@@ -107,7 +107,8 @@ struct progress_info {
   int64_t step = 0;
   double now_s = 0;
   int64_t running = 0, finished = 0, total = 0, switches = 0;
-  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;  // the policy's
+  configuration config = moebius::parallel_mode::ep;        // the layout it rests in, its dcp
 };
 
 // What the cost gate weighs.
