@@ -5,6 +5,8 @@
 #include <moebius/error.hpp>
 #include <optional>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "sim_deployment.hpp"
 #include "step_curves.hpp"
@@ -46,6 +48,35 @@ int64_t h200_kv_pages(const priced_model& m, int P, int64_t page_size, std::stri
                 static_cast<long long>(page_size));
   *why = buf;
   return pages;
+}
+
+std::string curves_summary(const step_curves& curves, bool verbose) {
+  // Configurations grouped by where their curve comes from, measured ones first.
+  std::vector<std::pair<std::string, std::string>> groups;  // (source, names)
+  std::string measured, priced;
+  for (const configuration& c : curves.configurations()) {
+    std::string& to = curves.priced(c) ? priced : measured;
+    to += (to.empty() ? "" : ", ") + name_of(c);
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const auto& x) { return x.first == curves.source_of(c); });
+    if (g == groups.end()) groups.emplace_back(curves.source_of(c), name_of(c));
+    else g->second += ", " + name_of(c);
+  }
+  if (verbose) {
+    std::string s = "step curves:";
+    for (const auto& [source, names] : groups)
+      s += " " + names + (curves.priced(parse_configuration(names.substr(0, names.find(','))))
+                              ? " PRICED, not measured: "
+                              : " measured: ") +
+           source + ";";
+    s.pop_back();
+    return s;
+  }
+  std::string s = "step curves: " + measured + " measured (compute on one H200, collectives priced)";
+  if (!priced.empty())
+    s += "; " + priced + " PRICED, not measured (TP's curve at context/2 plus DCP's exchange; "
+         "TEP-DCP2 with EP's expert term from the roofline: step_curves.hpp)";
+  return s;
 }
 
 namespace {
@@ -138,6 +169,16 @@ demo_clock make_sim_clock(const options& o) {
   demo_clock c;
   c.priced = true;
   c.model = std::make_unique<h200_step_model>(m, h200_params{}, 8, g.kv_bytes_per_token);
+  // The configurations the runs serve in beyond TP and EP, priced from TP's curve until
+  // measured ones land (DCP's exchange at the TP collectives' latency).
+  {
+    h200_params fallback_hw;
+    if (o.collective_us_tp >= 0) fallback_hw.collective_us = o.collective_us_tp;
+    const h200_step_model fallback(m, fallback_hw, 8, g.kv_bytes_per_token, nullptr);
+    const configuration wanted[] = {k_tp_dcp2, k_tep_dcp2};
+    curves = with_priced_layouts(*curves, fallback, wanted);
+  }
+  c.curves_summary = curves_summary(*curves, o.verbose);
   c.clock = std::make_unique<curves_step_clock>(std::move(*curves), *c.model);
   c.description = std::string("  clock (priced, not measured): ") + c.clock->name() + "\n";
   return c;

@@ -9,6 +9,7 @@
 
 #include "options.hpp"
 #include "step_clock.hpp"
+#include "step_curves.hpp"
 #include "world.hpp"
 
 namespace mini_engine::demo {
@@ -18,6 +19,8 @@ struct demo_clock {
   std::unique_ptr<step_clock> clock;
   bool priced = false;
   std::string description;  // what it prices and from what, a line or two
+  // Simulated: which configurations' step curves are measured and which priced, a line.
+  std::string curves_summary;
 };
 
 // The priced model of the H200 clock; `run_kv_heads`: the served model's KV heads (they
@@ -36,9 +39,15 @@ int64_t h200_kv_pages(const priced_model& m, int P, int64_t page_size, std::stri
 // The clock `o` asks for on world `w` with P ranks.
 demo_clock make_clock(const options& o, const world& w, int P);
 
+// "step curves: TP, EP measured (...); TP-DCP2, TEP-DCP2 PRICED, not measured (...)": which of
+// `curves`' configurations were measured and which priced; `verbose`: each one's source.
+std::string curves_summary(const step_curves& curves, bool verbose);
+
 // The simulated runtime's clock: the region curves of Qwen3-235B-A22B at P = 8 (or --curves
-// FILE, --collective-us) and the H200 model (switches, the link, the overlap slowdown) at the
-// run model's KV bytes, contexts as they are (scale 1).
+// FILE, --collective-us), TP-DCP2 and TEP-DCP2 priced from TP's where no curve of theirs was
+// measured (with_priced_layouts, its DCP exchange at the TP collectives' latency), and the H200
+// model (switches, the link, the overlap slowdown) at the run model's KV bytes, contexts as they
+// are (scale 1).
 demo_clock make_sim_clock(const options& o);
 
 }  // namespace mini_engine::demo

@@ -22,6 +22,8 @@ struct prepared_trace {
   std::vector<request> trace;
   bool rollout = false;
   moebius::calibration_result cal;
+  // Simulated: each other switching design's calibration (its own layouts and deployment).
+  std::vector<std::pair<deployment_kind, moebius::calibration_result>> designs;
   std::vector<arrival_period> floods;  // simulated: the paper's phases
   double rate = 0;                     // the steady traces: the rate that keeps ~B* running
 };
@@ -63,6 +65,12 @@ void print_prepared(const harness& h, const prepared_trace& p, int64_t context) 
   d << p.cal;
   std::printf("  calibration at %lld context tokens: %s\n", static_cast<long long>(context),
               d.str().c_str());
+  for (const auto& [kind, cal] : p.designs) {
+    std::ostringstream c;
+    c << cal;
+    std::printf("  calibration of the %s design (%s): %s\n", to_string(kind),
+                layouts_of(sim_deployment_of(kind)).c_str(), c.str().c_str());
+  }
 }
 
 // paper-steady: the rate that keeps ~B* running (Little's law): B* sequences each decoding the
@@ -104,6 +112,14 @@ prepared_trace prepare_trace(harness& h, trace_kind kind) {
   moebius::calibration_options calibration;
   calibration.fit = moebius::curve_fit::piecewise_linear;
   p.cal = calibrate_engine(e, batches, context, calibration);
+  if (h.runtime == runtime_kind::sim) {
+    for (const run_kind k : h.settings.runs) {
+      if (!is_other_design(k)) continue;
+      const deployment_kind d = deployment_of(k);
+      p.designs.emplace_back(d, calibrate_engine(h.pool.calibration_engine(d), batches, context,
+                                                 calibration, sim_deployment_of(d).modes()));
+    }
+  }
   if (h.o.verbose) print_prepared(h, p, context);
   if (kind == trace_kind::paper_steady && p.cal.has_thresholds) redraw_at_crossover(h, vocab, p);
   return p;
@@ -200,7 +216,11 @@ engine_options paper_policy_options(const engine_options& ours) {
   return p;
 }
 
-run_spec spec_of(run_kind k, const engine_options& base, const engine_options& ours) {
+// Our policy on each other switching design, with its own calibration and layouts.
+using design_options = std::vector<std::pair<run_kind, engine_options>>;
+
+run_spec spec_of(run_kind k, const engine_options& base, const engine_options& ours,
+                 const design_options& designs) {
   run_spec r{k, is_static(k) ? base : ours};
   switch (k) {
     case run_kind::static_tp:
@@ -223,19 +243,47 @@ run_spec spec_of(run_kind k, const engine_options& base, const engine_options& o
     case run_kind::by_cost:
       r.options.style = switch_style::by_cost;
       break;
+    case run_kind::static_tp_dcp2:
+    case run_kind::static_tep_dcp2: {
+      const deployment d = sim_deployment_of(deployment_of(k));
+      r.options.start_mode = d.start_mode();
+      r.options.layouts = d.modes();
+      break;
+    }
+    case run_kind::switching_dcp2:
+    case run_kind::experts_only:
+      for (const auto& [kind, o] : designs)
+        if (kind == k) r.options = o;
+      break;
   }
   return r;
 }
 
 // The runtime's runs; no gate only beside a policy with its gate (what the gate prevents).
 std::vector<run_spec> plan_runs(const run_settings& s, const engine_options& base,
-                                const engine_options& ours) {
+                                const engine_options& ours, const design_options& designs) {
   std::vector<run_spec> specs;
   for (const run_kind k : s.runs) {
     if (k == run_kind::no_gate && !(ours.how == switching::policy && ours.gate.enabled)) continue;
-    specs.push_back(spec_of(k, base, ours));
+    specs.push_back(spec_of(k, base, ours, designs));
   }
   return specs;
+}
+
+// Our policy's options on each other switching design of `p` (its calibration, its layouts).
+design_options design_options_of(const harness& h, const prepared_trace& p,
+                                 const engine_options& base) {
+  design_options out;
+  for (const run_kind k : h.settings.runs) {
+    if (!is_other_design(k)) continue;
+    for (const auto& [kind, cal] : p.designs) {
+      if (kind != deployment_of(k)) continue;
+      engine_options o = switching_options(h, p.rollout, cal, base);
+      o.layouts = sim_deployment_of(kind).modes();
+      out.emplace_back(k, o);
+    }
+  }
+  return out;
 }
 
 // --verbose on the host and GPU: the gate's reasoning, the rules without it, and the targets.
@@ -349,6 +397,7 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
     print_interactive_table(runs, m, verbose);
     if (!verbose) print_interactive_verdict(runs, m);
   }
+  print_designs_verdict(runs, m, p.rollout);
   if (verbose) print_gate(run_of(runs, run_kind::switching).result, &p.cal.curves, 0);
   if (h.o.search && p.rollout) run_search(h, p, base, m, runs);
   const int64_t every = write_run_files(p.dir, runs, h.o.step_log_rows);
@@ -382,9 +431,11 @@ trace_outcome serve_trace(harness& h, trace_kind kind) {
   const prepared_trace p = prepare_trace(h, kind);
   const engine_options base = base_options(h);
   const engine_options ours = switching_options(h, p.rollout, p.cal, base);
+  const design_options designs = design_options_of(h, p, base);
   if (h.o.verbose) print_policy(h, ours, p.cal);
   const bool announce = h.o.verbose && h.runtime != runtime_kind::sim;
-  const std::vector<run_outcome> runs = h.pool.serve(p.trace, plan_runs(h.settings, base, ours), announce);
+  const std::vector<run_outcome> runs =
+      h.pool.serve(p.trace, plan_runs(h.settings, base, ours, designs), announce);
   h.progress.done();
   return h.runtime == runtime_kind::sim ? report_sim_trace(h, p, runs, base)
                                         : report_host_trace(h, p, runs);

@@ -4,7 +4,8 @@
 // the paper's bursty, steady and rollout at full size on the simulated runtime; or a file) the
 // named runs of the same trace (runs.hpp: static TP, static EP, ours stop-the-world and
 // progressive, and the rules without the gate; simulated, ours by cost and the paper's policy
-// too), served by one pool, then per trace a table and a verdict (every table, the calibration,
+// too, static TP-DCP2 and TEP-DCP2, and our policy on the EP <-> TP-DCP2 and experts-only
+// designs), served by one pool, then per trace a table and a verdict (every table, the calibration,
 // the policy and the gate's reasoning with --verbose), a CSV of the steps (bounded) and the
 // requests, and an SVG timeline.
 //
@@ -33,8 +34,9 @@
 // thresholds (and one GPU has no crossover), so on GPUs the switching runs switch every 100
 // steps (forced), which still moves every weight and KV page and serves across each switch
 // (graphs replayed after it, hybrid steps during progressive). The simulated runtime (`--runtime
-// sim`): the paper's deployment of Qwen3-235B-A22B on 8 H200s, each run on its own (static
-// layouts' pools differ), steps priced by the curves measured on one H200, nothing computed.
+// sim`): the paper's deployment of Qwen3-235B-A22B on 8 H200s, each run on its own deployment
+// (the configurations' and designs' pools differ), steps priced by the curves measured on one
+// H200 (TP-DCP2 and TEP-DCP2 priced from TP's until theirs are measured), nothing computed.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -201,7 +203,8 @@ std::unique_ptr<run_pool> make_pool(options& o, runtime_kind runtime, const run_
                                     int P, const hf_checkpoint* ck, demo_clock& clock, bool& ok) {
   if (runtime == runtime_kind::sim) {
     clock = make_sim_clock(o);
-    print_sim_preamble(o, clock.clock->name(), s.max_running, s.step_tokens);
+    print_sim_preamble(o, clock.clock->name(), clock.curves_summary, s.runs, s.max_running,
+                       s.step_tokens);
     return std::make_unique<run_pool>(s.runs_at_once, *clock.clock);
   }
   std::vector<world> worlds;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -112,25 +113,65 @@ nlohmann::json gate_json(const run_result& r) {
 
 }  // namespace
 
-void print_sim_preamble(const options& o, const std::string& clock_name, int64_t max_running,
-                        int64_t step_tokens) {
+std::string layouts_of(const deployment& d) {
+  std::string out;
+  for (const layout_capacity& l : d.layouts()) out += (out.empty() ? "" : " <-> ") + name_of(l.config);
+  return out;
+}
+
+std::string capacity_line(const std::vector<run_kind>& kinds) {
+  std::vector<deployment_kind> seen;
+  std::string statics, designs;
+  char buf[160];
+  for (const run_kind k : kinds) {
+    const deployment_kind dk = deployment_of(k);
+    if (std::find(seen.begin(), seen.end(), dk) != seen.end()) continue;
+    seen.push_back(dk);
+    const deployment d = make_deployment(qwen3_235b_a22b(), dk);
+    const std::vector<layout_capacity> ls = d.layouts();
+    if (ls.size() == 1) {
+      std::snprintf(buf, sizeof buf, "%s%s %.2fM", statics.empty() ? "" : ", ", to_string(dk),
+                    static_cast<double>(ls.front().tokens) / 1e6);
+      statics += buf;
+      continue;
+    }
+    std::string each;
+    for (const layout_capacity& l : ls) {
+      std::snprintf(buf, sizeof buf, "%s%s %.2fM", each.empty() ? "" : " / ",
+                    name_of(l.config).c_str(), static_cast<double>(l.tokens) / 1e6);
+      each += buf;
+    }
+    designs += (designs.empty() ? "" : ", ") + std::string(to_string(dk)) + " " + each;
+  }
+  return "KV tokens: " + statics + (designs.empty() ? "" : "; " + designs);
+}
+
+void print_sim_preamble(const options& o, const std::string& clock_name,
+                        const std::string& curves, const std::vector<run_kind>& runs,
+                        int64_t max_running, int64_t step_tokens) {
   std::printf("moebius demo: the paper's two experiments at the paper's scale, on the simulated "
               "runtime\n");
   if (!o.verbose) {
     std::printf("  Qwen3-235B-A22B on 8 H200s, every step priced by curves measured on one H200 "
                 "(priced, not measured: tokens not computed); --verbose for the deployment, "
                 "clock, calibration and gate\n");
+    std::printf("  %s\n  %s\n", capacity_line(runs).c_str(), curves.c_str());
     return;
   }
-  std::printf("  the deployment (serving/deployment.hpp):\n");
-  for (const deployment_kind k :
-       {deployment_kind::static_tp, deployment_kind::static_ep, deployment_kind::switching}) {
+  std::printf("  the deployments (serving/deployment.hpp):\n");
+  std::vector<deployment_kind> seen;
+  for (const run_kind k : runs) {
+    const deployment_kind dk = deployment_of(k);
+    if (std::find(seen.begin(), seen.end(), dk) != seen.end()) continue;
+    seen.push_back(dk);
     std::ostringstream d, g;
-    const deployment dep = make_deployment(qwen3_235b_a22b(), k);
+    const deployment dep = make_deployment(qwen3_235b_a22b(), dk);
     d << dep;
     g << make_sim_geometry(dep);
     std::printf("    %s\n      simulated as %s\n", d.str().c_str(), g.str().c_str());
   }
+  std::printf("  %s\n", capacity_line(runs).c_str());
+  std::printf("  %s\n", curves.c_str());
   std::printf("  clock (priced, not measured): %s\n", clock_name.c_str());
   std::printf(
       "  simulated: tokens are not computed (the serving loop never reads them: "
@@ -283,12 +324,84 @@ void print_rollout_verdict(const std::vector<run_outcome>& runs,
               best_s / bound_s);
 }
 
+std::optional<designs_verdict> designs_verdict_of(const std::vector<run_outcome>& runs,
+                                                  const std::vector<paper_metrics>& m,
+                                                  bool rollout) {
+  const run_kind beyond[] = {run_kind::static_tp_dcp2, run_kind::static_tep_dcp2,
+                             run_kind::switching_dcp2, run_kind::experts_only};
+  if (std::none_of(std::begin(beyond), std::end(beyond),
+                   [&](run_kind k) { return find_run(runs, k) != nullptr; }))
+    return std::nullopt;
+  // Better: less rollout time; interactive, more interactive goodput, then more tokens/s.
+  auto better = [&](size_t a, size_t b) {
+    if (rollout) return m[a].rollout_total_s < m[b].rollout_total_s;
+    if (m[a].goodput_rps[0] != m[b].goodput_rps[0]) return m[a].goodput_rps[0] > m[b].goodput_rps[0];
+    return m[a].tokens_per_s > m[b].tokens_per_s;
+  };
+  int served = 0;
+  auto best_of = [&](std::initializer_list<run_kind> kinds) {
+    size_t best = runs.size();
+    served = 0;
+    for (const run_kind k : kinds) {
+      if (find_run(runs, k) == nullptr) continue;
+      ++served;
+      const size_t i = index_of(runs, k);
+      if (best == runs.size() || better(i, best)) best = i;
+    }
+    return best;
+  };
+  designs_verdict v;
+  v.design = best_of({run_kind::switching, run_kind::switching_dcp2, run_kind::experts_only});
+  v.paper = best_of({run_kind::static_tp, run_kind::static_ep});
+  v.best_static = best_of({run_kind::static_tp, run_kind::static_ep, run_kind::static_tp_dcp2,
+                           run_kind::static_tep_dcp2});
+  if (v.paper == runs.size() || v.design == runs.size()) return std::nullopt;
+  const size_t d = v.design;
+  // "1.162x static EP": the design's speed-up; interactive, its figures beside the static's.
+  auto against = [&](size_t s) {
+    char buf[200];
+    if (rollout)
+      std::snprintf(buf, sizeof buf, "%.3fx %s", m[s].rollout_total_s / m[d].rollout_total_s,
+                    label_of(runs[s].kind));
+    else
+      std::snprintf(buf, sizeof buf, "against %s: goodput %.2f vs %.2f/s, %s",
+                    label_of(runs[s].kind), m[d].goodput_rps[0], m[s].goodput_rps[0],
+                    changes(m[d], m[s]).c_str());
+    return std::string(buf);
+  };
+  char buf[400];
+  if (rollout)
+    std::snprintf(buf, sizeof buf, "designs: the best switching design is %s (%.0f s): ",
+                  label_of(runs[d].kind), m[d].rollout_total_s);
+  else
+    std::snprintf(buf, sizeof buf,
+                  "designs: the best switching design (interactive goodput, then tokens/s) is "
+                  "%s, ",
+                  label_of(runs[d].kind));
+  v.line = buf;
+  const std::string all = "the best of the " + std::to_string(served) + " static configurations";
+  if (v.paper == v.best_static) {
+    v.line += against(v.paper) + " (the better of static TP and EP, and " + all + ")";
+  } else {
+    v.line += against(v.paper) + " (the better of static TP and EP); " + against(v.best_static) +
+              " (" + all + ")";
+  }
+  return v;
+}
+
+void print_designs_verdict(const std::vector<run_outcome>& runs,
+                           const std::vector<paper_metrics>& m, bool rollout) {
+  if (const std::optional<designs_verdict> v = designs_verdict_of(runs, m, rollout))
+    std::printf("  %s\n", v->line.c_str());
+}
+
 nlohmann::json run_json(const std::string& trace, const run_outcome& r, const paper_metrics& m,
                         const std::string& clock, const moebius::calibration_result& cal) {
   nlohmann::json j = paper_metrics_json(m);
   j["trace"] = trace;
   j["run"] = label_of(r.kind);
   j["deployment"] = to_string(deployment_of(r.kind));
+  j["layouts"] = layouts_of(make_deployment(qwen3_235b_a22b(), deployment_of(r.kind)));
   j["clock"] = clock;
   j["host_s"] = r.wall_s;
   j["steps"] = r.result.steps.size();

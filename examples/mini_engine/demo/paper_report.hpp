@@ -9,21 +9,34 @@
 
 #include <cstdint>
 #include <moebius/policy/calibration.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "deployment.hpp"
 #include "options.hpp"
 #include "paper_metrics.hpp"
 #include "runs.hpp"
 
 namespace mini_engine::demo {
 
-// What the simulated runtime prints before the first trace: what it serves, on what, and where
-// the details are; `verbose`: the deployments, the clock and admission in full.
-void print_sim_preamble(const options& o, const std::string& clock_name, int64_t max_running,
-                        int64_t step_tokens);
+// What the simulated runtime prints before the first trace: what it serves, on what, the KV
+// capacity of every deployment in tokens, which step curves are measured and which priced
+// (`curves`: demo_clock::curves_summary), and where the details are; `verbose`: the
+// deployments, the clock and admission in full.
+void print_sim_preamble(const options& o, const std::string& clock_name,
+                        const std::string& curves, const std::vector<run_kind>& runs,
+                        int64_t max_running, int64_t step_tokens);
+
+// The layouts deployment `d` serves in: "TP-DCP2", "EP <-> TP-DCP2" (a switching design: its
+// large-batch layout first).
+std::string layouts_of(const deployment& d);
+
+// "KV tokens: static TP 1.44M, static EP 2.30M, ...; switching EP 2.28M / TP 1.14M, ..." for
+// every deployment the runs of `kinds` are served on (each once, in their order).
+std::string capacity_line(const std::vector<run_kind>& kinds);
 
 // The paper's metrics of each run of `trace`, in the order of `runs`.
 std::vector<paper_metrics> paper_metrics_of_runs(const std::vector<request>& trace,
@@ -55,6 +68,24 @@ void print_rollout_bound(const std::vector<run_outcome>& runs,
                          const std::vector<paper_metrics>& m, double bound_s);
 void print_rollout_verdict(const std::vector<run_outcome>& runs,
                            const std::vector<paper_metrics>& m, double bound_s);
+
+// The switching designs against the static configurations: the best switching design (our
+// policy, stop-the-world, on each design: by rollout time; on an interactive trace by
+// interactive goodput, then tokens/s) against the better of static TP and static EP (the
+// paper's baselines) and against the best of every static configuration served. nullopt
+// unless a static configuration or design beyond the paper's, and a design and TP or EP, were
+// served. Indices into `runs`; `line` what print_designs_verdict prints:
+//   "designs: the best switching design is ours experts (58 s): 1.379x static EP (the better of
+//   static TP and EP); 1.034x static TP-DCP2 (the best of the 4 static configurations)"
+struct designs_verdict {
+  size_t design = 0, paper = 0, best_static = 0;
+  std::string line;
+};
+std::optional<designs_verdict> designs_verdict_of(const std::vector<run_outcome>& runs,
+                                                  const std::vector<paper_metrics>& m,
+                                                  bool rollout);
+void print_designs_verdict(const std::vector<run_outcome>& runs,
+                           const std::vector<paper_metrics>& m, bool rollout);
 
 // One run's metrics as JSON, with what it ran on and its policy's and gate's record (the
 // details the default output leaves out).

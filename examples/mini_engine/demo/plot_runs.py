@@ -20,11 +20,12 @@ TP_COLOR, EP_COLOR = "#dff3df", "#ece0f5"
 
 def read_runs(directory):
     """{run name: {"steps": [...], "requests": [...]}} in the order the runs appear, each row a
-    dict of floats (mode and run as text)."""
+    dict of floats (run, mode and config as text: the policy's mode and the configuration the
+    step was priced as, e.g. EP and TEP-DCP2)."""
     runs = {}
     with open(os.path.join(directory, "steps.csv"), newline="") as f:
         for row in csv.DictReader(f):
-            step = {k: (v if k in ("run", "mode") else float(v)) for k, v in row.items()}
+            step = {k: (v if k in ("run", "mode", "config") else float(v)) for k, v in row.items()}
             runs.setdefault(row["run"], {"steps": [], "requests": []})["steps"].append(step)
     with open(os.path.join(directory, "requests.csv"), newline="") as f:
         for row in csv.DictReader(f):

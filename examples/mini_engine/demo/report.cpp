@@ -380,7 +380,7 @@ void progress_printer::install(engine_options& o) {
         line, sizeof line, "[%s] step %6lld  t=%7.3f s  running %4lld  done %5lld/%lld  %s  switches %lld",
         p.run->c_str(), static_cast<long long>(p.step), p.now_s, static_cast<long long>(p.running),
         static_cast<long long>(p.finished), static_cast<long long>(p.total),
-        moebius::to_string(p.mode), static_cast<long long>(p.switches));
+        name_of(p.config).c_str(), static_cast<long long>(p.switches));
     if (style_ == style::lines) {
       std::printf("    %s\n", line);
       std::fflush(stdout);

@@ -32,6 +32,14 @@ const char* label_of(run_kind k) {
       return "paper policy";
     case run_kind::by_cost:
       return "ours by cost";
+    case run_kind::static_tp_dcp2:
+      return "static TP-DCP2";
+    case run_kind::static_tep_dcp2:
+      return "static TEP-DCP2";
+    case run_kind::switching_dcp2:
+      return "ours DCP2";
+    case run_kind::experts_only:
+      return "ours experts";
   }
   return "unknown";
 }
@@ -42,13 +50,26 @@ deployment_kind deployment_of(run_kind k) {
       return deployment_kind::static_tp;
     case run_kind::static_ep:
       return deployment_kind::static_ep;
+    case run_kind::static_tp_dcp2:
+      return deployment_kind::static_tp_dcp2;
+    case run_kind::static_tep_dcp2:
+      return deployment_kind::static_tep_dcp2;
+    case run_kind::switching_dcp2:
+      return deployment_kind::switching_dcp2;
+    case run_kind::experts_only:
+      return deployment_kind::experts_only;
     default:
       return deployment_kind::switching;
   }
 }
 
 bool is_static(run_kind k) {
-  return k == run_kind::static_tp || k == run_kind::static_ep;
+  return k == run_kind::static_tp || k == run_kind::static_ep ||
+         k == run_kind::static_tp_dcp2 || k == run_kind::static_tep_dcp2;
+}
+
+bool is_other_design(run_kind k) {
+  return k == run_kind::switching_dcp2 || k == run_kind::experts_only;
 }
 
 const run_outcome* find_run(const std::vector<run_outcome>& runs, run_kind k) {
@@ -85,6 +106,14 @@ run_pool::seat run_pool::make_seat(world w) const {
 engine& run_pool::calibration_engine() {
   if (fixed_.empty()) fixed_.push_back(make_seat(make_sim_world(deployment_kind::switching)));
   return *fixed_.front().eng;
+}
+
+engine& run_pool::calibration_engine(deployment_kind k) {
+  if (k == deployment_kind::switching) return calibration_engine();
+  for (auto& [kind, s] : designs_)
+    if (kind == k) return *s.eng;
+  designs_.emplace_back(k, make_seat(make_sim_world(k)));
+  return *designs_.back().second.eng;
 }
 
 const world& run_pool::front_world() {

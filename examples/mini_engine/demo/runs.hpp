@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <moebius/transport/transport.hpp>
@@ -31,6 +32,11 @@ namespace mini_engine::demo {
 // no_gate: our policy's rules without the gate (the host demo's view of what the gate prevents).
 // paper_policy: the paper's rules as written (§7.1, eq. 13): no gate, no blocked-admission
 // rule, the load capped at max_running, starting in TP (the simulated runtime's baseline).
+// The simulated runtime's other configurations and designs (deployment.hpp):
+// static_tp_dcp2, static_tep_dcp2: TP attention with dcp 2, experts TP or EP, each on its own
+// deployment; switching_dcp2 ("ours DCP2"): our policy, stop-the-world, switching EP <->
+// TP-DCP2 on the paper's footprint; experts_only ("ours experts"): our policy, stop-the-world,
+// TP-DCP2 attention throughout, the experts EP <-> TP.
 enum class run_kind : uint8_t {
   static_tp,
   static_ep,
@@ -38,18 +44,25 @@ enum class run_kind : uint8_t {
   progressive,
   no_gate,
   paper_policy,
-  by_cost
+  by_cost,
+  static_tp_dcp2,
+  static_tep_dcp2,
+  switching_dcp2,
+  experts_only,
 };
 
 // "static TP", "static EP", "ours", "ours progressive", "no gate", "paper policy", "ours by
-// cost": the runs' names in tables, CSVs and JSON.
+// cost", "static TP-DCP2", "static TEP-DCP2", "ours DCP2", "ours experts": the runs' names in
+// tables, CSVs and JSON.
 const char* label_of(run_kind k);
 
-// The deployment a run is served on by the simulated runtime: each static layout its own, every
-// policy run the switching deployment.
+// The deployment a run is served on by the simulated runtime: each static configuration its
+// own, each switching design its own (ours, its styles and the paper's policy: the paper's).
 deployment_kind deployment_of(run_kind k);
 
 bool is_static(run_kind k);
+// A policy run of a switching design other than the paper's (its own calibration and layouts).
+bool is_other_design(run_kind k);
 
 // One run of a trace: which, and the engine options it is served with.
 struct run_spec {
@@ -84,6 +97,8 @@ class run_pool {
   size_t width() const { return width_; }
   // The engine the calibration measures on: the first world's, or a switching deployment's.
   engine& calibration_engine();
+  // Simulated: the engine of deployment `k` (one kept per kind), for a design's calibration.
+  engine& calibration_engine(deployment_kind k);
   // The first world (host, GPU) or the switching deployment (simulated).
   const world& front_world();
 
@@ -105,6 +120,7 @@ class run_pool {
   size_t width_ = 1;
   bool per_run_ = false;
   std::vector<seat> fixed_;  // host, GPU; simulated: the calibration's switching deployment
+  std::vector<std::pair<deployment_kind, seat>> designs_;  // simulated: other designs' engines
 };
 
 }  // namespace mini_engine::demo

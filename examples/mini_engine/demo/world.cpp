@@ -257,8 +257,12 @@ world make_gpu_world(const options&, int, const std::vector<request>&, const hf_
 }
 #endif
 
+deployment sim_deployment_of(deployment_kind k) {
+  return make_deployment(qwen3_235b_a22b(), k);
+}
+
 world make_sim_world(deployment_kind k) {
-  const sim_geometry g = make_sim_geometry(make_deployment(qwen3_235b_a22b(), k));
+  const sim_geometry g = make_sim_geometry(sim_deployment_of(k));
   world w;
   w.arena = g.arena;
   w.kv = g.kv;

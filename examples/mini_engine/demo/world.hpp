@@ -75,8 +75,11 @@ world make_host_world(const options& o, const host_plan& p, const hf_checkpoint*
 world make_gpu_world(const options& o, int P, const std::vector<request>& traces,
                      const hf_checkpoint* ck);
 
-// The simulated runtime serving deployment `k` of Qwen3-235B-A22B on 8 H200s at 0.85
-// (serving/sim_deployment.hpp: nothing allocated, a dry-run transport; vocabulary 1024).
+// Deployment `k` of Qwen3-235B-A22B on 8 H200s at 0.85 (serving/deployment.hpp).
+deployment sim_deployment_of(deployment_kind k);
+
+// The simulated runtime serving sim_deployment_of(k) (serving/sim_deployment.hpp: nothing
+// allocated, a dry-run transport; vocabulary 1024).
 world make_sim_world(deployment_kind k);
 
 // Each rank's arena as host bytes (device memory is copied back first).

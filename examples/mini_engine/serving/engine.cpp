@@ -92,8 +92,8 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
                 }()) {}
 
 
-moebius::switch_report engine::switch_untimed(parallel_mode target) {
-  if (switcher_.mode() == target) {
+moebius::switch_report engine::switch_untimed(moebius::parallel_layout target) {
+  if (switcher_.layout() == target) {
     moebius::switch_report r;
     r.from = r.to = target;
     r.cursor = switcher_.cursor();
@@ -154,7 +154,8 @@ std::optional<decided_switch> engine::decide(run_state& st, int64_t step) {
   if (st.next_forced == o.forced_steps.size() || o.forced_steps[st.next_forced] != step)
     return std::nullopt;
   decided_switch d;
-  d.target = switcher_.mode() == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
+  d.target = o.layouts.mode_of(switcher_.layout()) == parallel_mode::ep ? parallel_mode::tp
+                                                                       : parallel_mode::ep;
   return d;
 }
 
@@ -165,12 +166,12 @@ void engine::start_switch(run_state& st, decided_switch d, step_record& rec) {
   s.start_s = st.now;
   s.running = st.sched.num_running();
   s.prefilling = st.sched.num_prefilling();
-  s.from = switcher_.mode();
-  s.to = d.target;
+  s.from = switcher_.layout();
+  s.to = o.layouts.of(d.target);
   s.gate = d.gate;
   // A forced switch is planned here, once; the policy's arrives with the plan it was priced on.
   if (!d.plan) {
-    d.plan = switcher_.plan(d.target, o.style == switch_style::stop_the_world
+    d.plan = switcher_.plan(s.to, o.style == switch_style::stop_the_world
                                           ? moebius::plan_scope::stop_the_world
                                           : moebius::plan_scope::both);
     if (!reservations_fit(st, *d.plan, s)) {
@@ -239,7 +240,8 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.in_switch = st.driver != nullptr;
   rec.cursor = switcher_.cursor().tp_layers;
   served_step done = runner.run(runtime_, b, rec);
-  rec.mode = done.tables->mode;
+  rec.config = done.config;
+  rec.mode = st.options.layouts.mode_of(done.layout);
   rec.sequences = b.num_sequences;
   rec.decode_tokens = b.decode_tokens;
   rec.prefill_tokens = b.prefill_tokens;
@@ -282,7 +284,8 @@ void engine::report_progress(const run_state& st, int64_t step) const {
   p.running = st.sched.num_running();
   p.finished = st.sched.num_finished();
   p.total = st.total;
-  p.mode = switcher_.mode();
+  p.mode = o.layouts.mode_of(switcher_.layout());
+  p.config = configuration_of(switcher_.layout(), kv_.dcp);
   p.switches = static_cast<int64_t>(st.out.switches.size());
   o.on_progress(p);
 }
@@ -307,7 +310,9 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
     } else {
       const int64_t context =
           o.gate.calibration_context > 0 ? o.gate.calibration_context : mean_decode_context(requests);
-      curves = calibrate_engine(*this, calibration_batches(o.scheduler.max_running), context).curves;
+      curves = calibrate_engine(*this, calibration_batches(o.scheduler.max_running), context, {},
+                                o.layouts)
+                   .curves;
     }
   }
   // Requests are validated (token ids against the runtime's vocab) before anything else.
@@ -323,16 +328,16 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   verify_ = o.verify;
   verify_layer_ = o.verify_layer;
   sched_ = &st.sched;
-  // To the start mode, with no live sequence yet; when that switch fails and rolls back the
-  // run serves in the mode it is in (recorded as switch 0).
+  // To the start mode's layout, with no live sequence yet; when that switch fails and rolls
+  // back the run serves in the layout it is in (recorded as switch 0).
   {
-    const parallel_mode from = switcher_.mode();
-    const moebius::switch_report r = switch_untimed(start);
+    const moebius::parallel_layout from = switcher_.layout();
+    const moebius::switch_report r = switch_untimed(o.layouts.of(start));
     if (r.outcome != moebius::switch_outcome::committed &&
         r.outcome != moebius::switch_outcome::already_there) {
       switch_record s;
       s.from = from;
-      s.to = start;
+      s.to = o.layouts.of(start);
       record_outcome(s, r);
       if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
       st.out.switches.push_back(std::move(s));

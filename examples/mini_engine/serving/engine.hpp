@@ -49,6 +49,7 @@
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/transport.hpp>
 
+#include "configuration.hpp"
 #include "run_report.hpp"
 #include "scheduler.hpp"
 #include "step.hpp"
@@ -106,7 +107,8 @@ struct progress_info {
   int64_t step = 0;
   double now_s = 0;
   int64_t running = 0, finished = 0, total = 0, switches = 0;
-  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  moebius::parallel_mode mode = moebius::parallel_mode::ep;  // the policy's
+  configuration config = moebius::parallel_mode::ep;        // the layout it rests in, its dcp
 };
 
 // What the cost gate weighs.
@@ -161,6 +163,10 @@ struct engine_test_hooks {
 
 struct engine_options {
   scheduler_options scheduler;
+  // The layout each of the policy's modes serves in (a deployment's: deployment::modes()); the
+  // start mode, a forced switch and the policy's targets are modes, mapped through it. The
+  // default: the paper's two layouts, EP and TP.
+  mode_layouts layouts;
   moebius::parallel_mode start_mode = moebius::parallel_mode::ep;
   switching how = switching::never;
   moebius::switch_policy_config policy;  // switching::policy
@@ -231,10 +237,11 @@ class engine {
   run_result run(std::vector<request> requests, const engine_options& options,
                  const std::string& name = "run");
 
-  // One decode step of `batch` sequences at `context` tokens each in `mode` on the serving
-  // clock: evaluated directly for a model clock, else run on the runtime with placeholder
-  // sequences (KV content meaningless; released after). For calibration.
-  double decode_step_s(moebius::parallel_mode mode, int64_t batch, int64_t context);
+  // One decode step of `batch` sequences at `context` tokens each in `layout` (with the KV
+  // geometry's dcp under TP attention) on the serving clock: evaluated directly for a model
+  // clock, else run on the runtime with placeholder sequences (KV content meaningless; released
+  // after). For calibration.
+  double decode_step_s(moebius::parallel_layout layout, int64_t batch, int64_t context);
 
   // After a run that threw because a switch left the switcher inconsistent (no
   // engine_options::reload_experts): switcher::recover in `mode` with `reload_experts`, then
@@ -252,7 +259,7 @@ class engine {
   struct run_cleanup;
 
   // Switches with no live sequence (untimed); the report says how it ended.
-  moebius::switch_report switch_untimed(moebius::parallel_mode target);
+  moebius::switch_report switch_untimed(moebius::parallel_layout target);
   // Aborts the switch in flight, frees every page, clears the run's hooks. Never throws.
   void end_run(std::optional<run_state>& st) noexcept;
   // The switch to make before this step, if any (never while a progressive switch runs): the
@@ -290,9 +297,11 @@ class engine {
 };
 
 // Calibration (moebius::calibrate) from the engine's clock: decode-step times of both modes
-// at each batch in `batches` (>= 2 distinct, each >= 1) at `context` tokens per sequence.
+// (each in its layout of `layouts`) at each batch in `batches` (>= 2 distinct, each >= 1) at
+// `context` tokens per sequence.
 moebius::calibration_result calibrate_engine(engine& e, std::span<const int64_t> batches,
                                              int64_t context,
-                                             const moebius::calibration_options& options = {});
+                                             const moebius::calibration_options& options = {},
+                                             const mode_layouts& layouts = {});
 
 }  // namespace mini_engine

@@ -13,11 +13,11 @@ using moebius::errc;
 using moebius::kv_state;
 using moebius::parallel_mode;
 
-double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context) {
+double engine::decode_step_s(moebius::parallel_layout layout, int64_t batch, int64_t context) {
   MOEBIUS_CHECK(batch >= 1 && context >= 1, errc::invalid_argument,
                 "decode_step_s: need batch >= 1 and context >= 1 (got ", batch, ", ", context, ")");
   step_cost cost;
-  cost.mode = mode;
+  cost.set(configuration_of(layout, kv_.dcp));
   cost.num_ranks = kv_.num_ranks;
   cost.num_sequences = batch;
   cost.new_tokens = batch;
@@ -26,10 +26,10 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
 
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::invalid_argument,
                 "decode_step_s: the KV tables still hold live sequences");
-  const moebius::switch_report r = switch_untimed(mode);
+  const moebius::switch_report r = switch_untimed(layout);
   MOEBIUS_CHECK(r.outcome == moebius::switch_outcome::committed ||
                     r.outcome == moebius::switch_outcome::already_there,
-                errc::internal, "decode_step_s: the switch to ", moebius::to_string(mode),
+                errc::internal, "decode_step_s: the switch to ", moebius::to_string(layout),
                 " with no live sequence failed (", moebius::to_string(r.outcome), "): ", r.error);
   kv_state& tables = switcher_.mutable_kv_tables();
   // Placeholder sequences far above any request id; EP owners round-robin.
@@ -69,11 +69,12 @@ double engine::decode_step_s(parallel_mode mode, int64_t batch, int64_t context)
 
 moebius::calibration_result calibrate_engine(engine& e, std::span<const int64_t> batches,
                                              int64_t context,
-                                             const moebius::calibration_options& options) {
+                                             const moebius::calibration_options& options,
+                                             const mode_layouts& layouts) {
   std::vector<moebius::latency_sample> ep, tp;
   for (const int64_t b : batches) {
-    ep.push_back({static_cast<double>(b), e.decode_step_s(parallel_mode::ep, b, context) * 1e3});
-    tp.push_back({static_cast<double>(b), e.decode_step_s(parallel_mode::tp, b, context) * 1e3});
+    ep.push_back({static_cast<double>(b), e.decode_step_s(layouts.ep, b, context) * 1e3});
+    tp.push_back({static_cast<double>(b), e.decode_step_s(layouts.tp, b, context) * 1e3});
   }
   return moebius::calibrate(ep, tp, options);
 }

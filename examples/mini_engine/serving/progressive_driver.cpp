@@ -107,6 +107,8 @@ progressive_driver::progressive_driver(moebius::switcher& sw, scheduler& sched,
   }
   // The reservation changed the tables the KV plan moves (the pacing keeps the bytes it was
   // paced on): begin runs a plan of the reserved tables.
+  from_ = sw_.layout();
+  to_ = planned.to;
   moebius::progressive_switch session = sw_.begin(sw_.plan(planned.to));
   if (!session.open()) {
     ended_ = session.report();
@@ -147,12 +149,17 @@ served_step progressive_driver::run(runtime& rt, const step_batch& b, step_recor
   const moebius::kv_state& tables = pages_->tables();
   served_step s;
   s.tables = &tables;
+  s.layout = from_;
+  s.config = configuration_of(from_, sched_.geometry().dcp);
   switch_copies copies;
   step_cost cost;
   if (!b.empty()) {
     // Data-parallel attention: in EP each rank runs its own items (read before the step: a
-    // switch that ends during it takes its tables along).
-    std::vector<rank_work> ep_split = ep_rank_work(view_->tables(parallel_mode::ep), b.items);
+    // switch that ends during it takes its tables along). None under TP attention throughout
+    // (the experts alone switch: no EP tables).
+    std::vector<rank_work> ep_split;
+    if (view_->moves_kv() || view_->source() == parallel_mode::ep)
+      ep_split = ep_rank_work(view_->tables(parallel_mode::ep), b.items);
     const auto t0 = host_clock::now();
     step_beside_result r = step_beside(
         rt, step_layout::during(*view_), b.items,
@@ -172,10 +179,18 @@ served_step progressive_driver::run(runtime& rt, const step_batch& b, step_recor
     // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
     if (r.step.measured_s >= 0) s.measured_s = r.step.measured_s;
     s.tokens = std::move(r.step.tokens);
-    // A hybrid step: priced as its majority mode.
-    const parallel_mode mode =
-        sw_.cursor().tp_layers * 2 >= num_layers_ ? parallel_mode::tp : tables.mode;
-    cost = cost_of(b, mode, static_cast<int>(tables.ranks.size()), std::move(ep_split));
+    // A hybrid step: priced as its majority layout. The paper's switch moves each layer's
+    // experts and KV together: the majority mode for both; the experts alone: the attention's
+    // tables, the majority of the experts.
+    const bool tp_majority = sw_.cursor().tp_layers * 2 >= num_layers_;
+    moebius::parallel_layout layout;
+    if (from_.attention != to_.attention) {
+      layout = tp_majority ? parallel_mode::tp : tables.mode;
+    } else {
+      layout = {tables.mode, tp_majority ? parallel_mode::tp : parallel_mode::ep};
+    }
+    s.config = configuration_of(layout, sched_.geometry().dcp);
+    cost = cost_of(b, s.config, static_cast<int>(tables.ranks.size()), std::move(ep_split));
   } else {
     enqueue_advance(rec, nullptr);  // nothing to run: the copies alone
   }

@@ -131,6 +131,7 @@ class progressive_driver final : public step_runner {
   int64_t layers_ = 1;        // paced layers per step
   int64_t tokens_before_ = 0;  // tokens produced when it began
   size_t switch_idx_ = 0;
+  moebius::parallel_layout from_, to_;  // the switch's source and target layouts
   // The step's view of both sets of tables and its page source over the frozen source tables.
   std::optional<moebius::switch_step_view> view_;
   std::optional<frozen_pages> pages_;

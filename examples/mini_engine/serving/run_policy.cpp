@@ -24,10 +24,12 @@ const char* to_string(gate_kind k) {
 
 namespace {
 
-// Tokens the pool of mode `m` holds for admission: EP, every rank's pages (data-parallel
-// attention: a sequence lives on one rank); TP, one rank's (every rank holds every sequence).
+// Tokens the pool holds for admission under attention `m`: EP, every rank's pages
+// (data-parallel attention: a sequence lives on one rank); TP, one rank's times dcp (every
+// replica set of dcp ranks holds every sequence, each rank 1/dcp of its tokens).
 double pool_tokens(const moebius::kv_geometry& g, parallel_mode m, double watermark) {
-  const double ranks = m == parallel_mode::ep ? static_cast<double>(g.num_ranks) : 1.0;
+  const double ranks =
+      m == parallel_mode::ep ? static_cast<double>(g.num_ranks) : static_cast<double>(g.dcp);
   return ranks * static_cast<double>(g.num_pages(m)) * static_cast<double>(g.page_size) *
          (1.0 - watermark);
 }
@@ -180,7 +182,9 @@ moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mo
   const double watermark =
       options_.scheduler.admission == admission_policy::known ? options_.scheduler.watermark : 0;
   auto admits = [&](parallel_mode m) {
-    return static_cast<int64_t>(std::min(pool_tokens(kv_, m, watermark) / per_sequence, 1e15));
+    const parallel_mode attention = options_.layouts.of(m).attention;
+    return static_cast<int64_t>(
+        std::min(pool_tokens(kv_, attention, watermark) / per_sequence, 1e15));
   };
   l.admits_ep = admits(parallel_mode::ep);
   l.admits_tp = admits(parallel_mode::tp);
@@ -214,7 +218,7 @@ double run_policy::cost_ms(const run_view& v, const moebius::layer_bytes& per_la
 moebius::gate_evaluation run_policy::weigh(const run_view& v, parallel_mode target, int64_t load,
                                            const std::optional<moebius::serving_load>& work,
                                            double switch_ms) const {
-  const parallel_mode current = v.sw.mode();
+  const parallel_mode current = options_.layouts.mode_of(v.sw.layout());
   if (work) {
     moebius::gate_evaluation g = moebius::weigh_switch(curves_, current, target, *work, switch_ms,
                                                        options_.gate.margin, options_.gate.terms);
@@ -250,13 +254,15 @@ run_policy::priced_proposal run_policy::price(const run_view& v,
   // Capacity: every running sequence at its largest must fit the target (the reservations the
   // scheduler holds survive the switch): a page sum, or TP -> EP the placement the plan makes
   // (switcher_options::ep_placement is the scheduler's); and the plan's verdict on the live KV.
+  // The target's KV view is its layout's attention (the experts alone: the tables' own).
+  const moebius::parallel_layout to = options_.layouts.of(target);
   const moebius::kv_state& tables = v.sw.kv_tables();
-  const bool placed = target == parallel_mode::ep && tables.mode == parallel_mode::tp;
-  if (!placed && !v.sched.fits_reservations(tables, target)) {
+  const bool placed = to.attention == parallel_mode::ep && tables.mode == parallel_mode::tp;
+  if (!placed && !v.sched.fits_reservations(tables, to.attention)) {
     out.pricing.fits = false;
     return out;
   }
-  const moebius::switch_plan& plan = out.plan.emplace(v.sw.plan(target, scope_));
+  const moebius::switch_plan& plan = out.plan.emplace(v.sw.plan(to, scope_));
   out.pricing.fits = plan.capacity.fits && (!placed || plan.ep_placement.fits);
   if (!out.pricing.fits || !gated_) return out;
   // Without a per-layer plan (not planned, the target cannot hold one layer's KV apart, or the
@@ -274,7 +280,7 @@ std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step
   const int64_t waiting = v.sched.num_waiting(v.now_s);
   const int64_t load = std::min(running + waiting, options_.scheduler.max_running);
   const bool blocked = v.admission_blocked && waiting > 0;
-  const parallel_mode mode = v.sw.mode();
+  const parallel_mode mode = options_.layouts.mode_of(v.sw.layout());
   const moebius::switch_proposal p = rules_.propose(load, mode, v.now_s, blocked);
   priced_proposal priced = p.proposed() ? price(v, p) : priced_proposal{};
   const moebius::switch_decision d = rules_.decide(p, priced.pricing);

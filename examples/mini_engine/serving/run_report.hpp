@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "configuration.hpp"
 #include "scheduler.hpp"
 
 namespace mini_engine {
@@ -20,7 +21,12 @@ namespace mini_engine {
 struct step_record {
   int64_t step = 0;
   double start_s = 0;  // serving clock at the step's start
+  // The policy's mode the step ran in (engine_options::layouts maps it to a layout; during a
+  // switch, the source's, whose tables the batch was built from), and the configuration the
+  // clock priced it as (the paper's runs outside a switch: EP or TP, the mode's own; during
+  // a progressive switch, the layout of most of its layers).
   moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  configuration config = moebius::parallel_mode::ep;
   int64_t sequences = 0, decode_tokens = 0, prefill_tokens = 0, context_tokens = 0;
   int64_t running = 0, waiting = 0, stalled = 0, preempted = 0;
   int64_t kv_used_pages = 0;  // sum over ranks, in `mode`'s pages
@@ -115,7 +121,8 @@ struct run_summary {
 
 run_summary summarize(const run_result& r);
 
-// step,start_s,mode,sequences,... one line per step (header first).
+// run,step,start_s,mode,sequences,...,config: one line per step (header first); mode the
+// policy's (EP / TP), config what the step was priced as (TP, TEP-DCP2, ...).
 void write_steps_csv(std::ostream& os, const run_result& r);
 // One line per request of `r`: run, id, arrival, admission, first and last token (s, -1 when
 // none), prompt and output tokens, preemptions, failed (0/1). With a header unless `header` is

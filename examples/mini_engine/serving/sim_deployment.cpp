@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <ostream>
+#include <string>
 
 #include <moebius/error.hpp>
 #include <moebius/kv/kv_migration.hpp>
@@ -22,10 +23,13 @@ sim_geometry make_sim_geometry(const deployment& d, const sim_options& o) {
   const int P = d.options.num_ranks;
   const moebius::kv_geometry one = moebius::make_kv_geometry(
       o.run_layers, c.num_kv_heads, c.head_dim, o.page_size, 1, P, moebius::dtype::bf16);
+  const int64_t dcp = dcp_of(d.kind);
+  const bool ep_attention = d.serves(parallel_mode::ep) && d.ep.attention() == parallel_mode::ep;
   int64_t ep_pages = 0;
-  if (d.kind == deployment_kind::static_tp) {
-    // The TP pool holds d.tp.tokens on every rank: its pages in EP units (same bytes).
-    const int64_t tp_pages = d.tp.tokens / o.page_size;
+  if (!ep_attention) {
+    // The TP pool holds tokens / dcp on every rank: its pages in EP units (same bytes).
+    const layout_capacity& l = d.serves(parallel_mode::tp) ? d.tp : d.ep;
+    const int64_t tp_pages = l.tokens / dcp / o.page_size;
     ep_pages = tp_pages * one.tp_page_bytes() / one.ep_page_bytes();
   } else {
     ep_pages = d.ep.tokens / P / o.page_size;
@@ -34,8 +38,10 @@ sim_geometry make_sim_geometry(const deployment& d, const sim_options& o) {
                 to_string(d.kind), " holds no KV page of ", o.page_size, " tokens");
   sim_geometry g;
   g.kind = d.kind;
-  g.kv = moebius::make_kv_geometry(o.run_layers, c.num_kv_heads, c.head_dim, o.page_size,
-                                   ep_pages, P, moebius::dtype::bf16);
+  g.kv = moebius::with_dcp(moebius::make_kv_geometry(o.run_layers, c.num_kv_heads, c.head_dim,
+                                                     o.page_size, ep_pages, P,
+                                                     moebius::dtype::bf16),
+                           dcp);
   g.kv_bytes_per_token = kv_bytes_per_token(g.kv);
   // Experts: E/P a rank in EP, each 3 x hidden x intermediate bf16; one slot (a layer's share)
   // stages staging_pages EP pages of every KV tensor: E/P x 6 x H x I >= that.
@@ -53,13 +59,18 @@ sim_geometry make_sim_geometry(const deployment& d, const sim_options& o) {
 }
 
 std::ostream& operator<<(std::ostream& os, const sim_geometry& g) {
-  const int64_t tp_tokens = g.kv.num_tp_pages() * g.kv.page_size;
-  const int64_t ep_tokens = g.kv.num_ep_pages * g.kv.page_size * g.kv.num_ranks;
+  const int64_t tp_tokens = g.kv.max_tokens(parallel_mode::tp);
+  const int64_t ep_tokens = g.kv.max_tokens(parallel_mode::ep);
+  // What the kind serves in: EP attention, TP attention (with its dcp), or both.
+  const bool ep = g.kind == deployment_kind::static_ep || g.kind == deployment_kind::switching ||
+                  g.kind == deployment_kind::switching_dcp2;
+  const bool tp = g.kind != deployment_kind::static_ep;
   os << to_string(g.kind) << ": " << g.kv.num_ep_pages << " EP pages a rank of "
      << g.kv.page_size << " tokens (";
-  if (g.kind != deployment_kind::static_tp) os << "EP " << ep_tokens << " tokens";
-  if (g.kind == deployment_kind::switching) os << ", ";
-  if (g.kind != deployment_kind::static_ep) os << "TP " << tp_tokens << " tokens";
+  if (ep) os << "EP " << ep_tokens << " tokens";
+  if (ep && tp) os << ", ";
+  if (tp) os << (g.kv.dcp > 1 ? "TP-DCP" + std::to_string(g.kv.dcp) : std::string("TP")) << " "
+             << tp_tokens << " tokens";
   return os << "), run model " << g.kv.num_layers << " layers, arena slot "
             << g.arena.slot_bytes / 1024 << " KiB";
 }

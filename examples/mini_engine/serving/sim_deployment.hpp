@@ -12,13 +12,16 @@
 //                   tokens, bf16; E experts of hidden and intermediate sizes chosen so that
 //                   one arena slot stages `staging_pages` EP pages of every KV tensor (a real
 //                   deployment's slot, an expert layer's share, stages thousands)
-//   KV pages        static TP: the TP pool holds d.tp.tokens; static EP and switching: each
-//                   rank's EP pool holds d.ep.tokens / P (a switching deployment's TP view of
-//                   that pool then holds what d.tp says: P / H_kv times fewer tokens when
-//                   H_kv < P, its heads replicated)
+//   KV pages        a deployment that serves in EP attention (static EP, switching, switching
+//                   DCP2): each rank's EP pool holds d.ep.tokens / P, and its TP view what d.tp
+//                   says (P / H_kv times fewer tokens when H_kv < P, its heads replicated, dcp
+//                   times more with dcp); one that serves in TP attention only (static TP,
+//                   TP-DCP2, TEP-DCP2, experts only): the TP view holds its tokens / dcp on
+//                   each rank; with the deployment's dcp (kv_geometry::dcp)
 //
 //   Qwen3-235B-A22B, P = 8, 0.85 of an H200, 16-token pages, switching:
 //     2.28M EP tokens: 17,838 EP pages a rank; its TP view 71,352 TP pages: 1.14M tokens
+//   switching DCP2: the same pages; the TP view (dcp 2) holds 2.28M tokens
 
 #include <cstdint>
 #include <iosfwd>
@@ -42,7 +45,7 @@ struct sim_geometry {
   // KV bytes of one token of the run model, every layer, K and V, all heads (the clock scales
   // a switch's KV bytes by the priced model's over this).
   int64_t kv_bytes_per_token = 0;
-  // The mode a static deployment serves in; a switching one serves in both.
+  // The deployment it simulates (what it serves in: deployment::modes()).
   deployment_kind kind = deployment_kind::switching;
 };
 
@@ -50,7 +53,8 @@ struct sim_geometry {
 // (run_layers, page_size, staging_pages >= 1) or the deployment holds no page.
 sim_geometry make_sim_geometry(const deployment& d, const sim_options& o = {});
 
-// "static TP: 22,500 EP pages a rank of 16 tokens (TP: 1.44M tokens), run model 4 layers".
+// "static TP: 22,500 EP pages a rank of 16 tokens (TP 1440000 tokens), run model 4 layers, ..."
+// (TP-DCP2 and the dcp under a DCP2 kind).
 std::ostream& operator<<(std::ostream& os, const sim_geometry& g);
 
 }  // namespace mini_engine

@@ -35,8 +35,30 @@ h200_step_model::h200_step_model(priced_model m, h200_params hw, int num_ranks,
   moebius::validate(hw.switch_link);
 }
 
-double h200_step_model::time_s(parallel_mode mode, double sequences, double tokens,
+double h200_step_model::experts_s(parallel_mode experts, double tokens) const {
+  const double P = num_ranks_, L = static_cast<double>(m_.num_layers);
+  const double H = static_cast<double>(m_.hidden), I = static_cast<double>(m_.intermediate);
+  const double E = static_cast<double>(m_.num_experts), k = static_cast<double>(m_.top_k);
+  const double expert_bytes = 3 * H * I * static_cast<double>(m_.weight_bytes);
+  const double untouched = std::pow(1 - k / E, tokens);
+  if (experts == parallel_mode::tp) return L * E * (1 - untouched) * expert_bytes / P / hw_.hbm.bytes_per_s;
+  const double mean = E / P * (1 - untouched);
+  return L * std::min(E / P, mean + std::sqrt(mean)) * expert_bytes / hw_.hbm.bytes_per_s;
+}
+
+double h200_step_model::dcp_exchange_s(double tokens, int64_t dcp) const {
+  if (dcp <= 1) return 0;
+  const double d = static_cast<double>(dcp), P = num_ranks_;
+  const double hq = static_cast<double>(m_.num_q_heads) / P, D = static_cast<double>(m_.head_dim);
+  const double q_bytes = (d - 1) * tokens * hq * D * 2;
+  const double merge_bytes = (d - 1) * tokens * d * hq * 4 + (d - 1) * tokens * hq * D * 2;
+  return 3 * hw_.collective_us * 1e-6 + (q_bytes + merge_bytes) / hw_.nvlink.bytes_per_s;
+}
+
+double h200_step_model::time_s(const configuration& config, double sequences, double tokens,
                                double context_tokens) const {
+  MOEBIUS_CHECK(is_named(config), errc::invalid_argument, "h200_step_model: no price for ",
+                name_of(config), " (TP or TEP with a dcp, or EP)");
   const double P = num_ranks_, L = static_cast<double>(m_.num_layers);
   const double H = static_cast<double>(m_.hidden), D = static_cast<double>(m_.head_dim);
   const double Hq = static_cast<double>(m_.num_q_heads), Hkv = static_cast<double>(m_.num_kv_heads);
@@ -49,13 +71,21 @@ double h200_step_model::time_s(parallel_mode mode, double sequences, double toke
   const double latency = hw_.collective_us * 1e-6;
   const double untouched = std::pow(1 - k / E, tokens);
   double bytes = 0, collectives = 0;
-  if (mode == parallel_mode::tp) {
+  if (config.layout.attention == parallel_mode::tp) {
     const double heads = std::max(Hkv / P, 1.0);  // KV heads per rank; replicated when H_kv < P
     bytes += L * (2 * Hq * D * H / P + 2 * heads * D * H) * wb;
-    bytes += L * E * (1 - untouched) * expert_bytes / P;
-    bytes += ctx * L * 2 * heads * D * kvb;
+    if (config.layout.experts == parallel_mode::tp) {
+      bytes += L * E * (1 - untouched) * expert_bytes / P;
+    } else {  // TEP: every token on every rank, its E/P whole experts (the busiest rank's)
+      const double mean = E / P * (1 - untouched);
+      bytes += L * std::min(E / P, mean + std::sqrt(mean)) * expert_bytes;
+    }
+    // dcp: each rank reads its 1/dcp of every sequence's tokens of its head.
+    bytes += ctx * L * 2 * heads * D * kvb / static_cast<double>(config.dcp);
     bytes += V * H * wb / P;
+    // TEP's experts combine in the all-reduce TP already does: no dispatch.
     collectives = L * 2 * (2 * (P - 1) / P * tokens * H * wb / link + latency);
+    collectives += L * dcp_exchange_s(tokens, config.dcp);
   } else {
     const double own_seqs = std::ceil(sequences / P);
     const double own_share = sequences > 0 ? own_seqs / sequences : 0;
@@ -102,8 +132,8 @@ std::vector<rank_work> ep_rank_work(const moebius::kv_state& ep_tables,
 }
 
 double h200_step_model::step_s(const step_cost& c, double) const {
-  return time_s(c.mode, static_cast<double>(c.num_sequences), static_cast<double>(c.new_tokens),
-                static_cast<double>(c.context_tokens));
+  return time_s(c.config(), static_cast<double>(c.num_sequences),
+                static_cast<double>(c.new_tokens), static_cast<double>(c.context_tokens));
 }
 
 double h200_step_model::copies_s(const switch_copies& copies) const {
@@ -118,9 +148,10 @@ overlap_slowdown h200_step_model::slowdown() const {
                           slowdown_};
 }
 
-double h200_step_model::decode_step_s(parallel_mode mode, int64_t batch, double context) const {
+double h200_step_model::decode_step_s(const configuration& config, int64_t batch,
+                                      double context) const {
   const double b = static_cast<double>(batch);
-  return time_s(mode, b, b, b * context);
+  return time_s(config, b, b, b * context);
 }
 
 double h200_step_model::priced_switch_s(int64_t kv_sent, int64_t kv_rounds) const {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <iosfwd>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/link_rate.hpp>
 
+#include "configuration.hpp"
 #include "overlap_curve.hpp"
 #include "step.hpp"
 
@@ -33,7 +35,12 @@ struct rank_work {
 
 // What a step did, in the units a step-time model needs.
 struct step_cost {
+  // The attention's layout: how the items split over the ranks (EP: each on its owner).
   moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  // The experts' layout where it differs from the attention's (TEP: TP attention, EP experts);
+  // unset: the same as `mode` (the paper's two layouts).
+  std::optional<moebius::parallel_mode> experts;
+  int64_t dcp = 1;  // TP attention's decode context parallel degree (kv_geometry::dcp)
   int num_ranks = 1;
   int64_t num_sequences = 0;   // items of the step
   int64_t new_tokens = 0;      // decode tokens + prefill chunk tokens
@@ -41,6 +48,17 @@ struct step_cost {
   // EP: per rank, the items it owns (ep_rank_work); empty in TP, where every rank runs every
   // item, and where the caller did not split the step.
   std::vector<rank_work> ranks;
+
+  // The configuration the step ran in: {mode, experts or mode} with dcp under TP attention.
+  configuration config() const {
+    return configuration_of({mode, experts.value_or(mode)}, dcp);
+  }
+  // Sets mode, experts and dcp from `c`.
+  void set(const configuration& c) {
+    mode = c.layout.attention;
+    experts = c.layout.experts;
+    dcp = c.dcp;
+  }
 };
 
 // The EP split of a step's items: per rank of `ep_tables` (EP page tables), the items whose
@@ -194,6 +212,10 @@ struct h200_params {
 //       experts (mean m = E/P (1-(1-k/E)^T), busiest m + sqrt(m), at most E/P), the KV of its
 //       own ceil(B/P) sequences with all heads, the whole LM head; dispatch and combine
 //       all-to-alls of its tokens x k x (P-1)/P rows of H.
+//   TEP (TP attention, EP experts): TP's attention, KV, LM head and all-reduces (the experts'
+//       combine is the all-reduce TP already does), EP's expert term (experts_s) over every
+//       token of the step;
+//   dcp d (TP attention): the KV read divided by d, plus dcp_exchange_s a layer.
 //   touched experts of T tokens: E (1 - (1 - k/E)^T).
 // So TP wins at small batch (it streams 1/P of every weight), and EP at large batch and long
 // contexts when H_kv < P (TP reads and stores replicated KV heads): DESIGN.md §7's regime.
@@ -237,12 +259,23 @@ class h200_step_model final : public step_clock {
   double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
-  double decode_step_s(moebius::parallel_mode mode, int64_t batch, double context) const;
+  double decode_step_s(const configuration& config, int64_t batch, double context) const;
+  // The experts' term of a step of `tokens` tokens, in seconds: the expert weights the busiest
+  // rank reads over the HBM rate (TP: every touched expert's I/P slice; EP and TEP: its E/P
+  // whole experts, touched ones at the busiest rank, mean m + sqrt(m), at most E/P).
+  double experts_s(moebius::parallel_mode experts, double tokens) const;
+  // One layer's decode context parallel exchange for `tokens` tokens at degree `dcp` (0 when
+  // dcp is 1), within each set of dcp ranks, bf16 activations, fp32 log-sum-exps, hq = Hq/P:
+  // a q all-gather ((d-1) T hq D 2 B) and vLLM's two merge collectives (an LSE all-gather,
+  // (d-1) T d hq 4 B, and a reduce-scatter of the outputs, (d-1) T hq D 2 B): three latencies
+  // (collective_us) plus the bytes at the NVLink rate (nvlink), as bench_rank_share prices them.
+  //   Qwen3-235B, P 8, dcp 2, T 64: 3 x 10 us + 266,240 B / 389 GB/s = 30.68 us.
+  double dcp_exchange_s(double tokens, int64_t dcp) const;
   const priced_model& model() const { return m_; }
   const h200_params& hardware() const { return hw_; }
 
  private:
-  double time_s(moebius::parallel_mode mode, double sequences, double tokens,
+  double time_s(const configuration& config, double sequences, double tokens,
                 double context_tokens) const;
   double priced_switch_s(int64_t run_kv_bytes, int64_t kv_rounds) const;
 

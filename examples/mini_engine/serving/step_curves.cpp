@@ -19,12 +19,19 @@ using moebius::parallel_mode;
 
 namespace {
 
+// Order of the configurations: TP, EP first (the paper's pair), then by name.
+auto config_key(const configuration& c) {
+  const int rank = c == k_tp ? 0 : c == k_ep ? 1 : 2;
+  return std::make_tuple(rank, name_of(c));
+}
+
 auto key(const step_curve_point& p) {
-  return std::make_tuple(static_cast<int>(p.mode), p.context, p.batch);
+  return std::make_tuple(config_key(p.mode), p.context, p.batch);
 }
 
 // "" when p can be a curve point, else what is wrong with it.
 std::string point_error(const step_curve_point& p) {
+  if (!is_named(p.mode)) return "has no named configuration (" + name_of(p.mode) + ")";
   if (p.batch >= 1 && p.context >= 1 && p.step_ms > 0 && std::isfinite(p.step_ms)) return "";
   std::ostringstream os;
   os << "needs batch >= 1, context >= 1 and a positive step_ms (got batch " << p.batch
@@ -34,29 +41,71 @@ std::string point_error(const step_curve_point& p) {
 
 }  // namespace
 
-step_curves::step_curves(std::vector<step_curve_point> points, std::string deployment)
-    : deployment_(std::move(deployment)) {
+void step_curves::add_curves(std::vector<curve>& out, std::vector<step_curve_point> points,
+                             const std::string& deployment, bool priced,
+                             const std::string& source) {
   for (size_t i = 0; i < points.size(); ++i) {
     const std::string error = point_error(points[i]);
-    MOEBIUS_CHECK(error.empty(), errc::invalid_argument, "step_curves (", deployment_, "): point ",
+    MOEBIUS_CHECK(error.empty(), errc::invalid_argument, "step_curves (", deployment, "): point ",
                   i, " ", error);
   }
   std::sort(points.begin(), points.end(),
             [](const step_curve_point& a, const step_curve_point& b) { return key(a) < key(b); });
   for (size_t i = 1; i < points.size(); ++i) {
     MOEBIUS_CHECK(key(points[i - 1]) != key(points[i]), errc::invalid_argument,
-                  "step_curves (", deployment_, "): ", moebius::to_string(points[i].mode),
-                  " context ", points[i].context, " batch ", points[i].batch, " twice");
+                  "step_curves (", deployment, "): ", name_of(points[i].mode), " context ",
+                  points[i].context, " batch ", points[i].batch, " twice");
   }
   for (const step_curve_point& p : points) {
-    std::vector<row>& rows = rows_[p.mode == parallel_mode::tp ? 1 : 0];
+    if (out.empty() || !(out.back().config == p.mode)) {
+      for (const curve& c : out)
+        MOEBIUS_CHECK(!(c.config == p.mode), errc::invalid_argument, "step_curves (", deployment,
+                      "): ", name_of(p.mode), " has a curve already");
+      out.push_back(curve{p.mode, {}, priced, source});
+    }
+    std::vector<row>& rows = out.back().rows;
     if (rows.empty() || rows.back().context != p.context) rows.push_back(row{p.context, {}});
     rows.back().points.push_back(p);
   }
-  for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
-    MOEBIUS_CHECK(!rows_[m == parallel_mode::tp ? 1 : 0].empty(), errc::invalid_argument,
-                  "step_curves (", deployment_, "): no ", moebius::to_string(m), " point");
+}
+
+step_curves::step_curves(std::vector<step_curve_point> points, std::string deployment)
+    : deployment_(std::move(deployment)) {
+  add_curves(curves_, std::move(points), deployment_, false, deployment_);
+  for (const configuration& m : {k_tp, k_ep}) {
+    MOEBIUS_CHECK(find_curve(m) != nullptr, errc::invalid_argument, "step_curves (", deployment_,
+                  "): no ", name_of(m), " point");
   }
+}
+
+const step_curves::curve* step_curves::find_curve(const configuration& c) const {
+  for (const curve& x : curves_)
+    if (x.config == c) return &x;
+  return nullptr;
+}
+
+const step_curves::curve& step_curves::curve_of(const configuration& c) const {
+  const curve* x = find_curve(c);
+  if (x == nullptr) {
+    std::string have;
+    for (const curve& y : curves_) have += (have.empty() ? "" : ", ") + name_of(y.config);
+    MOEBIUS_FAIL(errc::invalid_argument, "step curves (", deployment_, "): no curve of ",
+                 name_of(c), " (curves of ", have,
+                 "; with_priced_layouts prices TP-DCPd and TEP[-DCPd] from TP's)");
+  }
+  return *x;
+}
+
+std::vector<configuration> step_curves::configurations() const {
+  std::vector<configuration> out;
+  for (const curve& c : curves_) out.push_back(c.config);
+  return out;
+}
+
+bool step_curves::priced(const configuration& c) const { return curve_of(c).priced; }
+
+const std::string& step_curves::source_of(const configuration& c) const {
+  return curve_of(c).source;
 }
 
 step_curves step_curves::from_jsonl(std::istream& in, const std::string& source) {
@@ -77,12 +126,9 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
         return v.get<int64_t>();
       };
       step_curve_point p;
-      // bench_mini_engine_rank_share writes moebius::to_string's "TP" / "EP"; hand-written
-      // files may use lower case.
-      const std::string mode = j.at("mode").get<std::string>();
-      const bool tp = mode == "TP" || mode == "tp", ep = mode == "EP" || mode == "ep";
-      MOEBIUS_CHECK(tp || ep, errc::invalid_argument, "mode \"", mode, "\" is neither TP nor EP");
-      p.mode = tp ? parallel_mode::tp : parallel_mode::ep;
+      // bench_mini_engine_rank_share writes "TP", "EP", "TP-dcp2", "TEP", "TEP-dcp2";
+      // hand-written files may use lower case.
+      p.mode = parse_configuration(j.at("mode").get<std::string>());
       p.context = integer("context");
       p.batch = integer("batch");
       MOEBIUS_CHECK(j.at("step_ms").is_number(), errc::invalid_argument,
@@ -199,8 +245,8 @@ step_curves step_curves::from_file(const std::string& path) {
   return from_jsonl(in, path);
 }
 
-double step_curves::smallest_context(moebius::parallel_mode m) const {
-  return static_cast<double>(rows_[m == parallel_mode::tp ? 1 : 0].front().context);
+double step_curves::smallest_context(const configuration& c) const {
+  return static_cast<double>(curve_of(c).rows.front().context);
 }
 
 double step_curves::row_ms(const row& r, double batch) {
@@ -231,17 +277,19 @@ step_curves step_curves::with_collective_latency(double tp_us, double ep_us) con
                 "step curves: repricing the collectives needs the layers the curves were "
                 "measured with (", deployment_, " does not say)");
   step_curves c = *this;
-  for (const parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
-    const double latency_us = m == parallel_mode::tp ? tp_us : ep_us;
-    const double shift_ms =
-        2.0 * static_cast<double>(num_layers_) * (latency_us - priced_collective_us) * 1e-3;
-    for (row& r : c.rows_[m == parallel_mode::tp ? 1 : 0]) {
+  for (curve& x : c.curves_) {
+    const bool tp = x.config.attention() == parallel_mode::tp;
+    const double latency_us = tp ? tp_us : ep_us;
+    // Two collectives a layer; DCP's exchange three more (q all-gather, two merges).
+    const double per_layer = tp && x.config.dcp > 1 ? 5.0 : 2.0;
+    const double shift_ms = per_layer * static_cast<double>(num_layers_) *
+                            (latency_us - priced_collective_us) * 1e-3;
+    for (row& r : x.rows) {
       for (step_curve_point& p : r.points) {
         p.step_ms += shift_ms;
         MOEBIUS_CHECK(p.step_ms > 0, errc::invalid_argument, "step curves: the ",
-                      moebius::to_string(p.mode), " step at batch ", p.batch, ", context ",
-                      p.context, " falls to ", p.step_ms, " ms with collectives at ", latency_us,
-                      " us");
+                      name_of(p.mode), " step at batch ", p.batch, ", context ", p.context,
+                      " falls to ", p.step_ms, " ms with collectives at ", latency_us, " us");
       }
     }
   }
@@ -252,8 +300,8 @@ step_curves step_curves::with_collective_latency(double tp_us, double ep_us) con
   return c;
 }
 
-double step_curves::step_ms(parallel_mode m, double batch, double context) const {
-  const std::vector<row>& rows = rows_[m == parallel_mode::tp ? 1 : 0];
+double step_curves::step_ms(const configuration& c, double batch, double context) const {
+  const std::vector<row>& rows = curve_of(c).rows;
   if (context <= static_cast<double>(rows.front().context)) return row_ms(rows.front(), batch);
   for (size_t i = 1; i < rows.size(); ++i) {
     const double c0 = static_cast<double>(rows[i - 1].context);
@@ -266,6 +314,40 @@ double step_curves::step_ms(parallel_mode m, double batch, double context) const
   return row_ms(rows.back(), batch);  // above the contexts: the nearest
 }
 
+step_curves with_priced_layouts(const step_curves& measured, const h200_step_model& model,
+                                std::span<const configuration> wanted) {
+  MOEBIUS_CHECK(measured.num_layers_ == model.model().num_layers, errc::invalid_argument,
+                "with_priced_layouts: the curves (", measured.deployment(), ") have ",
+                measured.num_layers_, " layers, the model prices ", model.model().num_layers);
+  const step_curves::curve& tp = measured.curve_of(k_tp);
+  MOEBIUS_CHECK(!tp.priced, errc::invalid_argument,
+                "with_priced_layouts: TP's curve is itself priced");
+  const double L = static_cast<double>(model.model().num_layers);
+  step_curves out = measured;
+  for (const configuration& c : wanted) {
+    if (out.has(c)) continue;  // measured (or priced already): kept
+    MOEBIUS_CHECK(is_named(c) && c.attention() == parallel_mode::tp && !(c == k_tp),
+                  errc::invalid_argument, "with_priced_layouts: ", name_of(c),
+                  " cannot be priced from TP's curve (TP-DCPd, TEP and TEP-DCPd can)");
+    const bool tep = c.experts() == parallel_mode::ep;
+    std::vector<step_curve_point> points;
+    for (const step_curves::row& r : tp.rows) {
+      for (const step_curve_point& p : r.points) {
+        const double b = static_cast<double>(p.batch);
+        double ms = p.step_ms + L * model.dcp_exchange_s(b, c.dcp) * 1e3;
+        if (tep) ms += (model.experts_s(parallel_mode::ep, b) - model.experts_s(parallel_mode::tp, b)) * 1e3;
+        points.push_back({c, p.context * c.dcp, p.batch, ms});
+      }
+    }
+    std::ostringstream why;
+    why << "priced from TP's curve (" << tp.source << "): TP at context/" << c.dcp;
+    if (c.dcp > 1) why << " plus DCP's exchange (3 collectives a layer, bench_rank_share's pricing)";
+    if (tep) why << ", EP's expert term instead of TP's (roofline)";
+    step_curves::add_curves(out.curves_, std::move(points), out.deployment_, true, why.str());
+  }
+  return out;
+}
+
 curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& model)
     : curves_(std::move(curves)),
       model_(model),
@@ -275,7 +357,7 @@ curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& 
             "curve at its smallest context, not measured); switches and overlap: " +
             model.name()) {}
 
-double curves_step_clock::rows_ms(parallel_mode m, double sequences, double rows,
+double curves_step_clock::rows_ms(const configuration& m, double sequences, double rows,
                                   double context) const {
   const double decode = curves_.step_ms(m, sequences, context);
   if (rows <= sequences) return decode;
@@ -288,6 +370,7 @@ double curves_step_clock::rows_ms(parallel_mode m, double sequences, double rows
 double curves_step_clock::step_s(const step_cost& c, double measured_s) const {
   if (c.num_sequences <= 0) return model_.step_s(c, measured_s);
   const double scale = model_.model().context_scale;
+  const configuration config = c.config();
   if (c.mode == parallel_mode::ep && !c.ranks.empty()) {
     // Data-parallel attention: the step waits for its busiest rank, each rank priced as if
     // every rank held its share (the curves' batch is the deployment's: P x the rank's).
@@ -296,13 +379,13 @@ double curves_step_clock::step_s(const step_cost& c, double measured_s) const {
     for (const rank_work& r : c.ranks) {
       if (r.sequences <= 0) continue;
       const double seqs = static_cast<double>(r.sequences);
-      worst = std::max(worst, rows_ms(c.mode, P * seqs, P * static_cast<double>(r.new_tokens),
+      worst = std::max(worst, rows_ms(config, P * seqs, P * static_cast<double>(r.new_tokens),
                                       static_cast<double>(r.context_tokens) / seqs * scale));
     }
     return worst * 1e-3;
   }
   const double seqs = static_cast<double>(c.num_sequences);
-  return rows_ms(c.mode, seqs, static_cast<double>(c.new_tokens),
+  return rows_ms(config, seqs, static_cast<double>(c.new_tokens),
                  static_cast<double>(c.context_tokens) / seqs * scale) *
          1e-3;
 }

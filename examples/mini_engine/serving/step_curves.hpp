@@ -4,12 +4,17 @@
 // one GPU (gpu/bench_rank_share.cu: one rank's share at full size, compute measured, collectives
 // priced by a link model), and a priced clock that prices decode steps from them.
 //
-// The file: JSON lines, one per (mode, context, batch), with at least
+// The file: JSON lines, one per (configuration, context, batch), with at least
 //   {"model": "qwen3_235b", "P": 8, "mode": "TP", "context": 2048, "batch": 128,
 //    "layers": 94, "skew": 1.0, "compute_ms": 9.81, "comm_priced_ms": 2.77, "step_ms": 12.58}
-// (the bench writes more fields; they are ignored; mode "TP" / "EP", lower case accepted). One
-// deployment per file: every line names the same model, P, layers and skew (skew may be absent:
-// 1). step_ms is the curve: compute measured plus collectives priced, both kept in the file.
+// (the bench writes more fields; they are ignored). "mode" names the configuration the point was
+// measured in (configuration.hpp, any case: "TP", "EP", "TP-DCP2", "TEP-DCP2", "TEP"; the bench
+// writes "TP-dcp2"); the field keeps its name. One deployment per file: every line names the
+// same model, P, layers and skew (skew may be absent: 1). step_ms is the curve: compute
+// measured plus collectives priced, both kept in the file.
+//
+// Configurations not measured can be priced from TP's measured curve (with_priced_layouts): a
+// named fallback, never presented as measured (priced(), source_of()).
 //
 // Between the points: linear in log2(batch) within a context's row (beyond the largest batch, the
 // last segment's slope in the batch itself; below the smallest, the smallest), then linear in
@@ -24,6 +29,7 @@
 
 #include <moebius/layout/parallel_mode.hpp>
 
+#include "configuration.hpp"
 #include "step_clock.hpp"
 
 namespace mini_engine {
@@ -35,7 +41,7 @@ struct embedded_curves {
 };
 
 struct step_curve_point {
-  moebius::parallel_mode mode = moebius::parallel_mode::ep;
+  configuration mode = moebius::parallel_mode::ep;  // the configuration (the file's "mode")
   int64_t context = 0;  // tokens per sequence the step attends
   int64_t batch = 0;    // sequences of the deployment (not of the rank)
   double step_ms = 0;
@@ -43,8 +49,9 @@ struct step_curve_point {
 
 class step_curves {
  public:
-  // Every mode needs a point; each point a positive batch, context and step_ms, and no
-  // (mode, context, batch) twice. Throws errc::invalid_argument naming the offending point.
+  // TP and EP need a point each (other configurations are optional); each point a positive
+  // batch, context and step_ms, a named configuration (is_named), and no (configuration,
+  // context, batch) twice. Throws errc::invalid_argument naming the offending point.
   step_curves(std::vector<step_curve_point> points, std::string deployment);
   // The bench's JSON lines; `source` names the file in errors ("line 3 of <source>: ...") and
   // in deployment(). All lines must name one model and one P.
@@ -68,10 +75,18 @@ class step_curves {
   static std::optional<step_curves> merge(std::span<const embedded_curves> files,
                                           const std::string& model, int P);
 
-  // The step of `batch` sequences at `context` tokens each, in ms (see the top).
-  double step_ms(moebius::parallel_mode m, double batch, double context) const;
-  // The smallest context measured in mode `m`.
-  double smallest_context(moebius::parallel_mode m) const;
+  // The step of `batch` sequences at `context` tokens each in configuration `c`, in ms (see the
+  // top). Throws errc::invalid_argument naming `c` when it has no curve.
+  double step_ms(const configuration& c, double batch, double context) const;
+  // The smallest context of `c`'s curve (same error).
+  double smallest_context(const configuration& c) const;
+  bool has(const configuration& c) const { return find_curve(c) != nullptr; }
+  // The configurations with a curve, in the order first seen (sorted: TP, EP, then the rest).
+  std::vector<configuration> configurations() const;
+  // Whether `c`'s curve was priced (with_priced_layouts) rather than read from measured points,
+  // and where it comes from: the file(s) for measured ones, what was priced for priced ones.
+  bool priced(const configuration& c) const;
+  const std::string& source_of(const configuration& c) const;
   // "qwen3_235b P=8 L=94 skew 1 (<source>)".
   const std::string& deployment() const { return deployment_; }
   int num_ranks() const { return num_ranks_; }
@@ -82,10 +97,11 @@ class step_curves {
 
   // The latency per collective the bench priced (h200_params::collective_us, 10 us: assumed).
   static constexpr double priced_collective_us = 10;
-  // These curves with each collective's latency priced at `tp_us` (TP's all-reduces) and
-  // `ep_us` (EP's dispatch and combine) instead: every step has two collectives a layer in
-  // either mode, so each point moves by 2 x layers x (its mode's latency -
-  // priced_collective_us). Measured
+  // These curves with each collective's latency priced at `tp_us` (TP attention's all-reduces,
+  // and DCP's exchange) and `ep_us` (EP's dispatch and combine) instead: every step has two
+  // collectives a layer in either attention layout, and TP attention with dcp > 1 three more
+  // (DCP's q all-gather and two merge collectives), so each point moves by (2 or 5) x layers x
+  // (its attention's latency - priced_collective_us). Measured
   // small-message latencies on NVLink are well above the assumed 10 us (DeepEP's low-latency
   // dispatch and combine of 128 tokens at EP 8: 77 and 114 us, H800, RDMA; its README), and
   // the paper's quiet TPOT gap (TP 37, EP 52 ms) is larger than the compute alone: the results'
@@ -96,20 +112,59 @@ class step_curves {
   step_curves with_collective_latency(double tp_us, double ep_us) const;
 
  private:
-  // The points of one mode and context, ascending in batch.
+  // The points of one configuration and context, ascending in batch.
   struct row {
     int64_t context = 0;
     std::vector<step_curve_point> points;
   };
+  struct curve {
+    configuration config;
+    std::vector<row> rows;  // ascending in context
+    bool priced = false;
+    std::string source;
+  };
   static double row_ms(const row& r, double batch);
+  const curve* find_curve(const configuration& c) const;
+  const curve& curve_of(const configuration& c) const;  // throws naming c
+  // Adds the points (one configuration's, validated) as a curve.
+  static void add_curves(std::vector<curve>& out, std::vector<step_curve_point> points,
+                         const std::string& deployment, bool priced, const std::string& source);
+  friend step_curves with_priced_layouts(const step_curves& measured, const h200_step_model& model,
+                                         std::span<const configuration> wanted);
 
-  std::vector<row> rows_[2];  // per mode (index: tp 1, ep 0), ascending in context
+  std::vector<curve> curves_;  // TP, EP, then the others in the order first seen
   std::string deployment_, model_;
   int num_ranks_ = 0;
   int64_t num_layers_ = 0;
 };
 
-// The priced clock with measured curves. A step from `curves`: its sequences at their mean
+// The priced fallback for configurations with TP attention that `measured` has no curve of:
+// each derived from the measured TP curve, point by point (and so interpolated as TP's is),
+//
+//   TP-DCPd   at (batch B, context c) = TP at (B, c/d) + L x model.dcp_exchange_s(B, d)
+//             (each rank attends over 1/d of every sequence's tokens of its head: TP's step at
+//             a d-th of the context; plus DCP's exchange a layer, priced as bench_rank_share
+//             prices it: a q all-gather and two merge collectives, 10 us each by default)
+//   TEP-DCPd  = TP-DCPd + model.experts_s(ep, B) - model.experts_s(tp, B): the experts' term of
+//             EP instead of TP's, both from the roofline (the busiest rank's E/P whole experts
+//             against every touched expert's I/P slice, at the HBM rate); TP's all-reduces kept
+//             (TEP's combine is the all-reduce TP does; no dispatch)
+//   TEP       = TP + the same expert term (d = 1)
+//
+// Not priced: the q heads the DCP set gathers (each rank attends 2 x Hq/P heads over its half:
+// the same KV bytes, twice the attention FLOPs), the busiest DCP index's extra page, and what
+// the roofline's expert term leaves out (the narrow TP slices' GEMM efficiency, the router,
+// permute and combine over every pair, which a stage profile shows EP's experts avoid): the
+// TEP fallback is pessimistic where TP's per-pair stages dominate (large batch). Each priced
+// curve says so in source_of(); measured ones are never replaced. `wanted`: the configurations
+// to price when missing; one with data-parallel attention is an error (nothing to derive it
+// from), as are curves without TP or whose layers differ from the model's.
+step_curves with_priced_layouts(const step_curves& measured, const h200_step_model& model,
+                                std::span<const configuration> wanted);
+
+// The priced clock with measured curves. A step from the curve of its configuration
+// (step_cost::config(): TP, EP, TEP-DCP2, ...; a configuration without a curve is an error
+// naming it): its sequences at their mean
 // context (scaled by the priced model's context_scale), plus, when it prefills (more new tokens
 // than sequences), the prefill increment: curve(rows) - curve(sequences) at the smallest
 // measured context (the chunk's GEMM rows; its attention runs over its own tokens, not a KV read
@@ -137,7 +192,7 @@ class curves_step_clock final : public step_clock {
 
  private:
   // ms of a step of `sequences` at `context` with `rows` new tokens (>= sequences).
-  double rows_ms(moebius::parallel_mode m, double sequences, double rows, double context) const;
+  double rows_ms(const configuration& c, double sequences, double rows, double context) const;
 
   step_curves curves_;
   const h200_step_model& model_;

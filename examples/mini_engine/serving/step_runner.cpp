@@ -6,15 +6,15 @@
 
 namespace mini_engine {
 
-step_cost cost_of(const step_batch& b, moebius::parallel_mode mode, int num_ranks,
+step_cost cost_of(const step_batch& b, const configuration& config, int num_ranks,
                   std::vector<rank_work> ep_split) {
   step_cost cost;
-  cost.mode = mode;
+  cost.set(config);
   cost.num_ranks = num_ranks;
   cost.num_sequences = b.num_sequences;
   cost.new_tokens = b.decode_tokens + b.prefill_tokens;
   cost.context_tokens = b.context_tokens;
-  if (mode == moebius::parallel_mode::ep) cost.ranks = std::move(ep_split);
+  if (cost.mode == moebius::parallel_mode::ep) cost.ranks = std::move(ep_split);
   return cost;
 }
 
@@ -41,8 +41,10 @@ served_step plain_steps::run(runtime& rt, const step_batch& b, step_record&) {
   // A runtime that times itself (the GPU runtime: CUDA events) reports the device time.
   if (done.measured_s >= 0) s.measured_s = done.measured_s;
   s.tokens = std::move(done.tokens);
-  s.clock_s = clock_.step_s(cost_of(b, tables.mode, kv_.num_ranks, std::move(ep_split)),
-                            s.measured_s);
+  // The switcher's layout: the tables' attention, the experts where the arena rests.
+  s.layout = sw_.layout();
+  s.config = configuration_of(s.layout, kv_.dcp);
+  s.clock_s = clock_.step_s(cost_of(b, s.config, kv_.num_ranks, std::move(ep_split)), s.measured_s);
   s.tables = &tables;
   last_step_s_ = s.clock_s;
   return s;

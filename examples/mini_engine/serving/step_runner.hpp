@@ -32,6 +32,10 @@ struct served_step {
   double measured_s = 0;                   // host time, or the runtime's own (CUDA events)
   double clock_s = 0;                      // on the serving clock
   const moebius::kv_state* tables = nullptr;  // the tables the batch was built from
+  // The layout it ran in (during a switch: the source's, whose tables the batch was built
+  // from) and the configuration the clock priced it as (during a switch: its majority layout's).
+  moebius::parallel_layout layout;
+  configuration config;
 };
 
 class step_runner {
@@ -46,9 +50,9 @@ class step_runner {
   virtual served_step run(runtime& rt, const step_batch& b, step_record& rec) = 0;
 };
 
-// The cost the clock prices a step of `b` at: in `mode`, its items' ranks split as `ep_split`
-// says (EP; dropped in TP, where every rank runs every item).
-step_cost cost_of(const step_batch& b, moebius::parallel_mode mode, int num_ranks,
+// The cost the clock prices a step of `b` at: in `config`, its items' ranks split as
+// `ep_split` says (EP attention; dropped under TP attention, where every rank runs every item).
+step_cost cost_of(const step_batch& b, const configuration& config, int num_ranks,
                   std::vector<rank_work> ep_split);
 
 // Steps outside a switch.

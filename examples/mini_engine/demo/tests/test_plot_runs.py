@@ -11,7 +11,7 @@ import plot_runs  # noqa: E402
 
 STEPS_HEADER = ("run,step,start_s,mode,sequences,decode_tokens,prefill_tokens,context_tokens,"
                 "running,waiting,stalled,preempted,kv_used_pages,step_ms,measured_ms,switched,"
-                "switch_ms\n")
+                "switch_ms,config\n")
 REQUESTS_HEADER = ("run,id,arrival_s,admitted_s,first_token_s,finish_s,prompt_tokens,"
                    "output_tokens,preemptions,failed\n")
 
@@ -22,8 +22,9 @@ def write_trace_dir(tmp_path, steps, requests):
     return str(tmp_path)
 
 
-def step_line(run, k, start, mode, seqs, ms, switched=0):
-    return f"{run},{k},{start:.6f},{mode},{seqs},{seqs},0,{seqs},{seqs},0,0,0,1,{ms:.4f},0.1,{switched},0\n"
+def step_line(run, k, start, mode, seqs, ms, switched=0, config=None):
+    return (f"{run},{k},{start:.6f},{mode},{seqs},{seqs},0,{seqs},{seqs},0,0,0,1,{ms:.4f},0.1,"
+            f"{switched},0,{config or mode}\n")
 
 
 def test_spans_switches_and_ttft_worked_by_hand(tmp_path):
@@ -33,7 +34,7 @@ def test_spans_switches_and_ttft_worked_by_hand(tmp_path):
         step_line("static", 1, 0.05, "TP", 2, 50),
         step_line("switching", 0, 0.0, "TP", 3, 40),
         step_line("switching", 1, 0.2, "EP", 5, 30, switched=1),
-        step_line("switching", 2, 0.23, "EP", 5, 30),
+        step_line("switching", 2, 0.23, "EP", 5, 30, config="TEP-DCP2"),
         step_line("switching", 3, 0.4, "TP", 1, 20, switched=1),
     ], [
         "static,0,0.000000,0.000000,0.050000,0.100000,4,2,0,0\n",
@@ -46,6 +47,7 @@ def test_spans_switches_and_ttft_worked_by_hand(tmp_path):
     assert plot_runs.mode_spans(runs["switching"]["steps"]) == [
         (0.0, 0.2, "TP"), (0.2, 0.4, "EP"), (0.4, pytest.approx(0.42), "TP")]
     assert plot_runs.switch_times(runs["switching"]["steps"]) == [0.2, 0.4]
+    assert runs["switching"]["steps"][2]["config"] == "TEP-DCP2"  # text, as the mode
     # The failed request has no first token: no point.
     assert plot_runs.ttft_points(runs["switching"]["requests"]) == [(0.01, pytest.approx(0.23))]
 

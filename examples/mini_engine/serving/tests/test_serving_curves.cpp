@@ -107,7 +107,7 @@ TEST_CASE("step curves: malformed files are errors that name the line", "[cpu][c
   CHECK_THAT(error_of(std::string(k_file) +
                       "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"xp\", "
                       "\"context\": 1, \"batch\": 1, \"step_ms\": 1}\n"),
-             Catch::Contains("neither TP nor EP"));
+             Catch::Contains("configuration \"xp\": not a configuration"));
   CHECK_THAT(error_of(std::string(k_file) +
                       "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 512, \"batch\": 1, \"step_ms\": 3}\n"),
              Catch::Contains("twice"));

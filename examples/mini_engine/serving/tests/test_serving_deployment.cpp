@@ -85,6 +85,85 @@ TEST_CASE("deployment: the paper's Qwen3-235B-A22B on 8 H200s at 0.85, by hand")
                            Catch::Matchers::Contains("EP 73.4 GB of weights"));
 }
 
+TEST_CASE("deployment: every static configuration and switching design at the paper's setting, "
+          "by hand") {
+  const model_config c = qwen3_235b_a22b();
+  const double budget = 0.85 * 143771.0 * 1048576;  // 128,141,596,697 B
+  // Weights a rank, from the tensors (the test above): TP's slice, EP's whole attention, the
+  // arena's spare slot (one expert layer's share: 603,979,776 B).
+  const int64_t tp_w = 56'774'098'944 + 1'774'238'720 + 2'589'433'856 / 8;  // 58,872,016,896
+  const int64_t ep_w = 56'774'098'944 + 13'405'043'712 + 2'589'433'856;    // 72,768,576,512
+  const int64_t slot = 603'979'776;
+  auto pool = [&](int64_t w) { return static_cast<int64_t>(budget - static_cast<double>(w)); };
+  CHECK(pool(tp_w) == 69'269'580'185);
+  CHECK(pool(ep_w + slot) == 54'769'040'793);
+  CHECK(pool(tp_w + slot) == 68'665'600'409);
+
+  const deployment tp = make_deployment(c, deployment_kind::static_tp);
+  const deployment tp2 = make_deployment(c, deployment_kind::static_tp_dcp2);
+  const deployment tep2 = make_deployment(c, deployment_kind::static_tep_dcp2);
+  const deployment ep = make_deployment(c, deployment_kind::static_ep);
+  const deployment a = make_deployment(c, deployment_kind::switching);
+  const deployment b = make_deployment(c, deployment_kind::switching_dcp2);
+  const deployment x = make_deployment(c, deployment_kind::experts_only);
+
+  // Static TP: one replicated head a rank (48,128 B a token): 69,269,580,185 / 48,128.
+  CHECK(tp.tp.tokens == 1'439'278);
+  // TP-DCP2: the same weights and pool; the two ranks sharing a head split its tokens: 2x.
+  CHECK(tp2.tp.config == k_tp_dcp2);
+  CHECK(tp2.tp.weight_bytes == tp_w);
+  CHECK(tp2.tp.kv_pool_bytes == tp.tp.kv_pool_bytes);
+  CHECK(tp2.tp.kv_bytes_per_token == 48'128);
+  CHECK(tp2.tp.tokens == 2 * 1'439'278);
+  CHECK(tp2.tp.sequences(32768) == 2 * 1'439'278 / 32768);  // 87 (TP: 43)
+  CHECK(tp.tp.sequences(32768) == 43);
+  CHECK_FALSE(tp2.serves(parallel_mode::ep));
+  // TEP-DCP2: TP's footprint (16 whole experts weigh 128 slices of I/8), TP-DCP2's KV; the
+  // large-batch layout, so held under the policy's EP mode.
+  CHECK(tep2.ep.config == k_tep_dcp2);
+  CHECK(tep2.ep.weight_bytes == tp.tp.weight_bytes);
+  CHECK(tep2.ep.tokens == tp2.tp.tokens);
+  CHECK_FALSE(tep2.serves(parallel_mode::tp));
+  CHECK(tep2.start_mode() == parallel_mode::ep);
+  CHECK(tep2.modes().ep == moebius::parallel_layout{parallel_mode::tp, parallel_mode::ep});
+  // Static EP: 55,373,020,569 / 192,512 = 287,634 a rank, x 8.
+  CHECK(ep.ep.tokens == 8 * 287'634);
+  // The paper's design: EP's weights and the slot; EP 8 x 284,496, TP 1,137,987.
+  CHECK(a.ep.tokens == 8 * 284'496);
+  CHECK(a.tp.tokens == 1'137'987);
+  // EP <-> TP-DCP2: the same footprint and EP pool; its TP view holds 2x TP's: EP's tokens to
+  // within the floor of each division (8 x floor(p / 4h) against 2 x floor(p / h)).
+  CHECK(b.ep.weight_bytes == a.ep.weight_bytes);
+  CHECK(b.tp.weight_bytes == a.ep.weight_bytes);
+  CHECK(b.ep.tokens == a.ep.tokens);
+  CHECK(b.tp.config == k_tp_dcp2);
+  CHECK(b.tp.tokens == 2 * 1'137'987);
+  CHECK(b.tp.tokens - b.ep.tokens == 6);
+  // Experts only: TP's attention and dense weights plus the arena's slot; one pool, read as
+  // TP-DCP2 under either experts' layout: 68,665,600,409 / 48,128 = 1,426,728, x 2.
+  CHECK(x.ep.weight_bytes == tp_w + slot);
+  CHECK(x.tp.weight_bytes == x.ep.weight_bytes);
+  CHECK(x.ep.config == k_tep_dcp2);
+  CHECK(x.tp.config == k_tp_dcp2);
+  CHECK(x.ep.tokens == 2 * 1'426'728);
+  CHECK(x.tp.tokens == x.ep.tokens);
+  CHECK(x.modes().ep == moebius::parallel_layout{parallel_mode::tp, parallel_mode::ep});
+  CHECK(x.modes().tp == moebius::parallel_layout{parallel_mode::tp});
+  CHECK(x.layouts().size() == 2);
+  CHECK(tp2.layouts().size() == 1);
+  // What each holds, ordered: experts only holds 2.85M, static EP 2.30M, the paper's design's TP
+  // 1.14M; static TP-DCP2 the most of all (TP's small footprint, no duplicated head).
+  CHECK(tp2.tp.tokens > x.ep.tokens);
+  CHECK(x.ep.tokens > ep.ep.tokens);
+  CHECK(dcp_of(deployment_kind::switching_dcp2) == 2);
+  CHECK(dcp_of(deployment_kind::switching) == 1);
+  std::ostringstream os;
+  os << x;
+  CHECK_THAT(os.str(), Catch::Matchers::Contains("experts only (P=8") &&
+                           Catch::Matchers::Contains("TEP-DCP2 59.5 GB of weights") &&
+                           Catch::Matchers::Contains("TP-DCP2 59.5 GB of weights"));
+}
+
 TEST_CASE("deployment: random shapes weigh what their tensors weigh") {
   std::mt19937_64 rng(testing::test_seed());
   for (int iter = 0; iter < 200; ++iter) {
@@ -129,6 +208,31 @@ TEST_CASE("deployment: random shapes weigh what their tensors weigh") {
     const int64_t ctx = pick(1, 40000);
     CHECK(ep.ep.sequences(ctx) == std::min(ep_pool / ep_tok / ctx * P, o.max_running));
     CHECK(tp.tp.sequences(ctx) == std::min(tp.tp.kv_pool_bytes / tp_tok / ctx, o.max_running));
+    // dcp 2 where two ranks share a KV head (P / H_kv even), refused by name elsewhere.
+    const bool dcp2 = c.num_kv_heads < P && (P / c.num_kv_heads) % 2 == 0;
+    for (const deployment_kind k :
+         {deployment_kind::static_tp_dcp2, deployment_kind::static_tep_dcp2,
+          deployment_kind::switching_dcp2, deployment_kind::experts_only}) {
+      if (!dcp2) {
+        CHECK_THROWS_WITH(make_deployment(c, k, o), Catch::Matchers::Contains("needs dcp 2"));
+        continue;
+      }
+      const deployment d = make_deployment(c, k, o);
+      for (const layout_capacity& l : d.layouts()) {
+        const int64_t per_rank = l.kv_pool_bytes / l.kv_bytes_per_token;
+        CHECK(l.tokens == (l.attention() == parallel_mode::ep ? P : 2) * per_rank);
+      }
+      if (k == deployment_kind::static_tp_dcp2 || k == deployment_kind::static_tep_dcp2) {
+        CHECK(d.layouts().front().weight_bytes == tp.tp.weight_bytes);
+        CHECK(d.layouts().front().tokens == 2 * (tp.tp.kv_pool_bytes / tp_tok));
+      }
+      if (k == deployment_kind::switching_dcp2) {
+        CHECK(d.ep.weight_bytes == sw.ep.weight_bytes);
+        CHECK(d.tp.tokens == 2 * sw.tp.tokens);
+      }
+      if (k == deployment_kind::experts_only)
+        CHECK(d.ep.weight_bytes - tp.tp.weight_bytes == sw.ep.weight_bytes - ep.ep.weight_bytes);
+    }
   }
 }
 

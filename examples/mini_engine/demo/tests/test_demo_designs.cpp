@@ -1,0 +1,170 @@
+// The simulated runtime's runs beyond the paper's (demo/runs.hpp, experiments.hpp): every run
+// kind by name on its own deployment, the capacity line against the tokens worked out by hand,
+// the sim clock saying which curves it measured and which it priced (and pricing a TEP-DCP2
+// step as the fallback does, recomputed here from TP's region curve), and the designs verdict
+// against fabricated runs whose answer is known.
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "clock.hpp"
+#include "experiments.hpp"
+#include "paper_report.hpp"
+#include "runs.hpp"
+#include "step_curves.hpp"
+
+using namespace mini_engine;
+using namespace mini_engine::demo;
+using moebius::parallel_mode;
+
+namespace {
+
+// A served run of kind `k` whose metrics are a rollout of `total_s`, or an interactive trace
+// with interactive goodput `goodput` and `tokens_per_s`.
+struct fake_runs {
+  std::vector<run_outcome> runs;
+  std::vector<paper_metrics> m;
+  void add(run_kind k, double total_s, double goodput = 0, double tokens_per_s = 0) {
+    run_outcome r;
+    r.kind = k;
+    runs.push_back(r);
+    paper_metrics x;
+    x.rollout_total_s = total_s;
+    x.goodput_rps[0] = goodput;
+    x.tokens_per_s = tokens_per_s;
+    x.quiet.mean_tpot_ms = 40;
+    m.push_back(x);
+  }
+};
+
+size_t at(const fake_runs& f, run_kind k) {
+  for (size_t i = 0; i < f.runs.size(); ++i)
+    if (f.runs[i].kind == k) return i;
+  return f.runs.size();
+}
+
+}  // namespace
+
+TEST_CASE("the simulated runtime's runs: every kind once, by name, on its own deployment",
+          "[cpu][demo]") {
+  const run_settings s = sim_settings();
+  const std::set<run_kind> kinds(s.runs.begin(), s.runs.end());
+  CHECK(kinds.size() == s.runs.size());
+  for (const run_kind k : {run_kind::static_tp, run_kind::static_ep, run_kind::static_tp_dcp2,
+                           run_kind::static_tep_dcp2, run_kind::switching, run_kind::progressive,
+                           run_kind::paper_policy, run_kind::by_cost, run_kind::switching_dcp2,
+                           run_kind::experts_only})
+    CHECK(kinds.count(k) == 1);
+  std::set<std::string> labels;
+  for (const run_kind k : s.runs) labels.insert(label_of(k));
+  CHECK(labels.size() == s.runs.size());
+  CHECK(std::string(label_of(run_kind::static_tep_dcp2)) == "static TEP-DCP2");
+  CHECK(std::string(label_of(run_kind::experts_only)) == "ours experts");
+  CHECK(deployment_of(run_kind::static_tp_dcp2) == deployment_kind::static_tp_dcp2);
+  CHECK(deployment_of(run_kind::switching_dcp2) == deployment_kind::switching_dcp2);
+  CHECK(deployment_of(run_kind::experts_only) == deployment_kind::experts_only);
+  CHECK(deployment_of(run_kind::by_cost) == deployment_kind::switching);
+  CHECK(is_static(run_kind::static_tep_dcp2));
+  CHECK_FALSE(is_static(run_kind::experts_only));
+  CHECK(is_other_design(run_kind::experts_only));
+  CHECK_FALSE(is_other_design(run_kind::switching));
+  // The layouts each design serves in, large-batch layout first.
+  CHECK(layouts_of(sim_deployment_of(deployment_kind::experts_only)) == "TEP-DCP2 <-> TP-DCP2");
+  CHECK(layouts_of(sim_deployment_of(deployment_kind::switching_dcp2)) == "EP <-> TP-DCP2");
+  CHECK(layouts_of(sim_deployment_of(deployment_kind::static_tep_dcp2)) == "TEP-DCP2");
+}
+
+TEST_CASE("the capacity line: every deployment once, its tokens as worked out by hand",
+          "[cpu][demo]") {
+  // Tokens (test_serving_deployment works them out): static TP 1,439,278, TP-DCP2 and TEP-DCP2
+  // 2,878,556, EP 2,301,072; the paper's design EP 2,275,968 / TP 1,137,987; EP <-> TP-DCP2
+  // 2,275,968 / 2,275,974; experts only 2,853,456 in both.
+  const std::string line = capacity_line(sim_settings().runs);
+  CHECK(line ==
+        "KV tokens: static TP 1.44M, static EP 2.30M, static TP-DCP2 2.88M, static TEP-DCP2 "
+        "2.88M; switching EP 2.28M / TP 1.14M, switching DCP2 EP 2.28M / TP-DCP2 2.28M, experts "
+        "only TEP-DCP2 2.85M / TP-DCP2 2.85M");
+  const std::vector<run_kind> paper = {run_kind::static_tp, run_kind::static_ep,
+                                       run_kind::switching, run_kind::progressive};
+  CHECK(capacity_line(paper) == "KV tokens: static TP 1.44M, static EP 2.30M; switching EP 2.28M / TP 1.14M");
+}
+
+TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from TP's, said so",
+          "[cpu][demo]") {
+  options o;
+  o.runtime = runtime_kind::sim;
+  const demo_clock c = make_sim_clock(o);
+  CHECK_THAT(c.curves_summary, Catch::Matchers::Contains("step curves: TP, EP measured") &&
+                                   Catch::Matchers::Contains("TP-DCP2, TEP-DCP2 PRICED, not measured"));
+  // A TEP-DCP2 decode step of 64 sequences at 4,096 tokens, recomputed from TP's region curve
+  // at 2,048 tokens: plus 94 x DCP's exchange (3 x 10 us + (64 x 8 x 128 x 2 x 2 + 64 x 2 x 8 x 4)
+  // B at 389 GB/s) and EP's expert term less TP's (at 64 tokens every rank touches all 16 of its
+  // experts, TP 125.9 of 128 slices: 94 x 37,748,736 x (16 - 125.9 / 8) B at 4 TB/s).
+  const std::optional<step_curves> region = step_curves::region("qwen3_235b", 8);
+  REQUIRE(region.has_value());
+  const double tp_ms = region->step_ms(parallel_mode::tp, 64, 2048);
+  const double exchange_ms = 94 * (30e-3 + (64.0 * 8 * 128 * 2 * 2 + 64.0 * 2 * 8 * 4) / 389e9 * 1e3);
+  const double touched_tp = 128 * (1 - std::pow(1 - 8.0 / 128, 64));
+  const double mean_ep = 16 * (1 - std::pow(1 - 8.0 / 128, 64));
+  const double experts_ms = 94 * 37'748'736.0 *
+                            (std::min(16.0, mean_ep + std::sqrt(mean_ep)) - touched_tp / 8) / 4e12 *
+                            1e3;
+  step_cost s;
+  s.set(k_tep_dcp2);
+  s.num_ranks = 8;
+  s.num_sequences = s.new_tokens = 64;
+  s.context_tokens = 64 * 4096;
+  CHECK(c.clock->step_s(s, 0) * 1e3 == Approx(tp_ms + exchange_ms + experts_ms).epsilon(1e-9));
+  // The paper's configurations keep their measured curves.
+  s.set(k_tp);
+  s.context_tokens = 64 * 2048;
+  CHECK(c.clock->step_s(s, 0) * 1e3 == Approx(tp_ms).epsilon(1e-12));
+}
+
+TEST_CASE("the designs verdict: the best switching design against the paper's baselines and "
+          "every static configuration",
+          "[cpu][demo]") {
+  fake_runs f;
+  f.add(run_kind::static_tp, 100);
+  f.add(run_kind::static_ep, 80);
+  f.add(run_kind::static_tp_dcp2, 60);
+  f.add(run_kind::static_tep_dcp2, 70);
+  f.add(run_kind::switching, 78);
+  f.add(run_kind::progressive, 50);  // a style of the paper's design, not a design of its own
+  f.add(run_kind::switching_dcp2, 65);
+  f.add(run_kind::experts_only, 58);
+  std::optional<designs_verdict> v = designs_verdict_of(f.runs, f.m, true);
+  REQUIRE(v.has_value());
+  CHECK(v->design == at(f, run_kind::experts_only));
+  CHECK(v->paper == at(f, run_kind::static_ep));
+  CHECK(v->best_static == at(f, run_kind::static_tp_dcp2));
+  // 80 / 58 = 1.379x static EP; 60 / 58 = 1.034x static TP-DCP2.
+  CHECK(v->line ==
+        "designs: the best switching design is ours experts (58 s): 1.379x static EP (the better "
+        "of static TP and EP); 1.034x static TP-DCP2 (the best of the 4 static configurations)");
+  // Interactive: by interactive goodput, then tokens/s; static TP ties the design and is the
+  // best of the statics.
+  fake_runs g;
+  g.add(run_kind::static_tp, 0, 3.4, 1543);
+  g.add(run_kind::static_ep, 0, 0.15, 1481);
+  g.add(run_kind::static_tp_dcp2, 0, 0.64, 1515);
+  g.add(run_kind::switching, 0, 3.4, 1543);
+  g.add(run_kind::switching_dcp2, 0, 0.27, 1512);
+  g.add(run_kind::experts_only, 0, 3.4, 1500);
+  v = designs_verdict_of(g.runs, g.m, false);
+  REQUIRE(v.has_value());
+  CHECK(v->design == at(g, run_kind::switching));
+  CHECK(v->paper == at(g, run_kind::static_tp));
+  CHECK(v->best_static == v->paper);
+  CHECK_THAT(v->line, Catch::Matchers::Contains("is ours, against static TP: goodput 3.40 vs 3.40/s") &&
+                          Catch::Matchers::Contains("and the best of the 3 static configurations"));
+  // Only the paper's runs: nothing to say.
+  fake_runs p;
+  p.add(run_kind::static_tp, 100);
+  p.add(run_kind::static_ep, 80);
+  p.add(run_kind::switching, 78);
+  CHECK_FALSE(designs_verdict_of(p.runs, p.m, true).has_value());
+}
