@@ -173,7 +173,7 @@ inline run_agreement runs_agree(const std::vector<sequence_run>& a,
                            std::max(1.0, std::fabs(static_cast<double>(la[v])));
         r.max_rel = std::max(r.max_rel, rel);
         r.differing += std::memcmp(&la[v], &lb[v], sizeof(float)) != 0;
-        if (rel > tol)
+        if (!(rel <= tol))  // NaN fails too
           fail("sequence " + std::to_string(i) + " sample " + std::to_string(s) + " logit " +
                std::to_string(v) + ": " + std::to_string(la[v]) + " vs " +
                std::to_string(lb[v]));
