@@ -34,6 +34,12 @@ struct driver_state {
   std::function<moebius::arena_cursor()> cursor;
   // Called before every step with the step's index (switch here).
   std::function<void(int64_t)> before_step = [](int64_t) {};
+  // When set, the step's layout (a hybrid one while a progressive switch is open) instead of
+  // {&tables(), cursor()}.
+  std::function<step_layout()> layout;
+  // Whether the driver grows the tables before each step. false: the caller reserved every
+  // sequence's final length up front (a progressive switch freezes the tables).
+  bool reserve = true;
 };
 
 // Runs prompts (chunked prefill of at most `chunk` tokens per step, one chunk per sequence
@@ -52,8 +58,9 @@ inline std::vector<sequence_run> drive(host_runtime& rt, driver_state& st,
     for (size_t j = 0; j < which.size(); ++j) {
       const size_t i = which[j];
       const int64_t n = counts[j];
-      reserve_tokens(rt.kv(), st.tables(), static_cast<int64_t>(100 + i), done[i] + n,
-                     static_cast<int>(i % static_cast<size_t>(rt.num_ranks())));
+      if (st.reserve)
+        reserve_tokens(rt.kv(), st.tables(), static_cast<int64_t>(100 + i), done[i] + n,
+                       static_cast<int>(i % static_cast<size_t>(rt.num_ranks())));
       step_item it;
       it.seq_id = static_cast<int64_t>(100 + i);
       it.tokens = std::span<const int32_t>(runs[i].tokens)
@@ -63,8 +70,8 @@ inline std::vector<sequence_run> drive(host_runtime& rt, driver_state& st,
       items.push_back(it);
     }
     std::vector<std::vector<float>> logits;
-    const moebius::kv_state& tables = st.tables();
-    const std::vector<int32_t> next = rt.step(step_layout{&tables, st.cursor()}, items, &logits);
+    const step_layout layout = st.layout ? st.layout() : step_layout{&st.tables(), st.cursor()};
+    const std::vector<int32_t> next = rt.step(layout, items, &logits);
     size_t li = 0;
     for (size_t j = 0; j < which.size(); ++j) {
       const size_t i = which[j];
