@@ -33,9 +33,10 @@ std::byte* host_runtime::kv_at(const rank_kv& kv, int64_t layer, kv_tensor t, in
   // EP pages hold every head and every position of the sequence; TP pages the rank's head
   // slice and its DCP share of the positions (token_place: dcp 1 gives page pos / page_size).
   if (kv.mode == parallel_mode::ep)
-    return pool_of(kv.rank) + kv_layout_.offset(kv.mode, layer, t,
-                                                kv.seq->pages[static_cast<size_t>(pos / g.page_size)],
-                                                head, pos % g.page_size, 0);
+    return pool_of(kv.rank) +
+           kv_layout_.offset(kv.mode, layer, t,
+                             kv.seq->pages[static_cast<size_t>(pos / g.page_size)], head,
+                             pos % g.page_size, 0);
   const moebius::kv_token_place at = g.token_place(pos);
   return pool_of(kv.rank) +
          kv_layout_.offset(kv.mode, layer, t, kv.seq->pages[static_cast<size_t>(at.local_page)],
@@ -53,14 +54,12 @@ void host_runtime::store_new_kv(int64_t layer, const rank_kv& kv, int64_t item_i
   const int64_t end = item.start_position + n;
   // The pages for positions [0, end) must be there: every page (EP) or the rank's share (TP).
   const int64_t logical = moebius::pages_for_tokens(end, g.page_size);
-  const int64_t pages = kv.mode == parallel_mode::ep
-                            ? logical
-                            : g.dcp_pages_held(logical, g.dcp_rank(kv.rank));
-  MOEBIUS_CHECK(kv.seq->num_tokens >= end && kv.seq->num_pages() >= pages,
-                errc::invalid_argument, "step: sequence ", kv.seq->seq_id, " on ",
-                moebius::to_string(kv.mode), " rank ", kv.rank, " holds ", kv.seq->num_tokens,
-                " tokens in ", kv.seq->num_pages(), " pages, the step needs ", end, " tokens in ",
-                pages);
+  const int64_t pages =
+      kv.mode == parallel_mode::ep ? logical : g.dcp_pages_held(logical, g.dcp_rank(kv.rank));
+  MOEBIUS_CHECK(kv.seq->num_tokens >= end && kv.seq->num_pages() >= pages, errc::invalid_argument,
+                "step: sequence ", kv.seq->seq_id, " on ", moebius::to_string(kv.mode), " rank ",
+                kv.rank, " holds ", kv.seq->num_tokens, " tokens in ", kv.seq->num_pages(),
+                " pages, the step needs ", end, " tokens in ", pages);
   const int64_t first = item_first_[static_cast<size_t>(item_index)];
   grow(kvtmp_, D);
   grow(qbuf_, D);
@@ -110,8 +109,7 @@ void host_runtime::project_queries(int64_t layer, int64_t item_index, const step
 }
 
 void host_runtime::partial_attention(int64_t layer, const rank_kv& kv, int64_t item_index,
-                                     const step_item& item, int64_t q0, int64_t q1,
-                                     int64_t part) {
+                                     const step_item& item, int64_t q0, int64_t q1, int64_t part) {
   const model_config& c = weights_.config;
   const int64_t D = c.head_dim, qdim = c.q_dim(), Hq = c.num_q_heads;
   const int64_t T = static_cast<int64_t>(tokens_.size());
@@ -172,15 +170,17 @@ void host_runtime::partial_attention(int64_t layer, const rank_kv& kv, int64_t i
   }
 }
 
-void host_runtime::merge_partials(int64_t item_index, const step_item& item, int64_t q0,
-                                  int64_t q1, int64_t num_parts) {
+void host_runtime::merge_partials(int64_t item_index, const step_item& item, int64_t q0, int64_t q1,
+                                  int64_t num_parts) {
   const model_config& c = weights_.config;
   const int64_t D = c.head_dim, qdim = c.q_dim(), Hq = c.num_q_heads;
   const int64_t T = static_cast<int64_t>(tokens_.size());
   const int64_t first = item_first_[static_cast<size_t>(item_index)];
   for (int64_t t = first; t < first + static_cast<int64_t>(item.tokens.size()); ++t)
     for (int64_t hq = q0; hq < q1; ++hq) {
-      auto lse_of = [&](int64_t k) { return part_lse_[static_cast<size_t>((k * T + t) * Hq + hq)]; };
+      auto lse_of = [&](int64_t k) {
+        return part_lse_[static_cast<size_t>((k * T + t) * Hq + hq)];
+      };
       // The all-gathered LSEs: lse = m + log(sum_k exp(lse_k - m)), m = max_k lse_k (finite:
       // DCP index 0 holds position 0, which every query sees).
       double m = -INFINITY;
@@ -257,8 +257,8 @@ void host_runtime::attention_tp(int64_t layer, const moebius::kv_state& tables,
       const int64_t item = static_cast<int64_t>(i);
       for (int k = 0; k < dcp; ++k) {
         const moebius::kv_sequence* seq = find_sequence(tables, r0 + k, items[i].seq_id);
-        MOEBIUS_CHECK(seq != nullptr, errc::invalid_argument, "step: sequence ",
-                      items[i].seq_id, " is not in TP rank ", r0 + k, "'s tables");
+        MOEBIUS_CHECK(seq != nullptr, errc::invalid_argument, "step: sequence ", items[i].seq_id,
+                      " is not in TP rank ", r0 + k, "'s tables");
         set[static_cast<size_t>(k)] = {r0 + k, parallel_mode::tp, seq};
         store_new_kv(layer, set[static_cast<size_t>(k)], item, items[i], kv0, kv1);
       }

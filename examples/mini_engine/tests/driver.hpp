@@ -115,9 +115,8 @@ struct static_state {
   driver_state driver;
   static_state(const host_runtime& rt, moebius::parallel_mode mode)
       : static_state(rt, mode,
-                     moebius::arena_cursor{mode == moebius::parallel_mode::tp
-                                               ? rt.config().num_layers
-                                               : 0}) {}
+                     moebius::arena_cursor{
+                         mode == moebius::parallel_mode::tp ? rt.config().num_layers : 0}) {}
   static_state(const host_runtime& rt, moebius::parallel_mode mode, moebius::arena_cursor c)
       : tables(make_empty_kv_state(rt.kv(), mode)), cursor(c) {
     driver.tables = [this]() -> moebius::kv_state& { return tables; };
@@ -142,11 +141,11 @@ inline void poison_kv(host_runtime& rt) {
 // must lie within tol * max(1, |a|) of a's.
 struct run_agreement {
   bool ok = true;
-  std::string why;          // the first disagreement
-  int64_t samples = 0;      // samples compared
-  int64_t near_ties = 0;    // sequences that parted at a near tie
-  double max_rel = 0;       // largest |b - a| / max(1, |a|) over the compared logits
-  int64_t differing = 0;    // compared logits whose bits differ
+  std::string why;        // the first disagreement
+  int64_t samples = 0;    // samples compared
+  int64_t near_ties = 0;  // sequences that parted at a near tie
+  double max_rel = 0;     // largest |b - a| / max(1, |a|) over the compared logits
+  int64_t differing = 0;  // compared logits whose bits differ
 };
 
 inline run_agreement runs_agree(const std::vector<sequence_run>& a,
@@ -182,8 +181,7 @@ inline run_agreement runs_agree(const std::vector<sequence_run>& a,
         r.differing += std::memcmp(&la[v], &lb[v], sizeof(float)) != 0;
         if (!(rel <= tol))  // NaN fails too
           fail("sequence " + std::to_string(i) + " sample " + std::to_string(s) + " logit " +
-               std::to_string(v) + ": " + std::to_string(la[v]) + " vs " +
-               std::to_string(lb[v]));
+               std::to_string(v) + ": " + std::to_string(la[v]) + " vs " + std::to_string(lb[v]));
       }
     }
   }

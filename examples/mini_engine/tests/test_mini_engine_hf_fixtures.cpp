@@ -137,7 +137,7 @@ TEST_CASE("checkpoints transformers wrote: the host runtime gives transformers' 
             const double theirs = f.logits[p * static_cast<size_t>(V) + static_cast<size_t>(v)];
             const double d = std::fabs(ours[p][static_cast<size_t>(v)] - theirs);
             worst = std::max(worst, d / std::max(1.0, std::fabs(theirs)));  // (NaN: caught below)
-            if (!(d <= 1e-4 * std::max(1.0, std::fabs(theirs)))) {  // NaN fails too
+            if (!(d <= 1e-4 * std::max(1.0, std::fabs(theirs)))) {          // NaN fails too
               INFO("position " << p << " token " << v << ": ours " << ours[p][static_cast<size_t>(v)]
                                << ", transformers " << theirs);
               REQUIRE(d <= 1e-4 * std::max(1.0, std::fabs(theirs)));
@@ -176,9 +176,10 @@ TEST_CASE("checkpoints transformers wrote: config.json as transformers 5 spells 
   }
 }
 
-TEST_CASE("checkpoints transformers wrote: every attention/experts layout and KV-parallel "
-          "degree gives transformers' logits",
-          "[hf][dcp]") {
+TEST_CASE(
+    "checkpoints transformers wrote: every attention/experts layout and KV-parallel "
+    "degree gives transformers' logits",
+    "[hf][dcp]") {
   const auto all = fixtures();
   REQUIRE(all.size() >= 5);
   double worst = 0;
@@ -235,7 +236,7 @@ TEST_CASE("checkpoints transformers wrote: every attention/experts layout and KV
               const double theirs = f.logits[p * static_cast<size_t>(V) + static_cast<size_t>(v)];
               const double d = std::fabs(ours[p][static_cast<size_t>(v)] - theirs);
               worst = std::max(worst, d / std::max(1.0, std::fabs(theirs)));  // (NaN: caught below)
-              if (!(d <= 1e-4 * std::max(1.0, std::fabs(theirs)))) {  // NaN fails too
+              if (!(d <= 1e-4 * std::max(1.0, std::fabs(theirs)))) {          // NaN fails too
                 INFO("position " << p << " token " << v << ": ours "
                                  << ours[p][static_cast<size_t>(v)] << ", transformers " << theirs);
                 REQUIRE(d <= 1e-4 * std::max(1.0, std::fabs(theirs)));
@@ -254,8 +255,9 @@ TEST_CASE("checkpoints transformers wrote: every attention/experts layout and KV
         }
     }
   }
-  std::printf("hf fixtures, every layout: %lld runs with dcp > 1, largest logit difference from "
-              "transformers %.3g\n",
-              static_cast<long long>(dcp_runs), worst);
+  std::printf(
+      "hf fixtures, every layout: %lld runs with dcp > 1, largest logit difference from "
+      "transformers %.3g\n",
+      static_cast<long long>(dcp_runs), worst);
   CHECK(dcp_runs >= 12);
 }

@@ -19,8 +19,8 @@
 #include "host_runtime.hpp"
 #include "kv_pages.hpp"
 #include "layouts.hpp"
-#include "numerics.hpp"
 #include "model_config.hpp"
+#include "numerics.hpp"
 #include "random_model.hpp"
 #include "reference.hpp"
 #include "weights.hpp"
@@ -82,7 +82,8 @@ int64_t check_tp_shares(const host_runtime& rt, const moebius::kv_state& tp,
   const std::vector<moebius::rank_memory> mem = const_cast<host_runtime&>(rt).memory();
   const std::vector<moebius::rank_memory> ep_mem = const_cast<host_runtime&>(ep_rt).memory();
   for (int r = 0; r < P; ++r) {
-    const std::byte* pool = mem[static_cast<size_t>(r)].space(moebius::memory_space::kv_pool).data();
+    const std::byte* pool =
+        mem[static_cast<size_t>(r)].space(moebius::memory_space::kv_pool).data();
     const int64_t k = r % dcp, slice = r * split / P;
     std::vector<char> listed(static_cast<size_t>(g.num_tp_pages()), 0);
     // Which bytes of a listed page hold a token: the rest must stay poison too.
@@ -107,11 +108,10 @@ int64_t check_tp_shares(const host_runtime& rt, const moebius::kv_state& tp,
           for (int64_t l = 0; l < c.num_layers; ++l)
             for (moebius::kv_tensor t : {moebius::kv_tensor::k, moebius::kv_tensor::v})
               for (int64_t h = 0; h < slice_heads; ++h) {
-                const std::byte* got =
-                    pool + g.offset(parallel_mode::tp, l, t, page, h, slot, 0);
-                const std::byte* want =
-                    ep_pool + g.offset(parallel_mode::ep, l, t, eq->pages[static_cast<size_t>(logical)],
-                                       slice * slice_heads + h, slot, 0);
+                const std::byte* got = pool + g.offset(parallel_mode::tp, l, t, page, h, slot, 0);
+                const std::byte* want = ep_pool + g.offset(parallel_mode::ep, l, t,
+                                                           eq->pages[static_cast<size_t>(logical)],
+                                                           slice * slice_heads + h, slot, 0);
                 ++compared;
                 if (l == 0) {
                   REQUIRE(std::memcmp(got, want, static_cast<size_t>(row_bytes)) == 0);
@@ -119,7 +119,8 @@ int64_t check_tp_shares(const host_runtime& rt, const moebius::kv_state& tp,
                 }
                 for (int64_t d = 0; d < D; ++d) {
                   const int64_t at = d * moebius::dtype_bytes(c.kv_dtype);
-                  const double a = kv_value(want + at, c.kv_dtype), b = kv_value(got + at, c.kv_dtype);
+                  const double a = kv_value(want + at, c.kv_dtype),
+                               b = kv_value(got + at, c.kv_dtype);
                   REQUIRE(std::fabs(a - b) <= tol * std::max(1.0, std::fabs(a)));
                 }
               }
@@ -132,8 +133,9 @@ int64_t check_tp_shares(const host_runtime& rt, const moebius::kv_state& tp,
         for (moebius::kv_tensor t : {moebius::kv_tensor::k, moebius::kv_tensor::v})
           for (int64_t h = 0; h < slice_heads; ++h)
             for (int64_t slot = used_slots[static_cast<size_t>(page)]; slot < ps; ++slot) {
-              INFO("rank " << r << " page " << page << (listed[static_cast<size_t>(page)] ? " (listed)" : "")
-                           << " layer " << l << " head " << h << " slot " << slot);
+              INFO("rank " << r << " page " << page
+                           << (listed[static_cast<size_t>(page)] ? " (listed)" : "") << " layer "
+                           << l << " head " << h << " slot " << slot);
               REQUIRE(all_poison(pool + g.offset(parallel_mode::tp, l, t, page, h, slot, 0),
                                  row_bytes));
             }
@@ -315,73 +317,74 @@ TEST_CASE("every static layout gives the reference's tokens; TP(dcp) ranks hold 
   double worst = 0;
   struct variant {
     dtype experts, kv;
-    double ref_tol;   // against the reference (host runtime vs float64: the first test's)
-    double share_tol; // K/V of layers > 0 against EP's (one rounding of an input apart)
+    double ref_tol;    // against the reference (host runtime vs float64: the first test's)
+    double share_tol;  // K/V of layers > 0 against EP's (one rounding of an input apart)
   };
   const variant variants[] = {{dtype::fp32, dtype::fp32, 1e-4, 1e-4},
                               {dtype::fp8_e4m3, dtype::fp32, 1e-4, 1e-4},
                               {dtype::bf16, dtype::bf16, 2e-2, 1e-2}};
   for (int P : {2, 4, 8})
     for (int round = 0; round < 2; ++round)
-    for (const variant& var : variants) {
-      model_config c;
-      do c = random_config(rng, P, var.experts, var.kv);
-      while (c.num_kv_heads >= P);  // replicated KV heads: some dcp > 1 is allowed
-      const model_weights w = make_weights(c, rng());
-      const auto prompts = mini_engine::testing::random_prompts(rng, 4, 20, c.vocab);
-      const int64_t chunk = pick(rng, {1, 3, 5, 16});
-      const int64_t decode = 5;
-      std::unique_ptr<host_runtime> ep_rt;
-      std::unique_ptr<static_state> ep_state;
-      std::vector<mini_engine::testing::sequence_run> ep_runs;
-      for (const layout_case& lay : mini_engine::testing::every_layout(c, P)) {
-        INFO(c << " P=" << P << " chunk " << chunk << ": " << lay);
-        auto rt = std::make_unique<host_runtime>(w, lay.options(P, 128));
-        REQUIRE(rt->kv().dcp == lay.dcp);
-        mini_engine::testing::poison_kv(*rt);
-        auto st = std::make_unique<static_state>(*rt, lay.attention,
-                                                 moebius::arena_cursor{lay.cursor});
-        const auto runs = drive(*rt, st->driver, prompts, chunk, decode);
-        near_ties += check_against_reference(w, prompts, runs, var.ref_tol);
-        if (!ep_rt) {  // EP/EP, the first layout: what the others are compared with
-          ep_runs = runs;
-          ep_rt = std::move(rt);
-          ep_state = std::move(st);
-          continue;
-        }
-        const auto a = mini_engine::testing::runs_agree(ep_runs, runs, 1e-5);
-        INFO(a.why);
-        REQUIRE(a.ok);
-        near_ties += a.near_ties;
-        worst = std::max(worst, a.max_rel);
-        differing += a.differing;
-        compared_logits += a.samples * c.vocab;
-        dcp_layouts += lay.dcp > 1;
-        if (lay.attention == parallel_mode::tp) {
-          // Positions whose K/V both runs computed from the same tokens (up to a parting).
-          std::vector<int64_t> written(prompts.size());
-          for (size_t i = 0; i < prompts.size(); ++i) {
-            const auto& x = ep_runs[i].tokens;
-            const auto& y = runs[i].tokens;
-            const size_t fed = std::min(x.size(), y.size()) - 1;
-            written[i] = static_cast<int64_t>(
-                std::mismatch(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(fed), y.begin())
-                    .first -
-                x.begin());
+      for (const variant& var : variants) {
+        model_config c;
+        do c = random_config(rng, P, var.experts, var.kv);
+        while (c.num_kv_heads >= P);  // replicated KV heads: some dcp > 1 is allowed
+        const model_weights w = make_weights(c, rng());
+        const auto prompts = mini_engine::testing::random_prompts(rng, 4, 20, c.vocab);
+        const int64_t chunk = pick(rng, {1, 3, 5, 16});
+        const int64_t decode = 5;
+        std::unique_ptr<host_runtime> ep_rt;
+        std::unique_ptr<static_state> ep_state;
+        std::vector<mini_engine::testing::sequence_run> ep_runs;
+        for (const layout_case& lay : mini_engine::testing::every_layout(c, P)) {
+          INFO(c << " P=" << P << " chunk " << chunk << ": " << lay);
+          auto rt = std::make_unique<host_runtime>(w, lay.options(P, 128));
+          REQUIRE(rt->kv().dcp == lay.dcp);
+          mini_engine::testing::poison_kv(*rt);
+          auto st =
+              std::make_unique<static_state>(*rt, lay.attention, moebius::arena_cursor{lay.cursor});
+          const auto runs = drive(*rt, st->driver, prompts, chunk, decode);
+          near_ties += check_against_reference(w, prompts, runs, var.ref_tol);
+          if (!ep_rt) {  // EP/EP, the first layout: what the others are compared with
+            ep_runs = runs;
+            ep_rt = std::move(rt);
+            ep_state = std::move(st);
+            continue;
           }
-          rows += check_tp_shares(*rt, st->tables, *ep_rt, ep_state->tables, written,
-                                  var.share_tol);
+          const auto a = mini_engine::testing::runs_agree(ep_runs, runs, 1e-5);
+          INFO(a.why);
+          REQUIRE(a.ok);
+          near_ties += a.near_ties;
+          worst = std::max(worst, a.max_rel);
+          differing += a.differing;
+          compared_logits += a.samples * c.vocab;
+          dcp_layouts += lay.dcp > 1;
+          if (lay.attention == parallel_mode::tp) {
+            // Positions whose K/V both runs computed from the same tokens (up to a parting).
+            std::vector<int64_t> written(prompts.size());
+            for (size_t i = 0; i < prompts.size(); ++i) {
+              const auto& x = ep_runs[i].tokens;
+              const auto& y = runs[i].tokens;
+              const size_t fed = std::min(x.size(), y.size()) - 1;
+              written[i] = static_cast<int64_t>(
+                  std::mismatch(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(fed), y.begin())
+                      .first -
+                  x.begin());
+            }
+            rows +=
+                check_tp_shares(*rt, st->tables, *ep_rt, ep_state->tables, written, var.share_tol);
+          }
         }
       }
-    }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("layouts: %lld TP(dcp > 1) runs, %lld K/V rows checked against their shares, "
-              "%lld near ties; vs EP/EP: largest logit difference %.3g, %lld of %lld logits "
-              "differ in bits (%.1f s)\n",
-              static_cast<long long>(dcp_layouts), static_cast<long long>(rows),
-              static_cast<long long>(near_ties), worst, static_cast<long long>(differing),
-              static_cast<long long>(compared_logits), seconds);
+  std::printf(
+      "layouts: %lld TP(dcp > 1) runs, %lld K/V rows checked against their shares, "
+      "%lld near ties; vs EP/EP: largest logit difference %.3g, %lld of %lld logits "
+      "differ in bits (%.1f s)\n",
+      static_cast<long long>(dcp_layouts), static_cast<long long>(rows),
+      static_cast<long long>(near_ties), worst, static_cast<long long>(differing),
+      static_cast<long long>(compared_logits), seconds);
   CHECK(dcp_layouts >= 24);
 }
 

@@ -11,8 +11,8 @@
 #include <cstring>
 #include <moebius/switch/progressive.hpp>
 #include <moebius/switch/switcher.hpp>
-#include <optional>
 #include <moebius/transport/host_transport.hpp>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -139,8 +139,7 @@ TEST_CASE("a switch at every step, both directions, matches both static runs", "
   }
 }
 
-TEST_CASE("EP -> TP(dcp) and back mid-generation gives the static runs' tokens",
-          "[switch][dcp]") {
+TEST_CASE("EP -> TP(dcp) and back mid-generation gives the static runs' tokens", "[switch][dcp]") {
   std::mt19937_64 rng(5150);
   const dtype expert_types[] = {dtype::fp32, dtype::bf16, dtype::fp8_e4m3};
   int64_t switches = 0, runs = 0, near_ties = 0, differing = 0;
@@ -221,16 +220,18 @@ TEST_CASE("EP -> TP(dcp) and back mid-generation gives the static runs' tokens",
         worst = std::max(worst, a.max_rel);
       }
     }
-  std::printf("switch EP <-> TP(dcp): %lld runs, %lld switches, %lld near ties, largest logit "
-              "difference from the static runs %.3g, %lld logits differ in bits\n",
-              static_cast<long long>(runs), static_cast<long long>(switches),
-              static_cast<long long>(near_ties), worst, static_cast<long long>(differing));
+  std::printf(
+      "switch EP <-> TP(dcp): %lld runs, %lld switches, %lld near ties, largest logit "
+      "difference from the static runs %.3g, %lld logits differ in bits\n",
+      static_cast<long long>(runs), static_cast<long long>(switches),
+      static_cast<long long>(near_ties), worst, static_cast<long long>(differing));
   CHECK(switches >= 2 * runs);
 }
 
-TEST_CASE("a progressive EP -> TP(dcp) switch and back, layers moving between steps, gives the "
-          "static runs' tokens",
-          "[switch][dcp][progressive]") {
+TEST_CASE(
+    "a progressive EP -> TP(dcp) switch and back, layers moving between steps, gives the "
+    "static runs' tokens",
+    "[switch][dcp][progressive]") {
   // While the session is open each step is hybrid (step.hpp): layers below the cursor attend
   // over the TP(dcp) tables and run TP experts, the rest EP, with the activation hand-off
   // between. The tables are frozen meanwhile, so every sequence's final length is reserved
@@ -243,7 +244,7 @@ TEST_CASE("a progressive EP -> TP(dcp) switch and back, layers moving between st
       model_config c;
       do c = random_config(rng, P, trial == 0 ? dtype::fp32 : dtype::fp8_e4m3, kv);
       while (c.num_kv_heads >= P || c.num_layers < 2);  // dcp > 1, and a hybrid in between
-      const int64_t dcp = P / c.num_kv_heads;  // the largest allowed
+      const int64_t dcp = P / c.num_kv_heads;           // the largest allowed
       const model_weights w = make_weights(c, rng());
       const auto prompts = mini_engine::testing::random_prompts(rng, 4, 12, c.vocab);
       const int64_t chunk = pick(rng, {2, 5});
@@ -297,8 +298,8 @@ TEST_CASE("a progressive EP -> TP(dcp) switch and back, layers moving between st
         }
         if (!session && step >= 1 && begun < 2) {
           ++begun;
-          session.emplace(sw.begin(sw.mode() == parallel_mode::ep ? parallel_mode::tp
-                                                                  : parallel_mode::ep));
+          session.emplace(
+              sw.begin(sw.mode() == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep));
           REQUIRE(session->open());
           ++sessions;
         }
@@ -320,10 +321,11 @@ TEST_CASE("a progressive EP -> TP(dcp) switch and back, layers moving between st
         near_ties += a.near_ties;
       }
     }
-  std::printf("progressive EP <-> TP(dcp): %lld runs, %lld sessions, %lld hybrid steps, %lld near "
-              "ties\n",
-              static_cast<long long>(runs), static_cast<long long>(sessions),
-              static_cast<long long>(hybrid_steps), static_cast<long long>(near_ties));
+  std::printf(
+      "progressive EP <-> TP(dcp): %lld runs, %lld sessions, %lld hybrid steps, %lld near "
+      "ties\n",
+      static_cast<long long>(runs), static_cast<long long>(sessions),
+      static_cast<long long>(hybrid_steps), static_cast<long long>(near_ties));
   CHECK(sessions >= 2 * runs);
   CHECK(hybrid_steps >= runs);
 }
