@@ -30,7 +30,10 @@ void host_runtime::lay_out(const host_runtime_options& options) {
   arena_geometry_ = moebius::make_arena_geometry(expert_shape_of(c), options.num_ranks,
                                                  options.tensor_alignment, options.slot_alignment);
   moebius::validate(arena_geometry_, options.cursor);
-  kv_geometry_ = kv_geometry_of(c, options.num_ranks, options.num_ep_pages);
+  // The TP view's KV-parallel degree: the library's check refuses a dcp that does not divide
+  // P/Hkv (naming dcp).
+  kv_geometry_ =
+      moebius::with_dcp(kv_geometry_of(c, options.num_ranks, options.num_ep_pages), options.dcp);
   kv_layout_ = moebius::kv_preset_layout(options.kv_preset, kv_geometry_);
   MOEBIUS_CHECK(kv_layout_.pool_bytes == kv_geometry_.pool_bytes() && kv_layout_.segment_bytes == 0,
                 errc::invalid_argument, "host_runtime: the ", moebius::to_string(options.kv_preset),

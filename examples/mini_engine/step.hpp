@@ -27,8 +27,14 @@ struct step_item {
 // Where the model's layers are: the page tables and the arena cursor.
 //
 // Static (tables set, tp_tables/ep_tables null): every layer's attention runs in the mode of
-// `tables`; each layer's MoE follows the cursor (layers below it TP, the rest EP). A static
-// deployment has cursor 0 (EP) or L (TP) with tables of the same mode.
+// `tables` (TP: over the tables' geometry's KV-parallel degree, kv_geometry::dcp); each layer's
+// MoE follows the cursor (layers below it TP, the rest EP). A static layout may rest at any
+// cursor with either table mode: attention by the tables, experts by the cursor.
+//   EP tables, cursor 0: data-parallel attention, EP experts;  TP tables, cursor L: all TP;
+//   TP tables, cursor 0: TP attention, EP experts;  EP tables, cursor L: data-parallel
+//   attention, TP experts;  any cursor in between: the first layers' experts TP, the rest EP.
+// (A moebius::switcher starts from and commits only cursor 0 with EP tables or L with TP
+// tables; the mixed layouts are static deployments it does not switch.)
 //
 // Hybrid (tp_tables and ep_tables both set; `tables` ignored): a progressive switch is in
 // progress (moebius::progressive_switch, built from its view() by during()). Layer l runs
