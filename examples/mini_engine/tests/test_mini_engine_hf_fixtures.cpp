@@ -93,6 +93,25 @@ std::vector<std::vector<float>> forced_logits(host_runtime& rt, driver_state& st
   return out;
 }
 
+// Every logit of `ours` ([positions][V]) within 1e-4 relative (to max(1, |theirs|)) of the
+// fixture's; REQUIREs it (a NaN fails too) and returns the worst relative difference.
+double compare_to_fixture(const std::vector<std::vector<float>>& ours, const fixture& f,
+                          size_t positions, int64_t V) {
+  double worst = 0;
+  for (size_t p = 0; p < positions; ++p)
+    for (int64_t v = 0; v < V; ++v) {
+      const double theirs = f.logits[p * static_cast<size_t>(V) + static_cast<size_t>(v)];
+      const double d = std::fabs(ours[p][static_cast<size_t>(v)] - theirs);
+      worst = std::max(worst, d / std::max(1.0, std::fabs(theirs)));
+      if (!(d <= 1e-4 * std::max(1.0, std::fabs(theirs)))) {  // NaN fails too
+        INFO("position " << p << " token " << v << ": ours " << ours[p][static_cast<size_t>(v)]
+                         << ", transformers " << theirs);
+        REQUIRE(d <= 1e-4 * std::max(1.0, std::fabs(theirs)));
+      }
+    }
+  return worst;
+}
+
 }  // namespace
 
 TEST_CASE("checkpoints transformers wrote: the host runtime gives transformers' logits",
@@ -132,17 +151,7 @@ TEST_CASE("checkpoints transformers wrote: the host runtime gives transformers' 
             ++switches;
           };
         const auto ours = forced_logits(rt, st, tokens);
-        for (size_t p = 0; p < tokens.size(); ++p)
-          for (int64_t v = 0; v < V; ++v) {
-            const double theirs = f.logits[p * static_cast<size_t>(V) + static_cast<size_t>(v)];
-            const double d = std::fabs(ours[p][static_cast<size_t>(v)] - theirs);
-            worst = std::max(worst, d / std::max(1.0, std::fabs(theirs)));  // (NaN: caught below)
-            if (!(d <= 1e-4 * std::max(1.0, std::fabs(theirs)))) {          // NaN fails too
-              INFO("position " << p << " token " << v << ": ours " << ours[p][static_cast<size_t>(v)]
-                               << ", transformers " << theirs);
-              REQUIRE(d <= 1e-4 * std::max(1.0, std::fabs(theirs)));
-            }
-          }
+        worst = std::max(worst, compare_to_fixture(ours, f, tokens.size(), V));
         if (how == 2) CHECK(switches == static_cast<int64_t>(tokens.size()) - 1);
 
         // Free-running greedy decode: transformers' tokens.
@@ -231,17 +240,7 @@ TEST_CASE(
           }
           const auto ours = forced_logits(rt, st, tokens);
           dcp_runs += lay.dcp > 1;
-          for (size_t p = 0; p < tokens.size(); ++p)
-            for (int64_t v = 0; v < V; ++v) {
-              const double theirs = f.logits[p * static_cast<size_t>(V) + static_cast<size_t>(v)];
-              const double d = std::fabs(ours[p][static_cast<size_t>(v)] - theirs);
-              worst = std::max(worst, d / std::max(1.0, std::fabs(theirs)));  // (NaN: caught below)
-              if (!(d <= 1e-4 * std::max(1.0, std::fabs(theirs)))) {          // NaN fails too
-                INFO("position " << p << " token " << v << ": ours "
-                                 << ours[p][static_cast<size_t>(v)] << ", transformers " << theirs);
-                REQUIRE(d <= 1e-4 * std::max(1.0, std::fabs(theirs)));
-              }
-            }
+          worst = std::max(worst, compare_to_fixture(ours, f, tokens.size(), V));
           if (switching) {
             CHECK(switches == static_cast<int64_t>(tokens.size()) - 1);
             continue;

@@ -40,6 +40,21 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// The static runs of `prompts` in EP (cursor 0, EP tables) and in TP (cursor L, TP tables over
+// options.dcp), in that order.
+std::vector<std::vector<mini_engine::testing::sequence_run>> static_ep_and_tp_runs(
+    const model_weights& w, host_runtime_options o, const std::vector<std::vector<int32_t>>& prompts,
+    int64_t chunk, int64_t decode) {
+  std::vector<std::vector<mini_engine::testing::sequence_run>> runs;
+  for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+    o.cursor = moebius::arena_cursor{m == parallel_mode::tp ? w.config.num_layers : 0};
+    host_runtime rt(w, o);
+    static_state st(rt, m);
+    runs.push_back(drive(rt, st.driver, prompts, chunk, decode));
+  }
+  return runs;
+}
+
 }  // namespace
 
 TEST_CASE("switching at random steps gives the tokens and logits of a static run", "[switch]") {
@@ -168,13 +183,7 @@ TEST_CASE("EP -> TP(dcp) and back mid-generation gives the static runs' tokens",
       o.num_ep_pages = 96;
       o.dcp = dcp;
       // The static runs: EP (cursor 0) and TP(dcp) (cursor L).
-      std::vector<std::vector<mini_engine::testing::sequence_run>> statics;
-      for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
-        o.cursor = moebius::arena_cursor{m == parallel_mode::tp ? c.num_layers : 0};
-        host_runtime rt(w, o);
-        static_state st(rt, m);
-        statics.push_back(drive(rt, st.driver, prompts, chunk, decode));
-      }
+      const auto statics = static_ep_and_tp_runs(w, o, prompts, chunk, decode);
 
       // Switched from EP: to TP(dcp) at a random step of the prefill or decode, back to EP at a
       // later one, and maybe again.
@@ -259,13 +268,7 @@ TEST_CASE(
       o.num_ranks = P;
       o.num_ep_pages = 96;
       o.dcp = dcp;
-      std::vector<std::vector<mini_engine::testing::sequence_run>> statics;
-      for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
-        o.cursor = moebius::arena_cursor{m == parallel_mode::tp ? c.num_layers : 0};
-        host_runtime rt(w, o);
-        static_state st(rt, m);
-        statics.push_back(drive(rt, st.driver, prompts, chunk, decode));
-      }
+      const auto statics = static_ep_and_tp_runs(w, o, prompts, chunk, decode);
 
       o.cursor = moebius::arena_cursor{0};
       host_runtime rt(w, o);
