@@ -2,10 +2,12 @@
 # The GPU checks of the layouts and kernel changes, in one call on the device machine, from a
 # carry built here with
 #   scripts/carry-build test_mini_engine_gpu_kernels test_switch_layouts_gpu \
-#     test_mini_engine_gpu_model test_kv_migration_gpu moebius_demo bench_mini_engine_rank_share
+#     test_mini_engine_gpu_model test_kv_migration_gpu test_mini_engine_gpu_runtime moebius_demo \
+#     bench_mini_engine_rank_share
 # plus .carry/bin/bench_rank_share_before: the same bench built from the kernels before the
 # router/combine change (the before/after runs in this one call, on one card).
 #   tests    the GPU tests of the layouts' switches, the kernels, the model and KV migration
+#   runtime  the GPU runtime serving TP attention with EP experts and the reverse (virtual ranks)
 #   demo     moebius_demo on the GPU runtime: its greedy-token digests
 #   profile  the rank-share stage profile, batch 2,048, context 512, before and after, every
 #            layout (MOEBIUS_BENCH_LAYERS: 40 on an 80 GB card, 94 on an H200)
@@ -22,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 layers=$([ "${mem_mib:-0}" -gt 100000 ] && echo 94 || echo 40)
 echo "layers: $layers"
-for part in "${@:-tests demo profile curves}"; do
+for part in "${@:-tests runtime demo profile curves}"; do
   for p in $part; do
     t0=$SECONDS
     case $p in
@@ -31,6 +33,10 @@ for part in "${@:-tests demo profile curves}"; do
           '^test_(switch_layouts_gpu|mini_engine_gpu_(kernels|model)|kv_migration_gpu)$' \
           >"$OUT/tests.txt" 2>&1 || status=1
         grep -E '^(PASS|FAIL|SKIP|tests:)' "$OUT/tests.txt" ;;
+      runtime)  # the GPU runtime in the mixed layouts (virtual ranks), eager
+        timeout 240 .carry/bin/test_mini_engine_gpu_runtime "[layouts]" >"$OUT/runtime.txt" 2>&1 \
+          || status=1
+        tail -3 "$OUT/runtime.txt" ;;
       demo)
         timeout 300 .carry/bin/moebius_demo --runtime gpu --out "$OUT/demo_out" \
           >"$OUT/demo.txt" 2>&1 || status=1

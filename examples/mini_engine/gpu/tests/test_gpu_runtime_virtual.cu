@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <map>
+#include <moebius/layout/parallel_layout.hpp>
 #include <moebius/switch/switcher.hpp>
 #include <moebius/transport/cuda_peer_transport.hpp>
 #include <span>
@@ -172,6 +173,35 @@ TEST_CASE("virtual ranks: static TP and EP runs give P = 1's greedy tokens and t
           if (rt.graphs_enabled()) REQUIRE(rt.graph_replays() == 6);  // decode steps 2..7
           REQUIRE(rt.captures() == expected_captures(rt, c));
         }
+      }
+    }
+  }
+}
+
+TEST_CASE("virtual ranks: TP attention with EP experts and DP attention with TP experts give "
+          "P = 1's greedy tokens and the float64 model's logits",
+          "[gpu][runtime][virtual][layouts]") {
+  // Attention follows the tables, the experts the cursor: the MoE block dispatches when the
+  // attention is data-parallel and combines by all-reduce under TP attention (moe_block.cu).
+  // These steps are not whole-model graphs (a static step of one mode is): they run eagerly.
+  const moebius::dtype t = moebius::dtype::fp32;
+  const model_config c = tiny_config(t);
+  const test_weights w = make_test_weights(c, seed(36), false);
+  gpu_runtime one(w, tiny_options(1, {0}, t));
+  const auto base = serve(one, empty_kv_state(one.kv(), parallel_mode::ep), {0}, 6, {}, nullptr);
+  for (parallel_mode attention : {parallel_mode::tp, parallel_mode::ep}) {
+    const parallel_mode experts =
+        attention == parallel_mode::tp ? parallel_mode::ep : parallel_mode::tp;
+    const moebius::arena_cursor k{experts == parallel_mode::tp ? c.num_layers : 0};
+    for (int P : {2, 4}) {
+      DYNAMIC_SECTION(moebius::to_string(moebius::parallel_layout{attention, experts}) << " P "
+                                                                                      << P) {
+        gpu_runtime rt(w, virtual_options(P, k, t));
+        poison_kv(rt);
+        check_arena(rt, w, k);
+        const auto r = serve(rt, empty_kv_state(rt.kv(), attention), k, 6, {}, nullptr);
+        check_against_reference(c, w, r, false);
+        require_same_tokens(base, r, "mixed layout");
       }
     }
   }
