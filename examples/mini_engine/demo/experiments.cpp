@@ -397,7 +397,9 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
     print_interactive_table(runs, m, verbose);
     if (!verbose) print_interactive_verdict(runs, m);
   }
-  print_designs_verdict(runs, m, p.rollout);
+  print_designs_verdict(runs, m, p.rollout,
+                        p.rollout ? design_bounds_s(runs, *h.clock.clock, h.P)
+                                  : std::vector<std::pair<run_kind, double>>{});
   if (verbose) print_gate(run_of(runs, run_kind::switching).result, &p.cal.curves, 0);
   if (h.o.search && p.rollout) run_search(h, p, base, m, runs);
   const int64_t every = write_run_files(p.dir, runs, h.o.step_log_rows);

@@ -81,11 +81,21 @@ struct designs_verdict {
   size_t design = 0, paper = 0, best_static = 0;
   std::string line;
 };
-std::optional<designs_verdict> designs_verdict_of(const std::vector<run_outcome>& runs,
-                                                  const std::vector<paper_metrics>& m,
-                                                  bool rollout);
+// `bounds_s`: per switching design served, its free-switch bound (design_bounds_s); the
+// rollout line then says how close the best design came to its own.
+std::optional<designs_verdict> designs_verdict_of(
+    const std::vector<run_outcome>& runs, const std::vector<paper_metrics>& m, bool rollout,
+    const std::vector<std::pair<run_kind, double>>& bounds_s = {});
 void print_designs_verdict(const std::vector<run_outcome>& runs,
-                           const std::vector<paper_metrics>& m, bool rollout);
+                           const std::vector<paper_metrics>& m, bool rollout,
+                           const std::vector<std::pair<run_kind, double>>& bounds_s = {});
+
+// Each switching design's free-switch bound on a rollout: a free switch at every step between
+// the design's two configurations, on each of its two static configurations' own trajectories
+// (each admitted by its own pool: capacity counted), the shorter of the two. Designs whose
+// static runs were not both served are left out. Seconds.
+std::vector<std::pair<run_kind, double>> design_bounds_s(const std::vector<run_outcome>& runs,
+                                                         const step_clock& clock, int num_ranks);
 
 // One run's metrics as JSON, with what it ran on and its policy's and gate's record (the
 // details the default output leaves out).

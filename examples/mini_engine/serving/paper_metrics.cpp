@@ -160,16 +160,27 @@ double per_step_oracle_s(const paper_metrics& tp, const paper_metrics& ep) {
 }
 
 double free_switch_bound_s(const run_result& r, const step_clock& clock, int num_ranks) {
+  return free_switch_bound_s(r, clock, num_ranks, k_tp, k_ep);
+}
+
+double free_switch_bound_s(const run_result& r, const step_clock& clock, int num_ranks,
+                           const configuration& a, const configuration& b) {
   double total = 0;
   for (const step_record& s : r.steps) {
-    step_cost other;
-    other.mode = s.mode == moebius::parallel_mode::tp ? moebius::parallel_mode::ep
-                                                       : moebius::parallel_mode::tp;
-    other.num_ranks = num_ranks;
-    other.num_sequences = s.sequences;
-    other.new_tokens = s.decode_tokens + s.prefill_tokens;
-    other.context_tokens = s.context_tokens;
-    total += std::min(s.step_ms * 1e-3, clock.step_s(other, 0));
+    // The step in configuration c: the time it took when it ran in c, else priced.
+    auto in = [&](const configuration& c) {
+      if (s.config == c) return s.step_ms * 1e-3;
+      step_cost cost;
+      cost.set(c);
+      cost.num_ranks = num_ranks;
+      cost.num_sequences = s.sequences;
+      cost.new_tokens = s.decode_tokens + s.prefill_tokens;
+      cost.context_tokens = s.context_tokens;
+      return clock.step_s(cost, 0);
+    };
+    const bool own = s.config == a || s.config == b;
+    const double best = std::min(in(a), in(b));
+    total += own ? best : std::min(s.step_ms * 1e-3, best);
   }
   return total;
 }

@@ -82,5 +82,10 @@ double per_step_oracle_s(const paper_metrics& tp, const paper_metrics& ep);
 // own: the batch each step ran as its layout's pool admitted it, so admission is counted for
 // that layout and not for the other. Seconds.
 double free_switch_bound_s(const run_result& r, const step_clock& clock, int num_ranks);
+// The same for a design that switches between configurations `a` and `b`: every step of `r`
+// priced in both (a step's own configuration at the time it took), the faster taken. The paper's
+// design is (TP, EP): the function above.
+double free_switch_bound_s(const run_result& r, const step_clock& clock, int num_ranks,
+                           const configuration& a, const configuration& b);
 
 }  // namespace mini_engine

@@ -241,6 +241,7 @@ TEST_CASE("free-switch bound: every step of a run at the faster of its time and 
     // EP steps (static EP's trajectory) and TP steps (static TP's) alike.
     r.mode = std::bernoulli_distribution(0.5)(rng) ? moebius::parallel_mode::ep
                                                     : moebius::parallel_mode::tp;
+    r.config = r.mode;
     r.sequences = std::uniform_int_distribution<int64_t>(1, 2048)(rng);
     r.decode_tokens = r.sequences - 1;
     r.prefill_tokens = std::uniform_int_distribution<int64_t>(0, 8192)(rng);
@@ -263,4 +264,41 @@ TEST_CASE("free-switch bound: every step of a run at the faster of its time and 
     CHECK(c.context_tokens == r.context_tokens);
     CHECK(c.ranks.empty());
   }
+}
+
+TEST_CASE("free-switch bound of a design: every step at the faster of its two configurations") {
+  // A clock that prices each configuration at its own rate: TP-DCP2 1.0, TEP-DCP2 1.5 or 0.5
+  // (below and from 512 sequences) ms a sequence; anything else 10 ms a sequence.
+  class rate_clock final : public step_clock {
+   public:
+    mutable int64_t asked = 0;
+    double step_s(const step_cost& c, double) const override {
+      ++asked;
+      const double n = static_cast<double>(c.num_sequences);
+      if (c.config() == k_tp_dcp2) return 1.0e-3 * n;
+      if (c.config() == k_tep_dcp2) return (c.num_sequences < 512 ? 1.5e-3 : 0.5e-3) * n;
+      return 10e-3 * n;
+    }
+    double switch_s(const moebius::switch_report&) const override { return 0; }
+    const char* name() const override { return "rate"; }
+    bool needs_measurement() const override { return false; }
+  } clock;
+  std::mt19937_64 rng(mini_engine::testing::test_seed());
+  run_result run;  // static TP-DCP2's trajectory: each step took its own time
+  double expected = 0;
+  const int n = std::uniform_int_distribution<int>(1, 200)(rng);
+  for (int i = 0; i < n; ++i) {
+    step_record r;
+    r.step = i;
+    r.mode = moebius::parallel_mode::tp;
+    r.config = k_tp_dcp2;
+    r.sequences = std::uniform_int_distribution<int64_t>(1, 2048)(rng);
+    r.context_tokens = r.sequences * 100;
+    r.step_ms = std::uniform_real_distribution<double>(0.2, 3.0)(rng) * static_cast<double>(r.sequences);
+    const double tep_ms = (r.sequences < 512 ? 1.5 : 0.5) * static_cast<double>(r.sequences);
+    expected += std::min(r.step_ms, tep_ms) * 1e-3;  // its own time, not TP-DCP2's price
+    run.steps.push_back(r);
+  }
+  CHECK(free_switch_bound_s(run, clock, 8, k_tep_dcp2, k_tp_dcp2) == Approx(expected).epsilon(1e-12));
+  CHECK(clock.asked == n);  // only TEP-DCP2 priced: each step's own configuration is measured
 }
