@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 layers=$([ "${mem_mib:-0}" -gt 100000 ] && echo 94 || echo 40)
 echo "layers: $layers"
-for part in "${@:-tests runtime demo profile curves}"; do
+for part in "${@:-tests runtime profile curves demo}"; do
   for p in $part; do
     t0=$SECONDS
     case $p in
