@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "collective_table.hpp"
 #include "sim_deployment.hpp"
 #include "step_curves.hpp"
 
@@ -163,6 +164,18 @@ demo_clock make_sim_clock(const options& o) {
   if (o.collective_us_tp >= 0)
     curves = curves->with_collective_latency(o.collective_us_tp, o.collective_us_ep);
   priced_model m = qwen3_235b_a22b_priced();
+  if (o.cited_collectives) {
+    const int64_t L = curves->num_layers(), P = curves->num_ranks();
+    MOEBIUS_CHECK(L >= 1, moebius::errc::invalid_argument, "--collectives cited: the curves (",
+                  curves->deployment(), ") do not say their layers");
+    curves = curves->with_step_shift(
+        [&](const configuration& c, int64_t batch) {
+          return cited_collectives_shift_ms(c.attention() == moebius::parallel_mode::tp, batch,
+                                            static_cast<int>(P), L, m.hidden, m.top_k);
+        },
+        "collectives priced from cited measurements (collective_table.hpp; DCP's exchange at "
+        "the link model)");
+  }
   m.context_scale = 1;
   const sim_geometry g =
       make_sim_geometry(make_deployment(qwen3_235b_a22b(), deployment_kind::switching));

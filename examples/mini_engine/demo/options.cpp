@@ -271,6 +271,15 @@ void declare_sim(CLI::App& app, options& o) {
                                   ? o.collective_us_tp
                                   : parse_double("--collective-us", v.substr(comma + 1), 0, 1e4);
        });
+  text("--collectives", "link|cited",
+       "--runtime sim: price the step curves' collectives by the link model they were priced "
+       "with (link, the default: 10 us + bytes / link rate) or from cited measurements on one "
+       "8-GPU NVLink node (cited: serving/collective_table.hpp)",
+       [&o](const std::string& v) {
+         if (v != "link" && v != "cited")
+           fail("--collectives", "'" + v + "' is not link or cited");
+         o.cited_collectives = v == "cited";
+       });
   text("--rollout-median", "TOKENS",
        "paper-rollout: the median output length, [64, 32000] (default 2000: DeepMath-103K's R1 "
        "mean with a 2% cut; the paper-shaped sweep covers 4k-10k)",
@@ -349,6 +358,11 @@ void check_together(options& o, bool max_batch_set) {
     fail("--search", "searches the simulated runtime's rollout runs (--runtime sim)");
   if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)
     fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
+  if (o.cited_collectives && o.runtime != runtime_kind::sim)
+    fail("--collectives", "reprices the simulated runtime's step curves (--runtime sim)");
+  if (o.cited_collectives && o.collective_us_tp >= 0)
+    fail("--collectives", "cited prices each collective from the table; --collective-us sets "
+                          "the link model's latency: give one");
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)
     fail("--results", "is written by the simulated runtime's experiments (--runtime sim)");
   if (!o.write_trace.empty() && o.traces.size() != 1) {

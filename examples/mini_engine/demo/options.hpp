@@ -77,6 +77,9 @@ struct options {
   // dispatch or combine (< 0: as the curves priced it, step_curves::priced_collective_us), for
   // the results' sensitivity to it.
   double collective_us_tp = -1, collective_us_ep = -1;
+  // --runtime sim: the step curves' collectives priced from cited measurements
+  // (serving/collective_table.hpp) instead of the link model they were priced with.
+  bool cited_collectives = false;
   // paper-rollout's shape for the sensitivity sweep (serving/paper_traces.hpp; < 0: its own).
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap

@@ -268,6 +268,24 @@ double step_curves::row_ms(const row& r, double batch) {
   return b.step_ms + slope * (batch - static_cast<double>(b.batch));
 }
 
+step_curves step_curves::with_step_shift(
+    const std::function<double(const configuration&, int64_t batch)>& shift_ms,
+    const std::string& what) const {
+  step_curves c = *this;
+  for (curve& x : c.curves_) {
+    for (row& r : x.rows) {
+      for (step_curve_point& p : r.points) {
+        p.step_ms += shift_ms(x.config, p.batch);
+        MOEBIUS_CHECK(p.step_ms > 0, errc::invalid_argument, "step curves: the ",
+                      name_of(p.mode), " step at batch ", p.batch, ", context ", p.context,
+                      " falls to ", p.step_ms, " ms with ", what);
+      }
+    }
+  }
+  c.deployment_ = deployment_ + ", " + what;
+  return c;
+}
+
 step_curves step_curves::with_collective_latency(double tp_us, double ep_us) const {
   for (const double us : {tp_us, ep_us}) {
     MOEBIUS_CHECK(std::isfinite(us) && us >= 0 && us <= 1e4, errc::invalid_argument,

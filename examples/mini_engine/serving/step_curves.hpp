@@ -21,6 +21,7 @@
 // the context between the two measured contexts that bracket it (outside them, the nearest).
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <optional>
 #include <span>
@@ -110,6 +111,13 @@ class step_curves {
   // the curves do not know their layers (built from points); a step that would fall to 0 or
   // below is refused by name.
   step_curves with_collective_latency(double tp_us, double ep_us) const;
+  // These curves with each point's step_ms moved by shift_ms(its configuration, its batch)
+  // (collective_table.hpp's cited_collectives_shift_ms: collectives priced from cited
+  // measurements); `what` is appended to deployment(). A step that would fall to 0 or below is
+  // refused by name (errc::invalid_argument).
+  step_curves with_step_shift(
+      const std::function<double(const configuration&, int64_t batch)>& shift_ms,
+      const std::string& what) const;
 
  private:
   // The points of one configuration and context, ascending in batch.

@@ -247,3 +247,18 @@ TEST_CASE("step curves: a deployment's curves found among files, or none", "[cpu
     CHECK_NOTHROW(step_curves::from_jsonl(in, f.source));
   }
 }
+
+TEST_CASE("with_step_shift moves each point by its configuration's and batch's shift") {
+  const step_curves c = parse(k_file);
+  const step_curves s = c.with_step_shift(
+      [](const configuration& x, int64_t batch) {
+        return x.attention() == parallel_mode::tp ? 0.5 * static_cast<double>(batch) : -2.0;
+      },
+      "a test shift");
+  CHECK(s.step_ms(parallel_mode::tp, 1, 512) == Approx(10.5));
+  CHECK(s.step_ms(parallel_mode::tp, 4, 1536) == Approx(30));
+  CHECK(s.step_ms(parallel_mode::ep, 1, 512) == Approx(10));
+  CHECK(s.deployment().find(", a test shift") != std::string::npos);
+  CHECK_THROWS_WITH(c.with_step_shift([](const configuration&, int64_t) { return -12.0; }, "x"),
+                    Catch::Contains("TP step at batch 1, context 512 falls to -2 ms with x"));
+}

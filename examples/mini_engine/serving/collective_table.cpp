@@ -1,0 +1,225 @@
+#include "collective_table.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <ostream>
+#include <vector>
+
+#include <moebius/error.hpp>
+
+namespace mini_engine {
+namespace {
+
+using moebius::errc;
+using kind = collective_kind;
+using impl = collective_impl;
+
+constexpr double k_mib = 1024.0 * 1024.0;
+// pplx-garden's bench_all_to_all defaults (benchmarks/bench_all_to_all.py): hidden 7168, top-8,
+// fp8 dispatch rows with 56 fp32 scales (7,392 B), bf16 combine rows (14,336 B); tokens per rank.
+// DeepEP's low-latency benchmark uses the same shape (hidden 7168, top-8, fp8 dispatch, bf16
+// combine).
+constexpr double k_dispatch_row = 7168 + 56 * 4, k_combine_row = 7168 * 2, k_top_k = 8;
+constexpr double dispatch_bytes(double tokens) { return tokens * k_top_k * k_dispatch_row; }
+constexpr double combine_bytes(double tokens) { return tokens * k_top_k * k_combine_row; }
+
+constexpr std::string_view k_vllm = "vllm-project/vllm PR #24111";
+constexpr std::string_view k_h100 = "8x H100, NVLink, bf16";
+constexpr std::string_view k_pplx = "perplexityai/pplx-garden docs/fabric-lib.md";
+constexpr std::string_view k_pplx_hw =
+    "EP8 in one node over NVLink (--nvlink 8); 128 tokens/rank, hidden 7168, top-8";
+
+constexpr collective_point point(kind k, impl i, double bytes, double us, std::string_view hw,
+                                 std::string_view src, bool fitted = true) {
+  return {k, i, 8, bytes, us, us, hw, src, fitted};
+}
+
+// The cited points (one 8-GPU NVLink node unless the hardware says otherwise).
+const collective_point k_points[] = {
+    // TP8 all-reduce, bf16, 8x H100: vLLM PR #24111's table.
+    point(kind::tp_all_reduce, impl::vllm_custom, 0.5 * k_mib, 13, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::vllm_custom, 1 * k_mib, 20, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::vllm_custom, 2 * k_mib, 31, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::symmetric_memory, 0.5 * k_mib, 16, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::symmetric_memory, 1 * k_mib, 17, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::symmetric_memory, 2 * k_mib, 20, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::symmetric_memory, 4 * k_mib, 26, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::nccl, 0.5 * k_mib, 28, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::nccl, 1 * k_mib, 30, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::nccl, 2 * k_mib, 34, k_h100, k_vllm),
+    point(kind::tp_all_reduce, impl::nccl, 4 * k_mib, 54, k_h100, k_vllm),
+    // Small all-reduces (<= 32 KB), 11-23 us over the implementations reported: a range, not
+    // fitted (ByteDance-Seed/Triton-distributed issue #57; deepseek-ai/DeepEP issue #303).
+    {kind::tp_all_reduce, impl::mixed, 8, 32 * 1024, 23, 11, "8 GPUs, NVLink",
+     "ByteDance-Seed/Triton-distributed issue #57; deepseek-ai/DeepEP issue #303", false},
+    // EP8 dispatch and combine, decode (128 tokens/rank) and prefill (4,096 tokens/rank):
+    // pplx-garden's tables, the DeepEP-CX7 and pplx-EFA columns (NVLink within the node).
+    point(kind::ep_dispatch, impl::deepep, dispatch_bytes(128), 42.6, k_pplx_hw, k_pplx),
+    point(kind::ep_dispatch, impl::deepep, dispatch_bytes(4096), 1810.3, k_pplx_hw, k_pplx),
+    point(kind::ep_combine, impl::deepep, combine_bytes(128), 72.0, k_pplx_hw, k_pplx),
+    point(kind::ep_combine, impl::deepep, combine_bytes(4096), 962.9, k_pplx_hw, k_pplx),
+    point(kind::ep_dispatch, impl::pplx, dispatch_bytes(128), 49.7, k_pplx_hw, k_pplx),
+    point(kind::ep_dispatch, impl::pplx, dispatch_bytes(4096), 1052.4, k_pplx_hw, k_pplx),
+    point(kind::ep_combine, impl::pplx, combine_bytes(128), 64.2, k_pplx_hw, k_pplx),
+    point(kind::ep_combine, impl::pplx, combine_bytes(4096), 1396.7, k_pplx_hw, k_pplx),
+    // DeepEP's low-latency kernels over RDMA (H800, EP8, 128 tokens): one size each, so not
+    // fitted; a reference the NVLink fits must beat.
+    point(kind::ep_dispatch, impl::deepep_low_latency, dispatch_bytes(128), 77,
+          "H800, RDMA (CX7 IB), EP8, 128 tokens/rank", "deepseek-ai/DeepEP docs/legacy.md", false),
+    point(kind::ep_combine, impl::deepep_low_latency, combine_bytes(128), 114,
+          "H800, RDMA (CX7 IB), EP8, 128 tokens/rank", "deepseek-ai/DeepEP docs/legacy.md", false),
+};
+
+collective_fit fit(kind k, impl i) {
+  std::vector<const collective_point*> pts;
+  for (const collective_point& p : k_points)
+    if (p.kind == k && p.impl == i && p.fitted) pts.push_back(&p);
+  MOEBIUS_CHECK(pts.size() >= 2, errc::invalid_argument, "collective table: ", name_of(k), " ",
+                name_of(i), " has ", pts.size(), " fitted cited points (two needed)");
+  // Ordinary least squares of us on bytes (MiB for conditioning).
+  double sx = 0, sy = 0;
+  for (const collective_point* p : pts) sx += p->bytes / k_mib, sy += p->us;
+  const double n = static_cast<double>(pts.size()), mx = sx / n, my = sy / n;
+  double sxx = 0, sxy = 0;
+  for (const collective_point* p : pts) {
+    const double dx = p->bytes / k_mib - mx;
+    sxx += dx * dx;
+    sxy += dx * (p->us - my);
+  }
+  const double us_per_mib = sxy / sxx;
+  collective_fit f{k, i};
+  f.latency_us = my - us_per_mib * mx;
+  f.bytes_per_us = k_mib / us_per_mib;
+  f.clamp_bytes = pts.front()->bytes;
+  f.largest_bytes = pts.front()->bytes;
+  for (const collective_point* p : pts) {
+    f.clamp_bytes = std::min(f.clamp_bytes, p->bytes);
+    f.largest_bytes = std::max(f.largest_bytes, p->bytes);
+  }
+  MOEBIUS_CHECK(us_per_mib > 0, errc::invalid_argument, "collective table: ", name_of(k), " ",
+                name_of(i), " fits a line falling with the bytes");
+  return f;
+}
+
+const std::vector<collective_fit>& fits() {
+  static const std::vector<collective_fit> all = {
+      fit(kind::tp_all_reduce, impl::vllm_custom), fit(kind::tp_all_reduce, impl::symmetric_memory),
+      fit(kind::tp_all_reduce, impl::nccl),        fit(kind::ep_dispatch, impl::deepep),
+      fit(kind::ep_dispatch, impl::pplx),          fit(kind::ep_combine, impl::deepep),
+      fit(kind::ep_combine, impl::pplx),
+  };
+  return all;
+}
+
+// bytes_per_rank at num_ranks as the 8-rank models see them; checks the arguments.
+double scaled_bytes(kind k, double bytes_per_rank, int num_ranks) {
+  MOEBIUS_CHECK(std::isfinite(bytes_per_rank) && bytes_per_rank >= 0, errc::invalid_argument,
+                "collective_s(", name_of(k), "): bytes_per_rank must be finite and >= 0 (got ",
+                bytes_per_rank, ")");
+  MOEBIUS_CHECK(num_ranks >= 1, errc::invalid_argument, "collective_s(", name_of(k),
+                "): num_ranks must be >= 1 (got ", num_ranks, ")");
+  const double P = num_ranks;
+  return bytes_per_rank * ((P - 1) / P) / (7.0 / 8.0);
+}
+
+bool is_dcp(kind k) { return k == kind::dcp_all_gather || k == kind::dcp_reduce_scatter; }
+
+}  // namespace
+
+std::span<const collective_point> collective_points() { return k_points; }
+std::span<const collective_fit> collective_fits() { return fits(); }
+
+double collective_fit::us_at(double bytes) const {
+  return latency_us + std::max(bytes, clamp_bytes) / bytes_per_us;
+}
+
+const collective_fit& fit_of(collective_kind k, collective_impl i) {
+  for (const collective_fit& f : fits())
+    if (f.kind == k && f.impl == i) return f;
+  MOEBIUS_FAIL(errc::invalid_argument, "collective table: no fit of ", name_of(k), " with ",
+               name_of(i), " (fewer than two cited sizes)");
+}
+
+collective_impl default_impl(collective_kind k) {
+  switch (k) {
+    case kind::tp_all_reduce: return impl::vllm_custom;  // and symmetric_memory (envelope)
+    case kind::ep_dispatch:
+    case kind::ep_combine: return impl::deepep;
+    case kind::dcp_all_gather:
+    case kind::dcp_reduce_scatter: return impl::nccl;
+  }
+  MOEBIUS_FAIL(errc::invalid_argument, "collective table: unknown collective kind");
+}
+
+double collective_s(collective_kind k, collective_impl i, double bytes_per_rank, int num_ranks) {
+  const double b = scaled_bytes(k, bytes_per_rank, num_ranks);
+  if (num_ranks == 1) return 0;
+  if (is_dcp(k)) return fit_of(kind::tp_all_reduce, i).us_at(b / 2) * 1e-6;
+  return fit_of(k, i).us_at(b) * 1e-6;
+}
+
+double collective_s(collective_kind k, double bytes_per_rank, int num_ranks) {
+  const double b = scaled_bytes(k, bytes_per_rank, num_ranks);
+  if (num_ranks == 1) return 0;
+  if (k == kind::tp_all_reduce) {
+    return std::min(fit_of(k, impl::vllm_custom).us_at(b),
+                    fit_of(k, impl::symmetric_memory).us_at(b)) * 1e-6;
+  }
+  return collective_s(k, default_impl(k), bytes_per_rank, num_ranks);
+}
+
+double cited_collectives_shift_ms(bool tp_attention, int64_t batch, int num_ranks, int64_t layers,
+                                  int64_t hidden, int64_t top_k) {
+  MOEBIUS_CHECK(batch >= 0 && num_ranks >= 1 && layers >= 0 && hidden >= 1 && top_k >= 1,
+                errc::invalid_argument, "cited_collectives_shift_ms: batch ", batch, ", num_ranks ",
+                num_ranks, ", layers ", layers, ", hidden ", hidden, ", top_k ", top_k,
+                " (batch, layers >= 0; the others >= 1)");
+  if (num_ranks == 1) return 0;
+  const double P = num_ranks, L = static_cast<double>(layers), H = static_cast<double>(hidden);
+  const double B = static_cast<double>(batch), latency = 10e-6;  // link_model's defaults
+  double linked = 0, cited = 0;
+  if (tp_attention) {
+    const double bytes = B * H * 2;
+    linked = L * 2 * (latency + 2 * (P - 1) / P * bytes / 389e9) + latency;
+    cited = L * 2 * collective_s(kind::tp_all_reduce, bytes, num_ranks) +
+            collective_s(kind::tp_all_reduce, 0, num_ranks);
+  } else {
+    const double rows = std::ceil(B / P) * static_cast<double>(top_k), bytes = rows * H * 2;
+    linked = L * 2 * (latency + rows * (P - 1) / P * H * 2 / 332e9);
+    cited = L * (collective_s(kind::ep_dispatch, bytes, num_ranks) +
+                 collective_s(kind::ep_combine, bytes, num_ranks));
+  }
+  return (cited - linked) * 1e3;
+}
+
+std::string_view name_of(collective_kind k) {
+  switch (k) {
+    case kind::tp_all_reduce: return "TP all-reduce";
+    case kind::ep_dispatch: return "EP dispatch";
+    case kind::ep_combine: return "EP combine";
+    case kind::dcp_all_gather: return "DCP all-gather";
+    case kind::dcp_reduce_scatter: return "DCP reduce-scatter";
+  }
+  return "?";
+}
+
+std::string_view name_of(collective_impl i) {
+  switch (i) {
+    case impl::vllm_custom: return "vLLM custom";
+    case impl::symmetric_memory: return "symmetric memory";
+    case impl::nccl: return "NCCL";
+    case impl::deepep: return "DeepEP";
+    case impl::deepep_low_latency: return "DeepEP low-latency";
+    case impl::pplx: return "pplx";
+    case impl::mixed: return "several";
+  }
+  return "?";
+}
+
+std::ostream& operator<<(std::ostream& os, const collective_fit& f) {
+  return os << name_of(f.kind) << " (" << name_of(f.impl) << "): " << f.latency_us << " us + bytes / "
+            << f.bytes_per_us * 1e-3 << " GB/s, clamped below " << f.clamp_bytes << " B";
+}
+
+}  // namespace mini_engine

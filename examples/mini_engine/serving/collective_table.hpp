@@ -1,0 +1,132 @@
+#pragma once
+
+// Collectives priced from cited measurements on one 8-GPU NVLink node, instead of the assumed
+// 10 us + bytes / link rate (h200_params::collective_us, rank_share.hpp's link_model).
+//
+// Each (kind, implementation) with two or more cited sizes has a model
+//   t(bytes) = latency + max(bytes, smallest cited bytes) / bandwidth
+// fitted by ordinary least squares in (bytes, us) over its cited points (two points: the line
+// through both). Outside the cited sizes:
+//   below the smallest: clamped to the value at the smallest (small messages are latency-bound:
+//                       the cited small-message all-reduces, <= 32 KB, take 11-23 us, and the
+//                       fitted intercepts of some lines are below that or negative);
+//   above the largest:  extrapolated along the line (bandwidth-bound).
+// Every cited point is kept as data (collective_points()): its size, value, source,
+// hardware and implementation.
+//
+// What `bytes_per_rank` means per kind (the cited benchmarks' own definitions):
+//   tp_all_reduce   the buffer each rank all-reduces (vLLM: 64 tokens x 4096 x bf16 = 0.5 MiB);
+//   ep_dispatch     the rows a rank dispatches, counted nominally: its tokens x top-k x the
+//                   row's bytes (pplx-garden's bench_all_to_all dispatch_bytes; fp8 rows of
+//                   7168 + 56 fp32 scales = 7,392 B in the cited runs; bf16 4096 = 8,192 B in
+//                   Qwen3-235B);
+//   ep_combine      the same rows returned, bf16 (tokens x top-k x hidden x 2 B);
+//   dcp_all_gather  the gathered output per rank; dcp_reduce_scatter the input per rank.
+// num_ranks: every cited point is at 8 ranks. Another P scales the bytes by the share that
+// leaves the rank, ((P-1)/P) / (7/8) (ring all-reduce, all-to-all), before the 8-rank model
+// prices them (an extrapolation, nothing cited); P = 1 costs 0.
+
+#include <cstdint>
+#include <iosfwd>
+#include <span>
+#include <string_view>
+
+namespace mini_engine {
+
+enum class collective_kind {
+  tp_all_reduce,
+  ep_dispatch,
+  ep_combine,
+  dcp_all_gather,
+  dcp_reduce_scatter,
+};
+
+enum class collective_impl {
+  vllm_custom,       // vLLM's custom one-stage all-reduce (IPC buffers, one kernel)
+  symmetric_memory,  // PyTorch symmetric-memory all-reduce as vLLM selects it
+  nccl,
+  deepep,            // DeepEP (as pplx-garden's table names it; NVLink within the node)
+  deepep_low_latency,  // DeepEP's low-latency kernels (RDMA)
+  pplx,              // pplx-garden's P2P all-to-all
+  mixed,             // a range over several implementations (small-message all-reduce)
+};
+
+// One cited measurement. A range (small messages) has bytes the upper bound and us_low < us.
+struct collective_point {
+  collective_kind kind;
+  collective_impl impl;
+  int num_ranks;
+  double bytes;   // bytes_per_rank as defined above
+  double us;      // the measured time (a range's upper end)
+  double us_low;  // = us for a point; a range's lower end
+  std::string_view hardware;
+  std::string_view source;  // repository/path, or PR/issue
+  bool fitted;              // used by a fit (false: a reference checked by the tests)
+};
+
+// Every cited point, in the order of the table in docs/BENCHMARKS.md.
+std::span<const collective_point> collective_points();
+
+// A fitted model of one (kind, implementation) over its cited points.
+struct collective_fit {
+  collective_kind kind;
+  collective_impl impl;
+  double latency_us = 0;      // the line's intercept (may be negative: see clamp_bytes)
+  double bytes_per_us = 0;    // the line's bandwidth (bytes per microsecond = MB/s)
+  double clamp_bytes = 0;     // the smallest cited size: smaller messages cost this much
+  double largest_bytes = 0;   // the largest cited size: beyond it, extrapolated
+  // us for `bytes` at 8 ranks, clamped below clamp_bytes.
+  double us_at(double bytes) const;
+};
+
+// The fit of (kind, impl) from collective_points(): computed once. Throws
+// errc::invalid_argument naming both when fewer than two fitted points are cited for them.
+const collective_fit& fit_of(collective_kind kind, collective_impl impl);
+// Every fitted (kind, impl), TP all-reduce first.
+std::span<const collective_fit> collective_fits();
+
+// The implementation a well-configured engine uses for `kind` (for tp_all_reduce: the lower
+// envelope of vllm_custom and symmetric_memory, as vLLM picks per message size on H100;
+// EP: deepep; DCP's exchanges: nccl, vLLM running all-gather and reduce-scatter through it).
+collective_impl default_impl(collective_kind kind);
+
+// Seconds one collective of `kind` takes with the default implementation:
+//   tp_all_reduce      min(custom(b'), symmetric_memory(b'))
+//   ep_dispatch        deepep dispatch fit (b')
+//   ep_combine         deepep combine fit (b')
+//   dcp_all_gather,
+//   dcp_reduce_scatter an NCCL all-reduce of b'/2: half an all-reduce's bandwidth term (a ring
+//                      all-reduce is a reduce-scatter then an all-gather), its fixed cost whole
+//                      (no cited all-gather; a one-round exchange still synchronises once)
+// with b' = bytes_per_rank x ((P-1)/P) / (7/8).
+//   tp_all_reduce, 524,288 B, P 8: 13.43 us (vLLM custom; cited 13).
+// Throws errc::invalid_argument naming bytes_per_rank (negative or not finite) or num_ranks
+// (< 1).
+double collective_s(collective_kind kind, double bytes_per_rank, int num_ranks);
+// The same with a given implementation's fit (no envelope, no DCP halving rule: the fit itself
+// at b', or for DCP kinds impl's all-reduce fit at b'/2).
+double collective_s(collective_kind kind, collective_impl impl, double bytes_per_rank,
+                    int num_ranks);
+
+// The change, in ms, to one decode step's priced collectives of a deployment of `layers` layers,
+// hidden size `hidden` (bf16), top-k `top_k`, `batch` sequences over P ranks, when
+// bench_rank_share's link model (rank_share.hpp link_model, which step curves were priced with:
+// 10 us + bytes / 389 GB/s a ring all-reduce, 10 us + bytes / 332 GB/s an all-to-all) gives way
+// to collective_s:
+//   TP attention (TP, TEP)  per layer two all-reduces of batch x hidden x 2 B, and one more for
+//                           the LM head's candidates (at the smallest all-reduce's price);
+//   EP attention            per layer a dispatch and a combine of ceil(batch/P) x top_k rows of
+//                           hidden x 2 B.
+// DCP's exchanges are not repriced here (the curves' are at the link model).
+//   TP, batch 1, P 8, L 94, H 4096: link 94 x 2 x 10.04 + 10 = 1,896.9 us (the curves'
+//   comm_priced_ms 1.8969); cited 189 x 13.43 (clamped at 0.5 MiB) = 2,538.0 us: +0.641 ms.
+//   EP, batch 1: link 94 x 2 x 10.17 = 1,912.5 us; cited 94 x (42.6 + 72.0) (both clamped at
+//   their 128-token points) = 10,772.4 us: +8.860 ms.
+double cited_collectives_shift_ms(bool tp_attention, int64_t batch, int num_ranks, int64_t layers,
+                                  int64_t hidden, int64_t top_k);
+
+std::string_view name_of(collective_kind kind);
+std::string_view name_of(collective_impl impl);
+std::ostream& operator<<(std::ostream& os, const collective_fit& f);
+
+}  // namespace mini_engine
