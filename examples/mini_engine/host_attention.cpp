@@ -53,9 +53,8 @@ void host_runtime::store_new_kv(int64_t layer, const rank_kv& kv, int64_t item_i
   const int64_t n = static_cast<int64_t>(item.tokens.size());
   const int64_t end = item.start_position + n;
   // The pages for positions [0, end) must be there: every page (EP) or the rank's share (TP).
-  const int64_t logical = moebius::pages_for_tokens(end, g.page_size);
-  const int64_t pages =
-      kv.mode == parallel_mode::ep ? logical : g.dcp_pages_held(logical, g.dcp_rank(kv.rank));
+  const int64_t pages = moebius::pages_held(g, kv.mode, kv.rank,
+                                            moebius::pages_for_tokens(end, g.page_size));
   MOEBIUS_CHECK(kv.seq->num_tokens >= end && kv.seq->num_pages() >= pages, errc::invalid_argument,
                 "step: sequence ", kv.seq->seq_id, " on ", moebius::to_string(kv.mode), " rank ",
                 kv.rank, " holds ", kv.seq->num_tokens, " tokens in ", kv.seq->num_pages(),

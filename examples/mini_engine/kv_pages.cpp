@@ -25,8 +25,7 @@ auto seq_lower_bound(Sequences& seqs, int64_t seq_id) {
 // or in TP with dcp > 1 its DCP share (logical pages k, k + dcp, ..; kv_geometry.hpp).
 int64_t pages_on_rank(const moebius::kv_geometry& g, parallel_mode m, int64_t num_tokens,
                       int rank) {
-  const int64_t logical = moebius::pages_for_tokens(num_tokens, g.page_size);
-  return m == parallel_mode::tp ? g.dcp_pages_held(logical, g.dcp_rank(rank)) : logical;
+  return moebius::pages_held(g, m, rank, moebius::pages_for_tokens(num_tokens, g.page_size));
 }
 
 // Grows (or inserts) the sequence on one rank; the caller checked the free pages.
