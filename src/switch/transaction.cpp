@@ -207,7 +207,6 @@ switch_step_view switch_transaction::view() const {
   v.cursor_ = st_.cursor;
   v.source_ = &st_.kv;
   v.target_ = &target_tables_;
-  v.kv_moves_ = target_.attention != st_.kv.mode;
   return v;
 }
 

@@ -93,7 +93,7 @@ class switch_step_view {
   arena_cursor cursor() const { return cursor_; }
   // Whether the switch moves the KV (the attention's layout changes with the experts'); false:
   // the experts alone move and every layer's attention reads the one set of tables.
-  bool moves_kv() const { return kv_moves_; }
+  bool moves_kv() const { return source() != target(); }
   // The attention's modes before and after the switch (the same when !moves_kv()).
   parallel_mode source() const { return source_->mode; }
   parallel_mode target() const { return target_->mode; }
@@ -101,7 +101,7 @@ class switch_step_view {
   parallel_mode mode_of(int64_t layer) const { return arena_geometry::mode_of(cursor_, layer); }
   // Layer `layer`'s attention: with its experts when the KV moves, else where it rests.
   parallel_mode attention_of(int64_t layer) const {
-    return kv_moves_ ? mode_of(layer) : source();
+    return moves_kv() ? mode_of(layer) : source();
   }
   parallel_layout layout_of(int64_t layer) const { return {attention_of(layer), mode_of(layer)}; }
   // The tables attention of mode `m` reads (`m` is the source's or the target's mode).
@@ -113,7 +113,6 @@ class switch_step_view {
   arena_cursor cursor_;
   const kv_state* source_ = nullptr;
   const kv_state* target_ = nullptr;
-  bool kv_moves_ = true;
 };
 
 // What poll() found.
