@@ -8,6 +8,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <moebius/error.hpp>
@@ -94,6 +95,16 @@ engine_options options_of(const deployment& d) {
   o.layouts = d.modes();
   o.start_mode = d.start_mode();
   o.validate_every_step = true;
+  return o;
+}
+
+// options_of(d), switching to the other mode before each of `steps` (from `start`).
+engine_options forced_options(const deployment& d, parallel_mode start,
+                              std::vector<int64_t> steps) {
+  engine_options o = options_of(d);
+  o.start_mode = start;
+  o.how = switching::forced;
+  o.forced_steps = std::move(steps);
   return o;
 }
 
@@ -268,10 +279,7 @@ TEST_CASE("experts only: switches move no KV byte and are priced as the expert w
   const curves_step_clock clock(parse(flat_file()), model);
   const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::experts_only);
   sim_world w(deployment_kind::experts_only, clock);
-  engine_options o = options_of(d);
-  o.start_mode = parallel_mode::tp;
-  o.how = switching::forced;
-  o.forced_steps = {3, 6};
+  const engine_options o = forced_options(d, parallel_mode::tp, {3, 6});
   const run_result r = w.eng->run(burst(48, 300, 12), o, "experts only");
   REQUIRE(r.switches.size() == 2);
   const parallel_layout tep{parallel_mode::tp, parallel_mode::ep};
@@ -298,10 +306,7 @@ TEST_CASE("experts only: switches move no KV byte and are priced as the expert w
   // The paper's design switching at the same step moves the live KV too: priced above.
   const deployment a = make_deployment(qwen3_235b_a22b(), deployment_kind::switching);
   sim_world wa(deployment_kind::switching, clock);
-  engine_options oa = options_of(a);
-  oa.start_mode = parallel_mode::tp;
-  oa.how = switching::forced;
-  oa.forced_steps = {3};
+  const engine_options oa = forced_options(a, parallel_mode::tp, {3});
   const run_result ra = wa.eng->run(burst(48, 300, 12), oa, "paper design");
   REQUIRE(ra.switches.size() == 1);
   CHECK(ra.switches[0].outcome == moebius::switch_outcome::committed);
@@ -315,10 +320,7 @@ TEST_CASE("experts only, progressive: the steps keep TP-DCP2 attention and move 
   const curves_step_clock clock(parse(flat_file()), model);
   const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::experts_only);
   sim_world w(deployment_kind::experts_only, clock);
-  engine_options o = options_of(d);
-  o.start_mode = parallel_mode::tp;
-  o.how = switching::forced;
-  o.forced_steps = {3};
+  engine_options o = forced_options(d, parallel_mode::tp, {3});
   o.style = switch_style::progressive;
   const run_result r = w.eng->run(burst(48, 300, 40), o, "experts only, progressive");
   REQUIRE(r.switches.size() == 1);
@@ -353,9 +355,7 @@ TEST_CASE("EP <-> TP-DCP2: the TP view holds the EP view's tokens; a switch move
   const sim_geometry a = make_sim_geometry(make_deployment(qwen3_235b_a22b(), deployment_kind::switching));
   CHECK(a.kv.num_ep_pages == 17'781);
   CHECK(a.kv.max_tokens(parallel_mode::tp) == 1'137'984);
-  engine_options o = options_of(d);
-  o.how = switching::forced;
-  o.forced_steps = {3};
+  const engine_options o = forced_options(d, d.start_mode(), {3});
   const run_result r = w.eng->run(burst(48, 300, 12), o, "EP <-> TP-DCP2");
   REQUIRE(r.switches.size() == 1);
   CHECK(r.switches[0].outcome == moebius::switch_outcome::committed);
