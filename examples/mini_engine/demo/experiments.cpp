@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "designs_report.hpp"
 #include "paper_report.hpp"
 #include "trace_stats.hpp"
 

@@ -59,6 +59,11 @@ void print_interactive_table(const std::vector<run_outcome>& runs,
 void print_interactive_verdict(const std::vector<run_outcome>& runs,
                                const std::vector<paper_metrics>& m);
 
+// The index of the run of kind `k` in `runs` (std::logic_error when it was not served).
+size_t index_of(const std::vector<run_outcome>& runs, run_kind k);
+// "quiet TPOT +14%, flood TTFT +8%" of `x` against `base` (flood only when there are floods).
+std::string changes(const paper_metrics& x, const paper_metrics& base);
+
 // A rollout: each run's total and per-step times against the better static layout, the worse
 // and the per-step oracle, then the paper's figures (§9.3); `bound_s`: a free switch at every
 // step with capacity ignored (free_switch_bound_s on static EP's steps).
@@ -69,33 +74,6 @@ void print_rollout_bound(const std::vector<run_outcome>& runs,
 void print_rollout_verdict(const std::vector<run_outcome>& runs,
                            const std::vector<paper_metrics>& m, double bound_s);
 
-// The switching designs against the static configurations: the best switching design (our
-// policy, stop-the-world, on each design: by rollout time; on an interactive trace by
-// interactive goodput, then tokens/s) against the better of static TP and static EP (the
-// paper's baselines) and against the best of every static configuration served. nullopt
-// unless a static configuration or design beyond the paper's, and a design and TP or EP, were
-// served. Indices into `runs`; `line` what print_designs_verdict prints:
-//   "designs: the best switching design is ours experts (58 s): 1.379x static EP (the better of
-//   static TP and EP); 1.034x static TP-DCP2 (the best of the 4 static configurations)"
-struct designs_verdict {
-  size_t design = 0, paper = 0, best_static = 0;
-  std::string line;
-};
-// `bounds_s`: per switching design served, its free-switch bound (design_bounds_s); the
-// rollout line then says how close the best design came to its own.
-std::optional<designs_verdict> designs_verdict_of(
-    const std::vector<run_outcome>& runs, const std::vector<paper_metrics>& m, bool rollout,
-    const std::vector<std::pair<run_kind, double>>& bounds_s = {});
-void print_designs_verdict(const std::vector<run_outcome>& runs,
-                           const std::vector<paper_metrics>& m, bool rollout,
-                           const std::vector<std::pair<run_kind, double>>& bounds_s = {});
-
-// Each switching design's free-switch bound on a rollout: a free switch at every step between
-// the design's two configurations, on each of its two static configurations' own trajectories
-// (each admitted by its own pool: capacity counted), the shorter of the two. Designs whose
-// static runs were not both served are left out. Seconds.
-std::vector<std::pair<run_kind, double>> design_bounds_s(const std::vector<run_outcome>& runs,
-                                                         const step_clock& clock, int num_ranks);
 
 // One run's metrics as JSON, with what it ran on and its policy's and gate's record (the
 // details the default output leaves out).

@@ -12,6 +12,7 @@
 #include "catch.hpp"
 #include "clock.hpp"
 #include "experiments.hpp"
+#include "designs_report.hpp"
 #include "paper_report.hpp"
 #include "runs.hpp"
 #include "step_curves.hpp"
