@@ -161,21 +161,12 @@ demo_clock make_sim_clock(const options& o) {
   if (!curves)
     throw usage_error("--runtime sim: no step curves of qwen3_235b at P=8 over the operating "
                       "region (docs/results/step_region_*.jsonl); give --curves FILE");
+  priced_model m = qwen3_235b_a22b_priced();
+  // Every curve on the link model first (the fallback below adds DCP's exchange at its
+  // latency), then the collectives as asked.
+  curves = curves->with_collectives(collective_pricing::link, m);
   if (o.collective_us_tp >= 0)
     curves = curves->with_collective_latency(o.collective_us_tp, o.collective_us_ep);
-  priced_model m = qwen3_235b_a22b_priced();
-  if (o.cited_collectives) {
-    const int64_t L = curves->num_layers(), P = curves->num_ranks();
-    MOEBIUS_CHECK(L >= 1, moebius::errc::invalid_argument, "--collectives cited: the curves (",
-                  curves->deployment(), ") do not say their layers");
-    curves = curves->with_step_shift(
-        [&](const configuration& c, int64_t batch) {
-          return cited_collectives_shift_ms(c.attention() == moebius::parallel_mode::tp, batch,
-                                            static_cast<int>(P), L, m.hidden, m.top_k);
-        },
-        "collectives priced from cited measurements (collective_table.hpp; DCP's exchange at "
-        "the link model)");
-  }
   m.context_scale = 1;
   const sim_geometry g =
       make_sim_geometry(make_deployment(qwen3_235b_a22b(), deployment_kind::switching));
@@ -191,6 +182,8 @@ demo_clock make_sim_clock(const options& o) {
     const configuration wanted[] = {k_tp_dcp2, k_tep_dcp2};
     curves = with_priced_layouts(*curves, fallback, wanted);
   }
+  if (o.collectives == collective_pricing::cited)
+    curves = curves->with_collectives(collective_pricing::cited, m);
   c.curves_summary = curves_summary(*curves, o.verbose);
   c.clock = std::make_unique<curves_step_clock>(std::move(*curves), *c.model);
   c.description = std::string("  clock (priced, not measured): ") + c.clock->name() + "\n";

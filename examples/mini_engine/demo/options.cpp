@@ -261,9 +261,9 @@ void declare_sim(CLI::App& app, options& o) {
     add_text(app, n, t, h, std::forward<decltype(read)>(read));
   };
   text("--collective-us", "US|TP_US,EP_US",
-       "--runtime sim: price each collective at US microseconds of latency instead of the "
-       "curves' 10, or TP's all-reduce at TP_US and EP's dispatch and combine at EP_US; each "
-       "in [0, 10000]",
+       "--runtime sim: price the collectives by the link model with each at US microseconds of "
+       "latency (its own: 10), or TP's all-reduce at TP_US and EP's dispatch and combine at "
+       "EP_US; each in [0, 10000]",
        [&o](const std::string& v) {
          const size_t comma = v.find(',');
          o.collective_us_tp = parse_double("--collective-us", v.substr(0, comma), 0, 1e4);
@@ -272,13 +272,14 @@ void declare_sim(CLI::App& app, options& o) {
                                   : parse_double("--collective-us", v.substr(comma + 1), 0, 1e4);
        });
   text("--collectives", "link|cited",
-       "--runtime sim: price the step curves' collectives by the link model they were priced "
-       "with (link, the default: 10 us + bytes / link rate) or from cited measurements on one "
-       "8-GPU NVLink node (cited: serving/collective_table.hpp)",
+       "--runtime sim: price the step curves' collectives from cited measurements on one "
+       "8-GPU NVLink node (cited, the default: serving/collective_table.hpp) or by the link "
+       "model (link: 10 us + bytes / link rate)",
        [&o](const std::string& v) {
          if (v != "link" && v != "cited")
            fail("--collectives", "'" + v + "' is not link or cited");
-         o.cited_collectives = v == "cited";
+         o.collectives = v == "cited" ? collective_pricing::cited : collective_pricing::link;
+         o.collectives_given = true;
        });
   text("--rollout-median", "TOKENS",
        "paper-rollout: the median output length, [64, 32000] (default 2000: DeepMath-103K's R1 "
@@ -358,11 +359,14 @@ void check_together(options& o, bool max_batch_set) {
     fail("--search", "searches the simulated runtime's rollout runs (--runtime sim)");
   if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)
     fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
-  if (o.cited_collectives && o.runtime != runtime_kind::sim)
+  if (o.collectives_given && o.runtime != runtime_kind::sim)
     fail("--collectives", "reprices the simulated runtime's step curves (--runtime sim)");
-  if (o.cited_collectives && o.collective_us_tp >= 0)
-    fail("--collectives", "cited prices each collective from the table; --collective-us sets "
-                          "the link model's latency: give one");
+  if (o.collective_us_tp >= 0) {
+    if (o.collectives_given && o.collectives == collective_pricing::cited)
+      fail("--collectives", "cited prices each collective from the table; --collective-us sets "
+                            "the link model's latency: give one");
+    o.collectives = collective_pricing::link;
+  }
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)
     fail("--results", "is written by the simulated runtime's experiments (--runtime sim)");
   if (!o.write_trace.empty() && o.traces.size() != 1) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "step_collectives.hpp"
+
 namespace mini_engine::demo {
 
 class usage_error : public std::runtime_error {
@@ -73,13 +75,14 @@ struct options {
   bool search = false;
   // --runtime sim: every decision of the policy runs in which a rule fired (decisions.txt).
   bool explain = false;
-  // --runtime sim: each collective's latency in the step curves, us, TP's all-reduce and EP's
-  // dispatch or combine (< 0: as the curves priced it, step_curves::priced_collective_us), for
-  // the results' sensitivity to it.
+  // --runtime sim: what prices the step curves' collectives (serving/step_collectives.hpp):
+  // the cited measurements (serving/collective_table.hpp, the default) or the link model;
+  // collectives_given: --collectives was given.
+  collective_pricing collectives = collective_pricing::cited;
+  bool collectives_given = false;
+  // --runtime sim: the link model with each collective's latency at these us, TP's all-reduce
+  // and EP's dispatch or combine (< 0: not given), for the results' sensitivity to it.
   double collective_us_tp = -1, collective_us_ep = -1;
-  // --runtime sim: the step curves' collectives priced from cited measurements
-  // (serving/collective_table.hpp) instead of the link model they were priced with.
-  bool cited_collectives = false;
   // paper-rollout's shape for the sensitivity sweep (serving/paper_traces.hpp; < 0: its own).
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap

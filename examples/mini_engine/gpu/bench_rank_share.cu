@@ -33,22 +33,23 @@
 //                  513 tokens at page 16), and a conversion of all D x Hq/P partial outputs
 //                  standing in for the merge kernel (which reads the same rows) before o_proj
 //                  reads the rank's own.
-// What it does not run: the collectives. They are priced per layer by a link model,
-//   latency + bytes / rate per collective (rank_share.hpp: priced_collectives_s):
+// What it does not run: the collectives. They are priced (serving/step_collectives.hpp says which
+// a decode step runs in each layout) from cited measurements on one 8-GPU NVLink node by
+// default (serving/collective_table.hpp: vLLM's custom all-reduce and symmetric memory, DeepEP's
+// dispatch and combine, NCCL for DCP's exchange), or with MOEBIUS_BENCH_COLLECTIVES=link by the
+// link model the first curves were priced with (latency + bytes / rate per collective):
 //   TP attention  two all-reduces of B x H bf16 activations (ring: 2(P-1)/P of the bytes), after
 //                 o_proj and after the experts (TEP too: no dispatch); with dcp D the q
 //                 all-gather ((D-1) B Hq/P D bf16 in), the LSE all-gather ((D-1) B D Hq/P fp32)
-//                 and the outputs' reduce-scatter ((D-1) B Hq/P D bf16), as vLLM merges them
-//                 (link_model::dcp_merge_collectives = 2; 1: one fused exchange); one latency
-//                 for the LM head's candidates;
+//                 and the outputs' reduce-scatter ((D-1) B Hq/P D bf16), as vLLM merges them;
+//                 one all-reduce's latency for the LM head's candidates;
 //   EP            a dispatch and a combine all-to-all of its tokens' pairs ((P-1)/P of ceil(B/P)
 //                 k' x H bf16 rows), the LM head needs none.
-//   Rates: NVLink 389 GB/s per GPU per direction (the copy-engine ceiling measured on 2x H200
-//   here, DESIGN.md §6) for all-reduce, all-gather and reduce-scatter, NCCL all-to-all 332 GB/s
-//   (measured here at 1 GiB, 2x H200; smaller messages are slower: 142 GB/s at 16 MiB); latency
-//   10 us per collective (h200_params::collective_us: assumed, not measured on 8 GPUs here).
-//   Both columns are written: compute_ms (measured) and comm_priced_ms (priced), and their sum
-//   step_ms.
+//   Link rates: NVLink 389 GB/s per GPU per direction (the copy-engine ceiling measured on 2x
+//   H200 here, DESIGN.md §6) for all-reduce, all-gather and reduce-scatter, NCCL all-to-all
+//   332 GB/s (measured here at 1 GiB, 2x H200); latency 10 us per collective (assumed).
+//   Both columns are written: compute_ms (measured) and comm_priced_ms (priced; "collectives"
+//   says by what), and their sum step_ms.
 // So the emulation is exact for a rank's own kernels and shapes (weights, KV, attention over
 // its heads or sequences or DCP share, expert GEMMs over its pairs), and approximate
 //   - where routing decides which of a rank's experts a token picks: EP and TEP ranks route
@@ -71,7 +72,8 @@
 // (1,2,4,...,1024: the deployment's batch B), MOEBIUS_BENCH_CONTEXTS (512,2048,8192),
 // MOEBIUS_BENCH_SKEW (1), MOEBIUS_BENCH_LAYERS (the model's: fewer for a quick run; every
 // figure then covers only those layers), MOEBIUS_BENCH_STEPS (10 timed steps per point),
-// MOEBIUS_BENCH_SUMMARY. Combinations whose KV does not fit beside the weights are skipped.
+// MOEBIUS_BENCH_SUMMARY, MOEBIUS_BENCH_COLLECTIVES (cited | link). Combinations whose KV does
+// not fit beside the weights are skipped.
 // MINI_ENGINE_PROFILE=1 runs every step eagerly with the stage profile (profiler.hpp): each
 // point then also prints, and writes as "stages_ms", its last step's time per stage.
 
@@ -159,7 +161,14 @@ int main() {
   std::FILE* json = nullptr;
   if (const char* path = std::getenv("MOEBIUS_BENCH_SUMMARY"); path != nullptr && *path != '\0')
     json = std::fopen(path, "w");
-  const link_model link;
+  const char* priced_by = std::getenv("MOEBIUS_BENCH_COLLECTIVES");
+  const std::string pricing_name = priced_by != nullptr && *priced_by != '\0' ? priced_by : "cited";
+  if (pricing_name != "cited" && pricing_name != "link") {
+    std::printf("MOEBIUS_BENCH_COLLECTIVES=%s: expected cited or link\n", pricing_name.c_str());
+    return 1;
+  }
+  const collective_pricing pricing =
+      pricing_name == "cited" ? collective_pricing::cited : collective_pricing::link;
   std::map<std::pair<int64_t, int64_t>, std::map<std::string, point>> results;  // (context, B)
   for (const rank_layout& l : layouts) {
     const std::string name = name_of(l);
@@ -236,13 +245,13 @@ int main() {
         std::sort(ms.begin(), ms.end());
         point p;
         p.compute_ms = ms[ms.size() / 2];
-        p.comm_ms = priced_collectives_s(full, l, P, B, c.top_k, link) * 1e3;
+        p.comm_ms = priced_collectives_s(full, l, P, B, c.top_k, pricing) * 1e3;
         results[{context, B}][name] = p;
         std::printf("  ctx %5lld B %5lld (%lld on the rank, %lld tokens each): compute %.3f ms "
-                    "(measured) + collectives %.3f ms (priced) = %.3f ms%s\n",
+                    "(measured) + collectives %.3f ms (priced, %s) = %.3f ms%s\n",
                     static_cast<long long>(context), static_cast<long long>(B),
                     static_cast<long long>(b), static_cast<long long>(tokens), p.compute_ms,
-                    p.comm_ms, p.compute_ms + p.comm_ms,
+                    p.comm_ms, pricing_name.c_str(), p.compute_ms + p.comm_ms,
                     reruns > 0 ? " (expert-capacity reruns)" : "");
         // MINI_ENGINE_PROFILE=1: the last timed step by stage (eager, no graphs: its compute
         // figure is the eager step's), each stage summed over the layers.
@@ -255,7 +264,8 @@ int main() {
                        "\"experts\": \"%s\", \"dcp\": %lld, \"skew\": %.3f, \"layers\": %lld, "
                        "\"context\": %lld, \"batch\": %lld, \"rank_batch\": %lld, "
                        "\"rank_tokens\": %lld, \"top_k_local\": %lld, \"compute_ms\": %.4f, "
-                       "\"comm_priced_ms\": %.4f, \"step_ms\": %.4f, \"graph_replays\": %lld, "
+                       "\"comm_priced_ms\": %.4f, \"collectives\": \"%s\", \"step_ms\": %.4f, "
+                       "\"graph_replays\": %lld, "
                        "\"overflow_reruns\": %lld%s%s}\n",
                        model_name.c_str(), P, name.c_str(),
                        l.attention == parallel_mode::tp ? "TP" : "DP",
@@ -263,7 +273,7 @@ int main() {
                        static_cast<long long>(c.num_layers), static_cast<long long>(context),
                        static_cast<long long>(B), static_cast<long long>(b),
                        static_cast<long long>(tokens), static_cast<long long>(c.top_k),
-                       p.compute_ms, p.comm_ms, p.compute_ms + p.comm_ms,
+                       p.compute_ms, p.comm_ms, pricing_name.c_str(), p.compute_ms + p.comm_ms,
                        static_cast<long long>(rt->graph_replays()),
                        static_cast<long long>(reruns), stages.empty() ? "" : ", \"stages_ms\": ",
                        stages.c_str());

@@ -26,6 +26,7 @@
 #include <moebius/layout/parallel_mode.hpp>
 
 #include "model_config.hpp"
+#include "step_collectives.hpp"
 
 namespace mini_engine {
 
@@ -153,58 +154,39 @@ inline int64_t rank_tokens(const rank_layout& l, int64_t tokens, int64_t page_si
   return most;
 }
 
-// latency + bytes / rate per collective.
-struct link_model {
-  double allreduce_bytes_per_s = 389e9;   // NVLink copy-engine ceiling per GPU per direction
-  double all_to_all_bytes_per_s = 332e9;  // NCCL all-to-all at 1 GiB, 2x H200 (measured here)
-  double latency_s = 10e-6;               // per collective (assumed: not measured on 8 GPUs)
-  // Collectives merging the DCP partial outputs per layer: 2 as vLLM runs them (an all-gather
-  // of the log-sum-exps, then a reduce-scatter of the corrected outputs), 1 for a fused
-  // exchange of (output, LSE).
-  int dcp_merge_collectives = 2;
-};
-
-// The priced collectives of one layer of TP attention with dcp d > 1 (seconds), within each
-// set of d ranks, bf16 activations (2 B), fp32 LSE (4 B), hq = Hq/P, D the head dim, ring
-// transfers at the all-reduce (NVLink) rate, each rank receiving:
-//   q all-gather       (d-1) B hq D 2 B  (the set's d x hq q heads on every rank of it)
-//   merge, vLLM's two  (d-1) B d hq 4 B  (LSE all-gather) + (d-1) B hq D 2 B (reduce-scatter
-//                      of the corrected outputs: each rank keeps its hq heads); fused: the same
-//                      bytes under one latency.
-//   Qwen3-235B, P 8, d 2, B 64: q 131,072 B; LSE 4,096 B; outputs 131,072 B.
-inline double priced_dcp_layer_s(const model_config& full, const rank_layout& l, int P, int64_t B,
-                                 const link_model& link = {}) {
-  if (l.dcp == 1) return 0;
-  const double d = static_cast<double>(l.dcp), b = static_cast<double>(B);
-  const double hq = static_cast<double>(full.num_q_heads / P), D = static_cast<double>(full.head_dim);
-  const double q_bytes = (d - 1) * b * hq * D * 2;
-  const double merge_bytes = (d - 1) * b * d * hq * 4 + (d - 1) * b * hq * D * 2;
-  return (1 + link.dcp_merge_collectives) * link.latency_s +
-         (q_bytes + merge_bytes) / link.allreduce_bytes_per_s;
+// The rank's decode step as its collectives see it (serving/step_collectives.hpp prices them):
+// k_local the share's top-k (rank_share_of), so a data-parallel rank sends ceil(B/P) k' pairs.
+inline decode_step_shape collectives_shape_of(const model_config& full, const rank_layout& l,
+                                              int P, int64_t B, int64_t k_local) {
+  decode_step_shape s;
+  s.tp_attention = l.attention == moebius::parallel_mode::tp;
+  s.dcp = l.dcp;
+  s.batch = B;
+  s.rank_pairs = s.tp_attention ? 0 : rank_batch(l, B, P) * k_local;
+  s.num_ranks = P;
+  s.layers = full.num_layers;
+  s.hidden = full.hidden;
+  s.q_heads = full.num_q_heads;
+  s.head_dim = full.head_dim;
+  return s;
 }
 
-// Priced collectives of one decode step of the deployment (seconds), bf16 activations, for a
-// batch of B sequences; k_local the share's top-k (rank_share_of):
-//   TP attention  per layer two ring all-reduces of B x H (2(P-1)/P of the bytes each): after
-//                 o_proj and after the experts (TP experts' partial sums, or TEP's: its
-//                 experts' pairs, every token on every rank, so no dispatch), plus dcp > 1's
-//                 priced_dcp_layer_s; one latency for the LM head's candidates;
-//   data-parallel attention, EP experts: per layer a dispatch and a combine of the rank's
-//                 ceil(B/P) k' pairs ((P-1)/P of them leave it), rows of H, at the all-to-all
-//                 rate.
+// The priced collectives of one layer of TP attention with dcp > 1 (seconds): DCP's exchange
+// (step_collectives.hpp). Qwen3-235B, P 8, d 2, B 64, link: 30.684 us.
+inline double priced_dcp_layer_s(const model_config& full, const rank_layout& l, int P, int64_t B,
+                                 collective_pricing pricing = collective_pricing::link,
+                                 const link_model& link = {}) {
+  return dcp_exchange_layer_s(collectives_shape_of(full, l, P, B, 1), pricing, link);
+}
+
+// Priced collectives of one decode step of the deployment (seconds) for a batch of B sequences
+// (step_collectives.hpp: TP attention's two all-reduces a layer and DCP's exchange, or
+// data-parallel attention's dispatch and combine of the rank's pairs).
 inline double priced_collectives_s(const model_config& full, const rank_layout& l, int P,
-                                   int64_t B, int64_t k_local, const link_model& link = {}) {
-  if (P == 1) return 0;
-  const double L = static_cast<double>(full.num_layers), H = static_cast<double>(full.hidden);
-  const double act = 2;
-  if (l.attention == moebius::parallel_mode::tp) {
-    const double bytes = 2.0 * (P - 1) / P * static_cast<double>(B) * H * act;
-    return L * (2 * (link.latency_s + bytes / link.allreduce_bytes_per_s) +
-                priced_dcp_layer_s(full, l, P, B, link)) +
-           link.latency_s;
-  }
-  const double rows = static_cast<double>(rank_batch(l, B, P) * k_local) * (P - 1) / P;
-  return L * 2 * (link.latency_s + rows * H * act / link.all_to_all_bytes_per_s);
+                                   int64_t B, int64_t k_local,
+                                   collective_pricing pricing = collective_pricing::link,
+                                   const link_model& link = {}) {
+  return decode_step_collectives_s(collectives_shape_of(full, l, P, B, k_local), pricing, link);
 }
 
 }  // namespace mini_engine

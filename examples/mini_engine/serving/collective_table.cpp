@@ -169,30 +169,6 @@ double collective_s(collective_kind k, double bytes_per_rank, int num_ranks) {
   return collective_s(k, default_impl(k), bytes_per_rank, num_ranks);
 }
 
-double cited_collectives_shift_ms(bool tp_attention, int64_t batch, int num_ranks, int64_t layers,
-                                  int64_t hidden, int64_t top_k) {
-  MOEBIUS_CHECK(batch >= 0 && num_ranks >= 1 && layers >= 0 && hidden >= 1 && top_k >= 1,
-                errc::invalid_argument, "cited_collectives_shift_ms: batch ", batch, ", num_ranks ",
-                num_ranks, ", layers ", layers, ", hidden ", hidden, ", top_k ", top_k,
-                " (batch, layers >= 0; the others >= 1)");
-  if (num_ranks == 1) return 0;
-  const double P = num_ranks, L = static_cast<double>(layers), H = static_cast<double>(hidden);
-  const double B = static_cast<double>(batch), latency = 10e-6;  // link_model's defaults
-  double linked = 0, cited = 0;
-  if (tp_attention) {
-    const double bytes = B * H * 2;
-    linked = L * 2 * (latency + 2 * (P - 1) / P * bytes / 389e9) + latency;
-    cited = L * 2 * collective_s(kind::tp_all_reduce, bytes, num_ranks) +
-            collective_s(kind::tp_all_reduce, 0, num_ranks);
-  } else {
-    const double rows = std::ceil(B / P) * static_cast<double>(top_k), bytes = rows * H * 2;
-    linked = L * 2 * (latency + rows * (P - 1) / P * H * 2 / 332e9);
-    cited = L * (collective_s(kind::ep_dispatch, bytes, num_ranks) +
-                 collective_s(kind::ep_combine, bytes, num_ranks));
-  }
-  return (cited - linked) * 1e3;
-}
-
 std::string_view name_of(collective_kind k) {
   switch (k) {
     case kind::tp_all_reduce: return "TP all-reduce";

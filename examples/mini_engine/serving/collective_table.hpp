@@ -1,7 +1,8 @@
 #pragma once
 
 // Collectives priced from cited measurements on one 8-GPU NVLink node, instead of the assumed
-// 10 us + bytes / link rate (h200_params::collective_us, rank_share.hpp's link_model).
+// 10 us + bytes / link rate (step_collectives.hpp's link_model). step_collectives.hpp says which
+// collectives a decode step runs and prices them with this table.
 //
 // Each (kind, implementation) with two or more cited sizes has a model
 //   t(bytes) = latency + max(bytes, smallest cited bytes) / bandwidth
@@ -107,23 +108,6 @@ double collective_s(collective_kind kind, double bytes_per_rank, int num_ranks);
 // at b', or for DCP kinds impl's all-reduce fit at b'/2).
 double collective_s(collective_kind kind, collective_impl impl, double bytes_per_rank,
                     int num_ranks);
-
-// The change, in ms, to one decode step's priced collectives of a deployment of `layers` layers,
-// hidden size `hidden` (bf16), top-k `top_k`, `batch` sequences over P ranks, when
-// bench_rank_share's link model (rank_share.hpp link_model, which step curves were priced with:
-// 10 us + bytes / 389 GB/s a ring all-reduce, 10 us + bytes / 332 GB/s an all-to-all) gives way
-// to collective_s:
-//   TP attention (TP, TEP)  per layer two all-reduces of batch x hidden x 2 B, and one more for
-//                           the LM head's candidates (at the smallest all-reduce's price);
-//   EP attention            per layer a dispatch and a combine of ceil(batch/P) x top_k rows of
-//                           hidden x 2 B.
-// DCP's exchanges are not repriced here (the curves' are at the link model).
-//   TP, batch 1, P 8, L 94, H 4096: link 94 x 2 x 10.04 + 10 = 1,896.9 us (the curves'
-//   comm_priced_ms 1.8969); cited 189 x 13.43 (clamped at 0.5 MiB) = 2,538.0 us: +0.641 ms.
-//   EP, batch 1: link 94 x 2 x 10.17 = 1,912.5 us; cited 94 x (42.6 + 72.0) (both clamped at
-//   their 128-token points) = 10,772.4 us: +8.860 ms.
-double cited_collectives_shift_ms(bool tp_attention, int64_t batch, int num_ranks, int64_t layers,
-                                  int64_t hidden, int64_t top_k);
 
 std::string_view name_of(collective_kind kind);
 std::string_view name_of(collective_impl impl);

@@ -7,6 +7,8 @@
 #include <moebius/error.hpp>
 #include <moebius/policy/cost_model.hpp>
 
+#include "step_collectives.hpp"
+
 namespace mini_engine {
 
 using moebius::errc;
@@ -48,11 +50,18 @@ double h200_step_model::experts_s(parallel_mode experts, double tokens) const {
 
 double h200_step_model::dcp_exchange_s(double tokens, int64_t dcp) const {
   if (dcp <= 1) return 0;
-  const double d = static_cast<double>(dcp), P = num_ranks_;
-  const double hq = static_cast<double>(m_.num_q_heads) / P, D = static_cast<double>(m_.head_dim);
-  const double q_bytes = (d - 1) * tokens * hq * D * 2;
-  const double merge_bytes = (d - 1) * tokens * d * hq * 4 + (d - 1) * tokens * hq * D * 2;
-  return 3 * hw_.collective_us * 1e-6 + (q_bytes + merge_bytes) / hw_.nvlink.bytes_per_s;
+  decode_step_shape s;
+  s.dcp = dcp;
+  s.batch = static_cast<int64_t>(std::ceil(tokens));
+  s.num_ranks = static_cast<int>(num_ranks_);
+  s.layers = m_.num_layers;
+  s.hidden = m_.hidden;
+  s.q_heads = m_.num_q_heads;
+  s.head_dim = m_.head_dim;
+  link_model link;
+  link.latency_s = hw_.collective_us * 1e-6;
+  link.allreduce_bytes_per_s = hw_.nvlink.bytes_per_s;
+  return dcp_exchange_layer_s(s, collective_pricing::link, link);
 }
 
 double h200_step_model::time_s(const configuration& config, double sequences, double tokens,

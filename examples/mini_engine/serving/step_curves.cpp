@@ -104,12 +104,18 @@ std::vector<configuration> step_curves::configurations() const {
 
 bool step_curves::priced(const configuration& c) const { return curve_of(c).priced; }
 
+collective_pricing step_curves::collectives_of(const configuration& c) const {
+  return curve_of(c).collectives;
+}
+
 const std::string& step_curves::source_of(const configuration& c) const {
   return curve_of(c).source;
 }
 
 step_curves step_curves::from_jsonl(std::istream& in, const std::string& source) {
   std::vector<step_curve_point> points;
+  // Each configuration's collectives pricing, as its lines say (one per configuration).
+  std::vector<std::pair<configuration, collective_pricing>> pricing;
   std::string line, model;
   int P = 0;
   int64_t layers = 0;
@@ -153,6 +159,20 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
                     errc::invalid_argument, "model ", m, " P=", p_ranks, " layers=", l,
                     " skew ", sk, " where the file began with ", model, " P=", P, " layers=",
                     layers, " skew ", skew, " (one deployment per file)");
+      const std::string priced_by = j.value("collectives", std::string("link"));
+      MOEBIUS_CHECK(priced_by == "link" || priced_by == "cited", errc::invalid_argument,
+                    "\"collectives\" must be \"link\" or \"cited\" (got \"", priced_by, "\")");
+      const collective_pricing cp =
+          priced_by == "cited" ? collective_pricing::cited : collective_pricing::link;
+      auto seen = std::find_if(pricing.begin(), pricing.end(),
+                               [&](const auto& x) { return x.first == p.mode; });
+      if (seen == pricing.end()) {
+        pricing.emplace_back(p.mode, cp);
+      } else {
+        MOEBIUS_CHECK(seen->second == cp, errc::invalid_argument, name_of(p.mode), " priced by ",
+                      name_of(cp), " where its earlier lines say ", name_of(seen->second),
+                      " (one collectives pricing per configuration)");
+      }
       points.push_back(p);
     } catch (const nlohmann::json::exception& e) {
       MOEBIUS_FAIL(errc::invalid_argument, "line ", n, " of ", source, ": ", e.what());
@@ -164,6 +184,9 @@ step_curves step_curves::from_jsonl(std::istream& in, const std::string& source)
   std::ostringstream d;
   d << model << " P=" << P << " L=" << layers << " skew " << skew << " (" << source << ")";
   step_curves c(std::move(points), d.str());
+  for (curve& x : c.curves_)
+    for (const auto& [config, cp] : pricing)
+      if (x.config == config) x.collectives = cp;
   c.num_ranks_ = P;
   c.num_layers_ = layers;
   c.model_ = model;
@@ -286,6 +309,35 @@ step_curves step_curves::with_step_shift(
   return c;
 }
 
+step_curves step_curves::with_collectives(collective_pricing to, const priced_model& m) const {
+  if (std::all_of(curves_.begin(), curves_.end(),
+                  [to](const curve& x) { return x.collectives == to; }))
+    return *this;
+  MOEBIUS_CHECK(num_layers_ >= 1 && num_layers_ == m.num_layers, errc::invalid_argument,
+                "step curves: repricing the collectives needs the layers the curves were "
+                "measured with, equal to the model's (", deployment_, ": ", num_layers_,
+                "; the model: ", m.num_layers, ")");
+  const auto shift = [&](const configuration& config, int64_t batch) {
+    decode_step_shape s;
+    s.tp_attention = config.attention() == parallel_mode::tp;
+    s.dcp = config.dcp;
+    s.batch = batch;
+    s.rank_pairs = s.tp_attention ? 0 : (batch + num_ranks_ - 1) / num_ranks_ * m.top_k;
+    s.num_ranks = num_ranks_;
+    s.layers = num_layers_;
+    s.hidden = m.hidden;
+    s.q_heads = m.num_q_heads;
+    s.head_dim = m.head_dim;
+    return collectives_shift_ms(s, collectives_of(config), to);
+  };
+  step_curves c = with_step_shift(shift, "collectives priced by " + std::string(name_of(to)) +
+                                             (to == collective_pricing::cited
+                                                  ? " measurements (collective_table.hpp)"
+                                                  : " model (10 us + bytes / link rate)"));
+  for (curve& x : c.curves_) x.collectives = to;
+  return c;
+}
+
 step_curves step_curves::with_collective_latency(double tp_us, double ep_us) const {
   for (const double us : {tp_us, ep_us}) {
     MOEBIUS_CHECK(std::isfinite(us) && us >= 0 && us <= 1e4, errc::invalid_argument,
@@ -294,6 +346,12 @@ step_curves step_curves::with_collective_latency(double tp_us, double ep_us) con
   MOEBIUS_CHECK(num_layers_ >= 1, errc::invalid_argument,
                 "step curves: repricing the collectives needs the layers the curves were "
                 "measured with (", deployment_, " does not say)");
+  for (const curve& x : curves_) {
+    MOEBIUS_CHECK(x.collectives == collective_pricing::link, errc::invalid_argument,
+                  "step curves: repricing the collectives at a latency needs the link model's "
+                  "prices, and ", name_of(x.config), "'s are ", name_of(x.collectives),
+                  " (with_collectives(link) first)");
+  }
   step_curves c = *this;
   for (curve& x : c.curves_) {
     const bool tp = x.config.attention() == parallel_mode::tp;
@@ -340,6 +398,10 @@ step_curves with_priced_layouts(const step_curves& measured, const h200_step_mod
   const step_curves::curve& tp = measured.curve_of(k_tp);
   MOEBIUS_CHECK(!tp.priced, errc::invalid_argument,
                 "with_priced_layouts: TP's curve is itself priced");
+  // The fallback adds DCP's exchange at the model's link latency: TP's curve must be priced so.
+  MOEBIUS_CHECK(tp.collectives == collective_pricing::link, errc::invalid_argument,
+                "with_priced_layouts: TP's collectives are priced by ", name_of(tp.collectives),
+                " (price the fallback before with_collectives)");
   const double L = static_cast<double>(model.model().num_layers);
   step_curves out = measured;
   for (const configuration& c : wanted) {
@@ -370,9 +432,9 @@ curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& 
     : curves_(std::move(curves)),
       model_(model),
       name_("per-rank step curves of " + curves_.deployment() +
-            " for decode steps (compute measured on one GPU, collectives priced by a link "
-            "model; EP steps by their busiest rank; a prefill chunk's tokens as extra rows of the "
-            "curve at its smallest context, not measured); switches and overlap: " +
+            " for decode steps (compute measured on one GPU, collectives priced; EP steps by "
+            "their busiest rank; a prefill chunk's tokens as extra rows of the curve at its "
+            "smallest context, not measured); switches and overlap: " +
             model.name()) {}
 
 double curves_step_clock::rows_ms(const configuration& m, double sequences, double rows,

@@ -13,6 +13,11 @@
 // same model, P, layers and skew (skew may be absent: 1). step_ms is the curve: compute
 // measured plus collectives priced, both kept in the file.
 //
+// A line may say how its collectives were priced: "collectives": "link" (the default when absent:
+// the files measured before the cited table) or "cited" (step_collectives.hpp); one pricing per
+// configuration. with_collectives() reprices every curve by one of them (the simulated runtime:
+// cited, by default).
+//
 // Configurations not measured can be priced from TP's measured curve (with_priced_layouts): a
 // named fallback, never presented as measured (priced(), source_of()).
 //
@@ -31,6 +36,7 @@
 #include <moebius/layout/parallel_mode.hpp>
 
 #include "configuration.hpp"
+#include "step_collectives.hpp"
 #include "step_clock.hpp"
 
 namespace mini_engine {
@@ -96,7 +102,16 @@ class step_curves {
   // The layers the curves were measured with (0: built from points, not from a file).
   int64_t num_layers() const { return num_layers_; }
 
-  // The latency per collective the bench priced (h200_params::collective_us, 10 us: assumed).
+  // How `c`'s collectives are priced in its step_ms (same error as step_ms).
+  collective_pricing collectives_of(const configuration& c) const;
+  // These curves with every point's collectives priced by `to` (step_collectives.hpp) instead of
+  // its curve's pricing: each point moves by collectives_shift_ms of its configuration and
+  // batch, the data-parallel ranks sending ceil(B/P) x model.top_k pairs; model gives the
+  // hidden size and heads. Curves already priced by `to` are returned as they are. The curves must know their layers (from a file) and equal the
+  // model's. A step that would fall to 0 or below is refused by name (errc::invalid_argument).
+  step_curves with_collectives(collective_pricing to, const priced_model& model) const;
+
+  // The latency per collective the link model priced (link_model::latency_s, 10 us: assumed).
   static constexpr double priced_collective_us = 10;
   // These curves with each collective's latency priced at `tp_us` (TP attention's all-reduces,
   // and DCP's exchange) and `ep_us` (EP's dispatch and combine) instead: every step has two
@@ -108,12 +123,12 @@ class step_curves {
   // the paper's quiet TPOT gap (TP 37, EP 52 ms) is larger than the compute alone: the results'
   // sensitivity to it is shown by serving the same trace at several latencies (demo
   // --collective-us). Throws errc::invalid_argument when a latency is not in [0, 10^4] or
-  // the curves do not know their layers (built from points); a step that would fall to 0 or
+  // the curves do not know their layers (built from points) or a curve's collectives are not
+  // priced by the link model (with_collectives(link) first); a step that would fall to 0 or
   // below is refused by name.
   step_curves with_collective_latency(double tp_us, double ep_us) const;
   // These curves with each point's step_ms moved by shift_ms(its configuration, its batch)
-  // (collective_table.hpp's cited_collectives_shift_ms: collectives priced from cited
-  // measurements); `what` is appended to deployment(). A step that would fall to 0 or below is
+  // (with_collectives: the collectives repriced); `what` is appended to deployment(). A step that would fall to 0 or below is
   // refused by name (errc::invalid_argument).
   step_curves with_step_shift(
       const std::function<double(const configuration&, int64_t batch)>& shift_ms,
@@ -130,6 +145,7 @@ class step_curves {
     std::vector<row> rows;  // ascending in context
     bool priced = false;
     std::string source;
+    collective_pricing collectives = collective_pricing::link;
   };
   static double row_ms(const row& r, double batch);
   const curve* find_curve(const configuration& c) const;

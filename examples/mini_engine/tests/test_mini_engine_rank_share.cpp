@@ -150,7 +150,7 @@ TEST_CASE("rank share: the link model's price of the collectives", "[cpu][rank_s
   CHECK(priced_collectives_s(full, rank_layout::tep(2), 8, 64, 1) == Approx(5.21776e-3).epsilon(1e-4));
   link_model fused;
   fused.dcp_merge_collectives = 1;
-  CHECK(priced_collectives_s(full, rank_layout::tp(2), 8, 64, 8, fused) == Approx(4.27776e-3).epsilon(1e-4));
+  CHECK(priced_collectives_s(full, rank_layout::tp(2), 8, 64, 8, collective_pricing::link, fused) == Approx(4.27776e-3).epsilon(1e-4));
   // B 2048: TP 188 x (10 + 29,360,128 B / 389 GB/s = 75.4759) us + 10 us = 16.0795 ms; dcp 2
   // adds 94 x (30 + 8,519,680 B / 389 GB/s = 21.9015) us = 4.87874 ms: 20.9582 ms.
   CHECK(priced_collectives_s(full, rank_layout::tp(), 8, 2048, 8) == Approx(16.0795e-3).epsilon(1e-4));

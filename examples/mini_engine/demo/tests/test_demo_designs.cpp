@@ -97,6 +97,7 @@ TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from T
           "[cpu][demo]") {
   options o;
   o.runtime = runtime_kind::sim;
+  o.collectives = collective_pricing::link;
   const demo_clock c = make_sim_clock(o);
   CHECK_THAT(c.curves_summary, Catch::Matchers::Contains("step curves: TP, EP measured") &&
                                    Catch::Matchers::Contains("TP-DCP2, TEP-DCP2 PRICED, not measured"));
@@ -120,9 +121,27 @@ TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from T
   s.context_tokens = 64 * 4096;
   CHECK(c.clock->step_s(s, 0) * 1e3 == Approx(tp_ms + exchange_ms + experts_ms).epsilon(1e-9));
   // The paper's configurations keep their measured curves.
-  s.set(k_tp);
-  s.context_tokens = 64 * 2048;
-  CHECK(c.clock->step_s(s, 0) * 1e3 == Approx(tp_ms).epsilon(1e-12));
+  step_cost t = s;
+  t.set(k_tp);
+  t.context_tokens = 64 * 2048;
+  CHECK(c.clock->step_s(t, 0) * 1e3 == Approx(tp_ms).epsilon(1e-12));
+  // By default the collectives are priced from the cited table: each step moves by its
+  // configuration's shift at its batch (step_collectives.hpp).
+  const demo_clock cited = make_sim_clock(options{.runtime = runtime_kind::sim});
+  decode_step_shape shape;
+  shape.batch = 64;
+  shape.layers = 94;
+  shape.hidden = 4096;
+  shape.q_heads = 64;
+  shape.head_dim = 128;
+  const double tp_shift = collectives_shift_ms(shape, collective_pricing::link, collective_pricing::cited);
+  shape.dcp = 2;
+  const double dcp_shift = collectives_shift_ms(shape, collective_pricing::link, collective_pricing::cited);
+  CHECK(dcp_shift > tp_shift);  // DCP's three exchanges at NCCL's latency, not 10 us
+  CHECK(cited.clock->step_s(s, 0) * 1e3 ==
+        Approx(tp_ms + exchange_ms + experts_ms + dcp_shift).epsilon(1e-9));
+  CHECK(cited.clock->step_s(t, 0) * 1e3 == Approx(tp_ms + tp_shift).epsilon(1e-12));
+  CHECK_THAT(cited.description, Catch::Matchers::Contains("collectives priced by cited measurements"));
 }
 
 TEST_CASE("the designs verdict: the best switching design against the paper's baselines and "

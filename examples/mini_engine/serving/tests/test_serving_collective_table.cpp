@@ -159,22 +159,3 @@ TEST_CASE("a fit prints its line") {
   os << fit_of(kind::tp_all_reduce, impl::vllm_custom);
   CHECK(os.str().find("TP all-reduce (vLLM custom): 7.5 us + bytes /") == 0);
 }
-
-TEST_CASE("a decode step's collectives: the link model against the cited table, by hand") {
-  // TP, batch 1, P 8, Qwen3-235B (94 layers, hidden 4096): the link model's 1,896.9 us (the
-  // region curves' comm_priced_ms at batch 1: 1.8969 ms) against 189 all-reduces clamped at
-  // the 0.5 MiB price (13.4286 us).
-  const double link_tp = 94 * 2 * (10 + 2 * 7.0 / 8 * 8192 / 389e9 * 1e6) + 10;
-  CHECK(link_tp * 1e-3 == Approx(1.8969).epsilon(1e-4));
-  CHECK(cited_collectives_shift_ms(true, 1, 8, 94, 4096, 8) ==
-        Approx((189 * (7.5 + 0.5 * 83 / 7) - link_tp) * 1e-3));
-  // EP, batch 1: ceil(1/8) x 8 rows; the link model's 1,912.5 us (comm_priced_ms 1.9125)
-  // against DeepEP's dispatch and combine, both clamped at their 128-token points.
-  const double link_ep = 94 * 2 * (10 + 8 * 7.0 / 8 * 8192 / 332e9 * 1e6);
-  CHECK(link_ep * 1e-3 == Approx(1.9125).epsilon(1e-4));
-  CHECK(cited_collectives_shift_ms(false, 1, 8, 94, 4096, 8) ==
-        Approx((94 * (42.6 + 72.0) - link_ep) * 1e-3));
-  CHECK(cited_collectives_shift_ms(false, 1, 1, 94, 4096, 8) == 0);
-  CHECK_THROWS_WITH(cited_collectives_shift_ms(true, -1, 8, 94, 4096, 8),
-                    Catch::Contains("batch -1"));
-}

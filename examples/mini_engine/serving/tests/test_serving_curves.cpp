@@ -262,3 +262,57 @@ TEST_CASE("with_step_shift moves each point by its configuration's and batch's s
   CHECK_THROWS_WITH(c.with_step_shift([](const configuration&, int64_t) { return -12.0; }, "x"),
                     Catch::Contains("TP step at batch 1, context 512 falls to -2 ms with x"));
 }
+
+TEST_CASE("step curves: each configuration's collectives pricing, and repricing by it",
+          "[cpu][curves]") {
+  const priced_model m = qwen3_235b_a22b_priced();  // 94 layers, as k_file
+  const step_curves c = parse(k_file);
+  // No "collectives" field: the link model the first curves were priced with.
+  CHECK(c.collectives_of(parallel_mode::tp) == collective_pricing::link);
+  CHECK(c.collectives_of(parallel_mode::ep) == collective_pricing::link);
+  // Repriced by the table: each point moves by its configuration's and batch's shift.
+  const step_curves cited = c.with_collectives(collective_pricing::cited, m);
+  CHECK(cited.collectives_of(parallel_mode::tp) == collective_pricing::cited);
+  decode_step_shape tp;
+  tp.batch = 4;
+  tp.layers = 94;
+  tp.hidden = 4096;
+  tp.q_heads = 64;
+  tp.head_dim = 128;
+  CHECK(cited.step_ms(parallel_mode::tp, 4, 512) ==
+        Approx(14 + collectives_shift_ms(tp, collective_pricing::link, collective_pricing::cited)));
+  decode_step_shape ep = tp;
+  ep.tp_attention = false;
+  ep.batch = 1;
+  ep.rank_pairs = 8;  // ceil(1/8) x top-8
+  CHECK(cited.step_ms(parallel_mode::ep, 1, 512) ==
+        Approx(12 + collectives_shift_ms(ep, collective_pricing::link, collective_pricing::cited)));
+  // And back: the points as read.
+  const step_curves back = cited.with_collectives(collective_pricing::link, m);
+  for (const double b : {1.0, 2.0, 4.0})
+    CHECK(back.step_ms(parallel_mode::tp, b, 1536) == Approx(c.step_ms(parallel_mode::tp, b, 1536)));
+  // Already so priced: returned as it is (its description too).
+  CHECK(c.with_collectives(collective_pricing::link, m).deployment() == c.deployment());
+  // A latency repricing needs the link model's prices; the fallback too.
+  CHECK_THROWS_WITH(cited.with_collective_latency(20, 20),
+                    Catch::Contains("TP's are cited (with_collectives(link) first)"));
+  const h200_step_model model(m, h200_params{}, 8, 48 * 1024, nullptr);
+  const configuration wanted[] = {k_tp_dcp2};
+  CHECK_THROWS_WITH(with_priced_layouts(cited, model, wanted),
+                    Catch::Contains("TP's collectives are priced by cited"));
+  // Lines say how they were priced, one pricing per configuration.
+  const step_curves mixed = parse(
+      std::string(k_file) +
+      "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"TEP-dcp2\", \"context\": 512, \"batch\": 1, \"step_ms\": 11, \"collectives\": \"cited\"}\n");
+  CHECK(mixed.collectives_of(k_tep_dcp2) == collective_pricing::cited);
+  CHECK(mixed.collectives_of(k_tp) == collective_pricing::link);
+  CHECK(error_of(std::string(k_file) +
+                 "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 1024, \"batch\": 1, \"step_ms\": 11, \"collectives\": \"cited\"}\n")
+            .find("EP priced by cited where its earlier lines say link") != std::string::npos);
+  CHECK(error_of(std::string(k_file) +
+                 "{\"model\": \"qwen3_235b\", \"P\": 8, \"layers\": 94, \"mode\": \"ep\", \"context\": 1024, \"batch\": 1, \"step_ms\": 11, \"collectives\": \"nccl\"}\n")
+            .find("\"collectives\" must be \"link\" or \"cited\" (got \"nccl\")") != std::string::npos);
+  const step_curves points({{parallel_mode::ep, 512, 1, 5}, {parallel_mode::tp, 512, 1, 4}}, "hand");
+  CHECK_THROWS_WITH(points.with_collectives(collective_pricing::cited, m),
+                    Catch::Contains("needs the layers the curves were measured with"));
+}
