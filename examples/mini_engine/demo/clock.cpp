@@ -184,6 +184,8 @@ demo_clock make_sim_clock(const options& o) {
   }
   if (o.collectives == collective_pricing::cited)
     curves = curves->with_collectives(collective_pricing::cited, m);
+  // The busiest EP rank's expert load, which one emulated rank misses (expert_load.hpp).
+  curves = curves->with_expert_load(m, h200_params{}.hbm.bytes_per_s, routing_model{o.routing_skew});
   c.curves_summary = curves_summary(*curves, o.verbose);
   c.clock = std::make_unique<curves_step_clock>(std::move(*curves), *c.model);
   c.description = std::string("  clock (priced, not measured): ") + c.clock->name() + "\n";

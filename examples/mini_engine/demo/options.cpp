@@ -281,6 +281,10 @@ void declare_sim(CLI::App& app, options& o) {
          o.collectives = v == "cited" ? collective_pricing::cited : collective_pricing::link;
          o.collectives_given = true;
        });
+  text("--routing-skew", "S",
+       "--runtime sim: the router's skew the busiest EP rank's expert load is priced at, "
+       "[0, 4] (default 0: uniform; > 0: expert popularity ~ rank^-S, serving/expert_load.hpp)",
+       [&o](const std::string& v) { o.routing_skew = parse_double("--routing-skew", v, 0, 4); });
   text("--rollout-median", "TOKENS",
        "paper-rollout: the median output length, [64, 32000] (default 2000: DeepMath-103K's R1 "
        "mean with a 2% cut; the paper-shaped sweep covers 4k-10k)",
@@ -359,6 +363,8 @@ void check_together(options& o, bool max_batch_set) {
     fail("--search", "searches the simulated runtime's rollout runs (--runtime sim)");
   if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)
     fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
+  if (o.routing_skew != 0 && o.runtime != runtime_kind::sim)
+    fail("--routing-skew", "prices the simulated runtime's EP steps (--runtime sim)");
   if (o.collectives_given && o.runtime != runtime_kind::sim)
     fail("--collectives", "reprices the simulated runtime's step curves (--runtime sim)");
   if (o.collective_us_tp >= 0) {

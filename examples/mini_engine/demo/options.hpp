@@ -83,6 +83,9 @@ struct options {
   // --runtime sim: the link model with each collective's latency at these us, TP's all-reduce
   // and EP's dispatch or combine (< 0: not given), for the results' sensitivity to it.
   double collective_us_tp = -1, collective_us_ep = -1;
+  // --runtime sim: the routing skew the busiest EP rank's expert load is priced at
+  // (serving/expert_load.hpp: 0 uniform, > 0 a Zipf exponent).
+  double routing_skew = 0;
   // paper-rollout's shape for the sensitivity sweep (serving/paper_traces.hpp; < 0: its own).
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap

@@ -338,6 +338,42 @@ step_curves step_curves::with_collectives(collective_pricing to, const priced_mo
   return c;
 }
 
+step_curves step_curves::with_expert_load(const priced_model& m, double hbm_bytes_per_s,
+                                          const routing_model& routing) const {
+  MOEBIUS_CHECK(num_layers_ >= 1 && num_layers_ == m.num_layers, errc::invalid_argument,
+                "step curves: pricing the busiest rank's expert load needs the layers the "
+                "curves were measured with, equal to the model's (", deployment_, ": ",
+                num_layers_, "; the model: ", m.num_layers, ")");
+  const auto moved = [](const curve& x) {
+    return x.config.experts() == parallel_mode::ep && !x.priced && !x.expert_load;
+  };
+  if (std::none_of(curves_.begin(), curves_.end(), moved)) return *this;
+  const double expert_bytes = 3.0 * static_cast<double>(m.hidden) *
+                              static_cast<double>(m.intermediate) *
+                              static_cast<double>(m.weight_bytes);
+  std::vector<bool> move;
+  for (const curve& x : curves_) move.push_back(moved(x));
+  std::ostringstream what;
+  what << "the busiest EP rank's expert load priced (routing skew " << routing.skew << ")";
+  step_curves c = with_step_shift(
+      [&](const configuration& config, int64_t batch) {
+        for (size_t i = 0; i < curves_.size(); ++i) {
+          if (!(curves_[i].config == config)) continue;
+          if (!move[i]) return 0.0;
+          return expert_load_shift_ms(config.attention() == parallel_mode::tp, batch,
+                                      m.num_experts, num_ranks_, m.top_k, num_layers_,
+                                      expert_bytes, hbm_bytes_per_s, routing);
+        }
+        return 0.0;
+      },
+      what.str());
+  for (size_t i = 0; i < c.curves_.size(); ++i)
+    if (move[i]) c.curves_[i].expert_load = true;
+  return c;
+}
+
+bool step_curves::expert_load_priced(const configuration& c) const { return curve_of(c).expert_load; }
+
 step_curves step_curves::with_collective_latency(double tp_us, double ep_us) const {
   for (const double us : {tp_us, ep_us}) {
     MOEBIUS_CHECK(std::isfinite(us) && us >= 0 && us <= 1e4, errc::invalid_argument,

@@ -36,6 +36,7 @@
 #include <moebius/layout/parallel_mode.hpp>
 
 #include "configuration.hpp"
+#include "expert_load.hpp"
 #include "step_collectives.hpp"
 #include "step_clock.hpp"
 
@@ -111,6 +112,16 @@ class step_curves {
   // model's. A step that would fall to 0 or below is refused by name (errc::invalid_argument).
   step_curves with_collectives(collective_pricing to, const priced_model& model) const;
 
+  // These curves with every measured curve whose experts are EP (EP, TEP, TEP-DCPd) moved by
+  // the busiest EP rank's expert load the one-rank emulation misses (expert_load.hpp:
+  // expert_load_shift_ms at each point's batch, the weights at `hbm_bytes_per_s`). Priced
+  // curves (with_priced_layouts: their expert term is the roofline's busiest rank already) and
+  // curves moved so before are left as they are. Needs the curves' layers (from a file).
+  step_curves with_expert_load(const priced_model& model, double hbm_bytes_per_s,
+                               const routing_model& routing) const;
+  // Whether `c`'s curve carries the busiest rank's expert load (with_expert_load).
+  bool expert_load_priced(const configuration& c) const;
+
   // The latency per collective the link model priced (link_model::latency_s, 10 us: assumed).
   static constexpr double priced_collective_us = 10;
   // These curves with each collective's latency priced at `tp_us` (TP attention's all-reduces,
@@ -146,6 +157,7 @@ class step_curves {
     bool priced = false;
     std::string source;
     collective_pricing collectives = collective_pricing::link;
+    bool expert_load = false;  // moved by with_expert_load
   };
   static double row_ms(const row& r, double batch);
   const curve* find_curve(const configuration& c) const;

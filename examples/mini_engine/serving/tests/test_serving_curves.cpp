@@ -316,3 +316,32 @@ TEST_CASE("step curves: each configuration's collectives pricing, and repricing 
   CHECK_THROWS_WITH(points.with_collectives(collective_pricing::cited, m),
                     Catch::Contains("needs the layers the curves were measured with"));
 }
+
+TEST_CASE("step curves: the busiest EP rank's expert load priced onto EP-experts curves",
+          "[cpu][curves]") {
+  const priced_model m = qwen3_235b_a22b_priced();
+  const double bytes = 3.0 * 4096 * 1536 * 2, hbm = 4e12;
+  const step_curves c = parse(k_file);
+  const step_curves moved = c.with_expert_load(m, hbm, routing_model{});
+  CHECK(moved.expert_load_priced(parallel_mode::ep));
+  CHECK_FALSE(moved.expert_load_priced(parallel_mode::tp));
+  // EP at batch 1: the emulated rank's 8 experts against the busiest real rank's ~2.5.
+  CHECK(moved.step_ms(parallel_mode::ep, 1, 512) ==
+        Approx(12 + expert_load_shift_ms(false, 1, 128, 8, 8, 94, bytes, hbm)));
+  CHECK(moved.step_ms(parallel_mode::ep, 1, 512) < 12 - 4);
+  // TP's experts are sliced on every rank: no shift.
+  CHECK(moved.step_ms(parallel_mode::tp, 4, 1536) == Approx(28));
+  // Once only.
+  CHECK(moved.with_expert_load(m, hbm, routing_model{}).step_ms(parallel_mode::ep, 1, 512) ==
+        Approx(moved.step_ms(parallel_mode::ep, 1, 512)));
+  // A priced curve (the fallback's roofline expert term is its busiest rank already): untouched.
+  const h200_step_model model(m, h200_params{}, 8, 48 * 1024, nullptr);
+  const configuration wanted[] = {k_tep_dcp2};
+  const step_curves with_fallback = with_priced_layouts(c, model, wanted);
+  const step_curves both = with_fallback.with_expert_load(m, hbm, routing_model{});
+  CHECK_FALSE(both.expert_load_priced(k_tep_dcp2));
+  CHECK(both.step_ms(k_tep_dcp2, 4, 1024) == Approx(with_fallback.step_ms(k_tep_dcp2, 4, 1024)));
+  const step_curves points({{parallel_mode::ep, 512, 1, 5}, {parallel_mode::tp, 512, 1, 4}}, "hand");
+  CHECK_THROWS_WITH(points.with_expert_load(m, hbm, routing_model{}),
+                    Catch::Contains("needs the layers the curves were measured with"));
+}
