@@ -10,6 +10,7 @@
 //         KV head slice (tp_slice_of_rank; replicated when Hkv < P) over its TP pages, from
 //         row slices of the whole q/k/v weights and a column slice of o_proj (pointers with a
 //         leading dimension: no second copy); NCCL all-reduce of the o_proj partial sums.
+//         With dcp > 1 the replicas of a head split its pages (below).
 //     EP: data-parallel: each rank runs its own sequences (their EP owner) with all heads.
 //   MoE, in the mode of the layer in the arena (layers below the cursor TP, the rest EP):
 //     the router runs where the token is; tokens are packed with their top-k (moe_pack);
@@ -25,9 +26,11 @@
 //   LM head: TP splits the vocabulary (P | V): rank r computes logits [r*V/P, (r+1)*V/P) of
 //   every token and its best candidate (id, logit); the host picks the best of the P
 //   candidates (no collective). EP computes all V logits for its own tokens.
-// Benchmarks may emulate one rank of a decode-context-parallel set at P = 1
-// (gpu_runtime_options::emulated_dcp): attention over the set's q heads, projections over its
-// own.
+// TP with decode context parallelism (gpu_runtime_options::dcp > 1, virtual ranks): the DCP
+// set's q heads gathered, each rank's part over the pages it holds, the parts merged per rank
+// (dcp_attention below; device_collectives.cu). Benchmarks may emulate one rank of a
+// decode-context-parallel set at P = 1 (gpu_runtime_options::emulated_dcp): attention over the
+// set's q heads, projections over its own.
 
 #include <cmath>
 
@@ -43,13 +46,16 @@ using moebius::parallel_mode;
 // the workspace size depends on).
 paged_attention_args gpu_runtime::impl::attention_shape(parallel_mode m, int64_t li,
                                                         int64_t T) const {
-  // emulated_dcp: the DCP set's dcp x hq gathered q heads, read from xn, written to proj.
-  const int64_t D = c.head_dim, dcp = o.emulated_dcp, hq = dcp * q_heads_local(m);
+  // A DCP set's set x hq gathered q heads: dcp (TP, dcp > 1), read from dcp_q into dcp_out
+  // with their LSEs; emulated_dcp, read from xn into proj (every copy on the one KV head:
+  // the emulation's GQA group spans them).
+  const int64_t D = c.head_dim, set = attention_set(m), hq = set * q_heads_local(m);
   paged_attention_args pa;
-  pa.q_stride = dcp > 1 ? hq * D : qkv_ld;
+  pa.q_stride = set > 1 ? hq * D : qkv_ld;
   pa.q_heads = hq;
-  pa.group = dcp * c.num_q_heads / c.num_kv_heads;
+  pa.group = o.emulated_dcp * c.num_q_heads / c.num_kv_heads;
   pa.out_stride = hq * D;
+  if (dcp_split(m)) pa.lse_stride = hq;
   pa.geometry = kv;
   pa.mode = m;
   pa.layer = li;
@@ -63,16 +69,36 @@ paged_attention_args gpu_runtime::impl::attention_shape(parallel_mode m, int64_t
   return pa;
 }
 
-// The paged attention of layer li in mode m over T rows of rank rs (q rows in qkv).
-paged_attention_args gpu_runtime::impl::attention_args(rank_state& rs, parallel_mode m, int64_t li,
-                                                       int64_t T, const float* q,
+// Rank r's T rows of mode m's input block as the KV kernels read them: rows, positions,
+// page tables, and in TP with dcp > 1 the rank's DCP share (its tables list only its pages).
+paged_tokens gpu_runtime::impl::tokens_of(rank_state& rs, int r, parallel_mode m,
+                                          int64_t T) const {
+  paged_tokens tok;
+  tok.seq = in_seq(rs, m);
+  tok.pos = in_pos(rs, m);
+  tok.tables = in_tables(rs, m);
+  tok.table_stride = max_pages;
+  tok.tokens = T;
+  tok.num_tokens = in_num(rs, m);
+  if (dcp_split(m)) {
+    tok.dcp = kv.dcp;
+    tok.dcp_rank = kv.dcp_rank(r);
+  }
+  return tok;
+}
+
+// The paged attention of layer li in mode m over T rows of rank r: q rows at `q`, output
+// rows to `out` (TP with dcp > 1: the rank's part, with its LSEs in dcp_lse).
+paged_attention_args gpu_runtime::impl::attention_args(rank_state& rs, int r, parallel_mode m,
+                                                       int64_t li, int64_t T, const float* q,
                                                        float* out) const {
   paged_attention_args pa = attention_shape(m, li, T);
   pa.q = q;
   pa.out = out;
   pa.pool = rs.kv_pool;
-  pa.tok = {in_seq(rs, m), in_pos(rs, m), in_tables(rs, m), max_pages, T, in_num(rs, m)};
+  pa.tok = tokens_of(rs, r, m, T);
   pa.workspace = rs.attn_work;
+  if (dcp_split(m)) pa.lse = rs.dcp_lse;
   return pa;
 }
 
@@ -82,23 +108,53 @@ paged_attention_args gpu_runtime::impl::attention_args(rank_state& rs, parallel_
 void gpu_runtime::impl::attention(const pass& ps, int64_t li) {
   const parallel_mode attn = ps.attn[static_cast<size_t>(li)];
   const int64_t T = ps.rows[mode_index(attn)];
-  each_rank([&](int r, rank_state& rs) {
-    project_qkv(rs, r, attn, li, T);
-    mark(rs, st_qkv);
-    if (o.emulated_dcp > 1) {
-      emulated_dcp_gather_q(rs, attn, T);
-      launch_paged_attention(attention_args(rs, attn, li, T, rs.xn, rs.proj), rs.stream);
-    } else {
-      launch_paged_attention(attention_args(rs, attn, li, T, rs.qkv, rs.attn), rs.stream);
-    }
-    mark(rs, st_attention);
-    project_o(rs, r, attn, li, T);
-    mark(rs, st_o_proj);
-  });
+  if (dcp_split(attn)) {
+    dcp_attention(li, T);
+  } else {
+    each_rank([&](int r, rank_state& rs) {
+      project_qkv(rs, r, attn, li, T);
+      mark(rs, st_qkv);
+      if (o.emulated_dcp > 1) {
+        emulated_dcp_gather_q(rs, attn, T);
+        launch_paged_attention(attention_args(rs, r, attn, li, T, rs.xn, rs.proj), rs.stream);
+      } else {
+        launch_paged_attention(attention_args(rs, r, attn, li, T, rs.qkv, rs.attn), rs.stream);
+      }
+      mark(rs, st_attention);
+      project_o(rs, r, attn, li, T);
+      mark(rs, st_o_proj);
+    });
+  }
   if (attn == parallel_mode::tp && P > 1) {
     all_reduce(&rank_state::proj, T * c.hidden);
     mark_all(st_collectives);
   }
+}
+
+// Layer li's TP attention with dcp > 1 (virtual ranks; gpu_runtime.hpp), as the host runtime
+// computes it (host_runtime.hpp): every rank its q heads and its KV head's k/v (K/V stored
+// only where the token's page lies: paged_tokens), the DCP set's q heads gathered on every
+// member, each member's part over the pages it holds (partial output + LSE), and each rank's
+// merge of the set's parts of its own heads into attn; then o_proj as without dcp. How the
+// parts travel, and why so: device_collectives.cu.
+void gpu_runtime::impl::dcp_attention(int64_t li, int64_t T) {
+  const parallel_mode tp = parallel_mode::tp;
+  each_rank([&](int r, rank_state& rs) {
+    project_qkv(rs, r, tp, li, T);
+    mark(rs, st_qkv);
+  });
+  device_dcp_gather_q(T);
+  mark_all(st_collectives);
+  each_rank([&](int r, rank_state& rs) {
+    launch_paged_attention(attention_args(rs, r, tp, li, T, rs.dcp_q, rs.dcp_out), rs.stream);
+    mark(rs, st_attention);
+  });
+  device_dcp_merge(T);
+  mark_all(st_collectives);
+  each_rank([&](int r, rank_state& rs) {
+    project_o(rs, r, tp, li, T);
+    mark(rs, st_o_proj);
+  });
 }
 
 // options.emulated_dcp: the q of the rank's DCP set as the all-gather would leave it, [T,
@@ -163,8 +219,6 @@ void gpu_runtime::impl::project_qkv(rank_state& rs, int r, parallel_mode attn, i
   launch_rmsnorm({k, qkv_ld, k, qkv_ld, l.k_norm, T * hkv, D, hkv, D, eps}, rs.stream);
   launch_rope({q, qkv_ld, T, hq, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta}, rs.stream);
   launch_rope({k, qkv_ld, T, hkv, D, in_pos(rs, attn), in_num(rs, attn), c.rope_theta}, rs.stream);
-  const paged_tokens tok{in_seq(rs, attn), in_pos(rs, attn), in_tables(rs, attn), max_pages, T,
-                         in_num(rs, attn)};
   kv_append_args ka;
   ka.k = k;
   ka.v = v;
@@ -175,7 +229,7 @@ void gpu_runtime::impl::project_qkv(rank_state& rs, int r, parallel_mode attn, i
   ka.geometry = kv;
   ka.mode = attn;
   ka.layer = li;
-  ka.tok = tok;
+  ka.tok = tokens_of(rs, r, attn, T);  // with dcp > 1 only the tokens whose page it holds
   launch_kv_append(ka, rs.stream);
 }
 

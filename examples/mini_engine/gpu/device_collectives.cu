@@ -11,6 +11,12 @@
 // deadlock. Under capture (graph_cache.cu: one graph holds every rank's stream) the same calls
 // become edges of that graph. The host enqueues every record of a barrier before any wait,
 // so one event per rank serves every barrier (a wait sees the record just made).
+//
+// Decode context parallelism (TP, dcp > 1; gpu_runtime.hpp) adds two exchanges within each
+// DCP set (dcp consecutive ranks sharing one KV head): the set's q heads gathered on every
+// member (device_dcp_gather_q), and each rank's merge of the members' partial attentions of
+// its own heads (device_dcp_merge). How the partials travel, and why this way, is written
+// there.
 
 #include <moebius/error.hpp>
 
@@ -108,6 +114,78 @@ void gpu_runtime::impl::device_hand_off_all_gather(int64_t rows) {
   each_rank([&](int, rank_state& rs) {
     for (int q = 0; q < P; ++q)
       copy_on(rs.stream, rs.recv + q * n, ranks[static_cast<size_t>(q)].h, n * 4);
+  });
+  barrier();
+}
+
+// ---- decode context parallelism ---------------------------------------------------------
+// How the partials travel: vLLM's way (its decode context parallelism, which the host runtime
+// simulates: host_runtime.hpp), q gathered within the set, each member's partial output and
+// LSE over the set's heads, then per rank the merge of its own heads' parts (vLLM: an
+// all-gather of the LSEs and a reduce-scatter of the weighted outputs). Why this one:
+//   - each q head is projected once, on its own rank, by the same q/k/v GEMMs as at dcp 1, and
+//     the merged head output is formed and rounded on its own rank before o_proj, so o_proj,
+//     its all-reduce and everything after are TP's unchanged and the only numerical change
+//     from dcp 1 is the softmax split (the host runtime's rounding points, one more reason);
+//   - what moves is small: q (T x dcp hq x D floats per rank) and, per rank, the dcp parts of
+//     its hq heads (T x hq x (D + 1) floats each), against the o_proj all-reduce's T x H;
+//   - on virtual ranks the merge kernel reads the peers' parts where they lie (dcp_merge
+//     takes one pointer per part), so the reduce-scatter costs no copy at all.
+// Helix's alternative (every member projects q of the set's heads itself, no q gather; the
+// partials swapped in one all-to-all) trades the gather (a barrier and the q copies) for dcp x
+// the q projection, whose GEMM shape then differs from dcp 1's; folding the merge into
+// o_proj's all-reduce (each member's o_proj over the set's heads, its part scaled by its
+// weight, summed by the all-reduce) skips the merged head output, a rounding point dcp 1 has,
+// still needs the LSEs gathered first and multiplies the o_proj GEMM by dcp.
+
+// Rank r's dcp_q block k (columns k hq D of each row) = the q heads of member k of its set
+// (rank r - r % dcp + k): the first hq D columns of that rank's qkv rows. One barrier first
+// (every member's q is written); the members' next write of qkv comes after the merge's
+// barriers, which every rank reaches only once its copies are done.
+void gpu_runtime::impl::device_dcp_gather_q(int64_t T) {
+  MOEBIUS_CHECK(virt, errc::internal, "gpu_runtime: the DCP q gather runs on virtual ranks");
+  const int64_t dcp = kv.dcp, width = q_heads_local(moebius::parallel_mode::tp) * c.head_dim;
+  barrier();
+  each_rank([&](int r, rank_state& rs) {
+    const int first = r - static_cast<int>(kv.dcp_rank(r));
+    for (int64_t k = 0; k < dcp; ++k) {
+      const rank_state& member = ranks[static_cast<size_t>(first + k)];
+      MOEBIUS_CUDA_CHECK(cudaMemcpy2DAsync(rs.dcp_q + k * width,
+                                           static_cast<size_t>(dcp * width) * 4, member.qkv,
+                                           static_cast<size_t>(qkv_ld) * 4,
+                                           static_cast<size_t>(width) * 4, static_cast<size_t>(T),
+                                           cudaMemcpyDeviceToDevice, rs.stream));
+    }
+  });
+}
+
+// Rank r's attn = the merge (dcp_merge) of its set's parts of r's own heads: member k's
+// dcp_out columns and dcp_lse entries of r's heads (block dcp_rank(r) of each row), read in
+// place. A barrier first (every member's part is written), and one after (no member writes
+// its parts, or the q the parts came from, before every rank has read them).
+void gpu_runtime::impl::device_dcp_merge(int64_t T) {
+  MOEBIUS_CHECK(virt, errc::internal, "gpu_runtime: the DCP merge runs on virtual ranks");
+  const int64_t dcp = kv.dcp, hq = q_heads_local(moebius::parallel_mode::tp), D = c.head_dim;
+  barrier();
+  each_rank([&](int r, rank_state& rs) {
+    const int first = r - static_cast<int>(kv.dcp_rank(r));
+    const int64_t own = kv.dcp_rank(r);
+    dcp_merge_args a;
+    a.num_parts = static_cast<int>(dcp);
+    for (int64_t k = 0; k < dcp; ++k) {
+      const rank_state& member = ranks[static_cast<size_t>(first + k)];
+      a.parts[k] = member.dcp_out + own * hq * D;
+      a.part_lse[k] = member.dcp_lse + own * hq;
+    }
+    a.part_stride = dcp * hq * D;
+    a.lse_stride = dcp * hq;
+    a.tokens = T;
+    a.heads = hq;
+    a.head_dim = D;
+    a.num_tokens = in_num(rs, moebius::parallel_mode::tp);
+    a.out = rs.attn;
+    a.out_stride = hq * D;
+    launch_dcp_merge(a, rs.stream);
   });
   barrier();
 }

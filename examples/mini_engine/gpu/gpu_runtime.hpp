@@ -19,6 +19,18 @@
 //     contention each of P GPUs would see from its own step and copies; not the link: every
 //     "transfer" between ranks is a device-local copy at HBM rates, never NVLink's.
 //
+// Decode context parallelism (gpu_runtime_options::dcp, vLLM's -dcp; kv_geometry.hpp): with
+// Hkv < P the P/Hkv TP ranks of one KV head form sets of dcp ranks that split every sequence's
+// pages (logical page i on the set's rank of DCP index i % dcp) instead of each holding them
+// all, so the TP view holds dcp x the tokens. A TP layer then runs as the host runtime's
+// (host_runtime.hpp): each rank projects its own q heads and its KV head's k/v, stores a new
+// token's K/V only where its page lies, the set's q heads are gathered on every member, each
+// member attends them over the pages it holds (partial output + LSE), and each rank merges the
+// set's partials of its own heads (dcp_merge) before o_proj and the usual all-reduce; EP
+// layers are unchanged. Virtual ranks only: the gathers and the merge read the peers' buffers
+// in device memory, inside the captured graphs (device_collectives.cu says how the partials
+// travel and why); one rank per device refuses dcp > 1.
+//
 // Where the design is written down (gpu/README.md has the overview):
 //   the layer's work in each mode   attention_block.cu, moe_block.cu (DESIGN.md §7)
 //   CUDA graphs (whole-model and per-layer), expert capacity   graph_cache.hpp, moe_block.cu
@@ -65,6 +77,13 @@ struct gpu_runtime_options {
   // against a float64 model up to the fp32 GEMMs' rounding; tests).
   moebius::dtype fp8_compute_dtype = moebius::dtype::bf16;
   moebius::arena_cursor cursor{0};  // where the experts are placed initially (0: EP, L: TP)
+  // KV-parallel degree of the TP view (kv_geometry::dcp; above): the TP ranks of one KV head
+  // split each sequence's pages in sets of dcp, and the TP page tables a step gets must be that
+  // view's (each rank its share). 1: every TP rank holds every token of its head slice (the
+  // runtime as it was without dcp, kernel for kernel). Must divide P/Hkv (Hkv < P; 1 when Hkv
+  // >= P: moebius::with_dcp refuses anything else, naming dcp), and dcp > 1 needs virtual
+  // ranks (so P > 1: it never meets emulated_dcp, which needs P = 1).
+  int64_t dcp = 1;
   int64_t tensor_alignment = moebius::default_tensor_alignment;
   int64_t slot_alignment = moebius::default_slot_alignment;
 
@@ -91,7 +110,7 @@ struct gpu_runtime_options {
   // until o_proj writes it), and all dcp x Hq heads are converted to the GEMM input, standing
   // in for the merge of the exchanged partial outputs, before o_proj reads the rank's Hq. The
   // caller gives each sequence the rank's share of its tokens (kv_geometry::dcp_tokens_held).
-  // Needs P = 1, Hkv = 1 and dcp x Hq x D <= H. 1: off.
+  // Needs P = 1, Hkv = 1 and dcp x Hq x D <= H. 1: off. (The real thing at P > 1: dcp.)
   int64_t emulated_dcp = 1;
 };
 
@@ -120,8 +139,8 @@ class gpu_runtime : public runtime {
   // Uploads `weights` (the model: weights.config; experts placed into the arena at
   // options.cursor by place_experts, the rest per rank) and captures the graphs. Throws
   // moebius::error for a model it cannot run (dtype, P not dividing heads/experts, one rank
-  // per device with more ranks than devices, more than 8 virtual ranks) or weights of the
-  // wrong shapes.
+  // per device with more ranks than devices, more than 8 virtual ranks, a dcp the KV geometry
+  // or the placement refuses) or weights of the wrong shapes.
   gpu_runtime(const model_weights& weights, const gpu_runtime_options& options);
   // The model `config` with its weights streamed in by `load` (hf_checkpoint::load: every
   // tensor once), each converted once and copied to every rank's device buffers: dense
@@ -165,6 +184,8 @@ class gpu_runtime : public runtime {
   // the arena and the pool.
   const moebius::deployment_memory& deployment() const;
   const moebius::arena_geometry& arena() const;
+  // The KV geometry, with options.dcp as its TP view's dcp (the switcher and the TP page
+  // tables take it from here).
   const moebius::kv_geometry& kv() const;
   // The pool's layout, for switcher_options::kv_layout: the present one, which is what the
   // attention kernels read (runtime_impl.hpp says why no other).

@@ -85,6 +85,11 @@ rank_buffer_layout make_rank_buffer_layout(const rank_buffer_sizes& s) {
   l.attention_workspace = b.take(s.attention_floats, f32);
   if (s.reduce_scratch_floats > 0)  // virtual ranks only: last, so nothing else moves
     l.reduce_scratch = b.take(s.reduce_scratch_floats, f32);
+  if (s.dcp_head_floats > 0) {  // dcp > 1 only: after everything, so nothing else moves
+    l.dcp_q = b.take(s.dcp_head_floats, f32);
+    l.dcp_out = b.take(s.dcp_head_floats, f32);
+    l.dcp_lse = b.take(s.dcp_lse_floats, f32);
+  }
   l.total_bytes = (b.next + rank_buffer_layout::alignment - 1) / rank_buffer_layout::alignment *
                   rank_buffer_layout::alignment;
   return l;

@@ -40,6 +40,11 @@ struct rank_buffer_sizes {
   // Virtual ranks' all-reduce: the sum of the ranks' buffers before it is copied back (T H
   // floats; 0: none, one rank per device).
   int64_t reduce_scratch_floats = 0;
+  // Decode context parallelism (gpu_runtime_options::dcp > 1): the DCP set's q heads gathered,
+  // and this rank's partial attention over them ([T, dcp Hq/P D] floats each), and its LSEs
+  // ([T, dcp Hq/P]). 0: none.
+  int64_t dcp_head_floats = 0;
+  int64_t dcp_lse_floats = 0;
 };
 
 // One buffer inside the allocation: [offset, offset + bytes).
@@ -98,6 +103,9 @@ struct rank_buffer_layout {
   buffer_region dequant_w13, dequant_w2;                         // fp8 scratch (absent: bytes 0)
   buffer_region attention_workspace;                             // [floats] fp32
   buffer_region reduce_scratch;  // [T H] fp32, virtual ranks' all-reduce (absent: bytes 0)
+  // dcp > 1 (absent: bytes 0): the set's q, this rank's partial outputs, their LSEs (fp32).
+  buffer_region dcp_q, dcp_out;  // [dcp_head_floats]
+  buffer_region dcp_lse;         // [dcp_lse_floats]
 
   int64_t total_bytes = 0;
   int64_t num_bytes() const { return total_bytes; }

@@ -13,8 +13,8 @@
 //                       ranks) those of device_collectives.cu
 //   device_collectives.cu  virtual ranks: the same collectives over device memory (event
 //                       barriers between the ranks' streams, pulls from peers' buffers, the
-//                       sum_ranks kernel), and the fork / join of the ranks' streams around
-//                       one graph
+//                       sum_ranks kernel), the DCP set's q gather and partial-attention merge
+//                       (dcp > 1), and the fork / join of the ranks' streams around one graph
 //   graph_cache.cu      capturing the whole-model and per-layer graphs
 //   step_inputs.cu      the device-side maps of a step (input blocks, hand-off maps)
 //   gpu_runtime.cu      step(): choosing graphs or eager, launching, reading results; the
@@ -124,6 +124,12 @@ struct rank_state {
   std::byte* dq_w2 = nullptr;   // [local experts, H, local I]
   // Virtual ranks' all-reduce: the ranks' sum, then copied back over the buffer.
   float* reduce_scratch = nullptr;  // [T, H] (null: one rank per device)
+  // Decode context parallelism (options.dcp > 1; null otherwise): the DCP set's q heads
+  // gathered, this rank's partial attention over them and its LSEs; the set's ranks read each
+  // other's dcp_out and dcp_lse in the merge (device_collectives.cu).
+  float* dcp_q = nullptr;    // [T, dcp hq D], member k's heads at columns k hq D
+  float* dcp_out = nullptr;  // [T, dcp hq D]
+  float* dcp_lse = nullptr;  // [T, dcp hq]
 };
 
 // One forward pass: layer l's attention (and, in a hybrid step, its MoE) in attn[l], over
@@ -255,6 +261,16 @@ struct gpu_runtime::impl {
   int64_t kv_heads_local(moebius::parallel_mode m) const {
     return m == moebius::parallel_mode::ep ? kv.heads_per_ep_page() : kv.heads_per_tp_page();
   }
+  // Ranks whose q heads a rank attends in mode m: its DCP set (TP with dcp > 1), the emulated
+  // set (options.emulated_dcp, P = 1), else itself.
+  int64_t attention_set(moebius::parallel_mode m) const {
+    if (o.emulated_dcp > 1) return o.emulated_dcp;
+    return m == moebius::parallel_mode::tp ? kv.dcp : 1;
+  }
+  // Whether mode m's attention splits each sequence over a DCP set (TP with dcp > 1).
+  bool dcp_split(moebius::parallel_mode m) const {
+    return m == moebius::parallel_mode::tp && kv.dcp > 1;
+  }
 
   void set_device(const rank_state& r) const { MOEBIUS_CUDA_CHECK(cudaSetDevice(r.device)); }
 
@@ -282,9 +298,11 @@ struct gpu_runtime::impl {
 
   // ---- attention_block.cu ------------------------------------------------------------------
   paged_attention_args attention_shape(moebius::parallel_mode m, int64_t li, int64_t T) const;
-  paged_attention_args attention_args(rank_state& rs, moebius::parallel_mode m, int64_t li,
-                                      int64_t T, const float* q, float* out) const;
+  paged_tokens tokens_of(rank_state& rs, int r, moebius::parallel_mode m, int64_t T) const;
+  paged_attention_args attention_args(rank_state& rs, int r, moebius::parallel_mode m,
+                                      int64_t li, int64_t T, const float* q, float* out) const;
   void attention(const pass& ps, int64_t li);
+  void dcp_attention(int64_t li, int64_t T);
   std::pair<int64_t, int64_t> head_slice(moebius::parallel_mode attn, int r) const;
   void emulated_dcp_gather_q(rank_state& rs, moebius::parallel_mode attn, int64_t T);
   void project_qkv(rank_state& rs, int r, moebius::parallel_mode attn, int64_t li, int64_t T);
@@ -319,6 +337,11 @@ struct gpu_runtime::impl {
   void device_dispatch_all_gather(int64_t T);
   void device_combine_exchange(int64_t T);
   void device_hand_off_all_gather(int64_t rows);
+  // Decode context parallelism (TP, dcp > 1): every rank gathers its DCP set's q heads
+  // (qkv -> dcp_q); each rank merges the set's partials of its own heads (dcp_out, dcp_lse ->
+  // attn). Each starts with a barrier; the merge ends with one.
+  void device_dcp_gather_q(int64_t T);
+  void device_dcp_merge(int64_t T);
 
   // ---- graph_cache.cu ----------------------------------------------------------------------
   template <class F>

@@ -57,10 +57,17 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   ct = fp8 ? o.fp8_compute_dtype : c.expert_dtype;
   check_supported();
   // The model's arena and KV pool, as the host runtime lays them out (model_config.hpp);
-  // expert_shape's validation requires whole fp8 blocks in every TP slice.
+  // expert_shape's validation requires whole fp8 blocks in every TP slice. The TP view's dcp:
+  // the library's rule (dcp | P/Hkv, 1 when Hkv >= P) refuses another, naming it.
   arena = moebius::make_arena_geometry(expert_shape_of(c), P, o.tensor_alignment, o.slot_alignment);
   moebius::validate(arena, o.cursor);
-  kv = kv_geometry_of(c, P, o.num_ep_pages);
+  kv = moebius::with_dcp(kv_geometry_of(c, P, o.num_ep_pages), o.dcp);
+  // dcp > 1: the q gather and the merge of the partial attentions read the peers' buffers in
+  // device memory (device_collectives.cu); over NCCL they are not written (they would be two
+  // grouped send/recv exchanges within each DCP set of strided q and partial blocks).
+  MOEBIUS_CHECK(o.dcp == 1 || virt, errc::invalid_argument, "gpu_runtime: dcp=", o.dcp,
+                " runs on virtual ranks only (placement virtual_ranks, or automatic with more "
+                "ranks than devices); one rank per device (P=", P, ") supports dcp=1 only");
   T_max = o.max_tokens;
   for (int64_t b : o.buckets)
     MOEBIUS_CHECK(b >= 1 && b <= T_max, errc::invalid_argument, "gpu_runtime: bucket ", b,
@@ -184,6 +191,11 @@ void gpu_runtime::impl::lay_out_buffers() {
   }
   bs.cublas_workspace_bytes = cublas_workspace_bytes;
   if (virt) bs.reduce_scratch_floats = T_max * H;  // the all-reduces: [T, H] at most
+  if (dcp_split(parallel_mode::tp)) {  // the DCP set's q heads, partials, LSEs
+    const int64_t set_heads = kv.dcp * q_heads_local(parallel_mode::tp);
+    bs.dcp_head_floats = T_max * set_heads * c.head_dim;
+    bs.dcp_lse_floats = T_max * set_heads;
+  }
   buffer_sizes = bs;
   buffers = make_rank_buffer_layout(bs);
 }
@@ -297,6 +309,11 @@ void gpu_runtime::impl::carve(rank_state& rs) const {
   }
   rs.attn_work = b.attention_workspace.in<float>(base);
   if (b.reduce_scratch.bytes > 0) rs.reduce_scratch = b.reduce_scratch.in<float>(base);
+  if (b.dcp_q.bytes > 0) {
+    rs.dcp_q = b.dcp_q.in<float>(base);
+    rs.dcp_out = b.dcp_out.in<float>(base);
+    rs.dcp_lse = b.dcp_lse.in<float>(base);
+  }
 }
 
 gpu_runtime::impl::~impl() {

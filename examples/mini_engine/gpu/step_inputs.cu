@@ -53,6 +53,14 @@ token_layout gpu_runtime::impl::build_inputs(parallel_mode m, const moebius::kv_
       MOEBIUS_CHECK(found->num_pages() <= max_pages, errc::capacity, "gpu_runtime::step: sequence ",
                     it.seq_id, " has ", found->num_pages(), " pages, max_pages_per_seq is ",
                     max_pages);
+      // With dcp > 1 the kernels take a TP rank's table row for its DCP share (paged_tokens):
+      // tables of another dcp would place tokens on the wrong pages.
+      const int64_t share = moebius::pages_held(kv, m, r, moebius::logical_pages(kv, *found));
+      MOEBIUS_CHECK(!dcp_split(m) || found->num_pages() == share, errc::invalid_argument,
+                    "gpu_runtime::step: sequence ", it.seq_id, " of ", found->num_tokens,
+                    " tokens lists ", found->num_pages(), " pages on ", moebius::to_string(m),
+                    " rank ", r, ", its share at dcp=", kv.dcp, " is ", share,
+                    " (tables of another KV geometry?)");
       for (int64_t p = 0; p < found->num_pages(); ++p)
         tab[row * max_pages + p] = static_cast<int32_t>(found->pages[static_cast<size_t>(p)]);
       int64_t t = lay.first[static_cast<size_t>(r)][i];

@@ -61,6 +61,11 @@ std::vector<buffer_region> regions_of(const rank_buffer_layout& l) {
     r.push_back(l.dequant_w2);
   }
   if (l.reduce_scratch.bytes > 0) r.push_back(l.reduce_scratch);
+  if (l.dcp_q.bytes > 0) {
+    r.push_back(l.dcp_q);
+    r.push_back(l.dcp_out);
+    r.push_back(l.dcp_lse);
+  }
   for (const auto& x : l.layers)
     for (const buffer_region& b : {x.qkv, x.o, x.router, x.ln1, x.ln2, x.q_norm, x.k_norm})
       r.push_back(b);
@@ -103,15 +108,37 @@ TEST_CASE("rank_buffers: regions aligned, as long as asked, disjoint, inside the
     }
     s.cublas_workspace_bytes = pick(1, 1 << 20);
     if (pick(0, 1)) s.reduce_scratch_floats = s.max_tokens * s.hidden;  // virtual ranks
+    if (s.reduce_scratch_floats > 0 && pick(0, 1)) {  // dcp > 1 (virtual ranks only)
+      const int64_t set_heads = pick(1, 8);
+      s.dcp_head_floats = s.max_tokens * set_heads * s.head_dim;
+      s.dcp_lse_floats = s.max_tokens * set_heads;
+    }
     const rank_buffer_layout l = make_rank_buffer_layout(s);
     std::vector<buffer_region> r = regions_of(l);
     REQUIRE(static_cast<int64_t>(r.size()) == 41 + (s.dequant_w13_bytes > 0 ? 2 : 0) +
                                                   (s.reduce_scratch_floats > 0 ? 1 : 0) +
+                                                  (s.dcp_head_floats > 0 ? 3 : 0) +
                                                   7 * s.num_layers);
-    // Virtual ranks' scratch comes last: every other region lies where it lies without it.
+    // The DCP buffers come after everything: without them every other region lies where it
+    // lies (dcp = 1 lays the buffer out as before dcp existed).
+    if (s.dcp_head_floats > 0) {
+      rank_buffer_sizes without = s;
+      without.dcp_head_floats = without.dcp_lse_floats = 0;
+      const rank_buffer_layout l0 = make_rank_buffer_layout(without);
+      CHECK(l.dcp_q.bytes == s.dcp_head_floats * 4);
+      CHECK(l.dcp_out.bytes == s.dcp_head_floats * 4);
+      CHECK(l.dcp_lse.bytes == s.dcp_lse_floats * 4);
+      CHECK(l.dcp_q.offset >= l0.num_bytes());
+      CHECK(l.reduce_scratch.offset == l0.reduce_scratch.offset);
+      CHECK(l.attention_workspace.offset == l0.attention_workspace.offset);
+      CHECK(l.h.offset == l0.h.offset);
+    }
+    // Virtual ranks' scratch comes last but for the DCP buffers: every other region lies
+    // where it lies without it.
     if (s.reduce_scratch_floats > 0) {
       rank_buffer_sizes without = s;
       without.reduce_scratch_floats = 0;
+      without.dcp_head_floats = without.dcp_lse_floats = 0;
       const rank_buffer_layout l0 = make_rank_buffer_layout(without);
       CHECK(l.reduce_scratch.bytes == s.reduce_scratch_floats * 4);
       CHECK(l.reduce_scratch.offset == l0.num_bytes());

@@ -16,7 +16,8 @@ __device__ __forceinline__ int64_t page_of(const paged_tokens& tok, int64_t t, i
 
 }  // namespace
 
-// One thread per (token, head, dim): K and V of the token's new position into its page.
+// One thread per (token, head, dim): K and V of the token's new position into its page (with
+// dcp > 1 only where this rank holds that position's page: paged_tokens).
 __global__ void kv_append_kernel(const __grid_constant__ kv_append_args a) {
   const moebius::kv_geometry& g = a.geometry;
   const int64_t tokens = detail::real_rows(a.tok.num_tokens, a.tok.tokens);
@@ -26,9 +27,11 @@ __global__ void kv_append_kernel(const __grid_constant__ kv_append_args a) {
     const int64_t d = idx % g.head_dim;
     const int64_t h = (idx / g.head_dim) % a.heads;
     const int64_t t = idx / (g.head_dim * a.heads);
-    const int64_t position = a.tok.pos[t];
-    const int64_t page = page_of(a.tok, t, position, g.page_size);
-    const int64_t slot = position % g.page_size;
+    const moebius::kv_token_place at = place_in_row(a.tok, g, a.tok.pos[t]);
+    if (at.dcp_rank != a.tok.dcp_rank) continue;  // another DCP index's page: that rank stores it
+    const int64_t page =
+        a.tok.tables[static_cast<int64_t>(a.tok.seq[t]) * a.tok.table_stride + at.local_page];
+    const int64_t slot = at.slot;
     const int64_t ko = g.offset(a.mode, a.layer, moebius::kv_tensor::k, page, a.head0 + h, slot, d);
     const int64_t vo = g.offset(a.mode, a.layer, moebius::kv_tensor::v, page, a.head0 + h, slot, d);
     detail::store_from_float(a.pool + ko, g.type, 0, a.k[t * a.stride + h * g.head_dim + d]);
@@ -36,7 +39,19 @@ __global__ void kv_append_kernel(const __grid_constant__ kv_append_args a) {
   }
 }
 
+namespace {
+
+// paged_tokens' DCP share: a degree >= 1 and an index in [0, dcp).
+void check_share(const paged_tokens& tok, const char* what) {
+  MOEBIUS_CHECK(tok.dcp >= 1 && tok.dcp_rank >= 0 && tok.dcp_rank < tok.dcp,
+                moebius::errc::invalid_argument, what, ": DCP index ", tok.dcp_rank,
+                " outside [0, dcp=", tok.dcp, ")");
+}
+
+}  // namespace
+
 void launch_kv_append(const kv_append_args& a, cudaStream_t stream) {
+  check_share(a.tok, "kv_append");
   const int64_t n = a.tok.tokens * a.heads * a.geometry.head_dim;
   if (n == 0) return;
   kv_append_kernel<<<detail::grid_for(n, 256), 256, 0, stream>>>(a);
@@ -64,7 +79,7 @@ __global__ void __launch_bounds__(k_attention_warps * 32)
     acc[j] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  const int64_t last = a.tok.pos[t];
+  const int64_t last = last_attended(a.tok, g, t);
   for (int64_t s = warp; s <= last; s += k_attention_warps) {
     const int64_t page = page_of(a.tok, t, s, g.page_size);
     const int64_t slot = s % g.page_size;
@@ -116,7 +131,7 @@ __global__ void __launch_bounds__(k_attention_warps * 32)
 #pragma unroll
     for (int j = 0; j < k_max_dims_per_lane; ++j) {
       const int64_t d = lane + 32 * j;
-      if (d < D) a.out[t * a.out_stride + h * D + d] = o[j] / ll;
+      if (d < D) store_output(a, t, h, d, o[j], mm, ll);
     }
   }
 }
@@ -207,6 +222,7 @@ void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream) 
   MOEBIUS_CHECK(D <= 32 * k_max_dims_per_lane, moebius::errc::invalid_argument,
                 "paged_attention: head_dim ", D, " > ", 32 * k_max_dims_per_lane);
   MOEBIUS_CHECK(a.group >= 1, moebius::errc::invalid_argument, "paged_attention: group < 1");
+  check_share(a.tok, "paged_attention");
   if (a.tok.tokens == 0 || a.q_heads == 0) return;
   const bool gqa_shape = D % k_vec == 0 && D / k_vec <= 32 && ((D / k_vec) & (D / k_vec - 1)) == 0;
   if (a.simple || !gqa_shape) {

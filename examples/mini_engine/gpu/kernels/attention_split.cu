@@ -173,14 +173,15 @@ void launch_paged_attention_split(const paged_attention_args& a, const split_par
   check_launch("paged_attention_split");
 }
 
-// One block per (token, q head): the ranges that hold positions of the token, merged.
+// One block per (token, q head): the ranges that hold positions of the token, merged (none:
+// the empty part of a DCP rank holding none of them, store_output).
 __global__ void paged_attention_merge_kernel(const __grid_constant__ paged_attention_args a,
                                              const split_params sp) {
   const int64_t t = blockIdx.x / a.q_heads, h = blockIdx.x % a.q_heads;
   if (t >= detail::real_rows(a.tok.num_tokens, a.tok.tokens)) return;
   const int64_t D = a.geometry.head_dim;
   const int64_t span = int64_t{sp.pages_per_split} * a.geometry.page_size;
-  const int64_t n = (int64_t{a.tok.pos[t]} + span) / span;  // ranges holding positions
+  const int64_t n = (last_attended(a.tok, a.geometry, t) + span) / span;  // ranges with positions
   const int64_t slot0 = (t * a.q_heads + h) * sp.splits;
   const float* ml = a.workspace + a.tok.tokens * a.q_heads * sp.splits * D;
   float mm = -INFINITY;
@@ -191,7 +192,7 @@ __global__ void paged_attention_merge_kernel(const __grid_constant__ paged_atten
     float o = 0.0f;
     for (int64_t r = 0; r < n; ++r)
       o += a.workspace[(slot0 + r) * D + d] * expf(ml[2 * (slot0 + r)] - mm);
-    a.out[t * a.out_stride + h * D + d] = o / ll;
+    store_output(a, t, h, d, o, mm, ll);
   }
 }
 

@@ -59,6 +59,19 @@ void launch_rope(const rope_args& a, cudaStream_t stream);
 // tables[seq[t] * table_stride + pos[t] / page_size], slot pos[t] % page_size, and it attends
 // causally over positions [0, pos[t]] of its row (decode: one token per row; a prefill chunk:
 // several tokens of one row, each seeing the earlier ones, written by kv_append first).
+//
+// Decode context parallelism (dcp > 1: the TP view of kv_geometry.hpp, where the dcp ranks of
+// a replica set split every sequence's pages): this rank, of DCP index dcp_rank, holds only
+// the logical pages dcp_rank, dcp_rank + dcp, .. of each sequence, and its table row lists
+// them alone, in order (local page i = logical page i * dcp + dcp_rank; kv_view.hpp). Then
+// position p lies on this rank iff (p / page_size) % dcp == dcp_rank, at local page
+// (p / page_size) / dcp, slot p % page_size (kv_geometry::token_place): kv_append stores only
+// those tokens (the rank of the other index stores the rest), and token t attends over the
+// positions <= pos[t] the rank holds, which are the first dcp_tokens_held(pos[t] + 1,
+// dcp_rank) local positions of its row (held pages before pos[t]'s are full), possibly none:
+// the rank's part of the attention, merged across the set by dcp_merge.
+//   page_size 4, dcp 2, pos[t] = 9 (logical page 2): DCP index 0 holds positions 0-3 and 8-9
+//   (local 0..5), index 1 positions 4-7 (local 0..3); pos[t] = 2: index 1 holds none.
 struct paged_tokens {
   const int32_t* seq = nullptr;     // [tokens] page-table row of each token
   const int32_t* pos = nullptr;     // [tokens] position of each token in its sequence
@@ -66,6 +79,8 @@ struct paged_tokens {
   int64_t table_stride = 0;
   int64_t tokens = 0;                   // rows of the bucket
   const int32_t* num_tokens = nullptr;  // device scalar: real tokens (nullptr: all)
+  int64_t dcp = 1;                      // ranks splitting each sequence's pages (EP: 1)
+  int64_t dcp_rank = 0;                 // this rank's DCP index, [0, dcp)
 };
 
 // Stores K and V of `heads` heads per token into the pool (kv dtype: fp32 or bf16), as heads
@@ -129,6 +144,13 @@ struct paged_attention_args {
   // at 16 tokens at 1.9 TB/s (docs/BENCHMARKS.md, per-rank step curves).
   bool tensor_cores = true;
   int64_t tensor_core_min_tokens = 1;
+  // The log-sum-exp of each (token, q head)'s scaled scores over the positions it attends, in
+  // natural-log units: lse[t * lse_stride + h] = m + log(sum_s exp(score_s - m)), m the largest
+  // score. With tok.dcp > 1 that is the rank's part (its positions only), and out is the
+  // part's own softmax average; a part with no position gives out 0 and lse -inf (it weighs
+  // nothing in dcp_merge). nullptr: not written (out is the same either way).
+  float* lse = nullptr;  // [tokens] rows of q_heads, lse_stride apart
+  int64_t lse_stride = 0;
 };
 void launch_paged_attention(const paged_attention_args& a, cudaStream_t stream);
 // Whether launch_paged_attention runs the tensor-core kernel for these args (a shape property:
@@ -150,6 +172,34 @@ int64_t paged_attention_splits(const paged_attention_args& a);
 // Floats of workspace the split kernel needs for these args (tokens * q_heads * splits *
 // (head_dim + 2): each range's unnormalised output, max and sum); 0 when splits is 1.
 int64_t paged_attention_workspace_floats(const paged_attention_args& a);
+
+// ---- dcp_merge.cu ---------------------------------------------------------------------------
+// The cross-rank merge of decode context parallelism: the parts of one DCP set (each member's
+// attention over the positions it holds, normalised by its own softmax sum, with its LSE:
+// paged_attention_args::lse) combined into the attention over all the positions, for `heads`
+// q heads of each token:
+//   lse[t, h]    = m + log(sum_s exp(lse_s[t, h] - m)),  m = max_s lse_s[t, h]
+//   out[t, h, :] = sum_s exp(lse_s[t, h] - lse[t, h]) * part_s[t, h, :]   (s = 0, 1, .. in order)
+// in fp32. A part with lse -inf (its rank holds none of the positions the token sees) adds
+// nothing; were every part empty, out would be 0. The parts are read where they lie (virtual
+// ranks: the peers' buffers on the same device), so a rank merges without copying them.
+// Tokens at or past *num_tokens are skipped.
+//   two parts, lse {0, log 3}, part {[1], [5]}: lse = log 4, out = 1/4 * 1 + 3/4 * 5 = [4].
+struct dcp_merge_args {
+  static constexpr int max_parts = 8;
+  const float* parts[max_parts] = {};     // [num_parts] each [tokens] rows of heads * head_dim
+  const float* part_lse[max_parts] = {};  // [num_parts] each [tokens] rows of heads
+  int num_parts = 0;
+  int64_t part_stride = 0;  // elements between two tokens' rows of a part
+  int64_t lse_stride = 0;   // elements between two tokens' rows of an LSE part
+  int64_t tokens = 0;
+  int64_t heads = 0;
+  int64_t head_dim = 0;
+  const int32_t* num_tokens = nullptr;  // device scalar: real tokens (nullptr: all)
+  float* out = nullptr;                 // [tokens] rows of heads * head_dim, out_stride apart
+  int64_t out_stride = 0;
+};
+void launch_dcp_merge(const dcp_merge_args& a, cudaStream_t stream);
 
 // ---- activation.cu --------------------------------------------------------------------------
 // out[r, i] = silu(in[r, i]) * in[r, inter + i]: in rows are [gate slice | up slice].

@@ -15,6 +15,40 @@ constexpr int k_vec = 8;        // elements per lane per position (16 bytes of b
 constexpr int k_max_group = 4;  // q heads per block held in registers (8: 208 registers)
 constexpr int k_tc_rows = 8;    // q heads per block of the tensor-core kernel (mma rows 0..7)
 
+// Where position `position` of a token's sequence lies in this rank's table row
+// (paged_tokens, dcp): its DCP index (the rank's own, tok.dcp_rank, or another rank stores
+// it), its local page (the table index) and slot. dcp 1: (0, position / page_size, position %
+// page_size).
+__device__ __forceinline__ moebius::kv_token_place place_in_row(const paged_tokens& tok,
+                                                                const moebius::kv_geometry& g,
+                                                                int64_t position) {
+  moebius::kv_geometry share = g;  // the page size; the DCP degree of this view (EP: 1)
+  share.dcp = tok.dcp;
+  return share.token_place(position);
+}
+
+// The last local position token t attends to: pos[t] (dcp 1), or with dcp > 1 the count of
+// the rank's held positions <= pos[t], minus one; -1 when it holds none (an empty part).
+//   page_size 4, dcp 2, pos[t] = 9: DCP index 0 -> 5 (positions 0-3, 8, 9), index 1 -> 3.
+__device__ __forceinline__ int64_t last_attended(const paged_tokens& tok,
+                                                 const moebius::kv_geometry& g, int64_t t) {
+  const int64_t p = tok.pos[t];
+  if (tok.dcp == 1) return p;
+  moebius::kv_geometry share = g;
+  share.dcp = tok.dcp;
+  return share.dcp_tokens_held(p + 1, tok.dcp_rank) - 1;
+}
+
+// The attention output element and (d == 0, with args' lse) the LSE from a softmax state:
+// unnormalised output o, max m (natural-log units), sum l. l == 0 is a part with no position
+// (paged_tokens, dcp > 1): output 0, LSE -inf. (l is >= 1 otherwise; a NaN l stays NaN.)
+__device__ __forceinline__ void store_output(const paged_attention_args& a, int64_t t, int64_t h,
+                                             int64_t d, float o, float m, float l) {
+  const int64_t D = a.geometry.head_dim;
+  a.out[t * a.out_stride + h * D + d] = l == 0.0f ? 0.0f : o / l;
+  if (a.lse != nullptr && d == 0) a.lse[t * a.lse_stride + h] = l == 0.0f ? -INFINITY : m + logf(l);
+}
+
 struct split_params {
   int32_t splits = 1;
   int32_t pages_per_split = 1;  // splits * pages_per_split >= table_stride
@@ -35,7 +69,9 @@ struct split_block {
 // kernel: k_tc_rows). Range r of token t holds positions [r * span, min((r + 1) * span,
 // pos[t] + 1)), span = pages_per_split * page_size. False when the block has nothing to do:
 // a token past num_tokens, a range past the token's context (the merge reads no such range),
-// a chunk past the page head's q heads; the block then exits.
+// a chunk past the page head's q heads; the block then exits. The context is the token's
+// positions, or with dcp > 1 the rank's held ones (last_attended); range 0 of a token whose
+// rank holds none runs empty ([0, 0)) and writes the empty part (store_output).
 //   page_size 16, pages_per_split 2 (span 32), pos[t] = 40: range 0 is [0, 32), range 1
 //   [32, 41), ranges 2.. none.
 __device__ __forceinline__ bool split_block_of(const paged_attention_args& a,
@@ -52,10 +88,10 @@ __device__ __forceinline__ bool split_block_of(const paged_attention_args& a,
   blk.t = b / page_heads;
   if (blk.t >= detail::real_rows(a.tok.num_tokens, a.tok.tokens)) return false;
   const int32_t span = sp.pages_per_split * static_cast<int32_t>(a.geometry.page_size);
-  const int32_t last = a.tok.pos[blk.t];
+  const int32_t last = static_cast<int32_t>(last_attended(a.tok, a.geometry, blk.t));
   blk.begin = blk.range * span;
-  blk.end = min(last + 1, blk.begin + span);
-  if (blk.begin >= blk.end) return false;
+  blk.end = max(min(last + 1, blk.begin + span), blk.begin);
+  if (blk.begin == blk.end && blk.range > 0) return false;
   blk.h0 = blk.kvh * a.group + blk.chunk * rows;
   const int64_t h_end = min(min((blk.kvh + 1) * a.group, a.q_heads), blk.h0 + rows);
   blk.G = static_cast<int>(h_end - blk.h0);
@@ -72,7 +108,7 @@ __device__ __forceinline__ void store_partial(const paged_attention_args& a,
                                               float l) {
   const int64_t D = a.geometry.head_dim;
   if (sp.splits == 1) {
-    a.out[t * a.out_stride + h * D + d] = o / l;
+    store_output(a, t, h, d, o, m, l);
     return;
   }
   const int64_t slot = (t * a.q_heads + h) * sp.splits + range;

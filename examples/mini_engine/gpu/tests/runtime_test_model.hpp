@@ -222,7 +222,8 @@ inline std::vector<std::vector<double>> reference_logits(const mini_engine::mode
 }
 
 // Grows sequence `seq_id` to `num_tokens` tokens: EP on `owner` (a new sequence) or where it
-// lives; TP on every rank. Pages from the front of the free lists.
+// lives; TP on every rank, each taking its DCP share with g.dcp > 1 (the logical pages k,
+// k + dcp, .. on a rank of DCP index k = rank % dcp). Pages from the front of the free lists.
 inline void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, int64_t seq_id,
                            int64_t num_tokens, int owner) {
   for (size_t r = 0; r < s.ranks.size(); ++r) {
@@ -243,14 +244,19 @@ inline void reserve_tokens(const moebius::kv_geometry& g, moebius::kv_state& s, 
       it = std::find_if(rank.sequences.begin(), rank.sequences.end(),
                         [&](const moebius::kv_sequence& x) { return x.seq_id == seq_id; });
     }
-    const int64_t pages = moebius::pages_for_tokens(num_tokens, g.page_size);
+    const int64_t logical = moebius::pages_for_tokens(num_tokens, g.page_size);
+    int64_t pages = logical;  // of them on this rank
+    if (s.mode == moebius::parallel_mode::tp && g.dcp > 1) {
+      const int64_t k = static_cast<int64_t>(r) % g.dcp;
+      pages = logical > k ? (logical - k + g.dcp - 1) / g.dcp : 0;
+    }
     while (it->num_pages() < pages) {
       MOEBIUS_CHECK(!rank.free_pages.empty(), moebius::errc::capacity, "test pool full");
       it->pages.push_back(rank.free_pages.front());
       rank.free_pages.erase(rank.free_pages.begin());
     }
     it->num_tokens = num_tokens;
-    it->last_page_len = num_tokens - (pages - 1) * g.page_size;
+    it->last_page_len = num_tokens - (logical - 1) * g.page_size;
   }
 }
 

@@ -1,9 +1,10 @@
 #pragma once
 
-// The scaffolding of the GPU runtime's tests (test_gpu_runtime.cu, test_gpu_runtime_virtual.cu):
-// the tiny model and its runtime options, a serving loop that switches modes (stop-the-world,
-// progressive, or with the copies beside the steps) and the checks of its logits against the
-// float64 reference.
+// The scaffolding of the GPU runtime's tests (test_gpu_runtime.cu, test_gpu_runtime_virtual.cu,
+// test_gpu_runtime_dcp.cu): the tiny model and its runtime options (on virtual ranks too), a
+// serving loop that switches modes (stop-the-world, progressive, or with the copies beside the
+// steps), the checks of its logits against the float64 reference and of two runs against each
+// other, and the runtime's memory poisoned or read back.
 
 #include <cuda_runtime_api.h>
 
@@ -12,8 +13,11 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <moebius/memory/rank_memory.hpp>
 #include <moebius/switch/switcher.hpp>
 #include <optional>
+#include <span>
+#include <sstream>
 #include <vector>
 
 #include "gpu_runtime.hpp"
@@ -77,6 +81,7 @@ struct serve_result {
   std::vector<std::vector<int32_t>> seqs;               // prompt + generated, per sequence
   std::vector<std::vector<std::vector<float>>> logits;  // per sequence, per sampled step
   std::vector<std::vector<int64_t>> positions;          // position of each sampled row
+  moebius::kv_state tables;  // the page tables after the last step (the switcher's, if any)
 };
 
 // Three sequences: seq 0's prompt in two chunks over steps 0 and 1, seqs 1 and 2 whole at step
@@ -229,6 +234,7 @@ inline serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::ar
     }
   }
   if (sw != nullptr) REQUIRE(!sw->in_progress());
+  out.tables = sw != nullptr ? sw->kv_tables() : tables;
   return out;
 }
 
@@ -273,6 +279,104 @@ inline void check_against_reference(const model_config& c, const test_weights& w
   }
   INFO(loose_rows << " of " << rows << " rows above 3% relative RMS error");
   REQUIRE(loose_rows * 4 <= rows);
+}
+
+// tiny_options with all P ranks on device 0 (collectives over device memory).
+inline gpu_runtime_options virtual_options(int P, moebius::arena_cursor cursor,
+                                           moebius::dtype t) {
+  gpu_runtime_options o = tiny_options(P, cursor, t);
+  o.placement = rank_placement::virtual_ranks;
+  return o;
+}
+
+// Every rank's KV pool set to 0xff bytes (NaN in fp32 and bf16): a step that reads a position
+// nobody wrote, or a page a switch forgot, turns its logits into NaN.
+inline void poison_kv(const gpu_runtime& rt) {
+  for (const moebius::rank_memory& m : rt.memory()) {
+    const moebius::memory_span& kv = m.space(moebius::memory_space::kv_pool);
+    MOEBIUS_CUDA_CHECK(cudaSetDevice(m.device));
+    MOEBIUS_CUDA_CHECK(cudaMemset(kv.base, 0xff, static_cast<size_t>(kv.bytes)));
+  }
+  MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Each rank's arena, read back, against the static placement at `cursor` (layers below it in
+// TP slot l, the rest in EP slot l + 1: place_layer_experts_in_slot), byte for byte over every
+// byte that placement writes. Which bytes it writes: the placement done twice, over slot
+// images of 0x00 and of 0xff; where the two agree it wrote (slot padding, which no placement
+// writes, may hold anything after a switch).
+inline void check_arena(const gpu_runtime& rt, const test_weights& w,
+                        moebius::arena_cursor cursor) {
+  const moebius::arena_geometry& g = rt.arena();
+  const size_t P = static_cast<size_t>(rt.num_ranks()), slot = static_cast<size_t>(g.slot_bytes);
+  const std::vector<moebius::rank_memory> mem = rt.memory();
+  MOEBIUS_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int64_t l = 0; l < w.config.num_layers; ++l) {
+    const moebius::parallel_mode m = moebius::arena_geometry::mode_of(cursor, l);
+    std::vector<std::vector<std::byte>> lo(P, std::vector<std::byte>(slot, std::byte{0x00}));
+    std::vector<std::vector<std::byte>> hi(P, std::vector<std::byte>(slot, std::byte{0xff}));
+    std::vector<std::span<std::byte>> lo_s(lo.begin(), lo.end()), hi_s(hi.begin(), hi.end());
+    place_layer_experts_in_slot(w, g, l, m, lo_s);
+    place_layer_experts_in_slot(w, g, l, m, hi_s);
+    const int64_t at = g.slot_offset(moebius::arena_geometry::slot_of(m, l));
+    for (size_t r = 0; r < P; ++r) {
+      std::vector<std::byte> got(slot);
+      const std::byte* arena = mem[r].space(moebius::memory_space::arena).data();
+      MOEBIUS_CUDA_CHECK(cudaMemcpy(got.data(), arena + at, slot, cudaMemcpyDeviceToHost));
+      int64_t written = 0, bad = 0;
+      for (size_t i = 0; i < slot; ++i) {
+        if (lo[r][i] != hi[r][i]) continue;
+        ++written;
+        bad += got[i] != lo[r][i];
+      }
+      INFO("cursor " << cursor.tp_layers << " layer " << l << " (" << moebius::to_string(m)
+                     << ") rank " << r << ": " << bad << " of " << written
+                     << " placed bytes differ");
+      REQUIRE(written > 0);
+      REQUIRE(bad == 0);
+    }
+  }
+}
+
+// The same greedy tokens, or the first divergence with both runs' logits of their tokens.
+// bf16: the activations' rounding at GEMM inputs can flip a near-tie of the router against
+// another rank count or mode (check_against_reference's reasoning), which changes that token;
+// so for bf16 a divergence is reported (WARN) and the float64 model's bounds are what fails.
+inline void require_same_tokens(const serve_result& base, const serve_result& got,
+                                const char* what, bool bf16 = false) {
+  REQUIRE(base.seqs.size() == got.seqs.size());
+  for (size_t q = 0; q < base.seqs.size(); ++q) {
+    REQUIRE(base.seqs[q].size() == got.seqs[q].size());
+    for (size_t i = 0; i < base.seqs[q].size(); ++i) {
+      if (base.seqs[q][i] == got.seqs[q][i]) continue;
+      const size_t k = i - (base.seqs[q].size() - base.logits[q].size());
+      std::ostringstream why;
+      why << "sequence " << q << " token " << i << ": static " << base.seqs[q][i] << " (logit "
+          << base.logits[q][k][static_cast<size_t>(base.seqs[q][i])] << "), " << what << " "
+          << got.seqs[q][i] << " (logit "
+          << got.logits[q][k][static_cast<size_t>(got.seqs[q][i])] << ")";
+      if (!bf16) FAIL(why.str());
+      WARN("bf16, not a failure: " << why.str());
+      break;
+    }
+  }
+}
+
+// Every logit within atol + rtol |base| (every one finite).
+inline void require_close_logits(const serve_result& base, const serve_result& got,
+                                 double tol) {
+  REQUIRE(base.logits.size() == got.logits.size());
+  for (size_t q = 0; q < base.logits.size(); ++q) {
+    REQUIRE(base.logits[q].size() == got.logits[q].size());
+    for (size_t k = 0; k < base.logits[q].size(); ++k) {
+      int64_t bad = 0;
+      for (size_t v = 0; v < base.logits[q][k].size(); ++v)
+        bad += !(std::fabs(got.logits[q][k][v] - base.logits[q][k][v]) <=
+                 tol + tol * std::fabs(base.logits[q][k][v]));
+      INFO("sequence " << q << " sample " << k << ": " << bad << " logits off");
+      REQUIRE(bad == 0);
+    }
+  }
 }
 
 }  // namespace mini_engine::gpu::testing

@@ -124,7 +124,7 @@ TEST_CASE("kv_append and paged attention match the host reference", "[gpu][kerne
     auto dn = to_device(std::vector<int32_t>{static_cast<int32_t>(real)});
     device_buffer dout(tokens * q_heads * g.head_dim * 4);
     paged_tokens tok{dseq.as<int32_t>(), dpos.as<int32_t>(), dtab.as<int32_t>(), max_pages, tokens,
-                     dn.as<int32_t>()};
+                     dn.as<int32_t>(), 1, 0};
     kv_append_args ka;
     ka.k = dk.as<float>();
     ka.v = dv.as<float>();
