@@ -106,19 +106,34 @@ crossover find_crossover(const latency_curves& curves) {
   grid.erase(std::unique(grid.begin(), grid.end()), grid.end());
 
   auto diff = [&](double b) { return curves.tp.at(b) - curves.ep.at(b); };
+  // A tie is neither side: curves equal over a stretch (a configuration priced as another
+  // wherever their difference vanishes) do not cross there, and a switch into EP could gain
+  // nothing. Signs are taken past ties; a crossing joins two points of opposite sign, and
+  // B* is where the segment leaving the last negative point reaches 0.
+  auto sign = [&](double b) {
+    const double d = diff(b);
+    const double tol = 1e-9 * std::max(std::abs(curves.tp.at(b)), std::abs(curves.ep.at(b)));
+    return std::abs(d) <= tol ? 0 : (d < 0 ? -1 : 1);
+  };
   bool found = false;
-  for (size_t i = 0; i + 1 < grid.size(); ++i) {
-    const double d0 = diff(grid[i]);
-    const double d1 = diff(grid[i + 1]);
-    if ((d0 < 0) != (d1 < 0)) {
+  int last = 0;
+  size_t last_at = 0;
+  for (size_t i = 0; i < grid.size(); ++i) {
+    const int s = sign(grid[i]);
+    if (s == 0) continue;
+    if (last != 0 && s != last) {
       ++x.num_crossings;
-      // TP faster below, EP not slower above: eq. 5's crossing. The last one: above it EP
-      // stays faster; an earlier one is a near-tie at small batch that TP wins again past it.
-      if (d0 < 0) {
+      // TP faster below, EP faster above: eq. 5's crossing. The last one: above it EP stays
+      // faster; an earlier one is a near-tie at small batch that TP wins again past it.
+      if (last < 0) {
         found = true;
-        x.batch = grid[i] + (grid[i + 1] - grid[i]) * (-d0) / (d1 - d0);
+        const double b0 = grid[last_at], b1 = grid[last_at + 1];
+        const double d0 = diff(b0), d1 = diff(b1);
+        x.batch = d1 > d0 ? std::min(b1, b0 + (b1 - b0) * (-d0) / (d1 - d0)) : b1;
       }
     }
+    last = s;
+    last_at = i;
   }
   const double d_lo = diff(x.range_lo);
   const double d_hi = diff(x.range_hi);

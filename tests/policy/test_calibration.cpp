@@ -130,6 +130,29 @@ TEST_CASE("calibration: piecewise curves that touch at small batch cross for goo
   CHECK(r.cross.batch == Catch::Approx(200).epsilon(1e-9));
 }
 
+TEST_CASE("calibration: curves that meet and stay equal do not cross", "[calibration]") {
+  // A configuration priced as another once their difference vanishes (the experts' term once
+  // every expert is read): TP faster up to 256, the same from there on. EP never gains.
+  const std::vector<latency_sample> tp = {{1, 10}, {64, 20}, {256, 40}, {1024, 90}, {2048, 160}};
+  const std::vector<latency_sample> ep = {{1, 11}, {64, 21}, {256, 40}, {1024, 90}, {2048, 160}};
+  calibration_options pw;
+  pw.fit = curve_fit::piecewise_linear;
+  const calibration_result r = calibrate(ep, tp, pw);
+  INFO(r);
+  CHECK(r.cross.status == crossover_status::tp_always_faster);
+  CHECK(r.cross.num_crossings == 0);
+  CHECK_FALSE(r.has_thresholds);
+  // Equal from 256, EP faster from 2048 on: the crossing where the tie began (the segment
+  // leaving TP's last lead reaches 0 at 256).
+  std::vector<latency_sample> ep_later = ep;
+  ep_later.back().ms = 150;
+  const calibration_result later = calibrate(ep_later, tp, pw);
+  INFO(later);
+  REQUIRE(later.cross.status == crossover_status::found);
+  CHECK(later.cross.num_crossings == 1);
+  CHECK(later.cross.batch == Catch::Approx(256));
+}
+
 TEST_CASE("calibration: piecewise curve with a kink", "[calibration]") {
   // TP flat at 30 ms up to 128 then +0.25 ms per sequence; EP 40 ms flat. Crossing where
   // 30 + 0.25 (b - 128) = 40: b = 168, between the knots 128 and 256.
