@@ -88,8 +88,11 @@ std::ostream& operator<<(std::ostream& os, const gate_evaluation& g) {
        << to_string(g.target) << ", " << g.waiting << " waiting)";
   os << ": gain " << g.gain_ms << " ms over " << g.residency_steps << " steps";
   if (g.residency_from[0] != '\0') os << " (" << g.residency_from << ")";
-  if (!g.priced) return os << " vs at least " << g.cost_ms << " ms: refused before planning}";
-  return os << " vs cost " << g.cost_ms << " ms: " << (g.passed ? "pays" : "refused") << "}";
+  const char* resolution = g.below_resolution() ? " (a step's gain under the curves' resolution)" : "";
+  if (!g.priced)
+    return os << " vs at least " << g.cost_ms << " ms: refused before planning" << resolution << "}";
+  return os << " vs cost " << g.cost_ms << " ms: " << (g.passed ? "pays" : "refused") << resolution
+            << "}";
 }
 
 std::ostream& operator<<(std::ostream& os, const switch_decision& d) {

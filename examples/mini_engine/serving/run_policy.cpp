@@ -86,9 +86,6 @@ moebius::switch_policy_config rules_of(const engine_options& o) {
 constexpr double k_ratio_weight = 1.0 / 64;
 constexpr double k_rows_weight = k_ratio_weight;
 constexpr int64_t k_correction_every = 1;  // steps between two corrections
-// Steps of a mode just entered before the two modes' relative ratio is taken (a cooldown's
-// worth: the first steps' mean, not one step's).
-constexpr int64_t k_relative_steps = 8;
 
 int mode_index(parallel_mode m) { return m == parallel_mode::ep ? 0 : 1; }
 
@@ -135,10 +132,20 @@ parallel_mode start_mode_from_load(const std::vector<request>& requests, int64_t
   return n >= t_high ? parallel_mode::ep : parallel_mode::tp;
 }
 
+namespace {
+const engine_options& checked(const engine_options& o) {
+  MOEBIUS_CHECK(std::isfinite(o.gate.least_step_gain) && o.gate.least_step_gain >= 0 &&
+                    o.gate.least_step_gain < 1,
+                moebius::errc::invalid_argument, "cost_gate_options::least_step_gain must be in "
+                "[0, 1) (got ", o.gate.least_step_gain, ")");
+  return o;
+}
+}  // namespace
+
 run_policy::run_policy(const engine_options& o, const moebius::latency_curves& curves,
                        const moebius::kv_geometry& kv, const step_clock& clock,
                        int64_t num_layers)
-    : options_(o),
+    : options_(checked(o)),
       kv_(kv),
       clock_(clock),
       num_layers_(num_layers),
@@ -222,16 +229,22 @@ moebius::gate_evaluation run_policy::weigh(const run_view& v, parallel_mode targ
                                            const std::optional<moebius::serving_load>& work,
                                            double switch_ms) const {
   const parallel_mode current = options_.layouts.mode_of(v.sw.layout());
+  moebius::gate_evaluation g;
   if (work) {
-    moebius::gate_evaluation g = moebius::weigh_switch(curves_, current, target, *work, switch_ms,
-                                                       options_.gate.margin, options_.gate.terms);
+    g = moebius::weigh_switch(curves_, current, target, *work, switch_ms, options_.gate.margin,
+                              options_.gate.terms);
     g.load = load;
-    return g;
+  } else {
+    const moebius::switch_policy_config& c = rules_.config();
+    g = moebius::weigh_step_time(curves_, current, target, load,
+                                 moebius::residency_steps(c, &*residency_, load, target),
+                                 switch_ms, c.gate_margin);
   }
-  const moebius::switch_policy_config& c = rules_.config();
-  return moebius::weigh_step_time(curves_, current, target, load,
-                                  moebius::residency_steps(c, &*residency_, load, target),
-                                  switch_ms, c.gate_margin);
+  // The curves' resolution (cost_gate_options::least_step_gain).
+  const double batch = static_cast<double>(std::max<int64_t>(1, work ? g.current_batch : load));
+  g.least_step_gain_ms = options_.gate.least_step_gain * curves_.latency_ms(current, batch);
+  if (g.below_resolution()) g.passed = false;
+  return g;
 }
 
 run_policy::priced_proposal run_policy::price(const run_view& v,
@@ -316,7 +329,7 @@ std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step
 
 void run_policy::observe_step(const step_record& rec) {
   if (!gated_ || !options_.gate.correct_curves || rec.in_switch || rec.sequences <= 0) return;
-  const int m = mode_index(rec.mode), other = 1 - m;
+  const int m = mode_index(rec.mode);
   // The curve at the step's rows (decode tokens and prefill chunk tokens, as the calibration's
   // decode steps would run them spread evenly): the ratio is what the spread, the contexts and
   // the clock add, not the step's share of prefill (which TP's first steps are full of).
@@ -326,53 +339,25 @@ void run_policy::observe_step(const step_record& rec) {
   const double ratio = rec.step_ms / predicted_ms;
   decode_rows_ += k_rows_weight * (static_cast<double>(rec.decode_tokens) - decode_rows_);
   prefill_rows_ += k_rows_weight * (static_cast<double>(rec.prefill_tokens) - prefill_rows_);
-  // Most of a ratio is the work (contexts grow through a rollout, a burst's prefill spread) and
-  // moves both modes alike; what is the mode's own (EP's busiest rank, its per-rank pools) is
-  // their relative ratio. A mode's ratio learnt while it served goes stale once it stops: the
-  // serving mode's drifts with the work and the stale one's does not, and their difference
-  // alone would make each mode look faster than the one serving in turn (a switch back and
-  // forth on every cooldown, each paying its cost). So the mode not serving is priced at the
-  // serving one's ratio times their relative ratio, measured across the switch between them:
-  // the mode left, as it last served, over the mode entered, over its first steps (the same
-  // work on both sides of the switch).
-  if (m != serving_) {
-    if (serving_ >= 0) exit_ratio_[serving_] = step_ratio_[serving_];
-    serving_ = m;
-    steps_in_mode_ = 0;
-    relative_ = 0;
-  }
-  ++steps_in_mode_;
-  // A mean over the steps since the mode was entered, then an exponential one: nothing of a
-  // stale stint blends into the new one.
-  const double weight = std::max(k_ratio_weight, 1.0 / static_cast<double>(steps_in_mode_));
-  step_ratio_[m] += weight * (ratio - step_ratio_[m]);
+  step_ratio_[m] = ratio_seen_[m] ? step_ratio_[m] + k_ratio_weight * (ratio - step_ratio_[m]) : ratio;
   ratio_seen_[m] = true;
-  if (ratio_seen_[other] && relative_ == 0 && steps_in_mode_ >= k_relative_steps)
-    relative_ = exit_ratio_[other] / step_ratio_[m];
   if (++steps_since_correction_ < k_correction_every) return;
   steps_since_correction_ = 0;
   // A mode not seen yet: EP's step as TP's would be with the recent steps' prefill rows on one
   // rank (an EP step is its busiest rank's: a chunk runs on its owner alone, where TP spreads
   // it), the curve at b + P p rows against b + p.
-  double r[2];
-  r[m] = step_ratio_[m];
-  if (!ratio_seen_[other]) {
-    const double b = std::max(1.0, decode_rows_), pf = std::max(0.0, prefill_rows_);
-    const double ep_over_tp = base_curves_.ep.at(b + static_cast<double>(kv_.num_ranks) * pf) /
-                              base_curves_.ep.at(b + pf);
-    r[other] = m == 1 ? r[m] * ep_over_tp : r[m] / ep_over_tp;
-  } else if (relative_ > 0) {
-    r[other] = r[m] * relative_;
-  } else {
-    r[other] = exit_ratio_[other];  // just left: as it last served
-  }
-  curves_.ep = scaled(base_curves_.ep, r[0]);
-  curves_.tp = scaled(base_curves_.tp, r[1]);
+  const double b = std::max(1.0, decode_rows_), pf = std::max(0.0, prefill_rows_);
+  const double ep_over_tp = base_curves_.ep.at(b + static_cast<double>(kv_.num_ranks) * pf) /
+                            base_curves_.ep.at(b + pf);
+  const double r_ep = ratio_seen_[0] ? step_ratio_[0] : step_ratio_[1] * ep_over_tp;
+  const double r_tp = ratio_seen_[1] ? step_ratio_[1] : step_ratio_[0] / ep_over_tp;
+  curves_.ep = scaled(base_curves_.ep, r_ep);
+  curves_.tp = scaled(base_curves_.tp, r_tp);
   // The rules keep the calibrated thresholds (moving them under a running load makes the
   // rules fire back and forth); the gate weighs with the corrected curves.
   ++corrections_;
-  last_factor_[0] = r[0];
-  last_factor_[1] = r[1];
+  last_factor_[0] = r_ep;
+  last_factor_[1] = r_tp;
 }
 
 void run_policy::describe(run_result& out) const {
@@ -385,7 +370,7 @@ void run_policy::describe(run_result& out) const {
     g << to_string(o.gate.kind) << " gate";
     if (o.gate.kind == gate_kind::throughput) g << " (" << o.gate.terms << ")";
     g << "; EP " << base_curves_.ep << "; TP " << base_curves_.tp << "; margin " << o.gate.margin
-      << "; " << o.gate.residency;
+      << "; least gain a step " << o.gate.least_step_gain << " of the step; " << o.gate.residency;
     out.gate = g.str();
   }
   out.corrections = corrections_;

@@ -100,17 +100,10 @@ class run_policy {
   moebius::latency_curves base_curves_, curves_;
   std::optional<moebius::residency_predictor> residency_;
   int64_t seen_arrived_ = 0, seen_finished_ = 0, seen_finished_tokens_ = 0;
-  // correct_curves: per mode (indexed EP, TP) the mean ratio of a step's time to the curve's
-  // while the mode serves, and whether any step has been seen; the recent steps' decode and
-  // prefill tokens (means). The mode not serving is estimated from the serving one's ratio
-  // times the two modes' relative ratio, measured across the last switch between them
-  // (observe_step says why).
+  // correct_curves: per mode (indexed EP, TP) the mean ratio of a step's time to the curve's and
+  // whether any step has been seen; the recent steps' decode and prefill tokens (means).
   double step_ratio_[2] = {1, 1};
   bool ratio_seen_[2] = {false, false};
-  int serving_ = -1;             // the mode of the last step observed (-1: none yet)
-  int64_t steps_in_mode_ = 0;    // steps observed since the serving mode was entered
-  double exit_ratio_[2] = {1, 1};  // each mode's ratio when it last stopped serving
-  double relative_ = 0;          // the other mode's ratio over the serving one's (0: not yet)
   int64_t steps_since_correction_ = 0;
   double decode_rows_ = 0, prefill_rows_ = 0;
   double last_factor_[2] = {1, 1};  // the last correction's factors (EP, TP), for the report

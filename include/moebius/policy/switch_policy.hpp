@@ -179,6 +179,14 @@ struct gate_evaluation {
   // false: weighed before the switch was planned, against the least it could cost (cost_ms):
   // a switch that cannot pay even that is refused without planning it
   bool priced = true;
+  // The least gain a step the caller asked of the target (its curves' resolution: two
+  // layouts priced closer than that are not told apart), in ms; 0: none asked. A gain a step
+  // (gain_ms / residency_steps) below it is refused whatever the cost.
+  double least_step_gain_ms = 0;
+  constexpr bool below_resolution() const {
+    return least_step_gain_ms > 0 && residency_steps > 0 &&
+           gain_ms < least_step_gain_ms * static_cast<double>(residency_steps);
+  }
 };
 
 std::ostream& operator<<(std::ostream& os, const gate_evaluation& g);
