@@ -147,9 +147,9 @@ TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from T
 TEST_CASE("the sim clock with --graph-buckets vllm: decode steps at vLLM's bucket of the rank "
           "batch, prefill steps as before",
           "[cpu][demo]") {
-  const demo_clock plain = make_sim_clock(options{.runtime = runtime_kind::sim});
   options o;
   o.runtime = runtime_kind::sim;
+  const demo_clock plain = make_sim_clock(o);
   o.vllm_graph_buckets = true;
   const demo_clock padded = make_sim_clock(o);
   CHECK_THAT(padded.description, Catch::Matchers::Contains("CUDA-graph bucket (67 buckets, 1-512"));
