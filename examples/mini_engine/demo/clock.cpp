@@ -187,7 +187,11 @@ demo_clock make_sim_clock(const options& o) {
   // The busiest EP rank's expert load, which one emulated rank misses (expert_load.hpp).
   curves = curves->with_expert_load(m, h200_params{}.hbm.bytes_per_s, routing_model{o.routing_skew});
   c.curves_summary = curves_summary(*curves, o.verbose);
-  c.clock = std::make_unique<curves_step_clock>(std::move(*curves), *c.model);
+  // The CUDA-graph buckets an engine would capture, applied to the rank batch (TP: the step's
+  // sequences; EP: each rank's own), when asked: vLLM's defaults.
+  curves_clock_options clock_options;
+  if (o.vllm_graph_buckets) clock_options.graph_buckets = vllm_capture_sizes();
+  c.clock = std::make_unique<curves_step_clock>(std::move(*curves), *c.model, clock_options);
   c.description = std::string("  clock (priced, not measured): ") + c.clock->name() + "\n";
   return c;
 }

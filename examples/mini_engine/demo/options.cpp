@@ -285,6 +285,15 @@ void declare_sim(CLI::App& app, options& o) {
        "--runtime sim: the router's skew the busiest EP rank's expert load is priced at, "
        "[0, 4] (default 0: uniform; > 0: expert popularity ~ rank^-S, serving/expert_load.hpp)",
        [&o](const std::string& v) { o.routing_skew = parse_double("--routing-skew", v, 0, 4); });
+  text("--graph-buckets", "vllm|none",
+       "--runtime sim: price each decode step at the CUDA-graph bucket its rank batch is "
+       "padded to, vLLM's default capture sizes (vllm: 1, 2, 4, then 8 to 512 in steps of 8; "
+       "beyond them eager) or at its own batch (none, the default)",
+       [&o](const std::string& v) {
+         if (v != "vllm" && v != "none") fail("--graph-buckets", "'" + v + "' is not vllm or none");
+         o.vllm_graph_buckets = v == "vllm";
+         o.graph_buckets_given = true;
+       });
   text("--rollout-median", "TOKENS",
        "paper-rollout: the median output length, [64, 32000] (default 2000: DeepMath-103K's R1 "
        "mean with a 2% cut; the paper-shaped sweep covers 4k-10k)",
@@ -365,6 +374,8 @@ void check_together(options& o, bool max_batch_set) {
     fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
   if (o.routing_skew != 0 && o.runtime != runtime_kind::sim)
     fail("--routing-skew", "prices the simulated runtime's EP steps (--runtime sim)");
+  if (o.graph_buckets_given && o.runtime != runtime_kind::sim)
+    fail("--graph-buckets", "prices the simulated runtime's decode steps (--runtime sim)");
   if (o.collectives_given && o.runtime != runtime_kind::sim)
     fail("--collectives", "reprices the simulated runtime's step curves (--runtime sim)");
   if (o.collective_us_tp >= 0) {

@@ -86,6 +86,12 @@ struct options {
   // --runtime sim: the routing skew the busiest EP rank's expert load is priced at
   // (serving/expert_load.hpp: 0 uniform, > 0 a Zipf exponent).
   double routing_skew = 0;
+  // --runtime sim: price each decode step at the CUDA-graph bucket an engine pads its rank
+  // batch to, vLLM's default capture sizes (serving/graph_buckets.hpp: 1, 2, 4, 8..512 step
+  // 8; beyond them eager); false: at its own batch. graph_buckets_given: --graph-buckets was
+  // given.
+  bool vllm_graph_buckets = false;
+  bool graph_buckets_given = false;
   // paper-rollout's shape for the sensitivity sweep (serving/paper_traces.hpp; < 0: its own).
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap

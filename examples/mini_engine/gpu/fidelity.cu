@@ -4,18 +4,27 @@
 // the device)
 //   1. measures its own decode-step curves per mode: the wall clock of a step as the serving
 //      loop waits for it (inputs, upload, graph replay, tokens back), the median of 7 after 2
-//      warm-ups, at batches 1..512 and contexts 128, 512, 2048;
+//      warm-ups, at batches 1..512 and contexts 128, 512, 2048; and its prefill points per
+//      mode: the same wall clock of a step that prefills one chunk of 16, 32, ..., 512 tokens
+//      alone (one sequence, its first chunk; run eagerly, as every step that prefills);
 //   2. serves a bursty trace on the measured clock (every step timed); at P = 2 with a
 //      stop-the-world switch forced every 400 steps (the virtual ranks' copies over the GPU's
 //      own memory, each switch timed);
 //   3. the simulated runtime serves the same trace with the same scheduler, pool and forced
-//      switches, each step priced by the curves of 1 (curves_step_clock: a prefill chunk as the
-//      curve's extra rows at its smallest context, as the paper-scale experiments price it) and
-//      each switch by the cost model over the link measured on 2x H200 (h200_params).
-// Printed and written to $OUT/fidelity.json (or ./fidelity.json): each metric of both runs and
-// the simulation's error, separately: mean and p99 TTFT, mean and p99 TPOT, throughput, the
-// run's length, and at P = 2 the switches' total time. What this does not check: collectives
-// over NVLink (virtual ranks share one GPU's memory), and the paper's model and P.
+//      switches twice, each switch priced by the cost model over the link measured on 2x H200
+//      (h200_params) and each step by the curves of 1 (curves_step_clock):
+//        "sim": as the paper-scale experiments price theirs by default: a decode step at its
+//          own batch (interpolated between the measured batches), a prefill chunk as the
+//          curve's extra rows at its smallest context;
+//        "sim_buckets_prefill": a decode step at the runtime's CUDA-graph bucket (the batch
+//          padded to it, as the replayed graph runs it), a prefill step's increment from the
+//          measured prefill points.
+// Printed and written to $OUT/fidelity.json (or ./fidelity.json): each metric of the three runs
+// and each simulation's error, separately: mean and p99 TTFT, mean and p99 TPOT, throughput,
+// the run's length, and at P = 2 the switches' total time; and the measured run's own steps
+// priced by both clocks (priced / measured, by kind of step: decode, prefill filling the step's
+// token budget, smaller prefill). What this does not check: collectives over NVLink (virtual
+// ranks share one GPU's memory), and the paper's model and P.
 // Environment: MOEBIUS_FIDELITY_LAYERS (8), MOEBIUS_FIDELITY_SEED (1: the trace),
 // MOEBIUS_FIDELITY_P (1 or 2).
 
@@ -26,8 +35,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,24 +64,53 @@ constexpr int64_t k_max_tokens = 512;     // tokens a step (decode and prefill c
 constexpr int64_t k_max_running = 256;    // sequences at once
 constexpr int64_t k_page_size = 16;       // the runtime's (kv geometry)
 constexpr int64_t k_longest = 2560;       // tokens of the longest request (prompt + output)
+// The prefill points' chunks (tokens): up to the step's budget.
+constexpr int64_t k_prefill_chunks[] = {16, 32, 64, 128, 256, 512};
 
-// The decode step's wall clock in mode `m` at batch B and context C, median of 7 after 2
-// warm-ups.
+// The wall clock of a step as the serving loop waits for it (runtime::step: inputs, upload,
+// graph replay or eager launches, tokens back), the median of 7 after 2 warm-ups; `device_ms`
+// (when given) the median of the runtime's own device time of the same steps (CUDA events, what
+// the measured clock charges).
+double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
+                      std::span<const step_item> items, double* device_ms = nullptr) {
+  for (int w = 0; w < 2; ++w) rt.step(layout, items);
+  std::vector<double> ms, device;
+  for (int i = 0; i < 7; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    rt.step(layout, items);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    device.push_back(rt.measured_step_s() * 1e3);
+  }
+  std::sort(ms.begin(), ms.end());
+  std::sort(device.begin(), device.end());
+  if (device_ms != nullptr) *device_ms = device[3];
+  return ms[3];
+}
+
+// The decode step's wall clock in mode `m` at batch B and context C.
 double measure_step_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t B, int64_t C, int64_t vocab,
                        int64_t layers) {
   const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, B, C + 1);
   std::vector<int32_t> tokens;
   const std::vector<step_item> items = gpu::bench::decode_items(B, C, vocab, tokens);
   const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
-  for (int w = 0; w < 2; ++w) rt.step(layout, items);
-  std::vector<double> ms;
-  for (int i = 0; i < 7; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    rt.step(layout, items);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[3];
+  return median_step_ms(rt, layout, items);
+}
+
+// The wall clock in mode `m` of a step that prefills one chunk of T tokens alone: sequence 0's
+// first chunk (positions 0 .. T-1: its attention over the chunk's own tokens, the smallest
+// context a chunk has), on rank 0 in EP (the others idle: the prefill table's key is the
+// busiest rank's tokens), on every rank in TP. The runtime runs it eagerly (graphs are captured
+// for decode steps only), as the serving loop's prefill steps.
+double measure_prefill_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t T, int64_t vocab,
+                          int64_t layers, double* device_ms) {
+  const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, 1, T);
+  std::vector<int32_t> tokens(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i)
+    tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
+  const step_item items[] = {{0, tokens, 0, true}};
+  const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
+  return median_step_ms(rt, layout, items, device_ms);
 }
 
 // A bursty trace the P = 1 runtime crosses its batch range on: quiet at 4 requests/s, bursts of
@@ -96,6 +136,47 @@ nlohmann::json metrics(const run_summary& s, const run_result& r) {
           {"tokens_per_s", s.tokens_per_s}, {"end_s", r.end_s},
           {"steps", static_cast<int64_t>(r.steps.size())}, {"preemptions", r.preemptions},
           {"switches", s.switches}, {"switch_total_ms", s.switch_total_ms}};
+}
+
+// The measured run's own steps priced by `clock`, summed per kind (decode; prefill filling the
+// step's token budget; smaller prefill): steps, measured ms, priced ms and their ratio. An EP
+// step at P > 1 is skipped (counted): the record does not keep its split over the ranks, which
+// the clock prices it by.
+nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int P) {
+  struct sums {
+    int64_t steps = 0;
+    double measured_ms = 0, priced_ms = 0;
+  };
+  sums decode, full, small;
+  int64_t skipped = 0;
+  for (const step_record& s : r.steps) {
+    if (s.sequences <= 0 || s.in_switch) continue;
+    step_cost cost;
+    cost.set(s.config);
+    cost.num_ranks = P;
+    cost.num_sequences = s.sequences;
+    cost.new_tokens = s.decode_tokens + s.prefill_tokens;
+    cost.context_tokens = s.context_tokens;
+    if (cost.mode == parallel_mode::ep) {
+      if (P > 1) {
+        ++skipped;
+        continue;
+      }
+      cost.ranks = {rank_work{cost.num_sequences, cost.new_tokens, cost.context_tokens}};
+    }
+    sums& to = s.prefill_tokens == 0 ? decode : cost.new_tokens >= k_max_tokens ? full : small;
+    ++to.steps;
+    to.measured_ms += s.measured_ms;
+    to.priced_ms += clock.step_s(cost, s.measured_ms * 1e-3) * 1e3;
+  }
+  const auto out = [](const sums& x) {
+    return nlohmann::json{{"steps", x.steps},
+                          {"measured_ms", x.measured_ms},
+                          {"priced_ms", x.priced_ms},
+                          {"ratio", x.measured_ms > 0 ? x.priced_ms / x.measured_ms : 0.0}};
+  };
+  return {{"decode", out(decode)}, {"prefill_full", out(full)}, {"prefill_small", out(small)},
+          {"skipped", skipped}};
 }
 
 }  // namespace
@@ -143,6 +224,24 @@ int main() {
   }
   step_curves curves(points, "the GPU runtime's own (measured here)");
 
+  // 1b. The prefill points, per mode (at P = 1 EP's stand for TP's, as the curves').
+  std::vector<prefill_point> prefill;
+  nlohmann::json prefill_json = nlohmann::json::array();
+  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+    if (P == 1 && m == parallel_mode::tp) break;
+    for (const int64_t T : k_prefill_chunks) {
+      double device_ms = 0;
+      const double ms = measure_prefill_ms(rt, m, T, c.vocab, c.num_layers, &device_ms);
+      std::printf("  prefill %s: chunk %4lld tokens alone: %8.3f ms (device %8.3f ms)\n",
+                  moebius::to_string(m), static_cast<long long>(T), ms, device_ms);
+      prefill.push_back({m, T, ms});
+      if (P == 1) prefill.push_back({parallel_mode::tp, T, ms});
+      prefill_json.push_back({{"mode", moebius::to_string(m)}, {"tokens", T}, {"step_ms", ms},
+                              {"device_ms", device_ms}});
+    }
+  }
+  const prefill_table prefill_points(prefill, "the GPU runtime's prefill steps (measured here)");
+
   // 2. The GPU runtime serves the trace on the measured clock.
   const std::vector<request> trace = fidelity_trace(seed, c.vocab);
   engine_options eo;
@@ -154,7 +253,6 @@ int main() {
     eo.how = switching::forced;
     for (int64_t step = 400; step < 100000; step += 400) eo.forced_steps.push_back(step);
   }
-  sim_runtime sim(rt.arena(), rt.kv(), static_cast<int32_t>(c.vocab));
   const measured_clock measured;
   run_result gpu_run;
   {
@@ -163,7 +261,8 @@ int main() {
     gpu_run = e.run(trace, eo, "GPU runtime (measured)");
   }
 
-  // 3. The simulated runtime on the same geometry, priced by the curves.
+  // 3. The simulated runtime on the same geometry, priced by the curves: as before, and at the
+  // runtime's graph buckets with the measured prefill points.
   priced_model m;
   m.num_layers = c.num_layers;
   m.context_scale = 1;
@@ -177,51 +276,98 @@ int main() {
   m.vocab = c.vocab;
   const h200_step_model model(m, h200_params{}, P, kv_bytes_per_token(rt.kv()));
   const curves_step_clock priced(curves, model);
-  moebius::dry_run_transport dry(P, sim.spaces());
-  engine s(sim, dry, rt.arena(), rt.kv(), priced, moebius::arena_cursor{0});
-  const run_result sim_run = s.run(trace, eo, "simulated (priced by the curves)");
+  curves_clock_options with;
+  with.graph_buckets = o.buckets;  // the runtime's own (gpu_runtime_options::buckets)
+  with.prefill = prefill_points;
+  const curves_step_clock priced_new(curves, model, with);
+  const auto simulate = [&](const step_clock& clock, const char* label) {
+    sim_runtime sim(rt.arena(), rt.kv(), static_cast<int32_t>(c.vocab));
+    moebius::dry_run_transport dry(P, sim.spaces());
+    engine s(sim, dry, rt.arena(), rt.kv(), clock, moebius::arena_cursor{0});
+    return s.run(trace, eo, label);
+  };
+  const run_result sim_run = simulate(priced, "simulated (priced by the curves)");
+  const run_result sim_new = simulate(priced_new, "simulated (curves at the graph buckets, measured prefill)");
 
-  const run_summary a = summarize(gpu_run), b = summarize(sim_run);
+  const run_summary a = summarize(gpu_run), b = summarize(sim_run), bn = summarize(sim_new);
   nlohmann::json j = {{"layers", c.num_layers},
                       {"P", P},
                       {"requests", static_cast<int64_t>(trace.size())},
                       {"seed", seed},
                       {"curves", points.size() / 2},
+                      {"graph_buckets", o.buckets},
+                      {"prefill_points", prefill_json},
+                      {"pricing", {{"sim", priced.name()}, {"sim_buckets_prefill", priced_new.name()}}},
                       {"gpu", metrics(a, gpu_run)},
-                      {"sim", metrics(b, sim_run)}};
-  std::printf("\n  %d requests; metric: GPU runtime (measured) / simulated (priced) / error\n",
+                      {"sim", metrics(b, sim_run)},
+                      {"sim_buckets_prefill", metrics(bn, sim_new)}};
+  std::printf("\n  %d requests; metric: GPU runtime (measured) / simulated as before, error / "
+              "simulated at the graph buckets with measured prefill points, error\n",
               static_cast<int>(trace.size()));
-  nlohmann::json err;
+  nlohmann::json err, err_new;
   for (const auto& [name, x] : j["gpu"].items()) {
     const double g = x.get<double>(), v = j["sim"][name].get<double>();
-    const double e = g != 0 ? (v - g) / g : 0;
+    const double vn = j["sim_buckets_prefill"][name].get<double>();
+    const double e = g != 0 ? (v - g) / g : 0, en = g != 0 ? (vn - g) / g : 0;
     err[name] = e;
-    std::printf("  %-14s %12.3f %12.3f %+8.1f%%\n", name.c_str(), g, v, 100 * e);
+    err_new[name] = en;
+    std::printf("  %-16s %12.3f %12.3f %+8.1f%% %12.3f %+8.1f%%\n", name.c_str(), g, v, 100 * e,
+                vn, 100 * en);
   }
   j["error"] = err;
+  j["error_buckets_prefill"] = err_new;
   const char* out = std::getenv("OUT");
-  const std::string path = std::string(out != nullptr && *out != '\0' ? out : ".") + "/fidelity.json";
-  std::ofstream(path) << j.dump(2) << "\n";
-  std::ofstream csv(std::string(out != nullptr && *out != '\0' ? out : ".") + "/fidelity_steps.csv");
+  const std::string dir = out != nullptr && *out != '\0' ? out : ".";
+  const std::string path = dir + "/fidelity.json";
+  std::ofstream csv(dir + "/fidelity_steps.csv");
   write_steps_csv(csv, gpu_run);
-  std::ofstream csv2(std::string(out != nullptr && *out != '\0' ? out : ".") + "/fidelity_sim_steps.csv");
+  std::ofstream csv2(dir + "/fidelity_sim_steps.csv");
   write_steps_csv(csv2, sim_run);
-  // Each committed switch: measured against priced (the same switch in both runs when both
+  std::ofstream csv3(dir + "/fidelity_sim_buckets_prefill_steps.csv");
+  write_steps_csv(csv3, sim_new);
+  // Each committed switch: measured against priced (the same switch in each run when they
   // committed the same ones).
-  std::vector<double> gpu_switch, sim_switch;
-  for (const switch_record& x : gpu_run.switches)
-    if (x.outcome == moebius::switch_outcome::committed) gpu_switch.push_back(x.clock_ms);
-  for (const switch_record& x : sim_run.switches)
-    if (x.outcome == moebius::switch_outcome::committed) sim_switch.push_back(x.clock_ms);
+  const auto committed = [](const run_result& r) {
+    std::vector<double> ms;
+    for (const switch_record& x : r.switches)
+      if (x.outcome == moebius::switch_outcome::committed) ms.push_back(x.clock_ms);
+    return ms;
+  };
+  const std::vector<double> gpu_switch = committed(gpu_run), sim_switch = committed(sim_run),
+                            sim_new_switch = committed(sim_new);
   if (!gpu_switch.empty()) {
-    std::printf("  switches committed: %zu measured, %zu simulated; ms each, measured / priced:",
-                gpu_switch.size(), sim_switch.size());
+    std::printf("  switches committed: %zu measured, %zu and %zu simulated; ms each, measured / "
+                "priced:",
+                gpu_switch.size(), sim_switch.size(), sim_new_switch.size());
     for (size_t i = 0; i < std::min(gpu_switch.size(), sim_switch.size()); ++i)
       std::printf(" %.1f/%.1f", gpu_switch[i], sim_switch[i]);
     std::printf("\n");
-    nlohmann::json sw = {{"measured_ms", gpu_switch}, {"priced_ms", sim_switch}};
-    j["switches_each"] = sw;
+    j["switches_each"] = {{"measured_ms", gpu_switch},
+                          {"priced_ms", sim_switch},
+                          {"priced_ms_buckets_prefill", sim_new_switch}};
+  }
+  std::ofstream(path) << j.dump(2) << "\n";
+  // The measured run's own steps priced by each clock: where the error comes from. A
+  // diagnostic: should it fail, the runs' results above are written already.
+  try {
+    j["own_steps"] = {{"sim", price_own_steps(gpu_run, priced, P)},
+                      {"sim_buckets_prefill", price_own_steps(gpu_run, priced_new, P)}};
+    std::printf("  the measured run's own steps, priced / measured (summed), as before / at the "
+                "buckets with prefill points:\n");
+    for (const char* kind : {"decode", "prefill_full", "prefill_small"}) {
+      const nlohmann::json& x = j["own_steps"]["sim"][kind];
+      const nlohmann::json& y = j["own_steps"]["sim_buckets_prefill"][kind];
+      std::printf("    %-14s %6lld steps, %10.1f ms measured: %.3f / %.3f\n", kind,
+                  static_cast<long long>(x["steps"].get<int64_t>()),
+                  x["measured_ms"].get<double>(), x["ratio"].get<double>(),
+                  y["ratio"].get<double>());
+    }
+    if (j["own_steps"]["sim"]["skipped"].get<int64_t>() > 0)
+      std::printf("    (%lld EP steps not priced: at P = %d their rank split is not recorded)\n",
+                  static_cast<long long>(j["own_steps"]["sim"]["skipped"].get<int64_t>()), P);
     std::ofstream(path) << j.dump(2) << "\n";
+  } catch (const std::exception& e) {
+    std::printf("  the measured run's own steps could not be priced: %s\n", e.what());
   }
   std::printf("  wrote %s\n", path.c_str());
   return 0;

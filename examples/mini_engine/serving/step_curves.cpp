@@ -464,45 +464,99 @@ step_curves with_priced_layouts(const step_curves& measured, const h200_step_mod
   return out;
 }
 
-curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& model)
-    : curves_(std::move(curves)),
-      model_(model),
-      name_("per-rank step curves of " + curves_.deployment() +
-            " for decode steps (compute measured on one GPU, collectives priced; EP steps by "
-            "their busiest rank; a prefill chunk's tokens as extra rows of the curve at its "
-            "smallest context, not measured); switches and overlap: " +
-            model.name()) {}
+namespace {
 
-double curves_step_clock::rows_ms(const configuration& m, double sequences, double rows,
-                                  double context) const {
-  const double decode = curves_.step_ms(m, sequences, context);
-  if (rows <= sequences) return decode;
-  // The prefill increment: the extra rows' cost at the smallest measured context (a prefill
-  // chunk's attention is compute-bound over its own tokens, not a read of the KV per row).
+// What the clock prices beyond the decode curves, for its name.
+std::string clock_options_text(const curves_clock_options& o) {
+  std::ostringstream os;
+  if (o.graph_buckets.empty()) {
+    os << "decode steps at their own batch (between the measured points)";
+  } else {
+    os << "decode steps at their CUDA-graph bucket (" << o.graph_buckets.size() << " buckets, "
+       << o.graph_buckets.front() << "-" << o.graph_buckets.back() << "; beyond: eager, the curve x "
+       << o.eager_penalty << ")";
+  }
+  std::string measured, rows;
+  for (const configuration& c : o.prefill.configurations())
+    measured += (measured.empty() ? "" : ", ") + name_of(c);
+  if (measured.empty()) {
+    os << ", a prefill chunk's tokens as extra rows of the curve at its smallest context, not "
+          "measured";
+  } else {
+    os << ", a prefill chunk from measured prefill steps of " << measured << " ("
+       << o.prefill.source() << "; other configurations: extra rows of the curve, not measured)";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& model,
+                                     curves_clock_options options)
+    : curves_(std::move(curves)), model_(model), options_(std::move(options)) {
+  validate_graph_buckets(options_.graph_buckets);
+  MOEBIUS_CHECK(std::isfinite(options_.eager_penalty) && options_.eager_penalty > 0,
+                errc::invalid_argument, "curves_step_clock: eager_penalty ",
+                options_.eager_penalty, " must be finite and > 0");
+  name_ = "per-rank step curves of " + curves_.deployment() +
+          " (compute measured on one GPU, collectives priced; EP steps by their busiest rank; " +
+          clock_options_text(options_) + "); switches and overlap: " + model.name();
+}
+
+double curves_step_clock::rank_ms(const configuration& m, double ranks, int64_t sequences,
+                                  int64_t rows, double context, bool graphs) const {
+  const double seqs = static_cast<double>(sequences);
+  if (rows <= sequences) {
+    if (!graphs || options_.graph_buckets.empty()) return curves_.step_ms(m, ranks * seqs, context);
+    // The replayed graph runs the bucket's rows; beyond the largest bucket, eagerly.
+    const int64_t bucket = graph_bucket(options_.graph_buckets, sequences);
+    if (bucket == 0) return curves_.step_ms(m, ranks * seqs, context) * options_.eager_penalty;
+    return curves_.step_ms(m, ranks * static_cast<double>(bucket), context);
+  }
+  const double decode = curves_.step_ms(m, ranks * seqs, context);
+  // The prefill increment at the smallest measured context (a prefill chunk's attention is
+  // compute-bound over its own tokens, not a read of the KV per row).
   const double ctx0 = curves_.smallest_context(m);
-  return decode + std::max(0.0, curves_.step_ms(m, rows, ctx0) - curves_.step_ms(m, sequences, ctx0));
+  const double beside = curves_.step_ms(m, ranks * seqs, ctx0);
+  const double chunk = options_.prefill.has(m)
+                           ? options_.prefill.step_ms(m, static_cast<double>(rows))
+                           : curves_.step_ms(m, ranks * static_cast<double>(rows), ctx0);
+  return decode + std::max(0.0, chunk - beside);
 }
 
 double curves_step_clock::step_s(const step_cost& c, double measured_s) const {
   if (c.num_sequences <= 0) return model_.step_s(c, measured_s);
   const double scale = model_.model().context_scale;
   const configuration config = c.config();
-  if (c.mode == parallel_mode::ep && !c.ranks.empty()) {
+  // Graphs are replayed for pure decode steps only (every item one new token).
+  const bool graphs = c.new_tokens <= c.num_sequences;
+  std::vector<rank_work> even;
+  const std::vector<rank_work>* split = &c.ranks;
+  if (c.mode == parallel_mode::ep && c.ranks.empty() && c.num_ranks > 1 &&
+      !options_.graph_buckets.empty()) {
+    // No split given: each rank's bucket as if the items split evenly.
+    const int64_t P = c.num_ranks;
+    even.assign(static_cast<size_t>(P),
+                rank_work{(c.num_sequences + P - 1) / P, (c.new_tokens + P - 1) / P,
+                          (c.context_tokens + P - 1) / P});
+    split = &even;
+  }
+  if (c.mode == parallel_mode::ep && !split->empty()) {
     // Data-parallel attention: the step waits for its busiest rank, each rank priced as if
     // every rank held its share (the curves' batch is the deployment's: P x the rank's).
-    const double P = static_cast<double>(c.ranks.size());
+    const double P = static_cast<double>(split->size());
     double worst = 0;
-    for (const rank_work& r : c.ranks) {
+    for (const rank_work& r : *split) {
       if (r.sequences <= 0) continue;
       const double seqs = static_cast<double>(r.sequences);
-      worst = std::max(worst, rows_ms(config, P * seqs, P * static_cast<double>(r.new_tokens),
-                                      static_cast<double>(r.context_tokens) / seqs * scale));
+      worst = std::max(worst, rank_ms(config, P, r.sequences, r.new_tokens,
+                                      static_cast<double>(r.context_tokens) / seqs * scale, graphs));
     }
     return worst * 1e-3;
   }
   const double seqs = static_cast<double>(c.num_sequences);
-  return rows_ms(config, seqs, static_cast<double>(c.new_tokens),
-                 static_cast<double>(c.context_tokens) / seqs * scale) *
+  return rank_ms(config, 1, c.num_sequences, c.new_tokens,
+                 static_cast<double>(c.context_tokens) / seqs * scale, graphs) *
          1e-3;
 }
 

@@ -144,6 +144,52 @@ TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from T
   CHECK_THAT(cited.description, Catch::Matchers::Contains("collectives priced by cited measurements"));
 }
 
+TEST_CASE("the sim clock with --graph-buckets vllm: decode steps at vLLM's bucket of the rank "
+          "batch, prefill steps as before",
+          "[cpu][demo]") {
+  options o;
+  o.runtime = runtime_kind::sim;
+  const demo_clock plain = make_sim_clock(o);
+  o.vllm_graph_buckets = true;
+  const demo_clock padded = make_sim_clock(o);
+  CHECK_THAT(padded.description, Catch::Matchers::Contains("CUDA-graph bucket (67 buckets, 1-512"));
+  // TP: 9 sequences replay the graph of 16 (vLLM: 1, 2, 4, 8, 16, ...); 3 that of 4; 512 its own.
+  const auto tp = [](int64_t seqs, int64_t new_tokens) {
+    step_cost s;
+    s.set(k_tp);
+    s.num_ranks = 8;
+    s.num_sequences = seqs;
+    s.new_tokens = new_tokens;
+    s.context_tokens = seqs * 2048;
+    return s;
+  };
+  const auto same = [](const demo_clock& a, const step_cost& x, const demo_clock& b,
+                       const step_cost& y) {
+    return a.clock->step_s(x, 0) == Approx(b.clock->step_s(y, 0)).epsilon(1e-12);
+  };
+  CHECK(same(padded, tp(9, 9), plain, tp(16, 16)));
+  CHECK(same(padded, tp(3, 3), plain, tp(4, 4)));
+  CHECK(same(padded, tp(512, 512), plain, tp(512, 512)));
+  CHECK(padded.clock->step_s(tp(9, 9), 0) > plain.clock->step_s(tp(9, 9), 0));
+  // Beyond the largest bucket: eager at its own batch (the penalty 1: no measured one).
+  CHECK(same(padded, tp(600, 600), plain, tp(600, 600)));
+  // A step that prefills is not padded.
+  CHECK(same(padded, tp(9, 500), plain, tp(9, 500)));
+  // EP: the bucket of each rank's own sequences (5 -> 8 on the busiest rank: as if 8 each).
+  step_cost ep;
+  ep.set(k_ep);
+  ep.num_ranks = 8;
+  ep.ranks.assign(8, rank_work{2, 2, 2 * 2048});
+  ep.ranks[3] = {5, 5, 5 * 2048};
+  ep.num_sequences = ep.new_tokens = 19;
+  ep.context_tokens = 19 * 2048;
+  step_cost ep8 = ep;
+  ep8.ranks.assign(8, rank_work{8, 8, 8 * 2048});
+  ep8.num_sequences = ep8.new_tokens = 64;
+  ep8.context_tokens = 64 * 2048;
+  CHECK(same(padded, ep, plain, ep8));
+}
+
 TEST_CASE("the designs verdict: the best switching design against the paper's baselines and "
           "every static configuration",
           "[cpu][demo]") {

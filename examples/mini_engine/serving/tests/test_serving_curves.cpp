@@ -2,6 +2,7 @@
 // interpolation against values worked out by hand, every malformed input a clear error, and the
 // priced clock that takes decode steps from the curves and everything else from the H200 model.
 #include <cmath>
+#include <random>
 #include <sstream>
 #include <string>
 
@@ -9,6 +10,7 @@
 
 #include "catch.hpp"
 #include "step_curves.hpp"
+#include "test_seed.hpp"
 
 using namespace mini_engine;
 using moebius::parallel_mode;
@@ -344,4 +346,243 @@ TEST_CASE("step curves: the busiest EP rank's expert load priced onto EP-experts
   const step_curves points({{parallel_mode::ep, 512, 1, 5}, {parallel_mode::tp, 512, 1, 4}}, "hand");
   CHECK_THROWS_WITH(points.with_expert_load(m, hbm, routing_model{}),
                     Catch::Contains("needs the layers the curves were measured with"));
+}
+
+TEST_CASE("graph buckets: the smallest bucket that holds the batch, vLLM's defaults",
+          "[cpu][curves]") {
+  const std::vector<int64_t> b = {1, 2, 4, 8};
+  CHECK(graph_bucket(b, 1) == 1);
+  CHECK(graph_bucket(b, 3) == 4);
+  CHECK(graph_bucket(b, 5) == 8);
+  CHECK(graph_bucket(b, 8) == 8);
+  CHECK(graph_bucket(b, 9) == 0);  // beyond the largest: eager
+  CHECK(graph_bucket({}, 1) == 0);
+  // vLLM: 1, 2, 4, then every multiple of 8 to 512; each batch against that rule written out.
+  const std::vector<int64_t> v = vllm_capture_sizes();
+  CHECK(v.size() == 67);
+  CHECK_NOTHROW(validate_graph_buckets(v));
+  for (int64_t batch = 1; batch <= 600; ++batch) {
+    const int64_t want = batch <= 2 ? batch : batch <= 4 ? 4 : batch <= 512 ? (batch + 7) / 8 * 8 : 0;
+    INFO("batch " << batch);
+    CHECK(graph_bucket(v, batch) == want);
+  }
+  CHECK_NOTHROW(validate_graph_buckets({}));
+  CHECK_THROWS_WITH(validate_graph_buckets(std::vector<int64_t>{1, 4, 4}),
+                    Catch::Contains("bucket 2 (4) is not above bucket 1 (4)"));
+  CHECK_THROWS_WITH(validate_graph_buckets(std::vector<int64_t>{8, 2}),
+                    Catch::Contains("bucket 1 (2) is not above bucket 0 (8)"));
+  CHECK_THROWS_WITH(validate_graph_buckets(std::vector<int64_t>{0, 2}),
+                    Catch::Contains("bucket 0 is 0 (must be >= 1)"));
+}
+
+namespace {
+
+// TP at context 128: 9, 12, 18 ms at batch 1, 4, 16; at context 512: 10, 14, 22. EP at context
+// 512 only: 8, 12, 20 ms at batch 2, 8, 32.
+step_curves hand_curves() {
+  return step_curves({{parallel_mode::tp, 128, 1, 9},
+                      {parallel_mode::tp, 128, 4, 12},
+                      {parallel_mode::tp, 128, 16, 18},
+                      {parallel_mode::tp, 512, 1, 10},
+                      {parallel_mode::tp, 512, 4, 14},
+                      {parallel_mode::tp, 512, 16, 22},
+                      {parallel_mode::ep, 512, 2, 8},
+                      {parallel_mode::ep, 512, 8, 12},
+                      {parallel_mode::ep, 512, 32, 20}},
+                     "hand");
+}
+
+// Linear in log2 between (b0, y0) and (b1, y1), by hand.
+double log_lerp(double b, double b0, double y0, double b1, double y1) {
+  return y0 + (y1 - y0) * (std::log2(b) - std::log2(b0)) / (std::log2(b1) - std::log2(b0));
+}
+
+step_cost tp_step(int64_t sequences, int64_t new_tokens, int64_t context) {
+  step_cost c;
+  c.mode = parallel_mode::tp;
+  c.num_ranks = 4;
+  c.num_sequences = sequences;
+  c.new_tokens = new_tokens;
+  c.context_tokens = sequences * context;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("the curves clock prices a decode step at its CUDA-graph bucket", "[cpu][curves]") {
+  priced_model pm;
+  pm.context_scale = 1;
+  const h200_step_model model(pm, h200_params{}, 4, 1024);
+  const curves_step_clock plain(hand_curves(), model);
+  curves_clock_options o;
+  o.graph_buckets = {1, 2, 4, 8};
+  o.eager_penalty = 1.5;
+  const curves_step_clock padded(hand_curves(), model, o);
+  CHECK_THAT(padded.name(), Catch::Contains("decode steps at their CUDA-graph bucket (4 buckets, "
+                                            "1-8; beyond: eager, the curve x 1.5)"));
+  CHECK_THAT(plain.name(), Catch::Contains("decode steps at their own batch"));
+  // TP, 3 sequences at 512: between the points, or at bucket 4 (14 ms).
+  CHECK(plain.step_s(tp_step(3, 3, 512), 0) * 1e3 == Approx(log_lerp(3, 1, 10, 4, 14)));
+  CHECK(padded.step_s(tp_step(3, 3, 512), 0) * 1e3 == Approx(14));
+  // 5 sequences: bucket 8, halfway in log2 between 4 (14) and 16 (22).
+  CHECK(padded.step_s(tp_step(5, 5, 512), 0) * 1e3 == Approx(18));
+  CHECK(padded.step_s(tp_step(8, 8, 512), 0) * 1e3 == Approx(18));
+  CHECK(padded.step_s(tp_step(2, 2, 512), 0) * 1e3 == Approx(12));
+  // 9: beyond the largest bucket, eager: the curve at 9 x 1.5.
+  CHECK(padded.step_s(tp_step(9, 9, 512), 0) * 1e3 == Approx(1.5 * log_lerp(9, 4, 14, 16, 22)));
+  // A step that prefills is eager at its own batch: the same as without buckets, by hand:
+  // curve(3, 512) + curve(40, 128) - curve(3, 128), 40 rows beyond 16 at 0.5 ms a row.
+  const double prefill = log_lerp(3, 1, 10, 4, 14) + (18 + 24 * 0.5) - log_lerp(3, 1, 9, 4, 12);
+  CHECK(plain.step_s(tp_step(3, 40, 512), 0) * 1e3 == Approx(prefill));
+  CHECK(padded.step_s(tp_step(3, 40, 512), 0) * 1e3 == Approx(prefill));
+
+  // EP at P = 4, split: each rank at its own bucket, in the curves' terms P x that.
+  step_cost ep;
+  ep.mode = parallel_mode::ep;
+  ep.num_ranks = 4;
+  ep.ranks = {{3, 3, 3 * 512}, {1, 1, 512}, {0, 0, 0}, {2, 2, 2 * 512}};
+  ep.num_sequences = ep.new_tokens = 6;
+  ep.context_tokens = 6 * 512;
+  // Rank 0: bucket 4, the curve at 16 (halfway between 8 and 32: 16 ms); rank 1 at 4 (10), rank
+  // 3 at 8 (12): the busiest, 16 ms. Without buckets rank 0 at 12 sequences.
+  CHECK(padded.step_s(ep, 0) * 1e3 == Approx(16));
+  CHECK(plain.step_s(ep, 0) * 1e3 == Approx(log_lerp(12, 8, 12, 32, 20)));
+  // Rank 1 with 9 sequences is beyond the buckets: eager, the curve at 36 (beyond 32: 8/24 ms a
+  // sequence) x 1.5.
+  ep.ranks[1] = {9, 9, 9 * 512};
+  ep.num_sequences = ep.new_tokens = 14;
+  ep.context_tokens = 14 * 512;
+  CHECK(padded.step_s(ep, 0) * 1e3 == Approx(1.5 * (20 + 4 * 8.0 / 24)));
+  // Not split: as if evenly, ceil(14 / 4) = 4 a rank: bucket 4, the curve at 16.
+  ep.ranks.clear();
+  CHECK(padded.step_s(ep, 0) * 1e3 == Approx(16));
+  CHECK(plain.step_s(ep, 0) * 1e3 == Approx(log_lerp(14, 8, 12, 32, 20)));  // as it always was
+
+  // Bad options are refused by name.
+  curves_clock_options bad;
+  bad.graph_buckets = {1, 4, 2};
+  CHECK_THROWS_WITH(curves_step_clock(hand_curves(), model, bad),
+                    Catch::Contains("bucket 2 (2) is not above bucket 1 (4)"));
+  bad.graph_buckets = {1, 2};
+  bad.eager_penalty = 0;
+  CHECK_THROWS_WITH(curves_step_clock(hand_curves(), model, bad),
+                    Catch::Contains("eager_penalty 0 must be finite and > 0"));
+  bad.eager_penalty = std::nan("");
+  CHECK_THROWS_AS(curves_step_clock(hand_curves(), model, bad), moebius::error);
+}
+
+TEST_CASE("the curves clock at vLLM's buckets: every decode batch at its bucket, random batches",
+          "[cpu][curves]") {
+  std::mt19937_64 rng(testing::test_seed());
+  // Random curves: TP at context 256, batches 1, 2, 4, ..., 512 with random increasing times.
+  std::vector<step_curve_point> points = {{parallel_mode::ep, 256, 1, 3}};
+  double ms = 2;
+  std::uniform_real_distribution<double> step(0.01, 3);
+  for (int64_t b = 1; b <= 512; b *= 2) points.push_back({parallel_mode::tp, 256, b, ms += step(rng)});
+  const step_curves curves(points, "random");
+  priced_model pm;
+  pm.context_scale = 1;
+  const h200_step_model model(pm, h200_params{}, 8, 1024);
+  curves_clock_options o;
+  o.graph_buckets = vllm_capture_sizes();
+  o.eager_penalty = std::uniform_real_distribution<double>(1, 2)(rng);
+  const curves_step_clock clock(curves, model, o);
+  std::uniform_int_distribution<int64_t> batch(1, 700);
+  for (int i = 0; i < 200; ++i) {
+    const int64_t B = batch(rng);
+    // vLLM's rule written out: 1, 2, 4, then the next multiple of 8; beyond 512 eager.
+    const int64_t bucket = B <= 2 ? B : B <= 4 ? 4 : (B + 7) / 8 * 8;
+    const double want = bucket <= 512 ? curves.step_ms(parallel_mode::tp, static_cast<double>(bucket), 256)
+                                      : curves.step_ms(parallel_mode::tp, static_cast<double>(B), 256) *
+                                            o.eager_penalty;
+    INFO("batch " << B);
+    CHECK(clock.step_s(tp_step(B, B, 256), 0) * 1e3 == Approx(want).epsilon(1e-12));
+    // Padding never prices a step below its own batch on an increasing curve.
+    CHECK(clock.step_s(tp_step(B, B, 256), 0) * 1e3 >=
+          curves.step_ms(parallel_mode::tp, static_cast<double>(B), 256) * (1 - 1e-12));
+  }
+}
+
+TEST_CASE("prefill tables: measured chunk steps, interpolated in log2(tokens)", "[cpu][curves]") {
+  const prefill_table t({{parallel_mode::ep, 64, 8}, {parallel_mode::ep, 16, 6}}, "hand");
+  CHECK(t.has(parallel_mode::ep));
+  CHECK_FALSE(t.has(parallel_mode::tp));
+  CHECK(t.source() == "hand");
+  CHECK(t.step_ms(parallel_mode::ep, 32) == Approx(7));   // halfway in log2
+  CHECK(t.step_ms(parallel_mode::ep, 16) == Approx(6));
+  CHECK(t.step_ms(parallel_mode::ep, 8) == Approx(6));    // below: the smallest
+  CHECK(t.step_ms(parallel_mode::ep, 112) == Approx(10)); // beyond: 2/48 ms a token
+  REQUIRE(t.points(parallel_mode::ep).size() == 2);
+  CHECK(t.points(parallel_mode::ep)[0].tokens == 16);     // sorted
+  // A last segment that falls (noise): flat beyond it.
+  const prefill_table falling({{parallel_mode::tp, 16, 6}, {parallel_mode::tp, 64, 5}}, "x");
+  CHECK(falling.step_ms(parallel_mode::tp, 4096) == Approx(5));
+  CHECK(prefill_table().empty());
+  CHECK_THROWS_WITH(t.step_ms(parallel_mode::tp, 16), Catch::Contains("prefill table (hand): no TP points"));
+  CHECK_THROWS_WITH(prefill_table({{parallel_mode::ep, 0, 8}}, "f"),
+                    Catch::Contains("prefill table (f): point 0 needs tokens >= 1"));
+  CHECK_THROWS_WITH(prefill_table({{parallel_mode::ep, 16, 8}, {parallel_mode::ep, 32, -1}}, "f"),
+                    Catch::Contains("point 1 needs tokens >= 1 and a positive step_ms (got EP tokens 32, step_ms -1)"));
+  CHECK_THROWS_WITH(prefill_table({{parallel_mode::ep, 16, 8}, {parallel_mode::ep, 16, 9}}, "f"),
+                    Catch::Contains("EP tokens 16 twice"));
+  const configuration unnamed{{parallel_mode::ep, parallel_mode::tp}};
+  CHECK_THROWS_WITH(prefill_table({{unnamed, 16, 8}}, "f"),
+                    Catch::Contains("point 0 has no named configuration"));
+}
+
+TEST_CASE("the curves clock takes a prefill step's increment from measured prefill points",
+          "[cpu][curves]") {
+  priced_model pm;
+  pm.context_scale = 1;
+  const h200_step_model model(pm, h200_params{}, 2, 1024);
+  curves_clock_options o;
+  o.graph_buckets = {1, 2, 4, 8};
+  o.prefill = prefill_table({{parallel_mode::tp, 16, 30},
+                             {parallel_mode::tp, 64, 40},
+                             {parallel_mode::tp, 256, 60},
+                             {parallel_mode::ep, 16, 20},
+                             {parallel_mode::ep, 64, 30}},
+                            "hand table");
+  const curves_step_clock clock(hand_curves(), model, o);
+  const curves_step_clock rows(hand_curves(), model);  // the extra rows, as before
+  CHECK_THAT(clock.name(), Catch::Contains("a prefill chunk from measured prefill steps of TP, EP "
+                                           "(hand table;"));
+  // TP, 3 sequences with 40 new tokens at 512: curve(3, 512) + table(40) - curve(3, 128), the
+  // table between 16 and 64 in log2.
+  const double decode = log_lerp(3, 1, 10, 4, 14), beside = log_lerp(3, 1, 9, 4, 12);
+  CHECK(clock.step_s(tp_step(3, 40, 512), 0) * 1e3 ==
+        Approx(decode + log_lerp(40, 16, 30, 64, 40) - beside));
+  CHECK(rows.step_s(tp_step(3, 40, 512), 0) * 1e3 == Approx(decode + (18 + 24 * 0.5) - beside));
+  // Beyond the table's largest chunk: its last slope, 20/192 ms a token.
+  CHECK(clock.step_s(tp_step(3, 512, 512), 0) * 1e3 ==
+        Approx(decode + 60 + 256 * 20.0 / 192 - beside));
+  // A table below the decode step beside it adds nothing: never below the decode step.
+  curves_clock_options cheap;
+  cheap.prefill = prefill_table({{parallel_mode::tp, 16, 1}}, "cheap");
+  const curves_step_clock low(hand_curves(), model, cheap);
+  CHECK(low.step_s(tp_step(3, 40, 512), 0) * 1e3 == Approx(decode));
+  // A decode step is untouched by the table (at its bucket, 4: 14 ms).
+  CHECK(clock.step_s(tp_step(3, 3, 512), 0) * 1e3 == Approx(14));
+
+  // EP at P = 2, split: rank 0 prefills 32 tokens beside one decode (33 rows, 2 sequences),
+  // rank 1 decodes 3. Rank 0: curve(4, ctx) + table(33 rows: its own) - curve(4, 512) =
+  // table(33) (EP has one context); rank 1 eager at its own 3 (no bucket): curve(6).
+  step_cost ep;
+  ep.mode = parallel_mode::ep;
+  ep.num_ranks = 2;
+  ep.ranks = {{2, 33, 512 + 40}, {3, 3, 3 * 512}};
+  ep.num_sequences = 5;
+  ep.new_tokens = 36;
+  ep.context_tokens = 512 + 40 + 3 * 512;
+  const double rank0 = log_lerp(33, 16, 20, 64, 30);
+  CHECK(clock.step_s(ep, 0) * 1e3 == Approx(std::max(rank0, log_lerp(6, 2, 8, 8, 12))));
+  CHECK(rank0 > 20);
+  // Without the table: rank 0's 66 rows in the curves' terms, less its 4 sequences.
+  CHECK(rows.step_s(ep, 0) * 1e3 == Approx(20 + (66 - 32) * 8.0 / 24));
+  // A configuration without points keeps the extra rows: EP points absent.
+  curves_clock_options tp_only = o;
+  tp_only.prefill = prefill_table({{parallel_mode::tp, 16, 30}}, "tp only");
+  const curves_step_clock partial(hand_curves(), model, tp_only);
+  CHECK(partial.step_s(ep, 0) == Approx(rows.step_s(ep, 0)));
+  CHECK_THAT(partial.name(), Catch::Contains("other configurations: extra rows of the curve"));
 }
