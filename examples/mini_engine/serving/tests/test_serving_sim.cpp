@@ -17,6 +17,7 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "kv_pages.hpp"
 #include "sim_runtime.hpp"
 #include "small_trace.hpp"
 #include "test_seed.hpp"
@@ -250,4 +251,48 @@ TEST_CASE("the simulated runtime refuses a step its tables do not hold") {
   with_logits.logits = &logits;
   CHECK_THROWS_WITH(sim.finish(sim.enqueue(at, std::span(&fits, 1), with_logits)),
                     Catch::Matchers::Contains("no logits"));
+}
+
+TEST_CASE("the simulated runtime refuses a hybrid step either set of tables does not hold") {
+  // A hybrid step (a progressive switch moving the KV) reads the TP tables in the layers below
+  // the cursor and the EP tables in the rest: the sequence must be in both, each as its mode
+  // holds it, with room for the step's tokens.
+  testing::world w = testing::make_world(2, 32, 1);
+  sim_runtime sim(w.arena, w.kv, w.vocab);
+  const int64_t layers = w.arena.shape.num_layers;
+  REQUIRE(layers >= 2);
+  const moebius::arena_cursor mid{1};
+  const int64_t tokens = w.kv.page_size + 1;
+  moebius::kv_state tp = make_empty_kv_state(w.kv, parallel_mode::tp);
+  moebius::kv_state ep = make_empty_kv_state(w.kv, parallel_mode::ep);
+  reserve_tokens(w.kv, tp, 7, tokens, -1);
+  reserve_tokens(w.kv, ep, 7, tokens, 1);
+  const std::vector<int32_t> one = {3};
+  step_item fits{7, one, tokens - 1, true};
+  const std::vector<int32_t> t = sim.step(step_layout::hybrid_of(tp, ep, mid), std::span(&fits, 1));
+  REQUIRE(t.size() == 1);
+  CHECK(t[0] == static_cast<int32_t>((7u * 31u + static_cast<uint64_t>(tokens)) %
+                                     static_cast<uint64_t>(w.vocab)));
+  // The EP tables do not hold it, or hold a token fewer than the step writes.
+  moebius::kv_state ep_without = make_empty_kv_state(w.kv, parallel_mode::ep);
+  reserve_tokens(w.kv, ep_without, 8, tokens, 0);
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp, ep_without, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("sequence 7 is on 0 ranks of the EP tables (1 expected)"));
+  moebius::kv_state ep_short = make_empty_kv_state(w.kv, parallel_mode::ep);
+  reserve_tokens(w.kv, ep_short, 7, tokens - 1, 0);
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp, ep_short, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("on rank 0 (EP) holds " + std::to_string(tokens - 1)));
+  // The TP tables do not hold it on every rank.
+  moebius::kv_state tp_short = make_empty_kv_state(w.kv, parallel_mode::tp);
+  reserve_tokens(w.kv, tp_short, 7, tokens - 1, -1);
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp_short, ep, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("(TP) holds " + std::to_string(tokens - 1)));
+  // Tables of the wrong modes, a cursor past the last layer.
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(ep, tp, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("not TP and EP"));
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp, ep, moebius::arena_cursor{layers + 1}),
+                             std::span(&fits, 1)),
+                    Catch::Matchers::Contains("a hybrid step at cursor " + std::to_string(layers + 1)));
+  // Every refusal ran nothing: the one step above is all the runtime counted.
+  CHECK(sim.steps() == 1);
 }
