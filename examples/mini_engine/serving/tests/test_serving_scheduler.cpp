@@ -306,6 +306,63 @@ TEST_CASE("scheduler: known admission preempts the newest and recomputes it, wor
   CHECK_THROWS_WITH(scheduler(g, reqs, o), Catch::Matchers::Contains("watermark must be in [0, 1)"));
 }
 
+TEST_CASE("scheduler: known admission leaves a watermark free beside running sequences, by hand") {
+  // One rank of 10 pages of 4 tokens, watermark 0.1: ceil(0.1 x 10) = 1 page.
+  //   A: prompt 16 (4 pages), 8 output tokens, arrives at 0; B: prompt 20 (5 pages), 4 output
+  //   tokens, arrives at 0.5. The clock is 1 a step.
+  //   step 0: A admitted into the empty pool (no watermark beside nothing): 4 pages;
+  //   step 1: A decodes its 17th token (5 pages); B needs 5 pages + the 1-page watermark = 6,
+  //           5 are left: B waits (admission blocked). Without the watermark it would fit;
+  //   steps 2-7: A holds 18..23 tokens (5-6 pages): B still waits; A finishes at 8;
+  //   step 8: B admitted into the empty pool.
+  const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 10, 1, moebius::dtype::fp32);
+  std::vector<request> reqs(2);
+  reqs[0].id = 0;
+  reqs[0].prompt.assign(16, 1);
+  reqs[0].output_tokens = 8;
+  reqs[1].id = 1;
+  reqs[1].arrival_s = 0.5;
+  reqs[1].prompt.assign(20, 2);
+  reqs[1].output_tokens = 4;
+  scheduler_options o;
+  o.max_step_tokens = 32;
+  o.max_running = 4;
+  o.admission = admission_policy::known;
+  o.watermark = 0.1;
+  {
+    // Step by step: the second step refuses B for the watermark's page alone.
+    scheduler s(g, reqs, o);
+    moebius::kv_state kv = make_empty_kv_state(g, parallel_mode::ep);
+    growing_pages pages(g, kv);
+    const step_batch b0 = s.next_step(pages, 0);
+    CHECK(b0.admitted == 1);
+    CHECK(b0.prefill_tokens == 16);
+    s.finish_step(b0, std::vector<int32_t>{5}, pages, 1);
+    const step_batch b1 = s.next_step(pages, 1);
+    CHECK(b1.admitted == 0);
+    CHECK(b1.admission_blocked);
+    CHECK(b1.decode_tokens == 1);
+    CHECK(free_pages(kv, 0) == 5);  // A's 5 pages: B's 5 would fit but for the watermark
+  }
+  auto res = drive(g, parallel_mode::ep, reqs, o);
+  CHECK(res[0].admitted_s == 0);
+  CHECK(res[0].finish_s == 8);
+  CHECK(res[1].admitted_s == 8);
+  CHECK(res[1].preemptions == 0);
+  // No watermark: B is admitted beside A at once (and preempted later, when both grow).
+  o.watermark = 0;
+  res = drive(g, parallel_mode::ep, reqs, o);
+  CHECK(res[1].admitted_s == 1);
+  // A request needing the whole pool is admitted into an empty one whatever the watermark.
+  o.watermark = 0.1;
+  std::vector<request> whole(1);
+  whole[0].prompt.assign(40, 3);
+  whole[0].output_tokens = 1;
+  res = drive(g, parallel_mode::ep, whole, o);
+  CHECK(res[0].admitted_s == 0);
+  CHECK(res[0].finish_s == 2);  // its prompt in two chunks (32 + 8 tokens)
+}
+
 TEST_CASE("scheduler: known admission gives the oracle's tokens, preempting instead of stalling") {
   int64_t preemptions = 0;
   for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
