@@ -54,7 +54,7 @@
 //     (Scheduler.handle_generate_request: max_req_len - len(input) - 1, max_req_len = pool - 1);
 //   - CUDA graphs up to 512 sequences a decode batch (cuda_graph_max_bs on H200 at TP 8): a
 //     larger decode batch runs eagerly (step_record::eager; the clock does not yet price it);
-//   - with DP attention (the EP mode here: each rank attends to its own requests) every rank
+//   - with DP attention (the EP mode over P > 1 ranks: each rank attends to its own requests) every rank
 //     schedules its own requests: schedule_conservativeness x 0.3, the prefill chunk divided by
 //     the DP size (1,024 tokens a rank at 8 ranks) and max_running_requests too
 //     (server_args.py _handle_data_parallelism; scheduler.py max_running_requests // dp_size);

@@ -73,6 +73,12 @@ scheduler::scheduler(const kv_geometry& g, std::vector<request> requests,
                      scheduler_options options)
     : g_(g), options_(options) {
   validate(options_);
+  // SGLang under DP attention splits both among the ranks (engine_preset.hpp): one each at least.
+  MOEBIUS_CHECK(options_.engine != engine_preset::sglang ||
+                    (options_.max_step_tokens >= g_.num_ranks && options_.max_running >= g_.num_ranks),
+                errc::invalid_argument, "scheduler: engine sglang on ", g_.num_ranks,
+                " ranks needs max_step_tokens (", options_.max_step_tokens, ") and max_running (",
+                options_.max_running, ") >= the ranks: in EP each rank has its share of both");
   // Bad requests get a result (none is lost) but never enter the queue.
   std::vector<request_result> failed;
   for (request& r : requests) {

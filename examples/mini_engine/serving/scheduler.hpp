@@ -206,7 +206,7 @@ class scheduler {
   // validated (validate_request): a bad one fails at once (bad_request_policy::fail_request,
   // its result's error says why) or the constructor throws its error (refuse_run). Throws
   // errc::invalid_argument for a repeated id (whatever the policy: results are keyed by id) or
-  // bad options.
+  // bad options (engine sglang: max_step_tokens and max_running below g's ranks).
   scheduler(const moebius::kv_geometry& g, std::vector<request> requests,
             scheduler_options options = {});
 
@@ -341,6 +341,8 @@ class scheduler {
     bool full = false;  // running_batch.batch_is_full: no prefill tried until one finishes
   };
   step_batch next_step_sglang(page_source& pages, double now_s);
+  // The ratio's course in `mode`: with DP attention (EP over more than one rank) or not.
+  new_token_ratio_course sglang_course(moebius::parallel_mode mode) const;
   // Sets groups_ for `mode` (one group in TP, one per rank in EP) when it changes: each at the
   // mode's initial ratio, none full.
   void sglang_groups_for(moebius::parallel_mode mode);

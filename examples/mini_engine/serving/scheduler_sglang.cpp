@@ -27,12 +27,17 @@ using moebius::errc;
 using moebius::kv_state;
 using moebius::parallel_mode;
 
+new_token_ratio_course scheduler::sglang_course(parallel_mode mode) const {
+  // DP attention: the EP mode over more than one rank (SGLang turns it off at dp_size 1).
+  return ratio_course(options_.sglang, mode == parallel_mode::ep && g_.num_ranks > 1);
+}
+
 void scheduler::sglang_groups_for(parallel_mode mode) {
   const size_t n = mode == parallel_mode::tp ? 1 : static_cast<size_t>(g_.num_ranks);
   if (groups_.size() == n && groups_mode_ == mode) return;
   // A switch changes how many schedulers there are and their conservativeness: each starts
   // afresh, as SGLang's scheduler does when it starts.
-  groups_.assign(n, sglang_group{ratio_course(options_.sglang, mode == parallel_mode::ep).init, false});
+  groups_.assign(n, sglang_group{sglang_course(mode).init, false});
   groups_mode_ = mode;
 }
 
@@ -78,7 +83,7 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
   sglang_groups_for(kv.mode);
   // An idle server returns to the initial ratio (Scheduler.self_check_during_idle).
   if (running_.empty())
-    for (sglang_group& gr : groups_) gr.ratio = ratio_course(options_.sglang, !tp).init;
+    for (sglang_group& gr : groups_) gr.ratio = sglang_course(kv.mode).init;
   const size_t num_groups = groups_.size();
   const int64_t ranks = tp ? 1 : g_.num_ranks;
   const int64_t chunk = std::max<int64_t>(1, options_.max_step_tokens / ranks);
@@ -224,7 +229,7 @@ void scheduler::sglang_decode(step_batch& b, page_source& pages, int group,
   }
   if (decoding.empty()) return;
   sglang_group& gr = groups_[static_cast<size_t>(group)];
-  const new_token_ratio_course course = ratio_course(options_.sglang, kv.mode == parallel_mode::ep);
+  const new_token_ratio_course course = sglang_course(kv.mode);
   auto free_pages_of_group = [&] {
     if (kv.mode == parallel_mode::ep) return free_pages(kv, group);
     int64_t least = std::numeric_limits<int64_t>::max();
