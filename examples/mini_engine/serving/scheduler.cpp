@@ -491,7 +491,10 @@ std::vector<int64_t> scheduler::record_step(const step_batch& b,
     res.generated.push_back(next_tokens[i]);
     if (static_cast<int64_t>(res.generated.size()) == res.output_tokens) {
       // SGLang: a running batch that shrinks may admit again (batch_is_full is cleared).
-      if (!groups_.empty()) groups_[groups_.size() == 1 ? 0 : static_cast<size_t>(std::max(s.owner, 0))].full = false;
+      if (!groups_.empty()) {
+        sglang_group& gr = groups_[groups_.size() == 1 ? 0 : static_cast<size_t>(std::max(s.owner, 0))];
+        gr.full = gr.full_for_kv = false;
+      }
       res.finish_s = now_s;
       ++num_finished_;
       finished_output_tokens_ += res.output_tokens;

@@ -340,6 +340,7 @@ class scheduler {
   struct sglang_group {
     double ratio = 0;   // new_token_ratio
     bool full = false;  // running_batch.batch_is_full: no prefill tried until one finishes
+    bool full_for_kv = false;  // full because the pool refused a request (not the batch cap)
   };
   step_batch next_step_sglang(page_source& pages, double now_s);
   // The ratio's course in `mode`: with DP attention (EP over more than one rank) or not.

@@ -163,8 +163,7 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
     if (count[bi] > 0 && static_cast<double>(need) >= best_room) {
       // No group has more room: every group that could prefill is full until one shrinks.
       for (size_t gi = 0; gi < num_groups; ++gi)
-        if (chunk_left[gi] > 0) groups_[gi].full = true;
-      b.admission_blocked = true;
+        if (chunk_left[gi] > 0) groups_[gi].full = groups_[gi].full_for_kv = true;
       break;
     }
     s.owner = tp ? -1 : best;
@@ -197,6 +196,10 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
     if (!prefilling[gi]) sglang_decode(b, pages, static_cast<int>(gi), group_of, in_batch, gone, now_s);
   if (b.preempted > 0) drop_running(b, gone);
 
+  // Requests wait with the pool full: a refusal now, or a group still full from one.
+  if (next_waiting(now_s).has_value()) {
+    for (const sglang_group& gr : groups_) b.admission_blocked = b.admission_blocked || gr.full_for_kv;
+  }
   b.num_sequences = static_cast<int64_t>(b.items.size());
   MOEBIUS_CHECK(!b.empty() || running_.empty() || !pages.admits(), errc::capacity, "scheduler: ",
                 running_.size(), " running sequences and none can grow: the KV pool is exhausted");
@@ -281,7 +284,7 @@ void scheduler::sglang_decode(step_batch& b, page_source& pages, int group,
                                                                              decoding.size())) /
                                                static_cast<double>(max_new))
                            : 1.0;
-    gr.full = false;  // the batch shrank
+    gr.full = gr.full_for_kv = false;  // the batch shrank
     std::sort(decoding.begin(), decoding.end());  // the batch in running order
   } else {
     gr.ratio = std::max(gr.ratio - course.decay, course.floor);

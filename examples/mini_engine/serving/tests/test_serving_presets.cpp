@@ -163,7 +163,8 @@ TEST_CASE("sglang: admission charges a new request in full and a running one x n
   //           needs 8 + 18 = 26 < 29.5: admitted, charged 18 beyond its 8 written (charging A
   //           its full 15 would leave 25 and refuse it). C needs 24 >= 3.5: refused, the batch
   //           is full. A prefill step: A does not decode;
-  //   steps 2-4: decodes (no prefill tried: full); the ratio 0.7 - k x 0.602 / 600; A and B
+  //   steps 2-4: decodes (no prefill tried: full, C waits with admission blocked); the ratio
+  //           0.7 - k x 0.602 / 600; A and B
   //           finish in step 4 (at 5);
   //   step 5: idle again: ratio 0.7; C admitted; step 6: C finishes.
   const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 12, 1, moebius::dtype::fp32);
@@ -189,6 +190,7 @@ TEST_CASE("sglang: admission charges a new request in full and a running one x n
     CAPTURE(k);
     CHECK(log[static_cast<size_t>(k)].decode_tokens == 2);
     CHECK(log[static_cast<size_t>(k)].admitted == 0);
+    CHECK(log[static_cast<size_t>(k)].admission_blocked);  // C waits: the batch is still full
     CHECK(log[static_cast<size_t>(k)].new_token_ratio == Approx(0.7 - (k - 1) * d));
   }
   CHECK(log[5].new_token_ratio == Approx(0.7));
