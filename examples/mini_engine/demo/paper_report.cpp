@@ -337,16 +337,22 @@ void print_rollout_verdict(const std::vector<run_outcome>& runs,
 }
 
 // What admission did over a run, from its steps: the longest queue and, at that step, the KV
-// tokens written and counted as taken (reserved), the new_token_ratio's range and last value
-// (SGLang), the means over the run, and the decode steps above the CUDA-graph limit.
+// tokens written and counted as taken (reserved); the most reserved (and written then) and the
+// most written; the new_token_ratio's range and last value (SGLang); the means over the run;
+// the decode steps above the CUDA-graph limit.
 nlohmann::json admission_json(const run_result& r) {
   nlohmann::json j;
   const step_record* peak = nullptr;
+  const step_record* most_reserved = nullptr;
+  int64_t most_written = 0;
   double ratio_min = std::numeric_limits<double>::infinity(), ratio_max = 0;
   double waiting_sum = 0, written_sum = 0, reserved_sum = 0;
   int64_t eager = 0;
   for (const step_record& s : r.steps) {
     if (peak == nullptr || s.waiting > peak->waiting) peak = &s;
+    if (most_reserved == nullptr || s.kv_reserved_tokens > most_reserved->kv_reserved_tokens)
+      most_reserved = &s;
+    most_written = std::max(most_written, s.kv_written_tokens);
     ratio_min = std::min(ratio_min, s.new_token_ratio);
     ratio_max = std::max(ratio_max, s.new_token_ratio);
     waiting_sum += static_cast<double>(s.waiting);
@@ -361,6 +367,11 @@ nlohmann::json admission_json(const run_result& r) {
   j["peak_waiting_kv_written_tokens"] = peak != nullptr ? peak->kv_written_tokens : 0;
   j["peak_waiting_kv_reserved_tokens"] = peak != nullptr ? peak->kv_reserved_tokens : 0;
   j["peak_waiting_running"] = peak != nullptr ? peak->running : 0;
+  j["peak_kv_reserved_tokens"] = most_reserved != nullptr ? most_reserved->kv_reserved_tokens : 0;
+  j["peak_kv_reserved_written_tokens"] =
+      most_reserved != nullptr ? most_reserved->kv_written_tokens : 0;
+  j["peak_kv_reserved_at_s"] = most_reserved != nullptr ? most_reserved->start_s : 0;
+  j["peak_kv_written_tokens"] = most_written;
   j["mean_waiting"] = waiting_sum / n;
   j["mean_kv_written_tokens"] = written_sum / n;
   j["mean_kv_reserved_tokens"] = reserved_sum / n;

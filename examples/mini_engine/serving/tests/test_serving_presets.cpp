@@ -204,6 +204,34 @@ TEST_CASE("sglang: admission charges a new request in full and a running one x n
   for (const request_result& r : res) CHECK(r.preemptions == 0);
 }
 
+TEST_CASE("sglang: a refused request waits for a running one to finish, however far the ratio "
+          "decays meanwhile") {
+  // TP, one rank of 6,000 pages of 1 token. A: prompt 10, 400 tokens, max_new 4096, at 0; B:
+  // prompt 10, 2 tokens, max_new 4096, at 0.5.
+  //   step 1: A (1 generated) is charged 0.7 x 4095 = 2866.5 against 5,990 free: B needs
+  //           10 + 4096 = 4106 > 3123.5: refused, the batch full;
+  //   step 300: A has 300 generated and 309 tokens written; the ratio 0.7 - 299 x 0.602 / 600
+  //           = 0.4: room 5691 - 0.4 x 3796 = 4172.6 >= 4106, yet no prefill is tried
+  //           (batch_is_full) until A finishes (its 400th token in step 399);
+  //   step 400: B admitted into the idle pool; step 401: B's 2nd token.
+  const auto g = moebius::make_kv_geometry(1, 1, 8, 1, 6000, 1, moebius::dtype::fp32);
+  const std::vector<request> reqs = {make_request(0, 10, 400, 4096, 0),
+                                     make_request(1, 10, 2, 4096, 0.5)};
+  std::vector<step_batch> log;
+  const std::vector<request_result> res =
+      drive(g, parallel_mode::tp, reqs, sglang_options(64, 8), nullptr, &log);
+  check_tokens(res);
+  REQUIRE(log.size() == 402);
+  CHECK(log[1].admission_blocked);
+  CHECK(log[1].admitted == 0);
+  CHECK(log[300].new_token_ratio == Approx(0.7 - 300 * 0.602 / 600));  // after step 300's decode
+  CHECK(log[300].admitted == 0);
+  CHECK(log[300].admission_blocked);
+  CHECK(res[0].finish_s == 400);
+  CHECK(res[1].admitted_s == 400);
+  CHECK(res[1].finish_s == 402);
+}
+
 TEST_CASE("sglang: a decode short of pages retracts the request with the fewest tokens generated, "
           "raises the ratio, and recomputes it later") {
   // TP, one rank of 100 pages of 1 token; initial ratio 0.1 (SGLANG_INIT_NEW_TOKEN_RATIO):
