@@ -412,10 +412,11 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
                                    "there")
                                       .c_str());
   if (h.o.explain) write_decisions(p.dir, runs);
-  for (size_t i = 0; i < runs.size(); ++i)
+  for (size_t i = 0; i < runs.size(); ++i) {
     h.results.push_back(run_json(p.name, runs[i], m[i], h.clock.clock->name(), p.cal));
     h.results.back()["engine"] = h.o.oracle_admission ? "oracle" : to_string(h.o.engine);
     h.results.back()["default_max_new_tokens"] = h.o.max_new_tokens;
+  }
   return out;
 }
 
