@@ -132,6 +132,8 @@ engine_options base_options(harness& h) {
   base.scheduler.max_step_tokens = h.settings.step_tokens;
   base.scheduler.admission =
       h.o.oracle_admission ? admission_policy::oracle : admission_policy::known;
+  base.scheduler.engine = h.o.engine;
+  base.scheduler.default_max_new_tokens = h.o.max_new_tokens;
   h.progress.install(base);
   base.progress_every_steps = h.settings.progress_every_steps;
   return base;
@@ -410,8 +412,11 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
                                    "there")
                                       .c_str());
   if (h.o.explain) write_decisions(p.dir, runs);
-  for (size_t i = 0; i < runs.size(); ++i)
+  for (size_t i = 0; i < runs.size(); ++i) {
     h.results.push_back(run_json(p.name, runs[i], m[i], h.clock.clock->name(), p.cal));
+    h.results.back()["engine"] = h.o.oracle_admission ? "oracle" : to_string(h.o.engine);
+    h.results.back()["default_max_new_tokens"] = h.o.max_new_tokens;
+  }
   return out;
 }
 

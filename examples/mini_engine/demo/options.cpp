@@ -320,6 +320,26 @@ void declare_sim(CLI::App& app, options& o) {
        [&o](const std::string& v) {
          o.oracle_admission = parse_choice("--admission", v, {"known", "oracle"}, {false, true});
        });
+  text("--engine", "vllm|sglang",
+       "whose scheduling rules admission on what is known follows (serving/engine_preset.hpp, "
+       "each rule with its source): vllm (the default: a prompt admitted beside the running "
+       "sequences' tokens and a 1% watermark, pages on demand, the newest preempted, decode and "
+       "prefill mixed in one step) or sglang (a request admitted while prompt + "
+       "min(max_new_tokens, 4096) fits beside the running ones' remaining estimates x "
+       "new_token_ratio, retraction of the fewest generated when a decode finds no page, a step "
+       "either a prefill or a decode; in EP (DP attention) per rank, a chunk of --step-tokens / "
+       "ranks)",
+       [&o](const std::string& v) {
+         o.engine = parse_choice("--engine", v, {"vllm", "sglang"},
+                                 {engine_preset::vllm, engine_preset::sglang});
+       });
+  text("--max-new-tokens", "N",
+       "the max_new_tokens of a request whose trace gives none, 1..1048576 (default 4096, "
+       "SGLang's estimate clip; raised to a request's output where that is longer): what "
+       "--engine sglang admits by (paper-rollout's requests carry its cap, 32768)",
+       [&o](const std::string& v) {
+         o.max_new_tokens = parse_int("--max-new-tokens", v, 1, int64_t{1} << 20);
+       });
   text("--results", "FILE", "write every metric of every run as JSON to FILE (--runtime sim)",
        [&o](const std::string& v) {
          if (v.empty()) fail("--results", "needs a file name");
@@ -384,6 +404,9 @@ void check_together(options& o, bool max_batch_set) {
                             "the link model's latency: give one");
     o.collectives = collective_pricing::link;
   }
+  if (o.engine == engine_preset::sglang && o.oracle_admission)
+    fail("--engine", "sglang admits on estimates of what is known; --admission oracle reserves "
+                     "each request's true output: give one");
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)
     fail("--results", "is written by the simulated runtime's experiments (--runtime sim)");
   if (!o.write_trace.empty() && o.traces.size() != 1) {

@@ -10,7 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "engine_preset.hpp"
 #include "step_collectives.hpp"
+#include "trace.hpp"
 
 namespace mini_engine::demo {
 
@@ -70,6 +72,12 @@ struct options {
   // How admission reserves KV pages (serving/scheduler.hpp): what is known, with preemption by
   // recompute as vLLM and SGLang do (the default), or each request's true output (an oracle).
   bool oracle_admission = false;
+  // Whose scheduling rules admission on what is known follows (serving/engine_preset.hpp):
+  // vLLM's (the default) or SGLang's.
+  engine_preset engine = engine_preset::vllm;
+  // The max_new_tokens of a request whose trace gives none (raised to its output where that is
+  // longer): what SGLang's admission charges (trace.hpp, k_default_max_new_tokens).
+  int64_t max_new_tokens = k_default_max_new_tokens;
   // --runtime sim, rollout traces: search one switch point per rollout step over a grid of
   // thresholds (the offline ceiling, paper_report.hpp).
   bool search = false;

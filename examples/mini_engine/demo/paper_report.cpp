@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -151,7 +152,8 @@ void print_sim_preamble(const options& o, const std::string& clock_name,
                         const std::string& curves, const std::vector<run_kind>& runs,
                         int64_t max_running, int64_t step_tokens) {
   std::printf("moebius demo: the paper's two experiments at the paper's scale, on the simulated "
-              "runtime\n");
+              "runtime, scheduled by %s's rules (--engine)\n",
+              o.engine == engine_preset::sglang ? "SGLang" : "vLLM");
   if (!o.verbose) {
     std::printf("  Qwen3-235B-A22B on 8 H200s, every step priced by curves measured on one H200 "
                 "(priced, not measured: tokens not computed); --verbose for the deployment, "
@@ -183,9 +185,18 @@ void print_sim_preamble(const options& o, const std::string& clock_name,
               o.oracle_admission
                   ? "oracle (each request's true output length reserved: never preempts; no "
                     "engine knows it)"
-                  : "on what is known, as vLLM and SGLang (prompt and generated tokens, a 1% "
+              : o.engine == engine_preset::sglang
+                  ? "on what is known, by SGLang's rules (a request admitted while prompt + "
+                    "min(max_new_tokens, 4096) fits beside the running ones' remaining "
+                    "estimates x new_token_ratio; a decode short of pages retracts the fewest "
+                    "generated to the back of the queue; a step is a prefill or a decode, per "
+                    "rank under DP attention; serving/engine_preset.hpp)"
+                  : "on what is known, by vLLM's rules (prompt and generated tokens, a 1% "
                     "watermark; a sequence that finds no page preempts the newest, which is "
-                    "recomputed when re-admitted)");
+                    "recomputed when re-admitted; serving/engine_preset.hpp)");
+  std::printf("  max_new_tokens of a request that gives none: %lld (raised to its output where "
+              "that is longer)\n",
+              static_cast<long long>(o.max_new_tokens));
 }
 
 std::vector<paper_metrics> paper_metrics_of_runs(const std::vector<request>& trace,
@@ -325,6 +336,52 @@ void print_rollout_verdict(const std::vector<run_outcome>& runs,
               best_s / bound_s);
 }
 
+// What admission did over a run, from its steps: the longest queue and, at that step, the KV
+// tokens written and counted as taken (reserved); the most reserved (and written then) and the
+// most written; the new_token_ratio's range and last value (SGLang); the means over the run;
+// the decode steps above the CUDA-graph limit.
+nlohmann::json admission_json(const run_result& r) {
+  nlohmann::json j;
+  const step_record* peak = nullptr;
+  const step_record* most_reserved = nullptr;
+  int64_t most_written = 0;
+  double ratio_min = std::numeric_limits<double>::infinity(), ratio_max = 0;
+  double waiting_sum = 0, written_sum = 0, reserved_sum = 0;
+  int64_t eager = 0;
+  for (const step_record& s : r.steps) {
+    if (peak == nullptr || s.waiting > peak->waiting) peak = &s;
+    if (most_reserved == nullptr || s.kv_reserved_tokens > most_reserved->kv_reserved_tokens)
+      most_reserved = &s;
+    most_written = std::max(most_written, s.kv_written_tokens);
+    ratio_min = std::min(ratio_min, s.new_token_ratio);
+    ratio_max = std::max(ratio_max, s.new_token_ratio);
+    waiting_sum += static_cast<double>(s.waiting);
+    written_sum += static_cast<double>(s.kv_written_tokens);
+    reserved_sum += static_cast<double>(s.kv_reserved_tokens);
+    eager += s.eager;
+  }
+  const double n = std::max<double>(1, static_cast<double>(r.steps.size()));
+  j["retractions_or_preemptions"] = r.preemptions;
+  j["peak_waiting"] = peak != nullptr ? peak->waiting : 0;
+  j["peak_waiting_at_s"] = peak != nullptr ? peak->start_s : 0;
+  j["peak_waiting_kv_written_tokens"] = peak != nullptr ? peak->kv_written_tokens : 0;
+  j["peak_waiting_kv_reserved_tokens"] = peak != nullptr ? peak->kv_reserved_tokens : 0;
+  j["peak_waiting_running"] = peak != nullptr ? peak->running : 0;
+  j["peak_kv_reserved_tokens"] = most_reserved != nullptr ? most_reserved->kv_reserved_tokens : 0;
+  j["peak_kv_reserved_written_tokens"] =
+      most_reserved != nullptr ? most_reserved->kv_written_tokens : 0;
+  j["peak_kv_reserved_at_s"] = most_reserved != nullptr ? most_reserved->start_s : 0;
+  j["peak_kv_written_tokens"] = most_written;
+  j["mean_waiting"] = waiting_sum / n;
+  j["mean_kv_written_tokens"] = written_sum / n;
+  j["mean_kv_reserved_tokens"] = reserved_sum / n;
+  j["new_token_ratio_min"] = r.steps.empty() ? 0 : ratio_min;
+  j["new_token_ratio_max"] = ratio_max;
+  j["new_token_ratio_last"] = r.steps.empty() ? 0 : r.steps.back().new_token_ratio;
+  j["eager_steps"] = eager;
+  return j;
+}
+
 nlohmann::json run_json(const std::string& trace, const run_outcome& r, const paper_metrics& m,
                         const std::string& clock, const moebius::calibration_result& cal) {
   nlohmann::json j = paper_metrics_json(m);
@@ -336,6 +393,7 @@ nlohmann::json run_json(const std::string& trace, const run_outcome& r, const pa
   j["host_s"] = r.wall_s;
   j["steps"] = r.result.steps.size();
   j["preemptions"] = r.result.preemptions;
+  j["admission"] = admission_json(r.result);
   j["failed_requests"] = r.result.failed_requests;
   std::ostringstream c;
   c << cal;

@@ -252,6 +252,10 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   st.admission_blocked = b.admission_blocked;
   rec.preempted = b.preempted;
   rec.kv_used_pages = used_pages_all(kv_, *done.tables);
+  rec.kv_written_tokens = b.kv_written_tokens;
+  rec.kv_reserved_tokens = b.kv_reserved_tokens;
+  rec.new_token_ratio = b.new_token_ratio;
+  rec.eager = b.eager;
   rec.step_ms = done.clock_s * 1e3;
   rec.measured_ms = done.measured_s * 1e3;
   st.out.stalls += b.stalled;

@@ -5,19 +5,13 @@
 
 #include <moebius/error.hpp>
 
+#include "percentile.hpp"
+
 namespace mini_engine {
 
 using moebius::errc;
 
 namespace {
-
-// Nearest-rank p99 (the ceil(0.99 n)-th smallest), 0 for none.
-double p99(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(v.size())));
-  return v[std::max<size_t>(rank, 1) - 1];
-}
 
 double mean(const std::vector<double>& v) {
   if (v.empty()) return 0;

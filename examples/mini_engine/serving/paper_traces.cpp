@@ -208,6 +208,7 @@ std::vector<request> paper_rollout_trace(uint64_t seed, const paper_rollout_opti
       const double len = std::round(output(rng));
       r.output_tokens =
           static_cast<int64_t>(std::clamp(len, 1.0, static_cast<double>(o.output_cap)));
+      r.max_new_tokens = o.output_cap;  // the recipe's response cap is what its client asks for
       r.prompt = draw_prompt(seed, r.id, prompt, o.vocab);
       out.push_back(std::move(r));
     }

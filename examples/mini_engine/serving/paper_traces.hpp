@@ -30,6 +30,8 @@
 //     to tens of percent.
 //   - Prompt lengths: uniform in [prompt_min, prompt_max] (64-512; no source: a math problem
 //     is a few hundred tokens, under 3% of a mean response, so its shape hardly matters).
+//   - max_new_tokens: the cap, on every request (a rollout's client asks for the recipe's
+//     response cap; an engine that reserves KV ahead charges admission by it).
 //
 // Steady serving (not in the paper; DESIGN.md §7's adversarial case: near the crossover no
 // switch can pay, so a policy must not lose there): Poisson arrivals at `rate` for

@@ -189,8 +189,7 @@ moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mo
       live > 0 ? std::max(1.0, static_cast<double>(w.running_tokens + w.waiting_tokens) /
                                    static_cast<double>(live))
                : 1.0;
-  const double watermark =
-      options_.scheduler.admission == admission_policy::known ? options_.scheduler.watermark : 0;
+  const double watermark = options_.scheduler.admission_watermark();
   auto admits = [&](parallel_mode m) {
     const parallel_mode attention = options_.layouts.of(m).attention;
     return static_cast<int64_t>(

@@ -5,6 +5,8 @@
 #include <ostream>
 #include <string>
 
+#include "percentile.hpp"
+
 namespace mini_engine {
 
 namespace {
@@ -50,17 +52,10 @@ run_summary summarize(const run_result& r) {
     double sum = 0;
     for (double x : ttft) sum += x;
     s.mean_ttft_ms = sum / static_cast<double>(ttft.size());
-    std::sort(ttft.begin(), ttft.end());
-    // Nearest rank: the smallest value with at least 99% of the samples at or below it.
-    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(ttft.size())));
-    s.p99_ttft_ms = ttft[std::max<size_t>(rank, 1) - 1];
+    s.p99_ttft_ms = p99(std::move(ttft));
   }
   s.mean_tpot_ms = tpot_n > 0 ? tpot_sum / static_cast<double>(tpot_n) : 0;
-  if (!tpot.empty()) {
-    std::sort(tpot.begin(), tpot.end());
-    const size_t rank = static_cast<size_t>(std::ceil(0.99 * static_cast<double>(tpot.size())));
-    s.p99_tpot_ms = tpot[std::max<size_t>(rank, 1) - 1];
-  }
+  s.p99_tpot_ms = p99(std::move(tpot));
   // Throughput over the time requests were present: first arrival to last finish.
   double first_arrival = r.end_s;
   for (const request_result& q : r.requests)

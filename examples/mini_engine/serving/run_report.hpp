@@ -30,6 +30,13 @@ struct step_record {
   int64_t sequences = 0, decode_tokens = 0, prefill_tokens = 0, context_tokens = 0;
   int64_t running = 0, waiting = 0, stalled = 0, preempted = 0;
   int64_t kv_used_pages = 0;  // sum over ranks, in `mode`'s pages
+  // Admission's view after the step (step_batch): tokens written and tokens counted as taken
+  // (TP: one rank's; EP: every rank's), and SGLang's new_token_ratio (0 under other presets).
+  int64_t kv_written_tokens = 0, kv_reserved_tokens = 0;
+  double new_token_ratio = 0;
+  // A decode batch above the engine's CUDA-graph limit (sglang_rules::cuda_graph_max_bs): run
+  // eagerly. Carried for the clock, which prices it as any other step for now.
+  bool eager = false;
   double step_ms = 0;         // on the serving clock
   double measured_ms = 0;     // host (or GPU) time of runtime.step()
   bool switched = false;      // a switch ran before this step
@@ -96,7 +103,7 @@ struct run_result {
   std::vector<request_result> requests;  // sorted by id
   double end_s = 0;
   int64_t stalls = 0;
-  int64_t preemptions = 0;      // admission_policy::known: running sequences preempted
+  int64_t preemptions = 0;      // admission_policy::known: running sequences preempted (sglang: retracted)
   int64_t failed_requests = 0;  // requests with request_result::error set
   // Policy runs: the policy as configured, the gate's curves (if any), the decisions the gate
   // refused, and the last refusal's reasoning.

@@ -23,6 +23,15 @@ void validate(const scheduler_options& o) {
                 "checked; got ", o.vocab, ")");
   MOEBIUS_CHECK(o.watermark >= 0 && o.watermark < 1, errc::invalid_argument,
                 "scheduler: watermark must be in [0, 1) (got ", o.watermark, ")");
+  MOEBIUS_CHECK(o.default_max_new_tokens >= 1, errc::invalid_argument,
+                "scheduler: default_max_new_tokens must be >= 1 (got ", o.default_max_new_tokens,
+                ")");
+  if (o.engine == engine_preset::sglang) {
+    validate(o.sglang);
+    MOEBIUS_CHECK(o.admission == admission_policy::known, errc::invalid_argument,
+                  "scheduler: engine sglang needs admission known (SGLang admits on estimates, "
+                  "not on each request's true output)");
+  }
 }
 
 void validate_request(const kv_geometry& g, const request& r, int64_t vocab) {
@@ -33,6 +42,10 @@ void validate_request(const kv_geometry& g, const request& r, int64_t vocab) {
                 ": needs output_tokens >= 1 (got ", r.output_tokens, ")");
   MOEBIUS_CHECK(std::isfinite(r.arrival_s), errc::invalid_argument, "request ", r.id,
                 ": needs a finite arrival time (got ", r.arrival_s, ")");
+  MOEBIUS_CHECK(r.max_new_tokens == 0 || r.max_new_tokens >= r.output_tokens,
+                errc::invalid_argument, "request ", r.id, ": max_new_tokens ", r.max_new_tokens,
+                " is below its output_tokens ", r.output_tokens,
+                " (0: none given; a response never outgrows its client's limit)");
   // prompt + output tokens are held in one vector and counted in 64 bits.
   MOEBIUS_CHECK(r.output_tokens <= std::numeric_limits<int64_t>::max() - prompt,
                 errc::overflow, "request ", r.id, ": prompt ", prompt, " + output_tokens ",
@@ -60,6 +73,12 @@ scheduler::scheduler(const kv_geometry& g, std::vector<request> requests,
                      scheduler_options options)
     : g_(g), options_(options) {
   validate(options_);
+  // SGLang under DP attention splits both among the ranks (engine_preset.hpp): one each at least.
+  MOEBIUS_CHECK(options_.engine != engine_preset::sglang ||
+                    (options_.max_step_tokens >= g_.num_ranks && options_.max_running >= g_.num_ranks),
+                errc::invalid_argument, "scheduler: engine sglang on ", g_.num_ranks,
+                " ranks needs max_step_tokens (", options_.max_step_tokens, ") and max_running (",
+                options_.max_running, ") >= the ranks: in EP each rank has its share of both");
   // Bad requests get a result (none is lost) but never enter the queue.
   std::vector<request_result> failed;
   for (request& r : requests) {
@@ -254,6 +273,7 @@ std::vector<std::pair<int64_t, int64_t>> scheduler::written_tokens() const {
 }
 
 step_batch scheduler::next_step(page_source& pages, double now_s) {
+  if (options_.engine == engine_preset::sglang) return next_step_sglang(pages, now_s);
   step_batch b;
   int64_t budget = options_.max_step_tokens;
   const kv_state& kv = pages.tables();
@@ -284,18 +304,9 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
       return false;
     }
     n = granted;
-    step_item it;
-    it.seq_id = res.id;
-    it.tokens = std::span<const int32_t>(s.tokens.data() + s.in_kv, static_cast<size_t>(n));
-    it.start_position = s.in_kv;
-    it.sample = s.in_kv + n >= s.prompt;
-    b.items.push_back(it);
-    b.running_idx.push_back(slot);
+    push_item(b, slot, n);
     in_batch[static_cast<size_t>(slot)] = true;
     budget -= n;
-    b.context_tokens += s.in_kv + n;
-    if (s.decoding()) ++b.decode_tokens;
-    else b.prefill_tokens += n;
     return true;
   };
 
@@ -310,21 +321,10 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
       add(static_cast<int64_t>(i), std::min(budget, s.prompt - s.in_kv), s.resume_owner, false);
   }
   // The preempted leave the running set (items keep their slots: remapped).
-  if (b.preempted > 0) {
-    std::vector<int64_t> slot_of(running_.size(), -1);
-    size_t out = 0;
-    for (size_t i = 0; i < running_.size(); ++i) {
-      if (preempted[i]) continue;
-      slot_of[i] = static_cast<int64_t>(out);
-      if (out != i) running_[out] = std::move(running_[i]);  // the token buffers do not move
-      ++out;
-    }
-    running_.resize(out);
-    for (int64_t& slot : b.running_idx) slot = slot_of[static_cast<size_t>(slot)];
-  }
+  if (b.preempted > 0) drop_running(b, preempted);
   // 3. Admission, first come first served: preempted sequences first (none in a step that
   // preempted, as vLLM), then new requests.
-  const double watermark = options_.admission == admission_policy::known ? options_.watermark : 0;
+  const double watermark = options_.admission_watermark();
   const int64_t watermark_pages =
       static_cast<int64_t>(std::ceil(watermark * static_cast<double>(g_.num_pages(kv.mode))));
   while (pages.admits() && b.preempted == 0 && budget > 0 &&
@@ -332,24 +332,7 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
     const bool resumed = !preempted_.empty();
     if (!resumed && (next_waiting_ >= requests_.size() || requests_[next_waiting_].arrival_s > now_s))
       break;
-    running_seq s;
-    if (resumed) {
-      s = preempted_.front();
-    } else {
-      const request& r = requests_[next_waiting_];
-      s.prompt = static_cast<int64_t>(r.prompt.size());
-      s.final_tokens = s.prompt + r.output_tokens - 1;
-      s.result_idx = std::lower_bound(results_.begin(), results_.end(), r.id,
-                                      [](const request_result& x, int64_t id) { return x.id < id; }) -
-                     results_.begin();
-      if (!steps_.empty()) {
-        s.step = std::upper_bound(steps_.begin(), steps_.end(), next_waiting_,
-                                  [](size_t i, const rollout_step_state& st) { return i < st.end; }) -
-                 steps_.begin();
-      }
-      s.tokens.reserve(static_cast<size_t>(s.prompt + r.output_tokens));
-      s.tokens = r.prompt;
-    }
+    running_seq s = resumed ? preempted_.front() : admit_new();
     // Pages for its reservation, and the watermark beside sequences that run.
     const int64_t need = pages_needed(g_, kv.mode, reserved_tokens(s)) +
                          (running_.empty() ? 0 : watermark_pages);
@@ -393,7 +376,82 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
   MOEBIUS_CHECK(!b.empty() || running_.empty() || !pages.admits(), errc::capacity, "scheduler: ", running_.size(),
                 " running sequences and none can grow: the KV pool is exhausted (a switch moved "
                 "more reservations onto a rank than it holds)");
+  account(b);
   return b;
+}
+
+void scheduler::push_item(step_batch& b, int64_t slot, int64_t n) {
+  const running_seq& s = running_[static_cast<size_t>(slot)];
+  step_item it;
+  it.seq_id = results_[static_cast<size_t>(s.result_idx)].id;
+  it.tokens = std::span<const int32_t>(s.tokens.data() + s.in_kv, static_cast<size_t>(n));
+  it.start_position = s.in_kv;
+  it.sample = s.in_kv + n >= s.prompt;
+  b.items.push_back(it);
+  b.running_idx.push_back(slot);
+  b.context_tokens += s.in_kv + n;
+  if (s.decoding()) ++b.decode_tokens;
+  else b.prefill_tokens += n;
+}
+
+void scheduler::drop_running(step_batch& b, const std::vector<bool>& gone) {
+  std::vector<int64_t> slot_of(running_.size(), -1);
+  size_t out = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    if (gone[i]) continue;
+    slot_of[i] = static_cast<int64_t>(out);
+    if (out != i) running_[out] = std::move(running_[i]);  // the token buffers do not move
+    ++out;
+  }
+  running_.resize(out);
+  for (int64_t& slot : b.running_idx) slot = slot_of[static_cast<size_t>(slot)];
+}
+
+scheduler::running_seq scheduler::admit_new() const {
+  const request& r = requests_[next_waiting_];
+  running_seq s;
+  s.prompt = static_cast<int64_t>(r.prompt.size());
+  s.final_tokens = s.prompt + r.output_tokens - 1;
+  s.result_idx = std::lower_bound(results_.begin(), results_.end(), r.id,
+                                  [](const request_result& x, int64_t id) { return x.id < id; }) -
+                 results_.begin();
+  if (!steps_.empty()) {
+    s.step = std::upper_bound(steps_.begin(), steps_.end(), next_waiting_,
+                              [](size_t i, const rollout_step_state& st) { return i < st.end; }) -
+             steps_.begin();
+  }
+  s.tokens.reserve(static_cast<size_t>(s.prompt + r.output_tokens));
+  s.tokens = r.prompt;
+  s.max_new = max_new_tokens_of(r, options_.default_max_new_tokens);
+  if (options_.engine == engine_preset::sglang) {
+    // SGLang clamps max_new_tokens to what its pool holds (handle_generate_request: max_req_len
+    // - len(input) - 1, max_req_len = pool tokens - 1): here the smaller pool of the two modes.
+    const int64_t pool = std::min(g_.num_pages(parallel_mode::ep) * g_.page_size,
+                                  g_.num_pages(parallel_mode::tp) * g_.page_size * g_.dcp);
+    s.max_new = std::clamp<int64_t>(pool - 2 - s.prompt, 0, s.max_new);
+  }
+  return s;
+}
+
+std::optional<bool> scheduler::next_waiting(double now_s) const {
+  const bool fresh = next_waiting_ < requests_.size() && requests_[next_waiting_].arrival_s <= now_s;
+  if (preempted_.empty()) return fresh ? std::optional<bool>(false) : std::nullopt;
+  // A new request that arrived by the time the head was queued is ahead of it (vllm queues
+  // preempted ones at -inf: always first).
+  if (fresh && requests_[next_waiting_].arrival_s <= preempted_.front().requeue_s) return false;
+  return true;
+}
+
+void scheduler::account(step_batch& b) const {
+  std::vector<int64_t> step_tokens(running_.size(), 0);
+  for (size_t i = 0; i < b.items.size(); ++i)
+    step_tokens[static_cast<size_t>(b.running_idx[i])] += static_cast<int64_t>(b.items[i].tokens.size());
+  b.kv_written_tokens = 0;
+  b.kv_reserved_tokens = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    b.kv_written_tokens += running_[i].in_kv + step_tokens[i];
+    b.kv_reserved_tokens += reserved_tokens(running_[i]);
+  }
 }
 
 void scheduler::reserve_for_switch(kv_state& kv, int64_t steps) {
@@ -432,6 +490,11 @@ std::vector<int64_t> scheduler::record_step(const step_batch& b,
     if (res.generated.empty()) res.first_token_s = now_s;
     res.generated.push_back(next_tokens[i]);
     if (static_cast<int64_t>(res.generated.size()) == res.output_tokens) {
+      // SGLang: a running batch that shrinks may admit again (batch_is_full is cleared).
+      if (!groups_.empty()) {
+        sglang_group& gr = groups_[groups_.size() == 1 ? 0 : static_cast<size_t>(std::max(s.owner, 0))];
+        gr.full = gr.full_for_kv = false;
+      }
       res.finish_s = now_s;
       ++num_finished_;
       finished_output_tokens_ += res.output_tokens;

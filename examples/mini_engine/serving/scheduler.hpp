@@ -3,7 +3,8 @@
 // Continuous batching for the mini-engine: a waiting queue in arrival order, admission bounded
 // by the KV pool, chunked prefill under a token budget per step, decode, retirement.
 //
-// One step's batch is built in this order, within `max_step_tokens`:
+// One step's batch is built in this order, within `max_step_tokens` (engine_preset::vllm and
+// the oracle; engine_preset::sglang: scheduler_sglang.cpp's order, a prefill or a decode):
 //   1. decode: one token for every running sequence whose prompt is in the KV cache;
 //   2. prefill: the next chunk of every sequence whose prompt is partly in the cache (oldest
 //      admission first);
@@ -14,11 +15,17 @@
 // its EP owner or on every TP rank, as scheduler_options::admission says:
 //   oracle  at its largest, prompt + output - 1 tokens (the last sampled token is never
 //           written): an output length no engine knows, so nothing is ever preempted;
-//   known   what is known, as vLLM and SGLang do: the tokens it has (prompt and generated); a
-//           request is admitted while its prompt fits beside those and a watermark of free
-//           pages; a sequence whose next tokens find no page preempts the newest running
-//           sequence on its rank (itself when it is the newest): vLLM's recompute preemption,
-//           see admission_policy.
+//   known   what is known, by the rules of the engine scheduler_options::engine names
+//           (engine_preset.hpp, each rule with its source):
+//     vllm    the tokens it has (prompt and generated); a request is admitted while its prompt
+//             fits beside those and a watermark of free pages; a sequence whose next tokens
+//             find no page preempts the newest running sequence on its rank (itself when it is
+//             the newest): vLLM's recompute preemption, see admission_policy;
+//     sglang  a request is admitted while its tokens + min(max_new_tokens, 4096) fit beside
+//             the running requests' remaining estimates x new_token_ratio; a decode that finds
+//             too few pages retracts requests (fewest generated first) to the back of the queue
+//             and raises the ratio; a step is a prefill (whenever one can be formed) or a
+//             decode, per rank in EP (DP attention), with the batch order below per step kind.
 // Page tables grow only as tokens are written, so the tables always describe exactly the KV
 // the runtime wrote (what a switch moves). The EP owner is the rank with the most pages left
 // after the running sequences' reservations.
@@ -44,13 +51,14 @@
 // whole run, as scheduler_options::bad_requests says.
 //
 // Invariants (tested): every good request is admitted once (known: once more after each
-// preemption) and finishes once with exactly output_tokens tokens; tokens are produced in order
+// preemption or retraction) and finishes once with exactly output_tokens tokens; tokens are produced in order
 // (a preempted sequence's recompute samples the token it would have decoded next: greedy tokens
 // are those of the oracle admission); at the end every page is free.
 
 #include <cstdint>
 #include <deque>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -60,6 +68,7 @@
 #include <moebius/kv/page_table.hpp>
 #include <moebius/kv/placement.hpp>
 
+#include "engine_preset.hpp"
 #include "page_source.hpp"
 #include "step.hpp"
 #include "trace.hpp"
@@ -91,17 +100,32 @@ struct scheduler_options {
   admission_policy admission = admission_policy::oracle;
   // admission_policy::known: the share of a rank's pages a new admission leaves free while
   // sequences run, so that those do not preempt at once (vLLM's block manager: watermark 0.01).
+  // engine_preset::vllm only.
   double watermark = 0.01;
+  // admission_policy::known: whose rules (engine_preset.hpp). sglang: max_step_tokens is its
+  // prefill chunk (chunked_prefill_size; EP: / ranks a rank), max_running its
+  // max_running_requests (EP: / ranks a rank).
+  engine_preset engine = engine_preset::vllm;
+  sglang_rules sglang;  // engine_preset::sglang
+  // The max_new_tokens of a request that gives none (max_new_tokens_of, trace.hpp).
+  int64_t default_max_new_tokens = k_default_max_new_tokens;
+
+  // The watermark admission leaves free beside running sequences: vLLM's; 0 otherwise.
+  double admission_watermark() const {
+    return admission == admission_policy::known && engine == engine_preset::vllm ? watermark : 0;
+  }
 };
 
-// Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens, vocab >= 0 and
-// watermark is in [0, 1).
+// Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens, vocab >= 0,
+// watermark is in [0, 1), default_max_new_tokens >= 1, and (engine sglang) the rules are valid
+// (validate(sglang_rules)) and admission is known (the oracle's reservations are not SGLang's).
 void validate(const scheduler_options& o);
 
 // Throws moebius::error naming the request and the broken rule unless `r` can be served on the KV
 // pool `g`: a prompt of >= 1 token, output_tokens >= 1, a finite arrival (errc::invalid_argument);
 // prompt + output_tokens within 64 bits (errc::overflow); every token id in [0, vocab) when
-// vocab > 0 (errc::invalid_argument); and prompt + output_tokens - 1 tokens (its largest: the last
+// vocab > 0 (errc::invalid_argument); max_new_tokens 0 (none given) or >= output_tokens
+// (errc::invalid_argument); and prompt + output_tokens - 1 tokens (its largest: the last
 // sampled token is never written) within one rank's pages (errc::capacity: it could never be
 // admitted).
 //   vocab 256, prompt {5, 256}: "request 7: prompt token 1 is 256, outside the vocab [0, 256)"
@@ -148,7 +172,18 @@ struct step_batch {
   // Admission stopped because the pool could not take the next waiting request (not the
   // batch cap or the step's token budget): requests wait with the pool full.
   bool admission_blocked = false;
-  int64_t preempted = 0;             // running sequences preempted by this step (known)
+  int64_t preempted = 0;             // running sequences preempted (sglang: retracted) (known)
+  // A decode batch above the engine's CUDA-graph limit (sglang_rules::cuda_graph_max_bs; EP:
+  // the largest rank's): the engine runs it eagerly. A hook for the clock, which does not yet
+  // price it differently.
+  bool eager = false;
+  // sglang: new_token_ratio after this step (EP: the mean over the ranks); 0 otherwise.
+  double new_token_ratio = 0;
+  // After this step, over the running sequences (TP: one rank's view; EP: every rank's):
+  // tokens whose K/V is written, and tokens admission counts as taken (the oracle: each at its
+  // largest; vllm: the tokens each has; sglang: written + each one's charge).
+  int64_t kv_written_tokens = 0;
+  int64_t kv_reserved_tokens = 0;
 
   bool empty() const { return items.empty(); }
 };
@@ -172,7 +207,7 @@ class scheduler {
   // validated (validate_request): a bad one fails at once (bad_request_policy::fail_request,
   // its result's error says why) or the constructor throws its error (refuse_run). Throws
   // errc::invalid_argument for a repeated id (whatever the policy: results are keyed by id) or
-  // bad options.
+  // bad options (engine sglang: max_step_tokens and max_running below g's ranks).
   scheduler(const moebius::kv_geometry& g, std::vector<request> requests,
             scheduler_options options = {});
 
@@ -256,6 +291,11 @@ class scheduler {
     int64_t final_tokens = 0;     // prompt + output - 1: the most it will hold
     int resume_owner = -1;        // EP: the owner a resumed sequence (lose_kv) was given
     int64_t step = -1;            // a closed-loop rollout's step (dense index), else -1
+    // sglang: its max_new_tokens as the engine holds it (clamped to the pool: engine_preset.hpp)
+    // and, while it waits after a retraction, when it joined the back of the queue.
+    int64_t max_new = 0;
+    double requeue_s = -std::numeric_limits<double>::infinity();
+    int owner = -1;               // sglang, EP: its rank when last looked up (a hint)
     bool decoding() const { return in_kv >= prompt; }
   };
 
@@ -277,6 +317,54 @@ class scheduler {
   // Frees running_[slot]'s pages through `pages` and queues it at the head of preempted_ to be
   // recomputed (every token it has, as a prefill) when it is admitted again.
   void preempt(int64_t slot, page_source& pages);
+  // Frees running_[slot]'s pages and returns it ready to be recomputed (every token it has, as
+  // a prefill); running_[slot] is left empty for the caller to drop.
+  running_seq take_for_recompute(int64_t slot, page_source& pages);
+  // Appends running_[b.running_idx-free] sequence `slot` to the step: `n` tokens from its
+  // in_kv, which `pages` has granted.
+  void push_item(step_batch& b, int64_t slot, int64_t n);
+  // Drops the running sequences marked in `gone` (preempted or retracted) and remaps the
+  // batch's running_idx to the slots left.
+  void drop_running(step_batch& b, const std::vector<bool>& gone);
+  // The waiting sequence to admit next at `now_s` (preempted or retracted ones by their queue
+  // place, new requests by arrival), without taking it: .first true when it is preempted_'s
+  // head, false for requests_[next_waiting_]; nullopt when none waits.
+  std::optional<bool> next_waiting(double now_s) const;
+  // A new running_seq of requests_[next_waiting_] (not yet taken off the queue).
+  running_seq admit_new() const;
+  // After a vllm or oracle step: kv_written_tokens and kv_reserved_tokens of `b`.
+  void account(step_batch& b) const;
+
+  // --- engine_preset::sglang (scheduler_sglang.cpp) -----------------------------------------
+  // What one SGLang scheduler holds: a TP deployment runs one, DP attention (EP) one per rank.
+  struct sglang_group {
+    double ratio = 0;   // new_token_ratio
+    bool full = false;  // running_batch.batch_is_full: no prefill tried until one finishes
+    bool full_for_kv = false;  // full because the pool refused a request (not the batch cap)
+  };
+  step_batch next_step_sglang(page_source& pages, double now_s);
+  // The ratio's course in `mode`: with DP attention (EP over more than one rank) or not.
+  new_token_ratio_course sglang_course(moebius::parallel_mode mode) const;
+  // Sets groups_ for `mode` (one group in TP, one per rank in EP) when it changes: each at the
+  // mode's initial ratio, none full.
+  void sglang_groups_for(moebius::parallel_mode mode);
+  // The group of running_[i] in `kv` (TP: 0; EP: its owner).
+  int sglang_group_of(const moebius::kv_state& kv, size_t i);
+  // Tokens a group's free pages hold (TP: the rank with the fewest free pages).
+  int64_t sglang_free_tokens(const moebius::kv_state& kv, int group) const;
+  // min(max_new - generated, clip), >= 0: what SGLang estimates `s` may still write.
+  int64_t sglang_remaining_new(const running_seq& s) const;
+  // What admission charges running sequence `s` with `written` tokens in the tables beyond
+  // them (sglang_rules, engine_preset.hpp): `prefilling`, the rest of its prompt and its
+  // remaining estimate in full; decoding, the estimate x `ratio`.
+  double sglang_charge(const running_seq& s, int64_t written, bool prefilling, double ratio) const;
+  // The decode of group `group`: retracts (SGLang's retract_decode) when the group's free pages
+  // do not hold its next tokens, updates the ratio, adds one token of every decoding sequence
+  // left. `gone` marks the retracted.
+  void sglang_decode(step_batch& b, page_source& pages, int group, const std::vector<int>& group_of,
+                     std::vector<bool>& in_batch, std::vector<bool>& gone, double now_s);
+  std::vector<sglang_group> groups_;
+  moebius::parallel_mode groups_mode_ = moebius::parallel_mode::ep;
   // Records a step's tokens, retires finished requests; returns their ids (pages to release).
   std::vector<int64_t> record_step(const step_batch& b, std::span<const int32_t> next_tokens,
                                    double now_s);
@@ -297,7 +385,8 @@ class scheduler {
   double last_step_s_ = 0;                  // the time of the last step recorded
   std::vector<request_result> results_;  // sorted by id
   std::vector<running_seq> running_;     // in admission order
-  // Preempted sequences (known), admitted before any new request: the head first.
+  // Preempted sequences (known), admitted before any new request: the head first (vllm); and
+  // retracted ones (sglang), each after the requests that arrived by its requeue_s.
   std::deque<running_seq> preempted_;
   int64_t num_preemptions_ = 0;
   int64_t num_finished_ = 0;

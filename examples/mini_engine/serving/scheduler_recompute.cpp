@@ -106,6 +106,10 @@ int64_t scheduler::preemption_victim(const kv_state& kv, int64_t slot, int rank,
 }
 
 void scheduler::preempt(int64_t slot, page_source& pages) {
+  preempted_.push_front(take_for_recompute(slot, pages));
+}
+
+scheduler::running_seq scheduler::take_for_recompute(int64_t slot, page_source& pages) {
   running_seq& s = running_[static_cast<size_t>(slot)];
   request_result& res = results_[static_cast<size_t>(s.result_idx)];
   pages.release(res.id);
@@ -117,7 +121,8 @@ void scheduler::preempt(int64_t slot, page_source& pages) {
   q.prompt = static_cast<int64_t>(q.tokens.size());
   q.in_kv = 0;
   q.resume_owner = -1;
-  preempted_.push_front(std::move(q));
+  q.owner = -1;
+  return q;
 }
 
 }  // namespace mini_engine

@@ -217,6 +217,10 @@ void write_trace_jsonl(std::ostream& os, const std::vector<request>& requests) {
       n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), ", \"rollout_step\": %lld",
                          static_cast<long long>(r.rollout_step));
     }
+    if (r.max_new_tokens > 0) {
+      n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), ", \"max_new_tokens\": %lld",
+                         static_cast<long long>(r.max_new_tokens));
+    }
     os << buf << "}\n";
   }
 }
@@ -408,26 +412,28 @@ bool blank(std::string_view line) {
 std::vector<request> read_trace_jsonl(std::istream& is, uint64_t seed, int32_t vocab,
                                       const std::string& source) {
   MOEBIUS_CHECK(vocab >= 1, errc::invalid_argument, "vocab must be >= 1 (got ", vocab, ")");
-  // The three required members, then the optional one.
-  static constexpr const char* names[4] = {"arrival_s", "prompt_tokens", "output_tokens",
-                                           "rollout_step"};
+  // The three required members, then the optional ones.
+  constexpr int num_names = 5;
+  static constexpr const char* names[num_names] = {"arrival_s", "prompt_tokens", "output_tokens",
+                                                   "rollout_step", "max_new_tokens"};
   std::vector<request> out;
   std::string line;
   int64_t line_no = 0;
   while (std::getline(is, line)) {
     ++line_no;
     if (blank(line)) continue;
-    bool seen[4] = {false, false, false, false};
+    bool seen[num_names] = {false, false, false, false, false};
     double arrival = 0;
-    int64_t counts[4] = {0, 0, 0, -1};
+    int64_t counts[num_names] = {0, 0, 0, -1, 0};
     trace_line_reader reader(source, line_no);
     nlohmann::json::sax_parse(line, &reader);
     for (const auto& [name, v] : reader.members) {
       int k = 0;
-      while (k < 4 && name != names[k]) ++k;
-      if (k == 4) {
+      while (k < num_names && name != names[k]) ++k;
+      if (k == num_names) {
         reader.fail("unknown member \"" + name +
-                    "\" (expected arrival_s, prompt_tokens, output_tokens, rollout_step)");
+                    "\" (expected arrival_s, prompt_tokens, output_tokens, rollout_step, "
+                    "max_new_tokens)");
       }
       if (seen[k]) reader.fail(name + ": appears twice");
       seen[k] = true;
@@ -447,11 +453,16 @@ std::vector<request> read_trace_jsonl(std::istream& is, uint64_t seed, int32_t v
     for (int k = 0; k < 3; ++k) {
       if (!seen[k]) reader.fail(std::string(names[k]) + ": missing");
     }
+    if (seen[4] && counts[4] < counts[2]) {
+      reader.fail("max_new_tokens: " + std::to_string(counts[4]) + " is below output_tokens " +
+                  std::to_string(counts[2]) + " (a response never outgrows its client's limit)");
+    }
     request r;
     r.id = static_cast<int64_t>(out.size());
     r.arrival_s = arrival;
     r.output_tokens = counts[2];
     r.rollout_step = counts[3];
+    r.max_new_tokens = counts[4];
     r.prompt = draw_prompt(seed, r.id, counts[1], vocab);
     out.push_back(std::move(r));
   }

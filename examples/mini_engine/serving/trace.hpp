@@ -17,6 +17,10 @@
 //                  steps before k has finished (RL training: a step's rollouts are generated
 //                  when the policy update of the previous step is done), so one file holds a
 //                  whole multi-step rollout
+//   max_new_tokens optional, a JSON integer in [output_tokens, 2^20]: the most tokens the
+//                  client allowed (its request's max_new_tokens); absent: the serving run's
+//                  default (scheduler_options::default_max_new_tokens), raised to output_tokens
+//                  where that is longer (a response never outgrows its client's limit)
 // Blank lines are skipped; anything else (another member, a member twice or missing, a string,
 // null, object or array value, a negative or non-finite number, text after the object) is an
 // error naming the source, the line and the member. Lines are read by nlohmann/json (its SAX
@@ -45,7 +49,24 @@ struct request {
   // A closed-loop RL rollout's step (-1: an open-loop request): the requests of step k arrive
   // arrival_s after every request of step k - 1 has finished.
   int64_t rollout_step = -1;
+  // The client's limit on output tokens (its max_new_tokens, >= output_tokens), or 0 when it
+  // gave none: max_new_tokens_of() applies a default. An engine that reserves KV ahead of the
+  // tokens (engine_preset::sglang) charges admission by it.
+  int64_t max_new_tokens = 0;
 };
+
+// The max_new_tokens a request with none is served with by default (the demo's
+// --max-new-tokens): SGLang's clip of the estimate (CLIP_MAX_NEW_TOKENS, 4096), so that a
+// client that sets no limit (an OpenAI-style request without max_tokens, served up to the
+// context length) is estimated as SGLang estimates it.
+inline constexpr int64_t k_default_max_new_tokens = 4096;
+
+// `r`'s max_new_tokens, or when it has none max(default_max_new_tokens, r.output_tokens): a
+// response of n tokens shows that its client allowed at least n.
+constexpr int64_t max_new_tokens_of(const request& r, int64_t default_max_new_tokens) {
+  if (r.max_new_tokens > 0) return r.max_new_tokens;
+  return r.output_tokens > default_max_new_tokens ? r.output_tokens : default_max_new_tokens;
+}
 
 // Quiet periods with a few requests, then bursts with many (Poisson arrivals in each).
 //   defaults: 4 s quiet at 1 req/s, 2 s burst at 24 req/s, repeated for 20 s.
@@ -129,7 +150,8 @@ void write_trace(std::ostream& os, const std::vector<request>& requests);
 std::vector<request> read_trace(std::istream& is, uint64_t seed, int32_t vocab,
                                 const std::string& source = "trace");
 
-// JSONL (format above): one object per request in order, arrival with 6 decimals.
+// JSONL (format above): one object per request in order, arrival with 6 decimals; rollout_step
+// and max_new_tokens when the request has them.
 void write_trace_jsonl(std::ostream& os, const std::vector<request>& requests);
 // Reads JSONL; requests sorted by arrival (stable), ids in file order. Errors as read_trace:
 //   {"arrival_s": 0.5, "prompt_tokens": 12, "output_tokens": 3}  -> {id 0, 0.5 s, 12, 3}

@@ -1,6 +1,7 @@
 // The paper's metrics (paper_metrics.hpp) against values worked out by hand on small runs built
 // here, floods found in generated arrivals, the simulated deployment's geometry against the
 // deployment's capacities (sim_deployment.hpp), and the requests' CSV the figures are drawn from.
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -9,6 +10,7 @@
 #include "deployment.hpp"
 #include "paper_metrics.hpp"
 #include "paper_traces.hpp"
+#include "percentile.hpp"
 #include "run_report.hpp"
 #include "sim_deployment.hpp"
 #include "test_seed.hpp"
@@ -110,6 +112,43 @@ TEST_CASE("paper metrics of a small run, worked by hand") {
   CHECK(n.switch_total_ms == Approx(30));
   r.requests.pop_back();
   CHECK_THROWS_WITH(paper_metrics_of(trace, r, f), Catch::Matchers::Contains("19 results"));
+}
+
+TEST_CASE("p99 by nearest rank, the same in the paper's metrics and the run summary") {
+  // The one definition (percentile.hpp): the ceil(0.99 n)-th smallest sample.
+  CHECK(p99({}) == 0);
+  CHECK(p99({7}) == 7);
+  std::vector<double> hundred, two_hundred;
+  for (int i = 1; i <= 100; ++i) hundred.push_back(i);
+  for (int i = 1; i <= 200; ++i) two_hundred.push_back(i);
+  std::shuffle(hundred.begin(), hundred.end(), std::mt19937_64(testing::test_seed()));
+  std::shuffle(two_hundred.begin(), two_hundred.end(), std::mt19937_64(testing::test_seed() + 1));
+  CHECK(p99(hundred) == 99);        // the second largest
+  CHECK(p99(two_hundred) == 198);   // the third largest
+  CHECK(nearest_rank(two_hundred, 50) == 100);
+  CHECK(nearest_rank(two_hundred, 100) == 200);
+  // A run of 200 requests, all quiet: request i (0-based) waits i + 1 ms for its first token,
+  // and the first 100 of them take (i + 1) ms a token over 11 tokens after it; the rest answer
+  // in one token. TTFT p99: 198 ms (one rank low would be 197, one high 199); TPOT p99 over the
+  // 100: 99 ms.
+  std::vector<request> trace;
+  run_result r;
+  r.end_s = 10;
+  for (int64_t i = 0; i < 200; ++i) {
+    trace.push_back(open_request(i, 0.01 * static_cast<double>(i), i < 100 ? 12 : 1));
+    const double first = trace.back().arrival_s + 1e-3 * static_cast<double>(i + 1);
+    const double finish = i < 100 ? first + 11 * 1e-3 * static_cast<double>(i + 1) : first;
+    r.requests.push_back(result_of(trace.back(), first, finish));
+  }
+  const paper_metrics m = paper_metrics_of(trace, r, {});
+  CHECK(m.all.requests == 200);
+  CHECK(m.all.p99_ttft_ms == Approx(198));
+  CHECK(m.all.p99_tpot_ms == Approx(99));
+  CHECK(m.quiet.p99_ttft_ms == Approx(198));
+  for (request_result& q : r.requests) q.generated.assign(static_cast<size_t>(q.output_tokens), 0);
+  const run_summary s = summarize(r);
+  CHECK(s.p99_ttft_ms == Approx(198));
+  CHECK(s.p99_tpot_ms == Approx(99));
 }
 
 TEST_CASE("rollout step times and the per-step oracle, worked by hand") {

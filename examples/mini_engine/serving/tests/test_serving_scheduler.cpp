@@ -14,97 +14,13 @@
 #include "catch.hpp"
 #include "kv_pages.hpp"
 #include "scheduler.hpp"
+#include "scheduler_drive.hpp"
 
 using namespace mini_engine;
 using moebius::parallel_mode;
 
-namespace {
-
-moebius::kv_state empty_state(const moebius::kv_geometry& g, parallel_mode m) {
-  std::vector<std::vector<moebius::kv_sequence>> tables(static_cast<size_t>(g.num_ranks));
-  return moebius::make_kv_state(g, m, tables);
-}
-
-int32_t rule(int64_t id, int64_t k) { return static_cast<int32_t>((id * 31 + k * 7) % 97); }
-
-const moebius::kv_sequence* table_of(const moebius::kv_state& s, int64_t id) {
-  for (const auto& r : s.ranks) {
-    for (const auto& q : r.sequences) {
-      if (q.seq_id == id) return &q;
-    }
-  }
-  return nullptr;
-}
-
-// Runs `reqs` to the end on a step clock of 1 per step; checks the invariants at every step
-// (known admission: a preempted sequence restarts at position 0 with every token it had).
-std::vector<request_result> drive(const moebius::kv_geometry& g, parallel_mode m,
-                                  std::vector<request> reqs, scheduler_options o,
-                                  int64_t* chunked = nullptr) {
-  std::map<int64_t, int64_t> prompt_len;
-  for (const request& r : reqs) prompt_len[r.id] = static_cast<int64_t>(r.prompt.size());
-  std::map<int64_t, int64_t> prefill_len = prompt_len;  // tokens before its first sample
-  std::map<int64_t, std::vector<int32_t>> history;  // tokens fed to the model per id
-  for (const request& r : reqs) history[r.id] = {};
-  std::map<int64_t, int64_t> chunks;
-  scheduler s(g, std::move(reqs), o);
-  moebius::kv_state kv = empty_state(g, m);
-  growing_pages pages(g, kv);
-  double now = 0;
-  for (int64_t step = 0; !s.done(); ++step) {
-    REQUIRE(step < 100000);
-    if (s.num_running() == 0) now = std::max(now, s.next_arrival_s());
-    const step_batch b = s.next_step(pages, now);
-    CHECK(b.stalled == 0);  // admission reserved every page a sequence will need
-    int64_t tokens = 0;
-    std::vector<int32_t> next;
-    for (const step_item& it : b.items) {
-      tokens += static_cast<int64_t>(it.tokens.size());
-      std::vector<int32_t>& h = history[it.seq_id];
-      if (o.admission == admission_policy::known && it.start_position == 0 && !h.empty()) {
-        // Re-admitted after a preemption: a prefill of every token it had (prompt, generated).
-        // Every token it had: its prefill (a prompt, or a recompute cut short), or what it fed
-        // and the token sampled last.
-        REQUIRE(static_cast<int64_t>(it.tokens.size()) <=
-                std::max<int64_t>(prefill_len[it.seq_id], static_cast<int64_t>(h.size()) + 1));
-        const size_t n = std::min(it.tokens.size(), h.size());
-        CHECK(std::equal(it.tokens.begin(), it.tokens.begin() + static_cast<std::ptrdiff_t>(n),
-                         h.begin()));
-        prefill_len[it.seq_id] =
-            std::max<int64_t>(prefill_len[it.seq_id], static_cast<int64_t>(h.size()) + 1);
-        h.clear();
-      }
-      REQUIRE(it.start_position == static_cast<int64_t>(h.size()));  // in order, no restart
-      h.insert(h.end(), it.tokens.begin(), it.tokens.end());
-      const moebius::kv_sequence* q = table_of(kv, it.seq_id);
-      REQUIRE(q != nullptr);
-      CHECK(q->num_tokens == static_cast<int64_t>(h.size()));  // tables = tokens written
-      if (m == parallel_mode::ep) CHECK(owner_of(kv, it.seq_id) >= 0);
-      if (it.start_position < prompt_len[it.seq_id]) ++chunks[it.seq_id];
-      CHECK(it.sample == (static_cast<int64_t>(h.size()) >= prefill_len[it.seq_id]));
-      // The sampled token is the k-th generated one: k = tokens beyond the prompt.
-      next.push_back(it.sample ? rule(it.seq_id, static_cast<int64_t>(h.size()) -
-                                                     prompt_len[it.seq_id])
-                               : -1);
-    }
-    CHECK(tokens <= o.max_step_tokens);
-    CHECK(s.num_running() <= o.max_running);
-    now += 1;
-    s.finish_step(b, next, pages, now);
-    moebius::validate(g, kv);
-  }
-  for (const auto& r : kv.ranks) {
-    CHECK(r.sequences.empty());
-    CHECK(static_cast<int64_t>(r.free_pages.size()) == g.num_pages(m));  // no leak
-  }
-  if (chunked != nullptr) {
-    *chunked = 0;
-    for (const auto& [id, n] : chunks) *chunked += n > 1;
-  }
-  return s.results();
-}
-
-}  // namespace
+using testing::drive;
+using testing::rule;
 
 TEST_CASE("scheduler: every request once, in order, within capacity; nothing leaks") {
   for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
@@ -304,6 +220,63 @@ TEST_CASE("scheduler: known admission preempts the newest and recomputes it, wor
   CHECK(one_by_one[1].preemptions == 0);
   o.watermark = 1;
   CHECK_THROWS_WITH(scheduler(g, reqs, o), Catch::Matchers::Contains("watermark must be in [0, 1)"));
+}
+
+TEST_CASE("scheduler: known admission leaves a watermark free beside running sequences, by hand") {
+  // One rank of 10 pages of 4 tokens, watermark 0.1: ceil(0.1 x 10) = 1 page.
+  //   A: prompt 16 (4 pages), 8 output tokens, arrives at 0; B: prompt 20 (5 pages), 4 output
+  //   tokens, arrives at 0.5. The clock is 1 a step.
+  //   step 0: A admitted into the empty pool (no watermark beside nothing): 4 pages;
+  //   step 1: A decodes its 17th token (5 pages); B needs 5 pages + the 1-page watermark = 6,
+  //           5 are left: B waits (admission blocked). Without the watermark it would fit;
+  //   steps 2-7: A holds 18..23 tokens (5-6 pages): B still waits; A finishes at 8;
+  //   step 8: B admitted into the empty pool.
+  const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 10, 1, moebius::dtype::fp32);
+  std::vector<request> reqs(2);
+  reqs[0].id = 0;
+  reqs[0].prompt.assign(16, 1);
+  reqs[0].output_tokens = 8;
+  reqs[1].id = 1;
+  reqs[1].arrival_s = 0.5;
+  reqs[1].prompt.assign(20, 2);
+  reqs[1].output_tokens = 4;
+  scheduler_options o;
+  o.max_step_tokens = 32;
+  o.max_running = 4;
+  o.admission = admission_policy::known;
+  o.watermark = 0.1;
+  {
+    // Step by step: the second step refuses B for the watermark's page alone.
+    scheduler s(g, reqs, o);
+    moebius::kv_state kv = make_empty_kv_state(g, parallel_mode::ep);
+    growing_pages pages(g, kv);
+    const step_batch b0 = s.next_step(pages, 0);
+    CHECK(b0.admitted == 1);
+    CHECK(b0.prefill_tokens == 16);
+    s.finish_step(b0, std::vector<int32_t>{5}, pages, 1);
+    const step_batch b1 = s.next_step(pages, 1);
+    CHECK(b1.admitted == 0);
+    CHECK(b1.admission_blocked);
+    CHECK(b1.decode_tokens == 1);
+    CHECK(free_pages(kv, 0) == 5);  // A's 5 pages: B's 5 would fit but for the watermark
+  }
+  auto res = drive(g, parallel_mode::ep, reqs, o);
+  CHECK(res[0].admitted_s == 0);
+  CHECK(res[0].finish_s == 8);
+  CHECK(res[1].admitted_s == 8);
+  CHECK(res[1].preemptions == 0);
+  // No watermark: B is admitted beside A at once (and preempted later, when both grow).
+  o.watermark = 0;
+  res = drive(g, parallel_mode::ep, reqs, o);
+  CHECK(res[1].admitted_s == 1);
+  // A request needing the whole pool is admitted into an empty one whatever the watermark.
+  o.watermark = 0.1;
+  std::vector<request> whole(1);
+  whole[0].prompt.assign(40, 3);
+  whole[0].output_tokens = 1;
+  res = drive(g, parallel_mode::ep, whole, o);
+  CHECK(res[0].admitted_s == 0);
+  CHECK(res[0].finish_s == 2);  // its prompt in two chunks (32 + 8 tokens)
 }
 
 TEST_CASE("scheduler: known admission gives the oracle's tokens, preempting instead of stalling") {

@@ -6,8 +6,9 @@
 // switches both ways (stop-the-world and progressive) and policy runs with the cost gate. The
 // host runtime computes every token and moves every byte (host_transport); the simulated one
 // computes nothing and moves nothing (dry_run_transport), so the equal logs show that the
-// serving loop's decisions never depend on what a runtime computes. And a step the tables do
-// not hold is refused by the simulated runtime, as a runtime must.
+// serving loop's decisions never depend on what a runtime computes; with known admission under
+// each engine preset (engine_preset.hpp) too, preempting or retracting. And a step the tables
+// do not hold is refused by the simulated runtime, as a runtime must (hybrid steps included).
 #include <cstdlib>
 #include <random>
 #include <sstream>
@@ -17,6 +18,7 @@
 
 #include "catch.hpp"
 #include "engine.hpp"
+#include "kv_pages.hpp"
 #include "sim_runtime.hpp"
 #include "small_trace.hpp"
 #include "test_seed.hpp"
@@ -39,7 +41,9 @@ std::vector<std::string> event_log(const run_result& r) {
       << s.context_tokens << " run " << s.running << " wait " << s.waiting << " stall "
       << s.stalled << " preempt " << s.preempted << " pages " << s.kv_used_pages << " ms " << s.step_ms << " sw "
       << s.switched << " " << s.switch_ms << " in " << s.in_switch << " layers " << s.layers
-      << " cursor " << s.cursor << " copy " << s.copy_ms;
+      << " cursor " << s.cursor << " copy " << s.copy_ms << " written " << s.kv_written_tokens
+      << " reserved " << s.kv_reserved_tokens << " ratio " << s.new_token_ratio << " eager "
+      << s.eager;
     log.push_back(o.str());
   }
   for (const switch_record& s : r.switches) {
@@ -172,35 +176,45 @@ TEST_CASE("the simulated runtime gives the host runtime's event log") {
   }
 }
 
-TEST_CASE("known admission: the simulated runtime gives the host runtime's event log, and "
-          "preemption leaves the greedy tokens unchanged") {
+TEST_CASE("known admission under each engine preset: the simulated runtime gives the host "
+          "runtime's event log, and preemption or retraction leaves the greedy tokens unchanged") {
   const uint64_t seed = testing::test_seed();
   std::mt19937_64 rng(seed ^ 0x5eed);
-  int64_t preemptions = 0;
-  for (int round = 0; round < 4; ++round) {
+  int64_t preemptions[2] = {0, 0};  // per preset
+  for (int round = 0; round < 8; ++round) {
     const int P = round % 2 ? 4 : 2;
+    const engine_preset preset = round % 4 < 2 ? engine_preset::vllm : engine_preset::sglang;
     // 12 pages of 4 tokens a rank: a request reaches 47 tokens, so sequences admitted on what
-    // is known outgrow the pool and preempt.
+    // is known outgrow the pool and preempt (vllm) or retract (sglang, whose estimates are
+    // discounted by its ratio: started low here so that they are outgrown).
     host_and_sim pair(P, 12, seed + 100 + static_cast<uint64_t>(round));
     const testing::world& w = pair.w;
     engine& host = pair.host;
     engine& simulated = pair.simulated;
     const uint64_t trace_seed = rng();
-    INFO("seed " << seed << " round " << round << " P " << P << " trace seed " << trace_seed);
-    const std::vector<request> reqs = testing::burst_trace(trace_seed, w.vocab);
+    INFO("seed " << seed << " round " << round << " P " << P << " preset " << to_string(preset)
+                 << " trace seed " << trace_seed);
+    std::vector<request> reqs = testing::burst_trace(trace_seed, w.vocab);
+    // Half the requests give a max_new_tokens a little above their output; the rest none.
+    for (request& r : reqs)
+      if (rng() % 2) r.max_new_tokens = r.output_tokens + static_cast<int64_t>(rng() % 6);
     engine_options base = testing::small_trace_options();
     base.scheduler.max_running = 16;
     base.scheduler.max_step_tokens = 64;
     base.scheduler.admission = admission_policy::known;
+    base.scheduler.engine = preset;
+    base.scheduler.default_max_new_tokens = 24;
+    base.scheduler.sglang.init_new_token_ratio = 0.2;
     const std::vector<std::pair<std::string, engine_options>> runs = static_and_forced_runs(base, rng, 300);
     for (const auto& [name, o] : runs) {
       const run_result a = host.run(reqs, o, name);
       const run_result b = simulated.run(reqs, o, name);
       check_same_log(a, b);
-      preemptions += a.preemptions;
+      preemptions[preset == engine_preset::sglang] += a.preemptions;
       // The same run with the oracle's reservations: the same greedy tokens, request by request.
       engine_options oracle = o;
       oracle.scheduler.admission = admission_policy::oracle;
+      oracle.scheduler.engine = engine_preset::vllm;
       const run_result c = host.run(reqs, oracle, name + " (oracle)");
       REQUIRE(a.requests.size() == c.requests.size());
       for (size_t i = 0; i < a.requests.size(); ++i) {
@@ -210,7 +224,8 @@ TEST_CASE("known admission: the simulated runtime gives the host runtime's event
       }
     }
   }
-  CHECK(preemptions > 0);
+  CHECK(preemptions[0] > 0);
+  CHECK(preemptions[1] > 0);
 }
 
 TEST_CASE("the simulated runtime refuses a step its tables do not hold") {
@@ -250,4 +265,48 @@ TEST_CASE("the simulated runtime refuses a step its tables do not hold") {
   with_logits.logits = &logits;
   CHECK_THROWS_WITH(sim.finish(sim.enqueue(at, std::span(&fits, 1), with_logits)),
                     Catch::Matchers::Contains("no logits"));
+}
+
+TEST_CASE("the simulated runtime refuses a hybrid step either set of tables does not hold") {
+  // A hybrid step (a progressive switch moving the KV) reads the TP tables in the layers below
+  // the cursor and the EP tables in the rest: the sequence must be in both, each as its mode
+  // holds it, with room for the step's tokens.
+  testing::world w = testing::make_world(2, 32, 1);
+  sim_runtime sim(w.arena, w.kv, w.vocab);
+  const int64_t layers = w.arena.shape.num_layers;
+  REQUIRE(layers >= 2);
+  const moebius::arena_cursor mid{1};
+  const int64_t tokens = w.kv.page_size + 1;
+  moebius::kv_state tp = make_empty_kv_state(w.kv, parallel_mode::tp);
+  moebius::kv_state ep = make_empty_kv_state(w.kv, parallel_mode::ep);
+  reserve_tokens(w.kv, tp, 7, tokens, -1);
+  reserve_tokens(w.kv, ep, 7, tokens, 1);
+  const std::vector<int32_t> one = {3};
+  step_item fits{7, one, tokens - 1, true};
+  const std::vector<int32_t> t = sim.step(step_layout::hybrid_of(tp, ep, mid), std::span(&fits, 1));
+  REQUIRE(t.size() == 1);
+  CHECK(t[0] == static_cast<int32_t>((7u * 31u + static_cast<uint64_t>(tokens)) %
+                                     static_cast<uint64_t>(w.vocab)));
+  // The EP tables do not hold it, or hold a token fewer than the step writes.
+  moebius::kv_state ep_without = make_empty_kv_state(w.kv, parallel_mode::ep);
+  reserve_tokens(w.kv, ep_without, 8, tokens, 0);
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp, ep_without, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("sequence 7 is on 0 ranks of the EP tables (1 expected)"));
+  moebius::kv_state ep_short = make_empty_kv_state(w.kv, parallel_mode::ep);
+  reserve_tokens(w.kv, ep_short, 7, tokens - 1, 0);
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp, ep_short, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("on rank 0 (EP) holds " + std::to_string(tokens - 1)));
+  // The TP tables do not hold it on every rank.
+  moebius::kv_state tp_short = make_empty_kv_state(w.kv, parallel_mode::tp);
+  reserve_tokens(w.kv, tp_short, 7, tokens - 1, -1);
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp_short, ep, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("(TP) holds " + std::to_string(tokens - 1)));
+  // Tables of the wrong modes, a cursor past the last layer.
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(ep, tp, mid), std::span(&fits, 1)),
+                    Catch::Matchers::Contains("not TP and EP"));
+  CHECK_THROWS_WITH(sim.step(step_layout::hybrid_of(tp, ep, moebius::arena_cursor{layers + 1}),
+                             std::span(&fits, 1)),
+                    Catch::Matchers::Contains("a hybrid step at cursor " + std::to_string(layers + 1)));
+  // Every refusal ran nothing: the one step above is all the runtime counted.
+  CHECK(sim.steps() == 1);
 }

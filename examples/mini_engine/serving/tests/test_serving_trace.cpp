@@ -342,3 +342,33 @@ TEST_CASE("JSONL trace: rollout_step is optional, round-trips, orders the steps,
                          "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 7}\n"),
              Contains("1 of 2 requests have a rollout_step"));
 }
+
+TEST_CASE("JSONL trace: max_new_tokens is optional, round-trips, and is never below the output") {
+  using Catch::Matchers::Contains;
+  const std::string text =
+      "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 7, \"max_new_tokens\": 7}\n"
+      "{\"max_new_tokens\": 4096, \"arrival_s\": 0.5, \"prompt_tokens\": 2, \"output_tokens\": 5}\n"
+      "{\"arrival_s\": 1, \"prompt_tokens\": 4, \"output_tokens\": 6}\n";
+  std::istringstream in(text);
+  const auto r = read_trace_jsonl(in, 3, 50);
+  REQUIRE(r.size() == 3);
+  CHECK(r[0].max_new_tokens == 7);
+  CHECK(r[1].max_new_tokens == 4096);
+  CHECK(r[2].max_new_tokens == 0);  // none given
+  CHECK(max_new_tokens_of(r[2], k_default_max_new_tokens) == 4096);
+  CHECK(max_new_tokens_of(r[2], 2) == 6);  // raised to the output
+  std::stringstream j;
+  write_trace_jsonl(j, r);
+  CHECK_THAT(j.str(), Contains("\"output_tokens\": 7, \"max_new_tokens\": 7}"));
+  const auto back = read_trace_jsonl(j, 3, 50);
+  REQUIRE(back.size() == 3);
+  for (size_t i = 0; i < 3; ++i) CHECK(back[i].max_new_tokens == r[i].max_new_tokens);
+  const std::string head = "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 7, ";
+  CHECK_THAT(jsonl_error(head + "\"max_new_tokens\": 6}\n"),
+             Contains(":1: max_new_tokens: 6 is below output_tokens 7"));
+  CHECK_THAT(jsonl_error(head + "\"max_new_tokens\": 0}\n"), Contains("max_new_tokens: 0 is outside [1, 1048576]"));
+  CHECK_THAT(jsonl_error(head + "\"max_new_tokens\": 7.5}\n"),
+             Contains("max_new_tokens: 7.5 is not an integer"));
+  CHECK_THAT(jsonl_error(head + "\"max_new_tokens\": 7, \"max_new_tokens\": 8}\n"),
+             Contains("max_new_tokens: appears twice"));
+}
