@@ -37,15 +37,22 @@ double step_on_s(const step_record& s, const configuration& config, const node_p
   MOEBIUS_CHECK(is_paper_layout(config), errc::invalid_argument, "reprice on nodes: ",
                 name_of(config), " is not repriced (TP or EP)");
   const bool spread = nodes && config == k_ep;  // EP over every rank of the N nodes
-  const int64_t copies = spread ? p.grid.num_nodes : 1;
-  step_cost c;
-  c.set(config);
-  c.num_sequences = s.sequences * copies;
-  c.new_tokens = (s.decode_tokens + s.prefill_tokens) * copies;
-  c.context_tokens = s.context_tokens * copies;
-  const h200_step_model& m = spread ? *p.nodes : *p.one_node;
-  c.num_ranks = m.num_ranks();
-  return m.step_s(c, 0);
+  // The step's shape, `copies` times over, on `clock` at its P.
+  auto priced = [&](const step_clock& clock, int num_ranks, int64_t copies) {
+    step_cost c;
+    c.set(config);
+    c.num_ranks = num_ranks;
+    c.num_sequences = s.sequences * copies;
+    c.new_tokens = (s.decode_tokens + s.prefill_tokens) * copies;
+    c.context_tokens = s.context_tokens * copies;
+    return clock.step_s(c, 0);
+  };
+  const int R = p.grid.ranks_per_node, N = p.grid.num_nodes;
+  if (p.anchor == nullptr)
+    return spread ? priced(*p.nodes, p.grid.num_ranks(), N) : priced(*p.one_node, R, 1);
+  const double one = s.config == config ? s.step_ms * 1e-3 : priced(*p.anchor, R, 1);
+  if (!spread) return one;
+  return one + priced(*p.nodes, p.grid.num_ranks(), N) - priced(*p.one_node, R, 1);
 }
 
 double switch_on_nodes_s(const switch_record& sw, const node_pricing& p,

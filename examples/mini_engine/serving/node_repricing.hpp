@@ -16,8 +16,16 @@
 //       moved on one node (recovered from the switch's one-node price less its weights'; its
 //       rounds' barriers folded into those bytes); a refused switch costs 0 on both.
 //
-// Both sides price the steps by the roofline (the measured one-node curves do not cover P = 16,
-// so the one-node side is repriced on the same model rather than compared with the curves).
+// The steps are priced one of two ways:
+//   roofline   both sides by the roofline (h200_step_model at P = N R over N nodes for EP, at
+//              P = R for one node and each TP replica): like with like, the roofline's own
+//              level (which on one node sits below the measured curves);
+//   anchored   on the clock the one-node run was priced on (the measured one-node curves): one
+//              node's step as it was priced (another layout's as that clock prices it), a TP
+//              replica's the same, and EP over N nodes that price plus the roofline's
+//              difference between EP over N nodes at N B and EP on one node at B (what no curve
+//              measured covers: half the experts a rank, dispatch and combine across nodes).
+// The measured one-node curves do not cover P = N R: the roofline prices what changes.
 // What stays the one-node run's: the sequence of steps (which ran in which mode, their batches,
 // admissions and preemptions from one node's pools, the policy's decisions on one node's
 // curves and switch price, when requests arrive against steps of another length). A static
@@ -44,6 +52,9 @@ struct node_pricing {
   // P = N R over N nodes (hardware().num_nodes = N): EP's steps on N nodes, and the link its
   // switches cross (switch_link_across_nodes()).
   const h200_step_model* nodes = nullptr;
+  // Anchored: the clock the one-node run was priced on (its measured curves); null: the
+  // roofline on both sides.
+  const step_clock* anchor = nullptr;
 };
 
 // One run, priced both ways.
@@ -65,7 +76,8 @@ struct repriced_run {
 // configuration other than TP and EP.
 repriced_run reprice_on_nodes(const run_result& r, const node_pricing& p);
 
-// One step of `s`'s shape priced in `config` on one node (`nodes` false) or on N nodes.
+// One step of `s`'s shape priced in `config` on one node (`nodes` false) or on N nodes (with an
+// anchor, in its own configuration on one node: s.step_ms as recorded).
 double step_on_s(const step_record& s, const configuration& config, const node_pricing& p,
                  bool nodes);
 

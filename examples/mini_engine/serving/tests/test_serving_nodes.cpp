@@ -316,6 +316,62 @@ TEST_CASE("a one-node run repriced on two nodes, by hand") {
                          .epsilon(1e-12));
 }
 
+namespace {
+
+// A clock standing for the measured one-node curves: a price nothing else computes.
+class fake_curves final : public step_clock {
+ public:
+  double step_s(const step_cost& c, double) const override {
+    return (c.mode == parallel_mode::ep ? 0.030 : 0.020) + 1e-5 * static_cast<double>(c.num_sequences) +
+           1e-9 * static_cast<double>(c.context_tokens);
+  }
+  double switch_s(const moebius::switch_report&) const override { return 0; }
+  const char* name() const override { return "fake curves"; }
+  bool needs_measurement() const override { return false; }
+};
+
+}  // namespace
+
+TEST_CASE("anchored on the one-node curves: the roofline prices only what two nodes change") {
+  const h200_step_model one = model_at(8, 1), two = model_at(16, 2);
+  const fake_curves curves;
+  const node_pricing p{{2, 8}, &one, &two, &curves};
+  step_record ep_step;
+  ep_step.config = k_ep;
+  ep_step.sequences = ep_step.decode_tokens = 200;
+  ep_step.context_tokens = 300'000;
+  ep_step.step_ms = 41.5;  // as the one-node run priced it
+  step_record tp_step = ep_step;
+  tp_step.config = k_tp;
+  tp_step.mode = parallel_mode::tp;
+  tp_step.step_ms = 37.25;
+  auto cost = [](const configuration& c, int64_t copies, const step_record& s) {
+    step_cost x;
+    x.set(c);
+    x.num_sequences = s.sequences * copies;
+    x.new_tokens = s.decode_tokens * copies;
+    x.context_tokens = s.context_tokens * copies;
+    return x;
+  };
+  // Its own layout on one node: as recorded; on two nodes EP adds the roofline's difference.
+  CHECK(step_on_s(ep_step, k_ep, p, false) == 41.5e-3);
+  const double delta = two.step_s(cost(k_ep, 2, ep_step), 0) - one.step_s(cost(k_ep, 1, ep_step), 0);
+  CHECK(step_on_s(ep_step, k_ep, p, true) == Approx(41.5e-3 + delta).epsilon(1e-12));
+  CHECK(step_on_s(tp_step, k_tp, p, true) == 37.25e-3);
+  // The other layout: the curves' price (the same shape), then the same difference for EP.
+  CHECK(step_on_s(ep_step, k_tp, p, false) == Approx(0.020 + 2e-3 + 3e-4).epsilon(1e-12));
+  CHECK(step_on_s(ep_step, k_tp, p, true) == Approx(0.020 + 2e-3 + 3e-4).epsilon(1e-12));
+  CHECK(step_on_s(tp_step, k_ep, p, true) ==
+        Approx(0.030 + 2e-3 + 3e-4 + delta).epsilon(1e-12));
+  run_result r;
+  r.steps = {ep_step, tp_step};
+  const repriced_run out = reprice_on_nodes(r, p);
+  CHECK(out.one_node_steps_s == Approx(78.75e-3));
+  CHECK(out.nodes_steps_s == Approx(78.75e-3 + delta));
+  const free_switch_bounds b = free_switch_bounds_on_nodes(r, p);
+  CHECK(b.one_node_s == Approx(std::min(41.5e-3, 0.0223) + std::min(37.25e-3, 0.0323)));
+}
+
 TEST_CASE("bad parameters are refused, naming them") {
   priced_model m = qwen3_235b_a22b_priced();
   h200_params hw;
