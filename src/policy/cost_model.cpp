@@ -32,21 +32,26 @@ void validate(const link_params& l) {
   MOEBIUS_CHECK(finite_nonneg(l.kv_bandwidth.bytes_per_s), errc::invalid_argument,
                 "kv bandwidth must be finite and >= 0 GB/s, 0 meaning the weight rate "
                 "(kv_bandwidth=", l.kv_bandwidth.gb_per_s(), " GB/s)");
+  MOEBIUS_CHECK(finite_nonneg(l.internode.bytes_per_s), errc::invalid_argument,
+                "internode bandwidth must be finite and >= 0 GB/s, 0 meaning one node "
+                "(internode=", l.internode.gb_per_s(), " GB/s)");
   MOEBIUS_CHECK(finite_nonneg(l.barrier_us) && finite_nonneg(l.launch_us) &&
-                    finite_nonneg(l.fixed_ms),
+                    finite_nonneg(l.fixed_ms) && finite_nonneg(l.internode_barrier_us),
                 errc::invalid_argument,
                 "barrier, launch and fixed overheads must be finite and >= 0 (barrier_us=",
-                l.barrier_us, ", launch_us=", l.launch_us, ", fixed_ms=", l.fixed_ms, ")");
+                l.barrier_us, ", internode_barrier_us=", l.internode_barrier_us,
+                ", launch_us=", l.launch_us, ", fixed_ms=", l.fixed_ms, ")");
 }
 
 void validate(const switch_workload& w) {
   MOEBIUS_CHECK(w.num_ranks >= 1, errc::invalid_argument,
                 "a switch workload needs num_ranks >= 1 (num_ranks=", w.num_ranks, ")");
   MOEBIUS_CHECK(w.weight_bytes_per_rank >= 0 && w.kv_bytes_per_rank >= 0 &&
-                    w.weight_phases >= 0 && w.kv_rounds >= 0,
+                    w.weight_phases >= 0 && w.kv_rounds >= 0 && w.internode_bytes_per_rank >= 0,
                 errc::invalid_argument,
                 "switch workload counts must be >= 0 (weight_bytes=", w.weight_bytes_per_rank,
-                ", kv_bytes=", w.kv_bytes_per_rank, ", phases=", w.weight_phases,
+                ", kv_bytes=", w.kv_bytes_per_rank, ", internode_bytes=",
+                w.internode_bytes_per_rank, ", phases=", w.weight_phases,
                 ", kv_rounds=", w.kv_rounds, ")");
 }
 
@@ -72,27 +77,43 @@ switch_workload weight_switch_workload(const arena_geometry& g, int64_t num_laye
 }
 
 std::ostream& operator<<(std::ostream& os, const switch_cost& c) {
-  return os << "total " << c.total_ms() << " ms = weights " << c.weight_ms << " + kv "
-            << c.kv_ms << " + barriers " << c.barrier_ms << " + launches " << c.launch_ms
-            << " + fixed " << c.fixed_ms;
+  os << "total " << c.total_ms() << " ms = weights " << c.weight_ms << " + kv " << c.kv_ms;
+  if (c.internode_ms > 0) os << " + internode " << c.internode_ms;
+  return os << " + barriers " << c.barrier_ms << " + launches " << c.launch_ms << " + fixed "
+            << c.fixed_ms;
 }
 
 std::ostream& operator<<(std::ostream& os, const link_params& l) {
-  return os << "link{" << l.bandwidth.gb_per_s() << " GB/s, kv "
-            << l.effective_kv_bandwidth().gb_per_s()
-            << " GB/s, barrier " << l.barrier_us << " us, launch " << l.launch_us
-            << " us, fixed " << l.fixed_ms << " ms}";
+  os << "link{" << l.bandwidth.gb_per_s() << " GB/s, kv " << l.effective_kv_bandwidth().gb_per_s()
+     << " GB/s, barrier " << l.barrier_us << " us, launch " << l.launch_us << " us, fixed "
+     << l.fixed_ms << " ms";
+  if (l.internode.bytes_per_s > 0) {
+    os << "; internode " << l.internode.gb_per_s() << " GB/s, barrier "
+       << (l.internode_barrier_us > 0 ? l.internode_barrier_us : l.barrier_us) << " us";
+  }
+  return os << "}";
 }
 
 cost_model::cost_model(const link_params& link) : link_(link) { validate(link_); }
 
 switch_cost cost_model::predict(const switch_workload& w) const {
   validate(w);
+  const bool crosses = w.internode_bytes_per_rank > 0;
+  MOEBIUS_CHECK(!crosses || link_.internode.bytes_per_s > 0, errc::invalid_argument,
+                "a switch workload with internode bytes needs the link's internode rate "
+                "(internode_bytes=", w.internode_bytes_per_rank, ", internode=0 GB/s)");
   switch_cost c;
   c.weight_ms = transfer_ms(w.weight_bytes_per_rank, link_.bandwidth);
   c.kv_ms = transfer_ms(w.kv_bytes_per_rank, link_.effective_kv_bandwidth());
+  if (crosses) {
+    // The NIC's copies run beside NVLink's: only what outlasts them adds.
+    c.internode_ms = std::max(
+        0.0, transfer_ms(w.internode_bytes_per_rank, link_.internode) - c.weight_ms - c.kv_ms);
+  }
   const double n = static_cast<double>(sync_points(w));
-  c.barrier_ms = n * link_.barrier_us * 1e-3;
+  const double barrier_us =
+      crosses && link_.internode_barrier_us > 0 ? link_.internode_barrier_us : link_.barrier_us;
+  c.barrier_ms = n * barrier_us * 1e-3;
   c.launch_ms = n * link_.launch_us * 1e-3;
   c.fixed_ms = link_.fixed_ms;
   return c;
@@ -103,6 +124,9 @@ cost_fit_result cost_model::update(const switch_measurement& m) {
   MOEBIUS_CHECK(std::isfinite(m.measured_ms) && m.measured_ms > 0, errc::invalid_argument,
                 "a measured switch time must be finite and > 0 ms (measured_ms=",
                 m.measured_ms, ")");
+  MOEBIUS_CHECK(m.workload.internode_bytes_per_rank == 0, errc::invalid_argument,
+                "a measured switch whose copies cross nodes cannot refine the in-node link "
+                "(internode_bytes=", m.workload.internode_bytes_per_rank, ")");
   measurements_.push_back(m);
   return refit();
 }

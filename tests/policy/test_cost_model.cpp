@@ -1,6 +1,7 @@
 // Switch cost model: hand-computed predictions, the paper's anchor, the workload of a real
 // weight plan, and least-squares recovery of a synthetic bandwidth and fixed overhead.
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
@@ -184,4 +185,99 @@ TEST_CASE("cost_model: degenerate fits keep the link", "[cost_model]") {
   CHECK_THROWS_AS(cost_model{}.predict(neg), moebius::error);
   const arena_geometry g = make_arena_geometry(qwen3_235b_a22b(), 8);
   CHECK_THROWS_AS(weight_switch_workload(g, 95), moebius::error);
+}
+
+TEST_CASE("cost_model: copies across nodes beside copies within, by hand", "[cost_model]") {
+  std::mt19937_64 rng(policy_test_seed() + 31);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (int trial = 0; trial < 50; ++trial) {
+    link_params l;
+    l.bandwidth = link_rate::gb_per_s(100 + 400 * u(rng));
+    l.internode = link_rate::gb_per_s(10 + 90 * u(rng));
+    l.barrier_us = 10 * u(rng);
+    l.internode_barrier_us = trial % 5 == 0 ? 0.0 : 5 + 30 * u(rng);
+    l.launch_us = 5 * u(rng);
+    l.fixed_ms = 4 * u(rng);
+    switch_workload w;
+    w.num_ranks = 16;
+    w.weight_bytes_per_rank = static_cast<int64_t>(3e10 * u(rng));
+    w.kv_bytes_per_rank = static_cast<int64_t>(1e10 * u(rng));
+    w.internode_bytes_per_rank = 1 + static_cast<int64_t>(3e10 * u(rng));
+    w.weight_phases = 1 + static_cast<int64_t>(93 * u(rng));
+    w.kv_rounds = static_cast<int64_t>(4 * u(rng));
+    const switch_cost c = cost_model(l).predict(w);
+    // By hand: the longer of the two links' copies, every barrier across the nodes.
+    const double within = static_cast<double>(w.weight_bytes_per_rank) / l.bandwidth.bytes_per_s +
+                          static_cast<double>(w.kv_bytes_per_rank) / l.bandwidth.bytes_per_s;
+    const double across = static_cast<double>(w.internode_bytes_per_rank) / l.internode.bytes_per_s;
+    const double barrier = l.internode_barrier_us > 0 ? l.internode_barrier_us : l.barrier_us;
+    const double syncs = static_cast<double>(w.weight_phases + w.kv_rounds);
+    const double expect_ms = std::max(within, across) * 1e3 +
+                             syncs * (barrier + l.launch_us) * 1e-3 + l.fixed_ms;
+    INFO("link " << l << ", cost " << c);
+    CHECK(c.total_ms() == Catch::Approx(expect_ms).epsilon(1e-12));
+    CHECK(c.internode_ms == Catch::Approx(std::max(0.0, across - within) * 1e3).margin(1e-9));
+    CHECK(c.barrier_ms == Catch::Approx(syncs * barrier * 1e-3).margin(1e-12));
+    // Nothing across: the one-node price, whatever the internode link.
+    switch_workload one_node = w;
+    one_node.internode_bytes_per_rank = 0;
+    link_params no_nic = l;
+    no_nic.internode = link_rate{};
+    CHECK(cost_model(l).predict(one_node).total_ms() ==
+          Catch::Approx(cost_model(no_nic).predict(one_node).total_ms()).epsilon(1e-15));
+    CHECK(cost_model(l).predict(one_node).internode_ms == 0);
+  }
+}
+
+TEST_CASE("cost_model: EP16 -> TP8 x 2 of Qwen3-235B over NDR InfiniBand", "[cost_model]") {
+  // Each rank's 8 experts a layer (8 x 37,748,736 B) go whole to the other node and 7/8 of
+  // them to its own node's 7 peers, every one of 94 layers.
+  link_params l;
+  l.bandwidth = link_rate::gb_per_s(395);
+  l.internode = link_rate::gb_per_s(50);
+  l.barrier_us = 10;
+  l.internode_barrier_us = 19.9;
+  l.launch_us = 5;
+  l.fixed_ms = 3.9;
+  switch_workload w;
+  w.num_ranks = 16;
+  w.weight_bytes_per_rank = 94 * int64_t{264'241'152};
+  w.internode_bytes_per_rank = 94 * int64_t{301'989'888};
+  w.weight_phases = 94;
+  const switch_cost c = cost_model(l).predict(w);
+  CHECK(w.internode_bytes_per_rank == 28'387'049'472);
+  // 28,387,049,472 B / 50 GB/s = 567.74 ms; within: 62.88 ms, run beside it.
+  CHECK(c.weight_ms == Catch::Approx(62.8827).epsilon(1e-5));
+  CHECK(c.weight_ms + c.internode_ms == Catch::Approx(567.741).epsilon(1e-5));
+  CHECK(c.barrier_ms == Catch::Approx(94 * 19.9e-3));
+  CHECK(c.total_ms() == Catch::Approx(567.741 + 94 * 24.9e-3 + 3.9).epsilon(1e-5));
+  std::ostringstream os;
+  os << c << " " << l;
+  CHECK_THAT(os.str(), Catch::Contains("+ internode 504.8"));
+  CHECK_THAT(os.str(), Catch::Contains("internode 50 GB/s, barrier 19.9 us"));
+}
+
+TEST_CASE("cost_model: refuses what it cannot price across nodes", "[cost_model]") {
+  switch_workload w;
+  w.num_ranks = 16;
+  w.internode_bytes_per_rank = 1'000'000;
+  // No internode rate: the bytes that cross have no link.
+  CHECK_THROWS_WITH(cost_model{}.predict(w), Catch::Contains("internode_bytes=1000000"));
+  link_params l;
+  l.internode = link_rate::gb_per_s(50);
+  cost_model m(l);
+  CHECK(m.predict(w).total_ms() > 0);
+  // The fit is of the in-node link: a measurement that crossed nodes is refused, untouched.
+  CHECK_THROWS_WITH(m.update({w, 10.0}), Catch::Contains("cross nodes"));
+  CHECK(m.measurements().empty());
+  w.internode_bytes_per_rank = -1;
+  CHECK_THROWS_WITH(m.predict(w), Catch::Contains("internode_bytes=-1"));
+  for (const double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    link_params b;
+    b.internode = link_rate{bad * 1e9};
+    CHECK_THROWS_WITH(cost_model(b), Catch::Contains("internode bandwidth"));
+    link_params c;
+    c.internode_barrier_us = bad;
+    CHECK_THROWS_WITH(cost_model(c), Catch::Contains("internode_barrier_us"));
+  }
 }

@@ -404,6 +404,7 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
                         p.rollout ? design_bounds_s(runs, *h.clock.clock, h.P)
                                   : std::vector<std::pair<run_kind, double>>{});
   if (verbose) print_gate(run_of(runs, run_kind::switching).result, &p.cal.curves, 0);
+  if (h.nodes != nullptr) print_nodes_trace(runs, p.rollout, *h.nodes);
   if (h.o.search && p.rollout) run_search(h, p, base, m, runs);
   const int64_t every = write_run_files(p.dir, runs, h.o.step_log_rows);
   std::printf("  %s\n", verbose ? files_line(p.dir, every).c_str()

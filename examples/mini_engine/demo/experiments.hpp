@@ -14,6 +14,7 @@
 
 #include "clock.hpp"
 #include "engine.hpp"
+#include "nodes_report.hpp"
 #include "options.hpp"
 #include "paper_metrics.hpp"
 #include "paper_traces.hpp"
@@ -89,9 +90,18 @@ inline run_settings sim_settings() {
   return s;
 }
 
+// --nodes 2: the runs a what-if over more nodes reprices (nodes_report.hpp): the paper's
+// design alone, stop-the-world (static TP, static EP, ours, the paper's policy).
+inline run_settings sim_nodes_settings() {
+  run_settings s = sim_settings();
+  s.runs = {run_kind::static_tp, run_kind::static_ep, run_kind::switching,
+            run_kind::paper_policy};
+  return s;
+}
+
 inline run_settings settings_for(runtime_kind runtime, const options& o) {
-  return runtime == runtime_kind::sim ? sim_settings()
-                                      : host_settings(o, runtime == runtime_kind::gpu);
+  if (runtime == runtime_kind::sim) return o.nodes > 1 ? sim_nodes_settings() : sim_settings();
+  return host_settings(o, runtime == runtime_kind::gpu);
 }
 
 // The rollout's outputs are cut at this many tokens (paper §9.3); the trace's statistics count
@@ -135,6 +145,8 @@ struct harness {
   int P;
   progress_printer& progress;
   nlohmann::json results = nlohmann::json::array();  // simulated: every metric of every run
+  // --nodes 2 (simulated): the models the runs are repriced with on more nodes; null: none.
+  const nodes_models* nodes = nullptr;
 };
 
 // Serves one trace with every run and reports it (the table, the files; the details with

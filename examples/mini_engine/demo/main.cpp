@@ -51,6 +51,7 @@
 #include "deployment.hpp"
 #include "engine.hpp"
 #include "experiments.hpp"
+#include "nodes_report.hpp"
 #include "options.hpp"
 #include "paper_report.hpp"
 #include "runs.hpp"
@@ -243,6 +244,13 @@ int run_demo(options o) {
   progress_printer progress(o.verbose ? progress_printer::style::lines
                                       : progress_printer::style::status);
   harness h{o, runtime, settings, *pool, clock, P, progress};
+  // --nodes 2: the what-if's models, and what it prices, once before the traces.
+  std::unique_ptr<nodes_models> nodes;
+  if (runtime == runtime_kind::sim && o.nodes > 1) {
+    nodes = std::make_unique<nodes_models>(make_nodes_models(o, *clock.clock));
+    print_nodes_preamble(o, *nodes);
+    h.nodes = nodes.get();
+  }
   std::vector<trace_outcome> outcomes;
   for (const trace_kind k : o.traces) {
     outcomes.push_back(serve_trace(h, k));

@@ -294,6 +294,12 @@ void declare_sim(CLI::App& app, options& o) {
          o.vllm_graph_buckets = v == "vllm";
          o.graph_buckets_given = true;
        });
+  text("--nodes", "N",
+       "--runtime sim: the paper's deployment over N nodes of 8 H200s, [1, 2] (default 1); 2: "
+       "a PRICED what-if, nothing measured: capacities and switch cost of EP16 against TP8 x 2, "
+       "and the two experiments' runs repriced on two nodes (the paper-bursty and "
+       "paper-rollout traces unless --trace)",
+       [&o](const std::string& v) { o.nodes = static_cast<int>(parse_int("--nodes", v, 1, 2)); });
   text("--rollout-median", "TOKENS",
        "paper-rollout: the median output length, [64, 32000] (default 2000: DeepMath-103K's R1 "
        "mean with a 2% cut; the paper-shaped sweep covers 4k-10k)",
@@ -369,9 +375,15 @@ void check_together(options& o, bool max_batch_set) {
            t == trace_kind::paper_rollout;
   };
   const bool paper_trace = std::any_of(o.traces.begin(), o.traces.end(), is_paper);
+  if (o.nodes > 1 && o.runtime != runtime_kind::sim)
+    fail("--nodes", "prices the simulated runtime's runs on more nodes (--runtime sim)");
   if (o.runtime == runtime_kind::sim) {
     if (!o.traces_given)
-      o.traces = {trace_kind::paper_bursty, trace_kind::paper_steady, trace_kind::paper_rollout};
+      o.traces = o.nodes > 1 ? std::vector<trace_kind>{trace_kind::paper_bursty,
+                                                       trace_kind::paper_rollout}
+                             : std::vector<trace_kind>{trace_kind::paper_bursty,
+                                                       trace_kind::paper_steady,
+                                                       trace_kind::paper_rollout};
     for (const trace_kind t : o.traces) {
       if (!is_paper(t) && t != trace_kind::file)
         fail("--trace", std::string(to_string(t)) +

@@ -91,6 +91,10 @@ struct options {
   // --runtime sim: the link model with each collective's latency at these us, TP's all-reduce
   // and EP's dispatch or combine (< 0: not given), for the results' sensitivity to it.
   double collective_us_tp = -1, collective_us_ep = -1;
+  // --runtime sim: the paper's deployment over this many nodes of 8 H200s, priced (a what-if,
+  // nodes_report.hpp): 1 the paper's one node; 2 EP16 against TP8 x 2, every step and switch
+  // of the one-node runs repriced.
+  int nodes = 1;
   // --runtime sim: the routing skew the busiest EP rank's expert load is priced at
   // (serving/expert_load.hpp: 0 uniform, > 0 a Zipf exponent).
   double routing_skew = 0;

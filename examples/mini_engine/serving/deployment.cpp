@@ -78,8 +78,9 @@ int64_t layout_capacity::sequences(int64_t context) const {
   MOEBIUS_CHECK(context >= 1, errc::invalid_argument, "sequences: context must be >= 1 (got ",
                 context, ")");
   const int64_t per_rank_tokens = kv_pool_bytes / kv_bytes_per_token;
-  const int64_t fit = attention() == parallel_mode::ep ? (per_rank_tokens / context) * num_ranks
-                                                       : per_rank_tokens * config.dcp / context;
+  const int64_t fit = attention() == parallel_mode::ep
+                          ? (per_rank_tokens / context) * num_ranks
+                          : per_rank_tokens * config.dcp / context * replicas;
   return std::min(fit, max_running);
 }
 

@@ -74,16 +74,20 @@ struct layout_capacity {
   int64_t kv_bytes_per_token = 0;  // per rank, all layers, K and V, the heads it holds
   // Tokens the deployment holds: P x the rank's pool in EP (distinct sequences per rank), dcp x
   // one rank's pool in TP (every sequence on every replica set of dcp ranks, each rank holding
-  // 1/dcp of its tokens).
+  // 1/dcp of its tokens), times the TP replicas.
   int64_t tokens = 0;
   // Sequences of `context` tokens the deployment holds, at most max_running (EP: per rank
-  // floor(pool / sequence), times P; TP: floor(dcp x pool / sequence)).
+  // floor(pool / sequence), times P; TP: floor(dcp x pool / sequence) a replica, times the
+  // replicas).
   int64_t sequences(int64_t context) const;
 
   configuration config;  // the layout and dcp
   moebius::parallel_mode attention() const { return config.layout.attention; }
-  int num_ranks = 1;
+  int num_ranks = 1;  // P (TP: of one replica)
   int64_t max_running = 0;
+  // TP: copies of the layout side by side, each on its own P ranks serving its own sequences
+  // (one a node past one node: node_deployment.hpp); 1 everywhere else.
+  int64_t replicas = 1;
 };
 
 struct deployment {

@@ -34,7 +34,65 @@ h200_step_model::h200_step_model(priced_model m, h200_params hw, int num_ranks,
                 errc::invalid_argument,
                 "h200_step_model: need P | E, 1 <= top_k <= E, H_kv >= 1, positive rates and "
                 "scales (P=", num_ranks, ", E=", m.num_experts, ", top_k=", m.top_k, ")");
+  MOEBIUS_CHECK(hw.num_nodes >= 1 && num_ranks % hw.num_nodes == 0, errc::invalid_argument,
+                "h200_step_model: num_nodes must be >= 1 and divide P (num_nodes=", hw.num_nodes,
+                ", P=", num_ranks, ")");
+  MOEBIUS_CHECK(hw.num_nodes == 1 || (std::isfinite(hw.internode.bytes_per_s) &&
+                                      hw.internode.bytes_per_s > 0 &&
+                                      std::isfinite(hw.internode_collective_us) &&
+                                      hw.internode_collective_us >= 0),
+                errc::invalid_argument,
+                "h200_step_model: over ", hw.num_nodes, " nodes the internode rate must be > 0 "
+                "and internode_collective_us >= 0 (internode=", hw.internode.gb_per_s(),
+                " GB/s, internode_collective_us=", hw.internode_collective_us, ")");
   moebius::validate(hw.switch_link);
+}
+
+double h200_step_model::remote_nodes_per_token() const {
+  const int n = hw_.num_nodes;
+  if (n == 1) return 0;
+  // The chance that none of a token's k distinct experts lies on a given other node: the
+  // E - E/n experts elsewhere hold all k.
+  const double E = static_cast<double>(m_.num_experts), per_node = E / n;
+  double none = 1;
+  for (int64_t i = 0; i < m_.top_k; ++i)
+    none *= std::max(0.0, (E - per_node - static_cast<double>(i)) / (E - static_cast<double>(i)));
+  return (n - 1) * (1 - none);
+}
+
+double h200_step_model::ep_exchange_s(double rank_tokens) const {
+  const double P = num_ranks_, n = hw_.num_nodes, k = static_cast<double>(m_.top_k);
+  const double row = static_cast<double>(m_.hidden * m_.weight_bytes);
+  const double within = rank_tokens * k * n * (P / n - 1) / P * row / hw_.nvlink.bytes_per_s;
+  if (hw_.num_nodes == 1) return hw_.collective_us * 1e-6 + within;
+  const double across = rank_tokens * remote_nodes_per_token() * row / hw_.internode.bytes_per_s;
+  return hw_.internode_collective_us * 1e-6 + std::max(within, across);
+}
+
+double h200_step_model::collectives_s(const configuration& config, double tokens,
+                                      double own_share) const {
+  const double L = static_cast<double>(m_.num_layers);
+  const bool tp_attention = config.layout.attention == parallel_mode::tp;
+  if (hw_.collectives == collective_pricing::cited) {
+    decode_step_shape s;
+    s.tp_attention = tp_attention;
+    s.dcp = config.dcp;
+    s.batch = static_cast<int64_t>(std::ceil(tokens));
+    s.rank_pairs = tp_attention ? 0 : static_cast<int64_t>(std::ceil(tokens * own_share)) * m_.top_k;
+    s.num_ranks = num_ranks_;
+    s.layers = m_.num_layers;
+    s.hidden = m_.hidden;
+    s.q_heads = m_.num_q_heads;
+    s.head_dim = m_.head_dim;
+    return decode_step_collectives_s(s, collective_pricing::cited);
+  }
+  if (!tp_attention) return L * 2 * ep_exchange_s(tokens * own_share);
+  const double P = num_ranks_, H = static_cast<double>(m_.hidden);
+  const double wb = static_cast<double>(m_.weight_bytes);
+  // TEP's experts combine in the all-reduce TP already does: no dispatch.
+  return L * 2 * (2 * (P - 1) / P * tokens * H * wb / hw_.nvlink.bytes_per_s +
+                  hw_.collective_us * 1e-6) +
+         L * dcp_exchange_s(tokens, config.dcp);
 }
 
 double h200_step_model::experts_s(parallel_mode experts, double tokens) const {
@@ -68,6 +126,10 @@ double h200_step_model::time_s(const configuration& config, double sequences, do
                                double context_tokens) const {
   MOEBIUS_CHECK(is_named(config), errc::invalid_argument, "h200_step_model: no price for ",
                 name_of(config), " (TP or TEP with a dcp, or EP)");
+  MOEBIUS_CHECK(hw_.num_nodes == 1 || config.layout.attention == parallel_mode::ep,
+                errc::invalid_argument, "h200_step_model: ", name_of(config), " over ",
+                hw_.num_nodes, " nodes: TP attention stays within a node (price each replica "
+                "on a one-node model of its ranks)");
   const double P = num_ranks_, L = static_cast<double>(m_.num_layers);
   const double H = static_cast<double>(m_.hidden), D = static_cast<double>(m_.head_dim);
   const double Hq = static_cast<double>(m_.num_q_heads), Hkv = static_cast<double>(m_.num_kv_heads);
@@ -76,8 +138,7 @@ double h200_step_model::time_s(const configuration& config, double sequences, do
   const double wb = static_cast<double>(m_.weight_bytes), kvb = static_cast<double>(m_.kv_bytes);
   const double expert_bytes = 3 * H * I * wb;
   const double ctx = context_tokens * m_.context_scale;
-  const double link = hw_.nvlink.bytes_per_s, hbm = hw_.hbm.bytes_per_s;
-  const double latency = hw_.collective_us * 1e-6;
+  const double hbm = hw_.hbm.bytes_per_s;
   const double untouched = std::pow(1 - k / E, tokens);
   double bytes = 0, collectives = 0;
   if (config.layout.attention == parallel_mode::tp) {
@@ -92,9 +153,7 @@ double h200_step_model::time_s(const configuration& config, double sequences, do
     // dcp: each rank reads its 1/dcp of every sequence's tokens of its head.
     bytes += ctx * L * 2 * heads * D * kvb / static_cast<double>(config.dcp);
     bytes += V * H * wb / P;
-    // TEP's experts combine in the all-reduce TP already does: no dispatch.
-    collectives = L * 2 * (2 * (P - 1) / P * tokens * H * wb / link + latency);
-    collectives += L * dcp_exchange_s(tokens, config.dcp);
+    collectives = collectives_s(config, tokens, 1);
   } else {
     const double own_seqs = std::ceil(sequences / P);
     const double own_share = sequences > 0 ? own_seqs / sequences : 0;
@@ -103,7 +162,7 @@ double h200_step_model::time_s(const configuration& config, double sequences, do
     bytes += L * std::min(E / P, mean + std::sqrt(mean)) * expert_bytes;
     bytes += ctx * own_share * L * 2 * Hkv * D * kvb;
     bytes += V * H * wb;
-    collectives = L * 2 * (tokens * own_share * k * (P - 1) / P * H * wb / link + latency);
+    collectives = collectives_s(config, tokens, own_share);
   }
   return bytes / hbm + collectives + hw_.step_overhead_us * 1e-6;
 }

@@ -24,6 +24,7 @@
 #include "configuration.hpp"
 #include "overlap_curve.hpp"
 #include "step.hpp"
+#include "step_collectives.hpp"
 
 namespace mini_engine {
 
@@ -193,6 +194,31 @@ struct h200_params {
   // The paper's 8x H200 figure is ~330 GB/s (152 ms for 50 GB).
   moebius::link_params switch_link = fitted_h200x2_switch_link();
 
+  // What prices the roofline's collectives: the link model (collective_us, nvlink, and across
+  // nodes the two fields below) or the cited measurements (collective_table.hpp, as
+  // step_collectives.hpp runs them a step).
+  collective_pricing collectives = collective_pricing::link;
+
+  // A deployment over several nodes of GPUs (a what-if: nothing here was measured on two
+  // nodes). The P ranks span num_nodes nodes, P / num_nodes a node; 1: one node, as above.
+  int num_nodes = 1;
+  // Per GPU per direction between nodes: one ConnectX-7 NIC a GPU, InfiniBand NDR 400 Gb/s,
+  // ~50 GB/s (deepseek-ai/DeepEP docs/legacy.md: "CX7 InfiniBand 400 Gb/s RDMA network card
+  // (~50 GB/s maximum bandwidth)"; NVIDIA/nccl-tests issue #290: 46-48 GB/s a NIC reached).
+  moebius::link_rate internode = moebius::link_rate::gb_per_s(50);
+  // One collective (or barrier) across nodes: an 8-byte NCCL all-reduce between two nodes over
+  // InfiniBand, 19.90 us (nccl-tests all_reduce_perf, NVIDIA/nccl-tests issue #150).
+  double internode_collective_us = 19.9;
+
+  // switch_link with the internode rate and a barrier across nodes at internode_collective_us:
+  // the link a switch whose copies cross nodes is priced over (moebius::cost_model).
+  moebius::link_params switch_link_across_nodes() const {
+    moebius::link_params l = switch_link;
+    l.internode = internode;
+    l.internode_barrier_us = internode_collective_us;
+    return l;
+  }
+
   static moebius::link_params fitted_h200x2_switch_link() {
     moebius::link_params l;
     l.bandwidth = moebius::link_rate::gb_per_s(395);
@@ -211,12 +237,18 @@ struct h200_params {
 //   EP: whole attention weights (data-parallel attention), the busiest rank's touched whole
 //       experts (mean m = E/P (1-(1-k/E)^T), busiest m + sqrt(m), at most E/P), the KV of its
 //       own ceil(B/P) sequences with all heads, the whole LM head; dispatch and combine
-//       all-to-alls of its tokens x k x (P-1)/P rows of H.
+//       all-to-alls of its tokens x k x (P-1)/P rows of H (ep_exchange_s: over n > 1 nodes,
+//       NVLink within and the NIC across, side by side).
 //   TEP (TP attention, EP experts): TP's attention, KV, LM head and all-reduces (the experts'
 //       combine is the all-reduce TP already does), EP's expert term (experts_s) over every
 //       token of the step;
 //   dcp d (TP attention): the KV read divided by d, plus dcp_exchange_s a layer.
 //   touched experts of T tokens: E (1 - (1 - k/E)^T).
+// With hardware().collectives cited, the collectives are step_collectives.hpp's instead
+// (decode_step_collectives_s: TP's all-reduces and DCP's exchange, EP's dispatch and combine of
+// the rank's tokens x k rows, at P = 16 DeepEP's across two nodes). Over several nodes
+// (num_nodes > 1) only EP prices: TP attention stays within a node (price each TP replica on a
+// one-node model of its P / num_nodes ranks).
 // So TP wins at small batch (it streams 1/P of every weight), and EP at large batch and long
 // contexts when H_kv < P (TP reads and stores replicated KV heads): DESIGN.md §7's regime.
 // A switch is priced with moebius::cost_model over switch_link: the priced model's expert bytes
@@ -271,12 +303,29 @@ class h200_step_model final : public step_clock {
   // (collective_us) plus the bytes at the NVLink rate (nvlink), as bench_rank_share prices them.
   //   Qwen3-235B, P 8, dcp 2, T 64: 3 x 10 us + 266,240 B / 389 GB/s = 30.68 us.
   double dcp_exchange_s(double tokens, int64_t dcp) const;
+  // One layer's dispatch (or combine) of `rank_tokens` tokens a rank, on the link model, each
+  // token's k rows of H (weight_bytes each):
+  //   one node:  collective_us + rank_tokens x k x (P-1)/P x H x B / nvlink
+  //   n nodes:   internode_collective_us + max(within / nvlink, across / internode), with
+  //              within = rank_tokens x k x n (P/n - 1)/P rows (to the node's other ranks, and
+  //              those the NIC brought in forwarded to them), across = rank_tokens x r rows,
+  //              r = (n - 1)(1 - C(E - E/n, k) / C(E, k)) the other nodes a token's experts
+  //              touch (one copy a node, forwarded there over NVLink: DeepEP's normal kernels)
+  //   Qwen3-235B, P 16, 2 nodes, 32 tokens: r = 0.996904; within 32 x 8 x 14/16 x 8,192 B =
+  //   1,835,008 B (4.717 us), across 32 x 0.996904 x 8,192 B = 261,332 B (5.227 us): 25.127 us.
+  double ep_exchange_s(double rank_tokens) const;
+  // The other nodes one token's k of E experts touch, over num_nodes nodes (0 on one node).
+  double remote_nodes_per_token() const;
   const priced_model& model() const { return m_; }
   const h200_params& hardware() const { return hw_; }
+  int num_ranks() const { return num_ranks_; }
 
  private:
   double time_s(const configuration& config, double sequences, double tokens,
                 double context_tokens) const;
+  // The step's collectives (per hardware().collectives), `own_share` the EP rank's share of
+  // its tokens.
+  double collectives_s(const configuration& config, double tokens, double own_share) const;
   double priced_switch_s(int64_t run_kv_bytes, int64_t kv_rounds) const;
 
   priced_model m_;

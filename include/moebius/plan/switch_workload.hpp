@@ -7,6 +7,10 @@
 //
 //   Qwen3-235B at P=8, all 94 layers EP->TP, no KV:
 //     {num_ranks 8, weight_bytes_per_rank 49,677,336,576, kv 0, weight_phases 94, kv_rounds 0}
+//
+// A deployment over several nodes splits what leaves a rank by the link it takes: the weight
+// and KV bytes stay within the rank's node (NVLink), internode_bytes_per_rank go to ranks of
+// other nodes (the rank's NIC). A plan knows no nodes: workload_of() leaves them 0.
 
 #include <cstdint>
 
@@ -20,6 +24,9 @@ struct switch_workload {
   int64_t kv_bytes_per_rank = 0;      // KV bytes leaving the busiest rank
   int64_t weight_phases = 0;          // one per layer switched
   int64_t kv_rounds = 0;              // KV migration rounds (each ends in a barrier)
+  // Bytes (weights and KV) leaving the busiest rank for ranks of other nodes; not counted in
+  // weight_bytes_per_rank or kv_bytes_per_rank, which are then the bytes within its node.
+  int64_t internode_bytes_per_rank = 0;
 
   friend bool operator==(const switch_workload&, const switch_workload&) = default;
 };

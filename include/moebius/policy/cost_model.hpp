@@ -7,6 +7,14 @@
 //         + (weight_phases + kv_rounds) · (barrier + launch)     (one barrier per phase)
 //         + fixed                                                (page tables, pointer flip)
 //
+// Over several nodes the bytes bound for another node (switch_workload's internode bytes) take
+// the rank's NIC at link_params::internode while the bytes within the node take NVLink: the two
+// run side by side, so the copies last the longer of the two,
+//   copies = max(weight_bytes / bw + kv_bytes / kv_bw, internode_bytes / internode),
+// and every barrier of such a switch spans the nodes (internode_barrier_us).
+//   Two nodes of 8, 28,387,049,472 B across at 50 GB/s, 24,838,668,288 B within at 395 GB/s:
+//   copies max(62.9, 567.7) = 567.7 ms.
+//
 // Bytes are what leaves the busiest rank: a switch is an all-to-all, each rank sends and
 // receives concurrently, the link's one direction is the bottleneck. Bandwidths are
 // effective rates (link_rate) per GPU per direction.
@@ -26,7 +34,13 @@ namespace moebius {
 struct link_params {
   link_rate bandwidth = link_rate::gb_per_s(330);  // effective weight-copy rate, per GPU
   link_rate kv_bandwidth{};  // effective KV-page rate; 0: same as bandwidth
+  // Between nodes: what one GPU's NIC moves per direction (an InfiniBand NDR ConnectX-7,
+  // 400 Gb/s: ~50 GB/s). 0: one node, and a workload with internode bytes is refused.
+  link_rate internode{};
   double barrier_us = 10.0;  // one cross-rank barrier (device flags)
+  // One barrier spanning nodes, for every barrier of a switch whose copies cross nodes (a
+  // round trip over the network); 0: barrier_us.
+  double internode_barrier_us = 0.0;
   double launch_us = 5.0;    // launching one phase (kernel or graph node)
   double fixed_ms = 0.0;     // per switch, independent of bytes and phases
 
@@ -35,8 +49,8 @@ struct link_params {
   }
 };
 
-// Throws errc::invalid_argument unless bandwidth > 0, kv bandwidth >= 0, barrier, launch and
-// fixed >= 0 (all finite).
+// Throws errc::invalid_argument unless bandwidth > 0, kv and internode bandwidths >= 0,
+// barrier, internode barrier, launch and fixed >= 0 (all finite).
 void validate(const link_params& link);
 
 // Throws errc::invalid_argument unless num_ranks >= 1 and every count >= 0.
@@ -51,14 +65,20 @@ switch_workload weight_switch_workload(const arena_geometry& geometry, int64_t n
 struct switch_cost {
   double weight_ms = 0;
   double kv_ms = 0;
+  // The cross-node copies beyond the in-node ones (weight_ms + kv_ms), which they run beside:
+  // max(0, internode bytes / internode - weight_ms - kv_ms). 0 on one node.
+  double internode_ms = 0;
   double barrier_ms = 0;
   double launch_ms = 0;
   double fixed_ms = 0;
 
-  double total_ms() const { return weight_ms + kv_ms + barrier_ms + launch_ms + fixed_ms; }
+  double total_ms() const {
+    return weight_ms + kv_ms + internode_ms + barrier_ms + launch_ms + fixed_ms;
+  }
 };
 
-// "total 152.3 ms = weights 150.5 + kv 0 + barriers 0.94 + launches 0.47 + fixed 0"
+// "total 152.3 ms = weights 150.5 + kv 0 + barriers 0.94 + launches 0.47 + fixed 0"; with
+// cross-node bytes, "+ internode X" after kv.
 std::ostream& operator<<(std::ostream& os, const switch_cost& c);
 
 // One measured switch.
@@ -79,10 +99,12 @@ class cost_model {
   // Validates `link`.
   explicit cost_model(const link_params& link = {});
 
-  // Time of one switch, broken down. Validates `w`.
+  // Time of one switch, broken down. Validates `w`; throws errc::invalid_argument naming the
+  // internode bytes when `w` has some and the link no internode rate.
   switch_cost predict(const switch_workload& w) const;
 
-  // Records a measured switch (validated; measured_ms finite and > 0) and refits.
+  // Records a measured switch (validated; measured_ms finite and > 0) and refits. The fit is of
+  // the in-node link: a switch with internode bytes is refused (errc::invalid_argument).
   cost_fit_result update(const switch_measurement& m);
 
   // Least squares over all recorded measurements of
