@@ -143,11 +143,13 @@ struct cost_gate_options {
   // gate_margin): covers the residency's spread and a cost model off by tens of percent.
   double margin = 0.25;
   // The least gain a step, as a share of the current layout's step at its batch, that a switch
-  // must promise (gate_evaluation::least_step_gain_ms): the corrected curves resolve two
-  // layouts no closer than this (the simulated runtime's TPOT against the GPU runtime's: 2-9%
-  // off). Two layouts priced within it are not told apart, so each correction's drift cannot
-  // make them look faster in turn and switch back and forth (each switch paying its cost).
-  double least_step_gain = 0.02;
+  // must promise (gate_evaluation::least_step_gain_ms): the corrected curves do not resolve two
+  // layouts closer than this. Two layouts priced within it are not told apart, so each mode's
+  // correction drifting with the work cannot make them look faster in turn and switch back and
+  // forth (each switch paying its cost: the experts-only design's two layouts, priced 0.1%
+  // apart a step, switched 205 times on a rollout). 1%: a switch that pays over a long queue at
+  // a gain of a few percent a step still passes.
+  double least_step_gain = 0.01;
   moebius::residency_config residency;
   // Step-latency curves of both modes; empty: calibrated at the run's start on the engine's
   // clock, decode steps at batches 1, 2, 4, ... up to max_running (and max_running itself), at
