@@ -165,4 +165,51 @@ inline std::string check_reference(const kv_geometry& g, const kv_state& s, cons
   return err;
 }
 
+// Bytes of `s` that hold no token, per rank of `pool_bytes` bytes: every free page (a plan may
+// write it, and its rollback need not restore it), and the slots past the last token of a
+// partial last page (a page dropped unread is re-created on rollback from a replica, whose
+// unused slots hold other bytes). Every other byte (each token's, and those of no page) comes
+// back exactly when a plan is rolled back.
+inline std::vector<std::vector<uint8_t>> tokenless_bytes(const kv_geometry& g, const kv_state& s,
+                                                         int64_t pool_bytes,
+                                                         const ref_offset_fn* where = nullptr) {
+  std::vector<std::vector<uint8_t>> mask(static_cast<size_t>(g.num_ranks),
+                                         std::vector<uint8_t>(static_cast<size_t>(pool_bytes), 0));
+  const int64_t elem = dtype_bytes(g.type);
+  const int64_t tensors_per_layer = g.num_kv_heads == 0 ? 1 : 2;
+  const int64_t D = s.mode == parallel_mode::tp ? g.dcp : 1;
+  for (int r = 0; r < g.num_ranks; ++r) {
+    int64_t first = 0, heads = 0;
+    ref_heads(g, s.mode, r, first, heads);
+    auto mark = [&](int64_t page, int64_t first_token) {
+      for (int64_t layer = 0; layer < g.num_layers; ++layer)
+        for (int64_t kv = 0; kv < tensors_per_layer; ++kv)
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t t = first_token; t < g.page_size; ++t)
+              for (int64_t d = 0; d < g.head_dim; ++d) {
+                const int64_t off = where ? (*where)(s.mode, layer, kv, page, h, t, d)
+                                          : ref_offset(g, s.mode, layer, kv, page, h, t, d);
+                for (int64_t b = 0; b < elem; ++b)
+                  mask[static_cast<size_t>(r)][static_cast<size_t>(off + b)] = 1;
+              }
+    };
+    for (int64_t p : s.ranks[static_cast<size_t>(r)].free_pages) mark(p, 0);
+    for (const kv_sequence& q : s.ranks[static_cast<size_t>(r)].sequences) {
+      const int64_t logical_pages = (q.num_tokens + g.page_size - 1) / g.page_size;
+      if ((logical_pages - 1) % D == r % D) mark(q.pages.back(), q.last_page_len);
+    }
+  }
+  return mask;
+}
+
+// "" when every byte outside `mask` is as in `before`, else the first that differs.
+inline std::string outside_diff(const pools& before, const pools& now,
+                                const std::vector<std::vector<uint8_t>>& mask) {
+  for (size_t r = 0; r < before.size(); ++r)
+    for (size_t i = 0; i < before[r].size(); ++i)
+      if (!mask[r][i] && before[r][i] != now[r][i])
+        return "rank " + std::to_string(r) + " byte " + std::to_string(i);
+  return "";
+}
+
 }  // namespace moebius::testing

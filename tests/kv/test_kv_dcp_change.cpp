@@ -33,21 +33,19 @@ namespace {
 // ---- the model: written from the rule, sharing nothing with the library's arithmetic -------
 
 // TP pages per EP page ("split"): min(H_kv, P), 1 for latent KV; the ranks holding one head
-// slice in TP: P / split; heads of a TP page: H_kv / split (latent: 1).
+// slice in TP: P / split.
 int64_t model_split(const kv_geometry& g) {
   if (g.num_kv_heads == 0) return 1;
   return std::min<int64_t>(g.num_kv_heads, g.num_ranks);
 }
 int64_t model_replicas(const kv_geometry& g) { return g.num_ranks / model_split(g); }
-int64_t model_tp_heads(const kv_geometry& g) {
-  return g.num_kv_heads == 0 ? 1 : g.num_kv_heads / model_split(g);
-}
-int64_t model_tensors(const kv_geometry& g) {
-  return g.num_layers * (g.num_kv_heads == 0 ? 1 : 2);
-}
-// Bytes of one TP page over all tensors.
+
+// Bytes of one TP page over all tensors: page_size tokens of H_kv / split heads (latent: one
+// head-less tensor a layer).
 int64_t model_tp_page_bytes(const kv_geometry& g) {
-  return model_tensors(g) * g.page_size * model_tp_heads(g) * g.head_dim * dtype_bytes(g.type);
+  const int64_t heads = g.num_kv_heads == 0 ? 1 : g.num_kv_heads / model_split(g);
+  const int64_t tensors = g.num_layers * (g.num_kv_heads == 0 ? 1 : 2);
+  return tensors * g.page_size * heads * g.head_dim * dtype_bytes(g.type);
 }
 
 // What rank r keeps and receives going from dcp a to dcp b: distinct (content, logical page)
@@ -75,49 +73,6 @@ std::vector<rank_moves> model_moves(const kv_geometry& g, const kv_case& c, int6
   return out;
 }
 
-// Bytes of `s` (TP view) that hold no token, per rank, under the model's offsets: every free
-// page (a plan may write it and its rollback need not restore it), and the slots past the last
-// token of a partial last page (a dropped page is re-created on rollback from a replica, whose
-// unused slots hold other bytes). Every other byte (each token's, and those of no page) must
-// come back exactly.
-std::vector<std::vector<uint8_t>> tokenless_bytes(const kv_geometry& g, const kv_state& s,
-                                                  const memory& m) {
-  std::vector<std::vector<uint8_t>> mask(static_cast<size_t>(g.num_ranks),
-                                         std::vector<uint8_t>(m.kv[0].size(), 0));
-  auto mark = [&](int r, int64_t p, int64_t first_token) {
-    for (int64_t l = 0; l < g.num_layers; ++l)
-      for (int64_t kv = 0; kv < (g.num_kv_heads == 0 ? 1 : 2); ++kv)
-        for (int64_t h = 0; h < model_tp_heads(g); ++h)
-          for (int64_t t = first_token; t < g.page_size; ++t)
-            for (int64_t d = 0; d < g.head_dim; ++d) {
-              const int64_t off = m.model ? m.model(parallel_mode::tp, l, kv, p, h, t, d)
-                                          : ref_offset(g, parallel_mode::tp, l, kv, p, h, t, d);
-              for (int64_t e = 0; e < dtype_bytes(g.type); ++e)
-                mask[static_cast<size_t>(r)][static_cast<size_t>(off + e)] = 1;
-            }
-  };
-  const int64_t R = model_replicas(g);
-  for (int r = 0; r < g.num_ranks; ++r) {
-    for (int64_t p : s.ranks[static_cast<size_t>(r)].free_pages) mark(r, p, 0);
-    for (const kv_sequence& q : s.ranks[static_cast<size_t>(r)].sequences) {
-      const int64_t n = (q.num_tokens + g.page_size - 1) / g.page_size;
-      const int64_t x = (r % R) % g.dcp;  // this rank lists logical pages x, x + dcp, ..
-      if ((n - 1) % g.dcp == x) mark(r, q.pages.back(), q.last_page_len);
-    }
-  }
-  return mask;
-}
-
-// "" when every byte outside `mask` equals `before`, else the first that differs.
-std::string outside_diff(const pools& before, const pools& now,
-                         const std::vector<std::vector<uint8_t>>& mask) {
-  for (size_t r = 0; r < before.size(); ++r)
-    for (size_t i = 0; i < before[r].size(); ++i)
-      if (!mask[r][i] && before[r][i] != now[r][i])
-        return "rank " + std::to_string(r) + " byte " + std::to_string(i);
-  return "";
-}
-
 // ---- random geometries ------------------------------------------------------------------
 
 std::vector<int64_t> divisors(int64_t n) {
@@ -125,6 +80,10 @@ std::vector<int64_t> divisors(int64_t n) {
   for (int64_t d = 1; d <= n; ++d)
     if (n % d == 0) out.push_back(d);
   return out;
+}
+
+int64_t one_of(std::mt19937_64& rng, const std::vector<int64_t>& v) {
+  return v[static_cast<size_t>(uni(rng, 0, static_cast<int64_t>(v.size()) - 1))];
 }
 
 // A geometry whose TP view replicates (H_kv < P, or latent), P in {2, 4, 6, 8, 12}, pool about
@@ -138,7 +97,7 @@ kv_geometry random_replicated_geometry(std::mt19937_64& rng, int64_t budget) {
   std::vector<int64_t> heads{0};  // latent, and every H_kv < P that divides P
   for (int64_t h : divisors(g.num_ranks))
     if (h < g.num_ranks) heads.push_back(h);
-  g.num_kv_heads = heads[static_cast<size_t>(uni(rng, 0, static_cast<int64_t>(heads.size()) - 1))];
+  g.num_kv_heads = one_of(rng, heads);
   g.head_dim = pick_one(rng, dims);
   g.num_layers = uni(rng, 1, 3);
   g.page_size = pick_one(rng, sizes);
@@ -177,7 +136,8 @@ void change_and_check(kv_case& c, memory& m, int64_t b, std::mt19937_64& rng, co
     need = std::max(need, mv.kept + mv.received);
     received += mv.received;
     kept += mv.kept;
-    waits |= mv.received > static_cast<int64_t>(c.state.ranks[static_cast<size_t>(r)].free_pages.size());
+    const auto free = c.state.ranks[static_cast<size_t>(r)].free_pages.size();
+    waits |= mv.received > static_cast<int64_t>(free);
   }
   const kv_migration_attempt at = try_plan_kv_dcp_change(g, m.layout, c.state, b);
   INFO("dcp " << a << " -> " << b << " need " << need << " of " << N << ": "
@@ -221,11 +181,12 @@ void change_and_check(kv_case& c, memory& m, int64_t b, std::mt19937_64& rng, co
 
   host_transport tr(m.spans());
   const pools before = m.kv;
-  const auto tokenless = tokenless_bytes(g, c.state, m);
+  const auto tokenless = tokenless_bytes(g, c.state, m.layout.pool_bytes, m.where());
   for (size_t k = 0; k < mig.copies.phases.size(); ++k) {
     const auto& ops = mig.copies.phases[k].ops;
     if (ops.empty()) continue;
-    tr.inject_fault(fault_point{static_cast<int64_t>(k), uni(rng, 0, static_cast<int64_t>(ops.size()) - 1)});
+    const int64_t op = uni(rng, 0, static_cast<int64_t>(ops.size()) - 1);
+    tr.inject_fault(fault_point{static_cast<int64_t>(k), op});
     REQUIRE_THROWS_AS(tr.execute(mig.copies), moebius::error);
     REQUIRE(tr.completed_phases() == static_cast<int64_t>(k));
     tr.execute(rollback_plan(mig.copies, tr.completed_phases()));
@@ -304,8 +265,7 @@ TEST_CASE("KV dcp change: per-layer plans shifted to each layer do what the whol
     const layout_model model = engine_model(rng, preset, g);
     validate(g);
     const std::vector<int64_t> allowed = divisors(model_replicas(g));
-    const int64_t a = allowed[static_cast<size_t>(uni(rng, 0, static_cast<int64_t>(allowed.size()) - 1))];
-    const int64_t b = allowed[static_cast<size_t>(uni(rng, 0, static_cast<int64_t>(allowed.size()) - 1))];
+    const int64_t a = one_of(rng, allowed), b = one_of(rng, allowed);
     if (a == b) continue;
     const kv_geometry ga = with_dcp(g, a);
     const kv_pool_layout layout = model.layout(ga);
@@ -324,7 +284,7 @@ TEST_CASE("KV dcp change: per-layer plans shifted to each layer do what the whol
     REQUIRE(whole.migration->stats.rounds == layer.migration->stats.rounds);
     memory m = make_memory(rng, c, 0, &model);
     const pools before = m.kv;
-    const auto tokenless = tokenless_bytes(ga, c.state, m);
+    const auto tokenless = tokenless_bytes(ga, c.state, m.layout.pool_bytes, m.where());
     host_transport tr(m.spans());
     // A fault in a random layer's plan: that layer's completed rounds, then every earlier
     // layer, are undone; every byte is back.
@@ -378,7 +338,7 @@ TEST_CASE("KV dcp change: the worked example of dcp_change.hpp (Qwen3, one 5-pag
   CHECK(to1.stats.pages_moved == 20);
   CHECK(to1.stats.pages_in_place == 20);
   for (int r = 0; r < 8; ++r) {
-    const std::vector<int64_t>& pages = to1.new_state.ranks[static_cast<size_t>(r)].sequences[0].pages;
+    const auto& pages = to1.new_state.ranks[static_cast<size_t>(r)].sequences[0].pages;
     REQUIRE(pages.size() == 5);
     for (int64_t i = r % 2; i < 5; i += 2) CHECK(pages[static_cast<size_t>(i)] == 10 + i);  // kept
   }
