@@ -30,50 +30,8 @@ using namespace moebius::testing;
 
 namespace {
 
-// ---- the model: written from the rule, sharing nothing with the library's arithmetic -------
-
-// TP pages per EP page ("split"): min(H_kv, P), 1 for latent KV; the ranks holding one head
-// slice in TP: P / split.
-int64_t model_split(const kv_geometry& g) {
-  if (g.num_kv_heads == 0) return 1;
-  return std::min<int64_t>(g.num_kv_heads, g.num_ranks);
-}
-int64_t model_replicas(const kv_geometry& g) { return g.num_ranks / model_split(g); }
-
-// Bytes of one TP page over all tensors: page_size tokens of H_kv / split heads (latent: one
-// head-less tensor a layer).
-int64_t model_tp_page_bytes(const kv_geometry& g) {
-  const int64_t heads = g.num_kv_heads == 0 ? 1 : g.num_kv_heads / model_split(g);
-  const int64_t tensors = g.num_layers * (g.num_kv_heads == 0 ? 1 : 2);
-  return tensors * g.page_size * heads * g.head_dim * dtype_bytes(g.type);
-}
-
-// What rank r keeps and receives going from dcp a to dcp b: distinct (content, logical page)
-// of its slice it holds at b, split by whether it held it at a.
-struct rank_moves {
-  int64_t kept = 0, received = 0;
-};
-std::vector<rank_moves> model_moves(const kv_geometry& g, const kv_case& c, int64_t a, int64_t b) {
-  const int64_t R = model_replicas(g);
-  std::vector<rank_moves> out(static_cast<size_t>(g.num_ranks));
-  for (int r = 0; r < g.num_ranks; ++r) {
-    const int64_t x = r % R;
-    std::set<std::pair<int64_t, int64_t>> kept, received;
-    for (const kv_sequence& q : c.state.ranks[static_cast<size_t>(r)].sequences) {
-      const int64_t n = (q.num_tokens + g.page_size - 1) / g.page_size;
-      for (int64_t i = 0; i < n; ++i) {
-        if (i % b != x % b) continue;
-        auto& into = i % a == x % a ? kept : received;
-        into.emplace(content_of(c.content, q, i), i);
-      }
-    }
-    out[static_cast<size_t>(r)] = {static_cast<int64_t>(kept.size()),
-                                   static_cast<int64_t>(received.size())};
-  }
-  return out;
-}
-
-// ---- random geometries ------------------------------------------------------------------
+// The model (kv_reference.hpp: ref_dcp_moves, ref_tp_page_bytes, check_reference) is written
+// from the rule and shares nothing with the library's arithmetic.
 
 std::vector<int64_t> divisors(int64_t n) {
   std::vector<int64_t> out;
@@ -127,12 +85,12 @@ struct counts {
 void change_and_check(kv_case& c, memory& m, int64_t b, std::mt19937_64& rng, counts& n) {
   const kv_geometry& g = c.g;
   const int64_t a = g.dcp;
-  const int64_t N = g.num_ep_pages * model_split(g);  // TP pages a rank
-  const std::vector<rank_moves> moves = model_moves(g, c, a, b);
+  const int64_t N = g.num_ep_pages * ref_split(g);  // TP pages a rank
+  const std::vector<ref_rank_moves> moves = ref_dcp_moves(g, c.state, c.content, a, b);
   int64_t need = 0, received = 0, kept = 0;
   bool waits = false;  // a rank receives more than it has free: a second round
   for (int r = 0; r < g.num_ranks; ++r) {
-    const rank_moves& mv = moves[static_cast<size_t>(r)];
+    const ref_rank_moves& mv = moves[static_cast<size_t>(r)];
     need = std::max(need, mv.kept + mv.received);
     received += mv.received;
     kept += mv.kept;
@@ -170,7 +128,7 @@ void change_and_check(kv_case& c, memory& m, int64_t b, std::mt19937_64& rng, co
   CHECK(mig.stats.pages_moved == received);
   CHECK(mig.stats.pages_in_place == kept);
   CHECK(mig.stats.pages_staged == 0);
-  CHECK(mig.stats.bytes_copied == received * model_tp_page_bytes(g));
+  CHECK(mig.stats.bytes_copied == received * ref_tp_page_bytes(g));
   CHECK(mig.stats.rounds == (received == 0 ? 0 : waits ? 2 : 1));
   REQUIRE(static_cast<int64_t>(mig.copies.phases.size()) == mig.stats.rounds);
   // Every byte moves between ranks (a rank never copies to itself) and is counted per rank.
@@ -218,7 +176,7 @@ TEST_CASE("KV dcp change: every (a, b) pair in every layout puts every byte wher
     const kv_preset preset = all_presets[iter % 5];
     kv_geometry g = random_replicated_geometry(rng, uni(rng, 1, 3) * 8192);
     const layout_model model = engine_model(rng, preset, g);
-    const std::vector<int64_t> allowed = divisors(model_replicas(g));
+    const std::vector<int64_t> allowed = divisors(ref_replicas(g));
     for (int64_t a : allowed)
       for (int64_t b : allowed) {
         if (a == b) continue;
@@ -264,7 +222,7 @@ TEST_CASE("KV dcp change: per-layer plans shifted to each layer do what the whol
     g.num_ep_pages = std::clamp<int64_t>(g.num_ep_pages / g.num_layers, 2, 256);
     const layout_model model = engine_model(rng, preset, g);
     validate(g);
-    const std::vector<int64_t> allowed = divisors(model_replicas(g));
+    const std::vector<int64_t> allowed = divisors(ref_replicas(g));
     const int64_t a = one_of(rng, allowed), b = one_of(rng, allowed);
     if (a == b) continue;
     const kv_geometry ga = with_dcp(g, a);
