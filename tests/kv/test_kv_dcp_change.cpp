@@ -361,3 +361,40 @@ TEST_CASE("KV dcp change: identities, and bad input refused by name", "[kv][dcp_
     CHECK_THROWS_AS(plan_kv_dcp_change(g, c.state, 1, opt), moebius::error);
   }
 }
+
+TEST_CASE("KV dcp change: bytes per direction against going through EP (Qwen3)",
+          "[kv][dcp_change]") {
+  // Qwen3-235B's heads (H_kv = 4, head_dim 128, bf16, page 16) on P = 8; 2 layers stand for 94
+  // (bytes scale with L alike in every plan). EP at 40%: TP(dcp 2) holds it at ~40%, TP(dcp 1)
+  // at ~80%. dcp 2 -> 1 copies each rank its partner's share: the live TP pages of one rank;
+  // TP(dcp 2) -> EP -> TP(dcp 1) gathers every page and scatters it again.
+  std::mt19937_64 rng(kv_test_seed() + 73);
+  for (kv_layout order : {kv_layout::hnd, kv_layout::nhd}) {
+    const kv_geometry g1 = make_kv_geometry(2, 4, 128, 16, 96, 8, dtype::bf16, order);
+    const kv_geometry g2 = with_dcp(g1, 2);
+    const kv_case c = random_kv_case(rng, g1, parallel_mode::ep, 0.4, 4096, 16 * 16);
+    kv_migration_options opt;
+    opt.staging = {memory_space::arena, 0, 4 * kv_staging_slot_bytes(g1, parallel_mode::ep)};
+    const kv_migration tp2 = plan_kv_migration(g2, c.state, parallel_mode::tp, opt);
+    const kv_migration down = plan_kv_dcp_change(g2, tp2.new_state, 1);
+    const kv_migration up = plan_kv_dcp_change(g1, down.new_state, 2);
+    const kv_migration to_ep = plan_kv_migration(g2, tp2.new_state, parallel_mode::ep, opt);
+    const kv_migration to_tp1 = plan_kv_migration(g1, to_ep.new_state, parallel_mode::tp, opt);
+    const int64_t via_ep = to_ep.stats.bytes_copied + to_tp1.stats.bytes_copied;
+    int64_t live = 0;  // TP pages in use at dcp 2, all ranks
+    for (int r = 0; r < g2.num_ranks; ++r) live += used_pages(g2, tp2.new_state, r);
+    const double ratio =
+        static_cast<double>(down.stats.bytes_copied) / static_cast<double>(via_ep);
+    std::cout << "dcp 2 -> 1 / via EP bytes, " << to_string(order) << ": "
+              << down.stats.bytes_copied << " / " << via_ep << " = " << ratio
+              << "; dcp 1 -> 2: " << up.stats.bytes_copied << " bytes, " << up.stats.rounds
+              << " rounds" << std::endl;
+    INFO(to_string(order) << " ratio " << ratio);
+    // Every live TP page is copied once, to its partner (a shared page once).
+    CHECK(down.stats.bytes_copied == live * ref_tp_page_bytes(g1));
+    CHECK(down.stats.rounds == 1);
+    CHECK(up.stats.bytes_copied == 0);
+    CHECK(up.stats.rounds == 0);
+    CHECK(ratio < 0.3);
+  }
+}
