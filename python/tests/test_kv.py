@@ -210,7 +210,7 @@ def test_kv_dcp_change_matches_numpy(rng, layout, heads, ranks, a, b):
     change = moebius.plan_kv_dcp_change(ga, tp.new_state, b)
     assert change.stats.rounds <= 2 and change.stats.pages_staged == 0
     if b % a == 0:  # every page a rank holds at b it held at a: nothing to copy
-        assert change.copies.num_ops == 0 and change.stats.bytes_copied == 0
+        assert change.copies.num_ops() == 0 and change.stats.bytes_copied == 0
     moebius.HostTransport(pools).execute(change.copies)
     change.new_state.validate(gb)
     views = [np.from_dlpack(p.kv_pool_view(gb, TP, raw=True)) for p in pools]

@@ -45,9 +45,9 @@ struct dcp_views {
     return from.dcp_rank_of_page(i) == from.dcp_rank(r);
   }
   bool holds_after(int r, int64_t i) const { return to.dcp_rank_of_page(i) == to.dcp_rank(r); }
-  // Rank r's page of sequence q at logical page i, which r held at dcp a.
-  static int64_t page_of(const kv_geometry& at, const kv_sequence& q, int64_t i) {
-    return q.pages[idx(at.dcp_local_page(i))];
+  // A rank's page of sequence q (its table at dcp a) at logical page i, which it holds.
+  int64_t page_before(const kv_sequence& q, int64_t i) const {
+    return q.pages[idx(from.dcp_local_page(i))];
   }
 };
 
@@ -124,7 +124,7 @@ class dcp_change_items {
       const int kr = v_.keeper(r, i);
       keeper_of_(r, seq.pages[idx(k)]) = kr;
       keeper_page_(r, seq.pages[idx(k)]) =
-          dcp_views::page_of(v_.from, s.ranks[idx(kr)].sequences[q], i);
+          v_.page_before(s.ranks[idx(kr)].sequences[q], i);
     }
   }
 
@@ -137,7 +137,7 @@ class dcp_change_items {
     for (int64_t local = 0; local < v_.to.dcp_pages_held(n, k_to); ++local) {
       const int64_t i = v_.to.dcp_logical_page(k_to, local);
       if (v_.holds_before(r, i)) {
-        const int64_t p = dcp_views::page_of(v_.from, s.ranks[idx(r)].sequences[q], i);
+        const int64_t p = v_.page_before(s.ranks[idx(r)].sequences[q], i);
         if (!kept_(r, p)) {
           kept_(r, p) = 1;
           ++kept_count_[idx(r)];
@@ -146,7 +146,7 @@ class dcp_change_items {
         continue;
       }
       const int kr = v_.keeper(r, i);
-      const int64_t src = dcp_views::page_of(v_.from, s.ranks[idx(kr)].sequences[q], i);
+      const int64_t src = v_.page_before(s.ranks[idx(kr)].sequences[q], i);
       t.pages.push_back(-1 - item(r, kr, src, i < t.shared_prefix_pages));
     }
     return t;
