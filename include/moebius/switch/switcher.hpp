@@ -76,11 +76,11 @@ struct switcher_options {
   // calls it at begin() and at finish(): the tables are frozen between, but the engine writes
   // tokens into their reserved room meanwhile, so its hook must cover only what no step
   // writes during the switch (the mini-engine checks the tokens each sequence had written at
-  // begin and excludes the rest).
+  // begin and excludes the rest). A dcp change (plan_dcp) calls it, and verify_layer, with the
+  // tables at the dcp they are in: before the move at dcp(), after it at the plan's to_dcp
+  // (dcp() changes at commit, after the last check): a hook reads the pool through them with
+  // with_dcp(geometry, that dcp).
   std::function<uint64_t(arena_cursor, const kv_state&)> verify;
-  // A dcp change (plan_dcp) calls both checks with the tables at the dcp they are in: before
-  // the move at dcp(), after it at the plan's to_dcp (dcp() changes at commit, after the last
-  // check): a hook reads the pool through them with with_dcp(geometry, that dcp).
   // Optional per-layer check: a checksum of layer `layer` alone, its experts as they rest in
   // `mode` (weight_checksum with cursor 0 for EP, L for TP) and its K/V through `tables` (in
   // the attention's mode, tables.mode: the same as `mode` for the paper's layouts). Called for every layer before anything moves (source mode and
