@@ -309,11 +309,7 @@ namespace moebius {
 kv_migration_attempt try_plan_kv_dcp_change(const kv_geometry& g, const kv_pool_layout& layout,
                                             const kv_state& s, int64_t dcp,
                                             const kv_migration_options& opt) {
-  kv_detail::outcome o = kv_detail::plan_dcp_change(g, layout, s, dcp, opt);
-  kv_migration_attempt a;
-  a.capacity = kv_detail::capacity_of(o);
-  if (o.ok) a.migration = std::move(o.result);
-  return a;
+  return kv_detail::attempt_of(kv_detail::plan_dcp_change(g, layout, s, dcp, opt));
 }
 
 kv_migration plan_kv_dcp_change(const kv_geometry& g, const kv_state& s, int64_t dcp,

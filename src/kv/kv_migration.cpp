@@ -73,6 +73,13 @@ kv_capacity_report capacity_of(const outcome& o) {
   return rep;
 }
 
+kv_migration_attempt attempt_of(outcome o) {
+  kv_migration_attempt a;
+  a.capacity = capacity_of(o);
+  if (o.ok) a.migration = std::move(o.result);
+  return a;
+}
+
 }  // namespace kv_detail
 
 kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout& layout,
@@ -90,11 +97,7 @@ kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_state&
 kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_pool_layout& layout,
                                            const kv_state& s, parallel_mode target,
                                            const kv_migration_options& opt) {
-  kv_detail::outcome o = kv_detail::run(g, layout, s, target, opt);
-  kv_migration_attempt a;
-  a.capacity = kv_detail::capacity_of(o);
-  if (o.ok) a.migration = std::move(o.result);
-  return a;
+  return kv_detail::attempt_of(kv_detail::run(g, layout, s, target, opt));
 }
 
 kv_migration plan_kv_migration(const kv_geometry& g, const kv_state& s, parallel_mode target,

@@ -20,8 +20,10 @@ struct outcome {
   std::string reason;
 };
 
-// The capacity report of an outcome (what check_kv_capacity returns).
+// The capacity report of an outcome (what check_kv_capacity returns), and the attempt (that
+// report, and the migration when it fits).
 kv_capacity_report capacity_of(const outcome& o);
+kv_migration_attempt attempt_of(outcome o);
 
 // Staging slots per rank for migrating to `target`. Throws errc::invalid_argument for a bad
 // region.

@@ -47,20 +47,13 @@ int64_t one_of(std::mt19937_64& rng, const std::vector<int64_t>& v) {
 // A geometry whose TP view replicates (H_kv < P, or latent), P in {2, 4, 6, 8, 12}, pool about
 // `budget` bytes a rank.
 kv_geometry random_replicated_geometry(std::mt19937_64& rng, int64_t budget) {
-  static constexpr int ranks[] = {2, 4, 6, 8, 12};
-  static constexpr int64_t dims[] = {1, 2, 4};
-  static constexpr int64_t sizes[] = {1, 4, 16};
-  kv_geometry g;
-  g.num_ranks = pick_one(rng, ranks);
+  static constexpr int64_t ranks[] = {2, 4, 6, 8, 12};
+  kv_geometry g = random_kv_geometry(rng, budget);  // then its P and H_kv redrawn
+  g.num_ranks = static_cast<int>(pick_one(rng, ranks));
   std::vector<int64_t> heads{0};  // latent, and every H_kv < P that divides P
   for (int64_t h : divisors(g.num_ranks))
     if (h < g.num_ranks) heads.push_back(h);
   g.num_kv_heads = one_of(rng, heads);
-  g.head_dim = pick_one(rng, dims);
-  g.num_layers = uni(rng, 1, 3);
-  g.page_size = pick_one(rng, sizes);
-  g.type = pick_one(rng, all_dtypes);
-  g.layout = uni(rng, 0, 1) ? kv_layout::hnd : kv_layout::nhd;
   g.num_ep_pages = 1;
   g.num_ep_pages = std::clamp<int64_t>(budget / g.pool_bytes(), 2, 512);
   validate(g);

@@ -176,8 +176,8 @@ TEST_CASE("switcher dcp change: TP(dcp a) -> TP(dcp b) keeps every head slice's 
     int64_t after_dcp = 0;
     switcher_options opt;
     opt.verify = [&](arena_cursor, const kv_state& s) {
-      const int64_t d = &s == &self->kv_tables() ? self->dcp() : after_dcp;
-      return kv_checksum(with_dcp(w.kv, d), s, w.pool_spans());
+      const int64_t at = &s == &self->kv_tables() ? self->dcp() : after_dcp;
+      return kv_checksum(with_dcp(w.kv, at), s, w.pool_spans());
     };
     switcher sw(w.weights, w.kv, host, w.tables, arena_cursor{0}, opt);
     self = &sw;
@@ -428,8 +428,8 @@ TEST_CASE("switcher dcp change: refused by name (progressive, a bad dcp, a stale
   req.reload_experts = [&](arena_cursor c) {  // into the arenas the transport holds
     rank_images fresh;
     load_reference(w.logical, w.weights, c, fresh);
-    for (size_t r = 0; r < fresh.size(); ++r)
-      std::memcpy(w.arenas[r].data(), fresh[r].data(), fresh[r].size());
+    for (size_t rank = 0; rank < fresh.size(); ++rank)
+      std::memcpy(w.arenas[rank].data(), fresh[rank].data(), fresh[rank].size());
   };
   const recovery_report rec = sw.recover(req);
   INFO(rec.error);
