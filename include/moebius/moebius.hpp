@@ -24,6 +24,7 @@
 #include "moebius/plan/weight_plan.hpp"
 
 #include "moebius/kv/kv_geometry.hpp"
+#include "moebius/kv/dcp_change.hpp"
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/kv/kv_view.hpp"
 #include "moebius/kv/page_table.hpp"

@@ -405,6 +405,23 @@ void bind_kv(nb::module_& m) {
       "through [staging_offset, +staging_bytes) of staging_space on every rank) and the new\n"
       "tables, over the pool's `layout` (None: the present one). Raises\n"
       "moebius.Error(code='capacity') when the target cannot hold the KV.");
+  m.def(
+      "plan_kv_dcp_change",
+      [](const kv_geometry& g, const kv_state& s, int64_t dcp, int64_t max_rounds,
+         const std::optional<kv_pool_layout>& layout) {
+        kv_migration_options o;
+        o.max_rounds = max_rounds;
+        return layout ? plan_kv_dcp_change(g, *layout, s, dcp, o)
+                      : plan_kv_dcp_change(g, s, dcp, o);
+      },
+      nb::arg("geometry"), nb::arg("state"), nb::arg("dcp"), nb::arg("max_rounds") = 4096,
+      nb::arg("layout") = nb::none(),
+      "The migration of a TP `state` of `geometry` (at geometry.dcp) to the TP view at `dcp`\n"
+      "(kv/dcp_change.hpp): each rank keeps its share at dcp lcm(a, b), drops what it held only\n"
+      "at a and receives what it holds only at b, in at most 2 rounds, never staged; new_state\n"
+      "is valid for with_dcp(geometry, dcp). An EP state or the same dcp: no phase. Raises\n"
+      "moebius.Error(code='invalid_argument') for a dcp the geometry does not allow, and\n"
+      "code='capacity' when the target cannot hold the KV.");
   m.def("kv_staging_slot_bytes", &kv_staging_slot_bytes, nb::arg("geometry"), nb::arg("target"),
         "Bytes of one staging slot: num_tensors * page_bytes(target).");
 }

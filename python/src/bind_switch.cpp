@@ -141,6 +141,8 @@ void bind_reports(nb::module_& m) {
       "moved and how long each stage took; str() is the C++ summary line.");
   report.prop("from_", [](const switch_report& r) { return r.from; }, "the ParallelLayout it left")
       .field("to", &switch_report::to, "the ParallelLayout it went to")
+      .field("from_dcp", &switch_report::from_dcp, "the TP view's dcp before")
+      .field("to_dcp", &switch_report::to_dcp, "the TP view's dcp after")
       .field("outcome", &switch_report::outcome, "a SwitchOutcome")
       .field("error", &switch_report::error, "the failure (and the undo's), '' when none")
       .prop("cursor", [](const switch_report& r) { return r.cursor.tp_layers; },
@@ -187,6 +189,8 @@ void bind_reports(nb::module_& m) {
       .prop("from_", [](const switch_plan& p) { return p.from; },
             "the ParallelLayout the switcher was in")
       .field("to", &switch_plan::to, "the target ParallelLayout")
+      .field("from_dcp", &switch_plan::from_dcp, "the TP view's dcp before")
+      .field("to_dcp", &switch_plan::to_dcp, "the TP view's dcp after (Switcher.plan_dcp)")
       .prop("start", [](const switch_plan& p) { return p.start.tp_layers; },
             "the cursor the arena rests at now")
       .prop("goal", [](const switch_plan& p) { return p.goal.tp_layers; },
@@ -207,7 +211,9 @@ void bind_reports(nb::module_& m) {
             "layer 0's KvMigration (a copy); None when layer_capacity refused or not planned")
       .field("plan_ms", &switch_plan::plan_ms, "host time it took")
       .prop("already_there", &switch_plan::already_there)
-      .prop("moves_kv", &switch_plan::moves_kv, "the attention's layout changes (KV moves)")
+      .prop("moves_kv", &switch_plan::moves_kv,
+            "the KV's view changes (the attention's layout, or the TP attention's dcp)")
+      .prop("changes_dcp", &switch_plan::changes_dcp, "from_dcp != to_dcp")
       .prop("moves_experts", &switch_plan::moves_experts, "the experts' layout changes")
       .done(/*comparable=*/false);
 
@@ -380,6 +386,26 @@ void bind_switch(nb::module_& m) {
           "sequences; they must stay valid and in the current mode. Assigning makes every plan\n"
           "made before it stale.")
       .def_prop_ro("consistent", &switcher::consistent)
+      .def_prop_ro("dcp", &switcher::dcp,
+                   "the TP view's KV-parallel degree (KvGeometry.dcp) the tables are at")
+      .def(
+          "plan_dcp",
+          [](const switcher& s, int64_t dcp) {
+            nb::gil_scoped_release release;
+            return s.plan_dcp(dcp);
+          },
+          nb::arg("dcp"),
+          "Plans a change of the TP view's dcp to `dcp` (a SwitchPlan): the KV alone moves,\n"
+          "TP(dcp a) -> TP(dcp b), stop the world (begin() refuses it); under EP attention\n"
+          "nothing moves and the dcp of the next switch to TP is committed. Raises\n"
+          "moebius.Error(code='invalid_argument') for a dcp the KV geometry does not allow.")
+      .def(
+          "switch_dcp",
+          [](switcher& s, int64_t dcp) {
+            nb::gil_scoped_release release;
+            return s.switch_dcp(dcp);
+          },
+          nb::arg("dcp"), "switch_to(plan_dcp(dcp)): the SwitchReport.")
       .def(
           "plan",
           [](const switcher& s, parallel_layout target, plan_scope scope) {

@@ -185,3 +185,74 @@ def test_kv_migration_with_dcp_matches_numpy(rng, layout, heads, ranks, dcp):
     after = logical_kv(geometry, back.new_state, pools)
     for seq_id, kv in before.items():
         np.testing.assert_array_equal(after[seq_id], kv)
+
+
+@pytest.mark.parametrize("layout", [moebius.KvLayout.HND, moebius.KvLayout.NHD])
+@pytest.mark.parametrize("heads,ranks,a,b", [(1, 2, 2, 1), (1, 2, 1, 2), (1, 4, 4, 2),
+                                             (1, 4, 1, 4), (0, 6, 2, 3), (0, 6, 3, 2)])
+def test_kv_dcp_change_matches_numpy(rng, layout, heads, ranks, a, b):
+    """TP(dcp a) -> TP(dcp b) (plan_kv_dcp_change): afterwards TP rank r holds, of each
+    sequence, the logical pages i with i % b == r % b, each the KV the sequence had (numpy
+    gathers it by that rule); dcp 1 -> 2 copies nothing; a dcp the geometry refuses is named.
+    Then a Switcher changes the dcp alone (plan_dcp / switch_dcp)."""
+    base = moebius.make_kv_geometry(num_layers=2, num_kv_heads=heads, head_dim=8, page_size=4,
+                                    num_ep_pages=16, num_ranks=ranks, layout=layout)
+    ga, gb = moebius.with_dcp(base, a), moebius.with_dcp(base, b)
+    state = random_ep_state(rng, ga, 0.6 * min(a, b) / base.tp_replicas)
+    kv_bytes = [rng.integers(0, 256, base.pool_bytes, dtype=np.uint8) for _ in range(ranks)]
+    pools = [moebius.RankMemory(host_memory(64), kv) for kv in kv_bytes]
+    before = logical_kv(base, state, pools)
+    tp = moebius.plan_kv_migration(ga, state, TP)
+    moebius.HostTransport(pools).execute(tp.copies)
+    with pytest.raises(moebius.Error) as e:
+        moebius.plan_kv_dcp_change(ga, tp.new_state, 5)
+    assert e.value.code == "invalid_argument" and "dcp=5" in str(e.value)
+    change = moebius.plan_kv_dcp_change(ga, tp.new_state, b)
+    assert change.stats.rounds <= 2 and change.stats.pages_staged == 0
+    if b % a == 0:  # every page a rank holds at b it held at a: nothing to copy
+        assert change.copies.num_ops() == 0 and change.stats.bytes_copied == 0
+    moebius.HostTransport(pools).execute(change.copies)
+    change.new_state.validate(gb)
+    views = [np.from_dlpack(p.kv_pool_view(gb, TP, raw=True)) for p in pools]
+    hp, ps = gb.heads_per_tp_page, gb.page_size
+    for r, rank in enumerate(change.new_state.ranks):
+        lo = gb.tp_slice_of_rank(r) * hp
+        for seq in rank.sequences:
+            mine = [i for i in range(-(-seq.num_tokens // ps)) if i % b == r % b]
+            assert len(seq.pages) == len(mine)
+            for local, i in enumerate(mine):
+                tokens = np.arange(i * ps, min((i + 1) * ps, seq.num_tokens))
+                page = seq.pages[local]
+                if layout == moebius.KvLayout.HND:  # [L, T, page, head, slot, D]
+                    got = views[r][:, :, page, :, tokens % ps, :]
+                else:  # [L, T, page, slot, head, D]
+                    got = np.moveaxis(views[r][:, :, page, tokens % ps, :, :], 2, 0)
+                want = before[seq.seq_id][tokens][:, :, :, lo:lo + hp]
+                np.testing.assert_array_equal(got, want,
+                                              err_msg=f"rank {r} seq {seq.seq_id} page {i}")
+
+    # The switcher: TP attention with EP experts at dcp b, back to dcp a, the KV alone.
+    shape = moebius.ExpertShape(num_layers=2, num_experts=ranks, hidden=32,
+                                intermediate=2 * ranks)
+    arena = moebius.make_arena_geometry(shape, ranks, 256, 4096)
+    mems = [moebius.RankMemory(host_memory(arena.total_bytes), kv) for kv in kv_bytes]
+    sw = moebius.Switcher(arena, gb, moebius.HostTransport(mems), change.new_state, 0)
+    assert sw.dcp == b and sw.layout == moebius.ParallelLayout(TP, EP)
+    plan = sw.plan_dcp(a)
+    assert plan.from_dcp == b and plan.to_dcp == a and plan.changes_dcp
+    assert not plan.moves_experts and plan.layer_kv is None
+    with pytest.raises(moebius.Error) as e:
+        sw.begin(plan)
+    assert "stop-the-world" in str(e.value)
+    expected = moebius.plan_kv_dcp_change(gb, change.new_state, a).stats.bytes_copied
+    report = sw.switch_to(plan)
+    assert report.outcome == moebius.SwitchOutcome.committed, report.error
+    assert report.from_dcp == b and report.to_dcp == a and sw.dcp == a
+    assert "(dcp %d->%d)" % (b, a) in str(report)
+    assert sum(report.kv_bytes_sent) == expected
+    # Back to EP at dcp a: every sequence's KV as it was.
+    ep = moebius.plan_kv_migration(ga, sw.kv_tables, EP)
+    moebius.HostTransport(mems).execute(ep.copies)
+    after = logical_kv(base, ep.new_state, mems)
+    for seq_id, kv in before.items():
+        np.testing.assert_array_equal(after[seq_id], kv)

@@ -60,9 +60,9 @@ kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_state& s,
   return check_kv_capacity(g, present_kv_layout(g), s, target, opt);
 }
 
-namespace {
+namespace kv_detail {
 
-kv_capacity_report capacity_of(const kv_detail::outcome& o) {
+kv_capacity_report capacity_of(const outcome& o) {
   kv_capacity_report rep;
   rep.fits = o.ok;
   rep.holds = o.holds;
@@ -73,12 +73,19 @@ kv_capacity_report capacity_of(const kv_detail::outcome& o) {
   return rep;
 }
 
-}  // namespace
+kv_migration_attempt attempt_of(outcome o) {
+  kv_migration_attempt a;
+  a.capacity = capacity_of(o);
+  if (o.ok) a.migration = std::move(o.result);
+  return a;
+}
+
+}  // namespace kv_detail
 
 kv_capacity_report check_kv_capacity(const kv_geometry& g, const kv_pool_layout& layout,
                                      const kv_state& s, parallel_mode target,
                                      const kv_migration_options& opt) {
-  return capacity_of(kv_detail::run(g, layout, s, target, opt));
+  return kv_detail::capacity_of(kv_detail::run(g, layout, s, target, opt));
 }
 
 kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_state& s,
@@ -90,11 +97,7 @@ kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_state&
 kv_migration_attempt try_plan_kv_migration(const kv_geometry& g, const kv_pool_layout& layout,
                                            const kv_state& s, parallel_mode target,
                                            const kv_migration_options& opt) {
-  kv_detail::outcome o = kv_detail::run(g, layout, s, target, opt);
-  kv_migration_attempt a;
-  a.capacity = capacity_of(o);
-  if (o.ok) a.migration = std::move(o.result);
-  return a;
+  return kv_detail::attempt_of(kv_detail::run(g, layout, s, target, opt));
 }
 
 kv_migration plan_kv_migration(const kv_geometry& g, const kv_state& s, parallel_mode target,

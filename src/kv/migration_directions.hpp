@@ -1,6 +1,7 @@
 #pragma once
 
-// Internal to the KV migration planner: the two directions behind plan_kv_migration().
+// Internal to the KV migration planners: the two directions behind plan_kv_migration() (and
+// the outcome plan_kv_dcp_change() shares with them).
 
 #include <cstdint>
 #include <string>
@@ -18,6 +19,11 @@ struct outcome {
   int64_t pages_available = 0;
   std::string reason;
 };
+
+// The capacity report of an outcome (what check_kv_capacity returns), and the attempt (that
+// report, and the migration when it fits).
+kv_capacity_report capacity_of(const outcome& o);
+kv_migration_attempt attempt_of(outcome o);
 
 // Staging slots per rank for migrating to `target`. Throws errc::invalid_argument for a bad
 // region.

@@ -7,6 +7,7 @@
 
 #include "moebius/detail/enum_check.hpp"
 #include "moebius/detail/nvtx.hpp"
+#include "moebius/kv/dcp_change.hpp"
 #include "moebius/plan/weight_plan.hpp"
 #include "moebius/switch/switcher.hpp"
 #include "layer_traffic.hpp"
@@ -16,15 +17,28 @@
 namespace moebius {
 namespace {
 
-// One run of the KV planner: its verdict, and the migration when it fits.
+// One run of a KV planner: its verdict, and the migration when it fits.
+std::shared_ptr<const kv_migration> kept(kv_migration_attempt a, kv_capacity_report& verdict) {
+  verdict = std::move(a.capacity);
+  if (!a.migration) return nullptr;
+  return std::make_shared<const kv_migration>(std::move(*a.migration));
+}
+
 std::shared_ptr<const kv_migration> plan_kv(const kv_geometry& g, const kv_pool_layout& layout,
                                             const kv_state& tables, parallel_mode target,
                                             const kv_migration_options& opt,
                                             kv_capacity_report& verdict) {
-  kv_migration_attempt a = try_plan_kv_migration(g, layout, tables, target, opt);
-  verdict = std::move(a.capacity);
-  if (!a.migration) return nullptr;
-  return std::make_shared<const kv_migration>(std::move(*a.migration));
+  return kept(try_plan_kv_migration(g, layout, tables, target, opt), verdict);
+}
+
+// What every plan starts from: the switcher state it is made on, the layout and dcp now.
+switch_plan plan_from(const detail::switch_state& st) {
+  switch_plan p;
+  p.origin = {st.id, st.generation};
+  p.from = st.layout();
+  p.from_dcp = p.to_dcp = st.kv_geom.dcp;
+  p.start = st.cursor;
+  return p;
 }
 
 }  // namespace
@@ -36,11 +50,8 @@ switch_plan switcher::plan(parallel_layout target, plan_scope scope) const {
   const detail::switch_state& st = *state_;
   const auto t0 = detail::clock_type::now();
   const detail::nvtx_range range("moebius/switch/plan");
-  switch_plan p;
-  p.origin = {st.id, st.generation};
-  p.from = st.layout();
+  switch_plan p = plan_from(st);
   p.to = target;
-  p.start = st.cursor;
   p.goal = st.resting(target.experts);
   // The KV follows the attention: a target whose attention is today's plans the identity
   // migration (0 rounds).
@@ -87,8 +98,28 @@ switch_plan switcher::plan(parallel_layout target, plan_scope scope) const {
   return p;
 }
 
+switch_plan switcher::plan_dcp(int64_t dcp) const {
+  const detail::switch_state& st = *state_;
+  const auto t0 = detail::clock_type::now();
+  const detail::nvtx_range range("moebius/switch/plan");
+  switch_plan p = plan_from(st);
+  p.to = p.from;
+  p.to_dcp = dcp;
+  p.goal = p.start;
+  // Every layer's KV in one migration (the planner refuses a dcp the geometry does not allow).
+  p.kv = kept(try_plan_kv_dcp_change(st.kv_geom, st.kv_layout, st.kv, dcp,
+                                     st.kv_options(p.goal, nullptr)),
+              p.capacity);
+  p.layer_capacity.reason = "not planned: a dcp change moves the KV alone, and a progressive "
+                            "switch advances layer by layer with the experts (switch_to)";
+  p.weights =
+      std::make_shared<const moebius::plan>(plan_weight_switch(st.weights, p.start, p.goal));
+  p.plan_ms = detail::ms_between(t0, detail::clock_type::now());
+  return p;
+}
+
 std::ostream& operator<<(std::ostream& os, const switch_plan& p) {
-  os << "switch_plan{" << to_string(p.from) << "->" << to_string(p.to) << " cursor "
+  os << "switch_plan{" << switch_direction(p.from, p.to, p.from_dcp, p.to_dcp) << " cursor "
      << p.start.tp_layers << "->" << p.goal.tp_layers << ", switcher " << p.origin.switcher_id
      << " generation " << p.origin.generation << "; stop the world: "
      << (p.capacity.fits ? "fits" : "refused");

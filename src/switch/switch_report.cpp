@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <ostream>
+#include <string>
 
 namespace moebius {
 
@@ -17,8 +18,16 @@ const char* to_string(switch_outcome o) {
   return "unknown";
 }
 
+std::string switch_direction(parallel_layout from, parallel_layout to, int64_t from_dcp,
+                             int64_t to_dcp) {
+  std::string s = std::string(to_string(from)) + "->" + to_string(to);
+  if (from_dcp != to_dcp)
+    s += " (dcp " + std::to_string(from_dcp) + "->" + std::to_string(to_dcp) + ")";
+  return s;
+}
+
 std::ostream& operator<<(std::ostream& os, const switch_report& r) {
-  os << "switch " << to_string(r.from) << "->" << to_string(r.to) << ": "
+  os << "switch " << switch_direction(r.from, r.to, r.from_dcp, r.to_dcp) << ": "
      << to_string(r.outcome) << ", cursor " << r.cursor.tp_layers << "; weights "
      << r.weight_phases_completed << '/' << r.weight_phases << " phases, "
      << r.workload.weight_bytes_per_rank << " B max sent per rank, " << r.weights_ms

@@ -41,7 +41,7 @@ struct switch_state {
   switch_state& operator=(const switch_state&) = delete;
 
   const arena_geometry weights;
-  const kv_geometry kv_geom;
+  kv_geometry kv_geom;  // the pool's; its dcp changes when a dcp change commits
   const kv_pool_layout kv_layout;  // switcher_options::kv_layout, or the present layout
   transport& mover;  // moves the bytes: the transport of every plan
   const switcher_options options;

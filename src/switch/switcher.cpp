@@ -35,6 +35,8 @@ bool open_report(const detail::switch_state& st, const switch_plan& p, switch_re
   rep = switch_report{};
   rep.from = st.layout();
   rep.to = p.to;
+  rep.from_dcp = p.from_dcp;
+  rep.to_dcp = p.to_dcp;
   rep.cursor = st.cursor;
   if (!st.consistent) {
     rep.outcome = switch_outcome::inconsistent;
@@ -113,6 +115,7 @@ parallel_layout switcher::layout() const { return state_->layout(); }
 parallel_mode switcher::mode() const { return state_->kv.mode; }
 arena_cursor switcher::cursor() const { return state_->cursor; }
 const kv_pool_layout& switcher::kv_layout() const { return state_->kv_layout; }
+int64_t switcher::dcp() const { return state_->kv_geom.dcp; }
 const kv_state& switcher::kv_tables() const { return state_->kv; }
 bool switcher::in_progress() const { return state_->open != nullptr; }
 bool switcher::consistent() const { return state_->consistent; }
@@ -143,11 +146,12 @@ std::string switcher::why_stale(const switch_plan& p) const {
            ")";
   }
   if (!is_valid(p.to) || p.from != st.layout() || !(p.start == st.cursor) ||
-      !(p.goal == st.resting(p.to.experts))) {
+      !(p.goal == st.resting(p.to.experts)) || p.from_dcp != st.kv_geom.dcp) {
     return std::string("it does not match the switcher: it moves ") + to_string(p.from) +
-           " at cursor " + std::to_string(p.start.tp_layers) + " to cursor " +
-           std::to_string(p.goal.tp_layers) + ", the switcher is in " + to_string(st.layout()) +
-           " at cursor " + std::to_string(st.cursor.tp_layers);
+           " (dcp " + std::to_string(p.from_dcp) + ") at cursor " +
+           std::to_string(p.start.tp_layers) + " to cursor " + std::to_string(p.goal.tp_layers) +
+           ", the switcher is in " + to_string(st.layout()) + " (dcp " +
+           std::to_string(st.kv_geom.dcp) + ") at cursor " + std::to_string(st.cursor.tp_layers);
   }
   return "";
 }
@@ -170,6 +174,12 @@ switch_report switcher::switch_to(parallel_layout target) {
   MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
                 "switch_to: a progressive switch is in progress; finish() or abort() it first");
   return switch_to(plan(target, plan_scope::stop_the_world));
+}
+
+switch_report switcher::switch_dcp(int64_t dcp) {
+  MOEBIUS_CHECK(state_->open == nullptr, errc::invalid_argument,
+                "switch_dcp: a progressive switch is in progress; finish() or abort() it first");
+  return switch_to(plan_dcp(dcp));
 }
 
 switch_report switcher::switch_to(const switch_plan& p) {
@@ -247,9 +257,11 @@ progressive_switch switcher::begin(const switch_plan& p) {
   MOEBIUS_CHECK(stale.empty(), errc::invalid_argument, "begin: the plan is stale: ", stale,
                 "; plan again (switcher::plan)");
   MOEBIUS_CHECK(p.moves_experts() || p.already_there() || !st.consistent, errc::invalid_argument,
-                "begin: ", to_string(p.from), " -> ", to_string(p.to),
-                " switches the attention alone; a progressive switch advances layer by layer with "
-                "the experts, so this one runs stop-the-world (switch_to)");
+                "begin: ", switch_direction(p.from, p.to, p.from_dcp, p.to_dcp),
+                p.changes_dcp() ? " changes the KV-parallel degree alone"
+                                : " switches the attention alone",
+                "; a progressive switch advances layer by layer with the experts, so this one "
+                "runs stop-the-world (switch_to)");
   const auto t0 = clock_type::now();
   switch_report rep;
   std::unique_ptr<switch_transaction> txn;

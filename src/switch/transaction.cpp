@@ -54,7 +54,14 @@ int64_t switch_transaction::unit::weight_phases() const {
 
 switch_transaction::switch_transaction(switch_state& st, const switch_plan& p, style how,
                                        const switch_report& rep, clock_type::time_point t0)
-    : st_(st), target_(p.to), start_(p.start), goal_(p.goal), how_(how), rep_(rep), t0_(t0) {}
+    : st_(st),
+      target_(p.to),
+      target_dcp_(p.to_dcp),
+      start_(p.start),
+      goal_(p.goal),
+      how_(how),
+      rep_(rep),
+      t0_(t0) {}
 
 std::unique_ptr<switch_transaction> switch_transaction::open(switch_state& st,
                                                              const switch_plan& p, style how,
@@ -81,9 +88,10 @@ bool switch_transaction::take_plan(const switch_plan& p) {
   if (!kv) {
     rep_.capacity_ms = p.plan_ms;
     rep_.outcome = switch_outcome::refused_capacity;
-    rep_.error = capacity.reason.empty() ? std::string("KV migration ") + to_string(p.from) +
-                                               "->" + to_string(p.to) + " impossible"
-                                         : capacity.reason;
+    rep_.error = capacity.reason.empty()
+                     ? "KV migration " + switch_direction(p.from, p.to, p.from_dcp, p.to_dcp) +
+                           " impossible"
+                     : capacity.reason;
     return false;
   }
   const arena_geometry& wg = st_.weights;
@@ -414,6 +422,7 @@ void switch_transaction::finish() {
   }
   rep_.verified = st_.options.verify || st_.options.verify_layer;
   st_.kv = std::move(target_tables_);
+  st_.kv_geom = with_dcp(st_.kv_geom, target_dcp_);  // the tables' dcp (a dcp change's)
   st_.cursor = goal_;
   rep_.cursor = goal_;
   end(switch_outcome::committed);

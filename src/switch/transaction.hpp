@@ -181,6 +181,7 @@ class switch_transaction {
 
   switch_state& st_;
   parallel_layout target_;
+  int64_t target_dcp_;  // the TP view's dcp at commit (switch_plan::to_dcp)
   arena_cursor start_, goal_;
   style how_;
   switch_report rep_;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fixtures.hpp"
+#include "moebius/kv/dcp_change.hpp"
 #include "moebius/kv/kv_migration.hpp"
 #include "moebius/kv/placement.hpp"
 #include "moebius/memory/memory_budget.hpp"
@@ -848,8 +849,7 @@ TEST_CASE("E73 switcher::switch_to: target cast from 2", "[error_catalogue]") {
         switcher sw(small_arena(), g, t, small_ep_state(g), arena_cursor{0});
         (void)(sw.switch_to(static_cast<parallel_mode>(2)));
       },
-      errc::invalid_argument,
-      "switcher::switch_to target attention (parallel_mode) is out of range");
+      errc::invalid_argument, "switcher::switch_to target attention (parallel_mode) is out of range");
 }
 
 TEST_CASE("E74 switcher::switch_to: tables edited to repeat a page", "[error_catalogue]") {
@@ -997,4 +997,69 @@ TEST_CASE("E84 derive_tp_strides: one EP page whose page stride is under its byt
         (void)(derive_tp_strides(g, s));
       },
       errc::invalid_argument, "is smaller than an EP page");
+}
+
+TEST_CASE("E85 plan_kv_dcp_change: dcp 3 with P/H_kv = 2", "[error_catalogue]") {
+  check_row(
+      85,
+      [] {
+        auto g = make_kv_geometry(1, 1, 4, 4, 8, 2);
+        auto s = make_kv_state(g, parallel_mode::tp, {{sequence(1, {0}, 1, 4)}, {sequence(1, {0}, 1, 4)}});
+        (void)(plan_kv_dcp_change(g, s, 3));
+      },
+      errc::invalid_argument, "dcp must divide tp_replicas()");
+}
+
+TEST_CASE("E86 plan_kv_dcp_change: dcp 2 -> 1 with every TP page in use (H_kv = 1, P = 2, 2 pages a rank)", "[error_catalogue]") {
+  check_row(
+      86,
+      [] {
+        auto g = with_dcp(make_kv_geometry(1, 1, 4, 4, 2, 2), 2);
+        auto q = sequence(1, {0, 1}, 4, 4);
+        q.num_tokens = 16;
+        auto s = make_kv_state(g, parallel_mode::tp, {{q}, {q}});
+        (void)(plan_kv_dcp_change(g, s, 1));
+      },
+      errc::capacity, "KV dcp change TP(dcp 2)->TP(dcp 1) impossible");
+}
+
+TEST_CASE("E87 plan_kv_dcp_change: dcp 1 -> 2 with pages {0, 1} shared as {1, 0} by another sequence", "[error_catalogue]") {
+  check_row(
+      87,
+      [] {
+        auto g = make_kv_geometry(1, 1, 4, 4, 8, 2);
+        auto t = std::vector<kv_sequence>{sequence(1, {0, 1}, 4, 4, 2), sequence(2, {1, 0}, 4, 4, 2)};
+        auto s = make_kv_state(g, parallel_mode::tp, {t, t});
+        (void)(plan_kv_dcp_change(g, s, 2));
+      },
+      errc::invalid_argument, "shared prefix pages must sit at one logical index");
+}
+
+TEST_CASE("E88 switcher::plan_dcp: dcp 2 with H_kv = P = 2", "[error_catalogue]") {
+  check_row(
+      88,
+      [] {
+        auto g = small_kv();
+        testing::host_world w(small_arena(), g);
+        host_transport t(w.memory);
+        switcher sw(small_arena(), g, t, small_ep_state(g), arena_cursor{0});
+        (void)(sw.plan_dcp(2));
+      },
+      errc::invalid_argument, "dcp must be 1 when H_kv >= P");
+}
+
+TEST_CASE("E89 switcher::begin: a dcp change (TP attention, dcp 2 -> 1)", "[error_catalogue]") {
+  check_row(
+      89,
+      [] {
+        auto g = with_dcp(make_kv_geometry(2, 1, 4, 4, 8, 2), 2);
+        auto q = sequence(1, {0}, 4, 4);
+        q.num_tokens = 8;
+        auto s = make_kv_state(g, parallel_mode::tp, {{q}, {q}});
+        testing::host_world w(small_arena(), g);
+        host_transport t(w.memory);
+        switcher sw(small_arena(), g, t, s, arena_cursor{0});
+        (void)(sw.begin(sw.plan_dcp(1)));
+      },
+      errc::invalid_argument, "changes the KV-parallel degree alone");
 }

@@ -99,9 +99,20 @@ inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parall
   if (max_tokens > 0) max_len = std::min(max_len, max_tokens);
   int failures = 0;
   int64_t next_id = uni(rng, 0, 1000);
-  auto alloc_ok = [&](int owner, int64_t n) {
-    if (tp) return static_cast<int64_t>(free_list[0].size()) >= n;
-    return static_cast<int64_t>(free_list[static_cast<size_t>(owner)].size()) >= n;
+  // Whether logical pages [lo, hi) of a sequence find free pages: on its owner (EP), or on
+  // every rank for its share of them (TP; with dcp > 1 rank 0 need not be the one that runs
+  // out: a range past a shared prefix may hold more pages of another index).
+  auto alloc_ok = [&](int owner, int64_t lo, int64_t hi) {
+    const auto free_on = [&](int r) {
+      return static_cast<int64_t>(free_list[static_cast<size_t>(r)].size());
+    };
+    if (!tp) return free_on(owner) >= hi - lo;
+    for (int r = 0; r < P; ++r) {
+      int64_t n = 0;
+      for (int64_t k = lo; k < hi; ++k) n += mine(r, k);
+      if (free_on(r) < n) return false;
+    }
+    return true;
   };
   auto alloc = [&](int r) {
     const int64_t p = free_list[static_cast<size_t>(r)].back();
@@ -127,7 +138,7 @@ inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parall
       shared = uni(rng, 1, static_cast<int64_t>(grp->pages[0].size()));
     } else if (roll < 5) {
       const int64_t gp = uni(rng, 1, std::min<int64_t>(8, std::max<int64_t>(1, len / S)));
-      if (!alloc_ok(owner, gp)) {
+      if (!alloc_ok(owner, 0, gp)) {
         ++failures;
         continue;
       }
@@ -148,7 +159,7 @@ inline kv_case random_kv_case(std::mt19937_64& rng, const kv_geometry& g, parall
     }
     if (grp) len = std::max(len, shared * S);
     const int64_t n = pages_for_tokens(len, S);
-    if (!alloc_ok(owner, n - shared)) {
+    if (!alloc_ok(owner, shared, n)) {
       ++failures;
       continue;
     }

@@ -187,11 +187,15 @@ struct kv_geometry {
   MOEBIUS_HOST_DEVICE constexpr int64_t dcp_logical_page(int64_t k, int64_t local) const {
     return local * dcp + k;
   }
+  // The DCP index holding logical page i, and i's local page there (dcp_logical_page's
+  // inverse): i % dcp, i / dcp. dcp 2: page 5 -> index 1, local page 2.
+  MOEBIUS_HOST_DEVICE constexpr int64_t dcp_rank_of_page(int64_t i) const { return i % dcp; }
+  MOEBIUS_HOST_DEVICE constexpr int64_t dcp_local_page(int64_t i) const { return i / dcp; }
   // Where token t of a sequence lies: DCP index (t/page_size) % dcp, local page
   // (t/page_size) / dcp, slot t % page_size. Page 16, dcp 2: token 35 -> (0, 1, 3).
   MOEBIUS_HOST_DEVICE constexpr kv_token_place token_place(int64_t token) const {
     const int64_t page = token / page_size;
-    return {page % dcp, page / dcp, token % page_size};
+    return {dcp_rank_of_page(page), dcp_local_page(page), token % page_size};
   }
   // Tokens of a `num_tokens`-token sequence held by DCP index k (its pages' tokens).
   //   page 16, dcp 2, 40 tokens (pages 16+16+8): k 0 -> 24 (pages 0, 2), k 1 -> 16.

@@ -69,13 +69,16 @@ struct switch_plan {
   switch_plan_origin origin;
   parallel_layout from;      // the layout the switcher was in
   parallel_layout to;        // the target
+  // The TP view's KV-parallel degree (kv_geometry::dcp) before and after: equal unless the plan
+  // changes it (switcher::plan_dcp: the layout stays, the KV alone moves).
+  int64_t from_dcp = 1, to_dcp = 1;
   arena_cursor start, goal;  // where the arena rests now, and in `to` (0: EP experts, L: TP)
   // Stop the world (switch_to): the capacity verdict of all layers' KV in one migration. This is
   // switcher::check(to).
   kv_capacity_report capacity;
   // Progressive (begin): the verdict of one layer's migration. Not planned (reason says why)
-  // for a switch of the attention alone: a progressive switch advances layer by layer with the
-  // experts.
+  // for a switch of the attention alone, a dcp change included: a progressive switch advances
+  // layer by layer with the experts.
   kv_capacity_report layer_capacity;
   // What each layer sends per rank (switcher::layer_bytes_of(to)); empty when layer_capacity
   // refused.
@@ -91,10 +94,15 @@ struct switch_plan {
                                                  // layer_capacity refused
   double plan_ms = 0;  // host time it took
 
-  bool already_there() const { return from == to && start == goal; }
-  // Whether the KV moves (the attention's layout changes; its migration is the identity
-  // otherwise, 0 rounds) and whether the experts do (the cursor moves).
-  bool moves_kv() const { return from.attention != to.attention; }
+  bool already_there() const { return from == to && start == goal && from_dcp == to_dcp; }
+  // Whether the KV's view changes (the attention's layout, or the TP attention's dcp; the
+  // migration is the identity otherwise, 0 rounds: a dcp change under EP attention moves nothing)
+  // and whether the experts move (the cursor).
+  bool moves_kv() const {
+    return from.attention != to.attention ||
+           (to.attention == parallel_mode::tp && from_dcp != to_dcp);
+  }
+  bool changes_dcp() const { return from_dcp != to_dcp; }
   bool moves_experts() const { return !(start == goal); }
 };
 

@@ -34,6 +34,7 @@ const char* to_string(switch_outcome o);
 struct switch_report {
   parallel_layout from;  // the layout the switcher was in
   parallel_layout to;    // the target
+  int64_t from_dcp = 1, to_dcp = 1;  // the TP view's dcp before and after (switch_plan)
   switch_outcome outcome = switch_outcome::already_there;
   std::string error;          // the failure (and the undo's failure), "" when none
   arena_cursor cursor;        // where the arena rests after the call
@@ -62,5 +63,9 @@ struct switch_report {
 };
 
 std::ostream& operator<<(std::ostream& os, const switch_report& r);
+
+// How plans and reports name a switch: "EP->TP", or with a dcp change "TP->TP (dcp 1->2)".
+std::string switch_direction(parallel_layout from, parallel_layout to, int64_t from_dcp,
+                             int64_t to_dcp);
 
 }  // namespace moebius

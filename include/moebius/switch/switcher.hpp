@@ -4,7 +4,9 @@
 // (layout/parallel_layout.hpp: the attention's and the experts' layouts; DESIGN.md §2 item 6):
 // the paper's switch, EP <-> TP, moves the experts and the KV; a switch of the experts alone
 // under a fixed attention layout (TP attention, experts EP <-> TP) moves no KV byte; a switch
-// of the attention alone moves the KV and no expert (stop the world only). It owns
+// of the attention alone moves the KV and no expert (stop the world only), and so does a
+// change of the TP view's KV-parallel degree (plan_dcp: TP(dcp a) -> TP(dcp b), the layout
+// unchanged; kv/dcp_change.hpp). It owns
 // the layout state of the arena (its cursor) and of the KV pool (page tables and free lists),
 // and runs one switch transaction on any transport:
 //
@@ -41,7 +43,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,7 +66,9 @@ struct switcher_options {
   bool stage_kv_in_free_slot = true;
   int64_t max_kv_rounds = 4096;
   // Called at commit with the new layout, after every byte has moved: the engine flips its
-  // runtime selector here (which set of CUDA graphs and views it launches next step).
+  // runtime selector here (which set of CUDA graphs and views it launches next step). A dcp
+  // change calls it with the layout it keeps; switcher::dcp() then says the new dcp (the engine
+  // rebuilds its TP views' DCP shares).
   std::function<void(parallel_layout)> on_commit;
   // Optional end-to-end check: called before moving anything and after the last byte moved;
   // returns a layout-independent checksum of the state (see switch/checksum.hpp). A mismatch
@@ -73,7 +76,10 @@ struct switcher_options {
   // calls it at begin() and at finish(): the tables are frozen between, but the engine writes
   // tokens into their reserved room meanwhile, so its hook must cover only what no step
   // writes during the switch (the mini-engine checks the tokens each sequence had written at
-  // begin and excludes the rest).
+  // begin and excludes the rest). A dcp change (plan_dcp) calls it, and verify_layer, with the
+  // tables at the dcp they are in: before the move at dcp(), after it at the plan's to_dcp
+  // (dcp() changes at commit, after the last check): a hook reads the pool through them with
+  // with_dcp(geometry, that dcp).
   std::function<uint64_t(arena_cursor, const kv_state&)> verify;
   // Optional per-layer check: a checksum of layer `layer` alone, its experts as they rest in
   // `mode` (weight_checksum with cursor 0 for EP, L for TP) and its K/V through `tables` (in
@@ -163,6 +169,9 @@ class switcher {
   const kv_state& kv_tables() const;
   // The KV pool's layout every plan is made over (switcher_options::kv_layout).
   const kv_pool_layout& kv_layout() const;
+  // The TP view's KV-parallel degree (kv_geometry::dcp): the constructor's geometry's, until a
+  // dcp change (plan_dcp) commits another. The tables are at this dcp when the attention is TP.
+  int64_t dcp() const;
   // The engine adds and retires sequences between switches; the tables must stay valid. Every
   // call makes the plans made before it stale (the caller may change the tables).
   // Throws errc::invalid_argument while a progressive switch is open: its tables are frozen
@@ -184,6 +193,18 @@ class switcher {
   // layer_capacity refused with a reason saying it was not planned): begin() refuses such a
   // plan. Throws errc::invalid_argument for a bad scope too.
   switch_plan plan(parallel_layout target, plan_scope scope) const;
+  // Plans a change of the TP view's KV-parallel degree to `dcp` (kv_geometry::dcp): the KV
+  // alone moves, TP(dcp a) -> TP(dcp b), in at most two rounds and without staging
+  // (kv/dcp_change.hpp); the experts and the layout stay. Under EP attention nothing moves: the
+  // plan commits the dcp the next switch to TP attention uses. switch_to(plan) runs it, stop
+  // the world; begin(plan) refuses it (a progressive switch advances with the experts). A
+  // target that cannot hold the live KV is refused in the plan (capacity.fits false, with the
+  // rank and the numbers); after an inconsistent end recover() brings the KV back at the
+  // source dcp. Throws errc::invalid_argument for a dcp the KV geometry does not allow
+  // (with_dcp: it names the dcp), or when the KV tables are invalid.
+  //   Qwen3 (H_kv=4, P=8) TP at dcp 1 -> plan_dcp(2): 0 rounds, 0 bytes (each rank drops
+  //   the other share); plan_dcp(1) from there: 1 round, each rank receives the other share.
+  switch_plan plan_dcp(int64_t dcp) const;
   // "" when `p` can run now; otherwise why it is stale: planned on another switcher, or before
   // the state moved on (a mutable_kv_tables() call, a switch, a recover(): named).
   std::string why_stale(const switch_plan& p) const;
@@ -207,6 +228,8 @@ class switcher {
   // switch_to(plan(target)); also throws errc::invalid_argument for a target that names neither
   // EP nor TP.
   switch_report switch_to(parallel_layout target);
+  // switch_to(plan_dcp(dcp)); also throws as plan_dcp.
+  switch_report switch_dcp(int64_t dcp);
 
   // Opens a progressive switch as `p` says (switch/progressive.hpp), running `p`'s weight plan
   // and one-layer KV plan; nothing moves. The session is open when its report's outcome is
@@ -214,7 +237,8 @@ class switcher {
   // p.layer_capacity refused, inconsistent, or rolled_back when the verify hook failed). Needs
   // one KV layer per MoE layer (each layer's weights and KV move together):
   // errc::invalid_argument otherwise, for a stale plan, when a session is already open, or for
-  // a switch of the attention alone (it advances with the experts' layers: use switch_to).
+  // a switch of the attention alone, a dcp change included (it advances with the experts'
+  // layers: use switch_to).
   // The session must not outlive the switcher.
   progressive_switch begin(const switch_plan& p);
   // begin(plan(target)); also throws errc::invalid_argument for a bad target.
