@@ -22,6 +22,7 @@ std::vector<std::pair<run_kind, double>> design_bounds_s(const std::vector<run_o
       {run_kind::switching_dcp2, k_ep, k_tp_dcp2, run_kind::static_ep, run_kind::static_tp_dcp2},
       {run_kind::experts_only, k_tep_dcp2, k_tp_dcp2, run_kind::static_tep_dcp2,
        run_kind::static_tp_dcp2},
+      {run_kind::dcp_only, k_tp_dcp2, k_tp, run_kind::static_tp_dcp2, run_kind::static_tp},
   };
   std::vector<std::pair<run_kind, double>> out;
   for (const design& d : designs) {
@@ -39,7 +40,8 @@ std::optional<designs_verdict> designs_verdict_of(
     const std::vector<run_outcome>& runs, const std::vector<paper_metrics>& m, bool rollout,
     const std::vector<std::pair<run_kind, double>>& bounds_s) {
   const run_kind beyond[] = {run_kind::static_tp_dcp2, run_kind::static_tep_dcp2,
-                             run_kind::switching_dcp2, run_kind::experts_only};
+                             run_kind::switching_dcp2, run_kind::experts_only,
+                             run_kind::dcp_only};
   if (std::none_of(std::begin(beyond), std::end(beyond),
                    [&](run_kind k) { return find_run(runs, k) != nullptr; }))
     return std::nullopt;
@@ -62,7 +64,8 @@ std::optional<designs_verdict> designs_verdict_of(
     return best;
   };
   designs_verdict v;
-  v.design = best_of({run_kind::switching, run_kind::switching_dcp2, run_kind::experts_only});
+  v.design = best_of({run_kind::switching, run_kind::switching_dcp2, run_kind::experts_only,
+                      run_kind::dcp_only});
   v.paper = best_of({run_kind::static_tp, run_kind::static_ep});
   v.best_static = best_of({run_kind::static_tp, run_kind::static_ep, run_kind::static_tp_dcp2,
                            run_kind::static_tep_dcp2});

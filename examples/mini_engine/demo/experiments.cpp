@@ -255,6 +255,7 @@ run_spec spec_of(run_kind k, const engine_options& base, const engine_options& o
     }
     case run_kind::switching_dcp2:
     case run_kind::experts_only:
+    case run_kind::dcp_only:
       for (const auto& [kind, o] : designs)
         if (kind == k) r.options = o;
       break;

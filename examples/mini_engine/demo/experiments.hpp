@@ -70,7 +70,8 @@ inline run_settings host_settings(const options& o, bool gpu) {
 
 // Simulated: static TP, static EP, static TP-DCP2, static TEP-DCP2, ours (stop-the-world,
 // progressive, by cost), the paper's policy, and our policy (stop-the-world) on the two other
-// switching designs (EP <-> TP-DCP2, experts only: deployment.hpp); the paper's limits (§9.1: 2,048 running) and SGLang's default chunked prefill on
+// switching designs (EP <-> TP-DCP2, experts only, dcp only: deployment.hpp); the paper's limits
+// (§9.1: 2,048 running) and SGLang's default chunked prefill on
 // large GPUs (8,192 tokens a step); the paper's cooldown of 5 s (§7.1) and the rules' default
 // window of 8; the calibration at mean_decode_context (each request's prompt plus half its
 // output); progress every 2,000 steps (a rollout run is ~400k).
@@ -79,7 +80,7 @@ inline run_settings sim_settings() {
   s.runs = {run_kind::static_tp,      run_kind::static_ep,       run_kind::static_tp_dcp2,
             run_kind::static_tep_dcp2, run_kind::switching,       run_kind::progressive,
             run_kind::paper_policy,    run_kind::by_cost,         run_kind::switching_dcp2,
-            run_kind::experts_only};
+            run_kind::experts_only,    run_kind::dcp_only};
   s.max_running = 2048;
   s.step_tokens = 8192;
   s.cooldown_s = 5.0;

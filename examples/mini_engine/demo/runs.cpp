@@ -40,6 +40,8 @@ const char* label_of(run_kind k) {
       return "ours DCP2";
     case run_kind::experts_only:
       return "ours experts";
+    case run_kind::dcp_only:
+      return "ours dcp";
   }
   return "unknown";
 }
@@ -58,6 +60,8 @@ deployment_kind deployment_of(run_kind k) {
       return deployment_kind::switching_dcp2;
     case run_kind::experts_only:
       return deployment_kind::experts_only;
+    case run_kind::dcp_only:
+      return deployment_kind::dcp_only;
     default:
       return deployment_kind::switching;
   }
@@ -69,7 +73,8 @@ bool is_static(run_kind k) {
 }
 
 bool is_other_design(run_kind k) {
-  return k == run_kind::switching_dcp2 || k == run_kind::experts_only;
+  return k == run_kind::switching_dcp2 || k == run_kind::experts_only ||
+         k == run_kind::dcp_only;
 }
 
 const run_outcome* find_run(const std::vector<run_outcome>& runs, run_kind k) {

@@ -36,7 +36,9 @@ namespace mini_engine::demo {
 // static_tp_dcp2, static_tep_dcp2: TP attention with dcp 2, experts TP or EP, each on its own
 // deployment; switching_dcp2 ("ours DCP2"): our policy, stop-the-world, switching EP <->
 // TP-DCP2 on the paper's footprint; experts_only ("ours experts"): our policy, stop-the-world,
-// TP-DCP2 attention throughout, the experts EP <-> TP.
+// TP-DCP2 attention throughout, the experts EP <-> TP; dcp_only ("ours dcp"): our policy,
+// stop-the-world, TP attention and experts throughout on static TP's footprint, the KV's dcp
+// 2 <-> 1 (TP-DCP2 for a large load, TP for a small one).
 enum class run_kind : uint8_t {
   static_tp,
   static_ep,
@@ -49,10 +51,11 @@ enum class run_kind : uint8_t {
   static_tep_dcp2,
   switching_dcp2,
   experts_only,
+  dcp_only,
 };
 
 // "static TP", "static EP", "ours", "ours progressive", "no gate", "paper policy", "ours by
-// cost", "static TP-DCP2", "static TEP-DCP2", "ours DCP2", "ours experts": the runs' names in
+// cost", "static TP-DCP2", "static TEP-DCP2", "ours DCP2", "ours experts", "ours dcp": the runs' names in
 // tables, CSVs and JSON.
 const char* label_of(run_kind k);
 

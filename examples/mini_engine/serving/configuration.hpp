@@ -57,18 +57,35 @@ configuration parse_configuration(std::string_view name);
 
 // The layout each of the switch policy's two modes serves in. The policy proposes EP for a large
 // load and TP for a small one; a deployment maps them onto its layouts: the paper's EP and TP
-// (the default), experts only's {tp attention, ep experts} and TP. A step's configuration is its
-// layout with the KV geometry's dcp under TP attention (configuration_of).
+// (the default), experts only's {tp attention, ep experts} and TP, dcp only's TP at dcp 2 and
+// TP at dcp 1. A step's configuration is its layout with the KV's dcp under TP attention
+// (configuration_of): the KV geometry's, unless the mode names its own (ep_dcp, tp_dcp: a
+// design whose two modes differ in the TP view's dcp alone, the layout the same).
 struct mode_layouts {
   moebius::parallel_layout ep = moebius::parallel_mode::ep;
   moebius::parallel_layout tp = moebius::parallel_mode::tp;
+  // The TP view's dcp each mode serves at under TP attention; 0: whatever the KV is at (the
+  // geometry's, as every design but dcp only has it).
+  int64_t ep_dcp = 0, tp_dcp = 0;
 
   moebius::parallel_layout of(moebius::parallel_mode m) const {
     return m == moebius::parallel_mode::ep ? ep : tp;
   }
-  // The mode whose layout `l` is; a layout neither mode names (the switcher's before a run
-  // moves it to its start): the mode of its experts.
-  moebius::parallel_mode mode_of(moebius::parallel_layout l) const {
+  // The dcp mode `m` serves at when the KV is at `kv_dcp` now: its own, else kv_dcp (also
+  // under data-parallel attention, where the dcp does not apply and a switch keeps it).
+  int64_t dcp_of(moebius::parallel_mode m, int64_t kv_dcp) const {
+    const int64_t d = m == moebius::parallel_mode::ep ? ep_dcp : tp_dcp;
+    return of(m).attention == moebius::parallel_mode::tp && d > 0 ? d : kv_dcp;
+  }
+  // Whether the two modes differ in the KV's dcp alone (dcp only: a switch plans a dcp change).
+  bool differ_in_dcp_alone() const { return ep == tp && ep_dcp != tp_dcp; }
+  // The mode whose layout `l` is, at the KV's dcp `kv_dcp` when the two modes share a layout;
+  // a layout neither mode names (the switcher's before a run moves it to its start): the mode
+  // of its experts.
+  moebius::parallel_mode mode_of(moebius::parallel_layout l, int64_t kv_dcp) const {
+    if (differ_in_dcp_alone() && l == ep)
+      return kv_dcp == dcp_of(moebius::parallel_mode::ep, kv_dcp) ? moebius::parallel_mode::ep
+                                                                 : moebius::parallel_mode::tp;
     if (l == ep) return moebius::parallel_mode::ep;
     if (l == tp) return moebius::parallel_mode::tp;
     return l.experts;

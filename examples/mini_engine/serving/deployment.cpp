@@ -58,6 +58,8 @@ const char* to_string(deployment_kind k) {
       return "switching DCP2";
     case deployment_kind::experts_only:
       return "experts only";
+    case deployment_kind::dcp_only:
+      return "dcp only";
   }
   return "unknown";
 }
@@ -68,6 +70,7 @@ int64_t dcp_of(deployment_kind k) {
     case deployment_kind::static_tep_dcp2:
     case deployment_kind::switching_dcp2:
     case deployment_kind::experts_only:
+    case deployment_kind::dcp_only:
       return 2;
     default:
       return 1;
@@ -95,6 +98,13 @@ mode_layouts deployment::modes() const {
   mode_layouts m;
   if (serves(parallel_mode::ep)) m.ep = ep.config.layout;
   if (serves(parallel_mode::tp)) m.tp = tp.config.layout;
+  // A mode's own dcp only where the two differ in it alone (dcp only); every other design
+  // serves at its KV geometry's.
+  if (serves(parallel_mode::ep) && serves(parallel_mode::tp) && m.ep == m.tp &&
+      ep.config.dcp != tp.config.dcp) {
+    m.ep_dcp = ep.config.dcp;
+    m.tp_dcp = tp.config.dcp;
+  }
   return m;
 }
 
@@ -137,7 +147,8 @@ deployment make_deployment(const model_config& model, deployment_kind kind,
   // SGLang and vLLM shard them, 1/P of the embedding and LM head (and of the rest of the dense
   // weights, a rounding error beside them); TEP TP's (E/P whole experts weigh what every
   // expert's I/P slice does); the paper's switching designs EP's and the arena's spare slot;
-  // experts only TP's attention and dense weights and the arena's spare slot.
+  // experts only TP's attention and dense weights and the arena's spare slot; dcp only static
+  // TP's (no expert moves).
   const int64_t ep = b.expert_bytes + b.attention_bytes + b.dense_bytes;
   const int64_t tp = b.expert_bytes + b.static_tp_attention_bytes + b.dense_bytes / o.num_ranks;
   const int64_t sw = b.arena_bytes + b.attention_bytes + b.dense_bytes;
@@ -171,6 +182,10 @@ deployment make_deployment(const model_config& model, deployment_kind kind,
     case deployment_kind::experts_only:
       d.ep = capacity_of(model, o, k_tep_dcp2, experts_only);
       d.tp = capacity_of(model, o, k_tp_dcp2, experts_only);
+      break;
+    case deployment_kind::dcp_only:
+      d.ep = capacity_of(model, o, k_tp_dcp2, tp);
+      d.tp = capacity_of(model, o, k_tp, tp);
       break;
   }
   return d;

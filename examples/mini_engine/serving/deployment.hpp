@@ -3,7 +3,7 @@
 // A deployment as the paper ran it (Moebius §9.1; DESIGN.md §8): a model on P GPUs of a given
 // memory, a memory fraction for weights + KV, and what each layout it serves in holds per rank:
 // its weights, the KV pool left beside them, and that pool in tokens and in sequences of a given
-// length. Seven deployments, four static configurations and three switching designs
+// length. Eight deployments, four static configurations and four switching designs
 // (configuration.hpp names the layouts; dcp 2 is what Qwen3-235B allows at P = 8):
 //
 //   static TP        every expert's I/P slice, the attention's head slice (q/o by P; k/v by P,
@@ -25,10 +25,15 @@
 //   experts only     TP-DCP2 attention always, experts EP <-> TP: TP's attention slice and
 //                    vocab-parallel dense weights plus the arena with its spare slot; the KV
 //                    never moves, a switch moves expert weights alone
+//   dcp only         TP attention and experts always, the KV's dcp 2 <-> 1: static TP's
+//                    footprint and pool (no spare slot: no expert moves); at dcp 2 it holds
+//                    static TP-DCP2's tokens, at dcp 1 static TP's; a switch to dcp 2 moves no
+//                    byte, back to dcp 1 copies each live page once (kv/dcp_change.hpp)
 //
 // Each layout is held under the switch policy's mode that selects it (the policy proposes EP for
 // a large load, TP for a small one): `ep` the large-batch layout (EP, TEP-DCP2), `tp` the
-// small-batch one (TP, TP-DCP2). A static deployment fills the one it serves in.
+// small-batch one (TP, TP-DCP2; dcp only: TP-DCP2 and TP). A static deployment fills the one it
+// serves in.
 //
 // Weights per rank come from moebius::make_memory_budget (the library's own accounting). Not
 // counted: activations, CUDA graphs, the allocator's fragmentation (the memory fraction leaves
@@ -53,11 +58,13 @@ enum class deployment_kind : uint8_t {
   static_tep_dcp2,
   switching_dcp2,  // EP <-> TP-DCP2
   experts_only,    // TEP-DCP2 <-> TP-DCP2
+  dcp_only,        // TP-DCP2 <-> TP on static TP's footprint
 };
 // "static TP", "static EP", "switching", "static TP-DCP2", "static TEP-DCP2", "switching DCP2",
-// "experts only".
+// "experts only", "dcp only".
 const char* to_string(deployment_kind k);
-// The KV's decode context parallel degree of the deployment: 2 for the DCP2 kinds, else 1.
+// The KV's decode context parallel degree of the deployment as it starts (its large-batch
+// layout's): 2 for the DCP2 kinds and dcp only, else 1.
 int64_t dcp_of(deployment_kind k);
 
 struct deployment_options {

@@ -92,14 +92,33 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
                 }()) {}
 
 
-moebius::switch_report engine::switch_untimed(moebius::parallel_layout target) {
-  if (switcher_.layout() == target) {
-    moebius::switch_report r;
-    r.from = r.to = target;
-    r.cursor = switcher_.cursor();
-    return r;  // already_there
-  }
-  return switcher_.switch_to(target);
+moebius::switch_report engine::switch_untimed(moebius::parallel_layout target, int64_t dcp) {
+  moebius::switch_report r;
+  r.from = r.to = switcher_.layout();
+  r.from_dcp = r.to_dcp = switcher_.dcp();
+  r.cursor = switcher_.cursor();  // already_there unless something moves below
+  const bool dcp_changes = dcp > 0 && dcp != switcher_.dcp();
+  // Under data-parallel attention a dcp change moves nothing: first, so that the layout's
+  // switch to TP attention lands at the new dcp; under TP attention after the layout's.
+  const bool dcp_first = switcher_.layout().attention == parallel_mode::ep;
+  if (dcp_changes && dcp_first) r = switcher_.switch_dcp(dcp);
+  if (switcher_.layout() != target && switcher_.consistent()) r = switcher_.switch_to(target);
+  if (dcp_changes && !dcp_first && switcher_.consistent() && switcher_.layout() == target)
+    r = switcher_.switch_dcp(dcp);
+  follow_kv_dcp();
+  return r;
+}
+
+moebius::switch_plan engine::plan_switch(moebius::parallel_layout to, int64_t dcp,
+                                         moebius::plan_scope scope) const {
+  if (to == switcher_.layout() && dcp > 0 && dcp != switcher_.dcp()) return switcher_.plan_dcp(dcp);
+  return switcher_.plan(to, scope);
+}
+
+void engine::follow_kv_dcp() {
+  if (kv_.dcp == switcher_.dcp()) return;
+  kv_ = moebius::with_dcp(kv_, switcher_.dcp());
+  if (sched_ != nullptr) sched_->follow_dcp(kv_.dcp);
 }
 
 // Ends every run, normally or by an exception.
@@ -125,15 +144,19 @@ void engine::end_run(std::optional<run_state>& st) noexcept {
 bool engine::reservations_fit(run_state& st, const moebius::switch_plan& plan, switch_record& s) {
   const parallel_mode target = plan.to.attention;  // the KV's view
   const bool placed = target == parallel_mode::ep && plan.from.attention == parallel_mode::tp;
-  if (placed ? plan.ep_placement.fits : st.sched.fits_reservations(switcher_.kv_tables(), target))
+  if (placed ? plan.ep_placement.fits
+             : st.sched.fits_reservations(switcher_.kv_tables(), target, plan.to_dcp))
     return true;
   s.outcome = moebius::switch_outcome::refused_capacity;
   std::ostringstream why;
   why << "refused: the " << st.sched.num_running() << " running sequences, each at its largest, "
-      << "do not fit " << moebius::to_string(target) << " (" << kv_.num_pages(target)
-      << " pages a rank";
-  if (target == parallel_mode::tp && kv_.tp_replicas() > 1)
-    why << ", every sequence on every rank: H_kv=" << kv_.num_kv_heads << " < P=" << kv_.num_ranks;
+      << "do not fit " << moebius::to_string(target);
+  if (target == parallel_mode::tp && plan.to_dcp > 1) why << " at dcp " << plan.to_dcp;
+  why << " (" << kv_.num_pages(target) << " pages a rank";
+  const moebius::kv_geometry to = moebius::with_dcp(kv_, plan.to_dcp);
+  if (target == parallel_mode::tp && to.tp_replicas() / to.dcp > 1)
+    why << ", every sequence on every " << (to.dcp > 1 ? "set of dcp ranks" : "rank") << ": H_kv="
+        << kv_.num_kv_heads << " < P=" << kv_.num_ranks;
   why << "): after the switch some could not grow";
   s.error = why.str();
   return false;
@@ -154,8 +177,9 @@ std::optional<decided_switch> engine::decide(run_state& st, int64_t step) {
   if (st.next_forced == o.forced_steps.size() || o.forced_steps[st.next_forced] != step)
     return std::nullopt;
   decided_switch d;
-  d.target = o.layouts.mode_of(switcher_.layout()) == parallel_mode::ep ? parallel_mode::tp
-                                                                       : parallel_mode::ep;
+  d.target = o.layouts.mode_of(switcher_.layout(), switcher_.dcp()) == parallel_mode::ep
+                 ? parallel_mode::tp
+                 : parallel_mode::ep;
   return d;
 }
 
@@ -168,12 +192,14 @@ void engine::start_switch(run_state& st, decided_switch d, step_record& rec) {
   s.prefilling = st.sched.num_prefilling();
   s.from = switcher_.layout();
   s.to = o.layouts.of(d.target);
+  s.from_dcp = switcher_.dcp();
+  s.to_dcp = o.layouts.dcp_of(d.target, switcher_.dcp());
   s.gate = d.gate;
   // A forced switch is planned here, once; the policy's arrives with the plan it was priced on.
   if (!d.plan) {
-    d.plan = switcher_.plan(s.to, o.style == switch_style::stop_the_world
-                                          ? moebius::plan_scope::stop_the_world
-                                          : moebius::plan_scope::both);
+    d.plan = plan_switch(s.to, s.to_dcp,
+                         o.style == switch_style::stop_the_world ? moebius::plan_scope::stop_the_world
+                                                                 : moebius::plan_scope::both);
     if (!reservations_fit(st, *d.plan, s)) {
       st.out.switches.push_back(std::move(s));
       return;
@@ -181,7 +207,8 @@ void engine::start_switch(run_state& st, decided_switch d, step_record& rec) {
   }
   if (o.test_hooks.before_switch) o.test_hooks.before_switch(switcher_, rec.step);
   verify_written_ = st.sched.written_tokens();
-  bool progressive = o.style == switch_style::progressive;
+  // A dcp change runs stop-the-world (its plan has no per-layer part to pace).
+  bool progressive = o.style == switch_style::progressive && !d.plan->changes_dcp();
   // by_cost: the cheaper style, from the plan's bytes (without a per-layer plan, stop-the-world).
   if (o.style == switch_style::by_cost && d.plan->layer_kv != nullptr) {
     if (!d.styles || d.styles->layers_per_step == 0)
@@ -217,10 +244,13 @@ void engine::stop_the_world(run_state& st, moebius::switch_plan plan, switch_rec
   // A plan made before the pages were handed out again (a progressive begin that could not
   // reserve them) is stale: plan once more.
   if (!switcher_.why_stale(plan).empty())
-    plan = switcher_.plan(plan.to, moebius::plan_scope::stop_the_world);
+    plan = plan_switch(plan.to, plan.to_dcp, moebius::plan_scope::stop_the_world);
   const moebius::switch_report r = switcher_.switch_to(plan);
+  follow_kv_dcp();
   s.from = r.from;
   s.to = r.to;
+  s.from_dcp = r.from_dcp;
+  s.to_dcp = r.to_dcp;
   record_outcome(s, r);
   s.clock_ms = clock_.switch_s(r) * 1e3;
   if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
@@ -241,7 +271,7 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.cursor = switcher_.cursor().tp_layers;
   served_step done = runner.run(runtime_, b, rec);
   rec.config = done.config;
-  rec.mode = st.options.layouts.mode_of(done.layout);
+  rec.mode = st.options.layouts.mode_of(done.layout, done.config.dcp);
   rec.sequences = b.num_sequences;
   rec.decode_tokens = b.decode_tokens;
   rec.prefill_tokens = b.prefill_tokens;
@@ -269,6 +299,7 @@ bool engine::serve_step(run_state& st, step_record& rec) {
 void engine::end_progressive(run_state& st) {
   progressive_driver& d = *st.driver;
   const moebius::switch_report r = d.report();
+  follow_kv_dcp();
   switch_record& s = st.out.switches[d.switch_idx()];
   record_outcome(s, r);
   s.clock_ms = (st.now - s.start_s) * 1e3;
@@ -288,8 +319,8 @@ void engine::report_progress(const run_state& st, int64_t step) const {
   p.running = st.sched.num_running();
   p.finished = st.sched.num_finished();
   p.total = st.total;
-  p.mode = o.layouts.mode_of(switcher_.layout());
-  p.config = configuration_of(switcher_.layout(), kv_.dcp);
+  p.mode = o.layouts.mode_of(switcher_.layout(), switcher_.dcp());
+  p.config = configuration_of(switcher_.layout(), switcher_.dcp());
   p.switches = static_cast<int64_t>(st.out.switches.size());
   o.on_progress(p);
 }
@@ -336,12 +367,16 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   // back the run serves in the layout it is in (recorded as switch 0).
   {
     const moebius::parallel_layout from = switcher_.layout();
-    const moebius::switch_report r = switch_untimed(o.layouts.of(start));
+    const int64_t from_dcp = switcher_.dcp();
+    const int64_t to_dcp = o.layouts.dcp_of(start, switcher_.dcp());
+    const moebius::switch_report r = switch_untimed(o.layouts.of(start), to_dcp);
     if (r.outcome != moebius::switch_outcome::committed &&
         r.outcome != moebius::switch_outcome::already_there) {
       switch_record s;
       s.from = from;
       s.to = o.layouts.of(start);
+      s.from_dcp = from_dcp;
+      s.to_dcp = to_dcp;
       record_outcome(s, r);
       if (r.outcome == moebius::switch_outcome::inconsistent) recover_in_run(st, r, s);
       st.out.switches.push_back(std::move(s));

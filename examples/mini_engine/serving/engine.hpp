@@ -249,7 +249,9 @@ class engine {
   // geometry's dcp under TP attention) on the serving clock: evaluated directly for a model
   // clock, else run on the runtime with placeholder sequences (KV content meaningless; released
   // after). For calibration.
-  double decode_step_s(moebius::parallel_layout layout, int64_t batch, int64_t context);
+  // `dcp`: the TP view's (0: the KV geometry's now).
+  double decode_step_s(moebius::parallel_layout layout, int64_t batch, int64_t context,
+                       int64_t dcp = 0);
 
   // After a run that threw because a switch left the switcher inconsistent (no
   // engine_options::reload_experts): switcher::recover in `mode` with `reload_experts`, then
@@ -266,8 +268,17 @@ class engine {
   struct run_state;  // what one run() carries from step to step (engine_run_state.hpp)
   struct run_cleanup;
 
-  // Switches with no live sequence (untimed); the report says how it ended.
-  moebius::switch_report switch_untimed(moebius::parallel_layout target);
+  // Switches with no live sequence (untimed) to `target` with the TP view at `dcp` (0: the
+  // dcp it is at); the report says how it ended (the last switch's, when the layout and the
+  // dcp both change: under data-parallel attention the dcp first, which moves nothing).
+  moebius::switch_report switch_untimed(moebius::parallel_layout target, int64_t dcp = 0);
+  // The plan of a switch to `to` at the TP view's `dcp`: a dcp change when the layout stays
+  // (switcher::plan_dcp), else switcher::plan in `scope`.
+  moebius::switch_plan plan_switch(moebius::parallel_layout to, int64_t dcp,
+                                   moebius::plan_scope scope) const;
+  // After any switch: kv_ and the run's scheduler at the switcher's dcp (a committed dcp change
+  // moved the TP view; everything that reads the pool reads kv_ or the scheduler's geometry).
+  void follow_kv_dcp();
   // Aborts the switch in flight, frees every page, clears the run's hooks. Never throws.
   void end_run(std::optional<run_state>& st) noexcept;
   // The switch to make before this step, if any (never while a progressive switch runs): the
@@ -301,7 +312,7 @@ class engine {
   std::function<uint64_t(moebius::arena_cursor, const moebius::kv_state&)> verify_;
   std::function<uint64_t(int64_t, moebius::parallel_mode, const moebius::kv_state&)> verify_layer_;
   std::vector<std::pair<int64_t, int64_t>> verify_written_;  // (seq, tokens) at the switch's start
-  const scheduler* sched_ = nullptr;  // the run's: TP -> EP placement by reservations
+  scheduler* sched_ = nullptr;  // the run's: TP -> EP placement by reservations, follow_dcp
 };
 
 // Calibration (moebius::calibrate) from the engine's clock: decode-step times of both modes

@@ -13,11 +13,12 @@ using moebius::errc;
 using moebius::kv_state;
 using moebius::parallel_mode;
 
-double engine::decode_step_s(moebius::parallel_layout layout, int64_t batch, int64_t context) {
+double engine::decode_step_s(moebius::parallel_layout layout, int64_t batch, int64_t context,
+                             int64_t dcp) {
   MOEBIUS_CHECK(batch >= 1 && context >= 1, errc::invalid_argument,
                 "decode_step_s: need batch >= 1 and context >= 1 (got ", batch, ", ", context, ")");
   step_cost cost;
-  cost.set(configuration_of(layout, kv_.dcp));
+  cost.set(configuration_of(layout, dcp > 0 ? dcp : kv_.dcp));
   cost.num_ranks = kv_.num_ranks;
   cost.num_sequences = batch;
   cost.new_tokens = batch;
@@ -26,7 +27,7 @@ double engine::decode_step_s(moebius::parallel_layout layout, int64_t batch, int
 
   MOEBIUS_CHECK(no_live_sequences(switcher_.kv_tables()), errc::invalid_argument,
                 "decode_step_s: the KV tables still hold live sequences");
-  const moebius::switch_report r = switch_untimed(layout);
+  const moebius::switch_report r = switch_untimed(layout, dcp);
   MOEBIUS_CHECK(r.outcome == moebius::switch_outcome::committed ||
                     r.outcome == moebius::switch_outcome::already_there,
                 errc::internal, "decode_step_s: the switch to ", moebius::to_string(layout),
@@ -73,8 +74,10 @@ moebius::calibration_result calibrate_engine(engine& e, std::span<const int64_t>
                                              const mode_layouts& layouts) {
   std::vector<moebius::latency_sample> ep, tp;
   for (const int64_t b : batches) {
-    ep.push_back({static_cast<double>(b), e.decode_step_s(layouts.ep, b, context) * 1e3});
-    tp.push_back({static_cast<double>(b), e.decode_step_s(layouts.tp, b, context) * 1e3});
+    ep.push_back({static_cast<double>(b),
+                  e.decode_step_s(layouts.ep, b, context, layouts.ep_dcp) * 1e3});
+    tp.push_back({static_cast<double>(b),
+                  e.decode_step_s(layouts.tp, b, context, layouts.tp_dcp) * 1e3});
   }
   return moebius::calibrate(ep, tp, options);
 }

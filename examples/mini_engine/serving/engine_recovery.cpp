@@ -21,6 +21,7 @@ void engine::recover_in_run(run_state& st, const moebius::switch_report& r, swit
   q.layout = s.from;
   q.reload_experts = st.options.reload_experts;
   const moebius::recovery_report rr = switcher_.recover(q);
+  follow_kv_dcp();
   MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::run '", st.name,
                 "': recovery after an inconsistent switch failed: ", rr.error, " (after: ", r.error,
                 ")");
@@ -36,6 +37,7 @@ moebius::recovery_report engine::recover(
   q.layout = mode;
   q.reload_experts = reload_experts;
   const moebius::recovery_report rr = switcher_.recover(q);
+  follow_kv_dcp();
   MOEBIUS_CHECK(rr.recovered, errc::internal, "engine::recover: ", rr.error);
   release_all_sequences(switcher_.mutable_kv_tables());  // no run to resume what was kept
   return rr;

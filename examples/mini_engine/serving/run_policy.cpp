@@ -25,11 +25,12 @@ const char* to_string(gate_kind k) {
 namespace {
 
 // Tokens the pool holds for admission under attention `m`: EP, every rank's pages
-// (data-parallel attention: a sequence lives on one rank); TP, one rank's times dcp (every
-// replica set of dcp ranks holds every sequence, each rank 1/dcp of its tokens).
-double pool_tokens(const moebius::kv_geometry& g, parallel_mode m, double watermark) {
+// (data-parallel attention: a sequence lives on one rank); TP at `dcp`, one rank's times dcp
+// (every replica set of dcp ranks holds every sequence, each rank 1/dcp of its tokens).
+double pool_tokens(const moebius::kv_geometry& g, parallel_mode m, int64_t dcp,
+                   double watermark) {
   const double ranks =
-      m == parallel_mode::ep ? static_cast<double>(g.num_ranks) : static_cast<double>(g.dcp);
+      m == parallel_mode::ep ? static_cast<double>(g.num_ranks) : static_cast<double>(dcp);
   return ranks * static_cast<double>(g.num_pages(m)) * static_cast<double>(g.page_size) *
          (1.0 - watermark);
 }
@@ -192,8 +193,9 @@ moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mo
   const double watermark = options_.scheduler.admission_watermark();
   auto admits = [&](parallel_mode m) {
     const parallel_mode attention = options_.layouts.of(m).attention;
+    const int64_t dcp = options_.layouts.dcp_of(m, kv_.dcp);
     return static_cast<int64_t>(
-        std::min(pool_tokens(kv_, attention, watermark) / per_sequence, 1e15));
+        std::min(pool_tokens(kv_, attention, dcp, watermark) / per_sequence, 1e15));
   };
   l.admits_ep = admits(parallel_mode::ep);
   l.admits_tp = admits(parallel_mode::tp);
@@ -215,7 +217,10 @@ moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mo
 }
 
 double run_policy::cost_ms(const run_view& v, const moebius::layer_bytes& per_layer,
-                           bool per_layer_plan, std::optional<style_price>* styles) const {
+                           bool per_layer_plan, bool kv_alone,
+                           std::optional<style_price>* styles) const {
+  // A dcp change moves the KV alone, stop-the-world (engine::start_switch).
+  if (kv_alone) return clock_.predicted_kv_switch_s(per_layer, num_layers_) * 1e3;
   if (options_.style != switch_style::by_cost)
     return clock_.predicted_switch_s(per_layer, num_layers_) * 1e3;
   const style_price c = price_styles(clock_, options_, v.sched.work(v.now_s), v.last_step_s,
@@ -227,7 +232,7 @@ double run_policy::cost_ms(const run_view& v, const moebius::layer_bytes& per_la
 moebius::gate_evaluation run_policy::weigh(const run_view& v, parallel_mode target, int64_t load,
                                            const std::optional<moebius::serving_load>& work,
                                            double switch_ms) const {
-  const parallel_mode current = options_.layouts.mode_of(v.sw.layout());
+  const parallel_mode current = options_.layouts.mode_of(v.sw.layout(), v.sw.dcp());
   moebius::gate_evaluation g;
   if (work) {
     g = moebius::weigh_switch(curves_, current, target, *work, switch_ms, options_.gate.margin,
@@ -250,6 +255,9 @@ run_policy::priced_proposal run_policy::price(const run_view& v,
                                               const moebius::switch_proposal& p) const {
   priced_proposal out;
   const parallel_mode target = p.target;
+  const moebius::parallel_layout to = options_.layouts.of(target);
+  const int64_t to_dcp = options_.layouts.dcp_of(target, v.sw.dcp());
+  const bool kv_alone = to == v.sw.layout();  // a dcp change (the modes differ in it alone)
   std::optional<moebius::serving_load> work;
   if (gated_ && options_.gate.kind == gate_kind::throughput) {
     work = serving_load_of(v, target, p.load);
@@ -259,7 +267,8 @@ run_policy::priced_proposal run_policy::price(const run_view& v,
     moebius::layer_bytes weights_only;
     weights_only.weight_bytes_sent.assign(static_cast<size_t>(kv_.num_ranks), 0);
     weights_only.kv_bytes_sent.assign(static_cast<size_t>(kv_.num_ranks), 0);
-    moebius::gate_evaluation least = weigh(v, target, p.load, work, cost_ms(v, weights_only, true, nullptr));
+    moebius::gate_evaluation least =
+        weigh(v, target, p.load, work, cost_ms(v, weights_only, true, kv_alone, nullptr));
     least.priced = false;
     if (!least.passed) {
       out.pricing.gate = least;
@@ -270,14 +279,14 @@ run_policy::priced_proposal run_policy::price(const run_view& v,
   // scheduler holds survive the switch): a page sum, or TP -> EP the placement the plan makes
   // (switcher_options::ep_placement is the scheduler's); and the plan's verdict on the live KV.
   // The target's KV view is its layout's attention (the experts alone: the tables' own).
-  const moebius::parallel_layout to = options_.layouts.of(target);
   const moebius::kv_state& tables = v.sw.kv_tables();
   const bool placed = to.attention == parallel_mode::ep && tables.mode == parallel_mode::tp;
-  if (!placed && !v.sched.fits_reservations(tables, to.attention)) {
+  if (!placed && !v.sched.fits_reservations(tables, to.attention, to_dcp)) {
     out.pricing.fits = false;
     return out;
   }
-  const moebius::switch_plan& plan = out.plan.emplace(v.sw.plan(to, scope_));
+  const moebius::switch_plan& plan =
+      out.plan.emplace(kv_alone ? v.sw.plan_dcp(to_dcp) : v.sw.plan(to, scope_));
   out.pricing.fits = plan.capacity.fits && (!placed || plan.ep_placement.fits);
   if (!out.pricing.fits || !gated_) return out;
   // Without a per-layer plan (not planned, the target cannot hold one layer's KV apart, or the
@@ -285,7 +294,8 @@ run_policy::priced_proposal run_policy::price(const run_view& v,
   const bool per_layer_plan = plan.layer_kv != nullptr;
   const moebius::layer_bytes per_layer =
       per_layer_plan ? plan.bytes_per_layer : whole_switch_per_layer(plan, num_layers_);
-  out.pricing.gate = weigh(v, target, p.load, work, cost_ms(v, per_layer, per_layer_plan, &out.styles));
+  out.pricing.gate =
+      weigh(v, target, p.load, work, cost_ms(v, per_layer, per_layer_plan, kv_alone, &out.styles));
   return out;
 }
 
@@ -295,7 +305,7 @@ std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step
   const int64_t waiting = v.sched.num_waiting(v.now_s);
   const int64_t load = std::min(running + waiting, options_.scheduler.max_running);
   const bool blocked = v.admission_blocked && waiting > 0;
-  const parallel_mode mode = options_.layouts.mode_of(v.sw.layout());
+  const parallel_mode mode = options_.layouts.mode_of(v.sw.layout(), v.sw.dcp());
   const moebius::switch_proposal p = rules_.propose(load, mode, v.now_s, blocked);
   priced_proposal priced = p.proposed() ? price(v, p) : priced_proposal{};
   const moebius::switch_decision d = rules_.decide(p, priced.pricing);

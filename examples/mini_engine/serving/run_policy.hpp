@@ -82,9 +82,10 @@ class run_policy {
   moebius::serving_load serving_load_of(const run_view& v, moebius::parallel_mode target,
                                         int64_t load) const;
   // The switch's cost on the serving clock, in ms of the whole batch, for `per_layer` bytes a
-  // layer: the predicted stall, or by_cost the cheaper style's (`styles` set).
+  // layer: the predicted stall, or by_cost the cheaper style's (`styles` set); `kv_alone`: a
+  // dcp change (the KV alone, stop-the-world: step_clock::predicted_kv_switch_s).
   double cost_ms(const run_view& v, const moebius::layer_bytes& per_layer, bool per_layer_plan,
-                 std::optional<style_price>* styles) const;
+                 bool kv_alone, std::optional<style_price>* styles) const;
   moebius::gate_evaluation weigh(const run_view& v, moebius::parallel_mode target, int64_t load,
                                  const std::optional<moebius::serving_load>& work,
                                  double switch_ms) const;

@@ -55,6 +55,7 @@ struct switch_record {
   int64_t step = 0;  // ran before this step
   double start_s = 0;
   moebius::parallel_layout from, to;
+  int64_t from_dcp = 1, to_dcp = 1;  // the TP view's dcp before and after (a dcp change's)
   moebius::switch_outcome outcome = moebius::switch_outcome::committed;
   double clock_ms = 0, measured_ms = 0;
   int64_t running = 0, prefilling = 0;  // sequences live, and of them mid chunked prefill

@@ -217,15 +217,17 @@ std::vector<int64_t> scheduler::unreserved(const kv_state& kv) const {
   return left;
 }
 
-bool scheduler::fits_reservations(const kv_state& kv, parallel_mode target) const {
-  const int64_t cap = g_.num_pages(target);
+bool scheduler::fits_reservations(const kv_state& kv, parallel_mode target,
+                                  int64_t target_dcp) const {
+  const moebius::kv_geometry g = target_dcp > 0 ? moebius::with_dcp(g_, target_dcp) : g_;
+  const int64_t cap = g.num_pages(target);
   if (target == parallel_mode::ep && kv.mode == parallel_mode::tp) {
     // The placement the switch will use (the switcher plans with ep_placement).
     return ep_placement(kv).fits;
   }
   std::vector<int64_t> need;
   need.reserve(running_.size());
-  for (const running_seq& s : running_) need.push_back(pages_needed(g_, target, reserved_tokens(s)));
+  for (const running_seq& s : running_) need.push_back(pages_needed(g, target, reserved_tokens(s)));
   if (target == parallel_mode::tp) {
     int64_t sum = 0;
     for (int64_t n : need) sum += n;

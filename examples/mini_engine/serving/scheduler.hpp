@@ -253,7 +253,10 @@ class scheduler {
   // has) fits the KV pool in mode `target` (TP: on every rank; EP: first-fit decreasing over
   // the ranks). A switch the policy proposes should pass this as well as the switcher's check
   // of the current tables. TP -> EP: the placement is ep_placement(kv).
-  bool fits_reservations(const moebius::kv_state& kv, moebius::parallel_mode target) const;
+  // `target_dcp`: the TP view's dcp after the switch (0: the pool's now; a dcp change keeps
+  // the TP view and changes how many pages a rank holds of each sequence).
+  bool fits_reservations(const moebius::kv_state& kv, moebius::parallel_mode target,
+                         int64_t target_dcp = 0) const;
   // The owners a TP -> EP switch of the TP tables `kv` should give its sequences, indexed like
   // moebius::kv_demands_of(kv) (kv_migration_options::placement): longest-first by each running
   // sequence's reserved pages (a table the scheduler does not run counts as it stands), every
@@ -279,6 +282,10 @@ class scheduler {
   // Per request, in the order of the ids given (sorted by id).
   const std::vector<request_result>& results() const { return results_; }
   const moebius::kv_geometry& geometry() const { return g_; }
+  // After a committed change of the TP view's dcp (switcher::plan_dcp): the pool's geometry
+  // at `dcp` (kv_geometry::dcp; with_dcp's checks). The tables the scheduler is handed are at
+  // it from now on.
+  void follow_dcp(int64_t dcp) { g_ = moebius::with_dcp(g_, dcp); }
 
  private:
   struct running_seq {

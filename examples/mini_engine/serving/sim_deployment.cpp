@@ -29,7 +29,7 @@ sim_geometry make_sim_geometry(const deployment& d, const sim_options& o) {
   if (!ep_attention) {
     // The TP pool holds tokens / dcp on every rank: its pages in EP units (same bytes).
     const layout_capacity& l = d.serves(parallel_mode::tp) ? d.tp : d.ep;
-    const int64_t tp_pages = l.tokens / dcp / o.page_size;
+    const int64_t tp_pages = l.tokens / l.config.dcp / o.page_size;
     ep_pages = tp_pages * one.tp_page_bytes() / one.ep_page_bytes();
   } else {
     ep_pages = d.ep.tokens / P / o.page_size;
@@ -71,6 +71,8 @@ std::ostream& operator<<(std::ostream& os, const sim_geometry& g) {
   if (ep && tp) os << ", ";
   if (tp) os << (g.kv.dcp > 1 ? "TP-DCP" + std::to_string(g.kv.dcp) : std::string("TP")) << " "
              << tp_tokens << " tokens";
+  if (g.kind == deployment_kind::dcp_only)
+    os << ", TP " << moebius::with_dcp(g.kv, 1).max_tokens(parallel_mode::tp) << " tokens";
   return os << "), run model " << g.kv.num_layers << " layers, arena slot "
             << g.arena.slot_bytes / 1024 << " KiB";
 }

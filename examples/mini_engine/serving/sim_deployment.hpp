@@ -16,8 +16,9 @@
 //                   DCP2): each rank's EP pool holds d.ep.tokens / P, and its TP view what d.tp
 //                   says (P / H_kv times fewer tokens when H_kv < P, its heads replicated, dcp
 //                   times more with dcp); one that serves in TP attention only (static TP,
-//                   TP-DCP2, TEP-DCP2, experts only): the TP view holds its tokens / dcp on
-//                   each rank; with the deployment's dcp (kv_geometry::dcp)
+//                   TP-DCP2, TEP-DCP2, experts only, dcp only): the TP view holds its tokens /
+//                   dcp on each rank; with the deployment's dcp (kv_geometry::dcp; dcp only
+//                   starts at 2, the same pages holding half the tokens at dcp 1)
 //
 //   Qwen3-235B-A22B, P = 8, 0.85 of an H200, 16-token pages, switching:
 //     2.28M EP tokens: 17,838 EP pages a rank; its TP view 71,352 TP pages: 1.14M tokens

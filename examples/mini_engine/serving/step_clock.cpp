@@ -222,7 +222,8 @@ double h200_step_model::decode_step_s(const configuration& config, int64_t batch
   return time_s(config, b, b, b * context);
 }
 
-double h200_step_model::priced_switch_s(int64_t kv_sent, int64_t kv_rounds) const {
+double h200_step_model::priced_switch_s(int64_t kv_sent, int64_t kv_rounds,
+                                        bool experts_move) const {
   const moebius::cost_model cost(hw_.switch_link);
   moebius::switch_workload w;
   w.num_ranks = num_ranks_;
@@ -231,8 +232,10 @@ double h200_step_model::priced_switch_s(int64_t kv_sent, int64_t kv_rounds) cons
   const double layer_bytes = static_cast<double>(m_.num_experts) * 3.0 *
                              static_cast<double>(m_.hidden * m_.intermediate * m_.weight_bytes) / P;
   w.weight_bytes_per_rank =
-      static_cast<int64_t>(static_cast<double>(m_.num_layers) * layer_bytes * (P - 1) / P);
-  w.weight_phases = m_.num_layers;
+      experts_move
+          ? static_cast<int64_t>(static_cast<double>(m_.num_layers) * layer_bytes * (P - 1) / P)
+          : 0;
+  w.weight_phases = experts_move ? m_.num_layers : 0;
   const double priced_kv_per_token = static_cast<double>(m_.num_layers * 2 * m_.num_kv_heads *
                                                          m_.head_dim * m_.kv_bytes);
   w.kv_bytes_per_rank = static_cast<int64_t>(static_cast<double>(kv_sent) * m_.context_scale *
@@ -251,7 +254,8 @@ double h200_step_model::switch_s(const moebius::switch_report& r) const {
   if (r.outcome != moebius::switch_outcome::committed) return r.total_ms * 1e-3;
   int64_t kv_sent = 0;
   for (int64_t b : r.kv_bytes_sent) kv_sent = std::max(kv_sent, b);
-  return priced_switch_s(kv_sent, r.kv_rounds);
+  // A switch whose experts keep their layout (a dcp change) moves no expert byte.
+  return priced_switch_s(kv_sent, r.kv_rounds, r.from.experts != r.to.experts);
 }
 
 double h200_step_model::predicted_switch_s(const moebius::layer_bytes& run,
@@ -262,7 +266,16 @@ double h200_step_model::predicted_switch_s(const moebius::layer_bytes& run,
   // layer: what the switch report of the same switch would say.
   int64_t kv = 0;
   for (int64_t b : run.kv_bytes_sent) kv = std::max(kv, b);
-  return priced_switch_s(kv * run_layers, kv > 0 ? run_layers : 0);
+  return priced_switch_s(kv * run_layers, kv > 0 ? run_layers : 0, true);
+}
+
+double h200_step_model::predicted_kv_switch_s(const moebius::layer_bytes& run,
+                                              int64_t run_layers) const {
+  MOEBIUS_CHECK(run_layers >= 1, errc::invalid_argument,
+                "predicted_kv_switch_s: run_layers must be >= 1");
+  int64_t kv = 0;
+  for (int64_t b : run.kv_bytes_sent) kv = std::max(kv, b);
+  return priced_switch_s(kv * run_layers, kv > 0 ? run_layers : 0, false);
 }
 
 int64_t h200_step_model::layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const {

@@ -135,6 +135,12 @@ class step_clock {
     return static_cast<double>(layer_bytes(run, run_layers)) * static_cast<double>(run_layers) /
            link().bytes_per_s;
   }
+  // The same for a switch that moves the KV alone (a change of the TP view's dcp: no expert
+  // moves). Default: predicted_switch_s (a clock whose bytes are the run's own).
+  virtual double predicted_kv_switch_s(const moebius::layer_bytes& run,
+                                       int64_t run_layers) const {
+    return predicted_switch_s(run, run_layers);
+  }
 
   // Progressive pacing hook: how much longer a step of `step_s` seconds takes with `bytes`
   // copied beside it (the measured slowdown curve, DESIGN.md §7 "What overlap costs"). Empty
@@ -289,6 +295,9 @@ class h200_step_model final : public step_clock {
   // As switch_s() would price the switch that moves `run`: the priced experts and the run's KV
   // scaled to the priced model, through moebius::cost_model over switch_link.
   double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
+  // The run's KV alone, scaled as above (no priced expert moves).
+  double predicted_kv_switch_s(const moebius::layer_bytes& run,
+                               int64_t run_layers) const override;
 
   // The model alone: a step of `batch` sequences decoding one token each at `context` tokens.
   double decode_step_s(const configuration& config, int64_t batch, double context) const;
@@ -326,7 +335,8 @@ class h200_step_model final : public step_clock {
   // The step's collectives (per hardware().collectives), `own_share` the EP rank's share of
   // its tokens.
   double collectives_s(const configuration& config, double tokens, double own_share) const;
-  double priced_switch_s(int64_t run_kv_bytes, int64_t kv_rounds) const;
+  // `experts_move`: false for a switch of the KV alone (the priced experts stay).
+  double priced_switch_s(int64_t run_kv_bytes, int64_t kv_rounds, bool experts_move) const;
 
   priced_model m_;
   h200_params hw_;

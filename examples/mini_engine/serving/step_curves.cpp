@@ -570,6 +570,11 @@ double curves_step_clock::predicted_switch_s(const moebius::layer_bytes& run,
                                              int64_t run_layers) const {
   return model_.predicted_switch_s(run, run_layers);
 }
+
+double curves_step_clock::predicted_kv_switch_s(const moebius::layer_bytes& run,
+                                                int64_t run_layers) const {
+  return model_.predicted_kv_switch_s(run, run_layers);
+}
 overlap_slowdown curves_step_clock::slowdown() const { return model_.slowdown(); }
 
 }  // namespace mini_engine

@@ -260,6 +260,8 @@ class curves_step_clock final : public step_clock {
   moebius::link_rate link() const override;
   double copies_s(const switch_copies& copies) const override;
   double predicted_switch_s(const moebius::layer_bytes& run, int64_t run_layers) const override;
+  double predicted_kv_switch_s(const moebius::layer_bytes& run,
+                               int64_t run_layers) const override;
   overlap_slowdown slowdown() const override;
 
  private:

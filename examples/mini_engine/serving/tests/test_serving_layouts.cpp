@@ -2,8 +2,9 @@
 // their names parsed back and refused by name; step curves keyed by them, measured or priced
 // from TP's (with_priced_layouts, against values worked out by hand); a static TEP-DCP2 run
 // priced from its own curve; the experts-only design, whose switches move no KV byte and are
-// priced as the expert weights alone; and the EP <-> TP-DCP2 design, whose TP view holds what
-// its EP view does.
+// priced as the expert weights alone; the EP <-> TP-DCP2 design, whose TP view holds what
+// its EP view does; and the dcp-only design (TP-DCP2 <-> TP on static TP's footprint), whose
+// switches move the KV alone, forced, refused for capacity, and under the policy.
 #include <cmath>
 #include <memory>
 #include <sstream>
@@ -147,9 +148,9 @@ TEST_CASE("configurations: names parse back, case-insensitive; errors name the t
   CHECK(configuration_of(parallel_mode::ep, 2) == k_ep);
   CHECK(configuration_of(parallel_layout{parallel_mode::tp, parallel_mode::ep}, 2) == k_tep_dcp2);
   const mode_layouts x{{parallel_mode::tp, parallel_mode::ep}, parallel_mode::tp};
-  CHECK(x.mode_of(parallel_layout{parallel_mode::tp, parallel_mode::ep}) == parallel_mode::ep);
-  CHECK(x.mode_of(parallel_mode::tp) == parallel_mode::tp);
-  CHECK(x.mode_of(parallel_mode::ep) == parallel_mode::ep);  // not in the map: its experts'
+  CHECK(x.mode_of(parallel_layout{parallel_mode::tp, parallel_mode::ep}, 1) == parallel_mode::ep);
+  CHECK(x.mode_of(parallel_mode::tp, 1) == parallel_mode::tp);
+  CHECK(x.mode_of(parallel_mode::ep, 1) == parallel_mode::ep);  // not in the map: its experts'
 }
 
 TEST_CASE("step curves keyed by configuration: every key read back, a missing one an error",
@@ -366,4 +367,154 @@ TEST_CASE("EP <-> TP-DCP2: the TP view holds the EP view's tokens; a switch move
     CHECK(s.config == (s.step < 3 ? k_ep : k_tp_dcp2));
     CHECK(s.step_ms == Approx(s.step < 3 ? 20 : 9));
   }
+}
+
+TEST_CASE("dcp only: its modes name TP at dcp 2 and at dcp 1, the same layout", "[cpu][layouts]") {
+  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+  const mode_layouts m = d.modes();
+  CHECK(m.ep == parallel_layout{parallel_mode::tp});
+  CHECK(m.tp == parallel_layout{parallel_mode::tp});
+  CHECK(m.differ_in_dcp_alone());
+  CHECK(m.dcp_of(parallel_mode::ep, 1) == 2);
+  CHECK(m.dcp_of(parallel_mode::tp, 2) == 1);
+  CHECK(m.mode_of(parallel_mode::tp, 2) == parallel_mode::ep);
+  CHECK(m.mode_of(parallel_mode::tp, 1) == parallel_mode::tp);
+  // Every other design serves at its KV's dcp, whatever it is.
+  for (const deployment_kind k : {deployment_kind::switching, deployment_kind::switching_dcp2,
+                                  deployment_kind::experts_only, deployment_kind::static_tp_dcp2}) {
+    const mode_layouts o = make_deployment(qwen3_235b_a22b(), k).modes();
+    CHECK_FALSE(o.differ_in_dcp_alone());
+    for (const int64_t dcp : {1, 2}) {
+      CHECK(o.dcp_of(parallel_mode::ep, dcp) == dcp);
+      CHECK(o.dcp_of(parallel_mode::tp, dcp) == dcp);
+    }
+  }
+  // Static TP's footprint: its weights, and at each dcp the tokens of the static configuration.
+  const deployment tp = make_deployment(qwen3_235b_a22b(), deployment_kind::static_tp);
+  const deployment tp2 = make_deployment(qwen3_235b_a22b(), deployment_kind::static_tp_dcp2);
+  CHECK(d.tp.weight_bytes == tp.tp.weight_bytes);
+  CHECK(d.ep.weight_bytes == tp.tp.weight_bytes);
+  CHECK(d.tp.tokens == tp.tp.tokens);
+  CHECK(d.ep.tokens == tp2.tp.tokens);
+  const sim_geometry g = make_sim_geometry(d);
+  CHECK(g.kv.dcp == 2);
+  CHECK(g.kv.max_tokens(parallel_mode::tp) ==
+        make_sim_geometry(tp2).kv.max_tokens(parallel_mode::tp));
+  CHECK(moebius::with_dcp(g.kv, 1).max_tokens(parallel_mode::tp) ==
+        make_sim_geometry(tp).kv.max_tokens(parallel_mode::tp));
+}
+
+TEST_CASE("dcp only: a switch moves the KV alone (dcp 2 -> 1 copies each live page once, back "
+          "moves nothing), priced without expert bytes",
+          "[cpu][layouts]") {
+  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
+  const curves_step_clock clock(parse(flat_file()), model);
+  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+  sim_world w(deployment_kind::dcp_only, clock);
+  // validate_every_step: the tables checked against the engine's geometry at its dcp after
+  // every step, so a geometry that did not follow the switch fails here.
+  const engine_options o = forced_options(d, parallel_mode::ep, {3, 6});
+  const run_result r = w.eng->run(burst(48, 300, 12), o, "dcp only");
+  REQUIRE(r.switches.size() == 2);
+  for (const switch_record& s : r.switches) {
+    CHECK(s.outcome == moebius::switch_outcome::committed);
+    CHECK(s.from == parallel_layout{parallel_mode::tp});
+    CHECK(s.to == parallel_layout{parallel_mode::tp});
+    CHECK(s.running > 0);
+    CHECK(s.clock_ms < k_weights_only_ms / 10);  // no priced expert byte
+  }
+  CHECK(r.switches[0].from_dcp == 2);
+  CHECK(r.switches[0].to_dcp == 1);
+  CHECK(r.switches[1].from_dcp == 1);
+  CHECK(r.switches[1].to_dcp == 2);
+  // dcp 2 -> 1 copied the other share of every live page; 1 -> 2 dropped it: nothing moved,
+  // so its price is the cost model's with no byte and no round.
+  CHECK(r.switches[0].clock_ms > r.switches[1].clock_ms);
+  const moebius::switch_report& last = w.eng->get_switcher().last_report();
+  CHECK(last.kv_rounds == 0);
+  for (const int64_t b : last.kv_bytes_sent) CHECK(b == 0);
+  moebius::layer_bytes none;
+  none.kv_bytes_sent.assign(8, 0);
+  none.weight_bytes_sent.assign(8, 0);
+  CHECK(r.switches[1].clock_ms == Approx(model.predicted_kv_switch_s(none, 4) * 1e3));
+  CHECK(model.predicted_kv_switch_s(none, 4) < model.predicted_switch_s(none, 4) / 10);
+  // Steps 0-2 in TP-DCP2 (9 ms), 3-5 in TP (10 ms), then TP-DCP2 again.
+  REQUIRE(r.steps.size() > 6);
+  for (const step_record& s : r.steps) {
+    const bool tp_step = s.step >= 3 && s.step < 6;
+    CHECK(s.config == (tp_step ? k_tp : k_tp_dcp2));
+    CHECK(s.mode == (tp_step ? parallel_mode::tp : parallel_mode::ep));
+    CHECK(s.step_ms == Approx(tp_step ? 10 : 9));
+  }
+  // Every request served whole, as a static TP-DCP2 run serves it.
+  sim_world w2(deployment_kind::static_tp_dcp2, clock);
+  const deployment d2 = make_deployment(qwen3_235b_a22b(), deployment_kind::static_tp_dcp2);
+  const run_result r2 = w2.eng->run(burst(48, 300, 12), options_of(d2), "static TP-DCP2");
+  REQUIRE(r.requests.size() == r2.requests.size());
+  for (size_t i = 0; i < r.requests.size(); ++i) {
+    CHECK(r.requests[i].error.empty());
+    CHECK(r.requests[i].generated == r2.requests[i].generated);
+    CHECK(static_cast<int64_t>(r.requests[i].generated.size()) == 12);
+  }
+  CHECK(w.eng->get_switcher().dcp() == 2);
+}
+
+TEST_CASE("dcp only: a switch to dcp 1 that the running sequences do not fit is refused, and "
+          "the run serves on at dcp 2",
+          "[cpu][layouts]") {
+  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
+  const curves_step_clock clock(parse(flat_file()), model);
+  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+  sim_world w(deployment_kind::dcp_only, clock);
+  const int64_t tp_tokens = moebius::with_dcp(w.geometry.kv, 1).max_tokens(parallel_mode::tp);
+  // 96 sequences of 1/64 of dcp 1's pool each: 1.5x what dcp 1 holds, 0.75x dcp 2.
+  const int64_t prompt = tp_tokens / 64;
+  engine_options o = forced_options(d, parallel_mode::ep, {});
+  o.scheduler.max_running = 96;
+  o.validate_every_step = false;  // 96 x 22k tokens: checked once at the end by run()
+  // After every prompt is in (none has finished its 400 tokens by then).
+  const int64_t prefill_steps = (96 * prompt + 8191) / 8192 + 1;
+  o.forced_steps = {prefill_steps + 2};
+  const run_result r = w.eng->run(burst(96, prompt, 400), o, "dcp only, refused");
+  REQUIRE(r.switches.size() == 1);
+  CHECK(r.switches[0].outcome == moebius::switch_outcome::refused_capacity);
+  CHECK(r.switches[0].to_dcp == 1);
+  CHECK_THAT(r.switches[0].error, Catch::Matchers::Contains("do not fit TP ("));
+  for (const request_result& q : r.requests) CHECK(q.error.empty());
+  for (const step_record& s : r.steps) CHECK(s.config == k_tp_dcp2);
+  CHECK(w.eng->get_switcher().dcp() == 2);
+}
+
+TEST_CASE("dcp only under the policy: TP-DCP2 for the load, TP once it falls, the KV moved "
+          "alone",
+          "[cpu][layouts]") {
+  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
+  const curves_step_clock clock(parse(flat_file()), model);
+  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+  sim_world w(deployment_kind::dcp_only, clock);
+  engine_options o = options_of(d);
+  o.how = switching::policy;
+  o.policy = moebius::interactive_config(32);
+  o.policy.t_low = 8;
+  o.policy.cooldown_s = 0;
+  o.policy.down_window = 1;
+  o.gate.enabled = false;
+  o.start_from_load = true;
+  // 64 requests at once, their outputs 10, 13, ..: the load falls below 8 near the end.
+  std::vector<request> t = burst(64, 200, 10);
+  for (size_t i = 0; i < t.size(); ++i) t[i].output_tokens = 10 + 3 * static_cast<int64_t>(i);
+  const run_result r = w.eng->run(t, o, "dcp only, policy");
+  REQUIRE_FALSE(r.switches.empty());
+  const switch_record& s = r.switches.front();
+  CHECK(s.outcome == moebius::switch_outcome::committed);
+  CHECK(s.from_dcp == 2);
+  CHECK(s.to_dcp == 1);
+  CHECK(s.to == parallel_layout{parallel_mode::tp});
+  // Started in TP-DCP2 (64 >= T_h), left it for TP when fewer than 8 were live.
+  REQUIRE_FALSE(r.steps.empty());
+  CHECK(r.steps.front().config == k_tp_dcp2);
+  CHECK(r.steps.back().config == k_tp);
+  CHECK(s.running < 8);
+  CHECK(s.running > 0);  // live KV moved
+  for (const request_result& q : r.requests) CHECK(q.error.empty());
 }
