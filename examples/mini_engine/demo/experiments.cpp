@@ -181,6 +181,34 @@ engine_options switching_options(const harness& h, bool rollout,
   return so;
 }
 
+// dcp only: our policy by capacity (run_policy::decide_for_capacity), which needs no
+// crossover (TP at dcp 1 is the faster a step wherever its pool holds the KV): the rules'
+// thresholds above any load (read only by the gate's residency), the gate on the design's
+// calibrated curves, starting at dcp 1 (the first decision moves to dcp 2, moving no byte,
+// when the first requests are expected to outgrow dcp 1's pool).
+engine_options capacity_switching_options(const harness& h, bool rollout,
+                                          const moebius::calibration_result& cal,
+                                          const engine_options& base) {
+  const run_settings& s = h.settings;
+  engine_options so = base;
+  so.explain = h.o.explain;
+  so.how = switching::policy;
+  const int64_t above_any_load = s.max_running + 1;
+  if (rollout) {
+    so.policy = moebius::rollout_config(above_any_load, s.rollout_cooldown_steps);
+  } else {
+    so.policy = moebius::interactive_config(above_any_load);
+    so.policy.cooldown_s = s.cooldown_s;
+    so.policy.cooldown_steps = s.cooldown_steps;
+    so.policy.down_window = s.down_window;
+  }
+  so.start_mode = parallel_mode::tp;
+  so.start_from_load = false;
+  so.gate.enabled = h.o.gate;
+  so.gate.curves = cal.curves;
+  return so;
+}
+
 // --verbose: what the policy runs were served with.
 void print_policy(const harness& h, const engine_options& so,
                   const moebius::calibration_result& cal) {
@@ -282,8 +310,11 @@ design_options design_options_of(const harness& h, const prepared_trace& p,
     if (!is_other_design(k)) continue;
     for (const auto& [kind, cal] : p.designs) {
       if (kind != deployment_of(k)) continue;
-      engine_options o = switching_options(h, p.rollout, cal, base);
-      o.layouts = sim_deployment_of(kind).modes();
+      const mode_layouts layouts = sim_deployment_of(kind).modes();
+      engine_options o = layouts.differ_in_dcp_alone()
+                             ? capacity_switching_options(h, p.rollout, cal, base)
+                             : switching_options(h, p.rollout, cal, base);
+      o.layouts = layouts;
       out.emplace_back(k, o);
     }
   }

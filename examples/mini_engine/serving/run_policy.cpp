@@ -87,6 +87,9 @@ moebius::switch_policy_config rules_of(const engine_options& o) {
 constexpr double k_ratio_weight = 1.0 / 64;
 constexpr double k_rows_weight = k_ratio_weight;
 constexpr int64_t k_correction_every = 1;  // steps between two corrections
+// decide_for_capacity: back to the smaller dcp when the KV the live sequences are expected to
+// reach is within this share of its pool (the band keeps a tail from crossing back and forth).
+constexpr double k_capacity_low = 0.8;
 
 int mode_index(parallel_mode m) { return m == parallel_mode::ep ? 0 : 1; }
 
@@ -301,6 +304,7 @@ run_policy::priced_proposal run_policy::price(const run_view& v,
 
 std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step,
                                                  run_result& out) {
+  if (options_.layouts.differ_in_dcp_alone()) return decide_for_capacity(v, step, out);
   const int64_t running = v.sched.num_running();
   const int64_t waiting = v.sched.num_waiting(v.now_s);
   const int64_t load = std::min(running + waiting, options_.scheduler.max_running);
@@ -333,6 +337,79 @@ std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step
   s.plan = std::move(priced.plan);
   s.gate = priced.pricing.gate;
   s.styles = priced.styles;
+  return s;
+}
+
+std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v, int64_t step,
+                                                              run_result& out) {
+  const work_view w = v.sched.work(v.now_s);
+  const int64_t load = std::min(w.running + w.waiting, options_.scheduler.max_running);
+  const mode_layouts& m = options_.layouts;
+  const parallel_mode mode = m.mode_of(v.sw.layout(), v.sw.dcp());
+  // The mode at the smaller dcp holds fewer tokens: the one the KV must fit.
+  const parallel_mode small = m.dcp_of(parallel_mode::tp, kv_.dcp) <= m.dcp_of(parallel_mode::ep, kv_.dcp)
+                                  ? parallel_mode::tp
+                                  : parallel_mode::ep;
+  const parallel_mode large = small == parallel_mode::tp ? parallel_mode::ep : parallel_mode::tp;
+  const double small_pool = pool_tokens(kv_, parallel_mode::tp, m.dcp_of(small, kv_.dcp),
+                                        options_.scheduler.admission_watermark());
+  double mean_generated = 0;
+  for (const int64_t x : w.generated) mean_generated += static_cast<double>(x);
+  if (w.running > 0) mean_generated /= static_cast<double>(w.running);
+  const double prior = w.finished > 0 ? static_cast<double>(w.finished_output_tokens) /
+                                            static_cast<double>(w.finished)
+                                      : std::max(1.0, mean_generated);
+  double expected = static_cast<double>(w.running_tokens + w.waiting_tokens) +
+                    static_cast<double>(w.waiting) * prior;
+  for (const int64_t g : w.generated) expected += expected_remaining(g, prior);
+  moebius::switch_proposal p;
+  p.load = load;
+  p.step = step;
+  if (mode == small && expected > small_pool) {
+    p.target = large;
+    p.reason = moebius::decision_reason::above_high;
+  } else if (mode == large && w.waiting == 0 && w.running > 0 &&
+             expected <= k_capacity_low * small_pool) {
+    p.target = small;
+    p.reason = moebius::decision_reason::below_low;
+  }
+  if (!p.proposed()) return std::nullopt;
+  moebius::switch_decision d;
+  d.target = p.target;
+  d.reason = p.reason;
+  priced_proposal priced;
+  if (p.target == large) {  // no byte moves: capacity alone decides
+    priced.plan.emplace(v.sw.plan_dcp(m.dcp_of(large, kv_.dcp)));
+    priced.pricing.fits = priced.plan->capacity.fits;
+  } else {
+    priced = price(v, p);
+  }
+  if (!priced.pricing.fits) {
+    d.reason = moebius::decision_reason::capacity_refused;
+  } else if (priced.pricing.gate.evaluated && !priced.pricing.gate.passed) {
+    d.reason = moebius::decision_reason::cost_exceeds_gain;
+    ++out.gate_refusals;
+    out.last_refusal = priced.pricing.gate;
+  } else {
+    d.do_switch = true;
+  }
+  if (options_.explain) {
+    decision_record r;
+    r.step = step;
+    r.now_s = v.now_s;
+    r.mode = mode;
+    r.load = load;
+    r.running = w.running;
+    r.waiting = w.waiting;
+    r.decision = d;
+    if (priced.pricing.gate.evaluated) r.gate = priced.pricing.gate;
+    log_decision(out.decisions, std::move(r));
+  }
+  if (!d.do_switch) return std::nullopt;
+  decided_switch s;
+  s.target = d.target;
+  s.plan = std::move(priced.plan);
+  s.gate = priced.pricing.gate;
   return s;
 }
 

@@ -78,6 +78,21 @@ class run_policy {
     std::optional<style_price> styles;
   };
   priced_proposal price(const run_view& v, const moebius::switch_proposal& p) const;
+  // A design whose two modes differ in the KV's dcp alone (dcp only) decides by capacity, not
+  // by the rules' load thresholds: TP at the smaller dcp is faster a step wherever its pool
+  // holds the KV (DCP's exchange costs more than halving the KV reads saves until the live KV
+  // passes about what that pool holds), so
+  //   to the larger dcp   when the KV the live sequences are expected to reach (each its
+  //                       tokens plus expected_remaining; the waiting ones their prompts plus
+  //                       the prior) passes the smaller dcp's pool: before the pool runs out
+  //                       and preempts; a dcp 1 -> 2 change moves no byte, so no gate weighs it
+  //                       (its price is recorded);
+  //   to the smaller dcp  when nothing waits and that estimate is within k_capacity_low of its
+  //                       pool, the running sequences fit it now (fits_reservations), and the
+  //                       gate finds the faster steps pay for copying the live KV once.
+  // Logged as the rules' reasons (above_high, below_low) with the sequences' load.
+  std::optional<decided_switch> decide_for_capacity(const run_view& v, int64_t step,
+                                                    run_result& out);
   // The throughput gate's view of the work for a switch to `target` at `load`.
   moebius::serving_load serving_load_of(const run_view& v, moebius::parallel_mode target,
                                         int64_t load) const;

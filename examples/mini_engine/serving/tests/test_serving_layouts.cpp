@@ -485,36 +485,57 @@ TEST_CASE("dcp only: a switch to dcp 1 that the running sequences do not fit is 
   CHECK(w.eng->get_switcher().dcp() == 2);
 }
 
-TEST_CASE("dcp only under the policy: TP-DCP2 for the load, TP once it falls, the KV moved "
-          "alone",
+TEST_CASE("dcp only under the policy: at dcp 1 while the KV fits its pool, at dcp 2 before it "
+          "would not",
           "[cpu][layouts]") {
   const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
   const curves_step_clock clock(parse(flat_file()), model);
   const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
-  sim_world w(deployment_kind::dcp_only, clock);
   engine_options o = options_of(d);
   o.how = switching::policy;
-  o.policy = moebius::interactive_config(32);
-  o.policy.t_low = 8;
-  o.policy.cooldown_s = 0;
-  o.policy.down_window = 1;
+  o.policy = moebius::interactive_config(o.scheduler.max_running + 1);  // read by no rule
   o.gate.enabled = false;
-  o.start_from_load = true;
-  // 64 requests at once, their outputs 10, 13, ..: the load falls below 8 near the end.
-  std::vector<request> t = burst(64, 200, 10);
-  for (size_t i = 0; i < t.size(); ++i) t[i].output_tokens = 10 + 3 * static_cast<int64_t>(i);
-  const run_result r = w.eng->run(t, o, "dcp only, policy");
-  REQUIRE_FALSE(r.switches.empty());
-  const switch_record& s = r.switches.front();
-  CHECK(s.outcome == moebius::switch_outcome::committed);
-  CHECK(s.from_dcp == 2);
-  CHECK(s.to_dcp == 1);
-  CHECK(s.to == parallel_layout{parallel_mode::tp});
-  // Started in TP-DCP2 (64 >= T_h), left it for TP when fewer than 8 were live.
-  REQUIRE_FALSE(r.steps.empty());
-  CHECK(r.steps.front().config == k_tp_dcp2);
-  CHECK(r.steps.back().config == k_tp);
-  CHECK(s.running < 8);
-  CHECK(s.running > 0);  // live KV moved
-  for (const request_result& q : r.requests) CHECK(q.error.empty());
+  o.start_mode = parallel_mode::ep;  // dcp 2
+  o.validate_every_step = false;
+
+  SECTION("a small load at dcp 2 moves to dcp 1 at once, its live KV copied") {
+    sim_world w(deployment_kind::dcp_only, clock);
+    o.validate_every_step = true;
+    std::vector<request> t = burst(64, 200, 10);
+    for (size_t i = 0; i < t.size(); ++i) t[i].output_tokens = 10 + 3 * static_cast<int64_t>(i);
+    const run_result r = w.eng->run(t, o, "dcp only, small load");
+    REQUIRE(r.switches.size() == 1);
+    const switch_record& s = r.switches.front();
+    CHECK(s.outcome == moebius::switch_outcome::committed);
+    CHECK(s.from_dcp == 2);
+    CHECK(s.to_dcp == 1);
+    CHECK(s.running == 64);
+    CHECK(r.steps.back().config == k_tp);
+    for (const request_result& q : r.requests) CHECK(q.error.empty());
+  }
+  SECTION("prompts that would outgrow dcp 1's pool move it to dcp 2 before any preemption; "
+          "back at dcp 1 once the few left fit") {
+    sim_world w(deployment_kind::dcp_only, clock);
+    o.start_mode = parallel_mode::tp;  // dcp 1
+    const int64_t tp_tokens = moebius::with_dcp(w.geometry.kv, 1).max_tokens(parallel_mode::tp);
+    const int64_t prompt = tp_tokens / 64;  // 96 of them: 1.5x dcp 1's pool
+    o.scheduler.max_running = 96;
+    std::vector<request> t = burst(96, prompt, 400);
+    for (size_t i = 0; i < t.size(); ++i) t[i].output_tokens = 100 + 10 * static_cast<int64_t>(i);
+    const run_result r = w.eng->run(t, o, "dcp only, large load");
+    REQUIRE(r.switches.size() == 2);
+    CHECK(r.switches[0].outcome == moebius::switch_outcome::committed);
+    CHECK(r.switches[0].from_dcp == 1);
+    CHECK(r.switches[0].to_dcp == 2);
+    CHECK(r.switches[0].step <= 1);  // the waiting prompts alone outgrow dcp 1
+    CHECK(r.switches[1].outcome == moebius::switch_outcome::committed);
+    CHECK(r.switches[1].to_dcp == 1);
+    // The few left: their prompts within 80% of dcp 1's pool, and each at its largest (prompt
+    // + output) within the pool (no preemption after).
+    CHECK(static_cast<double>(r.switches[1].running * prompt) <= 0.8 * static_cast<double>(tp_tokens));
+    CHECK(r.switches[1].running * (prompt + 1050) <= tp_tokens);
+    CHECK(r.preemptions == 0);
+    for (const request_result& q : r.requests) CHECK(q.error.empty());
+    CHECK(r.steps.back().config == k_tp);
+  }
 }
