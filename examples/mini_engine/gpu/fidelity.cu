@@ -229,14 +229,15 @@ nlohmann::json metrics(const run_summary& s, const run_result& r) {
 
 // The measured run's own steps priced by `clock`, summed per kind (decode; prefill filling the
 // step's token budget; smaller prefill): steps, measured ms, priced ms and their ratio. An EP
-// step at P > 1 is skipped (counted): the record does not keep its split over the ranks, which
-// the clock prices it by.
+// step at P > 1 is priced by its recorded split over the ranks (step_record::ranks), as the
+// clock was given it; one without a split is skipped (counted).
 nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int P) {
   struct sums {
     int64_t steps = 0;
     double measured_ms = 0, priced_ms = 0;
   };
   sums decode, full, small;
+  sums by_mode[2][3];  // [EP, TP][decode, full, small]
   int64_t skipped = 0;
   for (const step_record& s : r.steps) {
     if (s.sequences <= 0 || s.in_switch) continue;
@@ -247,16 +248,23 @@ nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int
     cost.new_tokens = s.decode_tokens + s.prefill_tokens;
     cost.context_tokens = s.context_tokens;
     if (cost.mode == parallel_mode::ep) {
-      if (P > 1) {
-        ++skipped;
+      if (P > 1 && static_cast<int>(s.ranks.size()) != P) {
+        ++skipped;  // no split recorded (a step of a progressive switch): not priced
         continue;
       }
-      cost.ranks = {rank_work{cost.num_sequences, cost.new_tokens, cost.context_tokens}};
+      cost.ranks = P > 1 ? s.ranks
+                         : std::vector<rank_work>{
+                               rank_work{cost.num_sequences, cost.new_tokens, cost.context_tokens}};
     }
-    sums& to = s.prefill_tokens == 0 ? decode : cost.new_tokens >= k_max_tokens ? full : small;
-    ++to.steps;
-    to.measured_ms += s.measured_ms;
-    to.priced_ms += clock.step_s(cost, s.measured_ms * 1e-3) * 1e3;
+    const int kind = s.prefill_tokens == 0 ? 0 : cost.new_tokens >= k_max_tokens ? 1 : 2;
+    sums& to = kind == 0 ? decode : kind == 1 ? full : small;
+    sums& in_mode = by_mode[cost.mode == parallel_mode::ep ? 0 : 1][kind];
+    const double priced_ms = clock.step_s(cost, s.measured_ms * 1e-3) * 1e3;
+    for (sums* x : {&to, &in_mode}) {
+      ++x->steps;
+      x->measured_ms += s.measured_ms;
+      x->priced_ms += priced_ms;
+    }
   }
   const auto out = [](const sums& x) {
     return nlohmann::json{{"steps", x.steps},
@@ -264,8 +272,14 @@ nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int
                           {"priced_ms", x.priced_ms},
                           {"ratio", x.measured_ms > 0 ? x.priced_ms / x.measured_ms : 0.0}};
   };
+  nlohmann::json modes;
+  for (int mi = 0; mi < 2; ++mi) {
+    modes[mi == 0 ? "EP" : "TP"] = {{"decode", out(by_mode[mi][0])},
+                                    {"prefill_full", out(by_mode[mi][1])},
+                                    {"prefill_small", out(by_mode[mi][2])}};
+  }
   return {{"decode", out(decode)}, {"prefill_full", out(full)}, {"prefill_small", out(small)},
-          {"skipped", skipped}};
+          {"by_mode", modes}, {"skipped", skipped}};
 }
 
 }  // namespace
@@ -276,9 +290,20 @@ int main() {
   model_config c = qwen3_30b_a3b();
   c.num_layers = gpu::bench::env_int("MOEBIUS_FIDELITY_LAYERS", 8);
   const uint64_t seed = static_cast<uint64_t>(gpu::bench::env_int("MOEBIUS_FIDELITY_SEED", 1));
-  const int P = static_cast<int>(gpu::bench::env_int("MOEBIUS_FIDELITY_P", 1));
-  if (P != 1 && P != 2) {
-    std::printf("MOEBIUS_FIDELITY_P=%d: 1 or 2\n", P);
+  const int64_t P_env = gpu::bench::env_int("MOEBIUS_FIDELITY_P", 1);
+  if (P_env != 1 && P_env != 2) {
+    std::printf("MOEBIUS_FIDELITY_P=%s: 1 or 2\n", std::getenv("MOEBIUS_FIDELITY_P"));
+    return 2;
+  }
+  const int P = static_cast<int>(P_env);
+  const int64_t model_layers = qwen3_30b_a3b().num_layers;
+  if (c.num_layers < 1 || c.num_layers > model_layers) {
+    std::printf("MOEBIUS_FIDELITY_LAYERS=%s: 1 to %lld (the model's layers)\n",
+                std::getenv("MOEBIUS_FIDELITY_LAYERS"), static_cast<long long>(model_layers));
+    return 2;
+  }
+  if (gpu::bench::env_int("MOEBIUS_FIDELITY_SEED", 1) < 0) {
+    std::printf("MOEBIUS_FIDELITY_SEED=%s: a number >= 0\n", std::getenv("MOEBIUS_FIDELITY_SEED"));
     return 2;
   }
 
@@ -519,8 +544,21 @@ int main() {
         std::printf(" %.3f", j["own_steps"][p->key][kind]["ratio"].get<double>());
       std::printf("\n");
     }
+    if (P > 1) {
+      for (const char* mode : {"EP", "TP"}) {
+        for (const char* kind : {"decode", "prefill_full", "prefill_small"}) {
+          const nlohmann::json& x = j["own_steps"]["sim"]["by_mode"][mode][kind];
+          std::printf("    %s %-11s %6lld steps, %10.1f ms measured:", mode, kind,
+                      static_cast<long long>(x["steps"].get<int64_t>()),
+                      x["measured_ms"].get<double>());
+          for (const pricing* p : clocks)
+            std::printf(" %.3f", j["own_steps"][p->key]["by_mode"][mode][kind]["ratio"].get<double>());
+          std::printf("\n");
+        }
+      }
+    }
     if (j["own_steps"]["sim"]["skipped"].get<int64_t>() > 0)
-      std::printf("    (%lld EP steps not priced: at P = %d their rank split is not recorded)\n",
+      std::printf("    (%lld EP steps not priced: at P = %d their rank split was not recorded)\n",
                   static_cast<long long>(j["own_steps"]["sim"]["skipped"].get<int64_t>()), P);
     std::ofstream(path) << j.dump(2) << "\n";
   } catch (const std::exception& e) {
