@@ -10,21 +10,34 @@
 //   2. serves a bursty trace on the measured clock (every step timed); at P = 2 with a
 //      stop-the-world switch forced every 400 steps (the virtual ranks' copies over the GPU's
 //      own memory, each switch timed);
+//   2b. then measures its mixed steps per mode: the same wall clock of a step that decodes b
+//      sequences (a rank's own in EP; b = 0, 1, 4, 16, 64, 128, 256, up to 256 sequences in
+//      the deployment) at context 128 beside one chunk of 16, 64, 256 or 512 tokens (cut to the
+//      rank's 512-token budget left beside b), the median of 5 after 2 warm-ups; should it fail,
+//      the pricing that needs it is left out and the rest is printed;
 //   3. the simulated runtime serves the same trace with the same scheduler, pool and forced
-//      switches twice, each switch priced by the cost model over the link measured on 2x H200
-//      (h200_params) and each step by the curves of 1 (curves_step_clock):
+//      switches, each switch priced by the cost model over the link measured on 2x H200
+//      (h200_params) and each step by the curves of 1 (curves_step_clock), priced three ways:
 //        "sim": as the paper-scale experiments price theirs by default: a decode step at its
 //          own batch (interpolated between the measured batches), a prefill chunk as the
 //          curve's extra rows at its smallest context;
 //        "sim_buckets_prefill": a decode step at the runtime's CUDA-graph bucket (the batch
 //          padded to it, as the replayed graph runs it), a prefill step's increment from the
-//          measured prefill points.
-// Printed and written to $OUT/fidelity.json (or ./fidelity.json): each metric of the three runs
-// and each simulation's error, separately: mean and p99 TTFT, mean and p99 TPOT, throughput,
-// the run's length, and at P = 2 the switches' total time; and the measured run's own steps
-// priced by both clocks (priced / measured, by kind of step: decode, prefill filling the step's
-// token budget, smaller prefill). What this does not check: collectives over NVLink (virtual
-// ranks share one GPU's memory), and the paper's model and P.
+//          prefill points measured alone;
+//        "sim_buckets_mixed": at the buckets, a step that prefills priced whole from the
+//          mixed-step grid (mixed_step_table.hpp);
+//      and at P = 2 once more, "sim_switch_times": priced as "sim" with its switches forced at
+//      the serving times the measured run switched at instead of the same step indices (the
+//      simulated run takes other steps, so the same indices fall at other times and a burst
+//      may be served in the other mode): what the switches' phase alone moves.
+// Printed and written to $OUT/fidelity.json (or ./fidelity.json): each metric of the runs and
+// each simulation's error (errors.<key>; error and error_buckets_prefill as before), separately:
+// mean and p99 TTFT, mean and p99 TPOT, throughput, the run's length, and at P = 2 the
+// switches' total time; and the measured run's own steps priced by each clock (priced /
+// measured, by kind of step: decode, prefill filling the step's token budget, smaller prefill;
+// at P = 2 also per mode, the EP steps by their recorded split over the ranks). What this does
+// not check: collectives over NVLink (virtual ranks share one GPU's memory), and the paper's
+// model and P.
 // Environment: MOEBIUS_FIDELITY_LAYERS (8), MOEBIUS_FIDELITY_SEED (1: the trace),
 // MOEBIUS_FIDELITY_P (1 or 2).
 
