@@ -445,28 +445,36 @@ int main() {
     run_result run;
     run_summary summary;
   };
-  std::vector<pricing> runs;
-  runs.push_back({"sim", "as before", &priced, {}, {}});
-  runs.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
-  if (priced_mixed) runs.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
-  for (pricing& x : runs) {
-    x.run = simulate(*x.clock, ("simulated (" + x.what + ")").c_str(), eo);
-    x.summary = summarize(x.run);
-  }
-  // At P = 2: the forced switches at the measured run's switch times instead of its step
-  // indices (the simulated run takes other steps, so the same indices fall at other times and
-  // a burst may be served in the other mode), priced as before: what the phase of the
+  std::vector<pricing> wanted;
+  wanted.push_back({"sim", "as before", &priced, {}, {}});
+  wanted.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
+  if (priced_mixed)
+    wanted.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
+  // At P = 2 once more: the forced switches at the measured run's switch times instead of its
+  // step indices (the simulated run takes other steps, so the same indices fall at other times
+  // and a burst may be served in the other mode), priced as before: what the phase of the
   // switches alone moves.
-  if (P > 1 && !gpu_run.switches.empty()) {
-    engine_options at_times = eo;
-    at_times.forced_steps.clear();
-    for (const switch_record& x : gpu_run.switches)
-      if (x.step > 0) at_times.forced_at_s.push_back(x.start_s);  // not a failed first switch
-    pricing x{"sim_switch_times", "as before, switches at the measured times", &priced, {}, {}};
-    x.run = simulate(priced, "simulated (as before, switches at the measured run's times)",
-                     at_times);
-    x.summary = summarize(x.run);
-    runs.push_back(std::move(x));
+  engine_options at_times = eo;
+  at_times.forced_steps.clear();
+  for (const switch_record& x : gpu_run.switches)
+    if (x.step > 0) at_times.forced_at_s.push_back(x.start_s);  // not a failed first switch
+  if (P > 1 && !at_times.forced_at_s.empty())
+    wanted.push_back({"sim_switch_times", "as before, switches at the measured times", &priced,
+                      {}, {}});
+  // Each run on its own: one that fails is left out, and says why, the others kept.
+  std::vector<pricing> runs;
+  nlohmann::json run_errors;
+  for (pricing& x : wanted) {
+    try {
+      x.run = simulate(*x.clock, ("simulated (" + x.what + ")").c_str(),
+                       x.key == "sim_switch_times" ? at_times : eo);
+      x.summary = summarize(x.run);
+      runs.push_back(std::move(x));
+    } catch (const std::exception& e) {
+      std::printf("  the simulated run %s (%s) failed: %s\n", x.key.c_str(), x.what.c_str(),
+                  e.what());
+      run_errors[x.key] = e.what();
+    }
   }
 
   const run_summary a = summarize(gpu_run);
@@ -483,6 +491,7 @@ int main() {
                       {"pricing", pricing_names},
                       {"gpu", metrics(a, gpu_run)}};
   if (!mixed_error.empty()) j["mixed_grid_error"] = mixed_error;
+  if (!run_errors.is_null()) j["run_errors"] = run_errors;
   for (const pricing& x : runs) j[x.key] = metrics(x.summary, x.run);
   std::printf("\n  %d requests; metric: GPU runtime (measured), then each simulated run and its "
               "error:",
@@ -503,9 +512,11 @@ int main() {
   // The errors, each pricing's under its own key; the two first also where earlier files had
   // them.
   j["errors"] = errors;
-  j["error"] = errors["sim"];
-  j["error_buckets_prefill"] = errors["sim_buckets_prefill"];
-  if (priced_mixed) j["error_buckets_mixed"] = errors["sim_buckets_mixed"];
+  for (const auto& [key, name] : {std::pair<const char*, const char*>{"sim", "error"},
+                                  {"sim_buckets_prefill", "error_buckets_prefill"},
+                                  {"sim_buckets_mixed", "error_buckets_mixed"}}) {
+    if (errors.contains(key)) j[name] = errors[key];
+  }
   const char* out = std::getenv("OUT");
   const std::string dir = out != nullptr && *out != '\0' ? out : ".";
   const std::string path = dir + "/fidelity.json";
@@ -526,11 +537,11 @@ int main() {
     return ms;
   };
   const std::vector<double> gpu_switch = committed(gpu_run);
-  if (!gpu_switch.empty()) {
+  if (!gpu_switch.empty() && !runs.empty()) {
     const std::vector<double> sim_switch = committed(runs.front().run);
     std::printf("  switches committed: %zu measured;", gpu_switch.size());
     for (const pricing& x : runs) std::printf(" %zu %s;", committed(x.run).size(), x.key.c_str());
-    std::printf(" ms each, measured / priced (sim):");
+    std::printf(" ms each, measured / priced (%s):", runs.front().key.c_str());
     for (size_t i = 0; i < std::min(gpu_switch.size(), sim_switch.size()); ++i)
       std::printf(" %.1f/%.1f", gpu_switch[i], sim_switch[i]);
     std::printf("\n");
@@ -541,9 +552,15 @@ int main() {
   // The measured run's own steps priced by each clock: where the error comes from. A
   // diagnostic: should it fail, the runs' results above are written already.
   try {
-    std::vector<const pricing*> clocks;  // one per clock (the switch-time run shares sim's)
-    for (const pricing& x : runs)
-      if (x.key != "sim_switch_times") clocks.push_back(&x);
+    // One per clock, whether its simulated run succeeded or not (the switch-time run shares
+    // sim's clock).
+    std::vector<pricing> clock_list;
+    clock_list.push_back({"sim", "as before", &priced, {}, {}});
+    clock_list.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
+    if (priced_mixed)
+      clock_list.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
+    std::vector<const pricing*> clocks;
+    for (const pricing& x : clock_list) clocks.push_back(&x);
     for (const pricing* x : clocks) j["own_steps"][x->key] = price_own_steps(gpu_run, *x->clock, P);
     std::printf("  the measured run's own steps, priced / measured (summed):");
     for (const pricing* x : clocks) std::printf(" %s /", x->what.c_str());
