@@ -10,11 +10,16 @@
 #include <vector>
 
 #include <moebius/error.hpp>
+#include <moebius/transport/dry_run_transport.hpp>
 
 #include "catch.hpp"
+#include "engine.hpp"
 #include "mixed_step_table.hpp"
+#include "sim_runtime.hpp"
+#include "small_trace.hpp"
 #include "step_curves.hpp"
 #include "test_seed.hpp"
+#include "world.hpp"
 
 using namespace mini_engine;
 using moebius::parallel_mode;
@@ -258,4 +263,66 @@ TEST_CASE("the curves clock prices a step that prefills whole from measured mixe
   const curves_step_clock rows(hand_curves(), model);
   CHECK(partial.step_s(ep, 0) == Approx(rows.step_s(ep, 0)));
   CHECK(partial.step_s(tp_step(1, 16, 128), 0) * 1e3 == Approx(20));
+}
+
+TEST_CASE("a simulated run priced with mixed steps: every step priced again from its record",
+          "[cpu][curves]") {
+  // The simulated runtime at P = 2 with forced switches both ways, on the curves clock at graph
+  // buckets with TP and EP grids: the run finishes, and each step's price is the clock's of its
+  // record (step_record::ranks: the EP split it was priced by), as mini_engine_fidelity prices
+  // the measured run's own steps.
+  const int P = 2;
+  const uint64_t seed = testing::test_seed();
+  testing::world w = testing::make_world(P, 96, seed);
+  sim_runtime sim(w.arena, w.kv, w.vocab);
+  moebius::dry_run_transport dry(P, sim.spaces());
+  priced_model pm;
+  pm.context_scale = 1;
+  const h200_step_model model(pm, h200_params{}, P, kv_bytes_per_token(w.kv));
+  curves_clock_options o;
+  o.graph_buckets = {1, 2, 4, 8};
+  o.mixed = mixed_step_table(
+      {{parallel_mode::tp, {{0, {2, 8}, {20, 30}}, {3, {2, 8}, {24, 36}}}},
+       {parallel_mode::ep, {{0, {2, 8}, {5, 7}}, {3, {2, 8}, {19, 23}}}}},
+      128, "hand grid");
+  const curves_step_clock clock(hand_curves(), model, o);
+  engine e(sim, dry, w.arena, w.kv, clock, moebius::arena_cursor{0});
+  const std::vector<request> reqs = testing::small_trace(seed, w.vocab, 10);
+  engine_options eo = testing::small_trace_options();
+  eo.how = switching::forced;
+  for (int64_t s = 5; s < 2000; s += 5) eo.forced_steps.push_back(s);
+  const run_result r = e.run(reqs, eo, "mixed");
+  REQUIRE(r.requests.size() == reqs.size());
+  for (const request_result& q : r.requests)
+    CHECK(static_cast<int64_t>(q.generated.size()) == q.output_tokens);
+  int64_t mixed_steps[2] = {0, 0};
+  for (const step_record& s : r.steps) {
+    if (s.sequences <= 0 || s.in_switch) continue;
+    CAPTURE(s.step, s.sequences, s.decode_tokens, s.prefill_tokens);
+    step_cost cost;
+    cost.set(s.config);
+    cost.num_ranks = P;
+    cost.num_sequences = s.sequences;
+    cost.new_tokens = s.decode_tokens + s.prefill_tokens;
+    cost.context_tokens = s.context_tokens;
+    if (cost.mode == parallel_mode::ep) {
+      REQUIRE(s.ranks.size() == static_cast<size_t>(P));
+      int64_t seqs = 0, tokens = 0, context = 0;
+      for (const rank_work& x : s.ranks) {
+        seqs += x.sequences;
+        tokens += x.new_tokens;
+        context += x.context_tokens;
+      }
+      CHECK(seqs == s.sequences);
+      CHECK(tokens == cost.new_tokens);
+      CHECK(context == s.context_tokens);
+      cost.ranks = s.ranks;
+    } else {
+      CHECK(s.ranks.empty());
+    }
+    CHECK(clock.step_s(cost, 0) * 1e3 == Approx(s.step_ms).epsilon(1e-12));
+    if (s.prefill_tokens > 0) ++mixed_steps[cost.mode == parallel_mode::ep ? 0 : 1];
+  }
+  CHECK(mixed_steps[0] > 0);
+  CHECK(mixed_steps[1] > 0);
 }
