@@ -10,21 +10,34 @@
 //   2. serves a bursty trace on the measured clock (every step timed); at P = 2 with a
 //      stop-the-world switch forced every 400 steps (the virtual ranks' copies over the GPU's
 //      own memory, each switch timed);
+//   2b. then measures its mixed steps per mode: the same wall clock of a step that decodes b
+//      sequences (a rank's own in EP; b = 0, 1, 4, 16, 64, 128, 256, up to 256 sequences in
+//      the deployment) at context 128 beside one chunk of 16, 64, 256 or 512 tokens (cut to the
+//      rank's 512-token budget left beside b), the median of 5 after 2 warm-ups; should it fail,
+//      the pricing that needs it is left out and the rest is printed;
 //   3. the simulated runtime serves the same trace with the same scheduler, pool and forced
-//      switches twice, each switch priced by the cost model over the link measured on 2x H200
-//      (h200_params) and each step by the curves of 1 (curves_step_clock):
+//      switches, each switch priced by the cost model over the link measured on 2x H200
+//      (h200_params) and each step by the curves of 1 (curves_step_clock), priced three ways:
 //        "sim": as the paper-scale experiments price theirs by default: a decode step at its
 //          own batch (interpolated between the measured batches), a prefill chunk as the
 //          curve's extra rows at its smallest context;
 //        "sim_buckets_prefill": a decode step at the runtime's CUDA-graph bucket (the batch
 //          padded to it, as the replayed graph runs it), a prefill step's increment from the
-//          measured prefill points.
-// Printed and written to $OUT/fidelity.json (or ./fidelity.json): each metric of the three runs
-// and each simulation's error, separately: mean and p99 TTFT, mean and p99 TPOT, throughput,
-// the run's length, and at P = 2 the switches' total time; and the measured run's own steps
-// priced by both clocks (priced / measured, by kind of step: decode, prefill filling the step's
-// token budget, smaller prefill). What this does not check: collectives over NVLink (virtual
-// ranks share one GPU's memory), and the paper's model and P.
+//          prefill points measured alone;
+//        "sim_buckets_mixed": at the buckets, a step that prefills priced whole from the
+//          mixed-step grid (mixed_step_table.hpp);
+//      and at P = 2 once more, "sim_switch_times": priced as "sim" with its switches forced at
+//      the serving times the measured run switched at instead of the same step indices (the
+//      simulated run takes other steps, so the same indices fall at other times and a burst
+//      may be served in the other mode): what the switches' phase alone moves.
+// Printed and written to $OUT/fidelity.json (or ./fidelity.json): each metric of the runs and
+// each simulation's error (errors.<key>; error and error_buckets_prefill as before), separately:
+// mean and p99 TTFT, mean and p99 TPOT, throughput, the run's length, and at P = 2 the
+// switches' total time; and the measured run's own steps priced by each clock (priced /
+// measured, by kind of step: decode, prefill filling the step's token budget, smaller prefill;
+// at P = 2 also per mode, the EP steps by their recorded split over the ranks). What this does
+// not check: collectives over NVLink (virtual ranks share one GPU's memory), and the paper's
+// model and P.
 // Environment: MOEBIUS_FIDELITY_LAYERS (8), MOEBIUS_FIDELITY_SEED (1: the trace),
 // MOEBIUS_FIDELITY_P (1 or 2).
 
@@ -38,6 +51,7 @@
 #include <exception>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -66,16 +80,24 @@ constexpr int64_t k_page_size = 16;       // the runtime's (kv geometry)
 constexpr int64_t k_longest = 2560;       // tokens of the longest request (prompt + output)
 // The prefill points' chunks (tokens): up to the step's budget.
 constexpr int64_t k_prefill_chunks[] = {16, 32, 64, 128, 256, 512};
+// The mixed-step grid (mixed_step_table.hpp): decode batches beside the chunk (a rank's own in
+// EP; those above k_max_running sequences in the deployment are left out: the trace never runs
+// them) by chunk tokens (each cut to the rank's token budget left beside the batch); the decode
+// sequences at the curves' smallest context.
+constexpr int64_t k_mixed_batches[] = {0, 1, 4, 16, 64, 128, 256};
+constexpr int64_t k_mixed_chunks[] = {16, 64, 256, 512};
+constexpr int64_t k_mixed_context = 128;
 
 // The wall clock of a step as the serving loop waits for it (runtime::step: inputs, upload,
 // graph replay or eager launches, tokens back), the median of 7 after 2 warm-ups; `device_ms`
 // (when given) the median of the runtime's own device time of the same steps (CUDA events, what
 // the measured clock charges).
 double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
-                      std::span<const step_item> items, double* device_ms = nullptr) {
+                      std::span<const step_item> items, double* device_ms = nullptr,
+                      int runs = 7) {
   for (int w = 0; w < 2; ++w) rt.step(layout, items);
   std::vector<double> ms, device;
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < runs; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     rt.step(layout, items);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -83,8 +105,9 @@ double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
   }
   std::sort(ms.begin(), ms.end());
   std::sort(device.begin(), device.end());
-  if (device_ms != nullptr) *device_ms = device[3];
-  return ms[3];
+  const size_t mid = static_cast<size_t>(runs / 2);
+  if (device_ms != nullptr) *device_ms = device[mid];
+  return ms[mid];
 }
 
 // The decode step's wall clock in mode `m` at batch B and context C.
@@ -111,6 +134,85 @@ double measure_prefill_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t T, int6
   const step_item items[] = {{0, tokens, 0, true}};
   const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
   return median_step_ms(rt, layout, items, device_ms);
+}
+
+// The wall clock in mode `m` of a step that decodes `b` sequences at context C on every rank (EP:
+// P x b sequences, round-robin over the ranks; TP: b, every rank running them) and prefills one
+// chunk of T tokens beside them: the first chunk of one more sequence, on rank 0 in EP (the
+// mixed-step table's key: the chunk's rank's own decode batch and chunk), on every rank in TP.
+// Eager, as every step that prefills. The median of 5 after 2 warm-ups.
+double measure_mixed_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t b, int64_t C, int64_t T,
+                        int64_t vocab, int64_t layers, double* device_ms) {
+  const moebius::kv_geometry& g = rt.kv();
+  const int P = static_cast<int>(g.num_ranks);
+  const int64_t decodes = m == parallel_mode::ep ? b * P : b;
+  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(P));
+  std::vector<int64_t> next_page(static_cast<size_t>(P), 0);
+  // Sequence `id` of `tokens` tokens on rank `owner` (EP) or every rank (TP).
+  const auto add = [&](int64_t id, int64_t tokens, int owner) {
+    const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
+    for (int r = 0; r < P; ++r) {
+      if (m == parallel_mode::ep && r != owner) continue;
+      moebius::kv_sequence s;
+      s.seq_id = id;
+      s.num_tokens = tokens;
+      s.last_page_len = tokens - (pages - 1) * g.page_size;
+      for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
+      per_rank[static_cast<size_t>(r)].push_back(std::move(s));
+    }
+  };
+  for (int64_t i = 0; i < decodes; ++i) add(i, C + 1, static_cast<int>(i % P));
+  add(decodes, T, 0);
+  const moebius::kv_state tables = moebius::make_kv_state(g, m, std::move(per_rank));
+  std::vector<int32_t> decode_tokens;
+  std::vector<step_item> items = gpu::bench::decode_items(decodes, C, vocab, decode_tokens);
+  std::vector<int32_t> chunk(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i)
+    chunk[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
+  items.push_back({decodes, chunk, 0, true});
+  const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
+  return median_step_ms(rt, layout, items, device_ms, 5);
+}
+
+// The mixed-step grid per mode (at P = 1 EP's stands for TP's, as the curves'), with its points
+// printed and added to `out`. Each row's chunks cut to the rank's budget beside its batch
+// (k_max_tokens - b); a cut chunk no larger than the row's previous one is left out.
+mixed_step_table measure_mixed_grid(gpu::gpu_runtime& rt, int P, int64_t vocab, int64_t layers,
+                                    nlohmann::json& out) {
+  std::vector<mixed_step_grid> grids;
+  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+    if (P == 1 && m == parallel_mode::tp) break;
+    mixed_step_grid grid{m, {}};
+    for (const int64_t b : k_mixed_batches) {
+      const int64_t in_deployment = m == parallel_mode::ep ? b * P : b;
+      if (in_deployment > k_max_running || b >= k_max_tokens) continue;
+      mixed_step_row row{b, {}, {}};
+      for (const int64_t t : k_mixed_chunks) {
+        const int64_t chunk = std::min(t, k_max_tokens - b);
+        if (chunk < 1 || (!row.chunk_tokens.empty() && chunk <= row.chunk_tokens.back())) continue;
+        double device_ms = 0;
+        const double ms = measure_mixed_ms(rt, m, b, k_mixed_context, chunk, vocab, layers,
+                                           &device_ms);
+        std::printf("  mixed %s: decode batch %3lld (a rank's) beside a chunk of %3lld tokens: "
+                    "%8.3f ms (device %8.3f ms)\n",
+                    moebius::to_string(m), static_cast<long long>(b),
+                    static_cast<long long>(chunk), ms, device_ms);
+        std::fflush(stdout);
+        row.chunk_tokens.push_back(chunk);
+        row.step_ms.push_back(ms);
+        out.push_back({{"mode", moebius::to_string(m)}, {"decode_batch", b},
+                       {"chunk_tokens", chunk}, {"step_ms", ms}, {"device_ms", device_ms}});
+      }
+      if (!row.chunk_tokens.empty()) grid.rows.push_back(std::move(row));
+    }
+    grids.push_back(grid);
+    if (P == 1) {
+      grid.mode = parallel_mode::tp;
+      grids.push_back(std::move(grid));
+    }
+  }
+  return mixed_step_table(std::move(grids), k_mixed_context,
+                          "the GPU runtime's mixed steps (measured here)");
 }
 
 // A bursty trace the P = 1 runtime crosses its batch range on: quiet at 4 requests/s, bursts of
@@ -140,14 +242,15 @@ nlohmann::json metrics(const run_summary& s, const run_result& r) {
 
 // The measured run's own steps priced by `clock`, summed per kind (decode; prefill filling the
 // step's token budget; smaller prefill): steps, measured ms, priced ms and their ratio. An EP
-// step at P > 1 is skipped (counted): the record does not keep its split over the ranks, which
-// the clock prices it by.
+// step at P > 1 is priced by its recorded split over the ranks (step_record::ranks), as the
+// clock was given it; one without a split is skipped (counted).
 nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int P) {
   struct sums {
     int64_t steps = 0;
     double measured_ms = 0, priced_ms = 0;
   };
   sums decode, full, small;
+  sums by_mode[2][3];  // [EP, TP][decode, full, small]
   int64_t skipped = 0;
   for (const step_record& s : r.steps) {
     if (s.sequences <= 0 || s.in_switch) continue;
@@ -158,16 +261,23 @@ nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int
     cost.new_tokens = s.decode_tokens + s.prefill_tokens;
     cost.context_tokens = s.context_tokens;
     if (cost.mode == parallel_mode::ep) {
-      if (P > 1) {
-        ++skipped;
+      if (P > 1 && static_cast<int>(s.ranks.size()) != P) {
+        ++skipped;  // no split recorded (a step of a progressive switch): not priced
         continue;
       }
-      cost.ranks = {rank_work{cost.num_sequences, cost.new_tokens, cost.context_tokens}};
+      cost.ranks = P > 1 ? s.ranks
+                         : std::vector<rank_work>{
+                               rank_work{cost.num_sequences, cost.new_tokens, cost.context_tokens}};
     }
-    sums& to = s.prefill_tokens == 0 ? decode : cost.new_tokens >= k_max_tokens ? full : small;
-    ++to.steps;
-    to.measured_ms += s.measured_ms;
-    to.priced_ms += clock.step_s(cost, s.measured_ms * 1e-3) * 1e3;
+    const int kind = s.prefill_tokens == 0 ? 0 : cost.new_tokens >= k_max_tokens ? 1 : 2;
+    sums& to = kind == 0 ? decode : kind == 1 ? full : small;
+    sums& in_mode = by_mode[cost.mode == parallel_mode::ep ? 0 : 1][kind];
+    const double priced_ms = clock.step_s(cost, s.measured_ms * 1e-3) * 1e3;
+    for (sums* x : {&to, &in_mode}) {
+      ++x->steps;
+      x->measured_ms += s.measured_ms;
+      x->priced_ms += priced_ms;
+    }
   }
   const auto out = [](const sums& x) {
     return nlohmann::json{{"steps", x.steps},
@@ -175,8 +285,14 @@ nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int
                           {"priced_ms", x.priced_ms},
                           {"ratio", x.measured_ms > 0 ? x.priced_ms / x.measured_ms : 0.0}};
   };
+  nlohmann::json modes;
+  for (int mi = 0; mi < 2; ++mi) {
+    modes[mi == 0 ? "EP" : "TP"] = {{"decode", out(by_mode[mi][0])},
+                                    {"prefill_full", out(by_mode[mi][1])},
+                                    {"prefill_small", out(by_mode[mi][2])}};
+  }
   return {{"decode", out(decode)}, {"prefill_full", out(full)}, {"prefill_small", out(small)},
-          {"skipped", skipped}};
+          {"by_mode", modes}, {"skipped", skipped}};
 }
 
 }  // namespace
@@ -187,9 +303,20 @@ int main() {
   model_config c = qwen3_30b_a3b();
   c.num_layers = gpu::bench::env_int("MOEBIUS_FIDELITY_LAYERS", 8);
   const uint64_t seed = static_cast<uint64_t>(gpu::bench::env_int("MOEBIUS_FIDELITY_SEED", 1));
-  const int P = static_cast<int>(gpu::bench::env_int("MOEBIUS_FIDELITY_P", 1));
-  if (P != 1 && P != 2) {
-    std::printf("MOEBIUS_FIDELITY_P=%d: 1 or 2\n", P);
+  const int64_t P_env = gpu::bench::env_int("MOEBIUS_FIDELITY_P", 1);
+  if (P_env != 1 && P_env != 2) {
+    std::printf("MOEBIUS_FIDELITY_P=%s: 1 or 2\n", std::getenv("MOEBIUS_FIDELITY_P"));
+    return 2;
+  }
+  const int P = static_cast<int>(P_env);
+  const int64_t model_layers = qwen3_30b_a3b().num_layers;
+  if (c.num_layers < 1 || c.num_layers > model_layers) {
+    std::printf("MOEBIUS_FIDELITY_LAYERS=%s: 1 to %lld (the model's layers)\n",
+                std::getenv("MOEBIUS_FIDELITY_LAYERS"), static_cast<long long>(model_layers));
+    return 2;
+  }
+  if (gpu::bench::env_int("MOEBIUS_FIDELITY_SEED", 1) < 0) {
+    std::printf("MOEBIUS_FIDELITY_SEED=%s: a number >= 0\n", std::getenv("MOEBIUS_FIDELITY_SEED"));
     return 2;
   }
 
@@ -261,8 +388,26 @@ int main() {
     gpu_run = e.run(trace, eo, "GPU runtime (measured)");
   }
 
-  // 3. The simulated runtime on the same geometry, priced by the curves: as before, and at the
-  // runtime's graph buckets with the measured prefill points.
+  // 2b. The mixed-step grid, measured after the run (a failure here loses nothing above; the
+  // third pricing is then left out and says why).
+  nlohmann::json mixed_json = nlohmann::json::array();
+  std::optional<mixed_step_table> mixed_grid;
+  std::string mixed_error;
+  try {
+    const auto t0 = std::chrono::steady_clock::now();
+    mixed_grid = measure_mixed_grid(rt, P, c.vocab, c.num_layers, mixed_json);
+    std::printf("  mixed-step grid: %zu points in %.1f s\n", mixed_json.size(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  } catch (const std::exception& e) {
+    mixed_error = e.what();
+    std::printf("  the mixed-step grid could not be measured (%s): its pricing is left out\n",
+                e.what());
+  }
+
+  // 3. The simulated runtime on the same geometry, priced by the curves: as before, at the
+  // runtime's graph buckets with the measured prefill points, and at the buckets with the
+  // mixed-step grid (a step that prefills priced whole from it; the prefill points where it
+  // has no grid).
   priced_model m;
   m.num_layers = c.num_layers;
   m.context_scale = 1;
@@ -280,16 +425,61 @@ int main() {
   with.graph_buckets = o.buckets;  // the runtime's own (gpu_runtime_options::buckets)
   with.prefill = prefill_points;
   const curves_step_clock priced_new(curves, model, with);
-  const auto simulate = [&](const step_clock& clock, const char* label) {
+  std::optional<curves_step_clock> priced_mixed;
+  if (mixed_grid) {
+    curves_clock_options mixed = with;
+    mixed.mixed = *mixed_grid;
+    priced_mixed.emplace(curves, model, mixed);
+  }
+  const auto simulate = [&](const step_clock& clock, const char* label,
+                            const engine_options& opts) {
     sim_runtime sim(rt.arena(), rt.kv(), static_cast<int32_t>(c.vocab));
     moebius::dry_run_transport dry(P, sim.spaces());
     engine s(sim, dry, rt.arena(), rt.kv(), clock, moebius::arena_cursor{0});
-    return s.run(trace, eo, label);
+    return s.run(trace, opts, label);
   };
-  const run_result sim_run = simulate(priced, "simulated (priced by the curves)");
-  const run_result sim_new = simulate(priced_new, "simulated (curves at the graph buckets, measured prefill)");
+  // The pricings, each a simulated run: key in fidelity.json, what it prices, its clock.
+  struct pricing {
+    std::string key, what;
+    const step_clock* clock = nullptr;
+    run_result run;
+    run_summary summary;
+  };
+  std::vector<pricing> wanted;
+  wanted.push_back({"sim", "as before", &priced, {}, {}});
+  wanted.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
+  if (priced_mixed)
+    wanted.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
+  // At P = 2 once more: the forced switches at the measured run's switch times instead of its
+  // step indices (the simulated run takes other steps, so the same indices fall at other times
+  // and a burst may be served in the other mode), priced as before: what the phase of the
+  // switches alone moves.
+  engine_options at_times = eo;
+  at_times.forced_steps.clear();
+  for (const switch_record& x : gpu_run.switches)
+    if (x.step > 0) at_times.forced_at_s.push_back(x.start_s);  // not a failed first switch
+  if (P > 1 && !at_times.forced_at_s.empty())
+    wanted.push_back({"sim_switch_times", "as before, switches at the measured times", &priced,
+                      {}, {}});
+  // Each run on its own: one that fails is left out, and says why, the others kept.
+  std::vector<pricing> runs;
+  nlohmann::json run_errors;
+  for (pricing& x : wanted) {
+    try {
+      x.run = simulate(*x.clock, ("simulated (" + x.what + ")").c_str(),
+                       x.key == "sim_switch_times" ? at_times : eo);
+      x.summary = summarize(x.run);
+      runs.push_back(std::move(x));
+    } catch (const std::exception& e) {
+      std::printf("  the simulated run %s (%s) failed: %s\n", x.key.c_str(), x.what.c_str(),
+                  e.what());
+      run_errors[x.key] = e.what();
+    }
+  }
 
-  const run_summary a = summarize(gpu_run), b = summarize(sim_run), bn = summarize(sim_new);
+  const run_summary a = summarize(gpu_run);
+  nlohmann::json pricing_names, errors;
+  for (const pricing& x : runs) pricing_names[x.key] = x.clock->name();
   nlohmann::json j = {{"layers", c.num_layers},
                       {"P", P},
                       {"requests", static_cast<int64_t>(trace.size())},
@@ -297,34 +487,47 @@ int main() {
                       {"curves", points.size() / 2},
                       {"graph_buckets", o.buckets},
                       {"prefill_points", prefill_json},
-                      {"pricing", {{"sim", priced.name()}, {"sim_buckets_prefill", priced_new.name()}}},
-                      {"gpu", metrics(a, gpu_run)},
-                      {"sim", metrics(b, sim_run)},
-                      {"sim_buckets_prefill", metrics(bn, sim_new)}};
-  std::printf("\n  %d requests; metric: GPU runtime (measured) / simulated as before, error / "
-              "simulated at the graph buckets with measured prefill points, error\n",
+                      {"mixed_grid", mixed_json},
+                      {"pricing", pricing_names},
+                      {"gpu", metrics(a, gpu_run)}};
+  if (!mixed_error.empty()) j["mixed_grid_error"] = mixed_error;
+  if (!run_errors.is_null()) j["run_errors"] = run_errors;
+  for (const pricing& x : runs) j[x.key] = metrics(x.summary, x.run);
+  std::printf("\n  %d requests; metric: GPU runtime (measured), then each simulated run and its "
+              "error:",
               static_cast<int>(trace.size()));
-  nlohmann::json err, err_new;
-  for (const auto& [name, x] : j["gpu"].items()) {
-    const double g = x.get<double>(), v = j["sim"][name].get<double>();
-    const double vn = j["sim_buckets_prefill"][name].get<double>();
-    const double e = g != 0 ? (v - g) / g : 0, en = g != 0 ? (vn - g) / g : 0;
-    err[name] = e;
-    err_new[name] = en;
-    std::printf("  %-16s %12.3f %12.3f %+8.1f%% %12.3f %+8.1f%%\n", name.c_str(), g, v, 100 * e,
-                vn, 100 * en);
+  for (const pricing& x : runs) std::printf(" %s (%s);", x.key.c_str(), x.what.c_str());
+  std::printf("\n");
+  for (const auto& [name, g_json] : j["gpu"].items()) {
+    const double g = g_json.get<double>();
+    std::printf("  %-16s %12.3f", name.c_str(), g);
+    for (const pricing& x : runs) {
+      const double v = j[x.key][name].get<double>();
+      const double e = g != 0 ? (v - g) / g : 0;
+      errors[x.key][name] = e;
+      std::printf(" %12.3f %+7.1f%%", v, 100 * e);
+    }
+    std::printf("\n");
   }
-  j["error"] = err;
-  j["error_buckets_prefill"] = err_new;
+  // The errors, each pricing's under its own key; the two first also where earlier files had
+  // them.
+  j["errors"] = errors;
+  for (const auto& [key, name] : {std::pair<const char*, const char*>{"sim", "error"},
+                                  {"sim_buckets_prefill", "error_buckets_prefill"},
+                                  {"sim_buckets_mixed", "error_buckets_mixed"}}) {
+    if (errors.contains(key)) j[name] = errors[key];
+  }
   const char* out = std::getenv("OUT");
   const std::string dir = out != nullptr && *out != '\0' ? out : ".";
   const std::string path = dir + "/fidelity.json";
   std::ofstream csv(dir + "/fidelity_steps.csv");
   write_steps_csv(csv, gpu_run);
-  std::ofstream csv2(dir + "/fidelity_sim_steps.csv");
-  write_steps_csv(csv2, sim_run);
-  std::ofstream csv3(dir + "/fidelity_sim_buckets_prefill_steps.csv");
-  write_steps_csv(csv3, sim_new);
+  for (const pricing& x : runs) {
+    const std::string name = x.key == "sim" ? "/fidelity_sim_steps.csv"
+                                            : "/fidelity_" + x.key + "_steps.csv";
+    std::ofstream f(dir + name);
+    write_steps_csv(f, x.run);
+  }
   // Each committed switch: measured against priced (the same switch in each run when they
   // committed the same ones).
   const auto committed = [](const run_result& r) {
@@ -333,37 +536,59 @@ int main() {
       if (x.outcome == moebius::switch_outcome::committed) ms.push_back(x.clock_ms);
     return ms;
   };
-  const std::vector<double> gpu_switch = committed(gpu_run), sim_switch = committed(sim_run),
-                            sim_new_switch = committed(sim_new);
-  if (!gpu_switch.empty()) {
-    std::printf("  switches committed: %zu measured, %zu and %zu simulated; ms each, measured / "
-                "priced:",
-                gpu_switch.size(), sim_switch.size(), sim_new_switch.size());
+  const std::vector<double> gpu_switch = committed(gpu_run);
+  if (!gpu_switch.empty() && !runs.empty()) {
+    const std::vector<double> sim_switch = committed(runs.front().run);
+    std::printf("  switches committed: %zu measured;", gpu_switch.size());
+    for (const pricing& x : runs) std::printf(" %zu %s;", committed(x.run).size(), x.key.c_str());
+    std::printf(" ms each, measured / priced (%s):", runs.front().key.c_str());
     for (size_t i = 0; i < std::min(gpu_switch.size(), sim_switch.size()); ++i)
       std::printf(" %.1f/%.1f", gpu_switch[i], sim_switch[i]);
     std::printf("\n");
-    j["switches_each"] = {{"measured_ms", gpu_switch},
-                          {"priced_ms", sim_switch},
-                          {"priced_ms_buckets_prefill", sim_new_switch}};
+    j["switches_each"] = {{"measured_ms", gpu_switch}};
+    for (const pricing& x : runs) j["switches_each"]["priced_ms_" + x.key] = committed(x.run);
   }
   std::ofstream(path) << j.dump(2) << "\n";
   // The measured run's own steps priced by each clock: where the error comes from. A
   // diagnostic: should it fail, the runs' results above are written already.
   try {
-    j["own_steps"] = {{"sim", price_own_steps(gpu_run, priced, P)},
-                      {"sim_buckets_prefill", price_own_steps(gpu_run, priced_new, P)}};
-    std::printf("  the measured run's own steps, priced / measured (summed), as before / at the "
-                "buckets with prefill points:\n");
+    // One per clock, whether its simulated run succeeded or not (the switch-time run shares
+    // sim's clock).
+    std::vector<pricing> clock_list;
+    clock_list.push_back({"sim", "as before", &priced, {}, {}});
+    clock_list.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
+    if (priced_mixed)
+      clock_list.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
+    std::vector<const pricing*> clocks;
+    for (const pricing& x : clock_list) clocks.push_back(&x);
+    for (const pricing* x : clocks) j["own_steps"][x->key] = price_own_steps(gpu_run, *x->clock, P);
+    std::printf("  the measured run's own steps, priced / measured (summed):");
+    for (const pricing* x : clocks) std::printf(" %s /", x->what.c_str());
+    std::printf("\n");
     for (const char* kind : {"decode", "prefill_full", "prefill_small"}) {
       const nlohmann::json& x = j["own_steps"]["sim"][kind];
-      const nlohmann::json& y = j["own_steps"]["sim_buckets_prefill"][kind];
-      std::printf("    %-14s %6lld steps, %10.1f ms measured: %.3f / %.3f\n", kind,
+      std::printf("    %-14s %6lld steps, %10.1f ms measured:", kind,
                   static_cast<long long>(x["steps"].get<int64_t>()),
-                  x["measured_ms"].get<double>(), x["ratio"].get<double>(),
-                  y["ratio"].get<double>());
+                  x["measured_ms"].get<double>());
+      for (const pricing* p : clocks)
+        std::printf(" %.3f", j["own_steps"][p->key][kind]["ratio"].get<double>());
+      std::printf("\n");
+    }
+    if (P > 1) {
+      for (const char* mode : {"EP", "TP"}) {
+        for (const char* kind : {"decode", "prefill_full", "prefill_small"}) {
+          const nlohmann::json& x = j["own_steps"]["sim"]["by_mode"][mode][kind];
+          std::printf("    %s %-11s %6lld steps, %10.1f ms measured:", mode, kind,
+                      static_cast<long long>(x["steps"].get<int64_t>()),
+                      x["measured_ms"].get<double>());
+          for (const pricing* p : clocks)
+            std::printf(" %.3f", j["own_steps"][p->key]["by_mode"][mode][kind]["ratio"].get<double>());
+          std::printf("\n");
+        }
+      }
     }
     if (j["own_steps"]["sim"]["skipped"].get<int64_t>() > 0)
-      std::printf("    (%lld EP steps not priced: at P = %d their rank split is not recorded)\n",
+      std::printf("    (%lld EP steps not priced: at P = %d their rank split was not recorded)\n",
                   static_cast<long long>(j["own_steps"]["sim"]["skipped"].get<int64_t>()), P);
     std::ofstream(path) << j.dump(2) << "\n";
   } catch (const std::exception& e) {

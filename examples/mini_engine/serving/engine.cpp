@@ -1,6 +1,7 @@
 #include "engine_run_state.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <ostream>
 #include <sstream>
@@ -171,6 +172,15 @@ std::optional<decided_switch> engine::decide(run_state& st, int64_t step) {
     return st.policy->decide(v, step, st.out);
   }
   if (o.how != switching::forced) return std::nullopt;
+  if (!o.forced_at_s.empty()) {
+    if (st.next_forced_at == o.forced_at_s.size() || o.forced_at_s[st.next_forced_at] > st.now)
+      return std::nullopt;
+    ++st.next_forced_at;  // one a step: each time passed is a switch, in order
+    decided_switch d;
+    d.target = o.layouts.mode_of(switcher_.layout()) == parallel_mode::ep ? parallel_mode::tp
+                                                                         : parallel_mode::ep;
+    return d;
+  }
   while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
     ++st.next_forced;
   }
@@ -335,6 +345,11 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                 "engine::recover first");
   MOEBIUS_CHECK(std::is_sorted(o.forced_steps.begin(), o.forced_steps.end()),
                 errc::invalid_argument, "engine::run: forced_steps must be ascending");
+  for (size_t i = 0; i < o.forced_at_s.size(); ++i)
+    MOEBIUS_CHECK(std::isfinite(o.forced_at_s[i]) && o.forced_at_s[i] >= 0 &&
+                      (i == 0 || o.forced_at_s[i] >= o.forced_at_s[i - 1]),
+                  errc::invalid_argument, "engine::run: forced_at_s[", i, "] = ",
+                  o.forced_at_s[i], " must be finite, >= 0 and not below the one before");
   // The gate's curves: given, or calibrated on this engine's clock before the run (the tables
   // hold no live sequence yet).
   const bool gated = o.how == switching::policy && o.gate.enabled;

@@ -185,6 +185,11 @@ struct engine_options {
   bool explain = false;
   cost_gate_options gate;                 // switching::policy: the cost gate (on by default)
   std::vector<int64_t> forced_steps;     // switching::forced: step indices, ascending
+  // switching::forced: serving times in seconds, ascending, instead of forced_steps when given:
+  // a switch before the first step that starts at or after each (one a step; a run priced by
+  // another clock takes other steps, so the same indices fall at other times, and these put its
+  // switches where a measured run's were).
+  std::vector<double> forced_at_s;
   bool validate_every_step = false;      // moebius::validate(kv, tables) after every step
   int64_t max_steps = 50'000'000;        // a run longer than this throws (a stuck loop)
   int64_t progress_every_steps = 0;      // 0: no progress callback

@@ -33,6 +33,7 @@ struct engine::run_state {
   run_result out;
   double now = 0;
   size_t next_forced = 0;
+  size_t next_forced_at = 0;  // into engine_options::forced_at_s
   int64_t total = 0;
 
   // The runner of the next step.

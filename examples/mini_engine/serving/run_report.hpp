@@ -14,6 +14,7 @@
 
 #include "configuration.hpp"
 #include "scheduler.hpp"
+#include "step_clock.hpp"
 
 namespace mini_engine {
 
@@ -49,6 +50,9 @@ struct step_record {
   int64_t layers = 0;
   int64_t cursor = 0;  // arena cursor (TP layers) the step ran at
   double copy_ms = 0;
+  // EP outside a progressive switch: each rank's share of the step (ep_rank_work), as the clock
+  // was given it, so that the step can be priced again offline; empty otherwise.
+  std::vector<rank_work> ranks;
 };
 
 struct switch_record {

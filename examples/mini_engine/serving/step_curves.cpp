@@ -476,6 +476,15 @@ std::string clock_options_text(const curves_clock_options& o) {
        << o.graph_buckets.front() << "-" << o.graph_buckets.back() << "; beyond: eager, the curve x "
        << o.eager_penalty << ")";
   }
+  std::string mixed;
+  for (const configuration& c : o.mixed.configurations())
+    mixed += (mixed.empty() ? "" : ", ") + name_of(c);
+  if (!mixed.empty()) {
+    os << ", a step that prefills priced whole from measured mixed steps (decode batch x chunk "
+          "tokens) of "
+       << mixed << " (" << o.mixed.source() << "; decode context " << o.mixed.decode_context()
+       << ")";
+  }
   std::string measured, rows;
   for (const configuration& c : o.prefill.configurations())
     measured += (measured.empty() ? "" : ", ") + name_of(c);
@@ -513,6 +522,7 @@ double curves_step_clock::rank_ms(const configuration& m, double ranks, int64_t 
     if (bucket == 0) return curves_.step_ms(m, ranks * seqs, context) * options_.eager_penalty;
     return curves_.step_ms(m, ranks * static_cast<double>(bucket), context);
   }
+  if (options_.mixed.has(m)) return mixed_ms(m, ranks, sequences, rows, context);
   const double decode = curves_.step_ms(m, ranks * seqs, context);
   // The prefill increment at the smallest measured context (a prefill chunk's attention is
   // compute-bound over its own tokens, not a read of the KV per row).
@@ -522,6 +532,26 @@ double curves_step_clock::rank_ms(const configuration& m, double ranks, int64_t 
                            ? options_.prefill.step_ms(m, static_cast<double>(rows))
                            : curves_.step_ms(m, ranks * static_cast<double>(rows), ctx0);
   return decode + std::max(0.0, chunk - beside);
+}
+
+double curves_step_clock::mixed_ms(const configuration& m, double ranks, int64_t sequences,
+                                   int64_t rows, double context) const {
+  const mixed_step_table& mixed = options_.mixed;
+  // One chunk assumed (the header): the other items decode.
+  const int64_t b = sequences - 1;
+  const int64_t t = rows - b;
+  const double seqs = static_cast<double>(sequences);
+  const double at_grid = static_cast<double>(mixed.decode_context());
+  double ms = mixed.step_ms(m, static_cast<double>(b), static_cast<double>(t));
+  ms += std::max(0.0, curves_.step_ms(m, ranks * seqs, context) -
+                          curves_.step_ms(m, ranks * seqs, at_grid));
+  const int64_t bmax = mixed.largest_batch(m);
+  if (b > bmax) {
+    const double ctx0 = curves_.smallest_context(m);
+    ms += std::max(0.0, curves_.step_ms(m, ranks * static_cast<double>(b), ctx0) -
+                            curves_.step_ms(m, ranks * static_cast<double>(bmax), ctx0));
+  }
+  return ms;
 }
 
 double curves_step_clock::step_s(const step_cost& c, double measured_s) const {

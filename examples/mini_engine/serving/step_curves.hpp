@@ -38,6 +38,7 @@
 #include "configuration.hpp"
 #include "expert_load.hpp"
 #include "graph_buckets.hpp"
+#include "mixed_step_table.hpp"
 #include "prefill_table.hpp"
 #include "step_collectives.hpp"
 #include "step_clock.hpp"
@@ -221,6 +222,10 @@ struct curves_clock_options {
   // that prefills takes its prefill increment from them instead of from the decode curve's
   // extra rows (below); configurations without points keep the extra rows. Empty: none.
   prefill_table prefill;
+  // Measured mixed steps (mixed_step_table.hpp): for a configuration with a grid, a step that
+  // prefills is priced by it as a whole (below), before `prefill` and the extra rows. Empty:
+  // none.
+  mixed_step_table mixed;
 };
 
 // The priced clock with measured curves. A step from the curve of its configuration
@@ -235,6 +240,16 @@ struct curves_clock_options {
 //   with options.prefill's points of the configuration: prefill(rows) - curve(sequences, ctx0)
 //     (the measured eager step of a chunk of that many tokens, less the decode step it stands
 //     beside: the step's own sequences at ctx0 are priced by the decode term already).
+// With options.mixed's grid of the configuration the step is priced whole instead:
+//   mixed(b, t) + max(0, curve(sequences, context) - curve(sequences, ctxm))
+//     + max(0, curve(b, ctx0) - curve(bmax, ctx0)) when b > bmax,
+// b = sequences - 1 and t = rows - b (a step_cost does not say how many of its items prefill:
+// one chunk is assumed, the rest decoding; with k chunks b is over by k - 1 and t under by as
+// many tokens), ctxm the grid's decode context (mixed_step_table::decode_context) and bmax its
+// largest decode batch: the grid clamps there, so the decode curve adds what more decodes cost.
+// The context term carries what the grid's decode sequences at ctxm do not: longer contexts,
+// and a later chunk's attention over its sequence's earlier tokens (the grid's chunks are first
+// chunks), as the terms above do.
 // An EP step that says how its items split over the ranks (step_cost::ranks) is priced by its
 // busiest rank, each rank at P times its own sequences and rows in the curves (whose batch is
 // the deployment's: the experts' share of that rank is then priced as if every rank were as
@@ -271,6 +286,9 @@ class curves_step_clock final : public step_clock {
   // data-parallel rank, else 1). `graphs`: the step replays a graph (no item prefills).
   double rank_ms(const configuration& m, double ranks, int64_t sequences, int64_t rows,
                  double context, bool graphs) const;
+  // The same for a rank that prefills (rows > sequences), from options_.mixed's grid of `m`.
+  double mixed_ms(const configuration& m, double ranks, int64_t sequences, int64_t rows,
+                  double context) const;
 
   step_curves curves_;
   const h200_step_model& model_;

@@ -23,12 +23,13 @@ page_source& plain_steps::open_step() {
   return pages_.emplace(kv_, sw_.mutable_kv_tables());
 }
 
-served_step plain_steps::run(runtime& rt, const step_batch& b, step_record&) {
+served_step plain_steps::run(runtime& rt, const step_batch& b, step_record& rec) {
   const moebius::kv_state& tables = pages_->tables();
   const step_layout layout{&tables, sw_.cursor()};
   // Data-parallel attention: in EP each rank runs its own items.
   std::vector<rank_work> ep_split;
   if (tables.mode == moebius::parallel_mode::ep) ep_split = ep_rank_work(tables, b.items);
+  rec.ranks = ep_split;
   const auto t0 = host_clock::now();
   step_result done = rt.finish(rt.enqueue(layout, b.items));
   if (done.overflowed) {  // nothing beside it: the rerun is at the same layout

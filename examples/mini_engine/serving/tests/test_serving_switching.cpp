@@ -3,11 +3,13 @@
 // exactly the same greedy tokens per request as a static run, with no request lost,
 // duplicated or restarted and no KV page leaked. Runs on `runtime&` (tests/world.hpp: the
 // model's host_runtime when it is in the build, else the token-hash fake).
+#include <algorithm>
 #include <random>
 
 #include "catch.hpp"
 #include "engine.hpp"
 #include "small_trace.hpp"
+#include "test_seed.hpp"
 #include "world.hpp"
 
 using namespace mini_engine;
@@ -76,4 +78,47 @@ TEST_CASE("switching at random steps gives the static run's tokens") {
       CHECK(e.get_switcher().kv_tables().ranks.size() == static_cast<size_t>(P));
     }
   }
+}
+
+TEST_CASE("forced switches at serving times: one before the first step at or after each") {
+  const int P = 2;
+  const uint64_t seed = testing::test_seed();
+  testing::world w = testing::make_world(P, 96, seed);
+  const std::vector<request> reqs = testing::small_trace(seed, w.vocab, 10);
+  const unit_clock clock;
+  engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
+  engine_options o = testing::small_trace_options();
+  const run_result ep = e.run(reqs, o, "static EP");
+  REQUIRE(ep.steps.size() > 20);
+  // Random times within the run (before its last step starts), some two within one step.
+  std::mt19937_64 rng(seed);
+  const double last = ep.steps.back().start_s;
+  std::uniform_real_distribution<double> at(0, last);
+  o.how = switching::forced;
+  o.forced_steps = {1, 2, 3};  // ignored: the times are given
+  for (int i = 0; i < 8; ++i) o.forced_at_s.push_back(at(rng));
+  o.forced_at_s.push_back(o.forced_at_s.back());
+  std::sort(o.forced_at_s.begin(), o.forced_at_s.end());
+  const run_result sw = e.run(reqs, o, "switching at times");
+  // Every time one switch (the run's clock is the static run's: switches cost 0, steps 0.01 s).
+  REQUIRE(sw.switches.size() == o.forced_at_s.size());
+  for (size_t i = 0; i < sw.switches.size(); ++i) {
+    const switch_record& s = sw.switches[i];
+    CAPTURE(i, s.step, s.start_s, o.forced_at_s[i]);
+    CHECK(s.outcome == moebius::switch_outcome::committed);
+    CHECK(s.to == (i % 2 == 0 ? parallel_mode::tp : parallel_mode::ep));
+    CHECK(s.start_s >= o.forced_at_s[i]);
+    // The step before started before the time, unless it took the time before this one.
+    for (const step_record& r : sw.steps) {
+      if (r.step != s.step - 1) continue;
+      CHECK((r.start_s < o.forced_at_s[i] || (i > 0 && sw.switches[i - 1].step == r.step)));
+    }
+  }
+  // The tokens are the static run's.
+  REQUIRE(sw.requests.size() == ep.requests.size());
+  for (size_t i = 0; i < ep.requests.size(); ++i) CHECK(sw.requests[i].generated == ep.requests[i].generated);
+  // Times that fall are refused by index.
+  o.forced_at_s = {0.5, 0.25};
+  CHECK_THROWS_WITH(e.run(reqs, o, "bad"),
+                    Catch::Contains("forced_at_s[1] = 0.25 must be finite, >= 0 and not below"));
 }
