@@ -243,13 +243,19 @@ void print_interactive_table(const std::vector<run_outcome>& runs,
   if (verbose || !m.front().floods.empty()) std::printf("  %s\n", k_paper_bursty);
 }
 
+run_kind default_design(const std::vector<run_outcome>& runs) {
+  return find_run(runs, run_kind::dcp_only) != nullptr ? run_kind::dcp_only : run_kind::switching;
+}
+
 void print_interactive_verdict(const std::vector<run_outcome>& runs,
                                const std::vector<paper_metrics>& m) {
-  const size_t best = better_static(runs, m), ours = index_of(runs, run_kind::switching);
+  const run_kind design = default_design(runs);
+  const size_t best = better_static(runs, m), ours = index_of(runs, design);
   const char* best_name = label_of(runs[best].kind);
+  const std::string name = label_of(design);
   std::string v;
   if (interactive_row(m[ours]) == interactive_row(m[best])) {
-    v = std::string("ours = ") + best_name + " on every figure";
+    v = name + " = " + best_name + " on every figure";
     const run_result& r = runs[ours].result;
     if (m[ours].switches == 0 && r.gate_refusals > 0)
       v += " (the gate refused all " + std::to_string(r.gate_refusals) + " switches proposed)";
@@ -258,7 +264,14 @@ void print_interactive_verdict(const std::vector<run_outcome>& runs,
     std::snprintf(buf, sizeof buf, ", %.3fx tokens/s, %lld switches (%.0f ms)",
                   m[best].tokens_per_s > 0 ? m[ours].tokens_per_s / m[best].tokens_per_s : 0,
                   static_cast<long long>(m[ours].switches), m[ours].switch_total_ms);
-    v = std::string("ours against ") + best_name + ": " + changes(m[ours], m[best]) + buf;
+    v = name + " against " + best_name + ": " + changes(m[ours], m[best]) + buf;
+  }
+  if (design != run_kind::switching) {
+    const paper_metrics& pd = m[index_of(runs, run_kind::switching)];
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "; the paper's design (ours): %lld switches (%.0f ms), ",
+                  static_cast<long long>(pd.switches), pd.switch_total_ms);
+    v += buf + changes(pd, m[best]);
   }
   if (find_run(runs, run_kind::paper_policy) != nullptr) {
     const paper_metrics& pm = m[index_of(runs, run_kind::paper_policy)];
@@ -324,10 +337,14 @@ void print_rollout_verdict(const std::vector<run_outcome>& runs,
   const size_t tp = index_of(runs, run_kind::static_tp), ep = index_of(runs, run_kind::static_ep);
   const size_t best = m[tp].rollout_total_s <= m[ep].rollout_total_s ? tp : ep;
   const double best_s = m[best].rollout_total_s;
-  const paper_metrics& ours = m[index_of(runs, run_kind::switching)];
-  std::printf("  verdict: ours %.3fx the better static layout (%s) with %lld switches",
-              best_s / ours.rollout_total_s, label_of(runs[best].kind),
+  const run_kind design = default_design(runs);
+  const paper_metrics& ours = m[index_of(runs, design)];
+  std::printf("  verdict: %s %.3fx the better static layout (%s) with %lld switches",
+              label_of(design), best_s / ours.rollout_total_s, label_of(runs[best].kind),
               static_cast<long long>(ours.switches));
+  if (design != run_kind::switching)
+    std::printf(", the paper's design (ours) %.3fx",
+                best_s / m[index_of(runs, run_kind::switching)].rollout_total_s);
   if (find_run(runs, run_kind::paper_policy) != nullptr)
     std::printf(", the paper's policy %.3fx",
                 best_s / m[index_of(runs, run_kind::paper_policy)].rollout_total_s);

@@ -176,17 +176,14 @@ std::optional<decided_switch> engine::decide(run_state& st, int64_t step) {
     if (st.next_forced_at == o.forced_at_s.size() || o.forced_at_s[st.next_forced_at] > st.now)
       return std::nullopt;
     ++st.next_forced_at;  // one a step: each time passed is a switch, in order
-    decided_switch d;
-    d.target = o.layouts.mode_of(switcher_.layout()) == parallel_mode::ep ? parallel_mode::tp
-                                                                         : parallel_mode::ep;
-    return d;
+  } else {
+    while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
+      ++st.next_forced;
+    }
+    if (st.next_forced == o.forced_steps.size() || o.forced_steps[st.next_forced] != step)
+      return std::nullopt;
   }
-  while (st.next_forced < o.forced_steps.size() && o.forced_steps[st.next_forced] < step) {
-    ++st.next_forced;
-  }
-  if (st.next_forced == o.forced_steps.size() || o.forced_steps[st.next_forced] != step)
-    return std::nullopt;
-  decided_switch d;
+  decided_switch d;  // to the other mode
   d.target = o.layouts.mode_of(switcher_.layout(), switcher_.dcp()) == parallel_mode::ep
                  ? parallel_mode::tp
                  : parallel_mode::ep;
