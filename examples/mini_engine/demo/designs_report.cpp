@@ -64,8 +64,9 @@ std::optional<designs_verdict> designs_verdict_of(
     return best;
   };
   designs_verdict v;
-  v.design = best_of({run_kind::switching, run_kind::switching_dcp2, run_kind::experts_only,
-                      run_kind::dcp_only});
+  // The default design first: a tie names it (best_of keeps the first of equals).
+  v.design = best_of({run_kind::dcp_only, run_kind::switching, run_kind::switching_dcp2,
+                      run_kind::experts_only});
   v.paper = best_of({run_kind::static_tp, run_kind::static_ep});
   v.best_static = best_of({run_kind::static_tp, run_kind::static_ep, run_kind::static_tp_dcp2,
                            run_kind::static_tep_dcp2});
