@@ -215,6 +215,10 @@ std::vector<int32_t> host_runtime::compute(const step_layout& layout,
                   moebius::to_string(layout.ep_tables->mode));
     sets = {layout.tp_tables, layout.ep_tables};
   }
+  // A dcp change while serving (step_layout::dcp): the pages stay where they are, only which
+  // positions a rank's pages hold changes, so the geometry is all that follows.
+  if (layout.dcp > 0 && layout.dcp != kv_geometry_.dcp)
+    kv_geometry_ = moebius::with_dcp(kv_geometry_, layout.dcp);
   for (const moebius::kv_state* s : sets)
     if (s) moebius::validate(kv_geometry_, *s);
   moebius::validate(arena_geometry_, layout.cursor);

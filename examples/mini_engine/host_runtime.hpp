@@ -117,7 +117,9 @@ struct host_runtime_options {
   // KV-parallel degree of the TP view (kv_geometry::dcp): the ranks holding one KV head slice
   // split each sequence's pages in sets of dcp (attention merges their partial softmaxes,
   // above). 1: every TP rank holds every token of its heads. Must divide P/Hkv (Hkv < P), be 1
-  // when Hkv >= P: the library's check (moebius::with_dcp) refuses any other value.
+  // when Hkv >= P: the library's check (moebius::with_dcp) refuses any other value. The dcp
+  // the runtime starts at: a step whose step_layout::dcp names another (after
+  // switcher::plan_dcp committed it) moves the runtime to it, and kv() says it from then on.
   int64_t dcp = 1;
 };
 

@@ -23,6 +23,10 @@ pending_step gpu_runtime::impl::enqueue(const step_layout& layout,
   const bool hybrid = layout.hybrid();
   MOEBIUS_CHECK(hybrid || layout.tables != nullptr, errc::invalid_argument,
                 "gpu_runtime::step: no page tables");
+  MOEBIUS_CHECK(layout.dcp == 0 || layout.dcp == kv.dcp, errc::invalid_argument,
+                "gpu_runtime::step: step_layout::dcp ", layout.dcp, " but the runtime serves dcp ",
+                kv.dcp, " (gpu_runtime_options::dcp): its graphs are captured for one dcp, and a "
+                "dcp change while serving is not supported");
   moebius::validate(arena, layout.cursor);
   bool decode = true;
   for (size_t i = 0; i < items.size(); ++i) {

@@ -57,7 +57,9 @@ double engine::decode_step_s(moebius::parallel_layout layout, int64_t batch, int
   }
   const auto t0 = host_clock::now();
   try {
-    runtime_.step(step_layout{&tables, switcher_.cursor()}, items);
+    step_layout at{&tables, switcher_.cursor()};
+    at.dcp = kv_.dcp;
+    runtime_.step(at, items);
   } catch (...) {
     release_all();
     throw;

@@ -166,7 +166,11 @@ served_step progressive_driver::run(runtime& rt, const step_batch& b, step_recor
         [&](const moebius::step_layer_events* events) { enqueue_advance(rec, events); },
         [&]() -> step_layout {
           wait_for_advance();
-          if (!session_->open()) return step_layout{&sw_.kv_tables(), sw_.cursor()};
+          if (!session_->open()) {
+            step_layout after{&sw_.kv_tables(), sw_.cursor()};
+            after.dcp = sw_.dcp();
+            return after;
+          }
           return step_layout::during(session_->view());
         });
     s.measured_s = seconds_since(t0);

@@ -25,7 +25,8 @@ page_source& plain_steps::open_step() {
 
 served_step plain_steps::run(runtime& rt, const step_batch& b, step_record& rec) {
   const moebius::kv_state& tables = pages_->tables();
-  const step_layout layout{&tables, sw_.cursor()};
+  step_layout layout{&tables, sw_.cursor()};
+  layout.dcp = kv_.dcp;  // the switcher's (engine::follow_kv_dcp)
   // Data-parallel attention: in EP each rank runs its own items.
   std::vector<rank_work> ep_split;
   if (tables.mode == moebius::parallel_mode::ep) ep_split = ep_rank_work(tables, b.items);

@@ -80,6 +80,57 @@ TEST_CASE("switching at random steps gives the static run's tokens") {
   }
 }
 
+TEST_CASE("changing the TP view's dcp while serving (2 <-> 1) gives the static runs' tokens") {
+  const int P = 4;  // tiny(): 2 KV heads, so each head slice on two ranks: dcp 1 or 2
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    testing::world w = testing::make_world(P, 96, seed, 2);
+    CAPTURE(w.name, seed);
+    const std::vector<request> reqs = testing::small_trace(seed, w.vocab, 10);
+    const unit_clock clock;
+    engine e(*w.rt, *w.transport, w.arena, w.kv, clock, moebius::arena_cursor{0});
+    engine_options o = testing::small_trace_options();
+    o.layouts.ep = o.layouts.tp = parallel_mode::tp;  // dcp only: one layout, two dcp
+    o.layouts.ep_dcp = 2;
+    o.layouts.tp_dcp = 1;
+    o.validate_every_step = true;
+    o.start_mode = parallel_mode::ep;
+    const run_result dcp2 = e.run(reqs, o, "static TP-DCP2");
+    CHECK(e.get_switcher().dcp() == 2);
+    o.start_mode = parallel_mode::tp;
+    const run_result dcp1 = e.run(reqs, o, "static TP");
+    CHECK(e.get_switcher().dcp() == 1);
+    REQUIRE(dcp2.switches.empty());
+    REQUIRE(dcp1.switches.size() <= 1);  // to dcp 1 before the first step (no live KV)
+
+    std::mt19937_64 rng(seed * 77);
+    o.how = switching::forced;
+    for (int64_t s = 1; s < static_cast<int64_t>(dcp1.steps.size()) + 40; ++s)
+      if (std::bernoulli_distribution(0.3)(rng)) o.forced_steps.push_back(s);
+    o.start_mode = seed % 2 ? parallel_mode::ep : parallel_mode::tp;
+    const run_result sw = e.run(reqs, o, "switching dcp");
+    int64_t to_1 = 0, to_2 = 0;
+    for (const switch_record& s : sw.switches) {
+      CHECK(s.outcome == moebius::switch_outcome::committed);
+      CHECK(s.from == moebius::parallel_layout{parallel_mode::tp});
+      CHECK(s.to == moebius::parallel_layout{parallel_mode::tp});
+      (s.to_dcp == 1 ? to_1 : to_2) += 1;
+    }
+    CHECK(to_1 >= 3);
+    CHECK(to_2 >= 3);
+    for (const step_record& st : sw.steps)
+      CHECK(st.config.dcp == (st.mode == parallel_mode::ep ? 2 : 1));
+    REQUIRE(sw.requests.size() == reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      CAPTURE(dcp1.requests[i].id);
+      REQUIRE(static_cast<int64_t>(dcp1.requests[i].generated.size()) ==
+              dcp1.requests[i].output_tokens);
+      CHECK(dcp2.requests[i].generated == dcp1.requests[i].generated);
+      CHECK(sw.requests[i].generated == dcp1.requests[i].generated);
+      CHECK(sw.requests[i].admissions == 1);
+    }
+  }
+}
+
 TEST_CASE("forced switches at serving times: one before the first step at or after each") {
   const int P = 2;
   const uint64_t seed = testing::test_seed();

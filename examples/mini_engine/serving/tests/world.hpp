@@ -35,14 +35,16 @@ struct world {
   const char* name = "";
 };
 
-// P ranks, `ep_pages` KV pages per rank, weights from `seed`; the arena rests in EP.
-inline world make_world(int P, int64_t ep_pages, uint64_t seed) {
+// P ranks, `ep_pages` KV pages per rank, weights from `seed`; the arena rests in EP; the TP
+// view at KV-parallel degree `dcp` (tiny() has 2 KV heads: dcp 2 at P = 4).
+inline world make_world(int P, int64_t ep_pages, uint64_t seed, int64_t dcp = 1) {
   world w;
 #if MINI_ENGINE_SERVING_REAL_RUNTIME
   const model_config c = tiny();
   host_runtime_options o;
   o.num_ranks = P;
   o.num_ep_pages = ep_pages;
+  o.dcp = dcp;
   auto rt = std::make_unique<host_runtime>(make_weights(c, seed), o);
   w.arena = rt->arena();
   w.kv = rt->kv();
@@ -59,7 +61,8 @@ inline world make_world(int P, int64_t ep_pages, uint64_t seed) {
   shape.intermediate = 32;
   shape.weight_dtype = moebius::dtype::fp32;
   w.arena = moebius::make_arena_geometry(shape, P, 256, 4096);
-  w.kv = moebius::make_kv_geometry(2, 2, 16, 4, ep_pages, P, moebius::dtype::fp32);
+  w.kv = moebius::with_dcp(moebius::make_kv_geometry(2, 2, 16, 4, ep_pages, P, moebius::dtype::fp32),
+                           dcp);
   w.vocab = 256;
   auto rt = std::make_unique<fake_runtime>(w.arena, w.kv, w.vocab);
   w.transport = std::make_unique<moebius::host_transport>(rt->memory());
