@@ -386,7 +386,7 @@ nlohmann::json admission_json(const run_result& r) {
 }
 
 double admission_bucket_s(double end_s) {
-  constexpr double most_rows = 500;
+  constexpr double most_rows = 200;  // ~16 KB a run in the results JSON
   return end_s <= most_rows ? 1.0 : std::ceil(end_s / most_rows);
 }
 

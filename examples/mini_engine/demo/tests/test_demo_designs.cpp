@@ -323,10 +323,12 @@ TEST_CASE("admission over time: each window's longest queue, most running, most 
   const nlohmann::json j = admission_over_time_json(h, 1.0);
   CHECK(j["rows"] == nlohmann::json::parse("[[0,5,0,400,0,0.6,3],[2,0,0,50,0,0.1,0]]"));
   CHECK(admission_over_time_json(run_result{}, 1.0)["rows"].empty());
-  // The window: 1 s up to 500 s, then 500 rows a run.
-  CHECK(admission_bucket_s(375) == 1.0);
-  CHECK(admission_bucket_s(500) == 1.0);
-  CHECK(admission_bucket_s(35284) == 71.0);
+  // The window: 1 s up to 200 s, then at most 200 rows a run, whole seconds.
+  CHECK(admission_bucket_s(150) == 1.0);
+  CHECK(admission_bucket_s(200) == 1.0);
+  CHECK(admission_bucket_s(374.9) == 2.0);
+  CHECK(admission_bucket_s(35284) == 177.0);
+  CHECK(admission_bucket_s(35284) * 200 >= 35284);
   // A window that is no window, named.
   for (const double bad : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
     CHECK_THROWS_WITH(admission_over_time_json(h, bad),
