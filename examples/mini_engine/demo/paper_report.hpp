@@ -79,14 +79,16 @@ void print_rollout_verdict(const std::vector<run_outcome>& runs,
 // start in it; empty windows are left out): per window its start, the longest queue, the most
 // running, the most KV tokens counted as taken (reserved) and the most written (TP: one rank's;
 // EP: every rank's), the new_token_ratio at its last step (SGLang; 0 otherwise) and the
-// retractions (SGLang) or preemptions (vLLM) in it. {"bucket_s", "columns", "rows"}: each row
-// in the order of "columns". Throws errc::invalid_argument naming bucket_s unless it is > 0
-// and finite.
+// retractions (SGLang) or preemptions (vLLM) in it. {"bucket_s", "columns", "rows"}: "columns"
+// a CSV header and each row a CSV line in its order (a line, not an array: an array's numbers
+// take a line each in the indented results file). Throws errc::invalid_argument naming
+// bucket_s unless it is > 0 and finite.
 nlohmann::json admission_over_time_json(const run_result& r, double bucket_s);
 
 // The window admission_over_time_json uses for a run that ends at `end_s`: 1 s up to 200 s,
-// then at most 200 windows a run, each a whole number of seconds (the bursty trace's 375 s: 2 s;
-// a rollout of 35,000 s: 175 s), so the results JSON stays small; steps.csv has every step.
+// then at most 200 windows a run, each a whole number of seconds (the bursty trace's runs,
+// ~445 s: 3 s; a rollout of 35,000 s: 175 s), so the results JSON stays small; steps.csv has
+// every step.
 double admission_bucket_s(double end_s);
 
 // Per flood period, what admission did in it: from the flood's first arrival until its last
