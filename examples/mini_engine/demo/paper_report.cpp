@@ -1,12 +1,15 @@
 #include "paper_report.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+
+#include <moebius/error.hpp>
 
 #include "deployment.hpp"
 #include "sim_deployment.hpp"
@@ -399,6 +402,94 @@ nlohmann::json admission_json(const run_result& r) {
   return j;
 }
 
+double admission_bucket_s(double end_s) {
+  constexpr double most_rows = 200;  // ~6 KB a run in the results JSON
+  return end_s <= most_rows ? 1.0 : std::ceil(end_s / most_rows);
+}
+
+nlohmann::json admission_over_time_json(const run_result& r, double bucket_s) {
+  MOEBIUS_CHECK(std::isfinite(bucket_s) && bucket_s > 0, moebius::errc::invalid_argument,
+                "admission_over_time_json: bucket_s ", bucket_s, " is not > 0 and finite");
+  nlohmann::json rows = nlohmann::json::array();
+  // One window at a time: the steps come in time order, so a window closes at the first step
+  // past it.
+  int64_t window = -1, waiting = 0, running = 0, reserved = 0, written = 0, retracted = 0;
+  double ratio = 0;
+  const auto close = [&] {
+    if (window < 0) return;
+    char row[200];
+    std::snprintf(row, sizeof row, "%.10g,%lld,%lld,%lld,%lld,%.6g,%lld",
+                  static_cast<double>(window) * bucket_s, static_cast<long long>(waiting),
+                  static_cast<long long>(running), static_cast<long long>(reserved),
+                  static_cast<long long>(written), ratio, static_cast<long long>(retracted));
+    rows.push_back(row);
+  };
+  for (const step_record& s : r.steps) {
+    const auto w = static_cast<int64_t>(std::floor(std::max(0.0, s.start_s) / bucket_s));
+    if (w != window) {
+      close();
+      window = w;
+      waiting = running = reserved = written = retracted = 0;
+    }
+    waiting = std::max(waiting, s.waiting);
+    running = std::max(running, s.running);
+    reserved = std::max(reserved, s.kv_reserved_tokens);
+    written = std::max(written, s.kv_written_tokens);
+    ratio = s.new_token_ratio;
+    retracted += s.preempted;
+  }
+  close();
+  return {{"bucket_s", bucket_s},
+          {"columns",
+           "start_s,waiting_max,running_max,kv_reserved_tokens_max,kv_written_tokens_max,"
+           "new_token_ratio_last,retracted"},
+          {"rows", std::move(rows)}};
+}
+
+nlohmann::json flood_admission_json(const run_result& r,
+                                    const std::vector<arrival_period>& floods) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const arrival_period& f : floods) {
+    const step_record* first = nullptr;
+    const step_record* longest = nullptr;
+    const step_record* most_reserved = nullptr;
+    int64_t running = 0, retracted = 0;
+    double window_end_s = f.end_s;
+    for (const step_record& s : r.steps) {
+      if (s.start_s < f.start_s) continue;
+      // Past the last arrival, the window lasts while requests still wait.
+      if (s.start_s >= f.end_s && s.waiting == 0) {
+        window_end_s = std::max(window_end_s, s.start_s);
+        break;
+      }
+      if (first == nullptr) first = &s;
+      if (longest == nullptr || s.waiting > longest->waiting) longest = &s;
+      if (most_reserved == nullptr || s.kv_reserved_tokens > most_reserved->kv_reserved_tokens)
+        most_reserved = &s;
+      running = std::max(running, s.running);
+      retracted += s.preempted;
+      window_end_s = std::max(window_end_s, s.start_s);
+    }
+    out.push_back(
+        {{"from_s", f.start_s},
+         {"arrivals_to_s", f.end_s},
+         {"to_s", window_end_s},
+         {"new_token_ratio_at_start", first != nullptr ? first->new_token_ratio : 0.0},
+         {"kv_reserved_tokens_at_start", first != nullptr ? first->kv_reserved_tokens : 0},
+         {"peak_waiting", longest != nullptr ? longest->waiting : 0},
+         {"peak_waiting_at_s", longest != nullptr ? longest->start_s : 0.0},
+         {"peak_running", running},
+         {"peak_kv_reserved_tokens",
+          most_reserved != nullptr ? most_reserved->kv_reserved_tokens : 0},
+         {"peak_kv_reserved_written_tokens",
+          most_reserved != nullptr ? most_reserved->kv_written_tokens : 0},
+         {"new_token_ratio_at_peak_reserved",
+          most_reserved != nullptr ? most_reserved->new_token_ratio : 0.0},
+         {"retractions_or_preemptions", retracted}});
+  }
+  return out;
+}
+
 nlohmann::json run_json(const std::string& trace, const run_outcome& r, const paper_metrics& m,
                         const std::string& clock, const moebius::calibration_result& cal) {
   nlohmann::json j = paper_metrics_json(m);
@@ -411,6 +502,9 @@ nlohmann::json run_json(const std::string& trace, const run_outcome& r, const pa
   j["steps"] = r.result.steps.size();
   j["preemptions"] = r.result.preemptions;
   j["admission"] = admission_json(r.result);
+  j["admission"]["over_time"] =
+      admission_over_time_json(r.result, admission_bucket_s(r.result.end_s));
+  if (!m.floods.empty()) j["admission"]["floods"] = flood_admission_json(r.result, m.floods);
   j["failed_requests"] = r.result.failed_requests;
   std::ostringstream c;
   c << cal;

@@ -5,9 +5,15 @@
 // against fabricated runs whose answer is known.
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
+
+#include <moebius/error.hpp>
+#include <nlohmann/json.hpp>
 
 #include "catch.hpp"
 #include "clock.hpp"
@@ -233,4 +239,181 @@ TEST_CASE("the designs verdict: the best switching design against the paper's ba
   p.add(run_kind::static_ep, 80);
   p.add(run_kind::switching, 78);
   CHECK_FALSE(designs_verdict_of(p.runs, p.m, true).has_value());
+}
+
+namespace {
+
+// A run of `n` steps at random times (gaps of 1-120 ms, some of several seconds: a window with
+// no step), each with a random queue, batch, KV reserved and written, ratio and retractions.
+// The fields of one CSV line.
+std::vector<std::string> csv_fields(const std::string& line) {
+  std::vector<std::string> out(1);
+  for (const char c : line) {
+    if (c == ',')
+      out.emplace_back();
+    else
+      out.back() += c;
+  }
+  return out;
+}
+
+run_result random_admission_run(std::mt19937_64& rng, int64_t n) {
+  run_result r;
+  std::uniform_int_distribution<int64_t> count(0, 3000), tokens(0, int64_t{3} << 30);
+  std::uniform_int_distribution<int> coin(0, 49);
+  std::uniform_real_distribution<double> gap_s(0.001, 0.120), ratio(0.0, 1.0);
+  double t = std::uniform_real_distribution<double>(0, 3)(rng);
+  for (int64_t i = 0; i < n; ++i) {
+    step_record s;
+    s.step = i;
+    s.start_s = t;
+    s.waiting = coin(rng) < 10 ? 0 : count(rng);  // an empty queue often: floods' windows end
+    s.running = count(rng);
+    s.kv_reserved_tokens = tokens(rng);  // past 2^31: 64-bit counts
+    s.kv_written_tokens = tokens(rng);
+    s.new_token_ratio = ratio(rng);
+    s.preempted = coin(rng) == 0 ? count(rng) % 7 : 0;
+    r.steps.push_back(s);
+    t += coin(rng) == 0 ? gap_s(rng) * 40 : gap_s(rng);
+  }
+  r.end_s = t;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("admission over time: each window's longest queue, most running, most reserved and "
+          "written, last ratio and retractions, against a brute-force count",
+          "[cpu][demo]") {
+  std::mt19937_64 rng(Catch::rngSeed() + 17);
+  for (int trial = 0; trial < 20; ++trial) {
+    const run_result r = random_admission_run(rng, 1 + static_cast<int64_t>(rng() % 3000));
+    const double bucket_s = std::uniform_real_distribution<double>(0.05, 4)(rng);
+    const nlohmann::json j = admission_over_time_json(r, bucket_s);
+    CHECK(j["bucket_s"].get<double>() == bucket_s);
+    CHECK(j["columns"] ==
+          "start_s,waiting_max,running_max,kv_reserved_tokens_max,kv_written_tokens_max,"
+          "new_token_ratio_last,retracted");
+    // The reference: every window index once, its steps found by scanning all of them.
+    std::set<int64_t> windows;
+    for (const step_record& s : r.steps)
+      windows.insert(static_cast<int64_t>(std::floor(s.start_s / bucket_s)));
+    REQUIRE(j["rows"].size() == windows.size());
+    size_t row = 0;
+    for (const int64_t w : windows) {
+      int64_t waiting = -1, running = -1, reserved = -1, written = -1, retracted = 0;
+      double ratio = -1, last_t = -1;
+      for (const step_record& s : r.steps) {
+        if (static_cast<int64_t>(std::floor(s.start_s / bucket_s)) != w) continue;
+        waiting = std::max(waiting, s.waiting);
+        running = std::max(running, s.running);
+        reserved = std::max(reserved, s.kv_reserved_tokens);
+        written = std::max(written, s.kv_written_tokens);
+        retracted += s.preempted;
+        if (s.start_s > last_t) last_t = s.start_s, ratio = s.new_token_ratio;
+      }
+      const std::vector<std::string> x = csv_fields(j["rows"][row++].get<std::string>());
+      REQUIRE(x.size() == 7);
+      CHECK(std::stod(x[0]) == Approx(static_cast<double>(w) * bucket_s).epsilon(1e-9));
+      CHECK(std::stoll(x[1]) == waiting);
+      CHECK(std::stoll(x[2]) == running);
+      CHECK(std::stoll(x[3]) == reserved);
+      CHECK(std::stoll(x[4]) == written);
+      CHECK(std::stod(x[5]) == Approx(ratio).epsilon(1e-5).margin(1e-12));
+      CHECK(std::stoll(x[6]) == retracted);
+    }
+  }
+  // By hand: steps at 0.2, 0.9, 2.5 s in windows of 1 s: two rows, the second at 2 s.
+  run_result h;
+  for (const auto& [t, waiting, reserved, ratio, pre] :
+       std::vector<std::tuple<double, int64_t, int64_t, double, int64_t>>{
+           {0.2, 5, 100, 0.7, 1}, {0.9, 3, 400, 0.6, 2}, {2.5, 0, 50, 0.1, 0}}) {
+    step_record s;
+    s.start_s = t, s.waiting = waiting, s.kv_reserved_tokens = reserved;
+    s.new_token_ratio = ratio, s.preempted = pre;
+    h.steps.push_back(s);
+  }
+  const nlohmann::json j = admission_over_time_json(h, 1.0);
+  CHECK(j["rows"] == nlohmann::json::parse(R"(["0,5,0,400,0,0.6,3","2,0,0,50,0,0.1,0"])"));
+  CHECK(admission_over_time_json(run_result{}, 1.0)["rows"].empty());
+  // The window: 1 s up to 200 s, then at most 200 rows a run, whole seconds.
+  CHECK(admission_bucket_s(150) == 1.0);
+  CHECK(admission_bucket_s(200) == 1.0);
+  CHECK(admission_bucket_s(374.9) == 2.0);
+  CHECK(admission_bucket_s(35284) == 177.0);
+  CHECK(admission_bucket_s(35284) * 200 >= 35284);
+  // A window that is no window, named.
+  for (const double bad : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    CHECK_THROWS_WITH(admission_over_time_json(h, bad),
+                      Catch::Matchers::Contains("bucket_s") &&
+                          Catch::Matchers::Contains("not > 0"));
+    CHECK_THROWS_AS(admission_over_time_json(h, bad), moebius::error);
+  }
+}
+
+TEST_CASE("admission in each flood: from its first arrival until the queue empties after its "
+          "last, against a brute-force scan",
+          "[cpu][demo]") {
+  std::mt19937_64 rng(Catch::rngSeed() + 29);
+  for (int trial = 0; trial < 20; ++trial) {
+    const run_result r = random_admission_run(rng, 2 + static_cast<int64_t>(rng() % 3000));
+    std::vector<arrival_period> floods;
+    std::uniform_real_distribution<double> at(0, r.end_s), len(0.5, 8);
+    for (int k = 0; k < 3; ++k) {
+      const double a = at(rng);
+      floods.push_back({a, a + len(rng)});
+    }
+    floods.push_back({r.end_s + 10, r.end_s + 12});  // no step starts in it
+    const nlohmann::json j = flood_admission_json(r, floods);
+    REQUIRE(j.size() == floods.size());
+    for (size_t f = 0; f < floods.size(); ++f) {
+      // The reference: the steps from the first arrival on, up to the first one past the last
+      // arrival that finds the queue empty.
+      std::vector<const step_record*> in;
+      double to_s = floods[f].end_s;
+      for (const step_record& s : r.steps) {
+        if (s.start_s < floods[f].start_s) continue;
+        if (s.start_s >= floods[f].end_s && s.waiting == 0) {
+          to_s = std::max(to_s, s.start_s);
+          break;
+        }
+        in.push_back(&s);
+        to_s = std::max(to_s, s.start_s);
+      }
+      const nlohmann::json& x = j[f];
+      CHECK(x["from_s"].get<double>() == floods[f].start_s);
+      CHECK(x["arrivals_to_s"].get<double>() == floods[f].end_s);
+      CHECK(x["to_s"].get<double>() == to_s);
+      if (in.empty()) {
+        CHECK(x["peak_waiting"].get<int64_t>() == 0);
+        CHECK(x["peak_kv_reserved_tokens"].get<int64_t>() == 0);
+        CHECK(x["new_token_ratio_at_start"].get<double>() == 0);
+        CHECK(x["retractions_or_preemptions"].get<int64_t>() == 0);
+        continue;
+      }
+      int64_t waiting = -1, running = -1, reserved = -1, retracted = 0;
+      double waiting_at = 0, written_then = 0, ratio_then = 0;
+      for (const step_record* s : in) {
+        if (s->waiting > waiting) waiting = s->waiting, waiting_at = s->start_s;
+        if (s->kv_reserved_tokens > reserved) {
+          reserved = s->kv_reserved_tokens;
+          written_then = static_cast<double>(s->kv_written_tokens);
+          ratio_then = s->new_token_ratio;
+        }
+        running = std::max(running, s->running);
+        retracted += s->preempted;
+      }
+      CHECK(x["new_token_ratio_at_start"].get<double>() == in.front()->new_token_ratio);
+      CHECK(x["kv_reserved_tokens_at_start"].get<int64_t>() == in.front()->kv_reserved_tokens);
+      CHECK(x["peak_waiting"].get<int64_t>() == waiting);
+      CHECK(x["peak_waiting_at_s"].get<double>() == waiting_at);
+      CHECK(x["peak_running"].get<int64_t>() == running);
+      CHECK(x["peak_kv_reserved_tokens"].get<int64_t>() == reserved);
+      CHECK(static_cast<double>(x["peak_kv_reserved_written_tokens"].get<int64_t>()) ==
+            written_then);
+      CHECK(x["new_token_ratio_at_peak_reserved"].get<double>() == ratio_then);
+      CHECK(x["retractions_or_preemptions"].get<int64_t>() == retracted);
+    }
+  }
+  CHECK(flood_admission_json(run_result{}, {}).empty());
 }
