@@ -139,6 +139,16 @@ engine_options base_options(harness& h) {
   return base;
 }
 
+// The rules for an open-loop trace at `t_high`: the paper's (T_l 0.8 T_h) with the run's
+// cooldown and window.
+moebius::switch_policy_config interactive_rules(const run_settings& s, int64_t t_high) {
+  moebius::switch_policy_config c = moebius::interactive_config(t_high);
+  c.cooldown_s = s.cooldown_s;
+  c.cooldown_steps = s.cooldown_steps;
+  c.down_window = s.down_window;
+  return c;
+}
+
 // Our policy's options: forced on the GPU, else the paper's rules at the calibrated thresholds
 // (rollout rules for a trace with rollout steps; EP also on blocked admission; the start mode
 // from the initial load) with the cost gate, else (no crossover measured) the faster mode.
@@ -168,10 +178,7 @@ engine_options switching_options(const harness& h, bool rollout,
         cal, moebius::rollout_config(cal.t_high, s.rollout_cooldown_steps));
     so.policy.t_low = so.policy.t_high;
   } else {
-    so.policy = moebius::apply_calibration(cal, moebius::interactive_config(cal.t_high));
-    so.policy.cooldown_s = s.cooldown_s;
-    so.policy.cooldown_steps = s.cooldown_steps;
-    so.policy.down_window = s.down_window;
+    so.policy = moebius::apply_calibration(cal, interactive_rules(s, cal.t_high));
   }
   so.start_mode = parallel_mode::tp;
   so.start_from_load = true;
@@ -197,10 +204,7 @@ engine_options capacity_switching_options(const harness& h, bool rollout,
   if (rollout) {
     so.policy = moebius::rollout_config(above_any_load, s.rollout_cooldown_steps);
   } else {
-    so.policy = moebius::interactive_config(above_any_load);
-    so.policy.cooldown_s = s.cooldown_s;
-    so.policy.cooldown_steps = s.cooldown_steps;
-    so.policy.down_window = s.down_window;
+    so.policy = interactive_rules(s, above_any_load);
   }
   so.start_mode = parallel_mode::tp;
   so.start_from_load = false;

@@ -35,6 +35,17 @@ double pool_tokens(const moebius::kv_geometry& g, parallel_mode m, int64_t dcp,
          (1.0 - watermark);
 }
 
+// The mean output a request is expected to have: of the requests finished so far, else of what
+// the running ones have generated (at least 1).
+double output_prior(const work_view& w) {
+  if (w.finished > 0)
+    return static_cast<double>(w.finished_output_tokens) / static_cast<double>(w.finished);
+  double mean_generated = 0;
+  for (const int64_t x : w.generated) mean_generated += static_cast<double>(x);
+  if (w.running > 0) mean_generated /= static_cast<double>(w.running);
+  return std::max(1.0, mean_generated);
+}
+
 // Expected decode tokens still to come for a sequence that has generated `generated`: at least
 // what it has generated (a heavy-tailed length: a sequence that has run g tokens runs about g
 // more) and at least the mean output of the requests finished so far (`prior`).
@@ -202,12 +213,7 @@ moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mo
   };
   l.admits_ep = admits(parallel_mode::ep);
   l.admits_tp = admits(parallel_mode::tp);
-  double mean_generated = 0;
-  for (const int64_t x : w.generated) mean_generated += static_cast<double>(x);
-  if (w.running > 0) mean_generated /= static_cast<double>(w.running);
-  const double prior = w.finished > 0 ? static_cast<double>(w.finished_output_tokens) /
-                                            static_cast<double>(w.finished)
-                                      : std::max(1.0, mean_generated);
+  const double prior = output_prior(w);
   l.queue_tokens = static_cast<double>(w.waiting) * prior;
   const moebius::switch_policy_config& c = rules_.config();
   if (w.rollout)
@@ -353,12 +359,7 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
   const parallel_mode large = small == parallel_mode::tp ? parallel_mode::ep : parallel_mode::tp;
   const double small_pool = pool_tokens(kv_, parallel_mode::tp, m.dcp_of(small, kv_.dcp),
                                         options_.scheduler.admission_watermark());
-  double mean_generated = 0;
-  for (const int64_t x : w.generated) mean_generated += static_cast<double>(x);
-  if (w.running > 0) mean_generated /= static_cast<double>(w.running);
-  const double prior = w.finished > 0 ? static_cast<double>(w.finished_output_tokens) /
-                                            static_cast<double>(w.finished)
-                                      : std::max(1.0, mean_generated);
+  const double prior = output_prior(w);
   double expected = static_cast<double>(w.running_tokens + w.waiting_tokens) +
                     static_cast<double>(w.waiting) * prior;
   for (const int64_t g : w.generated) expected += expected_remaining(g, prior);

@@ -258,24 +258,25 @@ double h200_step_model::switch_s(const moebius::switch_report& r) const {
   return priced_switch_s(kv_sent, r.kv_rounds, r.from.experts != r.to.experts);
 }
 
-double h200_step_model::predicted_switch_s(const moebius::layer_bytes& run,
-                                           int64_t run_layers) const {
+double h200_step_model::predicted_s(const moebius::layer_bytes& run, int64_t run_layers,
+                                    bool experts_move) const {
   MOEBIUS_CHECK(run_layers >= 1, errc::invalid_argument,
                 "predicted_switch_s: run_layers must be >= 1");
   // The busiest rank's KV over all layers (each layer moves the same pages), one round per
   // layer: what the switch report of the same switch would say.
   int64_t kv = 0;
   for (int64_t b : run.kv_bytes_sent) kv = std::max(kv, b);
-  return priced_switch_s(kv * run_layers, kv > 0 ? run_layers : 0, true);
+  return priced_switch_s(kv * run_layers, kv > 0 ? run_layers : 0, experts_move);
+}
+
+double h200_step_model::predicted_switch_s(const moebius::layer_bytes& run,
+                                           int64_t run_layers) const {
+  return predicted_s(run, run_layers, true);
 }
 
 double h200_step_model::predicted_kv_switch_s(const moebius::layer_bytes& run,
                                               int64_t run_layers) const {
-  MOEBIUS_CHECK(run_layers >= 1, errc::invalid_argument,
-                "predicted_kv_switch_s: run_layers must be >= 1");
-  int64_t kv = 0;
-  for (int64_t b : run.kv_bytes_sent) kv = std::max(kv, b);
-  return priced_switch_s(kv * run_layers, kv > 0 ? run_layers : 0, false);
+  return predicted_s(run, run_layers, false);
 }
 
 int64_t h200_step_model::layer_bytes(const moebius::layer_bytes& run, int64_t run_layers) const {

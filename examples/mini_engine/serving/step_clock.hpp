@@ -337,6 +337,8 @@ class h200_step_model final : public step_clock {
   double collectives_s(const configuration& config, double tokens, double own_share) const;
   // `experts_move`: false for a switch of the KV alone (the priced experts stay).
   double priced_switch_s(int64_t run_kv_bytes, int64_t kv_rounds, bool experts_move) const;
+  // predicted_switch_s and predicted_kv_switch_s: the run's per-layer bytes, priced.
+  double predicted_s(const moebius::layer_bytes& run, int64_t run_layers, bool experts_move) const;
 
   priced_model m_;
   h200_params hw_;
