@@ -93,7 +93,7 @@ TEST_CASE("the capacity line: every deployment once, its tokens as worked out by
   CHECK(line ==
         "KV tokens: static TP 1.44M, static EP 2.30M, static TP-DCP2 2.88M, static TEP-DCP2 "
         "2.88M; switching EP 2.28M / TP 1.14M, switching DCP2 EP 2.28M / TP-DCP2 2.28M, experts "
-        "only TEP-DCP2 2.85M / TP-DCP2 2.85M");
+        "only TEP-DCP2 2.85M / TP-DCP2 2.85M, dcp only TP-DCP2 2.88M / TP 1.44M");
   const std::vector<run_kind> paper = {run_kind::static_tp, run_kind::static_ep,
                                        run_kind::switching, run_kind::progressive};
   CHECK(capacity_line(paper) == "KV tokens: static TP 1.44M, static EP 2.30M; switching EP 2.28M / TP 1.14M");
