@@ -59,7 +59,8 @@ void print_interactive_table(const std::vector<run_outcome>& runs,
 void print_interactive_verdict(const std::vector<run_outcome>& runs,
                                const std::vector<paper_metrics>& m);
 // The design the verdicts lead with: dcp only (TP-DCP2 <-> TP on static TP's footprint, the
-// one that wins every trace: docs/BENCHMARKS.md) when it was served, else the paper's (ours).
+// one that wins every trace under vLLM's rules: docs/BENCHMARKS.md) when it was served, else
+// the paper's (ours).
 run_kind default_design(const std::vector<run_outcome>& runs);
 
 // The index of the run of kind `k` in `runs` (std::logic_error when it was not served).

@@ -55,8 +55,8 @@ enum class run_kind : uint8_t {
 };
 
 // "static TP", "static EP", "ours", "ours progressive", "no gate", "paper policy", "ours by
-// cost", "static TP-DCP2", "static TEP-DCP2", "ours DCP2", "ours experts", "ours dcp": the runs' names in
-// tables, CSVs and JSON.
+// cost", "static TP-DCP2", "static TEP-DCP2", "ours DCP2", "ours experts", "ours dcp": the
+// runs' names in tables, CSVs and JSON.
 const char* label_of(run_kind k);
 
 // The deployment a run is served on by the simulated runtime: each static configuration its

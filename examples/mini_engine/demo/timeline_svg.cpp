@@ -78,8 +78,9 @@ void write_switches(std::ostream& os, const run_result& r, const panel& p) {
     if (s.outcome != moebius::switch_outcome::committed) continue;
     os << "<line x1=\"" << fmt("%.2f", p.x(s.start_s)) << "\" x2=\"" << fmt("%.2f", p.x(s.start_s))
        << "\" y1=\"" << p.y0 << "\" y2=\"" << p.y0 + panel_h
-       << "\" stroke=\"#d02020\" stroke-width=\"1.5\"><title>switch to "
-       << moebius::to_string(s.to) << fmt(", %.1f ms", s.clock_ms) << "</title></line>\n";
+       << "\" stroke=\"#d02020\" stroke-width=\"1.5\"><title>switch "
+       << moebius::switch_direction(s.from, s.to, s.from_dcp, s.to_dcp)
+       << fmt(", %.1f ms", s.clock_ms) << "</title></line>\n";
   }
 }
 

@@ -372,6 +372,7 @@ int main() {
   // 2. The GPU runtime serves the trace on the measured clock.
   const std::vector<request> trace = fidelity_trace(seed, c.vocab);
   engine_options eo;
+  eo.record_rank_split = true;  // the measured run's steps are priced again below
   eo.scheduler.max_running = k_max_running;
   eo.scheduler.max_step_tokens = k_max_tokens;
   eo.scheduler.admission = admission_policy::known;

@@ -64,8 +64,9 @@ configuration parse_configuration(std::string_view name);
 struct mode_layouts {
   moebius::parallel_layout ep = moebius::parallel_mode::ep;
   moebius::parallel_layout tp = moebius::parallel_mode::tp;
-  // The TP view's dcp each mode serves at under TP attention; 0: whatever the KV is at (the
-  // geometry's, as every design but dcp only has it).
+  // The TP view's dcp each mode serves at under TP attention; 0: the KV geometry's (as the
+  // engine was built; every design but dcp only). engine::run refuses a dcp named for one mode
+  // alone, or for modes that differ in their layout.
   int64_t ep_dcp = 0, tp_dcp = 0;
 
   moebius::parallel_layout of(moebius::parallel_mode m) const {
@@ -77,15 +78,18 @@ struct mode_layouts {
     const int64_t d = m == moebius::parallel_mode::ep ? ep_dcp : tp_dcp;
     return of(m).attention == moebius::parallel_mode::tp && d > 0 ? d : kv_dcp;
   }
-  // Whether the two modes differ in the KV's dcp alone (dcp only: a switch plans a dcp change).
-  bool differ_in_dcp_alone() const { return ep == tp && ep_dcp != tp_dcp; }
+  // Whether the two modes differ in the KV's dcp alone (dcp only: a switch plans a dcp change):
+  // one TP-attention layout, each mode's dcp named and different.
+  bool differ_in_dcp_alone() const {
+    return ep == tp && ep.attention == moebius::parallel_mode::tp && ep_dcp > 0 && tp_dcp > 0 &&
+           ep_dcp != tp_dcp;
+  }
   // The mode whose layout `l` is, at the KV's dcp `kv_dcp` when the two modes share a layout;
   // a layout neither mode names (the switcher's before a run moves it to its start): the mode
   // of its experts.
   moebius::parallel_mode mode_of(moebius::parallel_layout l, int64_t kv_dcp) const {
     if (differ_in_dcp_alone() && l == ep)
-      return kv_dcp == dcp_of(moebius::parallel_mode::ep, kv_dcp) ? moebius::parallel_mode::ep
-                                                                 : moebius::parallel_mode::tp;
+      return kv_dcp == ep_dcp ? moebius::parallel_mode::ep : moebius::parallel_mode::tp;
     if (l == ep) return moebius::parallel_mode::ep;
     if (l == tp) return moebius::parallel_mode::tp;
     return l.experts;

@@ -62,6 +62,7 @@ engine::engine(runtime& rt, moebius::transport& t, const moebius::arena_geometry
     : runtime_(rt),
       arena_(arena),
       kv_(kv),
+      home_dcp_(kv.dcp),
       clock_(clock),
       switcher_(arena, kv, t,
                 empty_tables(kv, cursor.tp_layers == 0 ? parallel_mode::ep : parallel_mode::tp),
@@ -102,11 +103,22 @@ moebius::switch_report engine::switch_untimed(moebius::parallel_layout target, i
   // Under data-parallel attention a dcp change moves nothing: first, so that the layout's
   // switch to TP attention lands at the new dcp; under TP attention after the layout's.
   const bool dcp_first = switcher_.layout().attention == parallel_mode::ep;
-  if (dcp_changes && dcp_first) r = switcher_.switch_dcp(dcp);
-  if (switcher_.layout() != target && switcher_.consistent()) r = switcher_.switch_to(target);
+  bool committed_before = false;  // a first part that committed before the report's
+  auto run = [&](auto part) {
+    committed_before = committed_before || r.outcome == moebius::switch_outcome::committed;
+    r = part();
+  };
+  if (dcp_changes && dcp_first) run([&] { return switcher_.switch_dcp(dcp); });
+  if (switcher_.layout() != target && switcher_.consistent())
+    run([&] { return switcher_.switch_to(target); });
   if (dcp_changes && !dcp_first && switcher_.consistent() && switcher_.layout() == target)
-    r = switcher_.switch_dcp(dcp);
+    run([&] { return switcher_.switch_dcp(dcp); });
   follow_kv_dcp();
+  if (committed_before && r.outcome != moebius::switch_outcome::committed &&
+      r.outcome != moebius::switch_outcome::already_there)
+    r.error += std::string(" (after a first part committed: the switcher rests in ") +
+               moebius::to_string(switcher_.layout()) + " at dcp " +
+               std::to_string(switcher_.dcp()) + ")";
   return r;
 }
 
@@ -200,13 +212,14 @@ void engine::start_switch(run_state& st, decided_switch d, step_record& rec) {
   s.from = switcher_.layout();
   s.to = o.layouts.of(d.target);
   s.from_dcp = switcher_.dcp();
-  s.to_dcp = o.layouts.dcp_of(d.target, switcher_.dcp());
+  s.to_dcp = o.layouts.dcp_of(d.target, home_dcp_);
   s.gate = d.gate;
   // A forced switch is planned here, once; the policy's arrives with the plan it was priced on.
   if (!d.plan) {
-    d.plan = plan_switch(s.to, s.to_dcp,
-                         o.style == switch_style::stop_the_world ? moebius::plan_scope::stop_the_world
-                                                                 : moebius::plan_scope::both);
+    const moebius::plan_scope scope = o.style == switch_style::stop_the_world
+                                          ? moebius::plan_scope::stop_the_world
+                                          : moebius::plan_scope::both;
+    d.plan = plan_switch(s.to, s.to_dcp, scope);
     if (!reservations_fit(st, *d.plan, s)) {
       st.out.switches.push_back(std::move(s));
       return;
@@ -217,7 +230,7 @@ void engine::start_switch(run_state& st, decided_switch d, step_record& rec) {
   // A dcp change runs stop-the-world (its plan has no per-layer part to pace).
   bool progressive = o.style == switch_style::progressive && !d.plan->changes_dcp();
   // by_cost: the cheaper style, from the plan's bytes (without a per-layer plan, stop-the-world).
-  if (o.style == switch_style::by_cost && d.plan->layer_kv != nullptr) {
+  if (o.style == switch_style::by_cost && d.plan->layer_kv != nullptr && !d.plan->changes_dcp()) {
     if (!d.styles || d.styles->layers_per_step == 0)
       d.styles = price_styles(clock_, o, st.sched.work(st.now), st.plain.last_step_s(),
                               d.plan->bytes_per_layer, arena_.shape.num_layers, true);
@@ -342,6 +355,12 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
                 "engine::recover first");
   MOEBIUS_CHECK(std::is_sorted(o.forced_steps.begin(), o.forced_steps.end()),
                 errc::invalid_argument, "engine::run: forced_steps must be ascending");
+  MOEBIUS_CHECK((o.layouts.ep_dcp == 0 && o.layouts.tp_dcp == 0) || o.layouts.differ_in_dcp_alone(),
+                errc::invalid_argument, "engine::run: engine_options::layouts names a dcp per mode "
+                "(ep_dcp ", o.layouts.ep_dcp, ", tp_dcp ", o.layouts.tp_dcp, ") but not two "
+                "different ones of one TP-attention layout (", moebius::to_string(o.layouts.ep),
+                " / ", moebius::to_string(o.layouts.tp), "): leave both 0 to serve at the KV "
+                "geometry's");
   for (size_t i = 0; i < o.forced_at_s.size(); ++i)
     MOEBIUS_CHECK(std::isfinite(o.forced_at_s[i]) && o.forced_at_s[i] >= 0 &&
                       (i == 0 || o.forced_at_s[i] >= o.forced_at_s[i - 1]),
@@ -380,7 +399,7 @@ run_result engine::run(std::vector<request> requests, const engine_options& o,
   {
     const moebius::parallel_layout from = switcher_.layout();
     const int64_t from_dcp = switcher_.dcp();
-    const int64_t to_dcp = o.layouts.dcp_of(start, switcher_.dcp());
+    const int64_t to_dcp = o.layouts.dcp_of(start, home_dcp_);
     const moebius::switch_report r = switch_untimed(o.layouts.of(start), to_dcp);
     if (r.outcome != moebius::switch_outcome::committed &&
         r.outcome != moebius::switch_outcome::already_there) {

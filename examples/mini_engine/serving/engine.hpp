@@ -191,6 +191,9 @@ struct engine_options {
   // switches where a measured run's were).
   std::vector<double> forced_at_s;
   bool validate_every_step = false;      // moebius::validate(kv, tables) after every step
+  // step_record::ranks on every EP step outside a switch (to price the steps again offline:
+  // the fidelity tool); off, a rollout's records would carry ~200 B more a step.
+  bool record_rank_split = false;
   int64_t max_steps = 50'000'000;        // a run longer than this throws (a stuck loop)
   int64_t progress_every_steps = 0;      // 0: no progress callback
   std::function<void(const progress_info&)> on_progress;
@@ -310,7 +313,8 @@ class engine {
 
   runtime& runtime_;
   moebius::arena_geometry arena_;
-  moebius::kv_geometry kv_;
+  moebius::kv_geometry kv_;       // at the switcher's dcp (follow_kv_dcp)
+  const int64_t home_dcp_;        // the constructor's: what a mode without its own dcp serves at
   const step_clock& clock_;
   moebius::switcher switcher_;
   // The run's hooks, reached through the switcher's (set for one run).

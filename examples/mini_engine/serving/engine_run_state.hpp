@@ -21,7 +21,7 @@ struct engine::run_state {
   run_state(const moebius::kv_geometry& kv, std::vector<request> requests, const engine_options& o,
             const scheduler_options& so, const std::string& run_name, moebius::switcher& sw,
             const step_clock& clock)
-      : options(o), name(run_name), sched(kv, std::move(requests), so), plain(kv, sw, clock) {}
+      : options(o), name(run_name), sched(kv, std::move(requests), so), plain(kv, sw, clock, o.record_rank_split) {}
 
   const engine_options& options;
   const std::string& name;

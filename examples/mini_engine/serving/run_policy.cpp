@@ -353,9 +353,7 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
   const mode_layouts& m = options_.layouts;
   const parallel_mode mode = m.mode_of(v.sw.layout(), v.sw.dcp());
   // The mode at the smaller dcp holds fewer tokens: the one the KV must fit.
-  const parallel_mode small = m.dcp_of(parallel_mode::tp, kv_.dcp) <= m.dcp_of(parallel_mode::ep, kv_.dcp)
-                                  ? parallel_mode::tp
-                                  : parallel_mode::ep;
+  const parallel_mode small = m.tp_dcp <= m.ep_dcp ? parallel_mode::tp : parallel_mode::ep;
   const parallel_mode large = small == parallel_mode::tp ? parallel_mode::ep : parallel_mode::tp;
   const double small_pool = pool_tokens(kv_, parallel_mode::tp, m.dcp_of(small, kv_.dcp),
                                         options_.scheduler.admission_watermark());
@@ -370,7 +368,8 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
     p.target = large;
     p.reason = moebius::decision_reason::above_high;
   } else if (mode == large && w.waiting == 0 && w.running > 0 &&
-             expected <= k_capacity_low * small_pool) {
+             expected <= k_capacity_low * small_pool && step >= retry_small_step_ &&
+             v.now_s >= retry_small_s_) {
     p.target = small;
     p.reason = moebius::decision_reason::below_low;
   }
@@ -393,6 +392,13 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
     out.last_refusal = priced.pricing.gate;
   } else {
     d.do_switch = true;
+  }
+  // A refused move to the smaller dcp is not planned again within the rules' cooldown (each
+  // try plans a copy of every live page).
+  if (!d.do_switch && p.target == small) {
+    const moebius::switch_policy_config& c = rules_.config();
+    retry_small_step_ = step + std::max<int64_t>(1, c.cooldown_steps);
+    retry_small_s_ = v.now_s + c.cooldown_s;
   }
   if (options_.explain) {
     decision_record r;
@@ -432,10 +438,14 @@ void run_policy::observe_step(const step_record& rec) {
   steps_since_correction_ = 0;
   // A mode not seen yet: EP's step as TP's would be with the recent steps' prefill rows on one
   // rank (an EP step is its busiest rank's: a chunk runs on its owner alone, where TP spreads
-  // it), the curve at b + P p rows against b + p.
+  // it), the curve at b + P p rows against b + p; under TP attention in both modes (experts
+  // only, dcp only) every rank runs every chunk in either: the same ratio.
   const double b = std::max(1.0, decode_rows_), pf = std::max(0.0, prefill_rows_);
-  const double ep_over_tp = base_curves_.ep.at(b + static_cast<double>(kv_.num_ranks) * pf) /
-                            base_curves_.ep.at(b + pf);
+  const bool ep_data_parallel = options_.layouts.ep.attention == parallel_mode::ep;
+  const double ep_over_tp =
+      ep_data_parallel ? base_curves_.ep.at(b + static_cast<double>(kv_.num_ranks) * pf) /
+                             base_curves_.ep.at(b + pf)
+                       : 1.0;
   const double r_ep = ratio_seen_[0] ? step_ratio_[0] : step_ratio_[1] * ep_over_tp;
   const double r_tp = ratio_seen_[1] ? step_ratio_[1] : step_ratio_[0] / ep_over_tp;
   curves_.ep = scaled(base_curves_.ep, r_ep);

@@ -112,6 +112,10 @@ class run_policy {
   moebius::plan_scope scope_;  // what each decision plans
   moebius::switch_policy rules_;
   bool gated_;
+  // decide_for_capacity: the step and time before which a refused move to the smaller dcp is
+  // not proposed again.
+  int64_t retry_small_step_ = 0;
+  double retry_small_s_ = 0;
   // The gate's curves: as calibrated, and corrected by what the steps take.
   moebius::latency_curves base_curves_, curves_;
   std::optional<moebius::residency_predictor> residency_;

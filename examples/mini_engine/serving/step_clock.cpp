@@ -254,8 +254,10 @@ double h200_step_model::switch_s(const moebius::switch_report& r) const {
   if (r.outcome != moebius::switch_outcome::committed) return r.total_ms * 1e-3;
   int64_t kv_sent = 0;
   for (int64_t b : r.kv_bytes_sent) kv_sent = std::max(kv_sent, b);
-  // A switch whose experts keep their layout (a dcp change) moves no expert byte.
-  return priced_switch_s(kv_sent, r.kv_rounds, r.from.experts != r.to.experts);
+  // A change of the dcp alone (the layout stays) moves no expert byte; every other switch is
+  // priced with the priced model's experts (a report built by hand names no layout).
+  const bool dcp_alone = r.from == r.to && r.from_dcp != r.to_dcp;
+  return priced_switch_s(kv_sent, r.kv_rounds, !dcp_alone);
 }
 
 double h200_step_model::predicted_s(const moebius::layer_bytes& run, int64_t run_layers,

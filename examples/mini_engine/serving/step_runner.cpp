@@ -30,7 +30,7 @@ served_step plain_steps::run(runtime& rt, const step_batch& b, step_record& rec)
   // Data-parallel attention: in EP each rank runs its own items.
   std::vector<rank_work> ep_split;
   if (tables.mode == moebius::parallel_mode::ep) ep_split = ep_rank_work(tables, b.items);
-  rec.ranks = ep_split;
+  if (record_ranks_) rec.ranks = ep_split;
   const auto t0 = host_clock::now();
   step_result done = rt.finish(rt.enqueue(layout, b.items));
   if (done.overflowed) {  // nothing beside it: the rerun is at the same layout

@@ -58,8 +58,10 @@ step_cost cost_of(const step_batch& b, const configuration& config, int num_rank
 // Steps outside a switch.
 class plain_steps final : public step_runner {
  public:
-  plain_steps(const moebius::kv_geometry& kv, moebius::switcher& sw, const step_clock& clock)
-      : kv_(kv), sw_(sw), clock_(clock) {}
+  // `record_ranks`: engine_options::record_rank_split.
+  plain_steps(const moebius::kv_geometry& kv, moebius::switcher& sw, const step_clock& clock,
+              bool record_ranks)
+      : kv_(kv), sw_(sw), clock_(clock), record_ranks_(record_ranks) {}
 
   page_source& open_step() override;
   bool runs_without_batch() const override { return false; }
@@ -72,6 +74,7 @@ class plain_steps final : public step_runner {
   const moebius::kv_geometry& kv_;
   moebius::switcher& sw_;
   const step_clock& clock_;
+  bool record_ranks_;
   std::optional<growing_pages> pages_;
   double last_step_s_ = 0;
 };

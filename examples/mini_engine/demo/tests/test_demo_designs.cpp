@@ -233,6 +233,15 @@ TEST_CASE("the designs verdict: the best switching design against the paper's ba
   CHECK(v->best_static == v->paper);
   CHECK_THAT(v->line, Catch::Matchers::Contains("is ours, against static TP: goodput 3.40 vs 3.40/s") &&
                           Catch::Matchers::Contains("and the best of the 3 static configurations"));
+  // The dcp-only design ties the paper's: the tie names it (the default design), and the
+  // verdicts lead with it whenever it was served.
+  CHECK(default_design(g.runs) == run_kind::switching);
+  g.add(run_kind::dcp_only, 0, 3.4, 1543);
+  v = designs_verdict_of(g.runs, g.m, false);
+  REQUIRE(v.has_value());
+  CHECK(v->design == at(g, run_kind::dcp_only));
+  CHECK_THAT(v->line, Catch::Matchers::Contains("is ours dcp, against static TP"));
+  CHECK(default_design(g.runs) == run_kind::dcp_only);
   // Only the paper's runs: nothing to say.
   fake_runs p;
   p.add(run_kind::static_tp, 100);

@@ -101,17 +101,19 @@ TEST_CASE("h200 step model: TP faster at batch 1, EP at large batch and long con
   }
   moebius::switch_report r;
   r.outcome = moebius::switch_outcome::committed;
-  r.from = moebius::parallel_mode::ep;  // the experts move: priced
-  r.to = moebius::parallel_mode::tp;
   r.kv_bytes_sent = {0, 0, 0, 0};
   // Qwen3-30B-A3B experts at P=4: 48 layers x 128 x 3 x 2048 x 768 x 2 B / 4 x 3/4 leave
   // each rank = 10.87 GB, at the fitted 395 GB/s per GPU 27.5 ms, + 48 phases x (10 + 5) us
   // + 3.9 ms fixed = 32.1 ms.
   const double bytes = 48.0 * 128 * 3 * 2048 * 768 * 2 / 4 * 3 / 4;
   CHECK(clock.switch_s(r) == Approx(bytes / 395e9 + 48 * 15e-6 + 3.9e-3).epsilon(1e-6));
-  // A switch whose experts stay (a dcp change, TP -> TP) moves no expert byte: the fixed part.
+  // A change of the dcp alone (TP -> TP, dcp 2 -> 1) moves no expert byte: the fixed part.
   r.from = r.to = moebius::parallel_mode::tp;
+  r.from_dcp = 2;
+  r.to_dcp = 1;
   CHECK(clock.switch_s(r) == Approx(3.9e-3).epsilon(1e-6));
+  r.to_dcp = 2;  // the same layout and dcp (a report built by hand): the experts priced
+  CHECK(clock.switch_s(r) == Approx(bytes / 395e9 + 48 * 15e-6 + 3.9e-3).epsilon(1e-6));
 }
 
 TEST_CASE("engine with the policy: calibrated thresholds, switches at bursts, all served") {

@@ -532,10 +532,85 @@ TEST_CASE("dcp only under the policy: at dcp 1 while the KV fits its pool, at dc
     CHECK(r.switches[1].to_dcp == 1);
     // The few left: their prompts within 80% of dcp 1's pool, and each at its largest (prompt
     // + output) within the pool (no preemption after).
-    CHECK(static_cast<double>(r.switches[1].running * prompt) <= 0.8 * static_cast<double>(tp_tokens));
+    CHECK(static_cast<double>(r.switches[1].running * prompt) <=
+          0.8 * static_cast<double>(tp_tokens));
     CHECK(r.switches[1].running * (prompt + 1050) <= tp_tokens);
     CHECK(r.preemptions == 0);
     for (const request_result& q : r.requests) CHECK(q.error.empty());
     CHECK(r.steps.back().config == k_tp);
   }
+}
+
+TEST_CASE("dcp only: the gate weighs a move to dcp 1 at the KV's copy alone, and a refused one is "
+          "not planned again within the cooldown",
+          "[cpu][layouts]") {
+  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
+  const curves_step_clock clock(parse(flat_file()), model);
+  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+  engine_options o = options_of(d);
+  o.how = switching::policy;
+  o.policy = moebius::rollout_config(o.scheduler.max_running + 1, 8);
+  o.start_mode = parallel_mode::ep;  // dcp 2
+  o.explain = true;
+  o.gate.enabled = true;  // the throughput gate, the residency from the known work below
+  o.gate.correct_curves = false;
+  std::vector<request> t = burst(32, 200, 60);
+  for (request& q : t) q.rollout_step = 0;  // one rollout step: its survivors' work is known
+  auto flat = [](double ms) {
+    const std::vector<moebius::latency_sample> points{{1, ms}, {4096, ms}};
+    return moebius::latency_curve::fit(points, moebius::curve_fit::piecewise_linear);
+  };
+  SECTION("dcp 1 priced faster: the move pays for its copy") {
+    sim_world w(deployment_kind::dcp_only, clock);
+    o.gate.curves = moebius::latency_curves{flat(9), flat(5)};  // ep (dcp 2), tp (dcp 1)
+    const run_result r = w.eng->run(t, o, "gate passes");
+    REQUIRE(r.switches.size() == 1);
+    CHECK(r.switches[0].to_dcp == 1);
+    CHECK(r.switches[0].gate.evaluated);
+    CHECK(r.switches[0].gate.passed);
+    // Priced as the KV alone: far under a switch that moves the experts.
+    CHECK(r.switches[0].gate.cost_ms < k_weights_only_ms / 10);
+  }
+  SECTION("dcp 1 priced slower: refused, planned again once every cooldown of 8 steps") {
+    sim_world w(deployment_kind::dcp_only, clock);
+    o.gate.curves = moebius::latency_curves{flat(5), flat(9)};
+    const run_result r = w.eng->run(t, o, "gate refuses");
+    CHECK(r.switches.empty());
+    REQUIRE(r.gate_refusals > 0);
+    const int64_t steps = static_cast<int64_t>(r.steps.size());
+    CHECK(r.gate_refusals <= steps / 8 + 1);
+    for (const decision_record& x : r.decisions)
+      CHECK(x.decision.reason == moebius::decision_reason::cost_exceeds_gain);
+    for (size_t i = 1; i < r.decisions.size(); ++i)
+      CHECK(r.decisions[i].step - r.decisions[i - 1].step >= 8);
+  }
+}
+
+TEST_CASE("dcp only: progressive and by-cost styles change the dcp stop-the-world; a run of "
+          "another design after it serves at the KV geometry's dcp",
+          "[cpu][layouts]") {
+  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
+  const curves_step_clock clock(parse(flat_file()), model);
+  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+  sim_world w(deployment_kind::dcp_only, clock);
+  for (const switch_style style : {switch_style::progressive, switch_style::by_cost}) {
+    engine_options o = forced_options(d, parallel_mode::ep, {3});
+    o.style = style;
+    const run_result r = w.eng->run(burst(48, 300, 12), o, "dcp only, other styles");
+    REQUIRE(r.switches.size() == 1);
+    CHECK(r.switches[0].outcome == moebius::switch_outcome::committed);
+    CHECK_FALSE(r.switches[0].progressive);
+    CHECK(r.switches[0].to_dcp == 1);
+    CHECK(r.steps.back().config == k_tp);
+  }
+  CHECK(w.eng->get_switcher().dcp() == 1);
+  // Static TP-DCP2's options (no dcp of their own) on the same engine: back at the geometry's 2.
+  const deployment s = make_deployment(qwen3_235b_a22b(), deployment_kind::static_tp_dcp2);
+  const run_result r = w.eng->run(burst(48, 300, 12), options_of(s), "static TP-DCP2 after");
+  for (const step_record& x : r.steps) CHECK(x.config == k_tp_dcp2);
+  // A dcp named for one mode alone is refused by name.
+  engine_options bad = options_of(d);
+  bad.layouts.tp_dcp = 0;
+  CHECK_THROWS_WITH(w.eng->run(burst(4, 30, 2), bad, "bad"),
+                    Catch::Matchers::Contains("names a dcp per mode (ep_dcp 2, tp_dcp 0)"));
 }

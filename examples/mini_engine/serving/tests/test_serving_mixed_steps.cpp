@@ -289,6 +289,7 @@ TEST_CASE("a simulated run priced with mixed steps: every step priced again from
   engine e(sim, dry, w.arena, w.kv, clock, moebius::arena_cursor{0});
   const std::vector<request> reqs = testing::small_trace(seed, w.vocab, 10);
   engine_options eo = testing::small_trace_options();
+  eo.record_rank_split = true;  // each EP step's split, to price it again below
   eo.how = switching::forced;
   for (int64_t s = 5; s < 2000; s += 5) eo.forced_steps.push_back(s);
   const run_result r = e.run(reqs, eo, "mixed");

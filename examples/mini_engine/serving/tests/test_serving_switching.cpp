@@ -117,8 +117,17 @@ TEST_CASE("changing the TP view's dcp while serving (2 <-> 1) gives the static r
     }
     CHECK(to_1 >= 3);
     CHECK(to_2 >= 3);
-    for (const step_record& st : sw.steps)
-      CHECK(st.config.dcp == (st.mode == parallel_mode::ep ? 2 : 1));
+    // Each step at the dcp of the last switch committed before it (the start's included).
+    int64_t dcp = o.start_mode == parallel_mode::ep ? 2 : 1;
+    size_t next = 0;
+    for (const step_record& st : sw.steps) {
+      while (next < sw.switches.size() && sw.switches[next].step <= st.step) {
+        if (sw.switches[next].outcome == moebius::switch_outcome::committed)
+          dcp = sw.switches[next].to_dcp;
+        ++next;
+      }
+      CHECK(st.config.dcp == dcp);
+    }
     REQUIRE(sw.requests.size() == reqs.size());
     for (size_t i = 0; i < reqs.size(); ++i) {
       CAPTURE(dcp1.requests[i].id);
