@@ -360,7 +360,10 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
   const double prior = output_prior(w);
   double expected = static_cast<double>(w.running_tokens + w.waiting_tokens) +
                     static_cast<double>(w.waiting) * prior;
-  for (const int64_t g : w.generated) expected += expected_remaining(g, prior);
+  // Each running sequence: as many again as it has (at least the prior), up to its limit.
+  for (size_t i = 0; i < w.generated.size(); ++i)
+    expected += std::min(expected_remaining(w.generated[i], prior),
+                         static_cast<double>(w.left_to_limit[i]));
   moebius::switch_proposal p;
   p.load = load;
   p.step = step;

@@ -83,8 +83,9 @@ class run_policy {
   // holds the KV (DCP's exchange costs more than halving the KV reads saves until the live KV
   // passes about what that pool holds), so
   //   to the larger dcp   when the KV the live sequences are expected to reach (each its
-  //                       tokens plus expected_remaining; the waiting ones their prompts plus
-  //                       the prior) passes the smaller dcp's pool: before the pool runs out
+  //                       tokens plus expected_remaining, at most what its max_new_tokens
+  //                       leaves; the waiting ones their prompts plus the prior) passes the
+  //                       smaller dcp's pool: before the pool runs out
   //                       and preempts; a dcp 1 -> 2 change moves no byte, so no gate weighs it
   //                       (its price is recorded);
   //   to the smaller dcp  when nothing waits and that estimate is within k_capacity_low of its

@@ -168,10 +168,13 @@ work_view scheduler::work(double now_s) const {
   work_view w;
   w.running = num_running();
   w.generated.reserve(running_.size());
+  w.left_to_limit.reserve(running_.size());
   for (const running_seq& s : running_) {
     w.running_tokens += static_cast<int64_t>(s.tokens.size());
-    w.generated.push_back(
-        static_cast<int64_t>(results_[static_cast<size_t>(s.result_idx)].generated.size()));
+    const int64_t generated =
+        static_cast<int64_t>(results_[static_cast<size_t>(s.result_idx)].generated.size());
+    w.generated.push_back(generated);
+    w.left_to_limit.push_back(std::max<int64_t>(0, s.max_new - generated));
   }
   for (const running_seq& s : preempted_) w.waiting_tokens += static_cast<int64_t>(s.tokens.size());
   w.waiting = static_cast<int64_t>(preempted_.size());

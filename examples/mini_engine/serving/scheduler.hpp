@@ -196,6 +196,9 @@ struct work_view {
   int64_t running_tokens = 0;        // tokens the running sequences hold (prompt and generated)
   int64_t waiting_tokens = 0;        // tokens the waiting would hold at admission
   std::vector<int64_t> generated;    // per running sequence: tokens it has generated so far
+  // Per running sequence: tokens it may still generate under its max_new_tokens (the client's
+  // limit, which engines know; 0 when it is reached).
+  std::vector<int64_t> left_to_limit;
   int64_t finished = 0;              // requests finished so far
   int64_t finished_output_tokens = 0;  // their output tokens
   bool rollout = false;              // a closed-loop rollout: no request arrives on its own

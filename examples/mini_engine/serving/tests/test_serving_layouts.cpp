@@ -539,6 +539,31 @@ TEST_CASE("dcp only under the policy: at dcp 1 while the KV fits its pool, at dc
     for (const request_result& q : r.requests) CHECK(q.error.empty());
     CHECK(r.steps.back().config == k_tp);
   }
+  // The clients' limits (max_new_tokens) cap what a sequence is expected to still need: back
+  // at dcp 1 sooner, never preempting.
+  SECTION("max_new_tokens known: back at dcp 1 sooner") {
+    const int64_t tp_tokens =
+        moebius::with_dcp(make_sim_geometry(d).kv, 1).max_tokens(parallel_mode::tp);
+    o.start_mode = parallel_mode::tp;
+    o.scheduler.max_running = 96;
+    // Outputs of 1,000-5,750 tokens beside prompts of 1/80 of dcp 1's pool: the survivors'
+    // remaining output, not their prompts, decides when they fit dcp 1 again.
+    std::vector<request> t = burst(96, tp_tokens / 80, 1000);
+    for (size_t i = 0; i < t.size(); ++i) t[i].output_tokens = 1000 + 50 * static_cast<int64_t>(i);
+    sim_world w1(deployment_kind::dcp_only, clock);
+    const run_result unknown = w1.eng->run(t, o, "limits unknown");
+    for (request& q : t) q.max_new_tokens = q.output_tokens;
+    sim_world w2(deployment_kind::dcp_only, clock);
+    const run_result known = w2.eng->run(t, o, "limits known");
+    REQUIRE(unknown.switches.size() == 2);
+    REQUIRE(known.switches.size() == 2);
+    CHECK(known.switches[0].step == unknown.switches[0].step);
+    INFO("unknown " << unknown.switches[1].step << " running " << unknown.switches[1].running
+         << ", known " << known.switches[1].step << " running " << known.switches[1].running);
+    CHECK(known.switches[1].step < unknown.switches[1].step);
+    CHECK(known.preemptions == 0);
+    CHECK(unknown.preemptions == 0);
+  }
 }
 
 TEST_CASE("dcp only: the gate weighs a move to dcp 1 at the KV's copy alone, and a refused one is "
