@@ -115,6 +115,14 @@ engine_options forced_options(const deployment& d, parallel_mode start,
 // (10 us) and one launch (5 us) = 1.41 ms, plus the fitted 3.9 ms a switch.
 constexpr double k_weights_only_ms = 49'677'336'576.0 / 395e9 * 1e3 + 94 * 0.015 + 3.9;
 
+
+// The dcp-only design's deployment, priced by flat_file()'s curves (no overlap curve).
+struct dcp_only_fixture {
+  h200_step_model model{paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr};
+  curves_step_clock clock{parse(flat_file()), model};
+  deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+};
+
 }  // namespace
 
 TEST_CASE("configurations: names parse back, case-insensitive; errors name the text",
@@ -404,12 +412,11 @@ TEST_CASE("dcp only: its modes name TP at dcp 2 and at dcp 1, the same layout", 
         make_sim_geometry(tp).kv.max_tokens(parallel_mode::tp));
 }
 
-TEST_CASE("dcp only: a switch moves the KV alone (dcp 2 -> 1 copies each live page once, back "
-          "moves nothing), priced without expert bytes",
-          "[cpu][layouts]") {
-  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
-  const curves_step_clock clock(parse(flat_file()), model);
-  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+TEST_CASE_METHOD(
+    dcp_only_fixture,
+    "dcp only: a switch moves the KV alone (dcp 2 -> 1 copies each live page once, back "
+    "moves nothing), priced without expert bytes",
+    "[cpu][layouts]") {
   sim_world w(deployment_kind::dcp_only, clock);
   // validate_every_step: the tables checked against the engine's geometry at its dcp after
   // every step, so a geometry that did not follow the switch fails here.
@@ -459,12 +466,11 @@ TEST_CASE("dcp only: a switch moves the KV alone (dcp 2 -> 1 copies each live pa
   CHECK(w.eng->get_switcher().dcp() == 2);
 }
 
-TEST_CASE("dcp only: a switch to dcp 1 that the running sequences do not fit is refused, and "
-          "the run serves on at dcp 2",
-          "[cpu][layouts]") {
-  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
-  const curves_step_clock clock(parse(flat_file()), model);
-  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+TEST_CASE_METHOD(
+    dcp_only_fixture,
+    "dcp only: a switch to dcp 1 that the running sequences do not fit is refused, and "
+    "the run serves on at dcp 2",
+    "[cpu][layouts]") {
   sim_world w(deployment_kind::dcp_only, clock);
   const int64_t tp_tokens = moebius::with_dcp(w.geometry.kv, 1).max_tokens(parallel_mode::tp);
   // 96 sequences of 1/64 of dcp 1's pool each: 1.5x what dcp 1 holds, 0.75x dcp 2.
@@ -485,12 +491,11 @@ TEST_CASE("dcp only: a switch to dcp 1 that the running sequences do not fit is 
   CHECK(w.eng->get_switcher().dcp() == 2);
 }
 
-TEST_CASE("dcp only under the policy: at dcp 1 while the KV fits its pool, at dcp 2 before it "
-          "would not",
-          "[cpu][layouts]") {
-  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
-  const curves_step_clock clock(parse(flat_file()), model);
-  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+TEST_CASE_METHOD(
+    dcp_only_fixture,
+    "dcp only under the policy: at dcp 1 while the KV fits its pool, at dcp 2 before it "
+    "would not",
+    "[cpu][layouts]") {
   engine_options o = options_of(d);
   o.how = switching::policy;
   o.policy = moebius::interactive_config(o.scheduler.max_running + 1);  // read by no rule
@@ -566,12 +571,11 @@ TEST_CASE("dcp only under the policy: at dcp 1 while the KV fits its pool, at dc
   }
 }
 
-TEST_CASE("dcp only: the gate weighs a move to dcp 1 at the KV's copy alone, and a refused one is "
-          "not planned again within the cooldown",
-          "[cpu][layouts]") {
-  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
-  const curves_step_clock clock(parse(flat_file()), model);
-  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+TEST_CASE_METHOD(
+    dcp_only_fixture,
+    "dcp only: the gate weighs a move to dcp 1 at the KV's copy alone, and a refused one is "
+    "not planned again within the cooldown",
+    "[cpu][layouts]") {
   engine_options o = options_of(d);
   o.how = switching::policy;
   o.policy = moebius::rollout_config(o.scheduler.max_running + 1, 8);
@@ -611,12 +615,10 @@ TEST_CASE("dcp only: the gate weighs a move to dcp 1 at the KV's copy alone, and
   }
 }
 
-TEST_CASE("dcp only: progressive and by-cost styles change the dcp stop-the-world; a run of "
-          "another design after it serves at the KV geometry's dcp",
-          "[cpu][layouts]") {
-  const h200_step_model model(paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr);
-  const curves_step_clock clock(parse(flat_file()), model);
-  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::dcp_only);
+TEST_CASE_METHOD(dcp_only_fixture,
+                 "dcp only: progressive and by-cost styles change the dcp stop-the-world; a run of "
+                 "another design after it serves at the KV geometry's dcp",
+                 "[cpu][layouts]") {
   sim_world w(deployment_kind::dcp_only, clock);
   for (const switch_style style : {switch_style::progressive, switch_style::by_cost}) {
     engine_options o = forced_options(d, parallel_mode::ep, {3});
