@@ -150,9 +150,10 @@ TEST_CASE("forced switches at serving times: one before the first step at or aft
   engine_options o = testing::small_trace_options();
   const run_result ep = e.run(reqs, o, "static EP");
   REQUIRE(ep.steps.size() > 20);
-  // Random times within the run (before its last step starts), some two within one step.
+  // Random times within the run, some two within one step: before the start of its 10th step
+  // from the end, so that each of the 9 (one a step) still finds a step after it.
   std::mt19937_64 rng(seed);
-  const double last = ep.steps.back().start_s;
+  const double last = ep.steps[ep.steps.size() - 10].start_s;
   std::uniform_real_distribution<double> at(0, last);
   o.how = switching::forced;
   o.forced_steps = {1, 2, 3};  // ignored: the times are given
