@@ -149,6 +149,13 @@ moebius::switch_policy_config interactive_rules(const run_settings& s, int64_t t
   return c;
 }
 
+// The rules at `t_high`: a rollout's (paper eq. 13, T_l = T_h, the run's cooldown in steps),
+// else an open-loop trace's (interactive_rules).
+moebius::switch_policy_config rules_at(const run_settings& s, bool rollout, int64_t t_high) {
+  return rollout ? moebius::rollout_config(t_high, s.rollout_cooldown_steps)
+                 : interactive_rules(s, t_high);
+}
+
 // Our policy's options: forced on the GPU, else the paper's rules at the calibrated thresholds
 // (rollout rules for a trace with rollout steps; EP also on blocked admission; the start mode
 // from the initial load) with the cost gate, else (no crossover measured) the faster mode.
@@ -173,13 +180,8 @@ engine_options switching_options(const harness& h, bool rollout,
     return so;
   }
   so.how = switching::policy;
-  if (rollout) {
-    so.policy = moebius::apply_calibration(
-        cal, moebius::rollout_config(cal.t_high, s.rollout_cooldown_steps));
-    so.policy.t_low = so.policy.t_high;
-  } else {
-    so.policy = moebius::apply_calibration(cal, interactive_rules(s, cal.t_high));
-  }
+  so.policy = moebius::apply_calibration(cal, rules_at(s, rollout, cal.t_high));
+  if (rollout) so.policy.t_low = so.policy.t_high;  // eq. 13 (apply_calibration sets T_l)
   so.start_mode = parallel_mode::tp;
   so.start_from_load = true;
   so.policy.enter_on_blocked_admission = true;
@@ -200,12 +202,7 @@ engine_options capacity_switching_options(const harness& h, bool rollout,
   engine_options so = base;
   so.explain = h.o.explain;
   so.how = switching::policy;
-  const int64_t above_any_load = s.max_running + 1;
-  if (rollout) {
-    so.policy = moebius::rollout_config(above_any_load, s.rollout_cooldown_steps);
-  } else {
-    so.policy = interactive_rules(s, above_any_load);
-  }
+  so.policy = rules_at(s, rollout, s.max_running + 1);  // above any load
   so.start_mode = parallel_mode::tp;
   so.start_from_load = false;
   so.gate.enabled = h.o.gate;
