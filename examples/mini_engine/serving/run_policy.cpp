@@ -319,25 +319,32 @@ std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step
   const moebius::switch_proposal p = rules_.propose(load, mode, v.now_s, blocked);
   priced_proposal priced = p.proposed() ? price(v, p) : priced_proposal{};
   const moebius::switch_decision d = rules_.decide(p, priced.pricing);
+  decision_record r;
+  r.step = step;
+  r.now_s = v.now_s;
+  r.mode = mode;
+  r.load = load;
+  r.running = running;
+  r.waiting = waiting;
+  r.admission_blocked = blocked;
+  r.decision = d;
+  return settle(std::move(r), std::move(priced), out);
+}
+
+std::optional<decided_switch> run_policy::settle(decision_record r, priced_proposal priced,
+                                                 run_result& out) const {
+  const moebius::switch_decision& d = r.decision;
   if (d.reason == moebius::decision_reason::cost_exceeds_gain) {
     ++out.gate_refusals;
     out.last_refusal = priced.pricing.gate;
   }
+  const bool switches = d.do_switch && d.target != r.mode;
   if (options_.explain && d.reason != moebius::decision_reason::hold) {
-    decision_record r;
-    r.step = step;
-    r.now_s = v.now_s;
-    r.mode = mode;
-    r.load = load;
-    r.running = running;
-    r.waiting = waiting;
-    r.admission_blocked = blocked;
-    r.decision = d;
     if (d.reason == moebius::decision_reason::cost_exceeds_gain || d.do_switch)
       r.gate = priced.pricing.gate;
     log_decision(out.decisions, std::move(r));
   }
-  if (!d.do_switch || d.target == mode) return std::nullopt;
+  if (!switches) return std::nullopt;
   decided_switch s;
   s.target = d.target;
   s.plan = std::move(priced.plan);
@@ -391,8 +398,6 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
     d.reason = moebius::decision_reason::capacity_refused;
   } else if (priced.pricing.gate.evaluated && !priced.pricing.gate.passed) {
     d.reason = moebius::decision_reason::cost_exceeds_gain;
-    ++out.gate_refusals;
-    out.last_refusal = priced.pricing.gate;
   } else {
     d.do_switch = true;
   }
@@ -403,24 +408,15 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
     retry_small_step_ = step + std::max<int64_t>(1, c.cooldown_steps);
     retry_small_s_ = v.now_s + c.cooldown_s;
   }
-  if (options_.explain) {
-    decision_record r;
-    r.step = step;
-    r.now_s = v.now_s;
-    r.mode = mode;
-    r.load = load;
-    r.running = w.running;
-    r.waiting = w.waiting;
-    r.decision = d;
-    if (priced.pricing.gate.evaluated) r.gate = priced.pricing.gate;
-    log_decision(out.decisions, std::move(r));
-  }
-  if (!d.do_switch) return std::nullopt;
-  decided_switch s;
-  s.target = d.target;
-  s.plan = std::move(priced.plan);
-  s.gate = priced.pricing.gate;
-  return s;
+  decision_record r;
+  r.step = step;
+  r.now_s = v.now_s;
+  r.mode = mode;
+  r.load = load;
+  r.running = w.running;
+  r.waiting = w.waiting;
+  r.decision = d;
+  return settle(std::move(r), std::move(priced), out);
 }
 
 void run_policy::observe_step(const step_record& rec) {

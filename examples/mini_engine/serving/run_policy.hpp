@@ -94,6 +94,10 @@ class run_policy {
   // Logged as the rules' reasons (above_high, below_low) with the sequences' load.
   std::optional<decided_switch> decide_for_capacity(const run_view& v, int64_t step,
                                                     run_result& out);
+  // A decision made (r.decision) on `priced`: the gate's refusal counted, the record logged
+  // (o.explain; with the gate's numbers when it weighed the switch), the switch to make if any.
+  std::optional<decided_switch> settle(decision_record r, priced_proposal priced,
+                                       run_result& out) const;
   // The throughput gate's view of the work for a switch to `target` at `load`.
   moebius::serving_load serving_load_of(const run_view& v, moebius::parallel_mode target,
                                         int64_t load) const;
