@@ -50,8 +50,9 @@ struct step_layout {
   const moebius::kv_state* tp_tables = nullptr;
   const moebius::kv_state* ep_tables = nullptr;
   // The TP tables' KV-parallel degree (kv_geometry::dcp: switcher::dcp() after a dcp change);
-  // 0: the runtime's own. The host runtime follows it from this step on; a runtime that serves
-  // one dcp only (the GPU runtime's captured graphs) refuses another by name.
+  // 0: the runtime's own. The host runtime follows it from this step on; the GPU runtime
+  // follows any of the dcp it captured graphs for (gpu_runtime_options::serve_dcps) and refuses
+  // another by name.
   int64_t dcp = 0;
 
   static step_layout hybrid_of(const moebius::kv_state& tp, const moebius::kv_state& ep,

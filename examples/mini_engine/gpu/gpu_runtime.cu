@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <moebius/error.hpp>
+#include <string>
 
 #include "runtime_impl.hpp"
 
@@ -11,6 +12,19 @@ namespace mini_engine::gpu {
 using moebius::dtype;
 using moebius::errc;
 using moebius::parallel_mode;
+
+void gpu_runtime::impl::serve_at_dcp(int64_t d) {
+  if (d == kv.dcp) return;
+  if (!std::binary_search(dcps.begin(), dcps.end(), d)) {
+    std::string served;
+    for (int64_t x : dcps) served += (served.empty() ? "" : ", ") + std::to_string(x);
+    MOEBIUS_FAIL(errc::invalid_argument, "gpu_runtime::step: step_layout::dcp ", d,
+                 " is not one the runtime serves (", served,
+                 ": gpu_runtime_options::dcp and serve_dcps); its graphs and buffers are made "
+                 "at construction for those");
+  }
+  kv = moebius::with_dcp(kv_built, d);
+}
 
 // One step (step.hpp), enqueued: the token layout and input block of every mode it uses, a
 // graph replay (whole-model, or per layer for a hybrid decode step) or the same code eagerly,
@@ -23,10 +37,8 @@ pending_step gpu_runtime::impl::enqueue(const step_layout& layout,
   const bool hybrid = layout.hybrid();
   MOEBIUS_CHECK(hybrid || layout.tables != nullptr, errc::invalid_argument,
                 "gpu_runtime::step: no page tables");
-  MOEBIUS_CHECK(layout.dcp == 0 || layout.dcp == kv.dcp, errc::invalid_argument,
-                "gpu_runtime::step: step_layout::dcp ", layout.dcp, " but the runtime serves dcp ",
-                kv.dcp, " (gpu_runtime_options::dcp): its graphs are captured for one dcp, and a "
-                "dcp change while serving is not supported");
+  // The step's TP dcp (0: the constructed one): its graphs, shares and exchanges from here.
+  serve_at_dcp(layout.dcp == 0 ? o.dcp : layout.dcp);
   moebius::validate(arena, layout.cursor);
   bool decode = true;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -119,11 +131,11 @@ step_result gpu_runtime::impl::finish(const pending_step& p) {
 const graph_set* gpu_runtime::impl::whole_model_graph(pass& ps) {
   const parallel_mode first = ps.attn.front();
   if (!o.capture_graphs || o.profile) return nullptr;
-  const int64_t T =
-      graph_cache::bucket_for(graphs.whole_model, o.buckets, first, ps.rows[mode_index(first)]);
+  const int64_t T = graph_cache::bucket_for(graphs.whole_model, o.buckets, first, kv.dcp,
+                                            ps.rows[mode_index(first)]);
   if (T == 0) return nullptr;
   ps.rows[mode_index(first)] = T;
-  return &graphs.whole_model.at({static_cast<int>(first), T});
+  return &graphs.whole_model.at(graph_cache::key_of(first, kv.dcp, T));
 }
 
 // A hybrid decode step's per-layer graphs: layer l's graph, from the graphs of its mode at
@@ -137,7 +149,7 @@ std::vector<const graph_set*> gpu_runtime::impl::layer_graphs_of(pass& ps, const
   for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
     if (!used[mode_index(m)]) continue;
     T[mode_index(m)] =
-        graph_cache::bucket_for(graphs.per_layer, o.buckets, m, ps.rows[mode_index(m)]);
+        graph_cache::bucket_for(graphs.per_layer, o.buckets, m, kv.dcp, ps.rows[mode_index(m)]);
     fits = fits && T[mode_index(m)] != 0;
   }
   if (!fits) return layer_gs;  // a batch beyond the largest bucket: eagerly
@@ -146,7 +158,7 @@ std::vector<const graph_set*> gpu_runtime::impl::layer_graphs_of(pass& ps, const
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const parallel_mode m = ps.attn[static_cast<size_t>(l)];
     layer_gs.push_back(
-        &graphs.per_layer.at({static_cast<int>(m), T[mode_index(m)]})[static_cast<size_t>(l)]);
+        &graphs.per_layer.at(graph_cache::key_of(m, kv.dcp, T[mode_index(m)]))[static_cast<size_t>(l)]);
   }
   return layer_gs;
 }
@@ -315,13 +327,16 @@ std::vector<moebius::rank_memory> gpu_runtime::memory() const {
 }
 const moebius::deployment_memory& gpu_runtime::deployment() const { return *impl_->memory; }
 moebius::kv_pool_layout gpu_runtime::kv_layout() const {
-  return moebius::present_kv_layout(impl_->kv);
+  return moebius::present_kv_layout(impl_->kv_built);
 }
 const moebius::arena_geometry& gpu_runtime::arena() const {
   return impl_->arena;
 }
 const moebius::kv_geometry& gpu_runtime::kv() const {
-  return impl_->kv;
+  return impl_->kv_built;
+}
+const std::vector<int64_t>& gpu_runtime::serve_dcps() const {
+  return impl_->dcps;
 }
 int64_t gpu_runtime::vocab_size() const {
   return impl_->c.vocab;
@@ -376,7 +391,7 @@ void gpu_runtime::fill_kv_random(uint64_t seed) {
   // Seeded by rank (= device, one rank per device), so virtual ranks differ too.
   impl_->each_rank([&](int r, rank_state& rs) {
     launch_fill_random({rs.kv_pool, impl_->c.kv_dtype,
-                        impl_->kv.pool_bytes() / moebius::dtype_bytes(impl_->c.kv_dtype),
+                        impl_->kv_built.pool_bytes() / moebius::dtype_bytes(impl_->c.kv_dtype),
                         seed + static_cast<uint64_t>(r), 1.0f, 0.0f},
                        rs.stream);
     MOEBIUS_CUDA_CHECK(cudaStreamSynchronize(rs.stream));

@@ -84,6 +84,12 @@ struct gpu_runtime_options {
   // >= P: moebius::with_dcp refuses anything else, naming dcp), and dcp > 1 needs virtual
   // ranks (so P > 1: it never meets emulated_dcp, which needs P = 1).
   int64_t dcp = 1;
+  // Every dcp a step may serve at (step_layout::dcp: the switcher's after a dcp change,
+  // switcher::plan_dcp), `dcp` among them whether listed or not; each must be one the KV
+  // geometry allows (as `dcp`). The TP graphs are captured once per dcp here (so with {1, 2}
+  // TP's graphs are twice today's) and the DCP buffers sized for the largest; a step at a dcp
+  // not listed is refused by name. Empty: `dcp` alone.
+  std::vector<int64_t> serve_dcps;
   int64_t tensor_alignment = moebius::default_tensor_alignment;
   int64_t slot_alignment = moebius::default_slot_alignment;
 
@@ -185,8 +191,11 @@ class gpu_runtime : public runtime {
   const moebius::deployment_memory& deployment() const;
   const moebius::arena_geometry& arena() const;
   // The KV geometry, with options.dcp as its TP view's dcp (the switcher and the TP page
-  // tables take it from here).
+  // tables take it from here). A step at another of options.serve_dcps reads the same pool
+  // through with_dcp(kv(), that dcp).
   const moebius::kv_geometry& kv() const;
+  // The dcp values a step may serve at (options.serve_dcps with options.dcp), ascending.
+  const std::vector<int64_t>& serve_dcps() const;
   // The pool's layout, for switcher_options::kv_layout: the present one, which is what the
   // attention kernels read (runtime_impl.hpp says why no other).
   moebius::kv_pool_layout kv_layout() const;
@@ -203,8 +212,8 @@ class gpu_runtime : public runtime {
   // again (false, the default). For benchmarks comparing both in one process (a second
   // Qwen3-30B-A3B runtime does not fit beside the first on one GPU).
   void set_hybrid_eager(bool eager);
-  // Graphs captured, all at construction: whole-model (mode x bucket) plus per-layer
-  // (mode x bucket x layer, hybrid steps). Never changes afterwards.
+  // Graphs captured, all at construction: whole-model (mode x bucket; TP once per serve dcp)
+  // plus per-layer (the same x layer, hybrid steps). Never changes afterwards.
   int64_t captures() const;
   int64_t graph_replays() const;  // steps that replayed graphs (whole-model or per-layer)
   int64_t eager_steps() const;    // steps that ran without a graph
@@ -219,8 +228,8 @@ class gpu_runtime : public runtime {
   // disappear while capturing, instantiating and uploading them (the largest rank; the
   // driver allocates in chunks, so a coarse figure).
   struct graph_stats {
-    int64_t whole_model = 0;                    // 2 modes x buckets
-    int64_t per_layer = 0;                      // 2 modes x buckets x L (0 without hybrid graphs)
+    int64_t whole_model = 0;  // (EP + TP at each serve dcp) x buckets
+    int64_t per_layer = 0;    // (EP + TP at each serve dcp) x buckets x L (0: no hybrid graphs)
     double whole_model_s = 0, per_layer_s = 0;  // host wall clock of their capture
     int64_t whole_model_bytes = 0, per_layer_bytes = 0;
   };

@@ -106,18 +106,29 @@ std::vector<size_t> gpu_runtime::impl::free_bytes() {
   return f;
 }
 
-// The whole-model graphs (mode x bucket) and, with o.hybrid_graphs, the per-layer graphs
-// (mode x bucket x layer; gpu_runtime.hpp): layer l of mode m, bucket b is the same code
-// as layer l of the whole-model graph (m, b), layer 0's with the embedding before it, layer
-// L-1's with the LM head after it.
+// The (mode, dcp) pairs graphs are captured for: TP at each serve dcp, then EP once.
+std::vector<std::pair<parallel_mode, int64_t>> gpu_runtime::impl::graph_modes() const {
+  std::vector<std::pair<parallel_mode, int64_t>> out;
+  for (int64_t d : dcps) out.emplace_back(parallel_mode::tp, d);
+  out.emplace_back(parallel_mode::ep, 1);
+  return out;
+}
+
+// The whole-model graphs (mode x dcp x bucket) and, with o.hybrid_graphs, the per-layer
+// graphs (the same x layer; gpu_runtime.hpp): layer l of (m, d), bucket b is the same code as
+// layer l of the whole-model graph (m, d, b), layer 0's with the embedding before it, layer
+// L-1's with the LM head after it. Each (TP, d) is captured serving at d (serve_at_dcp); the
+// constructed dcp is served again after.
 void gpu_runtime::impl::capture_all() {
   using clock = std::chrono::steady_clock;
   std::vector<size_t> free0 = free_bytes();
   auto t0 = clock::now();
-  for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
+  for (const auto& [m, d] : graph_modes()) {
+    serve_at_dcp(d);
     const moebius::arena_cursor cursor{m == parallel_mode::tp ? c.num_layers : 0};
     for (int64_t b : o.buckets) {
-      graphs.whole_model[{static_cast<int>(m), b}] = capture([&] { forward(m, cursor, b, true); });
+      graphs.whole_model[graph_cache::key_of(m, d, b)] =
+          capture([&] { forward(m, cursor, b, true); });
       ++graphs.captures;
       ++graphs.stats.whole_model;
     }
@@ -125,29 +136,32 @@ void gpu_runtime::impl::capture_all() {
   std::vector<size_t> free1 = free_bytes();
   graphs.stats.whole_model_s = std::chrono::duration<double>(clock::now() - t0).count();
   graphs.stats.whole_model_bytes = largest_drop(free0, free1);
-  if (!o.hybrid_graphs) return;
-  t0 = clock::now();
-  for (parallel_mode m : {parallel_mode::tp, parallel_mode::ep}) {
-    pass ps;
-    ps.attn.assign(static_cast<size_t>(c.num_layers), m);
-    ps.cursor = moebius::arena_cursor{m == parallel_mode::tp ? c.num_layers : 0};
-    for (int64_t b : o.buckets) {
-      ps.rows[mode_index(m)] = b;
-      std::vector<graph_set>& per_layer = graphs.per_layer[{static_cast<int>(m), b}];
-      for (int64_t li = 0; li < c.num_layers; ++li) {
-        per_layer.push_back(capture([&] {
-          if (li == 0) embed(ps);
-          layer(ps, li, true);
-          if (li == c.num_layers - 1) lm_head(ps);
-        }));
-        ++graphs.captures;
-        ++graphs.stats.per_layer;
+  if (o.hybrid_graphs) {
+    t0 = clock::now();
+    for (const auto& [m, d] : graph_modes()) {
+      serve_at_dcp(d);
+      pass ps;
+      ps.attn.assign(static_cast<size_t>(c.num_layers), m);
+      ps.cursor = moebius::arena_cursor{m == parallel_mode::tp ? c.num_layers : 0};
+      for (int64_t b : o.buckets) {
+        ps.rows[mode_index(m)] = b;
+        std::vector<graph_set>& per_layer = graphs.per_layer[graph_cache::key_of(m, d, b)];
+        for (int64_t li = 0; li < c.num_layers; ++li) {
+          per_layer.push_back(capture([&] {
+            if (li == 0) embed(ps);
+            layer(ps, li, true);
+            if (li == c.num_layers - 1) lm_head(ps);
+          }));
+          ++graphs.captures;
+          ++graphs.stats.per_layer;
+        }
       }
     }
+    const std::vector<size_t> free2 = free_bytes();
+    graphs.stats.per_layer_s = std::chrono::duration<double>(clock::now() - t0).count();
+    graphs.stats.per_layer_bytes = largest_drop(free1, free2);
   }
-  const std::vector<size_t> free2 = free_bytes();
-  graphs.stats.per_layer_s = std::chrono::duration<double>(clock::now() - t0).count();
-  graphs.stats.per_layer_bytes = largest_drop(free1, free2);
+  serve_at_dcp(o.dcp);
 }
 
 }  // namespace mini_engine::gpu

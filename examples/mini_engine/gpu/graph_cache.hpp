@@ -1,8 +1,10 @@
 #pragma once
 
 // The CUDA graphs the runtime captures at construction and replays (gpu_runtime.hpp):
-// whole-model graphs per (mode, bucket), and per-layer graphs per (mode, bucket, layer) for
-// the decode steps of a progressive switch (hybrid steps). Nothing is captured after
+// whole-model graphs per (mode, dcp, bucket), and per-layer graphs per (mode, dcp, bucket,
+// layer) for the decode steps of a progressive switch (hybrid steps). TP's are captured once
+// per dcp the runtime serves (gpu_runtime_options::serve_dcps: the DCP set's exchanges, its
+// tables' shares and the attention's shape are in the graph); EP's read no dcp (key dcp 1). Nothing is captured after
 // construction: every buffer a graph reads or writes keeps its address (rank_buffers.hpp),
 // and the arena and KV pool never move.
 //
@@ -39,6 +41,7 @@
 
 #include <cstdint>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -53,21 +56,25 @@ struct graph_set {
 };
 
 struct graph_cache {
-  // Key: (static_cast<int>(mode), bucket).
-  std::map<std::pair<int, int64_t>, graph_set> whole_model;
+  // (static_cast<int>(mode), dcp: TP's, 1 for EP, bucket).
+  using key = std::tuple<int, int64_t, int64_t>;
+  static key key_of(moebius::parallel_mode m, int64_t tp_dcp, int64_t bucket) {
+    return {static_cast<int>(m), m == moebius::parallel_mode::tp ? tp_dcp : 1, bucket};
+  }
+  std::map<key, graph_set> whole_model;
   // One graph per layer, layer 0's with the embedding, layer L-1's with the LM head.
-  std::map<std::pair<int, int64_t>, std::vector<graph_set>> per_layer;
+  std::map<key, std::vector<graph_set>> per_layer;
   int64_t captures = 0;  // both kinds
   gpu_runtime::graph_stats stats;
 
-  // The smallest bucket >= need among `buckets` with graphs of mode m in `table`
-  // (whole_model or per_layer); 0: none.
+  // The smallest bucket >= need among `buckets` with graphs of mode m at TP dcp `tp_dcp` in
+  // `table` (whole_model or per_layer); 0: none.
   template <class Table>
   static int64_t bucket_for(const Table& table, const std::vector<int64_t>& buckets,
-                            moebius::parallel_mode m, int64_t need) {
+                            moebius::parallel_mode m, int64_t tp_dcp, int64_t need) {
     int64_t best = 0;
     for (int64_t b : buckets)
-      if (b >= need && (best == 0 || b < best) && table.count({static_cast<int>(m), b}) != 0)
+      if (b >= need && (best == 0 || b < best) && table.count(key_of(m, tp_dcp, b)) != 0)
         best = b;
     return best;
   }

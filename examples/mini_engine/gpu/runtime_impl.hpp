@@ -158,7 +158,12 @@ struct gpu_runtime::impl {
   // All P ranks on one device, collectives over device memory (gpu_runtime.hpp); P > 1 only.
   bool virt = false;
   moebius::arena_geometry arena;
+  // The KV geometry every kernel, shape and table check reads: the constructed one
+  // (kv_built, options.dcp) at the dcp the step being enqueued or captured serves
+  // (serve_at_dcp). The pool's bytes do not depend on the dcp: only who holds which token.
   moebius::kv_geometry kv;
+  moebius::kv_geometry kv_built;
+  std::vector<int64_t> dcps;  // options.serve_dcps with options.dcp, ascending, unique
   // Every rank's arena and KV pool (ranks[r].arena and .kv_pool point into it). The pool is
   // in the present layout (kv_pool_layout.hpp): the attention kernels' vector loads read a
   // page head as one HND block at kv_geometry::offset, so a layout of another engine would
@@ -271,6 +276,9 @@ struct gpu_runtime::impl {
   bool dcp_split(moebius::parallel_mode m) const {
     return m == moebius::parallel_mode::tp && kv.dcp > 1;
   }
+  // Serves (or captures) at TP dcp `d` from here on: kv = kv_built at d. Throws
+  // errc::invalid_argument for a d not in dcps, naming it and them.
+  void serve_at_dcp(int64_t d);
 
   void set_device(const rank_state& r) const { MOEBIUS_CUDA_CHECK(cudaSetDevice(r.device)); }
 
@@ -350,6 +358,7 @@ struct gpu_runtime::impl {
   graph_set capture_virtual(F&& enqueue);
   void launch(const graph_set& gs);
   std::vector<size_t> free_bytes();
+  std::vector<std::pair<moebius::parallel_mode, int64_t>> graph_modes() const;
   void capture_all();
 
   // ---- step_inputs.cu ----------------------------------------------------------------------

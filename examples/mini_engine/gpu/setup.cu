@@ -61,13 +61,21 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   // the library's rule (dcp | P/Hkv, 1 when Hkv >= P) refuses another, naming it.
   arena = moebius::make_arena_geometry(expert_shape_of(c), P, o.tensor_alignment, o.slot_alignment);
   moebius::validate(arena, o.cursor);
-  kv = moebius::with_dcp(kv_geometry_of(c, P, o.num_ep_pages), o.dcp);
-  // dcp > 1: the q gather and the merge of the partial attentions read the peers' buffers in
-  // device memory (device_collectives.cu); over NCCL they are not written (they would be two
-  // grouped send/recv exchanges within each DCP set of strided q and partial blocks).
-  MOEBIUS_CHECK(o.dcp == 1 || virt, errc::invalid_argument, "gpu_runtime: dcp=", o.dcp,
-                " runs on virtual ranks only (placement virtual_ranks, or automatic with more "
-                "ranks than devices); one rank per device (P=", P, ") supports dcp=1 only");
+  kv_built = moebius::with_dcp(kv_geometry_of(c, P, o.num_ep_pages), o.dcp);
+  dcps = o.serve_dcps;
+  dcps.push_back(o.dcp);
+  std::sort(dcps.begin(), dcps.end());
+  dcps.erase(std::unique(dcps.begin(), dcps.end()), dcps.end());
+  for (int64_t d : dcps) {
+    (void)moebius::with_dcp(kv_built, d);  // refuses a dcp the geometry does not allow, by name
+    // dcp > 1: the q gather and the merge of the partial attentions read the peers' buffers in
+    // device memory (device_collectives.cu); over NCCL they are not written (they would be two
+    // grouped send/recv exchanges within each DCP set of strided q and partial blocks).
+    MOEBIUS_CHECK(d == 1 || virt, errc::invalid_argument, "gpu_runtime: dcp=", d,
+                  " runs on virtual ranks only (placement virtual_ranks, or automatic with more "
+                  "ranks than devices); one rank per device (P=", P, ") supports dcp=1 only");
+  }
+  kv = kv_built;
   T_max = o.max_tokens;
   for (int64_t b : o.buckets)
     MOEBIUS_CHECK(b >= 1 && b <= T_max, errc::invalid_argument, "gpu_runtime: bucket ", b,
@@ -80,7 +88,7 @@ void gpu_runtime::impl::setup(const model_config& config, const gpu_runtime_opti
   // moved (the captured graphs read their addresses), zero-filled.
   std::vector<int> devices_of_ranks(static_cast<size_t>(P));
   for (int r = 0; r < P; ++r) devices_of_ranks[static_cast<size_t>(r)] = virt ? 0 : r;
-  memory = std::make_unique<moebius::device_deployment_memory>(arena, kv, devices_of_ranks,
+  memory = std::make_unique<moebius::device_deployment_memory>(arena, kv_built, devices_of_ranks,
                                                                std::vector<int>{}, moebius::memory_fill::zero,
                                                                o.cursor);
   ranks.resize(static_cast<size_t>(P));
@@ -180,19 +188,23 @@ void gpu_runtime::impl::lay_out_buffers() {
   bs.max_tiles = max_tiles;
   bs.max_inter = max_inter;
   bs.sort_temp_bytes = static_cast<int64_t>(moe_sort_temp_bytes(max_pairs));
-  // Split attention: the largest workspace any token count and mode needs.
-  for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp})
-    for (int64_t t = 1; t <= T_max; ++t)
-      bs.attention_floats =
-          std::max(bs.attention_floats, paged_attention_workspace_floats(attention_shape(m, 0, t)));
+  // Split attention: the largest workspace any token count, mode and serve dcp needs.
+  for (int64_t d : dcps) {
+    serve_at_dcp(d);
+    for (parallel_mode m : {parallel_mode::ep, parallel_mode::tp})
+      for (int64_t t = 1; t <= T_max; ++t)
+        bs.attention_floats = std::max(bs.attention_floats,
+                                       paged_attention_workspace_floats(attention_shape(m, 0, t)));
+  }
+  serve_at_dcp(o.dcp);
   if (fp8) {  // one fp8 byte per element in the arena: tensor_bytes elements per rank
     bs.dequant_w13_bytes = arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w13)] * es;
     bs.dequant_w2_bytes = arena.tensor_bytes[static_cast<int>(moebius::weight_tensor::w2)] * es;
   }
   bs.cublas_workspace_bytes = cublas_workspace_bytes;
   if (virt) bs.reduce_scratch_floats = T_max * H;  // the all-reduces: [T, H] at most
-  if (dcp_split(parallel_mode::tp)) {  // the DCP set's q heads, partials, LSEs
-    const int64_t set_heads = kv.dcp * q_heads_local(parallel_mode::tp);
+  if (dcps.back() > 1) {  // the largest DCP set's q heads, partials, LSEs
+    const int64_t set_heads = dcps.back() * q_heads_local(parallel_mode::tp);
     bs.dcp_head_floats = T_max * set_heads * c.head_dim;
     bs.dcp_lse_floats = T_max * set_heads;
   }

@@ -70,11 +70,12 @@ inline gpu_runtime_options tiny_options(int P, moebius::arena_cursor cursor, moe
   return o;
 }
 
-// Graphs captured at construction with tiny_options: whole-model 2 modes x 4 buckets, and
-// per-layer (hybrid steps) 2 modes x 4 buckets x L.
+// Graphs captured at construction with tiny_options: whole-model (EP + TP at each serve dcp)
+// x 4 buckets, and per-layer (hybrid steps) the same x L.
 inline int64_t expected_captures(const gpu_runtime& rt, const model_config& c) {
   if (!rt.graphs_enabled()) return 0;
-  return 8 + (rt.hybrid_graphs_enabled() ? 8 * c.num_layers : 0);
+  const int64_t modes = 1 + static_cast<int64_t>(rt.serve_dcps().size());
+  return 4 * modes * (1 + (rt.hybrid_graphs_enabled() ? c.num_layers : 0));
 }
 
 struct serve_result {
@@ -94,6 +95,9 @@ struct serve_result {
 // (step_beside.hpp: its copies run while the step computes, waiting for the step's
 // layer events), the loop waits for them after the step; a fault can be injected into one
 // advance, whose switch then rolls back and serving goes on in the source mode.
+// `dcp_at[s]` = the TP view's dcp to change to before step s (switcher::switch_dcp,
+// stop-the-world; needs a switcher): every step then carries the switcher's dcp
+// (step_layout::dcp) and its pages are reserved at it.
 struct overlap_options {
   int fault_advance = -1;   // inject a transport fault into this advance of the run (0-based)
   int64_t fault_phase = 0;  // at this phase of it
@@ -105,7 +109,8 @@ inline serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::ar
                           int decode_steps, const std::map<int, moebius::parallel_mode>& switch_at,
                           moebius::switcher* sw, int64_t progressive_layers = 0,
                           const std::function<void(moebius::arena_cursor)>& after_move = {},
-                          overlap_options* beside = nullptr) {
+                          overlap_options* beside = nullptr,
+                          const std::map<int, int64_t>& dcp_at = {}) {
   const std::vector<std::vector<int32_t>> prompts = {{5, 17, 200, 3, 9, 77, 1}, {42, 8, 13}, {99}};
   const int P = rt.num_ranks();
   serve_result out;
@@ -126,8 +131,8 @@ inline serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::ar
         for (int q = 0; q < 3; ++q) {  // the longest any sequence gets: prompt + one per step
           reserved[static_cast<size_t>(q)] =
               static_cast<int64_t>(prompts[static_cast<size_t>(q)].size()) + total_steps;
-          reserve_tokens(rt.kv(), sw->mutable_kv_tables(), q, reserved[static_cast<size_t>(q)],
-                         q % P);
+          reserve_tokens(moebius::with_dcp(rt.kv(), sw->dcp()), sw->mutable_kv_tables(), q,
+                         reserved[static_cast<size_t>(q)], q % P);
         }
         session.emplace(sw->begin(it->second));
         INFO(session->report());
@@ -144,6 +149,17 @@ inline serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::ar
         if (after_move) after_move(sw->cursor());
       }
     }
+    if (auto it = dcp_at.find(s); it != dcp_at.end()) {
+      REQUIRE(sw != nullptr);
+      REQUIRE(!sw->in_progress());
+      const moebius::switch_report rep = sw->switch_dcp(it->second);
+      INFO(rep);
+      REQUIRE(rep.outcome == moebius::switch_outcome::committed);
+      REQUIRE(sw->dcp() == it->second);
+    }
+    // The geometry the step's tables are at: the switcher's dcp (a dcp change moves it).
+    const moebius::kv_geometry geometry =
+        sw != nullptr ? moebius::with_dcp(rt.kv(), sw->dcp()) : rt.kv();
     const bool hybrid = session.has_value();
     if (hybrid && beside == nullptr) {
       session->advance(progressive_layers);
@@ -169,7 +185,7 @@ inline serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::ar
       chunk_store[static_cast<size_t>(q)].assign(toks.begin() + from, toks.begin() + to);
       if (!hybrid) {
         reserved[static_cast<size_t>(q)] = std::max(reserved[static_cast<size_t>(q)], to);
-        reserve_tokens(rt.kv(), sw != nullptr ? sw->mutable_kv_tables() : tables, q,
+        reserve_tokens(geometry, sw != nullptr ? sw->mutable_kv_tables() : tables, q,
                        reserved[static_cast<size_t>(q)], q % P);
       }
       step_item it;
@@ -180,9 +196,10 @@ inline serve_result serve(gpu_runtime& rt, moebius::kv_state tables, moebius::ar
       items.push_back(it);
       item_seq.push_back(q);
     }
-    moebius::validate(rt.kv(), kv);
+    moebius::validate(geometry, kv);
     std::vector<std::vector<float>> logits;
-    const step_layout layout = hybrid ? step_layout::during(session->view()) : step_layout{&kv, cur};
+    step_layout layout = hybrid ? step_layout::during(session->view()) : step_layout{&kv, cur};
+    if (sw != nullptr) layout.dcp = sw->dcp();
     std::vector<int32_t> next;
     if (hybrid && beside != nullptr) {
       const auto advance = [&](const moebius::step_layer_events* events) {

@@ -144,6 +144,21 @@ TEST_CASE("dcp: the runtime refuses a dcp the KV geometry or the placement canno
   it.sample = true;
   const std::vector<step_item> items = {it};
   REQUIRE_THROWS_WITH(rt.step(step_layout{&tables, tp}, items, nullptr), Catch::Contains("dcp=2"));
+  // A step at a dcp the runtime does not serve (serve_dcps), and a serve dcp the geometry
+  // does not allow.
+  step_layout other{&tables, tp};
+  other.dcp = 1;
+  REQUIRE_THROWS_WITH(rt.step(other, items, nullptr),
+                      Catch::Contains("step_layout::dcp 1 is not one the runtime serves (2"));
+  gpu_runtime_options bad = dcp_options(2, 2, tp);
+  bad.serve_dcps = {1, 3};
+  REQUIRE_THROWS_WITH(gpu_runtime(w1, bad), Catch::Contains("dcp"));
+  gpu_runtime_options real_two = dcp_options(2, 1, tp);
+  real_two.serve_dcps = {2};
+  real_two.placement = rank_placement::one_per_device;
+  if (devices >= 2)
+    REQUIRE_THROWS_WITH(gpu_runtime(w1, real_two),
+                        Catch::Contains("dcp=2 runs on virtual ranks only"));
 }
 
 TEST_CASE("dcp: static TP(dcp) runs give dcp 1's and P = 1's greedy tokens and the float64 "
@@ -250,6 +265,47 @@ TEST_CASE("dcp: stop-the-world and progressive switches EP -> TP(dcp) -> EP keep
         require_same_tokens(base, run, layers == 0 ? "stop-the-world" : "progressive");
         require_close_logits(base, run, 1e-4);
       }
+    }
+  }
+}
+
+TEST_CASE("dcp: changing the TP view's dcp while serving (switcher::switch_dcp) keeps the static "
+          "run's tokens and never re-captures",
+          "[gpu][runtime][virtual][dcp]") {
+  for (const dcp_case& dc : dcp_cases) {
+    DYNAMIC_SECTION("P " << dc.P << " Hkv " << dc.kv_heads << " dcp " << dc.dcp) {
+      const model_config c = dcp_config(dc.kv_heads);
+      const test_weights w = make_test_weights(c, seed(57), false);
+      const moebius::arena_cursor tp{c.num_layers};
+      // The static run: TP at dcp 1, the runtime as it was without dcp.
+      gpu_runtime plain(w, dcp_options(dc.P, 1, tp));
+      const auto base = serve(plain, empty_kv_state(plain.kv(), parallel_mode::tp), tp, 10, {},
+                              nullptr);
+      // Built at dcp `dc.dcp`, serving every dcp from 1 to it; the changes land between decode
+      // steps and before the second prefill chunk (step 1), both ways, each dcp served again.
+      gpu_runtime_options o = dcp_options(dc.P, dc.dcp, tp);
+      std::map<int, int64_t> changes = {{1, 1}, {4, dc.dcp}, {7, 1}, {10, dc.dcp}};
+      if (dc.dcp == 4) {
+        o.serve_dcps = {1, 2};
+        changes = {{1, 2}, {3, 1}, {5, 4}, {7, 2}, {9, 4}, {10, 1}};
+      } else {
+        o.serve_dcps = {1};
+      }
+      gpu_runtime rt(w, o);
+      REQUIRE(rt.serve_dcps().size() == (dc.dcp == 4 ? 3u : 2u));
+      const int64_t captured = rt.captures();
+      REQUIRE(captured == expected_captures(rt, c));
+      poison_kv(rt);
+      moebius::cuda_peer_transport tr = moebius::cuda_peer_transport::single_process(rt.memory());
+      moebius::switcher sw(rt.arena(), rt.kv(), tr, empty_kv_state(rt.kv(), parallel_mode::tp), tp);
+      REQUIRE(sw.dcp() == dc.dcp);
+      const auto run = serve(rt, {}, tp, 10, {}, &sw, 0, {}, nullptr, changes);
+      REQUIRE(sw.dcp() == changes.rbegin()->second);
+      REQUIRE(rt.captures() == captured);
+      if (rt.graphs_enabled()) REQUIRE(rt.graph_replays() >= 8);
+      check_against_reference(c, w, run, false);
+      require_same_tokens(base, run, "dcp changes while serving");
+      require_close_logits(base, run, 1e-4);
     }
   }
 }
