@@ -339,6 +339,10 @@ void declare_sim(CLI::App& app, options& o) {
          o.engine = parse_choice("--engine", v, {"vllm", "sglang"},
                                  {engine_preset::vllm, engine_preset::sglang});
        });
+  app.add_flag_callback(
+      "--mixed-chunk", [&o] { o.mixed_chunk = true; },
+      "--engine sglang: SGLang's --enable-mixed-chunk (a prefill step carries the running "
+      "decodes, its chunk less one token each; off by default, as SGLang's); vLLM always mixes");
   text("--max-new-tokens", "N",
        "the max_new_tokens of a request whose trace gives none, 1..1048576 (default 4096, "
        "SGLang's estimate clip; raised to a request's output where that is longer): what "
@@ -416,6 +420,9 @@ void check_together(options& o, bool max_batch_set) {
                             "the link model's latency: give one");
     o.collectives = collective_pricing::link;
   }
+  if (o.mixed_chunk && o.engine != engine_preset::sglang)
+    fail("--mixed-chunk", "is SGLang's --enable-mixed-chunk (--engine sglang); vLLM always "
+                          "mixes prefill chunks into its decode steps");
   if (o.engine == engine_preset::sglang && o.oracle_admission)
     fail("--engine", "sglang admits on estimates of what is known; --admission oracle reserves "
                      "each request's true output: give one");

@@ -75,6 +75,9 @@ struct options {
   // Whose scheduling rules admission on what is known follows (serving/engine_preset.hpp):
   // vLLM's (the default) or SGLang's.
   engine_preset engine = engine_preset::vllm;
+  // --engine sglang: SGLang's --enable-mixed-chunk (a prefill step carries the running decodes;
+  // engine_preset.hpp). vLLM always mixes.
+  bool mixed_chunk = false;
   // The max_new_tokens of a request whose trace gives none (raised to its output where that is
   // longer): what SGLang's admission charges (trace.hpp, k_default_max_new_tokens).
   int64_t max_new_tokens = k_default_max_new_tokens;

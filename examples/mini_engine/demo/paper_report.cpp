@@ -155,8 +155,9 @@ void print_sim_preamble(const options& o, const std::string& clock_name,
                         const std::string& curves, const std::vector<run_kind>& runs,
                         int64_t max_running, int64_t step_tokens) {
   std::printf("moebius demo: the paper's two experiments at the paper's scale, on the simulated "
-              "runtime, scheduled by %s's rules (--engine)\n",
-              o.engine == engine_preset::sglang ? "SGLang" : "vLLM");
+              "runtime, scheduled by %s's rules (--engine)%s\n",
+              o.engine == engine_preset::sglang ? "SGLang" : "vLLM",
+              o.mixed_chunk ? ", with mixed chunks (--mixed-chunk)" : "");
   if (!o.verbose) {
     std::printf("  Qwen3-235B-A22B on 8 H200s, every step priced by curves measured on one H200 "
                 "(priced, not measured: tokens not computed); --verbose for the deployment, "
@@ -193,7 +194,8 @@ void print_sim_preamble(const options& o, const std::string& clock_name,
                     "min(max_new_tokens, 4096) fits beside the running ones' remaining "
                     "estimates x new_token_ratio; a decode short of pages retracts the fewest "
                     "generated to the back of the queue; a step is a prefill or a decode, per "
-                    "rank under DP attention; serving/engine_preset.hpp)"
+                    "rank under DP attention, or with --mixed-chunk a prefill beside the running "
+                    "decodes; serving/engine_preset.hpp)"
                   : "on what is known, by vLLM's rules (prompt and generated tokens, a 1% "
                     "watermark; a sequence that finds no page preempts the newest, which is "
                     "recomputed when re-admitted; serving/engine_preset.hpp)");

@@ -50,6 +50,14 @@
 //   - a step is a prefill or a decode, never both (mixed chunks off by default: enable_mixed_chunk):
 //     a prefill batch runs whenever one can be formed (get_next_batch_to_run), chunked at
 //     8,192 tokens (chunked_prefill_size on large GPUs);
+//   - with sglang_rules::enable_mixed_chunk (the server's --enable-mixed-chunk) a prefill batch
+//     carries the running decodes too (get_new_batch_prefill: new_batch.mix_with_running), and
+//     the prefill's chunk and its room are each less one token per running request
+//     (PrefillAdder's mixed_with_decode_tokens = running_bs: rem_chunk_tokens, rem_input_tokens
+//     and the total offset). A mixed step does not decay the ratio (only update_running_batch,
+//     a decode-only step, does). Where SGLang allocates a mixed step's decode slots without a
+//     retraction check (prepare_for_decode), this preset retracts as a decode step would
+//     rather than fail;
 //   - max_new_tokens is clamped to what the pool can hold: the pool's tokens - 2 - the prompt
 //     (Scheduler.handle_generate_request: max_req_len - len(input) - 1, max_req_len = pool - 1);
 //   - CUDA graphs up to 512 sequences a decode batch (cuda_graph_max_bs on H200 at TP 8): a
@@ -85,6 +93,7 @@ struct sglang_rules {
   int64_t retract_decode_steps = 20;           // tokens per remaining request a retraction frees
   int64_t clip_max_new_tokens = 4096;          // the estimate's clip
   int64_t cuda_graph_max_bs = 512;             // decode batches above it run eagerly
+  bool enable_mixed_chunk = false;             // --enable-mixed-chunk (above); off by default
 };
 
 // Throws errc::invalid_argument naming the field unless 0 < init_new_token_ratio,

@@ -369,10 +369,12 @@ class scheduler {
   // remaining estimate in full; decoding, the estimate x `ratio`.
   double sglang_charge(const running_seq& s, int64_t written, bool prefilling, double ratio) const;
   // The decode of group `group`: retracts (SGLang's retract_decode) when the group's free pages
-  // do not hold its next tokens, updates the ratio, adds one token of every decoding sequence
-  // left. `gone` marks the retracted.
+  // do not hold its next tokens, updates the ratio (not in a `mixed` step: beside a prefill,
+  // sglang_rules::enable_mixed_chunk), adds one token of every decoding sequence left. `gone`
+  // marks the retracted.
   void sglang_decode(step_batch& b, page_source& pages, int group, const std::vector<int>& group_of,
-                     std::vector<bool>& in_batch, std::vector<bool>& gone, double now_s);
+                     std::vector<bool>& in_batch, std::vector<bool>& gone, double now_s,
+                     bool mixed);
   std::vector<sglang_group> groups_;
   moebius::parallel_mode groups_mode_ = moebius::parallel_mode::ep;
   // Records a step's tokens, retires finished requests; returns their ids (pages to release).

@@ -90,11 +90,17 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
   const int64_t cap = std::max<int64_t>(1, options_.max_running / ranks);
   std::vector<int> group_of(running_.size());
   std::vector<int64_t> count(num_groups, 0), chunk_left(num_groups, chunk);
+  // Mixed chunks: each decoding request takes one token of its group's chunk and room
+  // (PrefillAdder's mixed_with_decode_tokens).
+  const bool mixed = options_.sglang.enable_mixed_chunk;
+  std::vector<int64_t> decoding(num_groups, 0);
   std::vector<bool> prefilling(num_groups, false);
   for (size_t i = 0; i < running_.size(); ++i) {
     group_of[i] = sglang_group_of(kv, i);
     ++count[static_cast<size_t>(group_of[i])];
+    if (mixed && running_[i].decoding()) ++decoding[static_cast<size_t>(group_of[i])];
   }
+  for (size_t gi = 0; gi < num_groups; ++gi) chunk_left[gi] -= decoding[gi];
   std::vector<bool> in_batch(running_.size(), false), gone(running_.size(), false);
 
   // 1. The running prefills' next chunks (admission order), each within its group's chunk.
@@ -120,7 +126,7 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
   // A chunk just granted is in the tables (the free pages count it), not in the charge; a
   // request mid-prefill when the step began is charged in full (its last chunk carries its
   // max_new_tokens: PrefillAdder.add_chunked_req).
-  std::vector<double> charged(num_groups, 0);
+  std::vector<double> charged(decoding.begin(), decoding.end());
   {
     std::vector<int64_t> granted(running_.size(), 0);
     for (size_t k = 0; k < b.items.size(); ++k)
@@ -191,9 +197,12 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
     else ++next_waiting_;
   }
 
-  // 3. A group that formed no prefill decodes (retracting first when its pages are short).
+  // 3. A group that formed no prefill decodes (retracting first when its pages are short);
+  // with mixed chunks one that did decodes beside it.
   for (size_t gi = 0; gi < num_groups; ++gi)
-    if (!prefilling[gi]) sglang_decode(b, pages, static_cast<int>(gi), group_of, in_batch, gone, now_s);
+    if (!prefilling[gi] || mixed)
+      sglang_decode(b, pages, static_cast<int>(gi), group_of, in_batch, gone, now_s,
+                    prefilling[gi]);
   if (b.preempted > 0) drop_running(b, gone);
 
   // Requests wait with the pool full: a refusal now, or a group still full from one.
@@ -223,7 +232,7 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
 
 void scheduler::sglang_decode(step_batch& b, page_source& pages, int group,
                               const std::vector<int>& group_of, std::vector<bool>& in_batch,
-                              std::vector<bool>& gone, double now_s) {
+                              std::vector<bool>& gone, double now_s, bool mixed) {
   const kv_state& kv = pages.tables();
   std::vector<size_t> decoding;
   for (size_t i = 0; i < group_of.size(); ++i) {
@@ -286,7 +295,7 @@ void scheduler::sglang_decode(step_batch& b, page_source& pages, int group,
                            : 1.0;
     gr.full = gr.full_for_kv = false;  // the batch shrank
     std::sort(decoding.begin(), decoding.end());  // the batch in running order
-  } else {
+  } else if (!mixed) {
     gr.ratio = std::max(gr.ratio - course.decay, course.floor);
   }
   int64_t decoded_now = 0;

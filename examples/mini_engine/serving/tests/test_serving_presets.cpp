@@ -356,6 +356,55 @@ TEST_CASE("sglang, DP attention: each rank its own chunk and ratio; one rank pre
   CHECK(res[0].finish_s == 6);
 }
 
+TEST_CASE("sglang with mixed chunks: a prefill step carries the running decodes, its chunk and "
+          "room less one token each, and does not decay the ratio") {
+  // TP, one rank of 12 pages of 4 tokens (48), a chunk of 10. A: prompt 8, 4 tokens, max_new 16,
+  // at 0; B: prompt 12, 3 tokens, max_new 8, at 0.5. With --enable-mixed-chunk:
+  //   step 0: A admitted and prefilled (8 of the chunk's 10);
+  //   step 1: A decodes: B's chunk 10 - 1 = 9 and its room 40 free - (1 + 0.7 x 15) = 28.5 >
+  //           12 + 8: B admitted, 9 tokens, beside A's decode (ratio still 0.7). After it: A
+  //           9 written + 10.5, B 9 written + 3 + 8 in full: 39.5 reserved;
+  //   step 2: B's last 3 tokens beside A's decode: B samples its first token (at 3);
+  //   steps 3-4: decodes (the ratio decays 0.602 / 600 each); A finishes at 4, B at 5.
+  // Without it (the default) steps 1 and 2 are B's prefill alone (10, then 2) and A waits
+  // through both: A finishes at 6.
+  const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 12, 1, moebius::dtype::fp32);
+  const std::vector<request> reqs = {make_request(0, 8, 4, 16, 0), make_request(1, 12, 3, 8, 0.5)};
+  const double d = 0.602 / 600;
+  scheduler_options o = sglang_options(10, 8);
+  o.sglang.enable_mixed_chunk = true;
+  std::vector<step_batch> log;
+  std::vector<request_result> res = drive(g, parallel_mode::tp, reqs, o, nullptr, &log);
+  check_tokens(res);
+  REQUIRE(log.size() == 5);
+  CHECK(log[0].prefill_tokens == 8);
+  CHECK(log[1].admitted == 1);
+  CHECK(log[1].prefill_tokens == 9);
+  CHECK(log[1].decode_tokens == 1);
+  CHECK(log[1].new_token_ratio == Approx(0.7));
+  CHECK(log[1].kv_written_tokens == 18);
+  CHECK(log[1].kv_reserved_tokens == 39);
+  CHECK(log[2].prefill_tokens == 3);
+  CHECK(log[2].decode_tokens == 1);
+  CHECK(log[2].new_token_ratio == Approx(0.7));
+  CHECK(log[3].decode_tokens == 2);
+  CHECK(log[3].new_token_ratio == Approx(0.7 - d));
+  CHECK(log[4].new_token_ratio == Approx(0.7 - 2 * d));
+  CHECK(res[0].finish_s == 4);
+  CHECK(res[1].first_token_s == 3);
+  CHECK(res[1].finish_s == 5);
+
+  o.sglang.enable_mixed_chunk = false;
+  log.clear();
+  res = drive(g, parallel_mode::tp, reqs, o, nullptr, &log);
+  check_tokens(res);
+  CHECK(log[1].prefill_tokens == 10);
+  CHECK(log[1].decode_tokens == 0);
+  CHECK(log[2].prefill_tokens == 2);
+  CHECK(log[2].decode_tokens == 0);
+  CHECK(res[0].finish_s == 6);
+}
+
 TEST_CASE("sglang: a decode batch above the CUDA-graph limit is marked eager") {
   const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 32, 1, moebius::dtype::fp32);
   std::vector<request> reqs;
@@ -405,9 +454,10 @@ TEST_CASE("presets on random traces: every request served once more per preempti
       o.admission = admission_policy::known;
       for (const engine_preset e : {engine_preset::vllm, engine_preset::sglang}) {
         o.engine = e;
-        // A low initial ratio over-admits, so that SGLang retracts.
+        // A low initial ratio over-admits, so that SGLang retracts; mixed chunks half the time.
         o.sglang.init_new_token_ratio = rng() % 2 ? 0.7 : 0.05;
-        CAPTURE(to_string(e), o.sglang.init_new_token_ratio);
+        o.sglang.enable_mixed_chunk = rng() % 2 == 0;
+        CAPTURE(to_string(e), o.sglang.init_new_token_ratio, o.sglang.enable_mixed_chunk);
         const std::vector<request_result> res = drive(g, m, reqs, o);
         REQUIRE(res.size() == oracle.size());
         for (size_t i = 0; i < res.size(); ++i) {
