@@ -74,21 +74,29 @@ void print_prepared(const harness& h, const prepared_trace& p, int64_t context) 
   }
 }
 
-// paper-steady: the rate that keeps ~B* running (Little's law): B* sequences each decoding the
-// mean output at the curves' step time at B*. The lengths' distribution, and so the
-// calibration's context, does not depend on the rate (its sample mean moves with the count by
-// sampling alone): the trace is drawn again at it, same seed.
-void redraw_at_crossover(const harness& h, int32_t vocab, prepared_trace& p) {
+// The mean output tokens of the paper-scale open-loop traces served at the rate that keeps ~B*
+// running (paper-steady, paper-production), as their options draw them; 0 for any other kind.
+double crossover_output_mean(trace_kind kind) {
+  if (kind == trace_kind::paper_steady) return paper_steady_options{}.output_mean;
+  if (kind == trace_kind::paper_production)
+    return paper_production_output_mean(paper_production_options{});
+  return 0;
+}
+
+// paper-steady and paper-production: the rate that keeps ~B* running (Little's law): B*
+// sequences each decoding `output_mean` tokens at the curves' step time at B*. The lengths'
+// distribution, and so the calibration's context, does not depend on the rate (its sample mean
+// moves with the count by sampling alone): the trace is drawn again at it, same seed.
+void redraw_at_crossover(const harness& h, int32_t vocab, double output_mean, prepared_trace& p) {
   const double step_s = p.cal.curves.latency_ms(parallel_mode::tp, p.cal.cross.batch) / 1e3;
-  p.rate = p.cal.cross.batch / (paper_steady_options{}.output_mean * step_s);
+  p.rate = p.cal.cross.batch / (output_mean * step_s);
   p.trace = make_trace(h.o, p.kind, vocab, p.rate);
   p.floods = find_floods(p.trace);
   if (!h.o.verbose) return;
   std::ostringstream s;
   s << statistics_of(p.trace, 0);
   std::printf("  at %.2f requests/s (B* %.0f / (%.1f output tokens x %.1f ms)): %s\n", p.rate,
-              p.cal.cross.batch, paper_steady_options{}.output_mean, step_s * 1e3,
-              s.str().c_str());
+              p.cal.cross.batch, output_mean, step_s * 1e3, s.str().c_str());
   print_floods(p.floods);
 }
 
@@ -122,7 +130,8 @@ prepared_trace prepare_trace(harness& h, trace_kind kind) {
     }
   }
   if (h.o.verbose) print_prepared(h, p, context);
-  if (kind == trace_kind::paper_steady && p.cal.has_thresholds) redraw_at_crossover(h, vocab, p);
+  const double output_mean = crossover_output_mean(kind);
+  if (output_mean > 0 && p.cal.has_thresholds) redraw_at_crossover(h, vocab, output_mean, p);
   return p;
 }
 

@@ -92,7 +92,8 @@ void read_traces(options& o, const std::vector<std::string>& vs) {
       {"production", trace_kind::production},
       {"paper-bursty", trace_kind::paper_bursty},
       {"paper-rollout", trace_kind::paper_rollout},
-      {"paper-steady", trace_kind::paper_steady}};
+      {"paper-steady", trace_kind::paper_steady},
+      {"paper-production", trace_kind::paper_production}};
   o.traces.clear();
   o.traces_given = true;
   for (const std::string& v : vs) {
@@ -107,7 +108,7 @@ void read_traces(options& o, const std::vector<std::string>& vs) {
       o.traces.push_back(named->second);
     } else if (v.empty()) {
       fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
-                      "paper-steady, paper-rollout or a file name");
+                      "paper-steady, paper-rollout, paper-production or a file name");
     } else {
       if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
       o.traces.push_back(trace_kind::file);
@@ -149,9 +150,11 @@ void declare_workload(CLI::App& app, options& o) {
          [&o](const std::vector<std::string>& vs) { read_traces(o, vs); },
          "the workload (default all: the four in turn; with --runtime sim paper-bursty, "
          "paper-steady (at the rate that keeps ~B* running) and paper-rollout, the paper's "
-         "experiments at full size; FILE: .jsonl, or text lines 'arrival_s prompt output'; may "
-         "be repeated)")
-      ->type_name("all|bursty|rollout|steady|production|paper-bursty|paper-steady|paper-rollout|FILE")
+         "experiments at full size; paper-production: shaped like the Azure LLM inference "
+         "trace 2023 at full size, at paper-steady's rate rule (not in the default set); FILE: "
+         ".jsonl, or text lines 'arrival_s prompt output'; may be repeated)")
+      ->type_name("all|bursty|rollout|steady|production|paper-bursty|paper-steady|paper-rollout|"
+                  "paper-production|FILE")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   text("--model", "qwen3-235b-a22b|qwen3-30b-a3b|DIR",
@@ -372,7 +375,7 @@ void check_together(options& o, bool max_batch_set) {
   }
   const auto is_paper = [](trace_kind t) {
     return t == trace_kind::paper_bursty || t == trace_kind::paper_steady ||
-           t == trace_kind::paper_rollout;
+           t == trace_kind::paper_rollout || t == trace_kind::paper_production;
   };
   const bool paper_trace = std::any_of(o.traces.begin(), o.traces.end(), is_paper);
   if (o.nodes > 1 && o.runtime != runtime_kind::sim)
@@ -388,7 +391,8 @@ void check_together(options& o, bool max_batch_set) {
       if (!is_paper(t) && t != trace_kind::file)
         fail("--trace", std::string(to_string(t)) +
                             " is the host demo's small trace; the simulated runtime serves "
-                            "paper-bursty, paper-steady, paper-rollout or a FILE");
+                            "paper-bursty, paper-steady, paper-rollout, paper-production or a "
+                            "FILE");
     }
   } else if (paper_trace && o.write_trace.empty()) {
     fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
@@ -454,6 +458,8 @@ const char* to_string(trace_kind t) {
       return "paper-rollout";
     case trace_kind::paper_steady:
       return "paper-steady";
+    case trace_kind::paper_production:
+      return "paper-production";
   }
   return "unknown";
 }
