@@ -427,7 +427,7 @@ TEST_CASE("admission in each flood: from its first arrival until the queue empti
   CHECK(flood_admission_json(run_result{}, {}).empty());
 }
 
-TEST_CASE("--trace paper-production: parsed for the simulated runtime, named, not a default",
+TEST_CASE("the paper-production trace option: parsed for the simulated runtime, named, not a default",
           "[cpu][demo]") {
   const auto parse = [](std::vector<const char*> args) {
     args.insert(args.begin(), "moebius_demo");
