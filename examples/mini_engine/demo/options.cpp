@@ -263,6 +263,13 @@ void declare_sim(CLI::App& app, options& o) {
   const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
     add_text(app, n, t, h, std::forward<decltype(read)>(read));
   };
+  text("--rate", "R",
+       "--runtime sim: paper-steady's and paper-production's (mean) requests/s, (0, 10000], "
+       "instead of the rate that keeps ~B* running (Little's law at the crossover's step time)",
+       [&o](const std::string& v) {
+         o.rate = parse_double("--rate", v, 0, 1e4);
+         if (o.rate <= 0) fail("--rate", "must be > 0");
+       });
   text("--collective-us", "US|TP_US,EP_US",
        "--runtime sim: price the collectives by the link model with each at US microseconds of "
        "latency (its own: 10), or TP's all-reduce at TP_US and EP's dispatch and combine at "
@@ -398,6 +405,10 @@ void check_together(options& o, bool max_batch_set) {
     fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
                     "(--runtime sim)");
   }
+  if (o.rate > 0 && std::none_of(o.traces.begin(), o.traces.end(), [](trace_kind t) {
+        return t == trace_kind::paper_steady || t == trace_kind::paper_production;
+      }))
+    fail("--rate", "sets the rate of paper-steady and paper-production, and neither is served");
   if ((o.rollout_median >= 0 || o.rollout_cut >= 0) &&
       std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) == o.traces.end())
     fail(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",

@@ -105,6 +105,9 @@ struct options {
   // given.
   bool vllm_graph_buckets = false;
   bool graph_buckets_given = false;
+  // --rate: paper-steady's and paper-production's requests/s (mean requests/s), instead of
+  // the rate that keeps ~B* running (0: that rate, from the calibration).
+  double rate = 0;
   // paper-rollout's shape for the sensitivity sweep (serving/paper_traces.hpp; < 0: its own).
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap

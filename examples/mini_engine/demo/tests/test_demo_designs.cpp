@@ -450,6 +450,9 @@ TEST_CASE("the paper-production trace option: parsed for the simulated runtime, 
   CHECK_THROWS_WITH(parse({"--runtime", "host", "--trace", "paper-production"}),
                     Catch::Matchers::Contains("--runtime sim"));
   CHECK(usage_text().find("paper-production") != std::string::npos);
+  // --rate replaces the Little's-law rate of paper-steady and paper-production.
+  CHECK(o.rate == 0);
+  CHECK(parse({"--runtime", "sim", "--trace", "paper-production", "--rate", "7.9"}).rate == 7.9);
   // Drawn at paper-steady's rate rule: make_trace takes the rate it is given as the mean rate.
   const std::vector<request> at20 = make_trace(o, trace_kind::paper_production, 1024, 20);
   const std::vector<request> at40 = make_trace(o, trace_kind::paper_production, 1024, 40);
