@@ -27,6 +27,7 @@ struct prepared_trace {
   std::vector<std::pair<deployment_kind, moebius::calibration_result>> designs;
   std::vector<arrival_period> floods;  // simulated: the paper's phases
   double rate = 0;                     // the steady traces: the rate that keeps ~B* running
+  bool rate_given = false;             // ... or --rate's
 };
 
 // The decode batches the calibration sweeps: powers of two up to the engine's batch.
@@ -74,21 +75,35 @@ void print_prepared(const harness& h, const prepared_trace& p, int64_t context) 
   }
 }
 
-// paper-steady: the rate that keeps ~B* running (Little's law): B* sequences each decoding the
-// mean output at the curves' step time at B*. The lengths' distribution, and so the
-// calibration's context, does not depend on the rate (its sample mean moves with the count by
-// sampling alone): the trace is drawn again at it, same seed.
-void redraw_at_crossover(const harness& h, int32_t vocab, prepared_trace& p) {
-  const double step_s = p.cal.curves.latency_ms(parallel_mode::tp, p.cal.cross.batch) / 1e3;
-  p.rate = p.cal.cross.batch / (paper_steady_options{}.output_mean * step_s);
+// The mean output tokens of the paper-scale open-loop traces served at the rate that keeps ~B*
+// running (paper-steady, paper-production), as their options draw them; 0 for any other kind.
+double crossover_output_mean(trace_kind kind) {
+  if (kind == trace_kind::paper_steady) return paper_steady_options{}.output_mean;
+  if (kind == trace_kind::paper_production)
+    return paper_production_output_mean(paper_production_options{});
+  return 0;
+}
+
+// paper-steady and paper-production: the rate that keeps ~B* running (Little's law): B*
+// sequences each decoding `output_mean` tokens at the curves' step time at B*; or --rate. The
+// lengths' distribution, and so the calibration's context, does not depend on the rate (its
+// sample mean moves with the count by sampling alone): the trace is drawn again at it, same
+// seed.
+void redraw_at_rate(const harness& h, int32_t vocab, double output_mean, prepared_trace& p) {
+  p.rate_given = h.o.rate > 0;
+  const double step_s =
+      p.rate_given ? 0 : p.cal.curves.latency_ms(parallel_mode::tp, p.cal.cross.batch) / 1e3;
+  p.rate = p.rate_given ? h.o.rate : p.cal.cross.batch / (output_mean * step_s);
   p.trace = make_trace(h.o, p.kind, vocab, p.rate);
   p.floods = find_floods(p.trace);
   if (!h.o.verbose) return;
   std::ostringstream s;
   s << statistics_of(p.trace, 0);
-  std::printf("  at %.2f requests/s (B* %.0f / (%.1f output tokens x %.1f ms)): %s\n", p.rate,
-              p.cal.cross.batch, paper_steady_options{}.output_mean, step_s * 1e3,
-              s.str().c_str());
+  if (p.rate_given)
+    std::printf("  at %.2f requests/s (--rate): %s\n", p.rate, s.str().c_str());
+  else
+    std::printf("  at %.2f requests/s (B* %.0f / (%.1f output tokens x %.1f ms)): %s\n", p.rate,
+                p.cal.cross.batch, output_mean, step_s * 1e3, s.str().c_str());
   print_floods(p.floods);
 }
 
@@ -122,7 +137,9 @@ prepared_trace prepare_trace(harness& h, trace_kind kind) {
     }
   }
   if (h.o.verbose) print_prepared(h, p, context);
-  if (kind == trace_kind::paper_steady && p.cal.has_thresholds) redraw_at_crossover(h, vocab, p);
+  const double output_mean = crossover_output_mean(kind);
+  if (output_mean > 0 && (p.cal.has_thresholds || h.o.rate > 0))
+    redraw_at_rate(h, vocab, output_mean, p);
   return p;
 }
 
@@ -423,7 +440,7 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
   if (verbose)
     std::printf("\n");
   else
-    print_trace_title(p.name, p.trace, p.floods, p.rate, p.cal.cross.batch);
+    print_trace_title(p.name, p.trace, p.floods, p.rate, p.rate_given ? 0 : p.cal.cross.batch);
   if (p.rollout) {
     const double bound_s = free_switch_bound_s(run_of(runs, run_kind::static_ep).result,
                                                *h.clock.clock, h.P);

@@ -92,7 +92,8 @@ void read_traces(options& o, const std::vector<std::string>& vs) {
       {"production", trace_kind::production},
       {"paper-bursty", trace_kind::paper_bursty},
       {"paper-rollout", trace_kind::paper_rollout},
-      {"paper-steady", trace_kind::paper_steady}};
+      {"paper-steady", trace_kind::paper_steady},
+      {"paper-production", trace_kind::paper_production}};
   o.traces.clear();
   o.traces_given = true;
   for (const std::string& v : vs) {
@@ -107,7 +108,7 @@ void read_traces(options& o, const std::vector<std::string>& vs) {
       o.traces.push_back(named->second);
     } else if (v.empty()) {
       fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
-                      "paper-steady, paper-rollout or a file name");
+                      "paper-steady, paper-rollout, paper-production or a file name");
     } else {
       if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
       o.traces.push_back(trace_kind::file);
@@ -149,9 +150,11 @@ void declare_workload(CLI::App& app, options& o) {
          [&o](const std::vector<std::string>& vs) { read_traces(o, vs); },
          "the workload (default all: the four in turn; with --runtime sim paper-bursty, "
          "paper-steady (at the rate that keeps ~B* running) and paper-rollout, the paper's "
-         "experiments at full size; FILE: .jsonl, or text lines 'arrival_s prompt output'; may "
-         "be repeated)")
-      ->type_name("all|bursty|rollout|steady|production|paper-bursty|paper-steady|paper-rollout|FILE")
+         "experiments at full size; paper-production: shaped like the Azure LLM inference "
+         "trace 2023 at full size, at paper-steady's rate rule (not in the default set); FILE: "
+         ".jsonl, or text lines 'arrival_s prompt output'; may be repeated)")
+      ->type_name("all|bursty|rollout|steady|production|paper-bursty|paper-steady|paper-rollout|"
+                  "paper-production|FILE")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   text("--model", "qwen3-235b-a22b|qwen3-30b-a3b|DIR",
@@ -260,6 +263,13 @@ void declare_sim(CLI::App& app, options& o) {
   const auto text = [&app](const char* n, const char* t, const char* h, auto&& read) {
     add_text(app, n, t, h, std::forward<decltype(read)>(read));
   };
+  text("--rate", "R",
+       "--runtime sim: paper-steady's and paper-production's (mean) requests/s, (0, 10000], "
+       "instead of the rate that keeps ~B* running (Little's law at the crossover's step time)",
+       [&o](const std::string& v) {
+         o.rate = parse_double("--rate", v, 0, 1e4);
+         if (o.rate <= 0) fail("--rate", "must be > 0");
+       });
   text("--collective-us", "US|TP_US,EP_US",
        "--runtime sim: price the collectives by the link model with each at US microseconds of "
        "latency (its own: 10), or TP's all-reduce at TP_US and EP's dispatch and combine at "
@@ -376,7 +386,7 @@ void check_together(options& o, bool max_batch_set) {
   }
   const auto is_paper = [](trace_kind t) {
     return t == trace_kind::paper_bursty || t == trace_kind::paper_steady ||
-           t == trace_kind::paper_rollout;
+           t == trace_kind::paper_rollout || t == trace_kind::paper_production;
   };
   const bool paper_trace = std::any_of(o.traces.begin(), o.traces.end(), is_paper);
   if (o.nodes > 1 && o.runtime != runtime_kind::sim)
@@ -392,12 +402,17 @@ void check_together(options& o, bool max_batch_set) {
       if (!is_paper(t) && t != trace_kind::file)
         fail("--trace", std::string(to_string(t)) +
                             " is the host demo's small trace; the simulated runtime serves "
-                            "paper-bursty, paper-steady, paper-rollout or a FILE");
+                            "paper-bursty, paper-steady, paper-rollout, paper-production or a "
+                            "FILE");
     }
   } else if (paper_trace && o.write_trace.empty()) {
     fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
                     "(--runtime sim)");
   }
+  if (o.rate > 0 && std::none_of(o.traces.begin(), o.traces.end(), [](trace_kind t) {
+        return t == trace_kind::paper_steady || t == trace_kind::paper_production;
+      }))
+    fail("--rate", "sets the rate of paper-steady and paper-production, and neither is served");
   if ((o.rollout_median >= 0 || o.rollout_cut >= 0) &&
       std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) == o.traces.end())
     fail(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",
@@ -461,6 +476,8 @@ const char* to_string(trace_kind t) {
       return "paper-rollout";
     case trace_kind::paper_steady:
       return "paper-steady";
+    case trace_kind::paper_production:
+      return "paper-production";
   }
   return "unknown";
 }

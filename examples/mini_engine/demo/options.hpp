@@ -22,8 +22,8 @@ class usage_error : public std::runtime_error {
 };
 
 enum class runtime_kind : uint8_t { automatic, host, gpu, sim };
-// paper_bursty, paper_rollout: the paper's experiments at full size (serving/paper_traces.hpp),
-// for the simulated runtime.
+// paper_bursty, paper_rollout, paper_steady, paper_production: the paper's experiments and
+// two traces beside them at full size (serving/paper_traces.hpp), for the simulated runtime.
 enum class trace_kind : uint8_t {
   bursty,
   rollout,
@@ -32,7 +32,8 @@ enum class trace_kind : uint8_t {
   file,
   paper_bursty,
   paper_rollout,
-  paper_steady
+  paper_steady,
+  paper_production
 };
 // The model the H200 clock prices each step as.
 enum class priced_kind : uint8_t { qwen3_30b_a3b, qwen3_235b_a22b };
@@ -107,6 +108,9 @@ struct options {
   // given.
   bool vllm_graph_buckets = false;
   bool graph_buckets_given = false;
+  // --rate: paper-steady's and paper-production's requests/s (mean requests/s), instead of
+  // the rate that keeps ~B* running (0: that rate, from the calibration).
+  double rate = 0;
   // paper-rollout's shape for the sensitivity sweep (serving/paper_traces.hpp; < 0: its own).
   double rollout_median = -1;  // output tokens
   double rollout_cut = -1;     // share of responses cut at the cap

@@ -225,7 +225,11 @@ void print_trace_title(const std::string& name, const std::vector<request>& trac
   text = text.substr(0, text.find(';'));  // the counts and rates; the lengths in --verbose
   if (rate > 0) {
     char buf[96];
-    std::snprintf(buf, sizeof buf, " at %.2f/s, the rate that keeps B* = %.0f running", rate, bstar);
+    if (bstar > 0)
+      std::snprintf(buf, sizeof buf, " at %.2f/s, the rate that keeps B* = %.0f running", rate,
+                    bstar);
+    else
+      std::snprintf(buf, sizeof buf, " at %.2f/s, given (--rate)", rate);
     text += buf;
   }
   for (size_t i = 0; i < floods.size(); ++i) {

@@ -48,7 +48,8 @@ const paper_metrics& metrics_of(const std::vector<run_outcome>& runs,
                                 const std::vector<paper_metrics>& m, run_kind k);
 
 // "paper-bursty: 3057 requests over 374.9 s (mean 8.2/s, peak 136/s); floods at 31-38 s and
-// 337-344 s"; `rate` > 0: the steady trace's, with the crossover B* it keeps running.
+// 337-344 s"; `rate` > 0: the steady or production trace's, with the crossover B* it keeps
+// running (`bstar` 0: a rate given by --rate).
 void print_trace_title(const std::string& name, const std::vector<request>& trace,
                        const std::vector<arrival_period>& floods, double rate, double bstar);
 

@@ -70,6 +70,12 @@ std::vector<request> make_trace(const options& o, trace_kind kind, int32_t vocab
       if (steady_rate > 0) s.rate = steady_rate;
       return paper_steady_trace(o.seed, s);
     }
+    case trace_kind::paper_production: {  // steady_rate: the rate that keeps ~B* running
+      paper_production_options pr;
+      pr.vocab = vocab;
+      if (steady_rate > 0) pr.mean_rate = steady_rate;
+      return paper_production_trace(o.seed, pr);
+    }
     case trace_kind::paper_rollout: {
       paper_rollout_options r;
       r.vocab = vocab;

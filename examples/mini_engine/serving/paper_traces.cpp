@@ -191,6 +191,55 @@ std::vector<request> paper_steady_trace(uint64_t seed, const paper_steady_option
   return chat_requests(seed, {trace_period{0, o.duration_s, o.rate, false}}, lengths_of(o));
 }
 
+void validate(const paper_production_options& o) {
+  const auto check = [](const char* field, double v, bool positive) {
+    MOEBIUS_CHECK(std::isfinite(v) && (positive ? v > 0 : v >= 0), errc::invalid_argument,
+                  "paper_production_options: ", field, " must be finite and ",
+                  positive ? "> 0" : ">= 0", " (got ", v, ")");
+  };
+  check("duration_s", o.duration_s, true);
+  check("mean_rate", o.mean_rate, true);
+  check("rate_sigma", o.rate_sigma, false);
+  check("rate_period_s", o.rate_period_s, true);
+  check("prompt_sigma", o.prompt_sigma, false);
+  check("output_sigma", o.output_sigma, false);
+  MOEBIUS_CHECK(std::isfinite(o.prompt_median) && o.prompt_median >= 1, errc::invalid_argument,
+                "paper_production_options: prompt_median must be >= 1 (got ", o.prompt_median, ")");
+  MOEBIUS_CHECK(std::isfinite(o.output_median) && o.output_median >= 1, errc::invalid_argument,
+                "paper_production_options: output_median must be >= 1 (got ", o.output_median, ")");
+  MOEBIUS_CHECK(o.prompt_max >= 1 && o.output_max >= 1 && o.vocab >= 1, errc::invalid_argument,
+                "paper_production_options: prompt_max, output_max and vocab must be >= 1 (got ",
+                o.prompt_max, ", ", o.output_max, ", ", o.vocab, ")");
+}
+
+double paper_production_output_mean(const paper_production_options& o) {
+  validate(o);
+  const double cap = static_cast<double>(o.output_max), s = o.output_sigma;
+  const double mu = std::log(o.output_median), lc = std::log(cap);
+  if (s == 0) return std::min(o.output_median, cap);
+  // E[min(X, c)] for ln X ~ N(mu, s^2): the part under c plus c times the share over it.
+  const auto phi = [](double z) { return 0.5 * std::erfc(-z / std::sqrt(2.0)); };
+  return std::exp(mu + s * s / 2) * phi((lc - mu - s * s) / s) + cap * (1 - phi((lc - mu) / s));
+}
+
+std::vector<request> paper_production_trace(uint64_t seed, const paper_production_options& o) {
+  validate(o);
+  production_options p;
+  p.duration_s = o.duration_s;
+  p.mean_rate = o.mean_rate;
+  p.rate_sigma = o.rate_sigma;
+  p.rate_period_s = o.rate_period_s;
+  p.prompt_median = o.prompt_median;
+  p.prompt_sigma = o.prompt_sigma;
+  p.output_median = o.output_median;
+  p.output_sigma = o.output_sigma;
+  p.prompt_scale = 1;  // every prompt token is a token of the run
+  p.prompt_max = o.prompt_max;
+  p.output_max = o.output_max;
+  p.vocab = o.vocab;
+  return production_trace(seed, p);
+}
+
 std::vector<request> paper_rollout_trace(uint64_t seed, const paper_rollout_options& o) {
   const double sigma = paper_rollout_sigma(o);
   std::mt19937_64 rng(seed);

@@ -426,3 +426,40 @@ TEST_CASE("admission in each flood: from its first arrival until the queue empti
   }
   CHECK(flood_admission_json(run_result{}, {}).empty());
 }
+
+TEST_CASE("the paper-production trace option: parsed for the simulated runtime, named, not a default",
+          "[cpu][demo]") {
+  const auto parse = [](std::vector<const char*> args) {
+    args.insert(args.begin(), "moebius_demo");
+    return parse_options(static_cast<int>(args.size()), args.data());
+  };
+  const options o = parse({"--runtime", "sim", "--trace", "paper-production"});
+  REQUIRE(o.traces.size() == 1);
+  CHECK(o.traces.front() == trace_kind::paper_production);
+  CHECK(std::string(to_string(trace_kind::paper_production)) == "paper-production");
+  const options both = parse({"--runtime", "sim", "--trace", "paper-steady", "--trace",
+                              "paper-production"});
+  CHECK(both.traces == std::vector<trace_kind>{trace_kind::paper_steady,
+                                               trace_kind::paper_production});
+  // Not in the simulated runtime's default set (the paper's bursty, steady and rollout).
+  const options sim = parse({"--runtime", "sim"});
+  CHECK(std::find(sim.traces.begin(), sim.traces.end(), trace_kind::paper_production) ==
+        sim.traces.end());
+  CHECK(sim.traces.size() == 3);
+  // A paper-scale trace: the host runtime refuses it, naming --runtime sim.
+  CHECK_THROWS_WITH(parse({"--runtime", "host", "--trace", "paper-production"}),
+                    Catch::Matchers::Contains("--runtime sim"));
+  CHECK(usage_text().find("paper-production") != std::string::npos);
+  // --rate replaces the Little's-law rate of paper-steady and paper-production.
+  CHECK(o.rate == 0);
+  CHECK(parse({"--runtime", "sim", "--trace", "paper-production", "--rate", "7.9"}).rate == 7.9);
+  // Drawn at paper-steady's rate rule: make_trace takes the rate it is given as the mean rate.
+  const std::vector<request> at20 = make_trace(o, trace_kind::paper_production, 1024, 20);
+  const std::vector<request> at40 = make_trace(o, trace_kind::paper_production, 1024, 40);
+  CHECK(at40.size() > at20.size() + at20.size() / 2);
+  CHECK(at20.size() == paper_production_trace(o.seed, [] {
+          paper_production_options p;
+          p.mean_rate = 20;
+          return p;
+        }()).size());
+}

@@ -167,6 +167,76 @@ TEST_CASE("paper steady trace: Poisson at one rate over the whole length, LMSYS 
   }
 }
 
+TEST_CASE("paper production trace: Splitwise's conversation medians unscaled, a swinging rate") {
+  const uint64_t seed = testing::test_seed();
+  paper_production_options o;
+  o.mean_rate = 40;  // about what the demo's Little's-law rate comes to
+  REQUIRE(o.duration_s == 375);
+  REQUIRE(o.prompt_median == 1020);  // Splitwise §III, conversation
+  REQUIRE(o.output_median == 129);
+  const std::vector<request> t = paper_production_trace(seed, o);
+  const double n = static_cast<double>(t.size()), T = 375, period = 2, sigma = 0.6;
+  // The count: Poisson given the rates, each 2 s period's rate log-normal with mean 40 and
+  // sigma 0.6 of the log: Var N = 40 T + (T / period) period^2 40^2 (e^{sigma^2} - 1).
+  const double mean_n = 40 * T;
+  const double var_n = mean_n + (T / period) * period * period * 1600 * std::expm1(sigma * sigma);
+  CHECK(std::abs(n - mean_n) < 5 * std::sqrt(var_n));
+  // The swing: the log of each period's count spreads by sigma (a rate that did not swing would
+  // give ~0.11 here, Poisson alone), plus ~1/count of Poisson noise.
+  std::vector<double> per_period(static_cast<size_t>(T / period), 0);
+  for (size_t i = 0; i < t.size(); ++i) {
+    CHECK(t[i].id == static_cast<int64_t>(i));
+    CHECK(t[i].rollout_step == -1);
+    CHECK(t[i].max_new_tokens == 0);
+    CHECK(t[i].arrival_s >= 0);
+    CHECK(t[i].arrival_s < T);
+    if (i > 0) CHECK(t[i - 1].arrival_s <= t[i].arrival_s);
+    CHECK(t[i].output_tokens >= 1);
+    CHECK(t[i].output_tokens <= 4096);
+    CHECK(!t[i].prompt.empty());
+    CHECK(static_cast<int64_t>(t[i].prompt.size()) <= 8192);
+    per_period[std::min(per_period.size() - 1, static_cast<size_t>(t[i].arrival_s / period))] += 1;
+  }
+  double mean_log = 0, var_log = 0;
+  for (double& c : per_period) c = std::log(std::max(c, 1.0)), mean_log += c;
+  mean_log /= static_cast<double>(per_period.size());
+  for (const double c : per_period) var_log += (c - mean_log) * (c - mean_log);
+  const double sd_log = std::sqrt(var_log / static_cast<double>(per_period.size() - 1));
+  const double want_sd = std::sqrt(sigma * sigma + std::exp(sigma * sigma) / (40 * period));
+  CHECK(std::abs(sd_log - want_sd) < 5 * want_sd / std::sqrt(2.0 * static_cast<double>(per_period.size())));
+  // Medians within 5 standard deviations of a sample median of a log-normal with sigma 1
+  // (median x sigma x sqrt(2 pi) / (2 sqrt n), about 5% at ~15k requests).
+  const trace_statistics s = statistics_of(t);
+  for (const auto& [got, want] : {std::pair{s.prompt.p50, 1020.0}, std::pair{s.output.p50, 129.0}})
+    CHECK(std::abs(static_cast<double>(got) - want) <
+          5 * want * std::sqrt(2 * M_PI) / (2 * std::sqrt(n)) + 1);
+  // Prompts unscaled and clamped at 8192: the share at the clamp is P(Z > ln(8192 / 1020)).
+  const double at_clamp_want = 1 - phi(std::log(8192.0 / 1020));
+  double at_clamp = 0;
+  for (const request& r : t) at_clamp += r.prompt.size() == 8192 ? 1 : 0;
+  at_clamp /= n;
+  CHECK(std::abs(at_clamp - at_clamp_want) < 5 * std::sqrt(at_clamp_want / n));
+  CHECK(at_clamp_want == Approx(0.0186).margin(0.001));
+  // The mean output the demo's rate reads: a log-normal's (median 129, sigma 1) cut at 4096,
+  // E[min(X, c)] by the closed form; the sample's mean within 5 standard deviations of it.
+  const double mu = std::log(129.0), lc = std::log(4096.0);
+  const double m1 = std::exp(mu + 0.5) * phi(lc - mu - 1) + 4096 * (1 - phi(lc - mu));
+  const double m2 = std::exp(2 * mu + 2) * phi(lc - mu - 2) + 4096.0 * 4096 * (1 - phi(lc - mu));
+  CHECK(paper_production_output_mean(o) == Approx(m1).epsilon(1e-9));
+  CHECK(m1 == Approx(129 * std::exp(0.5)).epsilon(0.002));  // the cut is 0.03% of draws
+  CHECK(std::abs(s.output.mean - m1) < 5 * std::sqrt((m2 - m1 * m1) / n) + 0.5);
+  // The same seed, the same trace; another seed, another.
+  const std::vector<request> again = paper_production_trace(seed, o);
+  REQUIRE(again.size() == t.size());
+  for (size_t i = 0; i < t.size(); ++i) {
+    CHECK(again[i].arrival_s == t[i].arrival_s);
+    CHECK(again[i].output_tokens == t[i].output_tokens);
+    CHECK(again[i].prompt == t[i].prompt);
+  }
+  const std::vector<request> other = paper_production_trace(seed + 1, o);
+  CHECK((other.size() != t.size() || other.front().arrival_s != t.front().arrival_s));
+}
+
 TEST_CASE("paper traces: options that make no sense are refused by name") {
   using Catch::Matchers::Contains;
   paper_bursty_options b;
@@ -187,6 +257,20 @@ TEST_CASE("paper traces: options that make no sense are refused by name") {
   s = {};
   s.duration_s = -1;
   CHECK_THROWS_WITH(paper_steady_trace(1, s), Contains("duration_s"));
+  const auto refused = [](auto&& change, const char* field) {
+    paper_production_options p;
+    change(p);
+    CHECK_THROWS_WITH(paper_production_trace(1, p), Contains(field));
+    CHECK_THROWS_WITH(paper_production_output_mean(p), Contains(field));
+  };
+  refused([](paper_production_options& p) { p.duration_s = std::nan(""); }, "duration_s");
+  refused([](paper_production_options& p) { p.mean_rate = 0; }, "mean_rate");
+  refused([](paper_production_options& p) { p.rate_sigma = -0.1; }, "rate_sigma");
+  refused([](paper_production_options& p) { p.rate_period_s = 0; }, "rate_period_s");
+  refused([](paper_production_options& p) { p.prompt_median = 0.5; }, "prompt_median");
+  refused([](paper_production_options& p) { p.output_median = 0; }, "output_median");
+  refused([](paper_production_options& p) { p.output_sigma = INFINITY; }, "output_sigma");
+  refused([](paper_production_options& p) { p.prompt_max = 0; }, "prompt_max");
 }
 
 TEST_CASE("trace statistics: percentiles, cut share, rates and steps of a hand-made trace") {
