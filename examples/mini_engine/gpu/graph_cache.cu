@@ -124,7 +124,7 @@ void gpu_runtime::impl::capture_all() {
   std::vector<size_t> free0 = free_bytes();
   auto t0 = clock::now();
   for (const auto& [m, d] : graph_modes()) {
-    serve_at_dcp(d);
+    if (m == parallel_mode::tp) serve_at_dcp(d);  // EP's graphs read no dcp
     const moebius::arena_cursor cursor{m == parallel_mode::tp ? c.num_layers : 0};
     for (int64_t b : o.buckets) {
       graphs.whole_model[graph_cache::key_of(m, d, b)] =
@@ -139,7 +139,7 @@ void gpu_runtime::impl::capture_all() {
   if (o.hybrid_graphs) {
     t0 = clock::now();
     for (const auto& [m, d] : graph_modes()) {
-      serve_at_dcp(d);
+      if (m == parallel_mode::tp) serve_at_dcp(d);
       pass ps;
       ps.attn.assign(static_cast<size_t>(c.num_layers), m);
       ps.cursor = moebius::arena_cursor{m == parallel_mode::tp ? c.num_layers : 0};
