@@ -151,6 +151,7 @@ engine_options base_options(harness& h) {
       h.o.oracle_admission ? admission_policy::oracle : admission_policy::known;
   base.scheduler.engine = h.o.engine;
   base.scheduler.sglang.enable_mixed_chunk = h.o.mixed_chunk;
+  base.scheduler.vllm_dp_engines = h.o.vllm_dp_engines;
   base.scheduler.default_max_new_tokens = h.o.max_new_tokens;
   h.progress.install(base);
   base.progress_every_steps = h.settings.progress_every_steps;
@@ -468,6 +469,7 @@ trace_outcome report_sim_trace(harness& h, const prepared_trace& p,
     h.results.push_back(run_json(p.name, runs[i], m[i], h.clock.clock->name(), p.cal));
     h.results.back()["engine"] = h.o.oracle_admission ? "oracle" : to_string(h.o.engine);
     h.results.back()["mixed_chunk"] = h.o.mixed_chunk;
+    h.results.back()["vllm_dp_engines"] = h.o.vllm_dp_engines;
     h.results.back()["default_max_new_tokens"] = h.o.max_new_tokens;
   }
   return out;

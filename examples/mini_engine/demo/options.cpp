@@ -353,6 +353,11 @@ void declare_sim(CLI::App& app, options& o) {
       "--mixed-chunk", [&o] { o.mixed_chunk = true; },
       "--engine sglang: SGLang's --enable-mixed-chunk (a prefill step carries the running "
       "decodes, its chunk less one token each; off by default, as SGLang's); vLLM always mixes");
+  app.add_flag_callback(
+      "--vllm-dp-engines", [&o] { o.vllm_dp_engines = true; },
+      "--engine vllm: under EP (data-parallel attention) each rank schedules its own requests "
+      "within its own --step-tokens and max running / ranks, as vLLM's data-parallel deployment "
+      "runs one engine core per DP rank (default: one budget for the whole EP step)");
   text("--max-new-tokens", "N",
        "the max_new_tokens of a request whose trace gives none, 1..1048576 (default 4096, "
        "SGLang's estimate clip; raised to a request's output where that is longer): what "
@@ -438,6 +443,9 @@ void check_together(options& o, bool max_batch_set) {
   if (o.mixed_chunk && o.engine != engine_preset::sglang)
     fail("--mixed-chunk", "is SGLang's --enable-mixed-chunk (--engine sglang); vLLM always "
                           "mixes prefill chunks into its decode steps");
+  if (o.vllm_dp_engines && o.engine != engine_preset::vllm)
+    fail("--vllm-dp-engines", "is vLLM's data-parallel rule (--engine vllm); SGLang's DP "
+                              "attention schedules per rank already");
   if (o.engine == engine_preset::sglang && o.oracle_admission)
     fail("--engine", "sglang admits on estimates of what is known; --admission oracle reserves "
                      "each request's true output: give one");

@@ -79,6 +79,9 @@ struct options {
   // --engine sglang: SGLang's --enable-mixed-chunk (a prefill step carries the running decodes;
   // engine_preset.hpp). vLLM always mixes.
   bool mixed_chunk = false;
+  // --engine vllm: one engine core per DP rank under EP (scheduler_options::vllm_dp_engines:
+  // each rank its own token budget and max_running / P).
+  bool vllm_dp_engines = false;
   // The max_new_tokens of a request whose trace gives none (raised to its output where that is
   // longer): what SGLang's admission charges (trace.hpp, k_default_max_new_tokens).
   int64_t max_new_tokens = k_default_max_new_tokens;

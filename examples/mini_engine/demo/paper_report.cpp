@@ -157,7 +157,9 @@ void print_sim_preamble(const options& o, const std::string& clock_name,
   std::printf("moebius demo: the paper's two experiments at the paper's scale, on the simulated "
               "runtime, scheduled by %s's rules (--engine)%s\n",
               o.engine == engine_preset::sglang ? "SGLang" : "vLLM",
-              o.mixed_chunk ? ", with mixed chunks (--mixed-chunk)" : "");
+              o.mixed_chunk       ? ", with mixed chunks (--mixed-chunk)"
+              : o.vllm_dp_engines ? ", one engine core per DP rank under EP (--vllm-dp-engines)"
+                                  : "");
   if (!o.verbose) {
     std::printf("  Qwen3-235B-A22B on 8 H200s, every step priced by curves measured on one H200 "
                 "(priced, not measured: tokens not computed); --verbose for the deployment, "

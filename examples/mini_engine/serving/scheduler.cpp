@@ -26,6 +26,9 @@ void validate(const scheduler_options& o) {
   MOEBIUS_CHECK(o.default_max_new_tokens >= 1, errc::invalid_argument,
                 "scheduler: default_max_new_tokens must be >= 1 (got ", o.default_max_new_tokens,
                 ")");
+  MOEBIUS_CHECK(!o.vllm_dp_engines || o.engine == engine_preset::vllm, errc::invalid_argument,
+                "scheduler: vllm_dp_engines is vLLM's data-parallel rule (engine vllm); SGLang's "
+                "DP attention schedules per rank already");
   if (o.engine == engine_preset::sglang) {
     validate(o.sglang);
     MOEBIUS_CHECK(o.admission == admission_policy::known, errc::invalid_argument,
@@ -280,8 +283,24 @@ std::vector<std::pair<int64_t, int64_t>> scheduler::written_tokens() const {
 step_batch scheduler::next_step(page_source& pages, double now_s) {
   if (options_.engine == engine_preset::sglang) return next_step_sglang(pages, now_s);
   step_batch b;
-  int64_t budget = options_.max_step_tokens;
   const kv_state& kv = pages.tables();
+  // One token budget for the step, or (vllm_dp_engines, EP) one per rank; an item charges its
+  // rank's (owner: -1 in TP, or a sequence whose rank is not known yet, charges budget 0).
+  const bool per_rank = options_.vllm_dp_engines && kv.mode == parallel_mode::ep &&
+                        g_.num_ranks > 1;
+  std::vector<int64_t> budgets(per_rank ? static_cast<size_t>(g_.num_ranks) : 1,
+                               options_.max_step_tokens);
+  auto budget_of = [&](int owner) -> int64_t& {
+    return budgets[per_rank && owner >= 0 ? static_cast<size_t>(owner) : 0];
+  };
+  auto rank_of = [&](const running_seq& s) {
+    if (!per_rank) return -1;
+    const int o = owner_of(kv, results_[static_cast<size_t>(s.result_idx)].id);
+    return o >= 0 ? o : s.resume_owner;
+  };
+  auto any_budget = [&] {
+    return std::any_of(budgets.begin(), budgets.end(), [](int64_t x) { return x > 0; });
+  };
   const bool may_preempt = options_.admission == admission_policy::known && pages.admits();
   std::vector<bool> in_batch(running_.size(), false), preempted(running_.size(), false);
 
@@ -311,19 +330,22 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
     n = granted;
     push_item(b, slot, n);
     in_batch[static_cast<size_t>(slot)] = true;
-    budget -= n;
+    budget_of(per_rank ? std::max(owner, rank_of(s)) : -1) -= n;
     return true;
   };
 
-  // 1. Decode, 2. prefill chunks of admitted sequences (admission order).
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
-    if (running_[i].decoding() && !preempted[i]) add(static_cast<int64_t>(i), 1, -1, false);
+  // 1. Decode, 2. prefill chunks of admitted sequences (admission order), each within its
+  // rank's budget (one budget unless per_rank).
+  for (size_t i = 0; i < running_.size() && any_budget(); ++i) {
+    if (running_[i].decoding() && !preempted[i] && budget_of(rank_of(running_[i])) > 0)
+      add(static_cast<int64_t>(i), 1, -1, false);
   }
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+  for (size_t i = 0; i < running_.size() && any_budget(); ++i) {
     const running_seq& s = running_[i];
+    const int64_t left = budget_of(rank_of(s));
     // in_kv == 0: a resumed sequence (lose_kv) starts its recompute on its reserved owner.
-    if (!s.decoding() && !preempted[i])
-      add(static_cast<int64_t>(i), std::min(budget, s.prompt - s.in_kv), s.resume_owner, false);
+    if (!s.decoding() && !preempted[i] && left > 0)
+      add(static_cast<int64_t>(i), std::min(left, s.prompt - s.in_kv), s.resume_owner, false);
   }
   // The preempted leave the running set (items keep their slots: remapped).
   if (b.preempted > 0) drop_running(b, preempted);
@@ -332,7 +354,12 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
   const double watermark = options_.admission_watermark();
   const int64_t watermark_pages =
       static_cast<int64_t>(std::ceil(watermark * static_cast<double>(g_.num_pages(kv.mode))));
-  while (pages.admits() && b.preempted == 0 && budget > 0 &&
+  // Per rank: its running count against max_running / P (vLLM's max_num_seqs per engine).
+  std::vector<int64_t> running_on(per_rank ? static_cast<size_t>(g_.num_ranks) : 0, 0);
+  for (const running_seq& s : running_)
+    if (per_rank && rank_of(s) >= 0) ++running_on[static_cast<size_t>(rank_of(s))];
+  const int64_t rank_cap = std::max<int64_t>(1, options_.max_running / g_.num_ranks);
+  while (pages.admits() && b.preempted == 0 && any_budget() &&
          static_cast<int64_t>(running_.size()) < options_.max_running) {
     const bool resumed = !preempted_.empty();
     if (!resumed && (next_waiting_ >= requests_.size() || requests_[next_waiting_].arrival_s > now_s))
@@ -348,8 +375,20 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
         b.admission_blocked = true;
         break;
       }
-    } else {
+    } else if (!per_rank) {
       owner = static_cast<int>(std::max_element(left.begin(), left.end()) - left.begin());
+      if (left[static_cast<size_t>(owner)] < need) {
+        b.admission_blocked = true;
+        break;
+      }
+    } else {
+      // The rank with the most unreserved pages among those with budget and room.
+      for (int r = 0; r < g_.num_ranks; ++r) {
+        const size_t ri = static_cast<size_t>(r);
+        if (budgets[ri] <= 0 || running_on[ri] >= rank_cap) continue;
+        if (owner < 0 || left[ri] > left[static_cast<size_t>(owner)]) owner = r;
+      }
+      if (owner < 0) break;  // no rank has budget and room: it waits for the next step
       if (left[static_cast<size_t>(owner)] < need) {
         b.admission_blocked = true;
         break;
@@ -360,7 +399,7 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
     in_batch.push_back(false);
     preempted.push_back(false);
     const int64_t slot = static_cast<int64_t>(running_.size()) - 1;
-    if (!add(slot, std::min(budget, running_.back().prompt), owner, true)) {
+    if (!add(slot, std::min(budget_of(owner), running_.back().prompt), owner, true)) {
       // Reserved pages exist on paper but not in the free lists (a switch moved owners):
       // the request goes back to the head of the queue, not admitted.
       if (resumed) preempted_.front() = std::move(running_.back());
@@ -372,6 +411,7 @@ step_batch scheduler::next_step(page_source& pages, double now_s) {
     if (res.admitted_s < 0) res.admitted_s = now_s;
     ++res.admissions;
     ++b.admitted;
+    if (per_rank) ++running_on[static_cast<size_t>(owner)];
     if (resumed) preempted_.pop_front();
     else ++next_waiting_;
   }

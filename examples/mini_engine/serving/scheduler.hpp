@@ -107,6 +107,14 @@ struct scheduler_options {
   // max_running_requests (EP: / ranks a rank).
   engine_preset engine = engine_preset::vllm;
   sglang_rules sglang;  // engine_preset::sglang
+  // engine_preset::vllm under EP (data-parallel attention) over P > 1 ranks: each rank
+  // schedules its own requests within its own max_step_tokens and max_running / P, as vLLM's
+  // data-parallel deployment runs one engine core, with its own scheduler and
+  // max_num_batched_tokens, per DP rank (docs/serving/data_parallel_deployment.md: "each DP
+  // rank is deployed as a separate core engine"); a new request goes to the rank with the most
+  // unreserved pages among those with budget and room. false: one budget and one max_running
+  // for the whole EP step (the preset's rule before this option).
+  bool vllm_dp_engines = false;
   // The max_new_tokens of a request that gives none (max_new_tokens_of, trace.hpp).
   int64_t default_max_new_tokens = k_default_max_new_tokens;
 

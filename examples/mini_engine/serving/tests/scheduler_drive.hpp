@@ -60,10 +60,13 @@ inline std::vector<request_result> drive(const moebius::kv_geometry& g, parallel
     // Admission reserved every page a sequence will need (vllm: or preempts; sglang's estimates
     // may leave a prefill chunk waiting while its rank decodes).
     if (o.engine == engine_preset::vllm) CHECK(b.stalled == 0);
-    int64_t tokens = 0;
+    // The step's tokens: per rank with one vLLM engine core per DP rank (EP), else in all.
+    const bool per_rank = o.vllm_dp_engines && m == parallel_mode::ep;
+    std::vector<int64_t> tokens(per_rank ? kv.ranks.size() : 1, 0);
     std::vector<int32_t> next;
     for (const step_item& it : b.items) {
-      tokens += static_cast<int64_t>(it.tokens.size());
+      tokens[per_rank ? static_cast<size_t>(std::max(0, owner_of(kv, it.seq_id))) : 0] +=
+          static_cast<int64_t>(it.tokens.size());
       std::vector<int32_t>& h = history[it.seq_id];
       if (o.admission == admission_policy::known && it.start_position == 0 && !h.empty()) {
         // Re-admitted after a preemption: a prefill of every token it had (prompt, generated).
@@ -91,7 +94,7 @@ inline std::vector<request_result> drive(const moebius::kv_geometry& g, parallel
                                                      prompt_len[it.seq_id])
                                : -1);
     }
-    CHECK(tokens <= o.max_step_tokens);
+    for (const int64_t t : tokens) CHECK(t <= o.max_step_tokens);
     CHECK(s.num_running() <= o.max_running);
     now += 1;
     s.finish_step(b, next, pages, now);

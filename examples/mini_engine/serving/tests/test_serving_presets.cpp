@@ -356,6 +356,53 @@ TEST_CASE("sglang, DP attention: each rank its own chunk and ratio; one rank pre
   CHECK(res[0].finish_s == 6);
 }
 
+TEST_CASE("vllm with one engine core per DP rank: under EP each rank fills its own token "
+          "budget and max_running / P; one budget otherwise") {
+  // EP over 2 ranks of 16 pages of 4 tokens, a budget of 8 tokens, max_running 4; four prompts
+  // of 8 tokens and 3 output tokens at 0.
+  //   one budget: step 0 prefills request 0 (8 tokens, the whole budget), step 1 request 1
+  //   beside request 0's decode (7 of 8 left: 7 tokens), ...;
+  //   a budget per rank: step 0 prefills requests 0 and 1 on ranks 0 and 1 (8 each), step 1
+  //   decodes both (1 each) and starts requests 2 and 3 (7 tokens each, one a rank); no rank
+  //   ever holds more than max_running / P = 2.
+  const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 16, 2, moebius::dtype::fp32);
+  std::vector<request> reqs;
+  for (int64_t i = 0; i < 4; ++i) reqs.push_back(make_request(i, 8, 3, 16, 0));
+  scheduler_options o;
+  o.max_step_tokens = 8;
+  o.max_running = 4;
+  o.admission = admission_policy::known;
+  std::vector<step_batch> one, per_rank;
+  check_tokens(drive(g, parallel_mode::ep, reqs, o, nullptr, &one));
+  CHECK(one[0].prefill_tokens == 8);
+  CHECK(one[0].admitted == 1);
+  CHECK(one[1].prefill_tokens == 7);
+  CHECK(one[1].decode_tokens == 1);
+  o.vllm_dp_engines = true;
+  check_tokens(drive(g, parallel_mode::ep, reqs, o, nullptr, &per_rank));
+  CHECK(per_rank[0].prefill_tokens == 16);
+  CHECK(per_rank[0].admitted == 2);
+  CHECK(per_rank[1].decode_tokens == 2);
+  CHECK(per_rank[1].admitted == 2);
+  CHECK(per_rank[1].prefill_tokens == 14);
+  CHECK(per_rank.size() < one.size());
+  // TP: one engine core, one budget, whatever the option.
+  std::vector<step_batch> tp_one, tp_flag;
+  o.vllm_dp_engines = false;
+  check_tokens(drive(g, parallel_mode::tp, reqs, o, nullptr, &tp_one));
+  o.vllm_dp_engines = true;
+  check_tokens(drive(g, parallel_mode::tp, reqs, o, nullptr, &tp_flag));
+  REQUIRE(tp_one.size() == tp_flag.size());
+  for (size_t k = 0; k < tp_one.size(); ++k) {
+    CHECK(tp_one[k].prefill_tokens == tp_flag[k].prefill_tokens);
+    CHECK(tp_one[k].decode_tokens == tp_flag[k].decode_tokens);
+  }
+  // SGLang schedules per rank already: the option is vLLM's.
+  scheduler_options bad = sglang_options(8, 4);
+  bad.vllm_dp_engines = true;
+  REQUIRE_THROWS_WITH(validate(bad), Catch::Contains("vllm_dp_engines"));
+}
+
 TEST_CASE("sglang with mixed chunks: a prefill step carries the running decodes, its chunk and "
           "room less one token each, and does not decay the ratio") {
   // TP, one rank of 12 pages of 4 tokens (48), a chunk of 10. A: prompt 8, 4 tokens, max_new 16,
@@ -457,7 +504,9 @@ TEST_CASE("presets on random traces: every request served once more per preempti
         // A low initial ratio over-admits, so that SGLang retracts; mixed chunks half the time.
         o.sglang.init_new_token_ratio = rng() % 2 ? 0.7 : 0.05;
         o.sglang.enable_mixed_chunk = rng() % 2 == 0;
-        CAPTURE(to_string(e), o.sglang.init_new_token_ratio, o.sglang.enable_mixed_chunk);
+        o.vllm_dp_engines = e == engine_preset::vllm && rng() % 2 == 0;
+        CAPTURE(to_string(e), o.sglang.init_new_token_ratio, o.sglang.enable_mixed_chunk,
+                o.vllm_dp_engines);
         const std::vector<request_result> res = drive(g, m, reqs, o);
         REQUIRE(res.size() == oracle.size());
         for (size_t i = 0; i < res.size(); ++i) {
