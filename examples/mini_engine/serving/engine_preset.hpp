@@ -20,7 +20,11 @@
 //     chunks, within a token budget (max_num_batched_tokens; vLLM's default on >= 70 GiB GPUs
 //     for the OpenAI server is 8,192 and max_num_seqs 1,024, vllm/engine/arg_utils.py
 //     get_batch_defaults: the demo keeps the paper's 2,048 running sequences for both presets
-//     so that they differ in their rules alone).
+//     so that they differ in their rules alone);
+//   - under EP (data-parallel attention) one budget for the whole step by default; with
+//     scheduler_options::vllm_dp_engines one per rank and max_running / P each, as vLLM's
+//     data-parallel deployment runs one engine core, with its own scheduler, per DP rank
+//     (docs/serving/data_parallel_deployment.md).
 //
 // sglang (python/sglang/srt/managers/schedule_policy.py PrefillAdder, schedule_batch.py
 // ScheduleBatch.retract_decode, scheduler.py Scheduler.update_running_batch and
