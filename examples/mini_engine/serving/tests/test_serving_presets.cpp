@@ -35,13 +35,18 @@ request make_request(int64_t id, int64_t prompt, int64_t output, int64_t max_new
   return r;
 }
 
-scheduler_options sglang_options(int64_t step_tokens, int64_t running) {
+// Known admission under `engine`'s rules, `step_tokens` a step, `running` at once.
+scheduler_options preset_options(engine_preset engine, int64_t step_tokens, int64_t running) {
   scheduler_options o;
   o.max_step_tokens = step_tokens;
   o.max_running = running;
   o.admission = admission_policy::known;
-  o.engine = engine_preset::sglang;
+  o.engine = engine;
   return o;
+}
+
+scheduler_options sglang_options(int64_t step_tokens, int64_t running) {
+  return preset_options(engine_preset::sglang, step_tokens, running);
 }
 
 void check_tokens(const std::vector<request_result>& res) {
@@ -128,11 +133,7 @@ TEST_CASE("vllm: a sequence short of a page preempts the newest, then itself; th
   const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 3, 1, moebius::dtype::fp32);
   std::vector<request> reqs;
   for (int64_t i = 0; i < 3; ++i) reqs.push_back(make_request(i, 4, 3, 0, 0));
-  scheduler_options o;
-  o.max_step_tokens = 16;
-  o.max_running = 3;
-  o.admission = admission_policy::known;
-  o.engine = engine_preset::vllm;
+  scheduler_options o = preset_options(engine_preset::vllm, 16, 3);
   o.watermark = 0;
   std::vector<step_batch> log;
   const std::vector<request_result> res = drive(g, parallel_mode::ep, reqs, o, nullptr, &log);
@@ -368,10 +369,7 @@ TEST_CASE("vllm with one engine core per DP rank: under EP each rank fills its o
   const auto g = moebius::make_kv_geometry(1, 1, 8, 4, 16, 2, moebius::dtype::fp32);
   std::vector<request> reqs;
   for (int64_t i = 0; i < 4; ++i) reqs.push_back(make_request(i, 8, 3, 16, 0));
-  scheduler_options o;
-  o.max_step_tokens = 8;
-  o.max_running = 4;
-  o.admission = admission_policy::known;
+  scheduler_options o = preset_options(engine_preset::vllm, 8, 4);
   std::vector<step_batch> one, per_rank;
   check_tokens(drive(g, parallel_mode::ep, reqs, o, nullptr, &one));
   CHECK(one[0].prefill_tokens == 8);
