@@ -532,7 +532,12 @@ TEST_CASE_METHOD(
     CHECK(r.switches[0].outcome == moebius::switch_outcome::committed);
     CHECK(r.switches[0].from_dcp == 1);
     CHECK(r.switches[0].to_dcp == 2);
-    CHECK(r.switches[0].step <= 1);  // the waiting prompts alone outgrow dcp 1
+    // At dcp 1 while the admitted prompts fit it; to dcp 2 once the pool keeps the rest out
+    // (the waiting then count as KV to come), before any preemption.
+    CAPTURE(r.switches[0].step, r.switches[0].running, prompt, tp_tokens);
+    CHECK(r.switches[0].step > 1);
+    CHECK(r.switches[0].running * prompt >= tp_tokens / 2);
+    CHECK(r.switches[0].running * prompt <= tp_tokens);
     CHECK(r.switches[1].outcome == moebius::switch_outcome::committed);
     CHECK(r.switches[1].to_dcp == 1);
     // The few left: their prompts within 80% of dcp 1's pool, and each at its largest (prompt
@@ -543,6 +548,22 @@ TEST_CASE_METHOD(
     CHECK(r.preemptions == 0);
     for (const request_result& q : r.requests) CHECK(q.error.empty());
     CHECK(r.steps.back().config == k_tp);
+  }
+  SECTION("a queue the step's token budget holds, not the pool, is no KV to come: dcp 1 "
+          "throughout") {
+    sim_world w(deployment_kind::dcp_only, clock);
+    o.start_mode = parallel_mode::tp;  // dcp 1
+    const int64_t tp_tokens = moebius::with_dcp(w.geometry.kv, 1).max_tokens(parallel_mode::tp);
+    // 400 prompts of 1/200 of dcp 1's pool at once, twice what it holds, each a whole step of
+    // the 8,192-token budget: about one admitted a step, each done 10 steps later, so about
+    // ten live at a time (5% of the pool).
+    const int64_t prompt = std::min<int64_t>(tp_tokens / 200, 8192);
+    REQUIRE(400 * prompt > tp_tokens);
+    const run_result r = w.eng->run(burst(400, prompt, 10), o, "dcp only, budget-bound queue");
+    CHECK(r.switches.empty());
+    CHECK(r.preemptions == 0);
+    for (const request_result& q : r.requests) CHECK(q.error.empty());
+    for (const step_record& st : r.steps) CHECK(st.config == k_tp);
   }
   // The clients' limits (max_new_tokens) cap what a sequence is expected to still need: back
   // at dcp 1 sooner, never preempting.
