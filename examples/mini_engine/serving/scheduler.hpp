@@ -4,7 +4,8 @@
 // by the KV pool, chunked prefill under a token budget per step, decode, retirement.
 //
 // One step's batch is built in this order, within `max_step_tokens` (engine_preset::vllm and
-// the oracle; engine_preset::sglang: scheduler_sglang.cpp's order, a prefill or a decode):
+// the oracle: scheduler_vllm.cpp; engine_preset::sglang: scheduler_sglang.cpp's order, a
+// prefill or a decode):
 //   1. decode: one token for every running sequence whose prompt is in the KV cache;
 //   2. prefill: the next chunk of every sequence whose prompt is partly in the cache (oldest
 //      admission first);
