@@ -11,6 +11,9 @@ using moebius::errc;
 
 namespace {
 
+// Phi(z): the standard normal's CDF.
+double normal_cdf(double z) { return 0.5 * std::erfc(-z / std::sqrt(2.0)); }
+
 // z with Phi(z) = p, for 0 < p < 1 (Acklam's rational approximation refined by one Halley
 // step: below 1e-12 relative error, far under what a trace needs).
 double normal_quantile(double p) {
@@ -39,7 +42,7 @@ double normal_quantile(double p) {
     x = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
         (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1);
   }
-  const double e = 0.5 * std::erfc(-x / std::sqrt(2.0)) - p;
+  const double e = normal_cdf(x) - p;
   const double u = e * std::sqrt(2 * M_PI) * std::exp(x * x / 2);
   return x - u / (1 + x * u / 2);
 }
@@ -218,8 +221,8 @@ double paper_production_output_mean(const paper_production_options& o) {
   const double mu = std::log(o.output_median), lc = std::log(cap);
   if (s == 0) return std::min(o.output_median, cap);
   // E[min(X, c)] for ln X ~ N(mu, s^2): the part under c plus c times the share over it.
-  const auto phi = [](double z) { return 0.5 * std::erfc(-z / std::sqrt(2.0)); };
-  return std::exp(mu + s * s / 2) * phi((lc - mu - s * s) / s) + cap * (1 - phi((lc - mu) / s));
+  return std::exp(mu + s * s / 2) * normal_cdf((lc - mu - s * s) / s) +
+         cap * (1 - normal_cdf((lc - mu) / s));
 }
 
 std::vector<request> paper_production_trace(uint64_t seed, const paper_production_options& o) {
