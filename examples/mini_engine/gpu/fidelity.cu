@@ -14,7 +14,9 @@
 //      sequences (a rank's own in EP; b = 0, 1, 4, 16, 64, 128, 256, up to 256 sequences in
 //      the deployment) at context 128 beside one chunk of 16, 64, 256 or 512 tokens (cut to the
 //      rank's 512-token budget left beside b), the median of 5 after 2 warm-ups; should it fail,
-//      the pricing that needs it is left out and the rest is printed;
+//      the pricing that needs it is left out and the rest is printed; and a few probes beside
+//      it (mixed_probes in the JSON, used by no clock): a grid point's tokens as a prompt's
+//      tail (after earlier tokens) and split over several prompts' chunks;
 //   3. the simulated runtime serves the same trace with the same scheduler, pool and forced
 //      switches, each switch priced by the cost model over the link measured on 2x H200
 //      (h200_params) and each step by the curves of 1 (curves_step_clock), priced three ways:
@@ -136,13 +138,19 @@ double measure_prefill_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t T, int6
   return median_step_ms(rt, layout, items, device_ms);
 }
 
+// A prefill chunk of a mixed step: `tokens` new tokens after `start` already cached.
+struct chunk_spec {
+  int64_t tokens = 0, start = 0;
+};
+
 // The wall clock in mode `m` of a step that decodes `b` sequences at context C on every rank (EP:
-// P x b sequences, round-robin over the ranks; TP: b, every rank running them) and prefills one
-// chunk of T tokens beside them: the first chunk of one more sequence, on rank 0 in EP (the
+// P x b sequences, round-robin over the ranks; TP: b, every rank running them) and prefills
+// `chunks` beside them, each one more sequence's chunk at its start, on rank 0 in EP (the
 // mixed-step table's key: the chunk's rank's own decode batch and chunk), on every rank in TP.
 // Eager, as every step that prefills. The median of 5 after 2 warm-ups.
-double measure_mixed_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t b, int64_t C, int64_t T,
-                        int64_t vocab, int64_t layers, double* device_ms) {
+double measure_mixed_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t b, int64_t C,
+                        std::span<const chunk_spec> chunks, int64_t vocab, int64_t layers,
+                        double* device_ms) {
   const moebius::kv_geometry& g = rt.kv();
   const int P = static_cast<int>(g.num_ranks);
   const int64_t decodes = m == parallel_mode::ep ? b * P : b;
@@ -162,14 +170,21 @@ double measure_mixed_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t b, int64_
     }
   };
   for (int64_t i = 0; i < decodes; ++i) add(i, C + 1, static_cast<int>(i % P));
-  add(decodes, T, 0);
+  for (size_t k = 0; k < chunks.size(); ++k)
+    add(decodes + static_cast<int64_t>(k), chunks[k].start + chunks[k].tokens, 0);
   const moebius::kv_state tables = moebius::make_kv_state(g, m, std::move(per_rank));
   std::vector<int32_t> decode_tokens;
   std::vector<step_item> items = gpu::bench::decode_items(decodes, C, vocab, decode_tokens);
-  std::vector<int32_t> chunk(static_cast<size_t>(T));
-  for (int64_t i = 0; i < T; ++i)
+  int64_t longest = 0;
+  for (const chunk_spec& x : chunks) longest = std::max(longest, x.tokens);
+  std::vector<int32_t> chunk(static_cast<size_t>(longest));
+  for (int64_t i = 0; i < longest; ++i)
     chunk[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
-  items.push_back({decodes, chunk, 0, true});
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    items.push_back({decodes + static_cast<int64_t>(k),
+                     std::span<const int32_t>(chunk).first(static_cast<size_t>(chunks[k].tokens)),
+                     chunks[k].start, true});
+  }
   const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
   return median_step_ms(rt, layout, items, device_ms, 5);
 }
@@ -191,7 +206,8 @@ mixed_step_table measure_mixed_grid(gpu::gpu_runtime& rt, int P, int64_t vocab, 
         const int64_t chunk = std::min(t, k_max_tokens - b);
         if (chunk < 1 || (!row.chunk_tokens.empty() && chunk <= row.chunk_tokens.back())) continue;
         double device_ms = 0;
-        const double ms = measure_mixed_ms(rt, m, b, k_mixed_context, chunk, vocab, layers,
+        const chunk_spec one[] = {{chunk, 0}};
+        const double ms = measure_mixed_ms(rt, m, b, k_mixed_context, one, vocab, layers,
                                            &device_ms);
         std::printf("  mixed %s: decode batch %3lld (a rank's) beside a chunk of %3lld tokens: "
                     "%8.3f ms (device %8.3f ms)\n",
@@ -213,6 +229,40 @@ mixed_step_table measure_mixed_grid(gpu::gpu_runtime& rt, int P, int64_t vocab, 
   }
   return mixed_step_table(std::move(grids), k_mixed_context,
                           "the GPU runtime's mixed steps (measured here)");
+}
+
+// What a served step that prefills carries and the grid's key (decode batch, chunk tokens) does
+// not: the same decode batch and prefill tokens as a grid point, laid out as served steps lay
+// them out: one chunk that is a prompt's tail (its attention over `start` earlier tokens), and
+// the tokens split over several prompts' chunks. EP, a rank's own batch. Printed and added to
+// `out`; a diagnostic of the small prefills' pricing, used by no clock.
+void measure_mixed_probes(gpu::gpu_runtime& rt, int64_t vocab, int64_t layers,
+                          nlohmann::json& out) {
+  struct probe {
+    int64_t b;
+    std::vector<chunk_spec> chunks;
+  };
+  const std::vector<probe> probes = {
+      {16, {{64, 0}}},  {16, {{64, 448}}},  {16, {{64, 1984}}}, {16, {{32, 0}, {32, 0}}},
+      {16, {{16, 0}, {16, 0}, {16, 0}, {16, 0}}},               {64, {{256, 0}}},
+      {64, {{256, 768}}}, {64, {{64, 0}, {64, 0}, {64, 0}, {64, 0}}}};
+  for (const probe& x : probes) {
+    double device_ms = 0;
+    const double ms = measure_mixed_ms(rt, parallel_mode::ep, x.b, k_mixed_context, x.chunks,
+                                       vocab, layers, &device_ms);
+    nlohmann::json chunks = nlohmann::json::array();
+    std::string shown;
+    for (const chunk_spec& c : x.chunks) {
+      chunks.push_back({{"tokens", c.tokens}, {"start", c.start}});
+      shown.append(" ").append(std::to_string(c.tokens)).append("@").append(
+          std::to_string(c.start));
+    }
+    std::printf("  probe EP: decode batch %3lld beside chunks (tokens@start)%s: %8.3f ms "
+                "(device %8.3f ms)\n",
+                static_cast<long long>(x.b), shown.c_str(), ms, device_ms);
+    out.push_back({{"mode", "EP"}, {"decode_batch", x.b}, {"chunks", chunks}, {"step_ms", ms},
+                   {"device_ms", device_ms}});
+  }
 }
 
 // A bursty trace the P = 1 runtime crosses its batch range on: quiet at 4 requests/s, bursts of
@@ -404,6 +454,12 @@ int main() {
     std::printf("  the mixed-step grid could not be measured (%s): its pricing is left out\n",
                 e.what());
   }
+  nlohmann::json probes_json = nlohmann::json::array();
+  try {
+    measure_mixed_probes(rt, c.vocab, c.num_layers, probes_json);
+  } catch (const std::exception& e) {
+    std::printf("  the mixed-step probes could not be measured (%s)\n", e.what());
+  }
 
   // 3. The simulated runtime on the same geometry, priced by the curves: as before, at the
   // runtime's graph buckets with the measured prefill points, and at the buckets with the
@@ -489,6 +545,7 @@ int main() {
                       {"graph_buckets", o.buckets},
                       {"prefill_points", prefill_json},
                       {"mixed_grid", mixed_json},
+                      {"mixed_probes", probes_json},
                       {"pricing", pricing_names},
                       {"gpu", metrics(a, gpu_run)}};
   if (!mixed_error.empty()) j["mixed_grid_error"] = mixed_error;
