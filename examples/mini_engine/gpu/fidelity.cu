@@ -93,11 +93,16 @@ constexpr int64_t k_mixed_context = 128;
 // The wall clock of a step as the serving loop waits for it (runtime::step: inputs, upload,
 // graph replay or eager launches, tokens back), the median of 7 after 2 warm-ups; `device_ms`
 // (when given) the median of the runtime's own device time of the same steps (CUDA events, what
-// the measured clock charges).
+// the measured clock charges); `first_ms` (when given) the wall clock of the first warm-up.
 double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
                       std::span<const step_item> items, double* device_ms = nullptr,
-                      int runs = 7) {
-  for (int w = 0; w < 2; ++w) rt.step(layout, items);
+                      int runs = 7, double* first_ms = nullptr) {
+  for (int w = 0; w < 2; ++w) {
+    const auto t0 = std::chrono::steady_clock::now();
+    rt.step(layout, items);
+    if (w == 0 && first_ms != nullptr)
+      *first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
   std::vector<double> ms, device;
   for (int i = 0; i < runs; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -128,14 +133,14 @@ double measure_step_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t B, int64_t
 // busiest rank's tokens), on every rank in TP. The runtime runs it eagerly (graphs are captured
 // for decode steps only), as the serving loop's prefill steps.
 double measure_prefill_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t T, int64_t vocab,
-                          int64_t layers, double* device_ms) {
+                          int64_t layers, double* device_ms, double* first_ms = nullptr) {
   const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, 1, T);
   std::vector<int32_t> tokens(static_cast<size_t>(T));
   for (int64_t i = 0; i < T; ++i)
     tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
   const step_item items[] = {{0, tokens, 0, true}};
   const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
-  return median_step_ms(rt, layout, items, device_ms);
+  return median_step_ms(rt, layout, items, device_ms, 7, first_ms);
 }
 
 // A prefill chunk of a mixed step: `tokens` new tokens after `start` already cached.
@@ -419,6 +424,21 @@ int main() {
   }
   const prefill_table prefill_points(prefill, "the GPU runtime's prefill steps (measured here)");
 
+  // 1c. A token count the eager path has not run yet: its first step against the same step
+  // again (prefill chunks of counts no step above used). A diagnostic (cold_prefill in the
+  // JSON), used by no clock: what a served step pays the first time it meets a shape.
+  nlohmann::json cold_json = nlohmann::json::array();
+  for (const int64_t T : {333, 177, 99}) {
+    double device_ms = 0, first_ms = 0;
+    const double ms = measure_prefill_ms(rt, parallel_mode::ep, T, c.vocab, c.num_layers,
+                                         &device_ms, &first_ms);
+    std::printf("  cold prefill EP: chunk %4lld tokens alone: first step %8.3f ms, then %8.3f ms "
+                "(device %8.3f ms)\n",
+                static_cast<long long>(T), first_ms, ms, device_ms);
+    cold_json.push_back({{"tokens", T}, {"first_ms", first_ms}, {"step_ms", ms},
+                         {"device_ms", device_ms}});
+  }
+
   // 2. The GPU runtime serves the trace on the measured clock.
   const std::vector<request> trace = fidelity_trace(seed, c.vocab);
   engine_options eo;
@@ -546,6 +566,7 @@ int main() {
                       {"prefill_points", prefill_json},
                       {"mixed_grid", mixed_json},
                       {"mixed_probes", probes_json},
+                      {"cold_prefill", cold_json},
                       {"pricing", pricing_names},
                       {"gpu", metrics(a, gpu_run)}};
   if (!mixed_error.empty()) j["mixed_grid_error"] = mixed_error;
