@@ -7,7 +7,9 @@
 //      warm-ups, at batches 1..512 and contexts 128, 512, 2048; and its prefill points per
 //      mode: the same wall clock of a step that prefills one chunk of 16, 32, ..., 512 tokens
 //      alone (one sequence, its first chunk; run eagerly, as every step that prefills);
-//   2. serves a bursty trace on the measured clock (every step timed); at P = 2 with a
+//   2. warms up (one eager step at every row count 1..512 per mode, as an engine does at start;
+//      MOEBIUS_FIDELITY_WARM=0 skips it), then serves a bursty trace on the measured clock
+//      (every step timed); at P = 2 with a
 //      stop-the-world switch forced every 400 steps (the virtual ranks' copies over the GPU's
 //      own memory, each switch timed);
 //   2b. then measures its mixed steps per mode: the same wall clock of a step that decodes b
@@ -41,7 +43,9 @@
 // not check: collectives over NVLink (virtual ranks share one GPU's memory), and the paper's
 // model and P.
 // Environment: MOEBIUS_FIDELITY_LAYERS (8), MOEBIUS_FIDELITY_SEED (1: the trace),
-// MOEBIUS_FIDELITY_P (1 or 2).
+// MOEBIUS_FIDELITY_P (1 or 2), MOEBIUS_FIDELITY_WARM (1: before the measured run, one eager
+// step at every row count a step can have, as an engine warms up at start; 0: the run meets
+// each row count cold, as every run before the warm-up was added did).
 
 #include <cuda_runtime.h>
 
@@ -125,6 +129,31 @@ double measure_step_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t B, int64_t
   const std::vector<step_item> items = gpu::bench::decode_items(B, C, vocab, tokens);
   const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
   return median_step_ms(rt, layout, items);
+}
+
+// Runs one eager step at every row count a served step can have (1 .. k_max_tokens: a chunk of
+// that many tokens, on every rank), in each mode the run serves in, and returns its seconds:
+// the start-up warm-up an engine runs (vLLM's warm-up over its compile and capture sizes), so
+// that the measured run meets no row count for the first time. Every shape the step's GEMMs
+// take (the expert tiles included) follows from its row count. MOEBIUS_FIDELITY_WARM=0 skips it.
+double warm_eager_rows(gpu::gpu_runtime& rt, int P, int64_t vocab, int64_t layers) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int32_t> chunk(static_cast<size_t>(k_max_tokens));
+  for (int64_t i = 0; i < k_max_tokens; ++i)
+    chunk[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
+  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
+    if (P == 1 && m == parallel_mode::tp) break;  // at P = 1 the same kernels on the same shapes
+    const int64_t sequences = m == parallel_mode::ep ? P : 1;  // EP: one on each rank
+    for (int64_t T = 1; T <= k_max_tokens; ++T) {
+      const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, sequences, T);
+      std::vector<step_item> items;
+      for (int64_t b = 0; b < sequences; ++b)
+        items.push_back({b, std::span<const int32_t>(chunk).first(static_cast<size_t>(T)), 0, true});
+      const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
+      rt.step(layout, items);
+    }
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // The wall clock in mode `m` of a step that prefills one chunk of T tokens alone: sequence 0's
@@ -439,6 +468,14 @@ int main() {
                          {"device_ms", device_ms}});
   }
 
+  // 1d. The start-up warm-up (warm_eager_rows), unless MOEBIUS_FIDELITY_WARM=0.
+  const bool warm = gpu::bench::env_int("MOEBIUS_FIDELITY_WARM", 1) != 0;
+  if (warm) {
+    const double s = warm_eager_rows(rt, P, c.vocab, c.num_layers);
+    std::printf("  warm-up: one eager step at each of 1..%lld rows per mode, %.1f s\n",
+                static_cast<long long>(k_max_tokens), s);
+  }
+
   // 2. The GPU runtime serves the trace on the measured clock.
   const std::vector<request> trace = fidelity_trace(seed, c.vocab);
   engine_options eo;
@@ -567,6 +604,7 @@ int main() {
                       {"mixed_grid", mixed_json},
                       {"mixed_probes", probes_json},
                       {"cold_prefill", cold_json},
+                      {"warm_eager_rows", warm},
                       {"pricing", pricing_names},
                       {"gpu", metrics(a, gpu_run)}};
   if (!mixed_error.empty()) j["mixed_grid_error"] = mixed_error;
