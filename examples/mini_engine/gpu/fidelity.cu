@@ -21,7 +21,7 @@
 //      tail (after earlier tokens) and split over several prompts' chunks;
 //   3. the simulated runtime serves the same trace with the same scheduler, pool and forced
 //      switches, each switch priced by the cost model over the link measured on 2x H200
-//      (h200_params) and each step by the curves of 1 (curves_step_clock), priced three ways:
+//      (h200_params) and each step by the curves of 1 (curves_step_clock), priced four ways:
 //        "sim": as the paper-scale experiments price theirs by default: a decode step at its
 //          own batch (interpolated between the measured batches), a prefill chunk as the
 //          curve's extra rows at its smallest context;
@@ -30,6 +30,9 @@
 //          prefill points measured alone;
 //        "sim_buckets_mixed": at the buckets, a step that prefills priced whole from the
 //          mixed-step grid (mixed_step_table.hpp);
+//        "sim_rescaled": as "sim" with each kind of step (decode; prefill) times the measured
+//          run's own steps' measured / priced by it: what remains once the step prices are
+//          right on average;
 //      and at P = 2 once more, "sim_switch_times": priced as "sim" with its switches forced at
 //      the serving times the measured run switched at instead of the same step indices (the
 //      simulated run takes other steps, so the same indices fall at other times and a burst
@@ -60,6 +63,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -379,6 +383,54 @@ nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int
           {"by_mode", modes}, {"skipped", skipped}};
 }
 
+// A clock whose steps are `base`'s times a factor per kind (decode; a step that prefills):
+// `base` with the error of its step prices taken out, each kind at the measured run's own steps'
+// measured / priced. A diagnostic: what the step prices alone move in each metric (TTFT is
+// queueing: a burst's queue grows by arrivals less service, so a few percent on the service
+// moves it by more).
+class rescaled_clock final : public step_clock {
+ public:
+  rescaled_clock(const step_clock& base, double decode_factor, double prefill_factor)
+      : base_(base), decode_(decode_factor), prefill_(prefill_factor) {}
+  double step_s(const step_cost& cost, double measured_s) const override {
+    const bool prefills = cost.new_tokens > cost.num_sequences;  // a decode item is one token
+    return base_.step_s(cost, measured_s) * (prefills ? prefill_ : decode_);
+  }
+  double switch_s(const moebius::switch_report& r) const override { return base_.switch_s(r); }
+  const char* name() const override { return "as before, each kind of step rescaled"; }
+  bool needs_measurement() const override { return base_.needs_measurement(); }
+  int64_t layer_bytes(const moebius::layer_bytes& run, int64_t layers) const override {
+    return base_.layer_bytes(run, layers);
+  }
+  moebius::link_rate link() const override { return base_.link(); }
+  double copies_s(const switch_copies& c) const override { return base_.copies_s(c); }
+  double predicted_switch_s(const moebius::layer_bytes& run, int64_t layers) const override {
+    return base_.predicted_switch_s(run, layers);
+  }
+  double predicted_kv_switch_s(const moebius::layer_bytes& run, int64_t layers) const override {
+    return base_.predicted_kv_switch_s(run, layers);
+  }
+  overlap_slowdown slowdown() const override { return base_.slowdown(); }
+
+ private:
+  const step_clock& base_;
+  double decode_, prefill_;
+};
+
+// measured / priced of the measured run's own steps by `clock`: {decode, steps that prefill}.
+std::pair<double, double> own_step_factors(const run_result& r, const step_clock& clock, int P) {
+  const nlohmann::json x = price_own_steps(r, clock, P);
+  const auto factor = [&](std::initializer_list<const char*> kinds) {
+    double measured = 0, priced = 0;
+    for (const char* k : kinds) {
+      measured += x[k]["measured_ms"].get<double>();
+      priced += x[k]["priced_ms"].get<double>();
+    }
+    return priced > 0 ? measured / priced : 1.0;
+  };
+  return {factor({"decode"}), factor({"prefill_full", "prefill_small"})};
+}
+
 }  // namespace
 
 int main() {
@@ -564,6 +616,19 @@ int main() {
   wanted.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
   if (priced_mixed)
     wanted.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
+  // As before with each kind of step rescaled to the measured run's own (rescaled_clock): what
+  // is left of each metric's error once the step prices are right on average.
+  double decode_factor = 1, prefill_factor = 1;
+  std::optional<rescaled_clock> rescaled;
+  try {
+    std::tie(decode_factor, prefill_factor) = own_step_factors(gpu_run, priced, P);
+    rescaled.emplace(priced, decode_factor, prefill_factor);
+    std::printf("  rescaled: as before x %.4f a decode step, x %.4f a step that prefills\n",
+                decode_factor, prefill_factor);
+    wanted.push_back({"sim_rescaled", "as before, rescaled", &*rescaled, {}, {}});
+  } catch (const std::exception& e) {
+    std::printf("  the rescaled pricing is left out: %s\n", e.what());
+  }
   // At P = 2 once more: the forced switches at the measured run's switch times instead of its
   // step indices (the simulated run takes other steps, so the same indices fall at other times
   // and a burst may be served in the other mode), priced as before: what the phase of the
@@ -605,6 +670,7 @@ int main() {
                       {"mixed_probes", probes_json},
                       {"cold_prefill", cold_json},
                       {"warm_eager_rows", warm},
+                      {"rescaled_factors", {{"decode", decode_factor}, {"prefill", prefill_factor}}},
                       {"pricing", pricing_names},
                       {"gpu", metrics(a, gpu_run)}};
   if (!mixed_error.empty()) j["mixed_grid_error"] = mixed_error;
