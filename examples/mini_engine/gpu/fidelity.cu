@@ -63,7 +63,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -73,235 +72,19 @@
 
 #include "bench_decode_batch.hpp"
 #include "engine.hpp"
+#include "fidelity_measure.hpp"
 #include "gpu_runtime.hpp"
+#include "own_steps.hpp"
 #include "run_report.hpp"
 #include "sim_runtime.hpp"
 #include "step_curves.hpp"
 #include "trace.hpp"
 
 using namespace mini_engine;
+using namespace mini_engine::fidelity;  // fidelity_measure.hpp
 using moebius::parallel_mode;
 
 namespace {
-
-constexpr int64_t k_max_tokens = 512;     // tokens a step (decode and prefill chunks)
-constexpr int64_t k_max_running = 256;    // sequences at once
-constexpr int64_t k_page_size = 16;       // the runtime's (kv geometry)
-constexpr int64_t k_longest = 2560;       // tokens of the longest request (prompt + output)
-// The prefill points' chunks (tokens): up to the step's budget.
-constexpr int64_t k_prefill_chunks[] = {16, 32, 64, 128, 256, 512};
-// The mixed-step grid (mixed_step_table.hpp): decode batches beside the chunk (a rank's own in
-// EP; those above k_max_running sequences in the deployment are left out: the trace never runs
-// them) by chunk tokens (each cut to the rank's token budget left beside the batch); the decode
-// sequences at the curves' smallest context.
-constexpr int64_t k_mixed_batches[] = {0, 1, 4, 16, 64, 128, 256};
-constexpr int64_t k_mixed_chunks[] = {16, 64, 256, 512};
-constexpr int64_t k_mixed_context = 128;
-
-// The wall clock of a step as the serving loop waits for it (runtime::step: inputs, upload,
-// graph replay or eager launches, tokens back), the median of 7 after 2 warm-ups; `device_ms`
-// (when given) the median of the runtime's own device time of the same steps (CUDA events, what
-// the measured clock charges); `first_ms` (when given) the wall clock of the first warm-up.
-double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
-                      std::span<const step_item> items, double* device_ms = nullptr,
-                      int runs = 7, double* first_ms = nullptr) {
-  for (int w = 0; w < 2; ++w) {
-    const auto t0 = std::chrono::steady_clock::now();
-    rt.step(layout, items);
-    if (w == 0 && first_ms != nullptr)
-      *first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  }
-  std::vector<double> ms, device;
-  for (int i = 0; i < runs; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    rt.step(layout, items);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    device.push_back(rt.measured_step_s() * 1e3);
-  }
-  std::sort(ms.begin(), ms.end());
-  std::sort(device.begin(), device.end());
-  const size_t mid = static_cast<size_t>(runs / 2);
-  if (device_ms != nullptr) *device_ms = device[mid];
-  return ms[mid];
-}
-
-// The decode step's wall clock in mode `m` at batch B and context C.
-double measure_step_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t B, int64_t C, int64_t vocab,
-                       int64_t layers) {
-  const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, B, C + 1);
-  std::vector<int32_t> tokens;
-  const std::vector<step_item> items = gpu::bench::decode_items(B, C, vocab, tokens);
-  const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
-  return median_step_ms(rt, layout, items);
-}
-
-// Runs one eager step at every row count a served step can have (1 .. k_max_tokens: a chunk of
-// that many tokens, on every rank), in each mode the run serves in, and returns its seconds:
-// the start-up warm-up an engine runs (vLLM's warm-up over its compile and capture sizes), so
-// that the measured run meets no row count for the first time. Every shape the step's GEMMs
-// take (the expert tiles included) follows from its row count. MOEBIUS_FIDELITY_WARM=0 skips it.
-double warm_eager_rows(gpu::gpu_runtime& rt, int P, int64_t vocab, int64_t layers) {
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<int32_t> chunk(static_cast<size_t>(k_max_tokens));
-  for (int64_t i = 0; i < k_max_tokens; ++i)
-    chunk[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
-  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
-    if (P == 1 && m == parallel_mode::tp) break;  // at P = 1 the same kernels on the same shapes
-    const int64_t sequences = m == parallel_mode::ep ? P : 1;  // EP: one on each rank
-    for (int64_t T = 1; T <= k_max_tokens; ++T) {
-      const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, sequences, T);
-      std::vector<step_item> items;
-      for (int64_t b = 0; b < sequences; ++b)
-        items.push_back({b, std::span<const int32_t>(chunk).first(static_cast<size_t>(T)), 0, true});
-      const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
-      rt.step(layout, items);
-    }
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// The wall clock in mode `m` of a step that prefills one chunk of T tokens alone: sequence 0's
-// first chunk (positions 0 .. T-1: its attention over the chunk's own tokens, the smallest
-// context a chunk has), on rank 0 in EP (the others idle: the prefill table's key is the
-// busiest rank's tokens), on every rank in TP. The runtime runs it eagerly (graphs are captured
-// for decode steps only), as the serving loop's prefill steps.
-double measure_prefill_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t T, int64_t vocab,
-                          int64_t layers, double* device_ms, double* first_ms = nullptr) {
-  const moebius::kv_state tables = gpu::bench::make_tables(rt.kv(), m, 1, T);
-  std::vector<int32_t> tokens(static_cast<size_t>(T));
-  for (int64_t i = 0; i < T; ++i)
-    tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
-  const step_item items[] = {{0, tokens, 0, true}};
-  const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
-  return median_step_ms(rt, layout, items, device_ms, 7, first_ms);
-}
-
-// A prefill chunk of a mixed step: `tokens` new tokens after `start` already cached.
-struct chunk_spec {
-  int64_t tokens = 0, start = 0;
-};
-
-// The wall clock in mode `m` of a step that decodes `b` sequences at context C on every rank (EP:
-// P x b sequences, round-robin over the ranks; TP: b, every rank running them) and prefills
-// `chunks` beside them, each one more sequence's chunk at its start, on rank 0 in EP (the
-// mixed-step table's key: the chunk's rank's own decode batch and chunk), on every rank in TP.
-// Eager, as every step that prefills. The median of 5 after 2 warm-ups.
-double measure_mixed_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t b, int64_t C,
-                        std::span<const chunk_spec> chunks, int64_t vocab, int64_t layers,
-                        double* device_ms) {
-  const moebius::kv_geometry& g = rt.kv();
-  const int P = static_cast<int>(g.num_ranks);
-  const int64_t decodes = m == parallel_mode::ep ? b * P : b;
-  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(P));
-  std::vector<int64_t> next_page(static_cast<size_t>(P), 0);
-  // Sequence `id` of `tokens` tokens on rank `owner` (EP) or every rank (TP).
-  const auto add = [&](int64_t id, int64_t tokens, int owner) {
-    const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
-    for (int r = 0; r < P; ++r) {
-      if (m == parallel_mode::ep && r != owner) continue;
-      moebius::kv_sequence s;
-      s.seq_id = id;
-      s.num_tokens = tokens;
-      s.last_page_len = tokens - (pages - 1) * g.page_size;
-      for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
-      per_rank[static_cast<size_t>(r)].push_back(std::move(s));
-    }
-  };
-  for (int64_t i = 0; i < decodes; ++i) add(i, C + 1, static_cast<int>(i % P));
-  for (size_t k = 0; k < chunks.size(); ++k)
-    add(decodes + static_cast<int64_t>(k), chunks[k].start + chunks[k].tokens, 0);
-  const moebius::kv_state tables = moebius::make_kv_state(g, m, std::move(per_rank));
-  std::vector<int32_t> decode_tokens;
-  std::vector<step_item> items = gpu::bench::decode_items(decodes, C, vocab, decode_tokens);
-  int64_t longest = 0;
-  for (const chunk_spec& x : chunks) longest = std::max(longest, x.tokens);
-  std::vector<int32_t> chunk(static_cast<size_t>(longest));
-  for (int64_t i = 0; i < longest; ++i)
-    chunk[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 17) % vocab);
-  for (size_t k = 0; k < chunks.size(); ++k) {
-    items.push_back({decodes + static_cast<int64_t>(k),
-                     std::span<const int32_t>(chunk).first(static_cast<size_t>(chunks[k].tokens)),
-                     chunks[k].start, true});
-  }
-  const step_layout layout{&tables, moebius::arena_cursor{m == parallel_mode::tp ? layers : 0}};
-  return median_step_ms(rt, layout, items, device_ms, 5);
-}
-
-// The mixed-step grid per mode (at P = 1 EP's stands for TP's, as the curves'), with its points
-// printed and added to `out`. Each row's chunks cut to the rank's budget beside its batch
-// (k_max_tokens - b); a cut chunk no larger than the row's previous one is left out.
-mixed_step_table measure_mixed_grid(gpu::gpu_runtime& rt, int P, int64_t vocab, int64_t layers,
-                                    nlohmann::json& out) {
-  std::vector<mixed_step_grid> grids;
-  for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
-    if (P == 1 && m == parallel_mode::tp) break;
-    mixed_step_grid grid{m, {}};
-    for (const int64_t b : k_mixed_batches) {
-      const int64_t in_deployment = m == parallel_mode::ep ? b * P : b;
-      if (in_deployment > k_max_running || b >= k_max_tokens) continue;
-      mixed_step_row row{b, {}, {}};
-      for (const int64_t t : k_mixed_chunks) {
-        const int64_t chunk = std::min(t, k_max_tokens - b);
-        if (chunk < 1 || (!row.chunk_tokens.empty() && chunk <= row.chunk_tokens.back())) continue;
-        double device_ms = 0;
-        const chunk_spec one[] = {{chunk, 0}};
-        const double ms = measure_mixed_ms(rt, m, b, k_mixed_context, one, vocab, layers,
-                                           &device_ms);
-        std::printf("  mixed %s: decode batch %3lld (a rank's) beside a chunk of %3lld tokens: "
-                    "%8.3f ms (device %8.3f ms)\n",
-                    moebius::to_string(m), static_cast<long long>(b),
-                    static_cast<long long>(chunk), ms, device_ms);
-        std::fflush(stdout);
-        row.chunk_tokens.push_back(chunk);
-        row.step_ms.push_back(ms);
-        out.push_back({{"mode", moebius::to_string(m)}, {"decode_batch", b},
-                       {"chunk_tokens", chunk}, {"step_ms", ms}, {"device_ms", device_ms}});
-      }
-      if (!row.chunk_tokens.empty()) grid.rows.push_back(std::move(row));
-    }
-    grids.push_back(grid);
-    if (P == 1) {
-      grid.mode = parallel_mode::tp;
-      grids.push_back(std::move(grid));
-    }
-  }
-  return mixed_step_table(std::move(grids), k_mixed_context,
-                          "the GPU runtime's mixed steps (measured here)");
-}
-
-// What a served step that prefills carries and the grid's key (decode batch, chunk tokens) does
-// not: the same decode batch and prefill tokens as a grid point, laid out as served steps lay
-// them out: one chunk that is a prompt's tail (its attention over `start` earlier tokens), and
-// the tokens split over several prompts' chunks. EP, a rank's own batch. Printed and added to
-// `out`; a diagnostic of the small prefills' pricing, used by no clock.
-void measure_mixed_probes(gpu::gpu_runtime& rt, int64_t vocab, int64_t layers,
-                          nlohmann::json& out) {
-  struct probe {
-    int64_t b;
-    std::vector<chunk_spec> chunks;
-  };
-  const std::vector<probe> probes = {
-      {16, {{64, 0}}},  {16, {{64, 448}}},  {16, {{64, 1984}}}, {16, {{32, 0}, {32, 0}}},
-      {16, {{16, 0}, {16, 0}, {16, 0}, {16, 0}}},               {64, {{256, 0}}},
-      {64, {{256, 768}}}, {64, {{64, 0}, {64, 0}, {64, 0}, {64, 0}}}};
-  for (const probe& x : probes) {
-    double device_ms = 0;
-    const double ms = measure_mixed_ms(rt, parallel_mode::ep, x.b, k_mixed_context, x.chunks,
-                                       vocab, layers, &device_ms);
-    nlohmann::json chunks = nlohmann::json::array();
-    std::string shown;
-    for (const chunk_spec& c : x.chunks) {
-      chunks.push_back({{"tokens", c.tokens}, {"start", c.start}});
-      shown.append(" ").append(std::to_string(c.tokens)).append("@").append(
-          std::to_string(c.start));
-    }
-    std::printf("  probe EP: decode batch %3lld beside chunks (tokens@start)%s: %8.3f ms "
-                "(device %8.3f ms)\n",
-                static_cast<long long>(x.b), shown.c_str(), ms, device_ms);
-    out.push_back({{"mode", "EP"}, {"decode_batch", x.b}, {"chunks", chunks}, {"step_ms", ms},
-                   {"device_ms", device_ms}});
-  }
-}
 
 // A bursty trace the P = 1 runtime crosses its batch range on: quiet at 4 requests/s, bursts of
 // 1 s at 150/s, prompts 32-1024 and outputs 16-512 tokens (within k_longest).
@@ -328,107 +111,25 @@ nlohmann::json metrics(const run_summary& s, const run_result& r) {
           {"switches", s.switches}, {"switch_total_ms", s.switch_total_ms}};
 }
 
-// The measured run's own steps priced by `clock`, summed per kind (decode; prefill filling the
-// step's token budget; smaller prefill): steps, measured ms, priced ms and their ratio. An EP
-// step at P > 1 is priced by its recorded split over the ranks (step_record::ranks), as the
-// clock was given it; one without a split is skipped (counted).
-nlohmann::json price_own_steps(const run_result& r, const step_clock& clock, int P) {
-  struct sums {
-    int64_t steps = 0;
-    double measured_ms = 0, priced_ms = 0;
+// own_step_prices as fidelity.json has them: per kind (decode, prefill_full, prefill_small) and
+// per mode (by_mode.EP / TP) steps, measured_ms, priced_ms and ratio, and the skipped count.
+nlohmann::json to_json(const own_step_prices& x) {
+  const char* kinds[] = {"decode", "prefill_full", "prefill_small"};
+  const auto out = [](const own_step_sums& v) {
+    return nlohmann::json{{"steps", v.steps},
+                          {"measured_ms", v.measured_ms},
+                          {"priced_ms", v.priced_ms},
+                          {"ratio", v.ratio()}};
   };
-  sums decode, full, small;
-  sums by_mode[2][3];  // [EP, TP][decode, full, small]
-  int64_t skipped = 0;
-  for (const step_record& s : r.steps) {
-    if (s.sequences <= 0 || s.in_switch) continue;
-    step_cost cost;
-    cost.set(s.config);
-    cost.num_ranks = P;
-    cost.num_sequences = s.sequences;
-    cost.new_tokens = s.decode_tokens + s.prefill_tokens;
-    cost.context_tokens = s.context_tokens;
-    if (cost.mode == parallel_mode::ep) {
-      if (P > 1 && static_cast<int>(s.ranks.size()) != P) {
-        ++skipped;  // no split recorded (a step of a progressive switch): not priced
-        continue;
-      }
-      cost.ranks = P > 1 ? s.ranks
-                         : std::vector<rank_work>{
-                               rank_work{cost.num_sequences, cost.new_tokens, cost.context_tokens}};
-    }
-    const int kind = s.prefill_tokens == 0 ? 0 : cost.new_tokens >= k_max_tokens ? 1 : 2;
-    sums& to = kind == 0 ? decode : kind == 1 ? full : small;
-    sums& in_mode = by_mode[cost.mode == parallel_mode::ep ? 0 : 1][kind];
-    const double priced_ms = clock.step_s(cost, s.measured_ms * 1e-3) * 1e3;
-    for (sums* x : {&to, &in_mode}) {
-      ++x->steps;
-      x->measured_ms += s.measured_ms;
-      x->priced_ms += priced_ms;
-    }
+  nlohmann::json j, modes;
+  for (int k = 0; k < 3; ++k) {
+    j[kinds[k]] = out(x.by_kind[k]);
+    modes["EP"][kinds[k]] = out(x.by_mode[0][k]);
+    modes["TP"][kinds[k]] = out(x.by_mode[1][k]);
   }
-  const auto out = [](const sums& x) {
-    return nlohmann::json{{"steps", x.steps},
-                          {"measured_ms", x.measured_ms},
-                          {"priced_ms", x.priced_ms},
-                          {"ratio", x.measured_ms > 0 ? x.priced_ms / x.measured_ms : 0.0}};
-  };
-  nlohmann::json modes;
-  for (int mi = 0; mi < 2; ++mi) {
-    modes[mi == 0 ? "EP" : "TP"] = {{"decode", out(by_mode[mi][0])},
-                                    {"prefill_full", out(by_mode[mi][1])},
-                                    {"prefill_small", out(by_mode[mi][2])}};
-  }
-  return {{"decode", out(decode)}, {"prefill_full", out(full)}, {"prefill_small", out(small)},
-          {"by_mode", modes}, {"skipped", skipped}};
-}
-
-// A clock whose steps are `base`'s times a factor per kind (decode; a step that prefills):
-// `base` with the error of its step prices taken out, each kind at the measured run's own steps'
-// measured / priced. A diagnostic: what the step prices alone move in each metric (TTFT is
-// queueing: a burst's queue grows by arrivals less service, so a few percent on the service
-// moves it by more).
-class rescaled_clock final : public step_clock {
- public:
-  rescaled_clock(const step_clock& base, double decode_factor, double prefill_factor)
-      : base_(base), decode_(decode_factor), prefill_(prefill_factor) {}
-  double step_s(const step_cost& cost, double measured_s) const override {
-    const bool prefills = cost.new_tokens > cost.num_sequences;  // a decode item is one token
-    return base_.step_s(cost, measured_s) * (prefills ? prefill_ : decode_);
-  }
-  double switch_s(const moebius::switch_report& r) const override { return base_.switch_s(r); }
-  const char* name() const override { return "as before, each kind of step rescaled"; }
-  bool needs_measurement() const override { return base_.needs_measurement(); }
-  int64_t layer_bytes(const moebius::layer_bytes& run, int64_t layers) const override {
-    return base_.layer_bytes(run, layers);
-  }
-  moebius::link_rate link() const override { return base_.link(); }
-  double copies_s(const switch_copies& c) const override { return base_.copies_s(c); }
-  double predicted_switch_s(const moebius::layer_bytes& run, int64_t layers) const override {
-    return base_.predicted_switch_s(run, layers);
-  }
-  double predicted_kv_switch_s(const moebius::layer_bytes& run, int64_t layers) const override {
-    return base_.predicted_kv_switch_s(run, layers);
-  }
-  overlap_slowdown slowdown() const override { return base_.slowdown(); }
-
- private:
-  const step_clock& base_;
-  double decode_, prefill_;
-};
-
-// measured / priced of the measured run's own steps by `clock`: {decode, steps that prefill}.
-std::pair<double, double> own_step_factors(const run_result& r, const step_clock& clock, int P) {
-  const nlohmann::json x = price_own_steps(r, clock, P);
-  const auto factor = [&](std::initializer_list<const char*> kinds) {
-    double measured = 0, priced = 0;
-    for (const char* k : kinds) {
-      measured += x[k]["measured_ms"].get<double>();
-      priced += x[k]["priced_ms"].get<double>();
-    }
-    return priced > 0 ? measured / priced : 1.0;
-  };
-  return {factor({"decode"}), factor({"prefill_full", "prefill_small"})};
+  j["by_mode"] = modes;
+  j["skipped"] = x.skipped;
+  return j;
 }
 
 }  // namespace
@@ -621,7 +322,9 @@ int main() {
   double decode_factor = 1, prefill_factor = 1;
   std::optional<rescaled_clock> rescaled;
   try {
-    std::tie(decode_factor, prefill_factor) = own_step_factors(gpu_run, priced, P);
+    const own_step_prices own = price_own_steps(gpu_run, priced, P, k_max_tokens);
+    decode_factor = own.decode_factor();
+    prefill_factor = own.prefill_factor();
     rescaled.emplace(priced, decode_factor, prefill_factor);
     std::printf("  rescaled: as before x %.4f a decode step, x %.4f a step that prefills\n",
                 decode_factor, prefill_factor);
@@ -744,7 +447,8 @@ int main() {
       clock_list.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
     std::vector<const pricing*> clocks;
     for (const pricing& x : clock_list) clocks.push_back(&x);
-    for (const pricing* x : clocks) j["own_steps"][x->key] = price_own_steps(gpu_run, *x->clock, P);
+    for (const pricing* x : clocks)
+      j["own_steps"][x->key] = to_json(price_own_steps(gpu_run, *x->clock, P, k_max_tokens));
     std::printf("  the measured run's own steps, priced / measured (summed):");
     for (const pricing* x : clocks) std::printf(" %s /", x->what.c_str());
     std::printf("\n");
