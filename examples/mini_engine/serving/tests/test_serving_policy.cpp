@@ -207,9 +207,11 @@ TEST_CASE("policy: the queueing term switches before the first completion") {
   CHECK(earlier);
   // What the queue waits for: its TTFT (the run's end is the longest request's, which the
   // switch's timing moves by a fraction of a second either way). Both runs end up in EP once
-  // the queue is long; the earlier switch must not cost the queue (within 0.5%: on some draws
-  // the two switch within a few steps of each other and the means differ by 0.01-0.1%).
-  CHECK(mean_ttft_s(with) <= mean_ttft_s(without) * 1.005);
+  // the queue is long; the earlier switch (about 13 s against 45 s) must not cost the queue.
+  // Over 24 draws the ratio was 0.967-1.008 (median 0.978): the earlier run in EP gains 1-3%
+  // on most draws, and on the few where its EP ranks drain unevenly and it ends up to 1.5%
+  // later, loses under 1%. Hence within 1.5%.
+  CHECK(mean_ttft_s(with) <= mean_ttft_s(without) * 1.015);
 }
 
 TEST_CASE("policy: known work weighs a rollout's tail; the policy never loses to static") {
