@@ -209,7 +209,13 @@ class ep_to_tp_rounds {
       bool fits = true;
       for (int n = 0; n < un.count && fits; ++n) {
         const int r = un.rank(n);
-        fits = (skip_owner(un) && r == m.owner) || !sch_.pool_empty(r) || sch_.free_slots(r) > 0;
+        // Interleaved slices: a rank's last staging slot is kept for its own pages' pieces. A
+        // piece staged on r frees an EP page of r only when it is r's own (its page frees once
+        // its last piece left); were every slot of a full r taken by other ranks' pieces, which
+        // wait for r's pages, r's own pages could never leave and nothing would free.
+        const int64_t reserved = !in_place_ && r != m.owner ? 1 : 0;
+        fits = (skip_owner(un) && r == m.owner) || !sch_.pool_empty(r) ||
+               sch_.free_slots(r) > reserved;
       }
       if (!fits) {
         next.push_back(u);

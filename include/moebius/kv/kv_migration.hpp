@@ -17,7 +17,8 @@
 //   its round, TP page p*split+j of the owner is free. Pieces of one page move independently,
 //   so two full ranks unblock each other. NHD with page_size > 1 interleaves heads per token,
 //   so the owner copies its own slice out too and the EP page frees when its last piece left
-//   (a full NHD rank then needs one staging slot).
+//   (a full NHD rank then needs one staging slot; its last slot is kept for its own pages'
+//   pieces, since other ranks' pieces staged there free none of its pages).
 //   Incoming pieces take TP pages of wholly free EP pages first, so the owners' freed pieces
 //   stay free and the way back can be in place.
 // TP->EP: each sequence gets an owner (placement); each page of the owner gets an aligned
