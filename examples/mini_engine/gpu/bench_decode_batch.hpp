@@ -57,23 +57,39 @@ inline bool prepare_gpu_bench() {
 
 // B sequences of `tokens` tokens (the decode token's slot included): in EP round-robin owners
 // with EP pages, in TP every rank with its TP pages; pages handed out in order.
-inline moebius::kv_state make_tables(const moebius::kv_geometry& g, moebius::parallel_mode m,
-                                     int64_t B, int64_t tokens) {
-  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(g.num_ranks));
-  std::vector<int64_t> next_page(static_cast<size_t>(g.num_ranks), 0);
-  const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
-  for (int64_t b = 0; b < B; ++b) {
+// Page tables under construction: per rank its sequences and its next free page.
+struct table_builder {
+  explicit table_builder(const moebius::kv_geometry& geometry)
+      : g(geometry), per_rank(static_cast<size_t>(g.num_ranks)),
+        next_page(static_cast<size_t>(g.num_ranks), 0) {}
+  // Sequence `id` of `tokens` tokens on rank `owner` (every rank: owner < 0), on fresh pages.
+  void add(int64_t id, int64_t tokens, int owner) {
+    const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
     for (int r = 0; r < g.num_ranks; ++r) {
-      if (m == moebius::parallel_mode::ep && b % g.num_ranks != r) continue;
+      if (owner >= 0 && r != owner) continue;
       moebius::kv_sequence s;
-      s.seq_id = b;
+      s.seq_id = id;
       s.num_tokens = tokens;
       s.last_page_len = tokens - (pages - 1) * g.page_size;
       for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
       per_rank[static_cast<size_t>(r)].push_back(std::move(s));
     }
   }
-  return moebius::make_kv_state(g, m, std::move(per_rank));
+  moebius::kv_state build(moebius::parallel_mode m) {
+    return moebius::make_kv_state(g, m, std::move(per_rank));
+  }
+
+  const moebius::kv_geometry& g;
+  std::vector<std::vector<moebius::kv_sequence>> per_rank;
+  std::vector<int64_t> next_page;
+};
+
+inline moebius::kv_state make_tables(const moebius::kv_geometry& g, moebius::parallel_mode m,
+                                     int64_t B, int64_t tokens) {
+  table_builder t(g);
+  for (int64_t b = 0; b < B; ++b)
+    t.add(b, tokens, m == moebius::parallel_mode::ep ? static_cast<int>(b % g.num_ranks) : -1);
+  return t.build(m);
 }
 
 // One decode token per sequence 0..B-1 at position `context`; `tokens` holds them and must

@@ -101,25 +101,14 @@ double measure_mixed_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t b, int64_
   const moebius::kv_geometry& g = rt.kv();
   const int P = static_cast<int>(g.num_ranks);
   const int64_t decodes = m == parallel_mode::ep ? b * P : b;
-  std::vector<std::vector<moebius::kv_sequence>> per_rank(static_cast<size_t>(P));
-  std::vector<int64_t> next_page(static_cast<size_t>(P), 0);
-  // Sequence `id` of `tokens` tokens on rank `owner` (EP) or every rank (TP).
+  gpu::bench::table_builder builder(g);  // EP: each on its owner; TP: on every rank
   const auto add = [&](int64_t id, int64_t tokens, int owner) {
-    const int64_t pages = moebius::pages_for_tokens(tokens, g.page_size);
-    for (int r = 0; r < P; ++r) {
-      if (m == parallel_mode::ep && r != owner) continue;
-      moebius::kv_sequence s;
-      s.seq_id = id;
-      s.num_tokens = tokens;
-      s.last_page_len = tokens - (pages - 1) * g.page_size;
-      for (int64_t p = 0; p < pages; ++p) s.pages.push_back(next_page[static_cast<size_t>(r)]++);
-      per_rank[static_cast<size_t>(r)].push_back(std::move(s));
-    }
+    builder.add(id, tokens, m == parallel_mode::ep ? owner : -1);
   };
   for (int64_t i = 0; i < decodes; ++i) add(i, C + 1, static_cast<int>(i % P));
   for (size_t k = 0; k < chunks.size(); ++k)
     add(decodes + static_cast<int64_t>(k), chunks[k].start + chunks[k].tokens, 0);
-  const moebius::kv_state tables = moebius::make_kv_state(g, m, std::move(per_rank));
+  const moebius::kv_state tables = builder.build(m);
   std::vector<int32_t> decode_tokens;
   std::vector<step_item> items = gpu::bench::decode_items(decodes, C, vocab, decode_tokens);
   int64_t longest = 0;

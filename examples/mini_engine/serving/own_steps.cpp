@@ -16,6 +16,16 @@ own_step_kind kind_of(const step_record& s, int64_t step_tokens) {
                                                            : own_step_kind::prefill_small;
 }
 
+step_cost cost_of(const step_record& s, int P) {
+  step_cost cost;
+  cost.set(s.config);
+  cost.num_ranks = P;
+  cost.num_sequences = s.sequences;
+  cost.new_tokens = s.decode_tokens + s.prefill_tokens;
+  cost.context_tokens = s.context_tokens;
+  return cost;
+}
+
 own_step_sums& own_step_sums::operator+=(const own_step_sums& o) {
   steps += o.steps;
   measured_ms += o.measured_ms;
@@ -46,12 +56,7 @@ own_step_prices price_own_steps(const run_result& r, const step_clock& clock, in
   own_step_prices out;
   for (const step_record& s : r.steps) {
     if (s.sequences <= 0 || s.in_switch) continue;
-    step_cost cost;
-    cost.set(s.config);
-    cost.num_ranks = P;
-    cost.num_sequences = s.sequences;
-    cost.new_tokens = s.decode_tokens + s.prefill_tokens;
-    cost.context_tokens = s.context_tokens;
+    step_cost cost = cost_of(s, P);
     if (cost.mode == parallel_mode::ep) {
       if (P > 1 && static_cast<int>(s.ranks.size()) != P) {
         ++out.skipped;

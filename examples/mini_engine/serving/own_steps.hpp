@@ -19,6 +19,11 @@ enum class own_step_kind { decode = 0, prefill_full = 1, prefill_small = 2 };
 // `s`'s kind under a budget of `step_tokens` tokens a step.
 own_step_kind kind_of(const step_record& s, int64_t step_tokens);
 
+// The cost `s` was priced as, rebuilt from its record on a deployment of `P` ranks:
+// configuration, ranks, sequences, new tokens (decode + prefill) and context. Its EP split over
+// the ranks (step_cost::ranks) is left to the caller.
+step_cost cost_of(const step_record& s, int P);
+
 // Steps summed: how many, their measured ms and the ms one clock priced them at.
 struct own_step_sums {
   int64_t steps = 0;

@@ -15,6 +15,7 @@
 #include "catch.hpp"
 #include "engine.hpp"
 #include "mixed_step_table.hpp"
+#include "own_steps.hpp"
 #include "sim_runtime.hpp"
 #include "small_trace.hpp"
 #include "step_curves.hpp"
@@ -300,12 +301,7 @@ TEST_CASE("a simulated run priced with mixed steps: every step priced again from
   for (const step_record& s : r.steps) {
     if (s.sequences <= 0 || s.in_switch) continue;
     CAPTURE(s.step, s.sequences, s.decode_tokens, s.prefill_tokens);
-    step_cost cost;
-    cost.set(s.config);
-    cost.num_ranks = P;
-    cost.num_sequences = s.sequences;
-    cost.new_tokens = s.decode_tokens + s.prefill_tokens;
-    cost.context_tokens = s.context_tokens;
+    step_cost cost = cost_of(s, P);  // own_steps.hpp
     if (cost.mode == parallel_mode::ep) {
       REQUIRE(s.ranks.size() == static_cast<size_t>(P));
       int64_t seqs = 0, tokens = 0, context = 0;
