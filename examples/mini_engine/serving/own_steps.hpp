@@ -20,8 +20,8 @@ enum class own_step_kind { decode = 0, prefill_full = 1, prefill_small = 2 };
 own_step_kind kind_of(const step_record& s, int64_t step_tokens);
 
 // The cost `s` was priced as, rebuilt from its record on a deployment of `P` ranks:
-// configuration, ranks, sequences, new tokens (decode + prefill) and context. Its EP split over
-// the ranks (step_cost::ranks) is left to the caller.
+// configuration, number of ranks, sequences, new tokens (decode + prefill) and context. Its EP
+// split over the ranks (step_cost::ranks) is left to the caller.
 step_cost cost_of(const step_record& s, int P);
 
 // Steps summed: how many, their measured ms and the ms one clock priced them at.
@@ -53,8 +53,8 @@ own_step_prices price_own_steps(const run_result& r, const step_clock& clock, in
                                 int64_t step_tokens);
 
 // `base` with each step's seconds times a factor per kind: decode_factor for a step that only
-// decodes (every item one token), prefill_factor for one that prefills. Everything else
-// (switches, links, slowdown, name's clock) is base's. Holds a reference to `base`.
+// decodes (every item one token), prefill_factor for one that prefills. Switches, links,
+// predictions and slowdown are base's; name() is its own. Holds a reference to `base`.
 class rescaled_clock final : public step_clock {
  public:
   // Throws errc::invalid_argument unless both factors are finite and > 0.
