@@ -4,7 +4,8 @@
 // the device)
 //   1. measures its own decode-step curves per mode: the wall clock of a step as the serving
 //      loop waits for it (inputs, upload, graph replay, tokens back), the median of 7 after 2
-//      warm-ups, at batches 1..512 and contexts 128, 512, 2048; and its prefill points per
+//      warm-ups, at contexts 128, 512, 2048 and batches 1..512: each CUDA-graph bucket and the
+//      first batch past it (curve_batches: the padding as served); and its prefill points per
 //      mode: the same wall clock of a step that prefills one chunk of 16, 32, ..., 512 tokens
 //      alone (one sequence, its first chunk; run eagerly, as every step that prefills);
 //   2. warms up (one eager step at every row count 1..512 per mode, as an engine does at start;
@@ -164,8 +165,8 @@ int main() {
   o.max_tokens = k_max_tokens;
   o.buckets = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
   o.max_pages_per_seq = (k_longest + k_page_size - 1) / k_page_size;
-  // The curves' largest point: 512 sequences of 2,049 tokens.
-  o.num_ep_pages = 512 * ((2048 + 1 + k_page_size - 1) / k_page_size);
+  // The curves' largest point: k_curve_largest sequences of 2,049 tokens.
+  o.num_ep_pages = k_curve_largest * ((2048 + 1 + k_page_size - 1) / k_page_size);
   std::printf("fidelity: GPU runtime P=%d%s, Qwen3-30B-A3B layer shapes, %lld layers, bf16\n",
               P, P > 1 ? " (virtual ranks on one GPU)" : "", static_cast<long long>(c.num_layers));
   gpu::gpu_runtime rt(c, uint64_t{12345}, o);
@@ -177,7 +178,7 @@ int main() {
   for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
     if (P == 1 && m == parallel_mode::tp) break;
     for (const int64_t C : {128, 512, 2048}) {
-      for (int64_t B = 1; B <= 512; B *= 2) {
+      for (const int64_t B : curve_batches(m, P, o.buckets, k_curve_largest)) {
         const double ms = measure_step_ms(rt, m, B, C, c.vocab, c.num_layers);
         std::printf("  curve %s: context %5lld batch %4lld: %8.3f ms\n", moebius::to_string(m),
                     static_cast<long long>(C), static_cast<long long>(B), ms);

@@ -39,6 +39,21 @@ double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
   return ms[mid];
 }
 
+std::vector<int64_t> curve_batches(parallel_mode m, int P, std::span<const int64_t> buckets,
+                                   int64_t largest) {
+  const int64_t ranks = m == parallel_mode::ep ? P : 1;
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    if (ranks * buckets[i] > largest) break;
+    out.push_back(ranks * buckets[i]);
+    // Past the bucket: the next bucket's graph, unless it is the same batch (buckets 1, 2).
+    if (i + 1 < buckets.size() && buckets[i] + 1 < buckets[i + 1] &&
+        ranks * (buckets[i] + 1) <= largest)
+      out.push_back(ranks * (buckets[i] + 1));
+  }
+  return out;
+}
+
 // The decode step's wall clock in mode `m` at batch B and context C.
 double measure_step_ms(gpu::gpu_runtime& rt, parallel_mode m, int64_t B, int64_t C, int64_t vocab,
                        int64_t layers) {

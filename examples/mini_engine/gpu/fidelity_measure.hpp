@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -19,6 +20,7 @@ constexpr int64_t k_max_tokens = 512;     // tokens a step (decode and prefill c
 constexpr int64_t k_max_running = 256;    // sequences at once
 constexpr int64_t k_page_size = 16;       // the runtime's (kv geometry)
 constexpr int64_t k_longest = 2560;       // tokens of the longest request (prompt + output)
+constexpr int64_t k_curve_largest = 512;  // sequences of the curves' largest batch
 // The prefill points' chunks (tokens): up to the step's budget.
 constexpr int64_t k_prefill_chunks[] = {16, 32, 64, 128, 256, 512};
 // The mixed-step grid (mixed_step_table.hpp): decode batches beside the chunk (a rank's own in
@@ -40,6 +42,17 @@ struct chunk_spec {
 double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
                       std::span<const step_item> items, double* device_ms = nullptr,
                       int runs = 7, double* first_ms = nullptr);
+// The decode-step curves' batches in mode `m` (the deployment's: P x a rank's in EP, a rank's
+// in TP), ascending, up to `largest`: every graph bucket, and the first batch past each bucket
+// but the last.
+// The replayed graph runs the bucket's rows (gpu_runtime pads a step to it) while attention and
+// the experts skip the padding, so a step's cost jumps just past a bucket and is nearly flat up
+// to the next: with both points measured, a step priced at its own batch (linear in log2 of the
+// batch between points) carries the padding as served. With only the buckets measured, such a
+// step was priced 3.7% short on average (up to 10% at 5 or 65 sequences, 1.5x the bucket
+// below), and at its bucket 2.7% long (on one H100, docs/results/fidelity_h100x1_warm_up).
+std::vector<int64_t> curve_batches(moebius::parallel_mode m, int P,
+                                   std::span<const int64_t> buckets, int64_t largest);
 // The decode step in mode `m` at batch B and context C.
 double measure_step_ms(gpu::gpu_runtime& rt, moebius::parallel_mode m, int64_t B, int64_t C,
                        int64_t vocab, int64_t layers);
