@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "collective_table.hpp"
+#include "curves_step_clock.hpp"
 #include "sim_deployment.hpp"
 #include "step_curves.hpp"
 

@@ -72,6 +72,7 @@
 #include <moebius/transport/dry_run_transport.hpp>
 
 #include "bench_decode_batch.hpp"
+#include "curves_step_clock.hpp"
 #include "engine.hpp"
 #include "fidelity_measure.hpp"
 #include "gpu_runtime.hpp"

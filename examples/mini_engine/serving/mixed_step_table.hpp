@@ -12,7 +12,7 @@
 // rank's own decode sequences (measured with every rank decoding b, the chunk on one rank) and t
 // its chunk. b = 0 is a step that prefills alone. The decode sequences of every point attend
 // decode_context() tokens; a step whose sequences attend more adds the decode curve's difference
-// (curves_step_clock, step_curves.hpp).
+// (curves_step_clock.hpp).
 //
 // Given per configuration as rows of one decode batch each (b ascending strictly), each row its
 // chunks (t ascending strictly): a rectangular grid when every row has the same chunks, though a

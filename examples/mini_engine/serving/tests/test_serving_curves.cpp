@@ -9,6 +9,7 @@
 #include <moebius/error.hpp>
 
 #include "catch.hpp"
+#include "curves_step_clock.hpp"
 #include "step_curves.hpp"
 #include "test_seed.hpp"
 

@@ -17,6 +17,7 @@
 
 #include "catch.hpp"
 #include "configuration.hpp"
+#include "curves_step_clock.hpp"
 #include "deployment.hpp"
 #include "engine.hpp"
 #include "sim_deployment.hpp"

@@ -13,6 +13,7 @@
 #include <moebius/transport/dry_run_transport.hpp>
 
 #include "catch.hpp"
+#include "curves_step_clock.hpp"
 #include "engine.hpp"
 #include "mixed_step_table.hpp"
 #include "own_steps.hpp"

@@ -14,6 +14,7 @@
 #include <moebius/transport/dry_run_transport.hpp>
 
 #include "catch.hpp"
+#include "curves_step_clock.hpp"
 #include "deployment.hpp"
 #include "engine.hpp"
 #include "paper_traces.hpp"
