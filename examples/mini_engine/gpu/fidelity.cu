@@ -22,10 +22,14 @@
 //      tail (after earlier tokens) and split over several prompts' chunks;
 //   3. the simulated runtime serves the same trace with the same scheduler, pool and forced
 //      switches, each switch priced by the cost model over the link measured on 2x H200
-//      (h200_params) and each step by the curves of 1 (curves_step_clock), priced four ways:
+//      (h200_params) and each step by the curves of 1 (curves_step_clock), priced five ways:
 //        "sim": as the paper-scale experiments price theirs by default: a decode step at its
-//          own batch (interpolated between the measured batches), a prefill chunk as the
-//          curve's extra rows at its smallest context;
+//          own batch (interpolated between the measured batches: the buckets and the first
+//          batch past each, so the graph's padding is in; curves_clock_options::
+//          replayed_decode), a prefill chunk as the extra rows of the buckets' curve at its
+//          smallest context;
+//        "sim_bucket_points": as "sim" with the decode steps between the buckets' points
+//          alone (the padding left out), as every run before the points past the buckets;
 //        "sim_buckets_prefill": a decode step at the runtime's CUDA-graph bucket (the batch
 //          padded to it, as the replayed graph runs it), a prefill step's increment from the
 //          prefill points measured alone;
@@ -174,21 +178,31 @@ int main() {
   rt.fill_kv_random(777);
 
   // 1. The curves, per mode (at P = 1 TP runs the same kernels on the same shapes: EP's points
-  // stand for both, as step_curves needs both modes).
-  std::vector<step_curve_point> points;
+  // stand for both, as step_curves needs both modes): at the graph buckets (`curves`: every
+  // pricing's prefill rows, and the bucket pricings' decode steps), and with the first batch past
+  // each bucket too (`replayed`: the decode steps of "sim", carrying the padding as served).
+  std::vector<step_curve_point> points, bucket_points;
   for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
     if (P == 1 && m == parallel_mode::tp) break;
+    const int64_t ranks = m == parallel_mode::ep ? P : 1;
     for (const int64_t C : {128, 512, 2048}) {
       for (const int64_t B : curve_batches(m, P, o.buckets, k_curve_largest)) {
         const double ms = measure_step_ms(rt, m, B, C, c.vocab, c.num_layers);
         std::printf("  curve %s: context %5lld batch %4lld: %8.3f ms\n", moebius::to_string(m),
                     static_cast<long long>(C), static_cast<long long>(B), ms);
-        points.push_back({m, C, B, ms});
-        if (P == 1) points.push_back({parallel_mode::tp, C, B, ms});
+        const bool bucket = B % ranks == 0 && std::find(o.buckets.begin(), o.buckets.end(),
+                                                        B / ranks) != o.buckets.end();
+        std::vector<parallel_mode> as = {m};
+        if (P == 1) as.push_back(parallel_mode::tp);  // EP's points stand for TP's
+        for (const parallel_mode a : as) {
+          points.push_back({a, C, B, ms});
+          if (bucket) bucket_points.push_back({a, C, B, ms});
+        }
       }
     }
   }
-  step_curves curves(points, "the GPU runtime's own (measured here)");
+  const step_curves curves(bucket_points, "the GPU runtime's own (measured here)");
+  const step_curves replayed(points, "the GPU runtime's decode steps as replayed (measured here)");
 
   // 1b. The prefill points, per mode (at P = 1 EP's stand for TP's, as the curves').
   std::vector<prefill_point> prefill;
@@ -273,10 +287,10 @@ int main() {
     std::printf("  the mixed-step probes could not be measured (%s)\n", e.what());
   }
 
-  // 3. The simulated runtime on the same geometry, priced by the curves: as before, at the
-  // runtime's graph buckets with the measured prefill points, and at the buckets with the
-  // mixed-step grid (a step that prefills priced whole from it; the prefill points where it
-  // has no grid).
+  // 3. The simulated runtime on the same geometry, priced by the curves: as replayed, between
+  // the buckets' points, at the runtime's graph buckets with the measured prefill points, and at
+  // the buckets with the mixed-step grid (a step that prefills priced whole from it; the
+  // prefill points where it has no grid).
   priced_model m;
   m.num_layers = c.num_layers;
   m.context_scale = 1;
@@ -289,7 +303,12 @@ int main() {
   m.intermediate = c.intermediate;
   m.vocab = c.vocab;
   const h200_step_model model(m, h200_params{}, P, kv_bytes_per_token(rt.kv()));
-  const curves_step_clock priced(curves, model);
+  // "sim": the decode steps on the curves measured as replayed; "sim_bucket_points": as every
+  // run before them, between the buckets' points (the padding left out).
+  curves_clock_options as_replayed;
+  as_replayed.replayed_decode = replayed;
+  const curves_step_clock priced(curves, model, as_replayed);
+  const curves_step_clock priced_between(curves, model);
   curves_clock_options with;
   with.graph_buckets = o.buckets;  // the runtime's own (gpu_runtime_options::buckets)
   with.prefill = prefill_points;
@@ -315,7 +334,8 @@ int main() {
     run_summary summary;
   };
   std::vector<pricing> wanted;
-  wanted.push_back({"sim", "as before", &priced, {}, {}});
+  wanted.push_back({"sim", "as replayed", &priced, {}, {}});
+  wanted.push_back({"sim_bucket_points", "between the buckets", &priced_between, {}, {}});
   wanted.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
   if (priced_mixed)
     wanted.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
@@ -328,22 +348,22 @@ int main() {
     decode_factor = own.decode_factor();
     prefill_factor = own.prefill_factor();
     rescaled.emplace(priced, decode_factor, prefill_factor);
-    std::printf("  rescaled: as before x %.4f a decode step, x %.4f a step that prefills\n",
+    std::printf("  rescaled: sim x %.4f a decode step, x %.4f a step that prefills\n",
                 decode_factor, prefill_factor);
-    wanted.push_back({"sim_rescaled", "as before, rescaled", &*rescaled, {}, {}});
+    wanted.push_back({"sim_rescaled", "sim, rescaled", &*rescaled, {}, {}});
   } catch (const std::exception& e) {
     std::printf("  the rescaled pricing is left out: %s\n", e.what());
   }
   // At P = 2 once more: the forced switches at the measured run's switch times instead of its
   // step indices (the simulated run takes other steps, so the same indices fall at other times
-  // and a burst may be served in the other mode), priced as before: what the phase of the
+  // and a burst may be served in the other mode), priced as "sim": what the phase of the
   // switches alone moves.
   engine_options at_times = eo;
   at_times.forced_steps.clear();
   for (const switch_record& x : gpu_run.switches)
     if (x.step > 0) at_times.forced_at_s.push_back(x.start_s);  // not a failed first switch
   if (P > 1 && !at_times.forced_at_s.empty())
-    wanted.push_back({"sim_switch_times", "as before, switches at the measured times", &priced,
+    wanted.push_back({"sim_switch_times", "sim, switches at the measured times", &priced,
                       {}, {}});
   // Each run on its own: one that fails is left out, and says why, the others kept.
   std::vector<pricing> runs;
@@ -443,7 +463,8 @@ int main() {
     // One per clock, whether its simulated run succeeded or not (the switch-time run shares
     // sim's clock).
     std::vector<pricing> clock_list;
-    clock_list.push_back({"sim", "as before", &priced, {}, {}});
+    clock_list.push_back({"sim", "as replayed", &priced, {}, {}});
+    clock_list.push_back({"sim_bucket_points", "between the buckets", &priced_between, {}, {}});
     clock_list.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
     if (priced_mixed)
       clock_list.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});

@@ -44,13 +44,13 @@ double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
                       int runs = 7, double* first_ms = nullptr);
 // The decode-step curves' batches in mode `m` (the deployment's: P x a rank's in EP, a rank's
 // in TP), ascending, up to `largest`: every graph bucket, and the first batch past each bucket
-// but the last.
-// The replayed graph runs the bucket's rows (gpu_runtime pads a step to it) while attention and
-// the experts skip the padding, so a step's cost jumps just past a bucket and is nearly flat up
-// to the next: with both points measured, a step priced at its own batch (linear in log2 of the
-// batch between points) carries the padding as served. With only the buckets measured, such a
-// step was priced 3.7% short on average (up to 10% at 5 or 65 sequences, 1.5x the bucket
-// below), and at its bucket 2.7% long (on one H100, docs/results/fidelity_h100x1_warm_up).
+// but the last. The replayed graph runs the bucket's rows (gpu_runtime pads a step to it) while
+// attention and the experts skip the padding, so a decode step's cost jumps just past a bucket
+// and is nearly flat up to the next: on every point (curves_clock_options::replayed_decode) a
+// decode step priced at its own batch carries the padding as served. On the buckets' points
+// alone it was priced 3.7% short on average (up to 10% at 5 or 65 sequences), at its bucket
+// 2.7% long (one H100, docs/results/fidelity_h100x1_warm_up). A step that prefills runs eagerly
+// (no padding): its extra rows stay on the buckets' points, which the plateaus would misprice.
 std::vector<int64_t> curve_batches(moebius::parallel_mode m, int P,
                                    std::span<const int64_t> buckets, int64_t largest);
 // The decode step in mode `m` at batch B and context C.

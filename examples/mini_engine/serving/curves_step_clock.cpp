@@ -16,7 +16,14 @@ namespace {
 // What the clock prices beyond the decode curves, for its name.
 std::string clock_options_text(const curves_clock_options& o) {
   std::ostringstream os;
-  if (o.graph_buckets.empty()) {
+  if (o.replayed_decode) {
+    std::string configs;
+    for (const configuration& c : o.replayed_decode->configurations())
+      configs += (configs.empty() ? "" : ", ") + name_of(c);
+    os << "decode steps at their own batch on decode steps measured as replayed (every graph "
+          "bucket and the first batch past each) of "
+       << configs << " (" << o.replayed_decode->deployment() << ")";
+  } else if (o.graph_buckets.empty()) {
     os << "decode steps at their own batch (between the measured points)";
   } else {
     os << "decode steps at their CUDA-graph bucket (" << o.graph_buckets.size() << " buckets, "
@@ -54,6 +61,14 @@ curves_step_clock::curves_step_clock(step_curves curves, const h200_step_model& 
   MOEBIUS_CHECK(std::isfinite(options_.eager_penalty) && options_.eager_penalty > 0,
                 errc::invalid_argument, "curves_step_clock: eager_penalty ",
                 options_.eager_penalty, " must be finite and > 0");
+  if (options_.replayed_decode) {
+    MOEBIUS_CHECK(options_.graph_buckets.empty(), errc::invalid_argument,
+                  "curves_step_clock: replayed_decode and graph_buckets are two ways to price a "
+                  "graph's padding: give one");
+    for (const configuration& c : options_.replayed_decode->configurations())
+      MOEBIUS_CHECK(curves_.has(c), errc::invalid_argument, "curves_step_clock: replayed_decode has ",
+                    name_of(c), ", which the curves (", curves_.deployment(), ") have no curve of");
+  }
   name_ = "per-rank step curves of " + curves_.deployment() +
           " (compute measured on one GPU, collectives priced; EP steps by their busiest rank; " +
           clock_options_text(options_) + "); switches and overlap: " + model.name();
@@ -63,6 +78,8 @@ double curves_step_clock::rank_ms(const configuration& m, double ranks, int64_t 
                                   int64_t rows, double context, bool graphs) const {
   const double seqs = static_cast<double>(sequences);
   if (rows <= sequences) {
+    if (graphs && options_.replayed_decode && options_.replayed_decode->has(m))
+      return options_.replayed_decode->step_ms(m, ranks * seqs, context);
     if (!graphs || options_.graph_buckets.empty()) return curves_.step_ms(m, ranks * seqs, context);
     // The replayed graph runs the bucket's rows; beyond the largest bucket, eagerly.
     const int64_t bucket = graph_bucket(options_.graph_buckets, sequences);

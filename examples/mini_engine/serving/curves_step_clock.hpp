@@ -6,6 +6,7 @@
 // (mixed_step_table.hpp). Switches, the link and the overlap slowdown from h200_step_model.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,15 @@ struct curves_clock_options {
   // (the runtime's step with MINI_ENGINE_NO_GRAPHS=1 against the same step replayed, at the
   // batches beyond the buckets); none is measured yet.
   double eager_penalty = 1;
+  // Decode steps measured as the runtime replays them: at every graph bucket and at the first
+  // batch past each (a step past a bucket replays the next bucket's graph, its dense GEMMs over
+  // the padded rows while attention and the experts skip them, so its cost jumps there and is
+  // nearly flat up to the bucket; mini_engine_fidelity measures them so). Given, a decode step
+  // is priced at its own batch on these (between their points, as the curves are) for the
+  // configurations they have; the curves keep pricing every step that prefills (run eagerly: no
+  // padding), whose extra rows the padded plateaus would misprice. A second way to price the
+  // padding: not with graph_buckets. Each configuration must have a curve. nullopt: none.
+  std::optional<step_curves> replayed_decode;
   // Measured prefill-chunk steps (prefill_table.hpp). For a configuration with points, a step
   // that prefills takes its prefill increment from them instead of from the decode curve's
   // extra rows (below); configurations without points keep the extra rows. Empty: none.
@@ -48,7 +58,8 @@ struct curves_clock_options {
 // The priced clock with measured curves. A step from the curve of its configuration
 // (step_cost::config(): TP, EP, TEP-DCP2, ...; a configuration without a curve is an error
 // naming it): its sequences at their mean context (scaled by the priced model's
-// context_scale; a decode step at its CUDA-graph bucket when options.graph_buckets are given),
+// context_scale; a decode step at its CUDA-graph bucket when options.graph_buckets are given, or
+// on options.replayed_decode when that is),
 // plus, when it prefills (more new tokens than sequences), the prefill increment at the
 // smallest measured context ctx0, never below 0:
 //   without prefill points: curve(rows, ctx0) - curve(sequences, ctx0)  (the chunk's GEMM

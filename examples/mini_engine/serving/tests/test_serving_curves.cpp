@@ -472,6 +472,76 @@ TEST_CASE("the curves clock prices a decode step at its CUDA-graph bucket", "[cp
   CHECK_THROWS_AS(curves_step_clock(hand_curves(), model, bad), moebius::error);
 }
 
+TEST_CASE("the curves clock prices a decode step on decode steps measured as replayed",
+          "[cpu][curves]") {
+  priced_model pm;
+  pm.context_scale = 1;
+  const h200_step_model model(pm, h200_params{}, 4, 1024);
+  // TP replayed at buckets 1, 4, 16 and past bucket 4 (5: bucket 16's graph): 10, 14, 20, 22 ms
+  // at context 512; 9, 12, 17, 18 at 128. EP at 512 as the curves' with a jump past 8: 18 ms at
+  // 12. No TP-DCP2: its decode steps stay on the curves (which have it here).
+  std::vector<step_curve_point> with_dcp = {
+      {parallel_mode::tp, 128, 1, 9}, {parallel_mode::tp, 128, 4, 12}, {parallel_mode::tp, 128, 16, 18},
+      {parallel_mode::tp, 512, 1, 10}, {parallel_mode::tp, 512, 4, 14}, {parallel_mode::tp, 512, 16, 22},
+      {parallel_mode::ep, 512, 2, 8}, {parallel_mode::ep, 512, 8, 12}, {parallel_mode::ep, 512, 32, 20},
+      {k_tp_dcp2, 512, 1, 11}, {k_tp_dcp2, 512, 16, 23}};
+  const step_curves curves(with_dcp, "hand");
+  const curves_step_clock plain(curves, model);
+  curves_clock_options o;
+  o.replayed_decode = step_curves({{parallel_mode::tp, 128, 1, 9},
+                                   {parallel_mode::tp, 128, 4, 12},
+                                   {parallel_mode::tp, 128, 5, 17},
+                                   {parallel_mode::tp, 128, 16, 18},
+                                   {parallel_mode::tp, 512, 1, 10},
+                                   {parallel_mode::tp, 512, 4, 14},
+                                   {parallel_mode::tp, 512, 5, 20},
+                                   {parallel_mode::tp, 512, 16, 22},
+                                   {parallel_mode::ep, 512, 2, 8},
+                                   {parallel_mode::ep, 512, 8, 12},
+                                   {parallel_mode::ep, 512, 12, 18},
+                                   {parallel_mode::ep, 512, 32, 20}},
+                                  "replayed by hand");
+  const curves_step_clock replayed(curves, model, o);
+  CHECK_THAT(replayed.name(), Catch::Contains("decode steps at their own batch on decode steps "
+                                              "measured as replayed (every graph bucket and the "
+                                              "first batch past each) of TP, EP (replayed by hand)"));
+  // Below the bucket the same points as the curves; past it, the jump.
+  CHECK(replayed.step_s(tp_step(3, 3, 512), 0) * 1e3 == Approx(log_lerp(3, 1, 10, 4, 14)));
+  CHECK(replayed.step_s(tp_step(5, 5, 512), 0) * 1e3 == Approx(20));
+  CHECK(replayed.step_s(tp_step(8, 8, 512), 0) * 1e3 == Approx(log_lerp(8, 5, 20, 16, 22)));
+  CHECK(plain.step_s(tp_step(8, 8, 512), 0) * 1e3 == Approx(log_lerp(8, 4, 14, 16, 22)));
+  // Between contexts: linear in the context, as the curves.
+  CHECK(replayed.step_s(tp_step(5, 5, 320), 0) * 1e3 == Approx(18.5));
+  // A step that prefills runs eagerly: the curves alone, by hand as in the bucket test.
+  const double prefill = log_lerp(3, 1, 10, 4, 14) + (18 + 24 * 0.5) - log_lerp(3, 1, 9, 4, 12);
+  CHECK(replayed.step_s(tp_step(3, 40, 512), 0) * 1e3 == Approx(prefill));
+  CHECK(replayed.step_s(tp_step(5, 40, 512), 0) == Approx(plain.step_s(tp_step(5, 40, 512), 0)));
+  // EP at P = 4, split: rank 0's 3 sequences at 12 in the curves' terms, past the jump (18 ms),
+  // the busiest; without the option log2-between 8 and 32.
+  step_cost ep;
+  ep.mode = parallel_mode::ep;
+  ep.num_ranks = 4;
+  ep.ranks = {{3, 3, 3 * 512}, {1, 1, 512}, {0, 0, 0}, {2, 2, 2 * 512}};
+  ep.num_sequences = ep.new_tokens = 6;
+  ep.context_tokens = 6 * 512;
+  CHECK(replayed.step_s(ep, 0) * 1e3 == Approx(18));
+  CHECK(plain.step_s(ep, 0) * 1e3 == Approx(log_lerp(12, 8, 12, 32, 20)));
+  // TP-DCP2 has no replayed curve: its decode steps on the curves, as without the option.
+  step_cost dcp = tp_step(8, 8, 512);
+  dcp.dcp = 2;
+  CHECK(replayed.step_s(dcp, 0) * 1e3 == Approx(log_lerp(8, 1, 11, 16, 23)));
+  // Two ways to price the padding at once, or a configuration the curves lack: refused by name.
+  curves_clock_options both = o;
+  both.graph_buckets = {1, 4, 16};
+  CHECK_THROWS_WITH(curves_step_clock(curves, model, both),
+                    Catch::Contains("replayed_decode and graph_buckets are two ways"));
+  curves_clock_options other;
+  other.replayed_decode = curves;
+  CHECK_THROWS_WITH(curves_step_clock(hand_curves(), model, other),
+                    Catch::Contains("replayed_decode has TP-DCP2, which the curves (hand) have no "
+                                    "curve of"));
+}
+
 TEST_CASE("the curves clock at vLLM's buckets: every decode batch at its bucket, random batches",
           "[cpu][curves]") {
   std::mt19937_64 rng(testing::test_seed());
