@@ -380,17 +380,25 @@ namespace {
 
 // TP at context 128: 9, 12, 18 ms at batch 1, 4, 16; at context 512: 10, 14, 22. EP at context
 // 512 only: 8, 12, 20 ms at batch 2, 8, 32.
-step_curves hand_curves() {
-  return step_curves({{parallel_mode::tp, 128, 1, 9},
-                      {parallel_mode::tp, 128, 4, 12},
-                      {parallel_mode::tp, 128, 16, 18},
-                      {parallel_mode::tp, 512, 1, 10},
-                      {parallel_mode::tp, 512, 4, 14},
-                      {parallel_mode::tp, 512, 16, 22},
-                      {parallel_mode::ep, 512, 2, 8},
-                      {parallel_mode::ep, 512, 8, 12},
-                      {parallel_mode::ep, 512, 32, 20}},
-                     "hand");
+std::vector<step_curve_point> hand_points() {
+  return {{parallel_mode::tp, 128, 1, 9},  {parallel_mode::tp, 128, 4, 12},
+          {parallel_mode::tp, 128, 16, 18}, {parallel_mode::tp, 512, 1, 10},
+          {parallel_mode::tp, 512, 4, 14},  {parallel_mode::tp, 512, 16, 22},
+          {parallel_mode::ep, 512, 2, 8},   {parallel_mode::ep, 512, 8, 12},
+          {parallel_mode::ep, 512, 32, 20}};
+}
+step_curves hand_curves() { return step_curves(hand_points(), "hand"); }
+
+// An EP step at P = 4 split 3, 1, 0 and 2 sequences over the ranks, one new token each, at
+// context 512.
+step_cost ep_split_step() {
+  step_cost ep;
+  ep.mode = parallel_mode::ep;
+  ep.num_ranks = 4;
+  ep.ranks = {{3, 3, 3 * 512}, {1, 1, 512}, {0, 0, 0}, {2, 2, 2 * 512}};
+  ep.num_sequences = ep.new_tokens = 6;
+  ep.context_tokens = 6 * 512;
+  return ep;
 }
 
 // Linear in log2 between (b0, y0) and (b1, y1), by hand.
@@ -438,12 +446,7 @@ TEST_CASE("the curves clock prices a decode step at its CUDA-graph bucket", "[cp
   CHECK(padded.step_s(tp_step(3, 40, 512), 0) * 1e3 == Approx(prefill));
 
   // EP at P = 4, split: each rank at its own bucket, in the curves' terms P x that.
-  step_cost ep;
-  ep.mode = parallel_mode::ep;
-  ep.num_ranks = 4;
-  ep.ranks = {{3, 3, 3 * 512}, {1, 1, 512}, {0, 0, 0}, {2, 2, 2 * 512}};
-  ep.num_sequences = ep.new_tokens = 6;
-  ep.context_tokens = 6 * 512;
+  step_cost ep = ep_split_step();
   // Rank 0: bucket 4, the curve at 16 (halfway between 8 and 32: 16 ms); rank 1 at 4 (10), rank
   // 3 at 8 (12): the busiest, 16 ms. Without buckets rank 0 at 12 sequences.
   CHECK(padded.step_s(ep, 0) * 1e3 == Approx(16));
@@ -480,27 +483,17 @@ TEST_CASE("the curves clock prices a decode step on decode steps measured as rep
   // TP replayed at buckets 1, 4, 16 and past bucket 4 (5: bucket 16's graph): 10, 14, 20, 22 ms
   // at context 512; 9, 12, 17, 18 at 128. EP at 512 as the curves' with a jump past 8: 18 ms at
   // 12. No TP-DCP2: its decode steps stay on the curves (which have it here).
-  std::vector<step_curve_point> with_dcp = {
-      {parallel_mode::tp, 128, 1, 9}, {parallel_mode::tp, 128, 4, 12}, {parallel_mode::tp, 128, 16, 18},
-      {parallel_mode::tp, 512, 1, 10}, {parallel_mode::tp, 512, 4, 14}, {parallel_mode::tp, 512, 16, 22},
-      {parallel_mode::ep, 512, 2, 8}, {parallel_mode::ep, 512, 8, 12}, {parallel_mode::ep, 512, 32, 20},
-      {k_tp_dcp2, 512, 1, 11}, {k_tp_dcp2, 512, 16, 23}};
+  std::vector<step_curve_point> with_dcp = hand_points();
+  with_dcp.push_back({k_tp_dcp2, 512, 1, 11});
+  with_dcp.push_back({k_tp_dcp2, 512, 16, 23});
   const step_curves curves(with_dcp, "hand");
   const curves_step_clock plain(curves, model);
+  std::vector<step_curve_point> as_replayed = hand_points();
+  as_replayed.push_back({parallel_mode::tp, 128, 5, 17});
+  as_replayed.push_back({parallel_mode::tp, 512, 5, 20});
+  as_replayed.push_back({parallel_mode::ep, 512, 12, 18});
   curves_clock_options o;
-  o.replayed_decode = step_curves({{parallel_mode::tp, 128, 1, 9},
-                                   {parallel_mode::tp, 128, 4, 12},
-                                   {parallel_mode::tp, 128, 5, 17},
-                                   {parallel_mode::tp, 128, 16, 18},
-                                   {parallel_mode::tp, 512, 1, 10},
-                                   {parallel_mode::tp, 512, 4, 14},
-                                   {parallel_mode::tp, 512, 5, 20},
-                                   {parallel_mode::tp, 512, 16, 22},
-                                   {parallel_mode::ep, 512, 2, 8},
-                                   {parallel_mode::ep, 512, 8, 12},
-                                   {parallel_mode::ep, 512, 12, 18},
-                                   {parallel_mode::ep, 512, 32, 20}},
-                                  "replayed by hand");
+  o.replayed_decode = step_curves(as_replayed, "replayed by hand");
   const curves_step_clock replayed(curves, model, o);
   CHECK_THAT(replayed.name(), Catch::Contains("decode steps at their own batch on decode steps "
                                               "measured as replayed (every graph bucket and the "
@@ -518,12 +511,7 @@ TEST_CASE("the curves clock prices a decode step on decode steps measured as rep
   CHECK(replayed.step_s(tp_step(5, 40, 512), 0) == Approx(plain.step_s(tp_step(5, 40, 512), 0)));
   // EP at P = 4, split: rank 0's 3 sequences at 12 in the curves' terms, past the jump (18 ms),
   // the busiest; without the option log2-between 8 and 32.
-  step_cost ep;
-  ep.mode = parallel_mode::ep;
-  ep.num_ranks = 4;
-  ep.ranks = {{3, 3, 3 * 512}, {1, 1, 512}, {0, 0, 0}, {2, 2, 2 * 512}};
-  ep.num_sequences = ep.new_tokens = 6;
-  ep.context_tokens = 6 * 512;
+  const step_cost ep = ep_split_step();
   CHECK(replayed.step_s(ep, 0) * 1e3 == Approx(18));
   CHECK(plain.step_s(ep, 0) * 1e3 == Approx(log_lerp(12, 8, 12, 32, 20)));
   // TP-DCP2 has no replayed curve: its decode steps on the curves, as without the option.
