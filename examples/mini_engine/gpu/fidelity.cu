@@ -184,19 +184,16 @@ int main() {
   std::vector<step_curve_point> points, bucket_points;
   for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
     if (P == 1 && m == parallel_mode::tp) break;
-    const int64_t ranks = m == parallel_mode::ep ? P : 1;
     for (const int64_t C : {128, 512, 2048}) {
-      for (const int64_t B : curve_batches(m, P, o.buckets, k_curve_largest)) {
+      for (const auto [B, past_bucket] : curve_batches(m, P, o.buckets, k_curve_largest)) {
         const double ms = measure_step_ms(rt, m, B, C, c.vocab, c.num_layers);
         std::printf("  curve %s: context %5lld batch %4lld: %8.3f ms\n", moebius::to_string(m),
                     static_cast<long long>(C), static_cast<long long>(B), ms);
-        const bool bucket = B % ranks == 0 && std::find(o.buckets.begin(), o.buckets.end(),
-                                                        B / ranks) != o.buckets.end();
         std::vector<parallel_mode> as = {m};
         if (P == 1) as.push_back(parallel_mode::tp);  // EP's points stand for TP's
         for (const parallel_mode a : as) {
           points.push_back({a, C, B, ms});
-          if (bucket) bucket_points.push_back({a, C, B, ms});
+          if (!past_bucket) bucket_points.push_back({a, C, B, ms});
         }
       }
     }
@@ -333,12 +330,15 @@ int main() {
     run_result run;
     run_summary summary;
   };
-  std::vector<pricing> wanted;
-  wanted.push_back({"sim", "as replayed", &priced, {}, {}});
-  wanted.push_back({"sim_bucket_points", "between the buckets", &priced_between, {}, {}});
-  wanted.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
+  // One per clock (the measured run's own steps are priced by each below), then the runs that
+  // share or derive from one.
+  std::vector<pricing> clock_list;
+  clock_list.push_back({"sim", "as replayed", &priced, {}, {}});
+  clock_list.push_back({"sim_bucket_points", "between the buckets", &priced_between, {}, {}});
+  clock_list.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
   if (priced_mixed)
-    wanted.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
+    clock_list.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
+  std::vector<pricing> wanted = clock_list;
   // As before with each kind of step rescaled to the measured run's own (rescaled_clock): what
   // is left of each metric's error once the step prices are right on average.
   double decode_factor = 1, prefill_factor = 1;
@@ -460,28 +460,19 @@ int main() {
   // The measured run's own steps priced by each clock: where the error comes from. A
   // diagnostic: should it fail, the runs' results above are written already.
   try {
-    // One per clock, whether its simulated run succeeded or not (the switch-time run shares
-    // sim's clock).
-    std::vector<pricing> clock_list;
-    clock_list.push_back({"sim", "as replayed", &priced, {}, {}});
-    clock_list.push_back({"sim_bucket_points", "between the buckets", &priced_between, {}, {}});
-    clock_list.push_back({"sim_buckets_prefill", "buckets + prefill alone", &priced_new, {}, {}});
-    if (priced_mixed)
-      clock_list.push_back({"sim_buckets_mixed", "buckets + mixed grid", &*priced_mixed, {}, {}});
-    std::vector<const pricing*> clocks;
-    for (const pricing& x : clock_list) clocks.push_back(&x);
-    for (const pricing* x : clocks)
-      j["own_steps"][x->key] = to_json(price_own_steps(gpu_run, *x->clock, P, k_max_tokens));
+    // One per clock, whether its simulated run succeeded or not.
+    for (const pricing& x : clock_list)
+      j["own_steps"][x.key] = to_json(price_own_steps(gpu_run, *x.clock, P, k_max_tokens));
     std::printf("  the measured run's own steps, priced / measured (summed):");
-    for (const pricing* x : clocks) std::printf(" %s /", x->what.c_str());
+    for (const pricing& x : clock_list) std::printf(" %s /", x.what.c_str());
     std::printf("\n");
     for (const char* kind : {"decode", "prefill_full", "prefill_small"}) {
       const nlohmann::json& x = j["own_steps"]["sim"][kind];
       std::printf("    %-14s %6lld steps, %10.1f ms measured:", kind,
                   static_cast<long long>(x["steps"].get<int64_t>()),
                   x["measured_ms"].get<double>());
-      for (const pricing* p : clocks)
-        std::printf(" %.3f", j["own_steps"][p->key][kind]["ratio"].get<double>());
+      for (const pricing& p : clock_list)
+        std::printf(" %.3f", j["own_steps"][p.key][kind]["ratio"].get<double>());
       std::printf("\n");
     }
     if (P > 1) {
@@ -491,8 +482,8 @@ int main() {
           std::printf("    %s %-11s %6lld steps, %10.1f ms measured:", mode, kind,
                       static_cast<long long>(x["steps"].get<int64_t>()),
                       x["measured_ms"].get<double>());
-          for (const pricing* p : clocks)
-            std::printf(" %.3f", j["own_steps"][p->key]["by_mode"][mode][kind]["ratio"].get<double>());
+          for (const pricing& p : clock_list)
+            std::printf(" %.3f", j["own_steps"][p.key]["by_mode"][mode][kind]["ratio"].get<double>());
           std::printf("\n");
         }
       }

@@ -39,17 +39,17 @@ double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
   return ms[mid];
 }
 
-std::vector<int64_t> curve_batches(parallel_mode m, int P, std::span<const int64_t> buckets,
-                                   int64_t largest) {
+std::vector<curve_batch> curve_batches(parallel_mode m, int P, std::span<const int64_t> buckets,
+                                       int64_t largest) {
   const int64_t ranks = m == parallel_mode::ep ? P : 1;
-  std::vector<int64_t> out;
+  std::vector<curve_batch> out;
   for (size_t i = 0; i < buckets.size(); ++i) {
     if (ranks * buckets[i] > largest) break;
-    out.push_back(ranks * buckets[i]);
+    out.push_back({ranks * buckets[i], false});
     // Past the bucket: the next bucket's graph, unless it is the same batch (buckets 1, 2).
     if (i + 1 < buckets.size() && buckets[i] + 1 < buckets[i + 1] &&
         ranks * (buckets[i] + 1) <= largest)
-      out.push_back(ranks * (buckets[i] + 1));
+      out.push_back({ranks * (buckets[i] + 1), true});
   }
   return out;
 }

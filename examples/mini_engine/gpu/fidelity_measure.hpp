@@ -51,8 +51,12 @@ double median_step_ms(gpu::gpu_runtime& rt, const step_layout& layout,
 // alone it was priced 3.7% short on average (up to 10% at 5 or 65 sequences), at its bucket
 // 2.7% long (one H100, docs/results/fidelity_h100x1_warm_up). A step that prefills runs eagerly
 // (no padding): its extra rows stay on the buckets' points, which the plateaus would misprice.
-std::vector<int64_t> curve_batches(moebius::parallel_mode m, int P,
-                                   std::span<const int64_t> buckets, int64_t largest);
+struct curve_batch {
+  int64_t batch = 0;
+  bool past_bucket = false;  // the first batch past a bucket (else a bucket's own)
+};
+std::vector<curve_batch> curve_batches(moebius::parallel_mode m, int P,
+                                       std::span<const int64_t> buckets, int64_t largest);
 // The decode step in mode `m` at batch B and context C.
 double measure_step_ms(gpu::gpu_runtime& rt, moebius::parallel_mode m, int64_t B, int64_t C,
                        int64_t vocab, int64_t layers);
