@@ -471,7 +471,10 @@ TEST_CASE("presets on random traces: every request served once more per preempti
   const uint64_t seed = testing::test_seed();
   int64_t retractions = 0, preemptions = 0;
   for (const parallel_mode m : {parallel_mode::ep, parallel_mode::tp}) {
-    for (uint64_t round = 0; round < 8; ++round) {
+    // Eight rounds, then more (up to 64) while the trace has not yet made SGLang retract or
+    // vLLM preempt: whether a random trace presses the pages that hard is up to the seed.
+    for (uint64_t round = 0; round < 8 || (round < 64 && (retractions == 0 || preemptions == 0));
+         ++round) {
       std::mt19937_64 rng(seed + round * 7919 + (m == parallel_mode::tp ? 1 : 0));
       const int P = std::uniform_int_distribution<int>(0, 1)(rng) ? 2 : 4;
       const int64_t pages = std::uniform_int_distribution<int64_t>(10, 24)(rng);
@@ -499,8 +502,9 @@ TEST_CASE("presets on random traces: every request served once more per preempti
       o.admission = admission_policy::known;
       for (const engine_preset e : {engine_preset::vllm, engine_preset::sglang}) {
         o.engine = e;
-        // A low initial ratio over-admits, so that SGLang retracts; mixed chunks half the time.
-        o.sglang.init_new_token_ratio = rng() % 2 ? 0.7 : 0.05;
+        // A low initial ratio over-admits, so that SGLang retracts: every other round has it,
+        // so that no seed leaves retraction untested. Mixed chunks half the time.
+        o.sglang.init_new_token_ratio = round % 2 ? 0.7 : 0.05;
         o.sglang.enable_mixed_chunk = rng() % 2 == 0;
         o.vllm_dp_engines = e == engine_preset::vllm && rng() % 2 == 0;
         CAPTURE(to_string(e), o.sglang.init_new_token_ratio, o.sglang.enable_mixed_chunk,
