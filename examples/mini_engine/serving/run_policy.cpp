@@ -174,9 +174,11 @@ run_policy::run_policy(const engine_options& o, const moebius::latency_curves& c
 }
 
 void run_policy::observe_work(const scheduler& sched, double now_s) {
+  const int64_t finished = sched.num_finished();
+  completions_.add(static_cast<double>(std::max<int64_t>(0, finished - counted_finished_)));
+  counted_finished_ = finished;
   if (!residency_) return;
   // A request's decode steps: its output tokens.
-  const int64_t finished = sched.num_finished();
   const int64_t arrived = finished + sched.num_running() + sched.num_waiting(now_s);
   moebius::step_observation obs;
   obs.arrivals = std::max<int64_t>(0, arrived - seen_arrived_);
@@ -370,18 +372,34 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
   // blocked). A queue that the step's token budget or the running cap holds is admitted as
   // others finish, and counting it would send an overloaded server to dcp 2 for KV it never
   // holds at once (a production-shaped trace at 3.9x load: 542 waiting prompts of ~1.6k tokens).
-  const bool pool_bound = w.waiting > 0 && (w.rollout || v.admission_blocked);
+  // In an open loop, the pool keeping the queue out counts only where the larger pool's fuller
+  // steps would serve faster (fuller_steps_pay).
+  // Ungated (no curves) or before any step, the capacity alone decides.
+  const auto queue_pays = [&] {
+    if (!gated_ || !step_rows_.seen()) return true;
+    const auto& c = curves_;
+    return fuller_steps_pay(std::max(1.0, step_rows_.value()), options_.scheduler.max_step_tokens,
+                            w.waiting_tokens, small == parallel_mode::ep ? c.ep : c.tp,
+                            large == parallel_mode::ep ? c.ep : c.tp, options_.gate.margin);
+  };
+  const bool pool_bound = w.waiting > 0 && (w.rollout || (v.admission_blocked && queue_pays()));
   double expected = static_cast<double>(w.running_tokens);
   if (pool_bound)
     expected += static_cast<double>(w.waiting_tokens) + static_cast<double>(w.waiting) * prior;
-  // Each running sequence: as many again as it has (at least the prior), up to its limit.
+  // Each running sequence: as many again as it has (at least the prior), up to its limit. A
+  // move to the larger dcp counts it in an open loop only while the live set grows
+  // (live_set_grows); the move back always does (a tail that could grow stays where it fits).
+  double remaining = 0;
   for (size_t i = 0; i < w.generated.size(); ++i)
-    expected += std::min(expected_remaining(w.generated[i], prior),
-                         static_cast<double>(w.left_to_limit[i]));
+    remaining += std::min(expected_remaining(w.generated[i], prior),
+                          static_cast<double>(w.left_to_limit[i]));
+  const bool grows = w.rollout || live_set_grows(w.running, w.running_tokens, completions_.value());
+  const double expected_up = expected + (grows ? remaining : 0);
+  expected += remaining;
   moebius::switch_proposal p;
   p.load = load;
   p.step = step;
-  if (mode == small && expected > small_pool) {
+  if (mode == small && expected_up > small_pool) {
     p.target = large;
     p.reason = moebius::decision_reason::above_high;
   } else if (mode == large && w.waiting == 0 && w.running > 0 &&
@@ -427,6 +445,8 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
 }
 
 void run_policy::observe_step(const step_record& rec) {
+  if (gated_ && !rec.in_switch && rec.sequences > 0)
+    step_rows_.add(static_cast<double>(rec.decode_tokens + rec.prefill_tokens));
   if (!gated_ || !options_.gate.correct_curves || rec.in_switch || rec.sequences <= 0) return;
   const int m = mode_index(rec.mode);
   // The curve at the step's rows (decode tokens and prefill chunk tokens, as the calibration's

@@ -29,6 +29,7 @@
 #include <moebius/switch/switch_plan.hpp>
 #include <moebius/switch/switcher.hpp>
 
+#include "dcp_capacity.hpp"
 #include "engine.hpp"
 #include "progressive_driver.hpp"
 #include "run_report.hpp"
@@ -84,8 +85,10 @@ class run_policy {
   // passes about what that pool holds), so
   //   to the larger dcp   when the KV the live sequences are expected to reach (each its
   //                       tokens plus expected_remaining, at most what its max_new_tokens
-  //                       leaves; the waiting ones their prompts plus the prior) passes the
-  //                       smaller dcp's pool: before the pool runs out
+  //                       leaves, in an open loop only while live_set_grows; the waiting ones
+  //                       their prompts plus the prior, in an open loop only where
+  //                       fuller_steps_pay: dcp_capacity.hpp) passes the smaller dcp's pool:
+  //                       before the pool runs out
   //                       and preempts; a dcp 1 -> 2 change moves no byte, so no gate weighs it
   //                       (its price is recorded);
   //   to the smaller dcp  when nothing waits and that estimate is within k_capacity_low of its
@@ -125,6 +128,10 @@ class run_policy {
   moebius::latency_curves base_curves_, curves_;
   std::optional<moebius::residency_predictor> residency_;
   int64_t seen_arrived_ = 0, seen_finished_ = 0, seen_finished_tokens_ = 0;
+  // decide_for_capacity: completions a step (every step, gated or not) and the rows a step
+  // carries (gated).
+  recent_mean completions_, step_rows_;
+  int64_t counted_finished_ = 0;
   // correct_curves: per mode (indexed EP, TP) the mean ratio of a step's time to the curve's and
   // whether any step has been seen; the recent steps' decode and prefill tokens (means).
   double step_ratio_[2] = {1, 1};
