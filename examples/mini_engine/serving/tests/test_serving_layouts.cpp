@@ -550,6 +550,24 @@ TEST_CASE_METHOD(
     for (const request_result& q : r.requests) CHECK(q.error.empty());
     CHECK(r.steps.back().config == k_tp);
   }
+  SECTION("with the throughput gate on, the same prompts move it to dcp 2 before any "
+          "preemption: nothing has completed, so the live set grows (dcp_capacity.hpp)") {
+    sim_world w(deployment_kind::dcp_only, clock);
+    o.start_mode = parallel_mode::tp;  // dcp 1
+    o.gate.enabled = true;
+    const int64_t tp_tokens = moebius::with_dcp(w.geometry.kv, 1).max_tokens(parallel_mode::tp);
+    const int64_t prompt = tp_tokens / 64;
+    o.scheduler.max_running = 96;
+    std::vector<request> t = burst(96, prompt, 400);
+    for (size_t i = 0; i < t.size(); ++i) t[i].output_tokens = 100 + 10 * static_cast<int64_t>(i);
+    const run_result r = w.eng->run(t, o, "dcp only, large load, gated");
+    REQUIRE_FALSE(r.switches.empty());
+    CHECK(r.switches[0].outcome == moebius::switch_outcome::committed);
+    CHECK(r.switches[0].to_dcp == 2);
+    CHECK(r.switches[0].running * prompt <= tp_tokens);
+    CHECK(r.preemptions == 0);
+    for (const request_result& q : r.requests) CHECK(q.error.empty());
+  }
   SECTION("a queue the step's token budget holds, not the pool, is no KV to come: dcp 1 "
           "throughout") {
     sim_world w(deployment_kind::dcp_only, clock);
