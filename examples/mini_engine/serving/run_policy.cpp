@@ -373,8 +373,8 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
   // others finish, and counting it would send an overloaded server to dcp 2 for KV it never
   // holds at once (a production-shaped trace at 3.9x load: 542 waiting prompts of ~1.6k tokens).
   // In an open loop, the pool keeping the queue out counts only where the larger pool's fuller
-  // steps would serve faster (fuller_steps_pay).
-  // Ungated (no curves) or before any step, the capacity alone decides.
+  // steps would serve faster (fuller_steps_pay); ungated (no curves to weigh with) or before any
+  // step, the capacity alone decides.
   const auto queue_pays = [&] {
     if (!gated_ || !step_rows_.seen()) return true;
     const auto& c = curves_;
