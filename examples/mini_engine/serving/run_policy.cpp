@@ -95,7 +95,7 @@ moebius::switch_policy_config rules_of(const engine_options& o) {
 // The exponential means' weight of one step (ratios and rows alike): the residency
 // predictor's weight of one completion, ~64 steps of memory. The correction runs after every
 // step: curves corrected a few seconds late let a flood's first switch through on stale ones.
-constexpr double k_ratio_weight = 1.0 / 64;
+constexpr double k_ratio_weight = recent_mean::k_weight;
 constexpr double k_rows_weight = k_ratio_weight;
 constexpr int64_t k_correction_every = 1;  // steps between two corrections
 // decide_for_capacity: back to the smaller dcp when the KV the live sequences are expected to
@@ -175,14 +175,15 @@ run_policy::run_policy(const engine_options& o, const moebius::latency_curves& c
 
 void run_policy::observe_work(const scheduler& sched, double now_s) {
   const int64_t finished = sched.num_finished();
-  completions_.add(static_cast<double>(std::max<int64_t>(0, finished - counted_finished_)));
-  counted_finished_ = finished;
+  const int64_t completions = finished - seen_finished_;
+  seen_finished_ = finished;
+  completions_.add(static_cast<double>(std::max<int64_t>(0, completions)));
   if (!residency_) return;
   // A request's decode steps: its output tokens.
   const int64_t arrived = finished + sched.num_running() + sched.num_waiting(now_s);
   moebius::step_observation obs;
   obs.arrivals = std::max<int64_t>(0, arrived - seen_arrived_);
-  obs.completions = finished - seen_finished_;
+  obs.completions = completions;
   if (obs.completions > 0) {
     const int64_t finished_tokens = sched.finished_output_tokens();
     obs.completed_steps = finished_tokens - seen_finished_tokens_;
@@ -191,7 +192,6 @@ void run_policy::observe_work(const scheduler& sched, double now_s) {
   obs.running = sched.num_running();
   residency_->observe(obs);
   seen_arrived_ = std::max(seen_arrived_, arrived);
-  seen_finished_ = finished;
 }
 
 moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mode target,

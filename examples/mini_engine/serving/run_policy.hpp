@@ -128,10 +128,9 @@ class run_policy {
   moebius::latency_curves base_curves_, curves_;
   std::optional<moebius::residency_predictor> residency_;
   int64_t seen_arrived_ = 0, seen_finished_ = 0, seen_finished_tokens_ = 0;
-  // decide_for_capacity: completions a step (every step, gated or not) and the rows a step
-  // carries (gated).
+  // decide_for_capacity: completions a step (every step, gated or not: seen_finished_ kept
+  // either way) and the rows a step carries (gated).
   recent_mean completions_, step_rows_;
-  int64_t counted_finished_ = 0;
   // correct_curves: per mode (indexed EP, TP) the mean ratio of a step's time to the curve's and
   // whether any step has been seen; the recent steps' decode and prefill tokens (means).
   double step_ratio_[2] = {1, 1};
