@@ -154,7 +154,9 @@ TEST_CASE("an out-of-range parallel_mode is refused at every entry that takes on
     const latency_sample samples[] = {{1, 10}, {2, 12}};
     curves.ep = curves.tp = latency_curve::fit(samples, curve_fit::least_squares_line);
     REQUIRE_MOEBIUS_ERROR(curves.latency_ms(bad, 1.0), errc::invalid_argument,
-                          "mode (parallel_mode)");
+                          "latency_curves mode (parallel_mode)");
+    REQUIRE_MOEBIUS_ERROR(curves.of(bad), errc::invalid_argument,
+                          "latency_curves mode (parallel_mode)");
 
     const arena_geometry a = small_arena();
     testing::host_world w(a, g);

@@ -10,6 +10,8 @@
 #include <moebius/plan/plan.hpp>
 #include <moebius/policy/step_time_gate.hpp>
 
+#include "kv_need.hpp"
+
 namespace mini_engine {
 
 using moebius::parallel_mode;
@@ -23,54 +25,6 @@ const char* to_string(gate_kind k) {
 }
 
 namespace {
-
-// Tokens the pool holds for admission under attention `m`: EP, every rank's pages
-// (data-parallel attention: a sequence lives on one rank); TP at `dcp`, one rank's times dcp
-// (every replica set of dcp ranks holds every sequence, each rank 1/dcp of its tokens).
-double pool_tokens(const moebius::kv_geometry& g, parallel_mode m, int64_t dcp,
-                   double watermark) {
-  const double ranks =
-      m == parallel_mode::ep ? static_cast<double>(g.num_ranks) : static_cast<double>(dcp);
-  return ranks * static_cast<double>(g.num_pages(m)) * static_cast<double>(g.page_size) *
-         (1.0 - watermark);
-}
-
-// The mean output a request is expected to have: of the requests finished so far, else of what
-// the running ones have generated (at least 1).
-double output_prior(const work_view& w) {
-  if (w.finished > 0)
-    return static_cast<double>(w.finished_output_tokens) / static_cast<double>(w.finished);
-  double mean_generated = 0;
-  for (const int64_t x : w.generated) mean_generated += static_cast<double>(x);
-  if (w.running > 0) mean_generated /= static_cast<double>(w.running);
-  return std::max(1.0, mean_generated);
-}
-
-// Expected decode tokens still to come for a sequence that has generated `generated`: at least
-// what it has generated (a heavy-tailed length: a sequence that has run g tokens runs about g
-// more) and at least the mean output of the requests finished so far (`prior`).
-double expected_remaining(int64_t generated, double prior) {
-  return std::max(static_cast<double>(generated), prior);
-}
-
-// The known residency of a closed-loop rollout (no request arrives on its own): in TP, until
-// the last survivor of the rollout step ends (the next step's batch sends the engine back to
-// EP); in EP, until the live count falls under `boundary` (residency_boundary: T_l). In steps.
-int64_t rollout_residency(const work_view& w, parallel_mode target, int64_t boundary,
-                          double prior) {
-  std::vector<double> left;
-  left.reserve(static_cast<size_t>(w.running + w.waiting));
-  for (const int64_t g : w.generated) left.push_back(expected_remaining(g, prior));
-  for (int64_t q = 0; q < w.waiting; ++q) left.push_back(prior);
-  if (left.empty()) return 1;
-  std::sort(left.begin(), left.end());
-  double steps = left.back();
-  if (target == parallel_mode::ep) {
-    const int64_t live = static_cast<int64_t>(left.size());
-    steps = live < boundary ? 1.0 : left[static_cast<size_t>(live - boundary)];
-  }
-  return std::max<int64_t>(1, static_cast<int64_t>(std::min(std::ceil(steps), 1e12)));
-}
 
 // Appends `d` to the log, or counts it as a repeat of the last record when it decided the same
 // (same reason and target in the same mode) without a priced gate in either: a rule refused
@@ -377,10 +331,9 @@ std::optional<decided_switch> run_policy::decide_for_capacity(const run_view& v,
   // step, the capacity alone decides.
   const auto queue_pays = [&] {
     if (!gated_ || !step_rows_.seen()) return true;
-    const auto& c = curves_;
     return fuller_steps_pay(std::max(1.0, step_rows_.value()), options_.scheduler.max_step_tokens,
-                            w.waiting_tokens, small == parallel_mode::ep ? c.ep : c.tp,
-                            large == parallel_mode::ep ? c.ep : c.tp, options_.gate.margin);
+                            w.waiting_tokens, curves_.of(small), curves_.of(large),
+                            options_.gate.margin);
   };
   const bool pool_bound = w.waiting > 0 && (w.rollout || (v.admission_blocked && queue_pays()));
   double expected = static_cast<double>(w.running_tokens);

@@ -82,11 +82,12 @@ class latency_curves {
   latency_curve ep;
   latency_curve tp;
 
-  // Throws errc::invalid_argument for a mode that names neither EP nor TP.
-  double latency_ms(parallel_mode mode, double batch) const {
-    detail::check_enum(mode, "latency_ms mode (parallel_mode)");
-    return mode == parallel_mode::ep ? ep.at(batch) : tp.at(batch);
+  // The mode's curve. Throws errc::invalid_argument for a mode that names neither EP nor TP.
+  const latency_curve& of(parallel_mode mode) const {
+    detail::check_enum(mode, "latency_curves mode (parallel_mode)");
+    return mode == parallel_mode::ep ? ep : tp;
   }
+  double latency_ms(parallel_mode mode, double batch) const { return of(mode).at(batch); }
 };
 
 enum class crossover_status : uint8_t {
