@@ -6,6 +6,8 @@
 
 #include "designs_report.hpp"
 #include "paper_report.hpp"
+#include "rollout_search.hpp"
+#include "run_json.hpp"
 #include "trace_stats.hpp"
 
 namespace mini_engine::demo {

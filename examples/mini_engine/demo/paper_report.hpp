@@ -79,54 +79,6 @@ void print_rollout_bound(const std::vector<run_outcome>& runs,
 void print_rollout_verdict(const std::vector<run_outcome>& runs,
                            const std::vector<paper_metrics>& m, double bound_s);
 
-
-// Admission over a run, in windows of `bucket_s` from time 0 (a window holds the steps that
-// start in it; empty windows are left out): per window its start, the longest queue, the most
-// running, the most KV tokens counted as taken (reserved) and the most written (TP: one rank's;
-// EP: every rank's), the new_token_ratio at its last step (SGLang; 0 otherwise) and the
-// retractions (SGLang) or preemptions (vLLM) in it. {"bucket_s", "columns", "rows"}: "columns"
-// a CSV header and each row a CSV line in its order (a line, not an array: an array's numbers
-// take a line each in the indented results file). Throws errc::invalid_argument naming
-// bucket_s unless it is > 0 and finite.
-nlohmann::json admission_over_time_json(const run_result& r, double bucket_s);
-
-// The window admission_over_time_json uses for a run that ends at `end_s`: 1 s up to 200 s,
-// then at most 200 windows a run, each a whole number of seconds (the bursty trace's runs,
-// ~445 s: 3 s; a rollout of 35,000 s: 175 s), so the results JSON stays small; steps.csv has
-// every step.
-double admission_bucket_s(double end_s);
-
-// Per flood period, what admission did in it: from the flood's first arrival until its last
-// arrival and then until the queue is empty again (the run's end at most): the
-// new_token_ratio at its first step, the longest queue and when, the most running, the most KV
-// tokens reserved and what was written then, and the retractions or preemptions. An array in
-// the order of `floods`; a flood that no step starts in gives zeros.
-nlohmann::json flood_admission_json(const run_result& r,
-                                    const std::vector<arrival_period>& floods);
-
-// One run's metrics as JSON, with what it ran on and its policy's and gate's record (the
-// details the default output leaves out); with admission over time and in each flood
-// (admission_over_time_json, flood_admission_json).
-nlohmann::json run_json(const std::string& trace, const run_outcome& r, const paper_metrics& m,
-                        const std::string& clock, const moebius::calibration_result& cal);
-
-// The offline ceiling of a closed-loop rollout: one switch point per rollout step. Every step
-// starts at a load of 2,048 (in EP, or switching there at once) and may switch to TP once the
-// load falls under b: the paper's rollout rule at T_h = T_l = b, rules alone. Each b of the grid
-// serves the whole trace once, and each rollout step takes the b that served it fastest; the
-// steps are independent (each starts when the last has finished, and the rule sends it to EP at
-// once whatever the last one ended in), so that sum is a schedule's time: the search's best.
-struct search_result {
-  std::vector<int64_t> grid;
-  std::vector<paper_metrics> runs;  // per b
-  size_t best_single = 0;           // the b whose whole run was fastest
-  std::vector<size_t> best_per_step;
-  double per_step_total_s = 0;
-};
-search_result search_of(std::vector<int64_t> grid, std::vector<paper_metrics> runs);
-void print_search(const search_result& s, double best_static_s, double switching_s);
-nlohmann::json search_json(const std::string& trace, const search_result& s);
-
 // Each policy run's decisions (engine_options::explain) into `dir`/decisions.txt; the first
 // lines of the first such run printed.
 void write_decisions(const std::string& dir, const std::vector<run_outcome>& runs);

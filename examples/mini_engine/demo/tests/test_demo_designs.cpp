@@ -25,6 +25,7 @@
 #include "experiments.hpp"
 #include "designs_report.hpp"
 #include "paper_report.hpp"
+#include "run_json.hpp"
 #include "runs.hpp"
 #include "step_curves.hpp"
 
