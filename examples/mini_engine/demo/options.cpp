@@ -1,10 +1,9 @@
 #include "options.hpp"
+#include "option_values.hpp"
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <charconv>
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string_view>
@@ -13,59 +12,6 @@
 namespace mini_engine::demo {
 
 namespace {
-
-// CLI11 finds the options, their values and unknown arguments; the values are read here, so
-// every message names the option, the value and the range ("--ranks: '4x' is not an integer").
-[[noreturn]] void fail(const std::string& option, const std::string& why) {
-  throw usage_error(option + ": " + why);
-}
-
-int64_t parse_int(const std::string& option, std::string_view v, int64_t lo, int64_t hi) {
-  int64_t x = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-  if (v.empty() || ec == std::errc::invalid_argument || end != v.data() + v.size()) {
-    fail(option, "'" + std::string(v) + "' is not an integer");
-  }
-  if (ec == std::errc::result_out_of_range || x < lo || x > hi) {
-    fail(option, std::string(v) + " is out of range [" + std::to_string(lo) + ", " +
-                     std::to_string(hi) + "]");
-  }
-  return x;
-}
-
-uint64_t parse_seed(const std::string& option, std::string_view v) {
-  uint64_t x = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-  if (v.empty() || ec != std::errc() || end != v.data() + v.size()) {
-    fail(option, "'" + std::string(v) + "' is not an unsigned 64-bit integer");
-  }
-  return x;
-}
-
-double parse_double(const std::string& option, std::string_view v, double lo, double hi) {
-  const std::string s(v);
-  char* end = nullptr;
-  const double x = std::strtod(s.c_str(), &end);
-  if (s.empty() || end != s.c_str() + s.size() || s.front() == ' ') {
-    fail(option, "'" + s + "' is not a number");
-  }
-  if (!std::isfinite(x) || x < lo || x > hi) {
-    fail(option, s + " is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  }
-  return x;
-}
-
-// One of `names` (in order, matching `values`), or a usage error listing them.
-template <class E, size_t N>
-E parse_choice(const std::string& option, const std::string& v, const char* const (&names)[N],
-               const E (&values)[N]) {
-  for (size_t i = 0; i < N; ++i) {
-    if (v == names[i]) return values[i];
-  }
-  std::string list;
-  for (size_t i = 0; i < N; ++i) list += (i ? ", " : "") + std::string(names[i]);
-  fail(option, "'" + v + "' is not one of " + list);
-}
 
 constexpr const char* k_description =
     "Serves each request trace several times on the mini-engine (static TP, static EP, and\n"
@@ -107,10 +53,10 @@ void read_traces(options& o, const std::vector<std::string>& vs) {
     if (named != std::end(names)) {
       o.traces.push_back(named->second);
     } else if (v.empty()) {
-      fail("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
+      fail_option("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
                       "paper-steady, paper-rollout, paper-production or a file name");
     } else {
-      if (!o.trace_file.empty()) fail("--trace", "one trace file at most");
+      if (!o.trace_file.empty()) fail_option("--trace", "one trace file at most");
       o.traces.push_back(trace_kind::file);
       o.trace_file = v;
     }
@@ -170,7 +116,7 @@ void declare_workload(CLI::App& app, options& o) {
          else if (std::filesystem::is_directory(v))
            o.model_dir = v;
          else
-           fail("--model", "'" + v +
+           fail_option("--model", "'" + v +
                                "' is not one of qwen3-235b-a22b, qwen3-30b-a3b, nor a "
                                "checkpoint directory");
        });
@@ -179,7 +125,7 @@ void declare_workload(CLI::App& app, options& o) {
       "switching runs without the cost gate (the rules alone)");
   text("--write-trace", "FILE", "write the one --trace given as JSONL to FILE and exit",
        [&o](const std::string& v) {
-         if (v.empty()) fail("--write-trace", "needs a file name");
+         if (v.empty()) fail_option("--write-trace", "needs a file name");
          o.write_trace = v;
        });
   text("--seed", "N", "seed of the trace and the weights (default 1)",
@@ -188,7 +134,7 @@ void declare_workload(CLI::App& app, options& o) {
        "bursty/steady/production length in seconds, (0, 3600] (default: each trace's own)",
        [&o](const std::string& v) {
          o.duration_s = parse_double("--duration", v, 0, 3600);
-         if (o.duration_s <= 0) fail("--duration", "must be > 0");
+         if (o.duration_s <= 0) fail_option("--duration", "must be > 0");
        });
   text("--requests", "N", "rollout batch, 1..100000 (default 512)",
        [&o](const std::string& v) { o.requests = parse_int("--requests", v, 1, 100000); });
@@ -227,7 +173,7 @@ void declare_serving(CLI::App& app, options& o, bool& max_batch_set) {
        "docs/results, compiled in, when there are any)",
        [&o](const std::string& v) {
          o.curves = v;
-         if (v != "roofline" && !std::ifstream(v).good()) fail("--curves", "cannot open " + v);
+         if (v != "roofline" && !std::ifstream(v).good()) fail_option("--curves", "cannot open " + v);
        });
 }
 
@@ -238,7 +184,7 @@ void declare_output(CLI::App& app, options& o) {
   };
   text("--out", "DIR", "where the CSV and SVG go (default moebius_demo_out)",
        [&o](const std::string& v) {
-         if (v.empty()) fail("--out", "needs a directory name");
+         if (v.empty()) fail_option("--out", "needs a directory name");
          o.out_dir = v;
        });
   app.add_flag_callback(
@@ -268,7 +214,7 @@ void declare_sim(CLI::App& app, options& o) {
        "instead of the rate that keeps ~B* running (Little's law at the crossover's step time)",
        [&o](const std::string& v) {
          o.rate = parse_double("--rate", v, 0, 1e4);
-         if (o.rate <= 0) fail("--rate", "must be > 0");
+         if (o.rate <= 0) fail_option("--rate", "must be > 0");
        });
   text("--collective-us", "US|TP_US,EP_US",
        "--runtime sim: price the collectives by the link model with each at US microseconds of "
@@ -287,7 +233,7 @@ void declare_sim(CLI::App& app, options& o) {
        "model (link: 10 us + bytes / link rate)",
        [&o](const std::string& v) {
          if (v != "link" && v != "cited")
-           fail("--collectives", "'" + v + "' is not link or cited");
+           fail_option("--collectives", "'" + v + "' is not link or cited");
          o.collectives = v == "cited" ? collective_pricing::cited : collective_pricing::link;
          o.collectives_given = true;
        });
@@ -300,7 +246,7 @@ void declare_sim(CLI::App& app, options& o) {
        "padded to, vLLM's default capture sizes (vllm: 1, 2, 4, then 8 to 512 in steps of 8; "
        "beyond them eager) or at its own batch (none, the default)",
        [&o](const std::string& v) {
-         if (v != "vllm" && v != "none") fail("--graph-buckets", "'" + v + "' is not vllm or none");
+         if (v != "vllm" && v != "none") fail_option("--graph-buckets", "'" + v + "' is not vllm or none");
          o.vllm_graph_buckets = v == "vllm";
          o.graph_buckets_given = true;
        });
@@ -319,7 +265,7 @@ void declare_sim(CLI::App& app, options& o) {
        "sweep covers 0.02-0.2)",
        [&o](const std::string& v) {
          o.rollout_cut = parse_double("--rollout-cut", v, 0, 0.5);
-         if (o.rollout_cut <= 0 || o.rollout_cut >= 0.5) fail("--rollout-cut", "must be in (0, 0.5)");
+         if (o.rollout_cut <= 0 || o.rollout_cut >= 0.5) fail_option("--rollout-cut", "must be in (0, 0.5)");
        });
   app.add_flag_callback(
       "--search", [&o] { o.search = true; },
@@ -367,7 +313,7 @@ void declare_sim(CLI::App& app, options& o) {
        });
   text("--results", "FILE", "write every metric of every run as JSON to FILE (--runtime sim)",
        [&o](const std::string& v) {
-         if (v.empty()) fail("--results", "needs a file name");
+         if (v.empty()) fail_option("--results", "needs a file name");
          o.results_file = v;
        });
 }
@@ -385,7 +331,7 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
 // Constraints between options, once all are read.
 void check_together(options& o, bool max_batch_set) {
   if (!o.curves.empty() && o.clock == clock_kind::measured) {
-    fail("--curves",
+    fail_option("--curves",
          "step curves price the modelled clock, and --clock measured measures its "
          "steps (--clock model uses them)");
   }
@@ -395,7 +341,7 @@ void check_together(options& o, bool max_batch_set) {
   };
   const bool paper_trace = std::any_of(o.traces.begin(), o.traces.end(), is_paper);
   if (o.nodes > 1 && o.runtime != runtime_kind::sim)
-    fail("--nodes", "prices the simulated runtime's runs on more nodes (--runtime sim)");
+    fail_option("--nodes", "prices the simulated runtime's runs on more nodes (--runtime sim)");
   if (o.runtime == runtime_kind::sim) {
     if (!o.traces_given)
       o.traces = o.nodes > 1 ? std::vector<trace_kind>{trace_kind::paper_bursty,
@@ -405,58 +351,58 @@ void check_together(options& o, bool max_batch_set) {
                                                        trace_kind::paper_rollout};
     for (const trace_kind t : o.traces) {
       if (!is_paper(t) && t != trace_kind::file)
-        fail("--trace", std::string(to_string(t)) +
+        fail_option("--trace", std::string(to_string(t)) +
                             " is the host demo's small trace; the simulated runtime serves "
                             "paper-bursty, paper-steady, paper-rollout, paper-production or a "
                             "FILE");
     }
   } else if (paper_trace && o.write_trace.empty()) {
-    fail("--trace", "the paper's traces are served at full size by the simulated runtime only "
+    fail_option("--trace", "the paper's traces are served at full size by the simulated runtime only "
                     "(--runtime sim)");
   }
   if (o.rate > 0 && std::none_of(o.traces.begin(), o.traces.end(), [](trace_kind t) {
         return t == trace_kind::paper_steady || t == trace_kind::paper_production;
       }))
-    fail("--rate", "sets the rate of paper-steady and paper-production, and neither is served");
+    fail_option("--rate", "sets the rate of paper-steady and paper-production, and neither is served");
   if ((o.rollout_median >= 0 || o.rollout_cut >= 0) &&
       std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) == o.traces.end())
-    fail(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",
+    fail_option(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",
          "shapes the paper-rollout trace, which is not served");
   if (o.explain && o.runtime != runtime_kind::sim)
-    fail("--explain", "logs the simulated runtime's policy runs (--runtime sim)");
+    fail_option("--explain", "logs the simulated runtime's policy runs (--runtime sim)");
   if (o.search && o.runtime != runtime_kind::sim)
-    fail("--search", "searches the simulated runtime's rollout runs (--runtime sim)");
+    fail_option("--search", "searches the simulated runtime's rollout runs (--runtime sim)");
   if (o.collective_us_tp >= 0 && o.runtime != runtime_kind::sim)
-    fail("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
+    fail_option("--collective-us", "reprices the simulated runtime's step curves (--runtime sim)");
   if (o.routing_skew != 0 && o.runtime != runtime_kind::sim)
-    fail("--routing-skew", "prices the simulated runtime's EP steps (--runtime sim)");
+    fail_option("--routing-skew", "prices the simulated runtime's EP steps (--runtime sim)");
   if (o.graph_buckets_given && o.runtime != runtime_kind::sim)
-    fail("--graph-buckets", "prices the simulated runtime's decode steps (--runtime sim)");
+    fail_option("--graph-buckets", "prices the simulated runtime's decode steps (--runtime sim)");
   if (o.collectives_given && o.runtime != runtime_kind::sim)
-    fail("--collectives", "reprices the simulated runtime's step curves (--runtime sim)");
+    fail_option("--collectives", "reprices the simulated runtime's step curves (--runtime sim)");
   if (o.collective_us_tp >= 0) {
     if (o.collectives_given && o.collectives == collective_pricing::cited)
-      fail("--collectives", "cited prices each collective from the table; --collective-us sets "
+      fail_option("--collectives", "cited prices each collective from the table; --collective-us sets "
                             "the link model's latency: give one");
     o.collectives = collective_pricing::link;
   }
   if (o.mixed_chunk && o.engine != engine_preset::sglang)
-    fail("--mixed-chunk", "is SGLang's --enable-mixed-chunk (--engine sglang); vLLM always "
+    fail_option("--mixed-chunk", "is SGLang's --enable-mixed-chunk (--engine sglang); vLLM always "
                           "mixes prefill chunks into its decode steps");
   if (o.vllm_dp_engines && o.engine != engine_preset::vllm)
-    fail("--vllm-dp-engines", "is vLLM's data-parallel rule (--engine vllm); SGLang's DP "
+    fail_option("--vllm-dp-engines", "is vLLM's data-parallel rule (--engine vllm); SGLang's DP "
                               "attention schedules per rank already");
   if (o.engine == engine_preset::sglang && o.oracle_admission)
-    fail("--engine", "sglang admits on estimates of what is known; --admission oracle reserves "
+    fail_option("--engine", "sglang admits on estimates of what is known; --admission oracle reserves "
                      "each request's true output: give one");
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)
-    fail("--results", "is written by the simulated runtime's experiments (--runtime sim)");
+    fail_option("--results", "is written by the simulated runtime's experiments (--runtime sim)");
   if (!o.write_trace.empty() && o.traces.size() != 1) {
-    fail("--write-trace", "needs exactly one --trace");
+    fail_option("--write-trace", "needs exactly one --trace");
   }
   if (o.max_batch > o.step_tokens) {
     if (max_batch_set) {
-      fail("--max-batch", std::to_string(o.max_batch) + " exceeds --step-tokens " +
+      fail_option("--max-batch", std::to_string(o.max_batch) + " exceeds --step-tokens " +
                               std::to_string(o.step_tokens) +
                               " (every running sequence decodes one token per step)");
     }
