@@ -6,14 +6,16 @@
 #             run's equal a static run's): ~250 s
 #   curves    every static layout's full-size (94-layer) step curves over the operating region
 #             (scripts/gpu-region-curves.sh, no stage profile): ~380 s
+#   tests     every carried test (scripts/run-carried tests: each .carry/bin/test_*), the GPU
+#             regression; carry every test labelled gpu first (scripts/carry-build, no targets)
 # Built here with
 #   scripts/carry-build bench_mini_engine_rank_share mini_engine_fidelity \
 #       test_mini_engine_gpu_runtime test_switch_layouts_gpu
 # and on the GPU machine (kind nvidia-h200, carry .carry):
-#   OUT=<dir> scripts/gpu-h200-measurements.sh fidelity|curves|all
+#   OUT=<dir> scripts/gpu-h200-measurements.sh fidelity|curves|tests|all
 # Writes under $OUT: card.txt; fidelity/ (layers8_seed1_p{1,2}/ with fidelity.json, the
 # measured run's steps and the log; tests/ with each test's log); region/ (region_<layout>.jsonl,
-# curves.txt); each part packed into <part>.tgz as well.
+# curves.txt); tests/ (each carried test's log); each part packed into <part>.tgz as well.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -21,11 +23,13 @@ export NCCL_NVLS_ENABLE=0
 export LD_LIBRARY_PATH="$root/.carry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 OUT="${OUT:-$root/gpu-h200-out}"
 part="${1:-all}"
-case "$part" in fidelity | curves | all) ;; *) echo "usage: $0 fidelity|curves|all" >&2; exit 2 ;; esac
+case "$part" in fidelity | curves | tests | all) ;;
+  *) echo "usage: $0 fidelity|curves|tests|all" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 status=0
-if [ "$part" != curves ]; then
+if [ "$part" = fidelity ] || [ "$part" = all ]; then
   for p in 1 2; do
     d="$OUT/fidelity/layers8_seed1_p$p"
     mkdir -p "$d"
@@ -44,12 +48,16 @@ if [ "$part" != curves ]; then
   done
   tar czf "$OUT/fidelity.tgz" -C "$OUT" card.txt fidelity
 fi
-if [ "$part" != fidelity ]; then
+if [ "$part" = curves ] || [ "$part" = all ]; then
   mkdir -p "$OUT/region"
   PROFILE=0 CURVE_TIMEOUT="${CURVE_TIMEOUT:-75}" OUT="$OUT/region" \
     timeout 390 scripts/gpu-region-curves.sh >"$OUT/region/run.log" 2>&1 || status=1
   grep -h "== curves\|exit" "$OUT/region/curves.txt"
   tar czf "$OUT/curves.tgz" -C "$OUT" card.txt region
+fi
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  OUT="$OUT/tests" TEST_TIMEOUT="${TEST_TIMEOUT:-200}" scripts/run-carried tests || status=1
+  tar czf "$OUT/tests.tgz" -C "$OUT" card.txt tests
 fi
 echo "total $SECONDS s"
 exit $status
