@@ -20,7 +20,7 @@ int64_t parse_int(const std::string& option, std::string_view v, int64_t lo, int
   }
   if (ec == std::errc::result_out_of_range || x < lo || x > hi) {
     fail_option(option, std::string(v) + " is out of range [" + std::to_string(lo) + ", " +
-                     std::to_string(hi) + "]");
+                            std::to_string(hi) + "]");
   }
   return x;
 }
@@ -42,7 +42,8 @@ double parse_double(const std::string& option, std::string_view v, double lo, do
     fail_option(option, "'" + s + "' is not a number");
   }
   if (!std::isfinite(x) || x < lo || x > hi) {
-    fail_option(option, s + " is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    fail_option(option,
+                s + " is out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
   }
   return x;
 }

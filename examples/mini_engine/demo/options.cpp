@@ -1,13 +1,12 @@
 #include "options.hpp"
-#include "option_values.hpp"
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <string_view>
 #include <utility>
+
+#include "option_values.hpp"
 
 namespace mini_engine::demo {
 
@@ -53,8 +52,9 @@ void read_traces(options& o, const std::vector<std::string>& vs) {
     if (named != std::end(names)) {
       o.traces.push_back(named->second);
     } else if (v.empty()) {
-      fail_option("--trace", "needs all, bursty, rollout, steady, production, paper-bursty, "
-                      "paper-steady, paper-rollout, paper-production or a file name");
+      fail_option("--trace",
+                  "needs all, bursty, rollout, steady, production, paper-bursty, "
+                  "paper-steady, paper-rollout, paper-production or a file name");
     } else {
       if (!o.trace_file.empty()) fail_option("--trace", "one trace file at most");
       o.traces.push_back(trace_kind::file);
@@ -117,8 +117,8 @@ void declare_workload(CLI::App& app, options& o) {
            o.model_dir = v;
          else
            fail_option("--model", "'" + v +
-                               "' is not one of qwen3-235b-a22b, qwen3-30b-a3b, nor a "
-                               "checkpoint directory");
+                                      "' is not one of qwen3-235b-a22b, qwen3-30b-a3b, nor a "
+                                      "checkpoint directory");
        });
   app.add_flag_callback(
       "--no-gate", [&o] { o.gate = false; },
@@ -173,7 +173,8 @@ void declare_serving(CLI::App& app, options& o, bool& max_batch_set) {
        "docs/results, compiled in, when there are any)",
        [&o](const std::string& v) {
          o.curves = v;
-         if (v != "roofline" && !std::ifstream(v).good()) fail_option("--curves", "cannot open " + v);
+         if (v != "roofline" && !std::ifstream(v).good())
+           fail_option("--curves", "cannot open " + v);
        });
 }
 
@@ -246,7 +247,8 @@ void declare_sim(CLI::App& app, options& o) {
        "padded to, vLLM's default capture sizes (vllm: 1, 2, 4, then 8 to 512 in steps of 8; "
        "beyond them eager) or at its own batch (none, the default)",
        [&o](const std::string& v) {
-         if (v != "vllm" && v != "none") fail_option("--graph-buckets", "'" + v + "' is not vllm or none");
+         if (v != "vllm" && v != "none")
+           fail_option("--graph-buckets", "'" + v + "' is not vllm or none");
          o.vllm_graph_buckets = v == "vllm";
          o.graph_buckets_given = true;
        });
@@ -265,7 +267,8 @@ void declare_sim(CLI::App& app, options& o) {
        "sweep covers 0.02-0.2)",
        [&o](const std::string& v) {
          o.rollout_cut = parse_double("--rollout-cut", v, 0, 0.5);
-         if (o.rollout_cut <= 0 || o.rollout_cut >= 0.5) fail_option("--rollout-cut", "must be in (0, 0.5)");
+         if (o.rollout_cut <= 0 || o.rollout_cut >= 0.5)
+           fail_option("--rollout-cut", "must be in (0, 0.5)");
        });
   app.add_flag_callback(
       "--search", [&o] { o.search = true; },
@@ -332,8 +335,8 @@ void declare(CLI::App& app, options& o, bool& max_batch_set) {
 void check_together(options& o, bool max_batch_set) {
   if (!o.curves.empty() && o.clock == clock_kind::measured) {
     fail_option("--curves",
-         "step curves price the modelled clock, and --clock measured measures its "
-         "steps (--clock model uses them)");
+                "step curves price the modelled clock, and --clock measured measures its "
+                "steps (--clock model uses them)");
   }
   const auto is_paper = [](trace_kind t) {
     return t == trace_kind::paper_bursty || t == trace_kind::paper_steady ||
@@ -351,23 +354,26 @@ void check_together(options& o, bool max_batch_set) {
                                                        trace_kind::paper_rollout};
     for (const trace_kind t : o.traces) {
       if (!is_paper(t) && t != trace_kind::file)
-        fail_option("--trace", std::string(to_string(t)) +
-                            " is the host demo's small trace; the simulated runtime serves "
-                            "paper-bursty, paper-steady, paper-rollout, paper-production or a "
-                            "FILE");
+        fail_option("--trace",
+                    std::string(to_string(t)) +
+                        " is the host demo's small trace; the simulated runtime serves "
+                        "paper-bursty, paper-steady, paper-rollout, paper-production or a "
+                        "FILE");
     }
   } else if (paper_trace && o.write_trace.empty()) {
-    fail_option("--trace", "the paper's traces are served at full size by the simulated runtime only "
-                    "(--runtime sim)");
+    fail_option("--trace",
+                "the paper's traces are served at full size by the simulated runtime only "
+                "(--runtime sim)");
   }
   if (o.rate > 0 && std::none_of(o.traces.begin(), o.traces.end(), [](trace_kind t) {
         return t == trace_kind::paper_steady || t == trace_kind::paper_production;
       }))
-    fail_option("--rate", "sets the rate of paper-steady and paper-production, and neither is served");
+    fail_option("--rate",
+                "sets the rate of paper-steady and paper-production, and neither is served");
   if ((o.rollout_median >= 0 || o.rollout_cut >= 0) &&
       std::find(o.traces.begin(), o.traces.end(), trace_kind::paper_rollout) == o.traces.end())
     fail_option(o.rollout_median >= 0 ? "--rollout-median" : "--rollout-cut",
-         "shapes the paper-rollout trace, which is not served");
+                "shapes the paper-rollout trace, which is not served");
   if (o.explain && o.runtime != runtime_kind::sim)
     fail_option("--explain", "logs the simulated runtime's policy runs (--runtime sim)");
   if (o.search && o.runtime != runtime_kind::sim)
@@ -382,19 +388,23 @@ void check_together(options& o, bool max_batch_set) {
     fail_option("--collectives", "reprices the simulated runtime's step curves (--runtime sim)");
   if (o.collective_us_tp >= 0) {
     if (o.collectives_given && o.collectives == collective_pricing::cited)
-      fail_option("--collectives", "cited prices each collective from the table; --collective-us sets "
-                            "the link model's latency: give one");
+      fail_option("--collectives",
+                  "cited prices each collective from the table; --collective-us sets "
+                  "the link model's latency: give one");
     o.collectives = collective_pricing::link;
   }
   if (o.mixed_chunk && o.engine != engine_preset::sglang)
-    fail_option("--mixed-chunk", "is SGLang's --enable-mixed-chunk (--engine sglang); vLLM always "
-                          "mixes prefill chunks into its decode steps");
+    fail_option("--mixed-chunk",
+                "is SGLang's --enable-mixed-chunk (--engine sglang); vLLM always "
+                "mixes prefill chunks into its decode steps");
   if (o.vllm_dp_engines && o.engine != engine_preset::vllm)
-    fail_option("--vllm-dp-engines", "is vLLM's data-parallel rule (--engine vllm); SGLang's DP "
-                              "attention schedules per rank already");
+    fail_option("--vllm-dp-engines",
+                "is vLLM's data-parallel rule (--engine vllm); SGLang's DP "
+                "attention schedules per rank already");
   if (o.engine == engine_preset::sglang && o.oracle_admission)
-    fail_option("--engine", "sglang admits on estimates of what is known; --admission oracle reserves "
-                     "each request's true output: give one");
+    fail_option("--engine",
+                "sglang admits on estimates of what is known; --admission oracle reserves "
+                "each request's true output: give one");
   if (!o.results_file.empty() && o.runtime != runtime_kind::sim)
     fail_option("--results", "is written by the simulated runtime's experiments (--runtime sim)");
   if (!o.write_trace.empty() && o.traces.size() != 1) {
@@ -403,8 +413,8 @@ void check_together(options& o, bool max_batch_set) {
   if (o.max_batch > o.step_tokens) {
     if (max_batch_set) {
       fail_option("--max-batch", std::to_string(o.max_batch) + " exceeds --step-tokens " +
-                              std::to_string(o.step_tokens) +
-                              " (every running sequence decodes one token per step)");
+                                     std::to_string(o.step_tokens) +
+                                     " (every running sequence decodes one token per step)");
     }
     o.max_batch = o.step_tokens;
   }

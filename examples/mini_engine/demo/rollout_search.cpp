@@ -23,8 +23,9 @@ search_result search_of(std::vector<int64_t> grid, std::vector<paper_metrics> ru
 }
 
 void print_search(const search_result& s, double best_static_s, double switching_s) {
-  std::printf("\n  offline search: the rollout rule at T_h = T_l = b, rules alone, the trace served "
-              "once per b:\n   ");
+  std::printf(
+      "\n  offline search: the rollout rule at T_h = T_l = b, rules alone, the trace served "
+      "once per b:\n   ");
   for (size_t i = 0; i < s.grid.size(); ++i)
     std::printf(" b=%lld %.0f s%s", static_cast<long long>(s.grid[i]), s.runs[i].rollout_total_s,
                 i + 1 < s.grid.size() ? "," : "\n");

@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <tuple>
 #include <vector>
 
@@ -53,10 +54,19 @@ struct fake_runs {
   }
 };
 
+// A file removed when it goes out of scope.
+struct temp_file {
+  std::string path;
+  ~temp_file() {
+    std::error_code ignored;
+    std::filesystem::remove(path, ignored);
+  }
+};
+
 // The embedded region curves of Qwen3-235B at P = 8 for TP and EP alone, written to a file: a
 // clock on it prices TP-DCP2 and TEP-DCP2 by the fallback whether or not their own measured
 // curves are embedded.
-std::string tp_and_ep_region_file() {
+temp_file tp_and_ep_region_file() {
   std::string text;
   for (const embedded_curves& f : step_curves::region_files()) {
     std::istringstream in(f.text);
@@ -75,7 +85,7 @@ std::string tp_and_ep_region_file() {
       std::filesystem::temp_directory_path() /
       ("moebius_test_tp_ep_region_" + std::to_string(::getpid()) + ".jsonl");
   std::ofstream(path) << text;
-  return path.string();
+  return temp_file{path.string()};
 }
 
 size_t at(const fake_runs& f, run_kind k) {
@@ -132,7 +142,8 @@ TEST_CASE("the capacity line: every deployment once, its tokens as worked out by
 
 TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from TP's, said so",
           "[cpu][demo]") {
-  const std::string tp_ep = tp_and_ep_region_file();
+  const temp_file tp_ep_file = tp_and_ep_region_file();
+  const std::string& tp_ep = tp_ep_file.path;
   options o;
   o.runtime = runtime_kind::sim;
   o.collectives = collective_pricing::link;
