@@ -299,6 +299,7 @@ bool engine::serve_step(run_state& st, step_record& rec) {
   rec.running = st.sched.num_running();
   rec.waiting = st.sched.num_waiting(st.now);
   rec.stalled = b.stalled;
+  rec.decodes_held = b.decodes_held;
   st.admission_blocked = b.admission_blocked;
   rec.preempted = b.preempted;
   rec.kv_used_pages = used_pages_all(kv_, *done.tables);

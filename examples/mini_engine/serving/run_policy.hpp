@@ -31,6 +31,7 @@
 
 #include "dcp_capacity.hpp"
 #include "engine.hpp"
+#include "prefill_stalls.hpp"
 #include "progressive_driver.hpp"
 #include "run_report.hpp"
 #include "scheduler.hpp"
@@ -137,6 +138,9 @@ class run_policy {
   bool ratio_seen_[2] = {false, false};
   int64_t steps_since_correction_ = 0;
   double decode_rows_ = 0, prefill_rows_ = 0;
+  // correct_curves: per mode (EP, TP) the decodes its prefill-first steps held (sglang), which
+  // slow its decode tokens beyond its curve (prefill_stalls.hpp).
+  prefill_stalls stalls_[2];
   double last_factor_[2] = {1, 1};  // the last correction's factors (EP, TP), for the report
   int64_t corrections_ = 0;
 };

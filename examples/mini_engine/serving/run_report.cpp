@@ -73,19 +73,20 @@ run_summary summarize(const run_result& r) {
 
 void write_steps_csv(std::ostream& os, const run_result& r) {
   os << "run,step,start_s,mode,sequences,decode_tokens,prefill_tokens,context_tokens,running,"
-        "waiting,stalled,preempted,kv_used_pages,step_ms,measured_ms,switched,switch_ms,config\n";
+        "waiting,stalled,preempted,kv_used_pages,step_ms,measured_ms,switched,switch_ms,config,"
+        "decodes_held\n";
   char buf[320];
   for (const step_record& s : r.steps) {
-    std::snprintf(buf, sizeof buf,
-                  "%lld,%.6f,%s,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%.4f,%.4f,%d,%.4f,%s\n",
-                  static_cast<long long>(s.step), s.start_s,
-                  moebius::to_string(s.mode), static_cast<long long>(s.sequences),
-                  static_cast<long long>(s.decode_tokens), static_cast<long long>(s.prefill_tokens),
-                  static_cast<long long>(s.context_tokens), static_cast<long long>(s.running),
-                  static_cast<long long>(s.waiting), static_cast<long long>(s.stalled),
-                  static_cast<long long>(s.preempted),
-                  static_cast<long long>(s.kv_used_pages), s.step_ms, s.measured_ms,
-                  s.switched ? 1 : 0, s.switch_ms, name_of(s.config).c_str());
+    std::snprintf(
+        buf, sizeof buf,
+        "%lld,%.6f,%s,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%.4f,%.4f,%d,%.4f,%s,%lld\n",
+        static_cast<long long>(s.step), s.start_s, moebius::to_string(s.mode),
+        static_cast<long long>(s.sequences), static_cast<long long>(s.decode_tokens),
+        static_cast<long long>(s.prefill_tokens), static_cast<long long>(s.context_tokens),
+        static_cast<long long>(s.running), static_cast<long long>(s.waiting),
+        static_cast<long long>(s.stalled), static_cast<long long>(s.preempted),
+        static_cast<long long>(s.kv_used_pages), s.step_ms, s.measured_ms, s.switched ? 1 : 0,
+        s.switch_ms, name_of(s.config).c_str(), static_cast<long long>(s.decodes_held));
     os << csv_field(r.name) << ',' << buf;
   }
 }

@@ -30,6 +30,7 @@ struct step_record {
   configuration config = moebius::parallel_mode::ep;
   int64_t sequences = 0, decode_tokens = 0, prefill_tokens = 0, context_tokens = 0;
   int64_t running = 0, waiting = 0, stalled = 0, preempted = 0;
+  int64_t decodes_held = 0;   // step_batch::decodes_held (sglang's prefill-first steps)
   int64_t kv_used_pages = 0;  // sum over ranks, in `mode`'s pages
   // Admission's view after the step (step_batch): tokens written and tokens counted as taken
   // (TP: one rank's; EP: every rank's), and SGLang's new_token_ratio (0 under other presets).

@@ -178,6 +178,10 @@ struct step_batch {
   int64_t context_tokens = 0;        // sum over items of start_position + new tokens
   int64_t admitted = 0;              // requests admitted by this step
   int64_t stalled = 0;               // sequences skipped for want of a KV page
+  // sglang without mixed chunks: decoding requests that sat this step out because their group
+  // (TP: the one scheduler; EP: their rank's) ran a prefill instead. vllm: always 0 (its steps
+  // carry every decode beside the prefill chunks).
+  int64_t decodes_held = 0;
   // Admission stopped because the pool could not take the next waiting request (not the
   // batch cap or the step's token budget): requests wait with the pool full.
   bool admission_blocked = false;

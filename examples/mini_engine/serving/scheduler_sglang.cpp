@@ -203,6 +203,13 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
     if (!prefilling[gi] || mixed)
       sglang_decode(b, pages, static_cast<int>(gi), group_of, in_batch, gone, now_s,
                     prefilling[gi]);
+  // The decodes a prefill held back (the prefill-first alternation's price, which the gate
+  // weighs: run_policy's held share).
+  if (!mixed)
+    for (size_t i = 0; i < group_of.size(); ++i)
+      if (prefilling[static_cast<size_t>(group_of[i])] && !in_batch[i] && !gone[i] &&
+          running_[i].decoding())
+        ++b.decodes_held;
   if (b.preempted > 0) drop_running(b, gone);
 
   // Requests wait with the pool full: a refusal now, or a group still full from one.

@@ -11,7 +11,7 @@ import plot_runs  # noqa: E402
 
 STEPS_HEADER = ("run,step,start_s,mode,sequences,decode_tokens,prefill_tokens,context_tokens,"
                 "running,waiting,stalled,preempted,kv_used_pages,step_ms,measured_ms,switched,"
-                "switch_ms,config\n")
+                "switch_ms,config,decodes_held\n")
 REQUESTS_HEADER = ("run,id,arrival_s,admitted_s,first_token_s,finish_s,prompt_tokens,"
                    "output_tokens,preemptions,failed\n")
 
@@ -24,7 +24,7 @@ def write_trace_dir(tmp_path, steps, requests):
 
 def step_line(run, k, start, mode, seqs, ms, switched=0, config=None):
     return (f"{run},{k},{start:.6f},{mode},{seqs},{seqs},0,{seqs},{seqs},0,0,0,1,{ms:.4f},0.1,"
-            f"{switched},0,{config or mode}\n")
+            f"{switched},0,{config or mode},0\n")
 
 
 def test_spans_switches_and_ttft_worked_by_hand(tmp_path):

@@ -5,6 +5,8 @@
 // priced as the expert weights alone; the EP <-> TP-DCP2 design, whose TP view holds what
 // its EP view does; and the dcp-only design (TP-DCP2 <-> TP on static TP's footprint), whose
 // switches move the KV alone, forced, refused for capacity, and under the policy.
+// Last, the gate pricing the decodes SGLang's prefill-first steps hold, in a run of the paper's
+// design under each preset.
 #include <cmath>
 #include <memory>
 #include <sstream>
@@ -680,4 +682,49 @@ TEST_CASE_METHOD(dcp_only_fixture,
   bad.layouts.tp_dcp = 0;
   CHECK_THROWS_WITH(w.eng->run(burst(4, 30, 2), bad, "bad"),
                     Catch::Matchers::Contains("names a dcp per mode (ep_dcp 2, tp_dcp 0)"));
+}
+
+TEST_CASE(
+    "the gate prices the decodes SGLang's prefills hold: a trickle of arrivals sends the "
+    "paper's design to EP under SGLang, not under vLLM or SGLang with mixed chunks",
+    "[cpu][layouts]") {
+  // Flat curves: TP 10 ms a step, EP 20 (twice as slow). A request every 5 ms (prompt 300,
+  // 40 tokens): under SGLang's prefill-first steps nearly every TP step is a prefill that holds
+  // every decode, so a TP decode token costs several of its 10 ms steps; EP's 8 schedulers
+  // each see an eighth of the arrivals and hold far less (prefill_stalls.hpp). vLLM and mixed
+  // chunks carry the decodes in the prefill's step: TP stays the faster, and no switch pays.
+  h200_step_model model{paper_model(), h200_params{}, 8, 2 * 4 * 4 * 128 * 2, nullptr};
+  const curves_step_clock clock{parse(flat_file()), model};
+  const deployment d = make_deployment(qwen3_235b_a22b(), deployment_kind::switching);
+  std::vector<request> t = burst(600, 300, 40);
+  for (size_t i = 0; i < t.size(); ++i) t[i].arrival_s = 0.005 * static_cast<double>(i);
+  auto run = [&](engine_preset preset, bool mixed) {
+    engine_options o = options_of(d);
+    o.validate_every_step = false;
+    o.scheduler.admission = admission_policy::known;
+    o.scheduler.engine = preset;
+    o.scheduler.sglang.enable_mixed_chunk = mixed;
+    o.start_mode = parallel_mode::tp;
+    o.how = switching::policy;
+    o.policy = moebius::rollout_config(16, 8);
+    o.gate.enabled = true;
+    sim_world w(deployment_kind::switching, clock);
+    return w.eng->run(t, o, to_string(preset));
+  };
+  const run_result sglang = run(engine_preset::sglang, false);
+  INFO("sglang: " << sglang.switches.size() << " switches, correction " << sglang.correction);
+  REQUIRE_FALSE(sglang.switches.empty());
+  CHECK(sglang.switches[0].to.experts == parallel_mode::ep);
+  CHECK(sglang.switches[0].gate.evaluated);
+  CHECK(sglang.switches[0].gate.passed);
+  int64_t held = 0;
+  for (const step_record& s : sglang.steps) held += s.decodes_held;
+  CHECK(held > 0);
+  for (const bool mixed : {false, true}) {
+    const run_result r = run(mixed ? engine_preset::sglang : engine_preset::vllm, mixed);
+    INFO((mixed ? "sglang, mixed chunks" : "vllm") << ": correction " << r.correction);
+    CHECK(r.switches.empty());
+    CHECK(r.gate_refusals > 0);
+    for (const step_record& s : r.steps) CHECK(s.decodes_held == 0);
+  }
 }

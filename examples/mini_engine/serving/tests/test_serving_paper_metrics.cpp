@@ -237,7 +237,8 @@ TEST_CASE("the requests' CSV, line by line") {
   step_record s;
   s.step = 3;
   s.sequences = 2;
-  s.config = k_tep_dcp2;  // the policy's mode EP, priced as TEP-DCP2: the last column
+  s.config = k_tep_dcp2;  // the policy's mode EP, priced as TEP-DCP2: the config column
+  s.decodes_held = 5;     // the last column
   r.steps = {s};
   std::ostringstream quoted, steps;
   write_requests_csv(quoted, r, false);
@@ -245,7 +246,7 @@ TEST_CASE("the requests' CSV, line by line") {
   CHECK(quoted.str() == "\"GPU, \"\"measured\"\"\",7,0.250000,0.250000,0.500000,0.750000,2,3,1,0\n");
   CHECK(steps.str().substr(steps.str().find('\n') + 1) ==
         "\"GPU, \"\"measured\"\"\",3,0.000000,EP,2,0,0,0,0,0,0,0,0,0.0000,0.0000,0,0.0000,"
-        "TEP-DCP2\n");
+        "TEP-DCP2,5\n");
 }
 
 

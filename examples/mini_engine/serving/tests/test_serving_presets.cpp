@@ -183,6 +183,8 @@ TEST_CASE("sglang: admission charges a new request in full and a running one x n
   CHECK(log[1].admission_blocked);
   CHECK(log[1].prefill_tokens == 8);
   CHECK(log[1].decode_tokens == 0);
+  CHECK(log[1].decodes_held == 1);  // A, decoding since step 0, sits B's prefill out
+  CHECK(log[0].decodes_held == 0);
   CHECK(log[1].new_token_ratio == Approx(0.7));
   // After step 1: A 8 written + 0.7 x 15 (it had 1 token then), B 8 written + 0.7 x 18.
   CHECK(log[1].kv_written_tokens == 16);
@@ -190,6 +192,7 @@ TEST_CASE("sglang: admission charges a new request in full and a running one x n
   for (int k = 2; k <= 4; ++k) {
     CAPTURE(k);
     CHECK(log[static_cast<size_t>(k)].decode_tokens == 2);
+    CHECK(log[static_cast<size_t>(k)].decodes_held == 0);
     CHECK(log[static_cast<size_t>(k)].admitted == 0);
     CHECK(log[static_cast<size_t>(k)].admission_blocked);  // C waits: the batch is still full
     CHECK(log[static_cast<size_t>(k)].new_token_ratio == Approx(0.7 - (k - 1) * d));
@@ -340,12 +343,15 @@ TEST_CASE("sglang, DP attention: each rank its own chunk and ratio; one rank pre
   const step_batch b1 = s.next_step(pages, 1);
   CHECK(b1.prefill_tokens == 10);
   CHECK(b1.decode_tokens == 0);
+  CHECK(b1.decodes_held == 1);  // A, on rank 0, sits C's last chunk out
+  CHECK(b0.decodes_held == 0);
   std::vector<int32_t> t1;
   for (const step_item& it : b1.items) t1.push_back(it.sample ? rule(it.seq_id, 0) : -1);
   s.finish_step(b1, t1, pages, 2);
   const step_batch b2 = s.next_step(pages, 2);
   CHECK(b2.decode_tokens == 2);
   CHECK(b2.prefill_tokens == 4);
+  CHECK(b2.decodes_held == 0);  // rank 1's prefill holds none of rank 0's decodes
   CHECK(b2.new_token_ratio == Approx((0.21 - 0.1806 / 600 + 0.21) / 2));
   // The same run to its end.
   std::vector<step_batch> log;
@@ -438,6 +444,7 @@ TEST_CASE("sglang with mixed chunks: a prefill step carries the running decodes,
   CHECK(res[0].finish_s == 4);
   CHECK(res[1].first_token_s == 3);
   CHECK(res[1].finish_s == 5);
+  for (const step_batch& b : log) CHECK(b.decodes_held == 0);
 
   o.sglang.enable_mixed_chunk = false;
   log.clear();
@@ -447,6 +454,8 @@ TEST_CASE("sglang with mixed chunks: a prefill step carries the running decodes,
   CHECK(log[1].decode_tokens == 0);
   CHECK(log[2].prefill_tokens == 2);
   CHECK(log[2].decode_tokens == 0);
+  CHECK(log[1].decodes_held == 1);
+  CHECK(log[2].decodes_held == 1);
   CHECK(res[0].finish_s == 6);
 }
 

@@ -1,0 +1,61 @@
+#pragma once
+
+// What SGLang's prefill-first steps cost each mode's decodes, for the cost gate
+// (run_policy's curve correction). Without mixed chunks an SGLang scheduler runs a prefill
+// whenever one can be formed and its decoding requests sit that step out
+// (step_batch::decodes_held); the step's time is spent and their tokens are not made. The gate
+// prices a mode by its decode curve, so a mode whose decodes are held a share s of its time
+// makes each decode token 1 / (1 - s) times as slow as its curve says. TP runs one scheduler
+// and a prefill holds every decode; data-parallel attention (EP) runs one per rank and a
+// prefill holds only its rank's. On the steady paper trace under SGLang (39.3 requests/s) static
+// TP's decodes were held 74% of the decode slots and 51% of the time (steps from 100 to 300 s);
+// static EP's 35% and 36%: a TP decode token cost 2.05x its curve, an EP one 1.56x.
+//
+// vLLM and SGLang with mixed chunks never hold a decode: every factor is 1.
+
+#include <cstdint>
+
+#include "dcp_capacity.hpp"  // recent_mean
+
+namespace mini_engine {
+
+// One mode's recent steps (exponential means, recent_mean's weight).
+class prefill_stalls {
+ public:
+  // A step outside a switch: its time, the decodes it made and those a prefill held. Throws
+  // errc::invalid_argument for a negative or non-finite step_ms or a negative count.
+  void add(double step_ms, int64_t decode_tokens, int64_t decodes_held);
+  bool seen() const { return time_.seen(); }
+  // The share of the decode slots held: held / (held + decoded), 0 when neither.
+  double held_share() const;
+  // The share of the time the held decodes lost, each step's time split over its decode slots
+  // (a step that holds 1 of 8 ranks' decodes loses 1/8 of its time).
+  double lost_share() const;
+
+ private:
+  recent_mean time_, lost_, decoded_, held_;
+};
+
+// The factor by which a mode's decode tokens are slower than its curve: 1 / (1 - lost_share),
+// the share capped at k_max_lost_share (a mode that held every decode would be priced
+// infinitely slow, where the prefills it ran end and it decodes again).
+inline constexpr double k_max_lost_share = 0.9;
+double stall_factor(double lost_share);
+
+// A mode not yet seen, from the one seen: the lost share of the unseen mode's `unseen_groups`
+// schedulers (TP 1, data-parallel attention P) from the seen mode's `seen_groups`. A group runs
+// a prefill whenever a request arrived for it since its last step: with arrivals at random
+// (Poisson), the seen held share q_s gives a_s = -ln(1 - q_s) arrivals a group a step; the
+// unseen groups each see a_s x seen_groups / unseen_groups (steps taken as long), hold a share
+// q_u = 1 - exp(-a_u) of their decodes, and lose the seen mode's lost time per held slot,
+// lost_u = lost_s x q_u / q_s. Equal groups: the seen share (under TP attention in both modes
+// every rank runs every prefill). Worked example (the steady trace above, from static TP):
+// q_s 0.743, lost_s 0.513, 1 -> 8 groups: a_s 1.359, a_u 0.170, q_u 0.156, lost_u 0.108 (EP
+// measured 0.357: the TP scheduler's batch cap keeps q_s under what its arrivals alone give, so
+// the estimate from TP favours EP; from EP it would price TP near the cap). A mode seen once
+// keeps its own measurement thereafter. Throws errc::invalid_argument for shares outside
+// [0, 1] or a group count < 1.
+double unseen_lost_share(double seen_held_share, double seen_lost_share, int64_t seen_groups,
+                         int64_t unseen_groups);
+
+}  // namespace mini_engine
