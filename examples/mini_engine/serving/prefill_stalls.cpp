@@ -28,7 +28,8 @@ double prefill_stalls::held_share() const {
 }
 
 double prefill_stalls::lost_share() const {
-  return time_.value() > 0 ? lost_.value() / time_.value() : 0.0;
+  // Every slot held: lost and time are the same means, their ratio 1 up to rounding.
+  return time_.value() > 0 ? std::clamp(lost_.value() / time_.value(), 0.0, 1.0) : 0.0;
 }
 
 double stall_factor(double lost_share) {

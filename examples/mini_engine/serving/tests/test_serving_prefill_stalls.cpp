@@ -55,6 +55,19 @@ TEST_CASE("prefill stalls: one kind of step gives its own shares; two kinds thei
     s.add(40, 4, 4);
     CHECK(s.lost_share() > 0);
   }
+  SECTION("every slot held, over steps of random lengths: a share of exactly 1, never above") {
+    std::mt19937_64 rng(testing::test_seed());
+    std::uniform_real_distribution<double> ms(0.1, 500);
+    std::uniform_int_distribution<int64_t> held(1, 4096);
+    prefill_stalls s;
+    for (int k = 0; k < 5000; ++k) {
+      s.add(ms(rng), 0, held(rng));
+      REQUIRE(s.lost_share() <= 1);
+      REQUIRE(s.held_share() <= 1);
+    }
+    CHECK(s.lost_share() == Approx(1));
+    CHECK(stall_factor(s.lost_share()) == Approx(10));
+  }
   SECTION("bad steps are refused by name") {
     prefill_stalls s;
     REQUIRE_THROWS_WITH(s.add(-1, 1, 0), Catch::Contains("step_ms"));
