@@ -9,9 +9,14 @@ namespace mini_engine {
 
 using moebius::errc;
 
+recent_mean::recent_mean(double weight) : weight_(weight) {
+  MOEBIUS_CHECK(weight > 0 && weight <= 1, errc::invalid_argument, "recent_mean: weight (", weight,
+                ") must be in (0, 1]");
+}
+
 void recent_mean::add(double x) {
-  mean_ += k_weight * (x - mean_);
-  gathered_ += k_weight * (1 - gathered_);
+  mean_ += weight_ * (x - mean_);
+  gathered_ += weight_ * (1 - gathered_);
 }
 
 bool fuller_steps_pay(double rows_now, int64_t step_tokens, int64_t waiting_tokens,

@@ -12,17 +12,20 @@
 
 namespace mini_engine {
 
-// An exponential mean over the recent steps (weight 1/64 a step: the residency predictor's
-// weight of one completion), unbiased from its start: the mean over the weight it has gathered,
-// so the first steps count as themselves, not toward 0.
+// An exponential mean over the recent steps (by default weight 1/64 a step: the residency
+// predictor's weight of one completion), unbiased from its start: the mean over the weight it
+// has gathered, so the first steps count as themselves, not toward 0.
 class recent_mean {
  public:
   static constexpr double k_weight = 1.0 / 64;
+  // Throws errc::invalid_argument unless 0 < weight <= 1.
+  explicit recent_mean(double weight = k_weight);
   void add(double x);
   bool seen() const { return gathered_ > 0; }
   double value() const { return seen() ? mean_ / gathered_ : 0; }
 
  private:
+  double weight_;
   double mean_ = 0, gathered_ = 0;
 };
 

@@ -413,7 +413,11 @@ void run_policy::observe_step(const step_record& rec) {
   prefill_rows_ += k_rows_weight * (static_cast<double>(rec.prefill_tokens) - prefill_rows_);
   step_ratio_[m] = ratio_seen_[m] ? step_ratio_[m] + k_ratio_weight * (ratio - step_ratio_[m]) : ratio;
   ratio_seen_[m] = true;
-  stalls_[m].add(rec.step_ms, rec.decode_tokens, rec.decodes_held);
+  // The held decodes of the mode serving now, from its first step since the last switch (a
+  // stint before it saw other arrivals: a flood's prefills are no measure of the quiet after).
+  if (m != stalls_mode_) stalls_ = prefill_stalls{};
+  stalls_mode_ = m;
+  stalls_.add(rec.step_ms, rec.decode_tokens, rec.decodes_held);
   if (++steps_since_correction_ < k_correction_every) return;
   steps_since_correction_ = 0;
   // A mode not seen yet: EP's step as TP's would be with the recent steps' prefill rows on one
@@ -428,16 +432,15 @@ void run_policy::observe_step(const step_record& rec) {
                        : 1.0;
   const double r_ep = ratio_seen_[0] ? step_ratio_[0] : step_ratio_[1] * ep_over_tp;
   const double r_tp = ratio_seen_[1] ? step_ratio_[1] : step_ratio_[0] / ep_over_tp;
-  // The decodes each mode's prefills hold (sglang's prefill-first steps): a mode not seen
-  // yet from the one seen, its schedulers counted (data-parallel attention: one a rank).
+  // The decodes each mode's prefills hold (sglang's prefill-first steps): the serving mode's
+  // measured, the other's estimated from it with its schedulers counted (data-parallel
+  // attention: one a rank), both at the arrivals of now.
   const int64_t groups[2] = {ep_data_parallel ? kv_.num_ranks : 1, 1};
-  double lost[2] = {stalls_[0].lost_share(), stalls_[1].lost_share()};
-  for (int u = 0; u < 2; ++u) {
-    const int s = 1 - u;
-    if (!stalls_[u].seen() && stalls_[s].seen())
-      lost[u] =
-          unseen_lost_share(stalls_[s].held_share(), stalls_[s].lost_share(), groups[s], groups[u]);
-  }
+  const int other = 1 - m;
+  double lost[2];
+  lost[m] = stalls_.lost_share();
+  lost[other] = unseen_lost_share(stalls_.held_share(), stalls_.lost_share(), groups[m],
+                                  groups[other]);
   curves_.ep = scaled(base_curves_.ep, r_ep * stall_factor(lost[0]));
   curves_.tp = scaled(base_curves_.tp, r_tp * stall_factor(lost[1]));
   // The rules keep the calibrated thresholds (moving them under a running load makes the

@@ -138,9 +138,11 @@ class run_policy {
   bool ratio_seen_[2] = {false, false};
   int64_t steps_since_correction_ = 0;
   double decode_rows_ = 0, prefill_rows_ = 0;
-  // correct_curves: per mode (EP, TP) the decodes its prefill-first steps held (sglang), which
-  // slow its decode tokens beyond its curve (prefill_stalls.hpp).
-  prefill_stalls stalls_[2];
+  // correct_curves: the decodes the serving mode's prefill-first steps held (sglang) since
+  // it last started serving (stalls_mode_: EP 0, TP 1), which slow its decode tokens beyond
+  // its curve (prefill_stalls.hpp); the other mode's estimated from them.
+  prefill_stalls stalls_;
+  int stalls_mode_ = -1;
   double last_factor_[2] = {1, 1};  // the last correction's factors (EP, TP), for the report
   int64_t corrections_ = 0;
 };

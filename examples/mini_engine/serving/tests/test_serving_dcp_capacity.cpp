@@ -27,7 +27,12 @@ const moebius::latency_curve k_proportional = curve({{1, 0.01}, {8192, 81.92}});
 }  // namespace
 
 TEST_CASE("recent_mean: the weighted mean of what it saw, the weights written out", "[cpu]") {
-  recent_mean m;
+  std::mt19937_64 pick(testing::test_seed() + 1);
+  // The default weight, or another (prefill_stalls' 1/512), drawn.
+  const double w = std::uniform_int_distribution<int>(0, 1)(pick) ? recent_mean::k_weight
+                                                                   : 1.0 / 512;
+  CAPTURE(w);
+  recent_mean m(w);
   CHECK_FALSE(m.seen());
   CHECK(m.value() == 0);
   m.add(7);
@@ -41,7 +46,6 @@ TEST_CASE("recent_mean: the weighted mean of what it saw, the weights written ou
     m.add(xs.back());
   }
   // Step k of n weighs w (1 - w)^(n - 1 - k), over the weights' sum.
-  const double w = recent_mean::k_weight;
   double sum = 0, weights = 0;
   for (int k = 0; k < n; ++k) {
     const double wk = w * std::pow(1 - w, n - 1 - k);
@@ -53,6 +57,9 @@ TEST_CASE("recent_mean: the weighted mean of what it saw, the weights written ou
   recent_mean constant;
   for (int i = 0; i < n; ++i) constant.add(42);
   CHECK(constant.value() == Approx(42).epsilon(1e-12));
+  for (const double bad : {0.0, -0.5, 1.5})
+    REQUIRE_THROWS_WITH(recent_mean(bad), Catch::Contains("weight"));
+  CHECK(recent_mean(1).seen() == false);
 }
 
 TEST_CASE("fuller_steps_pay: more tokens a second at the budget's rows, by more than the margin",

@@ -43,7 +43,7 @@ TEST_CASE("prefill stalls: one kind of step gives its own shares; two kinds thei
     prefill_stalls s;
     s.add(100, 0, 8);
     s.add(50, 8, 0);
-    const double w = 1.0 / 64;
+    const double w = prefill_stalls::k_weight;
     CHECK(s.lost_share() == Approx(100 * (1 - w) / (100 * (1 - w) + 50)));
     CHECK(s.held_share() == Approx((1 - w) / (2 - w)));
   }
