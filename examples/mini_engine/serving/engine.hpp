@@ -137,8 +137,9 @@ struct cost_gate_options {
   // seen takes the other's factor, EP's with the recent prefill on one rank (the curve at
   // b + P p rows against b + p: b decode, p prefill tokens a step). Each mode's curve is also
   // slowed by the decodes its prefill-first steps hold (SGLang without mixed chunks: the
-  // share of its time those decodes lose, prefill_stalls.hpp; a mode not yet seen estimated
-  // from the one seen, its schedulers counted; vLLM holds none). After every step the
+  // share of its time those decodes lose over its last 512 steps, prefill_stalls.hpp; the
+  // mode not serving estimated from the serving one, its schedulers counted; vLLM holds
+  // none). After every step the
   // gate takes the corrected curves; the rules keep the calibrated thresholds. (1/64: the
   // residency predictor's weight of one completion; not tuned.)
   bool correct_curves = true;

@@ -48,7 +48,7 @@ class prefill_stalls {
 inline constexpr double k_max_lost_share = 0.9;
 double stall_factor(double lost_share);
 
-// A mode not yet seen, from the one seen: the lost share of the unseen mode's `unseen_groups`
+// The mode not serving, from the one serving: the lost share of the unseen mode's `unseen_groups`
 // schedulers (TP 1, data-parallel attention P) from the seen mode's `seen_groups`. A group runs
 // a prefill whenever a request arrived for it since its last step: with arrivals at random
 // (Poisson), the seen held share q_s gives a_s = -ln(1 - q_s) arrivals a group a step; the
@@ -58,9 +58,10 @@ double stall_factor(double lost_share);
 // every rank runs every prefill). Worked example (the steady trace above, from static TP):
 // q_s 0.743, lost_s 0.513, 1 -> 8 groups: a_s 1.359, a_u 0.170, q_u 0.156, lost_u 0.108 (EP
 // measured 0.357: the TP scheduler's batch cap keeps q_s under what its arrivals alone give, so
-// the estimate from TP favours EP; from EP it would price TP near the cap). A mode seen once
-// keeps its own measurement thereafter. Throws errc::invalid_argument for shares outside
-// [0, 1] or a group count < 1.
+// the estimate from TP favours EP; from EP it would price TP near the cap). The gate takes it
+// for the mode not serving, always from the serving mode's recent steps (a measurement of an
+// earlier stint saw other arrivals). Throws errc::invalid_argument for shares outside [0, 1]
+// or a group count < 1.
 double unseen_lost_share(double seen_held_share, double seen_lost_share, int64_t seen_groups,
                          int64_t unseen_groups);
 

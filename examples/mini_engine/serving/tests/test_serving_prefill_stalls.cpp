@@ -1,6 +1,6 @@
 // What SGLang's prefill-first steps cost a mode's decodes (prefill_stalls.hpp): the held and
 // lost shares of a mode's recent steps against hand-computed means, the factor and its cap,
-// and the estimate for a mode not yet seen on the steady trace's worked example. The gate
+// and the estimate for the mode not serving on the steady trace's worked example. The gate
 // taking it in a run: test_serving_layouts ("the gate prices the decodes SGLang's prefills
 // hold").
 #include <cmath>
@@ -88,7 +88,7 @@ TEST_CASE("prefill stalls: the factor is 1 / (1 - lost), capped at a 90% share")
   REQUIRE_THROWS_WITH(stall_factor(1.5), Catch::Contains("lost_share"));
 }
 
-TEST_CASE("prefill stalls: a mode not seen, from the one seen, its schedulers counted") {
+TEST_CASE("prefill stalls: the mode not serving, from the one serving, its schedulers counted") {
   SECTION("the steady trace from static TP (1 scheduler) to EP's 8") {
     // a_s = -ln(0.257) = 1.358679; a_u = 0.169835; q_u = 1 - exp(-a_u) = 0.156196;
     // lost_u = 0.513 x 0.156196 / 0.743 = 0.107845.
