@@ -65,12 +65,21 @@ TEST_CASE("device longest-first placement matches the host one", "[kv][placement
       d.own_pages = pick(rng, 0, max_pages);
       total += d.own_pages;
     }
-    // Capacity around (0.8 .. 1.3) x the fair share, uneven per rank.
+    // Capacity around (0.8 .. 1.3) x the fair share, uneven per rank; every sixth draw at most
+    // 0.9 x the fair share with nothing added, so that the ranks hold less than the demands and
+    // both outcomes are covered whatever the seed (left to chance, a seed drew 4 that did not
+    // fit in 60).
+    const bool short_of_pages = iter % 6 == 3;
+    if (short_of_pages && n > 0 && demands[0].own_pages == 0) {
+      demands[0].own_pages = 1;
+      ++total;
+    }
     std::vector<int64_t> capacity(static_cast<size_t>(P));
     for (int64_t& c : capacity)
-      c = total / P * pick(rng, 80, 130) / 100 + pick(rng, 0, max_pages);
+      c = short_of_pages ? total / P * pick(rng, 50, 90) / 100
+                         : total / P * pick(rng, 80, 130) / 100 + pick(rng, 0, max_pages);
     INFO("seed " << seed << " iter " << iter << " P " << P << " n " << n << " max_pages "
-                 << max_pages);
+                 << max_pages << (short_of_pages ? " short of pages" : ""));
     const kv_placement want = place_longest_first(demands, {}, capacity);
     (want.fits ? fitting : not_fitting) += 1;
 
@@ -137,7 +146,7 @@ TEST_CASE("device longest-first placement matches the host one", "[kv][placement
   }
   INFO("fitting " << fitting << " not fitting " << not_fitting);
   CHECK(fitting > 5);
-  CHECK(not_fitting > 5);
+  CHECK(not_fitting >= 10);  // at least the ten draws short of pages
 }
 
 TEST_CASE("device placement refuses bad arguments", "[kv][placement][gpu]") {

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <moebius/switch/switcher.hpp>
@@ -54,7 +55,10 @@ struct fixture {
 
 std::vector<fixture> fixtures() {
   std::vector<fixture> out;
-  const std::filesystem::path root(MINI_ENGINE_HF_FIXTURES);
+  // The source tree's fixtures, or MINI_ENGINE_HF_FIXTURES where the binary runs from another
+  // checkout (a carried build: scripts/run-carried sets it).
+  const char* moved = std::getenv("MINI_ENGINE_HF_FIXTURES");
+  const std::filesystem::path root(moved != nullptr ? moved : MINI_ENGINE_HF_FIXTURES);
   if (!std::filesystem::is_directory(root)) return out;
   for (const auto& d : std::filesystem::directory_iterator(root)) {
     if (!std::filesystem::exists(d.path() / "expected.json")) continue;
