@@ -139,9 +139,9 @@ struct cost_gate_options {
   // slowed by the decodes its prefill-first steps hold (SGLang without mixed chunks: the
   // share of its time those decodes lose over its last 512 steps, prefill_stalls.hpp; the
   // mode not serving estimated from the serving one, its schedulers counted; vLLM holds
-  // none). After every step the
-  // gate takes the corrected curves; the rules keep the calibrated thresholds. (1/64: the
-  // residency predictor's weight of one completion; not tuned.)
+  // none). After every step the gate takes the corrected curves; the rules keep the
+  // calibrated thresholds. (1/64: the residency predictor's weight of one completion; not
+  // tuned.)
   bool correct_curves = true;
   // The share by which the predicted gain must exceed the predicted cost (sets the policy's
   // gate_margin): covers the residency's spread and a cost model off by tens of percent.

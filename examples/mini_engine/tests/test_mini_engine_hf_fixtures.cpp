@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <moebius/switch/switcher.hpp>
@@ -36,6 +35,7 @@
 #include "catch.hpp"
 #include "checkpoint.hpp"
 #include "driver.hpp"
+#include "hf_fixtures.hpp"
 #include "host_runtime.hpp"
 #include "kv_pages.hpp"
 #include "layouts.hpp"
@@ -55,10 +55,7 @@ struct fixture {
 
 std::vector<fixture> fixtures() {
   std::vector<fixture> out;
-  // The source tree's fixtures, or MINI_ENGINE_HF_FIXTURES where the binary runs from another
-  // checkout (a carried build: scripts/run-carried sets it).
-  const char* moved = std::getenv("MINI_ENGINE_HF_FIXTURES");
-  const std::filesystem::path root(moved != nullptr ? moved : MINI_ENGINE_HF_FIXTURES);
+  const std::filesystem::path root = mini_engine::testing::hf_fixtures_root();
   if (!std::filesystem::is_directory(root)) return out;
   for (const auto& d : std::filesystem::directory_iterator(root)) {
     if (!std::filesystem::exists(d.path() / "expected.json")) continue;

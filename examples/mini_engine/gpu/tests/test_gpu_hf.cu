@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <moebius/cuda/check.hpp>
@@ -32,6 +31,7 @@
 #include "kv_pages.hpp"
 #include "safetensors.hpp"
 #include "tests/catch.hpp"
+#include "tests/hf_fixtures.hpp"
 
 using namespace mini_engine;
 using moebius::parallel_mode;
@@ -39,10 +39,7 @@ using moebius::parallel_mode;
 TEST_CASE("gpu_runtime loads checkpoints transformers wrote and gives its logits", "[gpu][hf]") {
   int devices = 0;
   MOEBIUS_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  // The source tree's fixtures, or MINI_ENGINE_HF_FIXTURES where the binary runs from another
-  // checkout (a carried build: scripts/run-carried sets it).
-  const char* moved = std::getenv("MINI_ENGINE_HF_FIXTURES");
-  const std::filesystem::path root(moved != nullptr ? moved : MINI_ENGINE_HF_FIXTURES);
+  const std::filesystem::path root = mini_engine::testing::hf_fixtures_root();
   int checked = 0;
   for (const auto& d : std::filesystem::directory_iterator(root)) {
     if (!std::filesystem::exists(d.path() / "expected.json")) continue;
