@@ -56,4 +56,18 @@ double unseen_lost_share(double seen_held_share, double seen_lost_share, int64_t
   return std::min(1.0, seen_lost_share * q_u / q_s);
 }
 
+double ep_prefill_slowdown(const moebius::latency_curve& ep, double b, double pf, int64_t ranks,
+                           int64_t rank_chunk) {
+  MOEBIUS_CHECK(b >= 1 && std::isfinite(b) && pf >= 0 && std::isfinite(pf), errc::invalid_argument,
+                "ep_prefill_slowdown: need b >= 1 and pf >= 0, finite (got b=", b, ", pf=", pf,
+                ")");
+  MOEBIUS_CHECK(ranks >= 1 && rank_chunk >= 1, errc::invalid_argument,
+                "ep_prefill_slowdown: need ranks >= 1 and rank_chunk >= 1 (got ranks=", ranks,
+                ", rank_chunk=", rank_chunk, ")");
+  // The rows never spread thinner than evenly over the ranks (a chunk smaller than pf / ranks).
+  const double busiest =
+      std::max(pf / static_cast<double>(ranks), std::min(pf, static_cast<double>(rank_chunk)));
+  return ep.at(b + static_cast<double>(ranks) * busiest) / ep.at(b + pf);
+}
+
 }  // namespace mini_engine

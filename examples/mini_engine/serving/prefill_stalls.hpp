@@ -12,8 +12,17 @@
 // static EP's 35% and 36%: a TP decode token cost 2.05x its curve, an EP one 1.56x.
 //
 // vLLM and SGLang with mixed chunks never hold a decode: every factor is 1.
+//
+// And what a prefill costs an EP step that TP's steps do not show (ep_prefill_slowdown): under
+// data-parallel attention a chunk runs on its owner rank alone, and the step waits for it.
+// SGLang divides its chunk by the DP size, so at most 1,024 rows of a step's prefill sit on one
+// rank of 8. Priced as if the whole prefill sat on one rank, the production-shaped trace at
+// 7.9 requests/s under SGLang (TP's recent steps: 33-250 decode and 650-2,850 prefill rows)
+// made EP's steps 3-5.5x TP's and kept the paper's design in TP, TTFT p99 3.2x static EP's.
 
 #include <cstdint>
+
+#include <moebius/policy/calibration.hpp>
 
 #include "dcp_capacity.hpp"  // recent_mean
 
@@ -64,5 +73,17 @@ double stall_factor(double lost_share);
 // or a group count < 1.
 double unseen_lost_share(double seen_held_share, double seen_lost_share, int64_t seen_groups,
                          int64_t unseen_groups);
+
+// How many times TP's an EP step (data-parallel attention over `ranks` ranks) takes at the same
+// decode rows `b` and prefill rows `pf` a step: the gate's estimate for the mode not seen yet.
+// An EP step is its busiest rank's, and a chunk runs on its owner alone where TP spreads it
+// over every rank; a rank runs at most `rank_chunk` prefill rows a step
+// (scheduler_options::rank_prefill_chunk), the rest run on other ranks beside it. So EP's
+// curve at b + ranks * max(pf / ranks, min(pf, rank_chunk)) rows against b + pf:
+//   ep 10 + 0.01 x ms, b 100, pf 2,000, 8 ranks: chunk 1,024 (sglang's 8,192 / 8)
+//   92.92 / 31 = 2.997; chunk 8,192 (vLLM's budget) 171 / 31 = 5.516.
+// Throws errc::invalid_argument for b < 1, pf < 0 or not finite, ranks < 1 or rank_chunk < 1.
+double ep_prefill_slowdown(const moebius::latency_curve& ep, double b, double pf, int64_t ranks,
+                           int64_t rank_chunk);
 
 }  // namespace mini_engine

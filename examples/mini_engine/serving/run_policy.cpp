@@ -421,14 +421,13 @@ void run_policy::observe_step(const step_record& rec) {
   if (++steps_since_correction_ < k_correction_every) return;
   steps_since_correction_ = 0;
   // A mode not seen yet: EP's step as TP's would be with the recent steps' prefill rows on one
-  // rank (an EP step is its busiest rank's: a chunk runs on its owner alone, where TP spreads
-  // it), the curve at b + P p rows against b + p; under TP attention in both modes (experts
-  // only, dcp only) every rank runs every chunk in either: the same ratio.
+  // rank as far as its chunk takes them (ep_prefill_slowdown); under TP attention in both modes
+  // (experts only, dcp only) every rank runs every chunk in either: the same ratio.
   const double b = std::max(1.0, decode_rows_), pf = std::max(0.0, prefill_rows_);
   const bool ep_data_parallel = options_.layouts.ep.attention == parallel_mode::ep;
   const double ep_over_tp =
-      ep_data_parallel ? base_curves_.ep.at(b + static_cast<double>(kv_.num_ranks) * pf) /
-                             base_curves_.ep.at(b + pf)
+      ep_data_parallel ? ep_prefill_slowdown(base_curves_.ep, b, pf, kv_.num_ranks,
+                                             options_.scheduler.rank_prefill_chunk(kv_.num_ranks))
                        : 1.0;
   const double r_ep = ratio_seen_[0] ? step_ratio_[0] : step_ratio_[1] * ep_over_tp;
   const double r_tp = ratio_seen_[1] ? step_ratio_[1] : step_ratio_[0] / ep_over_tp;

@@ -14,6 +14,13 @@ using moebius::kv_geometry;
 using moebius::kv_state;
 using moebius::parallel_mode;
 
+int64_t scheduler_options::rank_prefill_chunk(int64_t ranks) const {
+  MOEBIUS_CHECK(ranks >= 1, errc::invalid_argument,
+                "scheduler: rank_prefill_chunk needs ranks >= 1 (got ", ranks, ")");
+  if (engine == engine_preset::sglang) return std::max<int64_t>(1, max_step_tokens / ranks);
+  return max_step_tokens;
+}
+
 void validate(const scheduler_options& o) {
   MOEBIUS_CHECK(o.max_running >= 1 && o.max_running <= o.max_step_tokens, errc::invalid_argument,
                 "scheduler: need 1 <= max_running <= max_step_tokens (max_running=",

@@ -123,6 +123,11 @@ struct scheduler_options {
   double admission_watermark() const {
     return admission == admission_policy::known && engine == engine_preset::vllm ? watermark : 0;
   }
+  // The most prefill tokens one rank runs a step in the EP mode (data-parallel attention) over
+  // `ranks` ranks: sglang's chunk divided by the DP size (at least 1); vLLM's whole budget
+  // (one budget may put a whole chunk on one rank; a DP engine has a budget of its own).
+  // Throws errc::invalid_argument for ranks < 1.
+  int64_t rank_prefill_chunk(int64_t ranks) const;
 };
 
 // Throws errc::invalid_argument unless 1 <= max_running <= max_step_tokens, vocab >= 0,

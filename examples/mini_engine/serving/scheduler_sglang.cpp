@@ -86,7 +86,7 @@ step_batch scheduler::next_step_sglang(page_source& pages, double now_s) {
     for (sglang_group& gr : groups_) gr.ratio = sglang_course(kv.mode).init;
   const size_t num_groups = groups_.size();
   const int64_t ranks = tp ? 1 : g_.num_ranks;
-  const int64_t chunk = std::max<int64_t>(1, options_.max_step_tokens / ranks);
+  const int64_t chunk = options_.rank_prefill_chunk(ranks);
   const int64_t cap = std::max<int64_t>(1, options_.max_running / ranks);
   std::vector<int> group_of(running_.size());
   std::vector<int64_t> count(num_groups, 0), chunk_left(num_groups, chunk);

@@ -1,12 +1,13 @@
 // What SGLang's prefill-first steps cost a mode's decodes (prefill_stalls.hpp): the held and
 // lost shares of a mode's recent steps against hand-computed means, the factor and its cap,
-// and the estimate for the mode not serving on the steady trace's worked example. The gate
-// taking it in a run: test_serving_layouts ("the gate prices the decodes SGLang's prefills
-// hold").
+// the estimate for the mode not serving on the steady trace's worked example, and the EP step's
+// slowdown by a prefill on one rank against hand-computed curves. The gate taking it in a run:
+// test_serving_layouts ("the gate prices the decodes SGLang's prefills hold").
+#include <algorithm>
 #include <cmath>
-#include <random>
-
 #include <moebius/error.hpp>
+#include <random>
+#include <vector>
 
 #include "catch.hpp"
 #include "prefill_stalls.hpp"
@@ -124,5 +125,54 @@ TEST_CASE("prefill stalls: the mode not serving, from the one serving, its sched
     REQUIRE_THROWS_WITH(unseen_lost_share(1.2, 0.1, 1, 8), Catch::Contains("shares"));
     REQUIRE_THROWS_WITH(unseen_lost_share(0.2, -0.1, 1, 8), Catch::Contains("shares"));
     REQUIRE_THROWS_WITH(unseen_lost_share(0.2, 0.1, 0, 8), Catch::Contains("group counts"));
+  }
+}
+
+TEST_CASE("prefill stalls: an EP step runs a chunk on one rank, as far as the rank's chunk goes") {
+  const std::vector<moebius::latency_sample> line = {{1, 10.01}, {1001, 20.01}};  // 10 + 0.01 x
+  const moebius::latency_curve ep =
+      moebius::latency_curve::fit(line, moebius::curve_fit::least_squares_line);
+  SECTION("the header's worked example") {
+    // sglang: 8,192 / 8 = 1,024 a rank; 10 + 0.01 (100 + 8 x 1,024) = 92.92 against 31.
+    CHECK(ep_prefill_slowdown(ep, 100, 2000, 8, 1024) == Approx(92.92 / 31));
+    // vLLM's one budget: the whole 2,000 on one rank, 10 + 0.01 x 16,100 = 171.
+    CHECK(ep_prefill_slowdown(ep, 100, 2000, 8, 8192) == Approx(171.0 / 31));
+    // Under a rank's chunk the whole prefill is on one rank: 10 + 0.01 x 4,100 = 51 against 16.
+    CHECK(ep_prefill_slowdown(ep, 100, 500, 8, 1024) == Approx(51.0 / 16));
+  }
+  SECTION("no prefill, or one rank: as TP's") {
+    CHECK(ep_prefill_slowdown(ep, 100, 0, 8, 1024) == Approx(1));
+    CHECK(ep_prefill_slowdown(ep, 100, 2000, 1, 1024) == Approx(1));
+    // A chunk under pf / ranks: spread evenly, never thinner.
+    CHECK(ep_prefill_slowdown(ep, 100, 2000, 8, 100) == Approx(1));
+  }
+  SECTION("on random inputs: at least 1 on a rising curve, and growing with the chunk") {
+    std::mt19937_64 rng(testing::test_seed());
+    std::uniform_real_distribution<double> rows(1, 4096), prefill(0, 16384);
+    std::uniform_int_distribution<int64_t> ranks(1, 16), chunk(1, 16384);
+    for (int k = 0; k < 1000; ++k) {
+      const double b = rows(rng), pf = prefill(rng);
+      const int64_t p = ranks(rng), c = chunk(rng);
+      CAPTURE(b, pf, p, c);
+      const double s = ep_prefill_slowdown(ep, b, pf, p, c);
+      // Independent: the busiest rank's rows, counted rank by rank as the chunks fill them.
+      double left = pf, busiest = 0;
+      for (int64_t r = 0; r < p && left > 0; ++r) {
+        const double take = std::min(left, static_cast<double>(c));
+        busiest = std::max(busiest, take);
+        left -= take;
+      }
+      if (left > 0) busiest = pf / static_cast<double>(p);  // past every chunk: spread evenly
+      CHECK(s ==
+            Approx((10 + 0.01 * (b + static_cast<double>(p) * busiest)) / (10 + 0.01 * (b + pf))));
+      CHECK(s >= 1 - 1e-12);
+      CHECK(ep_prefill_slowdown(ep, b, pf, p, c + 1) >= s - 1e-12);
+    }
+  }
+  SECTION("bad inputs are refused by name") {
+    REQUIRE_THROWS_WITH(ep_prefill_slowdown(ep, 0.5, 10, 8, 1024), Catch::Contains("b >= 1"));
+    REQUIRE_THROWS_WITH(ep_prefill_slowdown(ep, 10, -1, 8, 1024), Catch::Contains("pf >= 0"));
+    REQUIRE_THROWS_WITH(ep_prefill_slowdown(ep, 10, 10, 0, 1024), Catch::Contains("ranks >= 1"));
+    REQUIRE_THROWS_WITH(ep_prefill_slowdown(ep, 10, 10, 8, 0), Catch::Contains("rank_chunk"));
   }
 }

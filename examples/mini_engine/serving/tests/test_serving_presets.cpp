@@ -330,6 +330,10 @@ TEST_CASE("sglang, DP attention: each rank its own chunk and ratio; one rank pre
   const std::vector<request> reqs = {make_request(0, 6, 5, 5, 0), make_request(1, 20, 3, 3, 0),
                                      make_request(2, 4, 2, 2, 0)};
   scheduler s(g, reqs, sglang_options(16, 4));
+  CHECK(sglang_options(16, 4).rank_prefill_chunk(2) == 8);
+  CHECK(sglang_options(16, 4).rank_prefill_chunk(1) == 16);
+  CHECK(sglang_options(16, 4).rank_prefill_chunk(32) == 1);  // at least a token
+  REQUIRE_THROWS_WITH(sglang_options(16, 4).rank_prefill_chunk(0), Catch::Contains("ranks >= 1"));
   moebius::kv_state kv = make_empty_kv_state(g, parallel_mode::ep);
   growing_pages pages(g, kv);
   const step_batch b0 = s.next_step(pages, 0);
@@ -376,6 +380,7 @@ TEST_CASE("vllm with one engine core per DP rank: under EP each rank fills its o
   std::vector<request> reqs;
   for (int64_t i = 0; i < 4; ++i) reqs.push_back(make_request(i, 8, 3, 16, 0));
   scheduler_options o = preset_options(engine_preset::vllm, 8, 4);
+  CHECK(o.rank_prefill_chunk(2) == 8);  // one budget may put a whole chunk on one rank
   std::vector<step_batch> one, per_rank;
   check_tokens(drive(g, parallel_mode::ep, reqs, o, nullptr, &one));
   CHECK(one[0].prefill_tokens == 8);
@@ -383,6 +388,7 @@ TEST_CASE("vllm with one engine core per DP rank: under EP each rank fills its o
   CHECK(one[1].prefill_tokens == 7);
   CHECK(one[1].decode_tokens == 1);
   o.vllm_dp_engines = true;
+  CHECK(o.rank_prefill_chunk(2) == 8);  // a DP engine's budget of its own
   check_tokens(drive(g, parallel_mode::ep, reqs, o, nullptr, &per_rank));
   CHECK(per_rank[0].prefill_tokens == 16);
   CHECK(per_rank[0].admitted == 2);
