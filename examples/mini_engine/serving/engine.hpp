@@ -135,8 +135,7 @@ struct cost_gate_options {
   // spread decode steps leave out (in EP a prefill chunk on its owner's rank alone, the
   // busiest rank setting the step; contexts other than the calibration's). A mode not yet
   // seen takes the other's factor, EP's with the recent prefill on one rank as far as a rank's
-  // chunk goes (ep_prefill_slowdown: the curve at b + P min(p, chunk) rows against b + p; b
-  // decode, p prefill tokens a step). Each mode's curve is also
+  // chunk goes (prefill_stalls.hpp, ep_prefill_slowdown). Each mode's curve is also
   // slowed by the decodes its prefill-first steps hold (SGLang without mixed chunks: the
   // share of its time those decodes lose over its last 512 steps, prefill_stalls.hpp; the
   // mode not serving estimated from the serving one, its schedulers counted; vLLM holds
