@@ -237,7 +237,9 @@ void bind_policy(nb::module_& m) {
       .value("cost_exceeds_gain", decision_reason::cost_exceeds_gain,
              "the gate did not pass (SwitchPricing.gate)")
       .value("admission_blocked", decision_reason::admission_blocked,
-             "TP -> EP: requests wait and TP's pool admits none");
+             "TP -> EP: requests wait and TP's pool admits none")
+      .value("sustained_gain", decision_reason::sustained_gain,
+             "TP -> EP: the caller finds EP faster at the sustained load");
 
   nb::class_<switch_policy_config>(
       m, "SwitchPolicyConfig",
@@ -257,8 +259,12 @@ void bind_policy(nb::module_& m) {
               "the share by which a switch's predicted gain must exceed its predicted cost")
       .def_rw("enter_on_blocked_admission", &switch_policy_config::enter_on_blocked_admission,
               "in TP, requests waiting with the pool full count as a load at or above t_high")
-      .def("validate", [](const switch_policy_config& c) { validate(c); },
-           "Raises moebius.Error(code='invalid_argument') naming the broken constraint.")
+      .def_rw("enter_on_sustained_gain", &switch_policy_config::enter_on_sustained_gain,
+              "in TP, the caller finding EP faster at the sustained load counts as a load at or\n"
+              "above t_high")
+      .def(
+          "validate", [](const switch_policy_config& c) { validate(c); },
+          "Raises moebius.Error(code='invalid_argument') naming the broken constraint.")
       .def("__repr__", &printed<switch_policy_config>);
 
   m.def("interactive_config", &interactive_config, nb::arg("t_high"),
@@ -384,9 +390,12 @@ void bind_policy(nb::module_& m) {
       .def(nb::init<const switch_policy_config&>(), nb::arg("config"))
       .def("propose", &switch_policy::propose, nb::arg("load"), nb::arg("current"),
            nb::arg("now_s"), nb::arg("admission_blocked") = false,
+           nb::arg("sustained_gain") = false,
            "The rules at one engine step: `load` active sequences, the mode the engine runs\n"
            "now, a monotonic time in seconds, whether requests wait with the pool full (counts\n"
-           "with enter_on_blocked_admission). Returns a SwitchProposal; decide() settles it.\n"
+           "with enter_on_blocked_admission), whether the caller finds EP faster at the\n"
+           "sustained load (counts with enter_on_sustained_gain). Returns a SwitchProposal;\n"
+           "decide() settles it.\n"
            "Raises moebius.Error(code='invalid_argument') when the last proposal was not\n"
            "decided.")
       .def("decide", &switch_policy::decide, nb::arg("proposal"),
@@ -395,14 +404,14 @@ void bind_policy(nb::module_& m) {
            "not pricing.fits, else cost_exceeds_gain when pricing.gate was evaluated and did\n"
            "not pass) or switch (the cooldown starts). Returns a SwitchDecision.")
       .def("step", &switch_policy::step, nb::arg("load"), nb::arg("current"), nb::arg("now_s"),
-           nb::arg("admission_blocked") = false,
+           nb::arg("admission_blocked") = false, nb::arg("sustained_gain") = false,
            "The rules alone, no capacity check and no gate: decide(propose(...)).")
       .def("set_thresholds", &switch_policy::set_thresholds, nb::arg("t_high"), nb::arg("t_low"),
            "New thresholds from here on; the windows, cooldown and stats stay.")
       .def("reset", &switch_policy::reset, "Forgets history, cooldown and stats.")
       .def_prop_ro("config", [](const switch_policy& p) { return p.config(); })
-      .def_prop_ro("stats", [](const switch_policy& p) { return p.stats(); },
-                   "a SwitchPolicyStats")
+      .def_prop_ro(
+          "stats", [](const switch_policy& p) { return p.stats(); }, "a SwitchPolicyStats")
       .def("window_mean", &switch_policy::window_mean);
 }
 

@@ -173,6 +173,18 @@ def test_policy_rules():
     assert d and d.target == EP and d.reason == moebius.DecisionReason.admission_blocked
     assert ours.stats.by_reason[moebius.DecisionReason.admission_blocked] == 1
 
+    # So does the caller's finding that EP is faster at the sustained load; with both signals
+    # the reason names the pool first.
+    assert not paper.step(40, TP, 1.0, sustained_gain=True)
+    ours_cfg.enter_on_sustained_gain = True
+    assert "EP on sustained gain" in repr(ours_cfg)
+    for blocked, reason in ((False, moebius.DecisionReason.sustained_gain),
+                            (True, moebius.DecisionReason.admission_blocked)):
+        both = moebius.SwitchPolicy(ours_cfg)
+        assert not both.step(40, TP, 0.0)
+        d = both.step(40, TP, 1.0, admission_blocked=blocked, sustained_gain=True)
+        assert d and d.target == EP and d.reason == reason
+
 
 def test_policy_two_phases():
     """propose() runs the rules; the caller prices the proposal; decide() settles it: refused

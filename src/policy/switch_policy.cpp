@@ -77,7 +77,7 @@ std::ostream& operator<<(std::ostream& os, const switch_policy_config& c) {
             << "), cooldown=" << c.cooldown_steps << " steps/" << c.cooldown_s
             << " s, residency=" << c.expected_residency_steps << " steps, gate margin "
             << c.gate_margin << (c.enter_on_blocked_admission ? ", EP on blocked admission" : "")
-            << "}";
+            << (c.enter_on_sustained_gain ? ", EP on sustained gain" : "") << "}";
 }
 
 std::ostream& operator<<(std::ostream& os, const gate_evaluation& g) {
@@ -163,7 +163,7 @@ bool switch_policy::in_cooldown(double now_s) const {
 }
 
 switch_proposal switch_policy::propose(int64_t load, parallel_mode current, double now_s,
-                                       bool admission_blocked) {
+                                       bool admission_blocked, bool sustained_gain) {
   MOEBIUS_CHECK(load >= 0, errc::invalid_argument, "load must be >= 0 (load=", load, ")");
   detail::check_enum(current, "switch_policy::propose current (parallel_mode)");
   // A NaN time compares false against everything: the seconds cooldown would never hold.
@@ -185,7 +185,8 @@ switch_proposal switch_policy::propose(int64_t load, parallel_mode current, doub
 
   // Observe.
   const bool blocked = admission_blocked && config_.enter_on_blocked_admission;
-  above_run_ = load >= config_.t_high || blocked ? above_run_ + 1 : 0;
+  const bool gain = sustained_gain && config_.enter_on_sustained_gain;
+  above_run_ = load >= config_.t_high || blocked || gain ? above_run_ + 1 : 0;
   below_run_ = load < config_.t_low ? below_run_ + 1 : 0;
   if (ring_count_ == config_.down_window) {
     ring_sum_ -= ring_[ring_head_];
@@ -204,7 +205,8 @@ switch_proposal switch_policy::propose(int64_t load, parallel_mode current, doub
     if (above_run_ >= config_.up_window) {
       p.target = parallel_mode::ep;
       p.reason = load >= config_.t_high ? decision_reason::above_high
-                                        : decision_reason::admission_blocked;
+                 : blocked              ? decision_reason::admission_blocked
+                                        : decision_reason::sustained_gain;
     }
   } else if (ring_count_ == config_.down_window) {
     const bool below = config_.rule == down_rule::mean

@@ -77,6 +77,8 @@ std::vector<int64_t> concat(std::initializer_list<std::pair<int64_t, int64_t>> r
 struct naive_policy {
   switch_policy_config cfg;
   std::vector<int64_t> since;  // loads observed in the current mode since the last switch
+  std::vector<uint8_t> since_blocked,
+      since_gain;  // the signals beside each, as the caller gave them
   std::optional<int64_t> last_switch_step;
   double last_switch_time = 0;
   std::optional<parallel_mode> expected;
@@ -86,25 +88,35 @@ struct naive_policy {
 
   // capacity(target) -> fits
   template <class Capacity>
-  switch_decision step(int64_t load, parallel_mode mode, double now, Capacity&& capacity) {
+  switch_decision step(int64_t load, parallel_mode mode, double now, Capacity&& capacity,
+                       bool blocked = false, bool sustained = false) {
     const int64_t idx = t++;
     if (expected.has_value() && *expected != mode) {
       since.clear();
+      since_blocked.clear();
+      since_gain.clear();
       last_switch_step = idx;
       last_switch_time = now;
     }
     expected = mode;
     since.push_back(load);
+    since_blocked.push_back(blocked && cfg.enter_on_blocked_admission);
+    since_gain.push_back(sustained && cfg.enter_on_sustained_gain);
 
     switch_decision d;
     const size_t n = since.size();
     if (mode == TP) {
       const size_t w = static_cast<size_t>(cfg.up_window);
       bool all_high = n >= w;
-      for (size_t i = 0; all_high && i < w; ++i) all_high = since[n - 1 - i] >= cfg.t_high;
+      for (size_t i = 0; all_high && i < w; ++i) {
+        const size_t k = n - 1 - i;
+        all_high = since[k] >= cfg.t_high || since_blocked[k] != 0 || since_gain[k] != 0;
+      }
       if (all_high) {
         d.target = EP;
-        d.reason = decision_reason::above_high;
+        d.reason = since[n - 1] >= cfg.t_high  ? decision_reason::above_high
+                   : since_blocked[n - 1] != 0 ? decision_reason::admission_blocked
+                                               : decision_reason::sustained_gain;
       }
     } else {
       const size_t w = static_cast<size_t>(cfg.down_window);
@@ -148,6 +160,8 @@ struct naive_policy {
     }
     d.do_switch = true;
     since.clear();
+    since_blocked.clear();
+    since_gain.clear();
     last_switch_step = idx;
     last_switch_time = now;
     expected = d.target;
@@ -171,8 +185,9 @@ struct capacity_table {
 template <class Fits>
 switch_decision priced_step(switch_policy& p, int64_t load, parallel_mode mode, double now,
                             Fits&& fits, const latency_curves* curves = nullptr,
-                            const double* cost_to = nullptr) {
-  const switch_proposal prop = p.propose(load, mode, now);
+                            const double* cost_to = nullptr, bool blocked = false,
+                            bool sustained = false) {
+  const switch_proposal prop = p.propose(load, mode, now, blocked, sustained);
   switch_pricing priced;
   if (prop.proposed()) {
     priced.fits = fits(prop.target);
@@ -456,6 +471,9 @@ TEST_CASE("switch_policy: random traces match the naive rules", "[policy]") {
     c.cooldown_s = uni(0, 1) ? 0.0 : static_cast<double>(uni(0, 30)) / 10.0;
     c.expected_residency_steps = uni(0, 2) == 0 ? uni(1, 50) : 0;
     c.gate_margin = uni(0, 1) ? 0.0 : static_cast<double>(uni(0, 20)) / 10.0;
+    c.enter_on_blocked_admission = uni(0, 1) != 0;
+    c.enter_on_sustained_gain = uni(0, 1) != 0;
+    const int64_t signal_pct = uni(0, 1) ? 0 : uni(1, 60);  // how often each signal is raised
     INFO("trial " << trial << ": " << c);
 
     const int64_t steps = 600;
@@ -491,10 +509,13 @@ TEST_CASE("switch_policy: random traces match the naive rules", "[policy]") {
         load = std::max<int64_t>(0, load + uni(-3, 3));
       }
       now += static_cast<double>(uni(0, 10)) / 10.0;
+      const bool blocked = uni(0, 99) < signal_pct;
+      const bool sustained = uni(0, 99) < signal_pct;
       const switch_decision got = priced_step(
-          p, load, mode, now, [&](parallel_mode m) { return table.fits(m); }, gated, cost_to);
-      const switch_decision want =
-          ref.step(load, mode, now, [&](parallel_mode m) { return table.fits(m); });
+          p, load, mode, now, [&](parallel_mode m) { return table.fits(m); }, gated, cost_to,
+          blocked, sustained);
+      const switch_decision want = ref.step(
+          load, mode, now, [&](parallel_mode m) { return table.fits(m); }, blocked, sustained);
       INFO("step " << i << " load " << load << " mode " << to_string(mode) << ": got " << got
                    << ", want " << want);
       REQUIRE(got.do_switch == want.do_switch);

@@ -6,14 +6,15 @@
 #include <cmath>
 #include <random>
 #include <sstream>
+#include <string>
 #include <vector>
 
+#include "layout/error_matchers.hpp"
 #include "moebius/error.hpp"
 #include "moebius/policy/calibration.hpp"
 #include "moebius/policy/step_time_gate.hpp"
 #include "moebius/policy/switch_policy.hpp"
 #include "moebius/policy/throughput_gate.hpp"
-#include "layout/error_matchers.hpp"
 #include "policy_seed.hpp"
 #include "support/catch.hpp"
 
@@ -252,6 +253,46 @@ TEST_CASE("switch policy: blocked admission enters EP only when configured", "[p
   // In EP the flag means nothing: the load 40 < T_l leads back to TP once the window is full.
   for (int s = 4; s < 4 + cfg.down_window; ++s) ours.step(40, parallel_mode::ep, s, true);
   CHECK(ours.stats().by_reason[static_cast<int>(decision_reason::below_low)] == 1);
+}
+
+TEST_CASE("switch policy: a sustained gain enters EP only when configured, after the others",
+          "[policy][gate]") {
+  switch_policy_config cfg = interactive_config(256);
+  cfg.cooldown_s = 0;
+  cfg.up_window = 2;
+  {
+    switch_policy paper(cfg);
+    for (int s = 0; s < 5; ++s)
+      CHECK(paper.step(40, parallel_mode::tp, s, false, true).reason == decision_reason::hold);
+  }
+  cfg.enter_on_sustained_gain = true;
+  switch_policy ours(cfg);
+  CHECK(ours.step(40, parallel_mode::tp, 0, false, true).reason ==
+        decision_reason::hold);  // 1 of 2
+  CHECK(ours.step(40, parallel_mode::tp, 1, false, false).reason ==
+        decision_reason::hold);  // restarts
+  CHECK(ours.step(40, parallel_mode::tp, 2, false, true).reason == decision_reason::hold);
+  // Blocked admission is not configured: it counts for nothing, the gain alone switches.
+  const switch_decision d = ours.step(40, parallel_mode::tp, 3, true, true);
+  CHECK(d.do_switch);
+  CHECK(d.target == parallel_mode::ep);
+  CHECK(d.reason == decision_reason::sustained_gain);
+  CHECK(to_string(d.reason) == std::string("sustained_gain"));
+  // In EP the signal means nothing: the load 40 < T_l leads back to TP once the window is full.
+  for (int s = 4; s < 4 + cfg.down_window; ++s) ours.step(40, parallel_mode::ep, s, false, true);
+  CHECK(ours.stats().by_reason[static_cast<int>(decision_reason::below_low)] == 1);
+
+  // With every rule on, the reason names the first that holds: the load, then the pool, then
+  // the gain; a run of observations mixing them fills one window.
+  cfg.enter_on_blocked_admission = true;
+  const auto first = [&](int64_t load, bool blocked) {
+    switch_policy p(cfg);
+    CHECK(p.step(40, parallel_mode::tp, 0, true, false).reason == decision_reason::hold);
+    return p.step(load, parallel_mode::tp, 1, blocked, true).reason;
+  };
+  CHECK(first(300, true) == decision_reason::above_high);
+  CHECK(first(40, true) == decision_reason::admission_blocked);
+  CHECK(first(40, false) == decision_reason::sustained_gain);
 }
 
 TEST_CASE("switch policy: decide settles the proposal as the caller priced it", "[policy][gate]") {

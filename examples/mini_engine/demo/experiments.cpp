@@ -78,6 +78,7 @@ engine_options switching_options(const harness& h, bool rollout,
   so.start_mode = parallel_mode::tp;
   so.start_from_load = true;
   so.policy.enter_on_blocked_admission = true;
+  so.policy.enter_on_sustained_gain = true;  // asked of the gate's curves: gated runs only
   so.gate.enabled = h.o.gate;
   so.gate.curves = cal.curves;
   return so;
@@ -130,12 +131,13 @@ void print_policy(const harness& h, const engine_options& so,
 }
 
 // The paper's policy as written (§7.1, eq. 13): its rules at the same thresholds, the load it
-// uses (running + waiting, capped at max_running), no gate, no blocked-admission rule,
-// starting in TP.
+// uses (running + waiting, capped at max_running), no gate, no blocked-admission or
+// sustained-gain rule, starting in TP.
 engine_options paper_policy_options(const engine_options& ours) {
   engine_options p = ours;
   p.gate.enabled = false;
   p.policy.enter_on_blocked_admission = false;
+  p.policy.enter_on_sustained_gain = false;
   p.start_from_load = false;
   p.start_mode = parallel_mode::tp;
   return p;

@@ -181,6 +181,15 @@ moebius::serving_load run_policy::serving_load_of(const run_view& v, parallel_mo
   return l;
 }
 
+bool faster_by_margin(const moebius::latency_curves& curves, parallel_mode current,
+                      parallel_mode target, double load, double margin) {
+  MOEBIUS_CHECK(load >= 1, moebius::errc::invalid_argument,
+                "faster_by_margin: load must be >= 1 (load=", load, ")");
+  MOEBIUS_CHECK(std::isfinite(margin) && margin >= 0, moebius::errc::invalid_argument,
+                "faster_by_margin: margin must be finite and >= 0 (margin=", margin, ")");
+  return curves.latency_ms(target, load) * (1.0 + margin) < curves.latency_ms(current, load);
+}
+
 double run_policy::cost_ms(const run_view& v, const moebius::layer_bytes& per_layer,
                            bool per_layer_plan, bool kv_alone,
                            std::optional<style_price>* styles) const {
@@ -272,7 +281,14 @@ std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step
   const int64_t load = std::min(running + waiting, options_.scheduler.max_running);
   const bool blocked = v.admission_blocked && waiting > 0;
   const parallel_mode mode = options_.layouts.mode_of(v.sw.layout(), v.sw.dcp());
-  const moebius::switch_proposal p = rules_.propose(load, mode, v.now_s, blocked);
+  // The rules' thresholds are the calibrated decode curves' crossover; the gate's curves,
+  // corrected by what the steps take (SGLang's prefills holding TP's decodes among it), may put
+  // EP ahead well below it. Asked at the sustained load, by the gate's margin.
+  sustained_load_.add(static_cast<double>(load));
+  const bool gain = mode == parallel_mode::tp && corrections_ > 0 &&
+                    faster_by_margin(curves_, mode, parallel_mode::ep,
+                                     std::max(1.0, sustained_load_.value()), options_.gate.margin);
+  const moebius::switch_proposal p = rules_.propose(load, mode, v.now_s, blocked, gain);
   priced_proposal priced = p.proposed() ? price(v, p) : priced_proposal{};
   const moebius::switch_decision d = rules_.decide(p, priced.pricing);
   decision_record r;

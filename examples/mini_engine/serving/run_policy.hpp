@@ -56,6 +56,15 @@ struct run_view {
   bool admission_blocked = false;  // the last step's (step_batch::admission_blocked)
 };
 
+// Whether `target` steps faster than `current` at `load` on `curves` by more than `margin`, a
+// share of the target's step: target(load) x (1 + margin) < current(load). run_policy asks it
+// of the gate's corrected curves at the sustained load, for the rules' sustained-gain signal
+// (switch_policy_config::enter_on_sustained_gain). Throws errc::invalid_argument for a load
+// below 1 or a margin that is negative or not finite.
+//   curves EP 60 / TP 80 ms at 300, margin 0.25: 75 < 80 -> true; margin 0.4: 84 -> false
+bool faster_by_margin(const moebius::latency_curves& curves, moebius::parallel_mode current,
+                      moebius::parallel_mode target, double load, double margin);
+
 class run_policy {
  public:
   // The rules of o.policy; with o.gate.enabled, the gate o.gate.kind weighing with `curves`
@@ -132,6 +141,12 @@ class run_policy {
   // decide_for_capacity: completions a step (every step, gated or not: seen_finished_ kept
   // either way) and the rows a step carries (gated).
   recent_mean completions_, step_rows_;
+  // The load (running + waiting, as the rules see it) over the window the held decodes are
+  // measured on (prefill_stalls::k_weight: minutes, so that a flood of a few seconds moves it
+  // little): where the rules' sustained-gain signal asks the corrected curves. Asked at the
+  // load of now, the bursty trace's floods (load 295-460 under SGLang, the crossover of TP's
+  // stalled curve below it) went to EP, where the floods prefill slower: flood TTFT p99 +75%.
+  recent_mean sustained_load_{prefill_stalls::k_weight};
   // correct_curves: per mode (indexed EP, TP) the mean ratio of a step's time to the curve's and
   // whether any step has been seen; the recent steps' decode and prefill tokens (means).
   double step_ratio_[2] = {1, 1};

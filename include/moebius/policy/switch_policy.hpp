@@ -23,6 +23,12 @@
 //            observation with requests waiting while TP's KV pool admits none of them counts
 //            as one at or above T_h (reason admission_blocked): the pool, not the batch, is
 //            what limits TP then, and EP's data-parallel attention holds more sequences.
+//   Sustained gain (enter_on_sustained_gain, off in the paper's policy): in TP, an observation
+//            at which the caller finds EP faster at the sustained load (its own judgement: e.g.
+//            curves corrected by what the steps take, at a load averaged over minutes, by a
+//            margin) counts as one at or above T_h (reason sustained_gain): T_h is the decode
+//            curves' crossover, and a scheduler whose prefills hold TP's decodes (SGLang's
+//            prefill-first steps) moves the real crossover below it.
 //   Rollout (paper eq. 13): T_l = T_h, W = 1: in an RL rollout the load only decays, so
 //            switch to TP as soon as the count drops under T_h (`rollout_config()`).
 //
@@ -98,6 +104,9 @@ struct switch_policy_config {
   double gate_margin = 0.0;
   // Enter EP also when admission is blocked in TP (see above; step()'s admission_blocked).
   bool enter_on_blocked_admission = false;
+  // Enter EP also when the caller finds EP faster at the sustained load (see above;
+  // propose()'s sustained_gain).
+  bool enter_on_sustained_gain = false;
 };
 
 // T_l = round(0.8 · T_h) (paper §7.1): interactive_config(256) -> T_h 256, T_l 205.
@@ -117,16 +126,17 @@ std::ostream& operator<<(std::ostream& os, const switch_policy_config& config);
 
 // Why step() decided what it decided (for traces).
 enum class decision_reason : uint8_t {
-  hold,                // no rule fired: load in the band, or window not yet full
-  above_high,          // TP -> EP: load >= T_h for up_window observations
-  below_low,           // EP -> TP: window below T_l
-  cooldown,            // a rule fired but the cooldown has not elapsed
-  capacity_refused,    // a rule fired but the target mode cannot hold the live KV
-  cost_exceeds_gain,   // a rule fired but the predicted switch cost exceeds the gain
-  admission_blocked,   // TP -> EP: requests wait and TP's pool admits none (up_window times)
+  hold,               // no rule fired: load in the band, or window not yet full
+  above_high,         // TP -> EP: load >= T_h for up_window observations
+  below_low,          // EP -> TP: window below T_l
+  cooldown,           // a rule fired but the cooldown has not elapsed
+  capacity_refused,   // a rule fired but the target mode cannot hold the live KV
+  cost_exceeds_gain,  // a rule fired but the predicted switch cost exceeds the gain
+  admission_blocked,  // TP -> EP: requests wait and TP's pool admits none (up_window times)
+  sustained_gain,     // TP -> EP: the caller finds EP faster at the sustained load (likewise)
 };
 
-inline constexpr int num_decision_reasons = 7;
+inline constexpr int num_decision_reasons = 8;
 
 constexpr bool is_valid(decision_reason r) {
   return static_cast<uint8_t>(r) < num_decision_reasons;
@@ -141,6 +151,8 @@ constexpr const char* to_string(decision_reason r) {
     case decision_reason::capacity_refused: return "capacity_refused";
     case decision_reason::cost_exceeds_gain: return "cost_exceeds_gain";
     case decision_reason::admission_blocked: return "admission_blocked";
+    case decision_reason::sustained_gain:
+      return "sustained_gain";
   }
   return "unknown";
 }
@@ -192,8 +204,8 @@ struct gate_evaluation {
 std::ostream& operator<<(std::ostream& os, const gate_evaluation& g);
 
 // What the rules say at one step (switch_policy::propose): a switch to `target` (reason
-// above_high, below_low or admission_blocked), or stay (hold: no rule fired; cooldown: one
-// fired too soon after the last switch, `target` kept for traces).
+// above_high, below_low, admission_blocked or sustained_gain), or stay (hold: no rule fired;
+// cooldown: one fired too soon after the last switch, `target` kept for traces).
 struct switch_proposal {
   parallel_mode target = parallel_mode::ep;
   decision_reason reason = decision_reason::hold;
@@ -202,7 +214,8 @@ struct switch_proposal {
 
   constexpr bool proposed() const {
     return reason == decision_reason::above_high || reason == decision_reason::below_low ||
-           reason == decision_reason::admission_blocked;
+           reason == decision_reason::admission_blocked ||
+           reason == decision_reason::sustained_gain;
   }
 };
 
@@ -240,13 +253,16 @@ class switch_policy {
   // the time in seconds (any monotonic clock; only differences are used; pass it even when
   // cooldown_s is 0), and whether admission is blocked (requests wait and the pool admitted
   // none of them at the last step; counts only with config().enter_on_blocked_admission, in
-  // TP). Returns what the rules propose; decide() settles it. O(1), no allocation. Throws
-  // errc::invalid_argument for load < 0, a `current` that names neither EP nor TP, a non-finite
-  // now_s (a NaN time would silently disable the seconds cooldown), or when the last proposal
-  // was not decided. Any load >= 0 is accepted: the window saturates each load at 2^48 (>= T_l
-  // · W for every valid config, so no decision changes) and never overflows.
+  // TP) and whether the caller finds EP faster at the sustained load (counts only with
+  // config().enter_on_sustained_gain, in TP; a load at or above T_h names above_high, then
+  // blocked admission admission_blocked, then sustained_gain). Returns what the rules propose;
+  // decide() settles it. O(1), no allocation. Throws errc::invalid_argument for load < 0, a
+  // `current` that names neither EP nor TP, a non-finite now_s (a NaN time would silently disable
+  // the seconds cooldown), or when the last proposal was not decided. Any load >= 0 is accepted:
+  // the window saturates each load at 2^48 (>= T_l · W for every valid config, so no decision
+  // changes) and never overflows.
   switch_proposal propose(int64_t load, parallel_mode current, double now_s,
-                          bool admission_blocked = false);
+                          bool admission_blocked = false, bool sustained_gain = false);
 
   // Settles the proposal of the last propose(): stay (hold, cooldown), refused
   // (capacity_refused when !priced.fits, else cost_exceeds_gain when priced.gate was evaluated
@@ -257,8 +273,8 @@ class switch_policy {
 
   // The rules alone, no capacity check and no gate: decide(propose(...)).
   switch_decision step(int64_t load, parallel_mode current, double now_s,
-                       bool admission_blocked = false) {
-    return decide(propose(load, current, now_s, admission_blocked));
+                       bool admission_blocked = false, bool sustained_gain = false) {
+    return decide(propose(load, current, now_s, admission_blocked, sustained_gain));
   }
 
   // New thresholds from here on (an engine that corrects its curves by what its steps take
