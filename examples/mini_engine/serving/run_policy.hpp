@@ -143,7 +143,9 @@ class run_policy {
   recent_mean completions_, step_rows_;
   // The load (running + waiting, as the rules see it) over the window the held decodes are
   // measured on (prefill_stalls::k_weight: minutes, so that a flood of a few seconds moves it
-  // little): where the rules' sustained-gain signal asks the corrected curves. Asked at the
+  // little; before that many steps, the mean of those seen, so the signal can be raised in a
+  // run's first second, as on the steady trace, where the gate let it through at load 32):
+  // where the rules' sustained-gain signal asks the corrected curves. Asked at the
   // load of now, the bursty trace's floods (load 295-460 under SGLang, the crossover of TP's
   // stalled curve below it) went to EP, where the floods prefill slower: flood TTFT p99 +75%.
   recent_mean sustained_load_{prefill_stalls::k_weight};
