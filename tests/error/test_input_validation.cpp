@@ -59,7 +59,7 @@ TEST_CASE("is_valid accepts exactly the declared values of every public enum") {
     CHECK(is_valid(static_cast<kv_layout>(u)) == (v <= 1));
     CHECK(is_valid(static_cast<kv_tensor>(u)) == (v <= 1));
     CHECK(is_valid(static_cast<down_rule>(u)) == (v <= 1));
-    CHECK(is_valid(static_cast<decision_reason>(u)) == (v <= 6));
+    CHECK(is_valid(static_cast<decision_reason>(u)) == (v <= 7));
     CHECK(is_valid(static_cast<curve_fit>(u)) == (v <= 1));
     CHECK(is_valid(static_cast<crossover_status>(u)) == (v <= 3));
     CHECK(is_valid(static_cast<switch_outcome>(u)) == (v <= 5));
@@ -80,7 +80,7 @@ TEST_CASE("to_string of an out-of-range enum value says unknown, never another v
       CHECK(std::string(to_string(static_cast<dtype>(u))) == "unknown");
     }
     if (v >= 6) CHECK(std::string(to_string(static_cast<switch_outcome>(u))) == "unknown");
-    if (v >= 6) CHECK(std::string(to_string(static_cast<decision_reason>(u))) == "unknown");
+    if (v >= 8) CHECK(std::string(to_string(static_cast<decision_reason>(u))) == "unknown");
     if (v >= 4) {
       CHECK(std::string(to_string(static_cast<weight_tensor>(u))) == "unknown");
       CHECK(std::string(to_string(static_cast<crossover_status>(u))) == "unknown");
