@@ -77,8 +77,8 @@ std::vector<int64_t> concat(std::initializer_list<std::pair<int64_t, int64_t>> r
 struct naive_policy {
   switch_policy_config cfg;
   std::vector<int64_t> since;  // loads observed in the current mode since the last switch
-  std::vector<uint8_t> since_blocked,
-      since_gain;  // the signals beside each, as the caller gave them
+  // The signals beside each load, as the rules count them (each with its config flag).
+  std::vector<uint8_t> since_blocked, since_gain;
   std::optional<int64_t> last_switch_step;
   double last_switch_time = 0;
   std::optional<parallel_mode> expected;

@@ -285,7 +285,8 @@ std::optional<decided_switch> run_policy::decide(const run_view& v, int64_t step
   // corrected by what the steps take (SGLang's prefills holding TP's decodes among it), may put
   // EP ahead well below it. Asked at the sustained load, by the gate's margin.
   sustained_load_.add(static_cast<double>(load));
-  const bool gain = mode == parallel_mode::tp && corrections_ > 0 &&
+  const bool gain = rules_.config().enter_on_sustained_gain && mode == parallel_mode::tp &&
+                    corrections_ > 0 &&
                     faster_by_margin(curves_, mode, parallel_mode::ep,
                                      std::max(1.0, sustained_load_.value()), options_.gate.margin);
   const moebius::switch_proposal p = rules_.propose(load, mode, v.now_s, blocked, gain);
