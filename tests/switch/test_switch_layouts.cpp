@@ -20,10 +20,6 @@ using namespace moebius::testing;
 
 namespace {
 
-parallel_mode other(parallel_mode m) {
-  return m == parallel_mode::ep ? parallel_mode::tp : parallel_mode::ep;
-}
-
 world random_world(std::mt19937_64& rng) {
   const int P = 1 << std::uniform_int_distribution<int>(0, 2)(rng);
   const double occupancy = std::uniform_real_distribution<double>(0.3, 0.6)(rng);

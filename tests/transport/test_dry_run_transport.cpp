@@ -171,6 +171,7 @@ TEST_CASE("dry_run_transport runs, refuses and fails as host_transport does",
     add(moved, bytes_of(p, dry.completed_phases()));
     check_traffic(dry, moved);
     CHECK(dry.plans_run() == 2);
+    CHECK(host.plans_run() == 1);  // the plan it refused does not count
 
     // Lifecycle: one plan outstanding at a time; no streams or events to give.
     dry.enqueue(p);

@@ -14,15 +14,12 @@
 //     switcher sw(arena, kv, t, tables, arena_cursor{0});
 //     sw.switch_to(parallel_mode::tp);          // plans run here; t.traffic() has their bytes
 
+#include <cstddef>
 #include <cstdint>
-#include <exception>
-#include <optional>
-#include <span>
-#include <vector>
 
 #include "moebius/plan/memory_space.hpp"
 #include "moebius/plan/plan.hpp"
-#include "moebius/transport/transport.hpp"
+#include "moebius/transport/synchronous_transport.hpp"
 
 namespace moebius {
 
@@ -32,43 +29,25 @@ struct dry_run_spaces {
   int64_t kv_pool_bytes = 0;
 };
 
-class dry_run_transport final : public transport {
+// The lifecycle, faults, marks and waits are synchronous_transport's: enqueue() "runs" the plan
+// phase by phase up to an armed fault, as host_transport runs it; there is no device.
+class dry_run_transport final : public synchronous_transport {
  public:
   // Throws errc::invalid_argument unless num_ranks >= 1 and both sizes are >= 0.
   dry_run_transport(int num_ranks, dry_run_spaces spaces);
 
-  int num_ranks() const override { return num_ranks_; }
-  std::vector<int> local_ranks() const override;
   // Every op must fit the ranks' spaces (plan.hpp's validate).
   void validate(const plan& p) const override;
-  // Validates `p`, then "runs" it phase by phase up to an armed fault, counting its traffic;
-  // `streams` must be empty or all nullptr (there is no device).
-  void enqueue(const plan& p, std::span<const stream_handle> streams = {}) override;
-  bool poll() override { return true; }
-  void wait() override;
-  int64_t completed_phases() const override { return completed_phases_; }
-  // Faults fire as host_transport's do: before op `at.op` of phase `at.phase`, with `at.code`.
-  void inject_fault(std::optional<fault_point> at) override { fault_ = at; }
-  // Nothing runs on a device: every event is nullptr, every wait must name nullptr events.
-  void mark_phases(std::span<const int64_t> after_phases) override;
-  void wait_before_phases(std::span<const phase_wait> waits) override;
-  event_handle phase_event(size_t mark, size_t local_index) const override;
 
   // What the plans enqueued so far would have moved (phases that completed), per rank, summed.
   const plan_traffic& traffic() const { return traffic_; }
-  int64_t plans_run() const { return plans_run_; }
 
  private:
-  int num_ranks_;
+  // Counts a whole phase's ops; a phase cut short by a fault counts none (it did not complete).
+  void run_ops(const plan_phase& phase, size_t num_ops) override;
+
   int64_t space_bytes_[num_memory_spaces] = {};
-  std::optional<fault_point> fault_;
-  std::vector<int64_t> pending_marks_;
-  size_t num_marks_ = 0;
-  int64_t completed_phases_ = 0;
-  bool outstanding_ = false;
-  std::exception_ptr failure_;
   plan_traffic traffic_;
-  int64_t plans_run_ = 0;
 };
 
 }  // namespace moebius
