@@ -75,9 +75,14 @@ std::string curves_summary(const step_curves& curves, bool verbose) {
     return s;
   }
   std::string s = "step curves: " + measured + " measured (compute on one H200, collectives priced)";
-  if (!priced.empty())
-    s += "; " + priced + " PRICED, not measured (TP's curve at context/2 plus DCP's exchange; "
-         "TEP-DCP2 with EP's expert term from the roofline: step_curves.hpp)";
+  if (!priced.empty()) {
+    const bool ratio = curves.has(k_tep_dcp2) && curves.priced(k_tep_dcp2) &&
+                       curves.source_of(k_tep_dcp2).find(" as measured in ") != std::string::npos;
+    s += "; " + priced + " PRICED, not measured (TP's curve at context/2 plus DCP's exchange; " +
+         (ratio ? "TEP-DCP2 that times TEP-DCP2/TP-DCP2 as measured together (step_layouts_*.jsonl)"
+                : "TEP-DCP2 with EP's expert term from the roofline") +
+         ": step_curves.hpp)";
+  }
   return s;
 }
 
@@ -182,6 +187,11 @@ demo_clock make_sim_clock(const options& o) {
     const h200_step_model fallback(m, fallback_hw, 8, g.kv_bytes_per_token, nullptr);
     const configuration wanted[] = {k_tp_dcp2, k_tep_dcp2};
     curves = with_priced_layouts(*curves, fallback, wanted);
+    // TEP-DCP2 again, from TP-DCP2 and the two measured together on another card when such a
+    // run is committed: the roofline's expert term misses what TEP's whole experts save
+    // (step_curves.hpp, with_measured_ratio).
+    if (const std::optional<step_curves> ratios = step_curves::layout_ratios("qwen3_235b", 8))
+      curves = with_measured_ratio(*curves, *ratios, k_tep_dcp2, k_tp_dcp2);
   }
   if (o.collectives == collective_pricing::cited)
     curves = curves->with_collectives(collective_pricing::cited, m);

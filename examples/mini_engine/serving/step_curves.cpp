@@ -218,6 +218,11 @@ constexpr embedded_curves region_curves[] = {
     {nullptr, nullptr},
 };
 
+constexpr embedded_curves layout_ratio_curves[] = {
+#include "measured_step_layouts.inc"
+    {nullptr, nullptr},
+};
+
 }  // namespace
 
 std::span<const embedded_curves> step_curves::measured_files() {
@@ -252,6 +257,14 @@ std::optional<step_curves> step_curves::merge(std::span<const embedded_curves> f
   if (text.empty()) return std::nullopt;
   std::istringstream in(text);
   return from_jsonl(in, sources);  // a mode missing from every file: an error naming them
+}
+
+std::span<const embedded_curves> step_curves::layout_ratio_files() {
+  return {layout_ratio_curves, std::size(layout_ratio_curves) - 1};
+}
+
+std::optional<step_curves> step_curves::layout_ratios(const std::string& model, int P) {
+  return find(layout_ratio_files(), model, P);
 }
 
 std::optional<step_curves> step_curves::region(const std::string& model, int P) {
@@ -345,7 +358,7 @@ step_curves step_curves::with_expert_load(const priced_model& m, double hbm_byte
                 "curves were measured with, equal to the model's (", deployment_, ": ",
                 num_layers_, "; the model: ", m.num_layers, ")");
   const auto moved = [](const curve& x) {
-    return x.config.experts() == parallel_mode::ep && !x.priced && !x.expert_load;
+    return x.config.experts() == parallel_mode::ep && !x.roofline_experts && !x.expert_load;
   };
   if (std::none_of(curves_.begin(), curves_.end(), moved)) return *this;
   const double expert_bytes = 3.0 * static_cast<double>(m.hidden) *
@@ -413,17 +426,28 @@ step_curves step_curves::with_collective_latency(double tp_us, double ep_us) con
 }
 
 double step_curves::step_ms(const configuration& c, double batch, double context) const {
-  const std::vector<row>& rows = curve_of(c).rows;
-  if (context <= static_cast<double>(rows.front().context)) return row_ms(rows.front(), batch);
+  return curve_ms(curve_of(c), batch, context, false);
+}
+
+double step_curves::step_ms_within(const configuration& c, double batch, double context) const {
+  return curve_ms(curve_of(c), batch, context, true);
+}
+
+double step_curves::curve_ms(const curve& x, double batch, double context, bool within) {
+  const auto at = [&](const row& r) {
+    return row_ms(r, within ? std::min(batch, static_cast<double>(r.points.back().batch)) : batch);
+  };
+  const std::vector<row>& rows = x.rows;
+  if (context <= static_cast<double>(rows.front().context)) return at(rows.front());
   for (size_t i = 1; i < rows.size(); ++i) {
     const double c0 = static_cast<double>(rows[i - 1].context);
     const double c1 = static_cast<double>(rows[i].context);
     if (context <= c1) {
-      const double a = row_ms(rows[i - 1], batch), b = row_ms(rows[i], batch);
+      const double a = at(rows[i - 1]), b = at(rows[i]);
       return a + (b - a) * (context - c0) / (c1 - c0);
     }
   }
-  return row_ms(rows.back(), batch);  // above the contexts: the nearest
+  return at(rows.back());  // above the contexts: the nearest
 }
 
 step_curves with_priced_layouts(const step_curves& measured, const h200_step_model& model,
@@ -460,7 +484,42 @@ step_curves with_priced_layouts(const step_curves& measured, const h200_step_mod
     if (c.dcp > 1) why << " plus DCP's exchange (3 collectives a layer, bench_rank_share's pricing)";
     if (tep) why << ", EP's expert term instead of TP's (roofline)";
     step_curves::add_curves(out.curves_, std::move(points), out.deployment_, true, why.str());
+    out.curves_.back().roofline_experts = tep;
   }
+  return out;
+}
+
+step_curves with_measured_ratio(const step_curves& curves, const step_curves& ratios,
+                                const configuration& c, const configuration& ref) {
+  MOEBIUS_CHECK(!(c == ref), errc::invalid_argument, "with_measured_ratio: ", name_of(c),
+                " priced from itself");
+  const step_curves::curve& base = curves.curve_of(ref);
+  MOEBIUS_CHECK(ratios.has(c) && ratios.has(ref), errc::invalid_argument,
+                "with_measured_ratio: the ratio curves (", ratios.deployment(), ") need ",
+                name_of(c), " and ", name_of(ref));
+  if (curves.has(c) && !curves.priced(c)) return curves;  // measured: kept
+  std::vector<step_curve_point> points;
+  for (const step_curves::row& r : base.rows) {
+    for (const step_curve_point& p : r.points) {
+      const double b = static_cast<double>(p.batch), ctx = static_cast<double>(p.context);
+      const double ratio = ratios.step_ms_within(c, b, ctx) / ratios.step_ms_within(ref, b, ctx);
+      points.push_back({c, p.context, p.batch, p.step_ms * ratio});
+    }
+  }
+  std::ostringstream why;
+  why << name_of(ref) << "'s curve (" << (base.priced ? "priced: " : "") << base.source
+      << ") times " << name_of(c) << "/" << name_of(ref) << " as measured in "
+      << ratios.deployment() << " (the ratio of whole steps, held at its points' edge)";
+  std::vector<step_curves::curve> priced;
+  step_curves::add_curves(priced, std::move(points), curves.deployment_, true, why.str());
+  priced.front().collectives = base.collectives;
+  step_curves out = curves;
+  auto at = std::find_if(out.curves_.begin(), out.curves_.end(),
+                         [&](const step_curves::curve& x) { return x.config == c; });
+  if (at != out.curves_.end())
+    *at = std::move(priced.front());  // the fallback's place: the order of configurations() kept
+  else
+    out.curves_.push_back(std::move(priced.front()));
   return out;
 }
 

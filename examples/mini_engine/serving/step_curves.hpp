@@ -18,8 +18,9 @@
 // configuration. with_collectives() reprices every curve by one of them (the simulated runtime:
 // cited, by default).
 //
-// Configurations not measured can be priced from TP's measured curve (with_priced_layouts): a
-// named fallback, never presented as measured (priced(), source_of()).
+// Configurations not measured can be priced from TP's measured curve (with_priced_layouts), and
+// again from another layout's curve and the two's ratio measured together on another card
+// (with_measured_ratio): named fallbacks, never presented as measured (priced(), source_of()).
 //
 // Between the points: linear in log2(batch) within a context's row (beyond the largest batch, the
 // last segment's slope in the batch itself; below the smallest, the smallest), then linear in
@@ -82,10 +83,19 @@ class step_curves {
   // when they lack a mode or disagree on the deployment.
   static std::optional<step_curves> merge(std::span<const embedded_curves> files,
                                           const std::string& model, int P);
+  // The curves of several layouts measured together in one run, on another card or at fewer
+  // layers than the deployment (docs/results/step_layouts_*.jsonl, compiled in): of these only
+  // the ratios between layouts are used (with_measured_ratio), never a step itself. nullopt
+  // when none of `model` at P was measured.
+  static std::optional<step_curves> layout_ratios(const std::string& model, int P);
+  static std::span<const embedded_curves> layout_ratio_files();
 
   // The step of `batch` sequences at `context` tokens each in configuration `c`, in ms (see the
   // top). Throws errc::invalid_argument naming `c` when it has no curve.
   double step_ms(const configuration& c, double batch, double context) const;
+  // The same within the measured points: the batch held to each row's smallest and largest
+  // measured batch (no slope beyond them), the context to the rows' (as step_ms does).
+  double step_ms_within(const configuration& c, double batch, double context) const;
   // The smallest context of `c`'s curve (same error).
   double smallest_context(const configuration& c) const;
   bool has(const configuration& c) const { return find_curve(c) != nullptr; }
@@ -114,9 +124,10 @@ class step_curves {
 
   // These curves with every measured curve whose experts are EP (EP, TEP, TEP-DCPd) moved by
   // the busiest EP rank's expert load the one-rank emulation misses (expert_load.hpp:
-  // expert_load_shift_ms at each point's batch, the weights at `hbm_bytes_per_s`). Priced
-  // curves (with_priced_layouts: their expert term is the roofline's busiest rank already) and
-  // curves moved so before are left as they are. Needs the curves' layers (from a file).
+  // expert_load_shift_ms at each point's batch, the weights at `hbm_bytes_per_s`), and so is a
+  // curve priced from measured ones by with_measured_ratio. Curves priced with the roofline's
+  // expert term (with_priced_layouts' TEP ones: the busiest rank's already) and curves moved so
+  // before are left as they are. Needs the curves' layers (from a file).
   step_curves with_expert_load(const priced_model& model, double hbm_bytes_per_s,
                                const routing_model& routing) const;
   // Whether `c`'s curve carries the busiest rank's expert load (with_expert_load).
@@ -158,8 +169,13 @@ class step_curves {
     std::string source;
     collective_pricing collectives = collective_pricing::link;
     bool expert_load = false;  // moved by with_expert_load
+    // Priced with the roofline's expert term of EP (with_priced_layouts): the busiest rank's
+    // load is in it already, so with_expert_load leaves it.
+    bool roofline_experts = false;
   };
   static double row_ms(const row& r, double batch);
+  // The step on x at (batch, context); `within`: the batch held to each row's measured range.
+  static double curve_ms(const curve& x, double batch, double context, bool within);
   const curve* find_curve(const configuration& c) const;
   const curve& curve_of(const configuration& c) const;  // throws naming c
   // Adds the points (one configuration's, validated) as a curve.
@@ -167,6 +183,8 @@ class step_curves {
                          const std::string& deployment, bool priced, const std::string& source);
   friend step_curves with_priced_layouts(const step_curves& measured, const h200_step_model& model,
                                          std::span<const configuration> wanted);
+  friend step_curves with_measured_ratio(const step_curves& curves, const step_curves& ratios,
+                                         const configuration& c, const configuration& ref);
 
   std::vector<curve> curves_;  // TP, EP, then the others in the order first seen
   std::string deployment_, model_;
@@ -197,5 +215,24 @@ class step_curves {
 // from), as are curves without TP or whose layers differ from the model's.
 step_curves with_priced_layouts(const step_curves& measured, const h200_step_model& model,
                                 std::span<const configuration> wanted);
+
+// `c`'s curve priced again from `ref`'s in `curves` and the two layouts' ratio as `ratios`
+// measured them together (layout_ratios: another card, or fewer layers), point by point on
+// ref's grid:
+//
+//   c at (B, ctx) = ref at (B, ctx) x ratios.step_ms_within(c, B, ctx)
+//                                    / ratios.step_ms_within(ref, B, ctx)
+//
+// The ratio of whole steps (compute measured, collectives priced by the link model, on both
+// layouts alike), held at the edge of the points `ratios` measured. Where c's measured
+// advantage comes from kernels a roofline does not see (TEP's whole experts against TP's narrow
+// slices, the permute and combine over B pairs instead of 8B), this prices it where the
+// fallback's roofline term cannot; what it assumes is that the ratio carries over to the
+// deployment's card and layer count. The result is priced (source_of says from what) and,
+// like a measured curve, carries no busiest-rank expert load until with_expert_load. A
+// measured curve of c is kept. Throws errc::invalid_argument when c equals ref, ref has no
+// curve in `curves`, or either has none in `ratios`.
+step_curves with_measured_ratio(const step_curves& curves, const step_curves& ratios,
+                                const configuration& c, const configuration& ref);
 
 }  // namespace mini_engine

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -140,7 +141,8 @@ TEST_CASE("the capacity line: every deployment once, its tokens as worked out by
   CHECK(capacity_line(paper) == "KV tokens: static TP 1.44M, static EP 2.30M; switching EP 2.28M / TP 1.14M");
 }
 
-TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from TP's, said so",
+TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 priced from TP's and TEP-DCP2 from that by "
+          "a measured ratio, said so",
           "[cpu][demo]") {
   const temp_file tp_ep_file = tp_and_ep_region_file();
   const std::string& tp_ep = tp_ep_file.path;
@@ -150,25 +152,33 @@ TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from T
   o.curves = tp_ep;
   const demo_clock c = make_sim_clock(o);
   CHECK_THAT(c.curves_summary, Catch::Matchers::Contains("step curves: TP, EP measured") &&
-                                   Catch::Matchers::Contains("TP-DCP2, TEP-DCP2 PRICED, not measured"));
-  // A TEP-DCP2 decode step of 64 sequences at 4,096 tokens, recomputed from TP's region curve
+                                   Catch::Matchers::Contains("TP-DCP2, TEP-DCP2 PRICED, not measured") &&
+                                   Catch::Matchers::Contains("TEP-DCP2 that times TEP-DCP2/TP-DCP2"));
+  // A TP-DCP2 decode step of 64 sequences at 4,096 tokens, recomputed from TP's region curve
   // at 2,048 tokens: plus 94 x DCP's exchange (3 x 10 us + (64 x 8 x 128 x 2 x 2 + 64 x 2 x 8 x 4)
-  // B at 389 GB/s) and EP's expert term less TP's (at 64 tokens every rank touches all 16 of its
-  // experts, TP 125.9 of 128 slices: 94 x 37,748,736 x (16 - 125.9 / 8) B at 4 TB/s).
+  // B at 389 GB/s).
   const step_curves region = step_curves::from_file(tp_ep);
   const double tp_ms = region.step_ms(parallel_mode::tp, 64, 2048);
   const double exchange_ms = 94 * (30e-3 + (64.0 * 8 * 128 * 2 * 2 + 64.0 * 2 * 8 * 4) / 389e9 * 1e3);
-  const double touched_tp = 128 * (1 - std::pow(1 - 8.0 / 128, 64));
-  const double mean_ep = 16 * (1 - std::pow(1 - 8.0 / 128, 64));
-  const double experts_ms = 94 * 37'748'736.0 *
-                            (std::min(16.0, mean_ep + std::sqrt(mean_ep)) - touched_tp / 8) / 4e12 *
-                            1e3;
   step_cost s;
-  s.set(k_tep_dcp2);
+  s.set(k_tp_dcp2);
   s.num_ranks = 8;
   s.num_sequences = s.new_tokens = 64;
   s.context_tokens = 64 * 4096;
-  CHECK(c.clock->step_s(s, 0) * 1e3 == Approx(tp_ms + exchange_ms + experts_ms).epsilon(1e-9));
+  CHECK(c.clock->step_s(s, 0) * 1e3 == Approx(tp_ms + exchange_ms).epsilon(1e-9));
+  // TEP-DCP2 at the same step: that times TEP-DCP2 / TP-DCP2 as the committed layouts' run
+  // measured them (one H100, 40 layers), plus the busiest EP rank's expert load at batch 64
+  // (each rank's 16 whole experts, 94 layers of 37,748,736 B each, at the H200's HBM rate).
+  const std::optional<step_curves> ratios = step_curves::layout_ratios("qwen3_235b", 8);
+  REQUIRE(ratios);
+  const double ratio = ratios->step_ms_within(k_tep_dcp2, 64, 4096) /
+                       ratios->step_ms_within(k_tp_dcp2, 64, 4096);
+  CHECK(ratio > 0.9);  // measured: TEP's whole experts gain little at batch 64
+  CHECK(ratio < 1.1);
+  const double load_ms = expert_load_shift_ms(true, 64, 128, 8, 8, 94, 37'748'736.0,
+                                              h200_params{}.hbm.bytes_per_s, routing_model{});
+  s.set(k_tep_dcp2);
+  CHECK(c.clock->step_s(s, 0) * 1e3 == Approx((tp_ms + exchange_ms) * ratio + load_ms).epsilon(1e-9));
   // The paper's configurations keep their measured curves.
   step_cost t = s;
   t.set(k_tp);
@@ -190,7 +200,7 @@ TEST_CASE("the sim clock: TP and EP measured, TP-DCP2 and TEP-DCP2 priced from T
   const double dcp_shift = collectives_shift_ms(shape, collective_pricing::link, collective_pricing::cited);
   CHECK(dcp_shift > tp_shift);  // DCP's three exchanges at NCCL's latency, not 10 us
   CHECK(cited.clock->step_s(s, 0) * 1e3 ==
-        Approx(tp_ms + exchange_ms + experts_ms + dcp_shift).epsilon(1e-9));
+        Approx((tp_ms + exchange_ms) * ratio + dcp_shift + load_ms).epsilon(1e-9));
   CHECK(cited.clock->step_s(t, 0) * 1e3 == Approx(tp_ms + tp_shift).epsilon(1e-12));
   CHECK_THAT(cited.description, Catch::Matchers::Contains("collectives priced by cited measurements"));
 }

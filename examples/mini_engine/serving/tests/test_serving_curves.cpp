@@ -349,6 +349,82 @@ TEST_CASE("step curves: the busiest EP rank's expert load priced onto EP-experts
                     Catch::Contains("needs the layers the curves were measured with"));
 }
 
+TEST_CASE("step curves: a layout priced from another by the two's ratio measured together",
+          "[cpu][curves]") {
+  // The deployment's curves: TP-DCP2 measured here (or priced), TEP-DCP2 not at all.
+  const step_curves base({{parallel_mode::tp, 512, 1, 10}, {parallel_mode::ep, 512, 1, 12},
+                          {k_tp_dcp2, 512, 1, 10}, {k_tp_dcp2, 512, 4, 20},
+                          {k_tp_dcp2, 2048, 1, 16}, {k_tp_dcp2, 2048, 4, 40}},
+                         "base");
+  // Another card's run of both: TEP-DCP2 / TP-DCP2 = 1.1 at batch 1, 0.75 at 2 (context 512).
+  const step_curves ratios({{parallel_mode::tp, 512, 1, 5}, {parallel_mode::ep, 512, 1, 5},
+                            {k_tp_dcp2, 512, 1, 10}, {k_tp_dcp2, 512, 2, 20},
+                            {k_tep_dcp2, 512, 1, 11}, {k_tep_dcp2, 512, 2, 15}},
+                           "other card");
+  // Within the points: batch 8 held at 2 (step_ms would go on at the last slope).
+  CHECK(ratios.step_ms_within(k_tp_dcp2, 8, 512) == Approx(20));
+  CHECK(ratios.step_ms(k_tp_dcp2, 8, 512) == Approx(80));
+  CHECK(ratios.step_ms_within(k_tp_dcp2, 1.5, 4096) == Approx(ratios.step_ms(k_tp_dcp2, 1.5, 512)));
+  const step_curves c = with_measured_ratio(base, ratios, k_tep_dcp2, k_tp_dcp2);
+  CHECK(c.priced(k_tep_dcp2));
+  CHECK_FALSE(c.priced(k_tp_dcp2));
+  CHECK(c.source_of(k_tep_dcp2) ==
+        "TP-DCP2's curve (base) times TEP-DCP2/TP-DCP2 as measured in other card (the ratio of "
+        "whole steps, held at its points' edge)");
+  CHECK(c.step_ms(k_tep_dcp2, 1, 512) == Approx(11));     // 10 x 1.1
+  CHECK(c.step_ms(k_tep_dcp2, 4, 512) == Approx(15));     // 20 x 0.75 (the ratio at batch 2)
+  CHECK(c.step_ms(k_tep_dcp2, 2, 512) == Approx(13));     // between them in log2(batch)
+  CHECK(c.step_ms(k_tep_dcp2, 1, 2048) == Approx(17.6));  // 16 x 1.1 (the nearest context's)
+  CHECK(c.step_ms(k_tep_dcp2, 4, 2048) == Approx(30));    // 40 x 0.75
+  CHECK(c.step_ms(k_tp_dcp2, 4, 2048) == Approx(40));     // the rest as it was
+  CHECK(c.configurations().size() == base.configurations().size() + 1);
+  // Over a priced curve of the same layout: replaced in its place.
+  const step_curves twice = with_measured_ratio(c, ratios, k_tep_dcp2, k_tp_dcp2);
+  CHECK(twice.configurations() == c.configurations());
+  CHECK(twice.step_ms(k_tep_dcp2, 4, 2048) == Approx(30));
+  // A measured curve of the layout is kept.
+  const step_curves measured({{parallel_mode::tp, 512, 1, 10}, {parallel_mode::ep, 512, 1, 12},
+                              {k_tp_dcp2, 512, 1, 10}, {k_tep_dcp2, 512, 1, 9}},
+                             "measured");
+  const step_curves kept = with_measured_ratio(measured, ratios, k_tep_dcp2, k_tp_dcp2);
+  CHECK_FALSE(kept.priced(k_tep_dcp2));
+  CHECK(kept.step_ms(k_tep_dcp2, 1, 512) == Approx(9));
+  // Refused by name.
+  CHECK_THROWS_WITH(with_measured_ratio(base, ratios, k_tp_dcp2, k_tp_dcp2),
+                    Catch::Contains("TP-DCP2 priced from itself"));
+  CHECK_THROWS_WITH(with_measured_ratio(base, ratios, k_tep, k_tp_dcp2),
+                    Catch::Contains("(other card) need TEP and TP-DCP2"));
+  const step_curves ratios_without_ref(
+      {{parallel_mode::tp, 512, 1, 5}, {parallel_mode::ep, 512, 1, 5}, {k_tep_dcp2, 512, 1, 11}},
+      "one layout");
+  CHECK_THROWS_WITH(with_measured_ratio(base, ratios_without_ref, k_tep_dcp2, k_tp_dcp2),
+                    Catch::Contains("(one layout) need TEP-DCP2 and TP-DCP2"));
+  const step_curves no_ref({{parallel_mode::tp, 512, 1, 10}, {parallel_mode::ep, 512, 1, 12}}, "bare");
+  CHECK_THROWS_WITH(with_measured_ratio(no_ref, ratios, k_tep_dcp2, k_tp_dcp2),
+                    Catch::Contains("no curve of TP-DCP2"));
+}
+
+TEST_CASE("step curves: a layout priced by a measured ratio takes the busiest rank's expert load",
+          "[cpu][curves]") {
+  const priced_model m = qwen3_235b_a22b_priced();
+  const double bytes = 3.0 * 4096 * 1536 * 2, hbm = 4e12;
+  const h200_step_model model(m, h200_params{}, 8, 48 * 1024, nullptr);
+  const configuration wanted[] = {k_tp_dcp2, k_tep_dcp2};
+  const step_curves fallback = with_priced_layouts(parse(k_file), model, wanted);
+  const step_curves ratios({{parallel_mode::tp, 512, 1, 5}, {parallel_mode::ep, 512, 1, 5},
+                            {k_tp_dcp2, 512, 1, 10}, {k_tep_dcp2, 512, 1, 8}},
+                           "other card");
+  const step_curves c = with_measured_ratio(fallback, ratios, k_tep_dcp2, k_tp_dcp2);
+  CHECK(c.step_ms(k_tep_dcp2, 4, 2048) == Approx(0.8 * fallback.step_ms(k_tp_dcp2, 4, 2048)));
+  // The roofline's TEP-DCP2 has the busiest rank in it; the ratio's, measured on one emulated
+  // rank, does not: with_expert_load moves it as it moves measured EP experts.
+  CHECK_FALSE(fallback.with_expert_load(m, hbm, routing_model{}).expert_load_priced(k_tep_dcp2));
+  const step_curves moved = c.with_expert_load(m, hbm, routing_model{});
+  CHECK(moved.expert_load_priced(k_tep_dcp2));
+  CHECK(moved.step_ms(k_tep_dcp2, 4, 2048) ==
+        Approx(c.step_ms(k_tep_dcp2, 4, 2048) + expert_load_shift_ms(true, 4, 128, 8, 8, 94, bytes, hbm)));
+}
+
 TEST_CASE("graph buckets: the smallest bucket that holds the batch, vLLM's defaults",
           "[cpu][curves]") {
   const std::vector<int64_t> b = {1, 2, 4, 8};
